@@ -1,0 +1,120 @@
+"""fp32 islands: the operations that stay in float32 whatever the compute dtype.
+
+Mixed precision is only safe when reductions are precise (Micikevicius et al. 2018; PyTorch's
+autocast keeps softmax, log-softmax, norms and every loss in f32). Each function here takes
+compute-dtype inputs, does its reduction in f32, and returns the dtype a caller expects:
+
+* :func:`dot` multiplies in the inputs' dtype, accumulates in f32 (``preferred_element_type``)
+  and emits the inputs' dtype;
+* :func:`softmax` returns the input dtype (for attention probabilities), computed in f32;
+* :func:`log_softmax`, :func:`cross_entropy` return f32;
+* :func:`layer_norm` computes mean and variance in f32 and returns the input dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["dot", "softmax", "log_softmax", "cross_entropy", "layer_norm"]
+
+
+def dot(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """``einsum`` with f32 accumulation, returning ``x``'s dtype.
+
+    Both operands must share a dtype (cast ``w`` with the policy first): strict dtype promotion
+    would otherwise hide an unintended upcast.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> dot("bd,df->bf", jnp.ones((2, 3), jnp.bfloat16), jnp.ones((3, 4), jnp.bfloat16)).dtype
+      dtype(bfloat16)
+    """
+    if x.dtype != w.dtype:
+        raise ValueError(
+            f"dot({equation!r}): operand dtypes differ ({x.dtype} vs {w.dtype}); cast the "
+            "parameters with Policy.cast_to_compute before applying the model"
+        )
+    out = jnp.einsum(equation, x, w, preferred_element_type=jnp.float32)
+    return out.astype(x.dtype)
+
+
+def softmax(x: jax.Array, axis: int = -1, where: jax.Array | None = None) -> jax.Array:
+    """Softmax computed in f32, returned in ``x``'s dtype. Masked entries (``where=False``) get 0.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> softmax(jnp.zeros(4, jnp.bfloat16))
+      Array([0.25, 0.25, 0.25, 0.25], dtype=bfloat16)
+    """
+    return jax.nn.softmax(x.astype(jnp.float32), axis=axis, where=where).astype(x.dtype)
+
+
+def log_softmax(x: jax.Array, axis: int = -1) -> jax.Array:
+    """Log-softmax in f32 (returned as f32).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> log_softmax(jnp.zeros(2, jnp.float16)).dtype
+      dtype('float32')
+    """
+    return jax.nn.log_softmax(x.astype(jnp.float32), axis=axis)
+
+
+def cross_entropy(
+    logits: jax.Array, labels: jax.Array, where: jax.Array | None = None
+) -> jax.Array:
+    """Mean token cross-entropy in f32 from logits of any float dtype and integer labels.
+
+    Args:
+      logits: ``[..., V]`` logits (bf16/f16 logits are upcast before the log-softmax: without
+        the upcast a bf16 loss visibly shifts).
+      labels: integer class ids, shape ``logits.shape[:-1]``.
+      where: optional boolean mask of the positions to average over.
+
+    Returns:
+      A scalar f32 mean negative log-likelihood.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> float(cross_entropy(jnp.zeros((2, 4), jnp.bfloat16), jnp.array([0, 3])))  # log(4)
+      1.3862943649291992
+    """
+    if not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise ValueError(f"cross_entropy: labels must be integer class ids, got {labels.dtype}")
+    if labels.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"cross_entropy: labels shape {labels.shape} does not match logits "
+            f"{logits.shape} without the class axis"
+        )
+    logp = log_softmax(logits)
+    nll = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
+    if where is None:
+        return jnp.mean(nll)
+    w = where.astype(jnp.float32)
+    return jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1.0)
+
+
+def layer_norm(
+    x: jax.Array, scale: jax.Array | None, bias: jax.Array | None, eps: float = 1e-5
+) -> jax.Array:
+    """Layer normalisation over the last axis with f32 statistics, returned in ``x``'s dtype.
+
+    ``scale`` and ``bias`` may be kept in f32 (policy overrides); they are applied in f32 and the
+    result is cast back to ``x``'s dtype.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> y = layer_norm(jnp.array([[1.0, 3.0]], jnp.bfloat16), None, None)
+      >>> y.dtype, y.tolist()
+      (dtype(bfloat16), [[-1.0, 1.0]])
+    """
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+    y = (x32 - mean) * jax.lax.rsqrt(var + jnp.float32(eps))
+    if scale is not None:
+        y = y * scale.astype(jnp.float32)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y.astype(x.dtype)

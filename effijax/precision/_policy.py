@@ -1,0 +1,188 @@
+"""Precision policies: which dtype parameters are stored in, computed in, and returned in.
+
+A :class:`Policy` is an immutable value with three dtypes:
+
+* ``param_dtype``: how the master parameters are stored (and updated by the optimizer);
+* ``compute_dtype``: what the forward and backward passes run in (parameters are cast to it at
+  the top of the step, so under FSDP the all-gathers move compute-dtype bytes);
+* ``output_dtype``: what the model returns (logits, loss inputs).
+
+Presets follow the mixed-precision recipe of Micikevicius et al. (2018): ``"bf16"`` and ``"fp16"``
+keep f32 master weights; ``"fp16"`` needs loss scaling because fp16's smallest subnormal is 2^-24;
+``"pure_bf16"`` stores parameters in bf16 too (half the parameter memory, updates smaller than
+2^-8 of a weight are lost).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from effijax.paths import compile_pattern
+from effijax.precision._cast import cast_floating
+from effijax.precision._dtypes import parse_dtype
+
+__all__ = ["Policy", "get_policy", "parse_dtype", "PRESETS"]
+
+_FIELD_NAMES = {
+    "p": "param_dtype",
+    "params": "param_dtype",
+    "param": "param_dtype",
+    "param_dtype": "param_dtype",
+    "c": "compute_dtype",
+    "compute": "compute_dtype",
+    "compute_dtype": "compute_dtype",
+    "o": "output_dtype",
+    "output": "output_dtype",
+    "output_dtype": "output_dtype",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """Dtypes for parameters, computation and outputs, with optional per-path overrides.
+
+    Attributes:
+      param_dtype: storage dtype of the master parameters.
+      compute_dtype: dtype of the forward/backward computation.
+      output_dtype: dtype of the model's outputs.
+      overrides: ``((path_regex, dtype), ...)``; a floating parameter whose '/'-joined path
+        matches a regex (``re.search``, first match wins) is stored *and* computed in that dtype
+        instead, e.g. ``(("ln|norm", "f32"),)`` keeps normalisation scales in f32 under
+        ``pure_bf16``. Regexes and dtypes are validated at construction.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> p = Policy.from_string("params=float32,compute=bfloat16,output=float32")
+      >>> p == get_policy("bf16")
+      True
+      >>> p.cast_to_compute({"w": jnp.ones(2)})["w"].dtype
+      dtype(bfloat16)
+      >>> q = dataclasses.replace(p, overrides=(("ln", "f32"),))
+      >>> out = q.cast_to_compute({"ln": jnp.ones(2), "w": jnp.ones(2)})
+      >>> out["ln"].dtype.name, out["w"].dtype.name
+      ('float32', 'bfloat16')
+    """
+
+    param_dtype: Any = jnp.float32
+    compute_dtype: Any = jnp.float32
+    output_dtype: Any = jnp.float32
+    overrides: tuple = ()
+
+    def __post_init__(self):
+        for name in ("param_dtype", "compute_dtype", "output_dtype"):
+            object.__setattr__(self, name, parse_dtype(getattr(self, name), field=name))
+        rules = []
+        for i, rule in enumerate(self.overrides):
+            if not (isinstance(rule, tuple | list) and len(rule) == 2):
+                raise ValueError(
+                    f"overrides[{i}]: expected (path_regex, dtype), got {rule!r}"
+                )
+            pattern, dtype = rule
+            compile_pattern(pattern, field=f"overrides[{i}]")
+            rules.append((pattern if isinstance(pattern, str) else pattern.pattern,
+                          parse_dtype(dtype, field=f"overrides[{i}] dtype")))
+        object.__setattr__(self, "overrides", tuple(rules))
+
+    @classmethod
+    def from_string(cls, spec: str) -> Policy:
+        """Parses ``"params=f32,compute=bf16,output=f32"`` (or ``"p=f32,c=bf16,o=f32"``).
+
+        Fields left out default to float32. A bare preset name (``"bf16"``) is accepted too.
+
+        Example:
+          >>> Policy.from_string("p=f32,c=f16,o=f32").compute_dtype
+          dtype('float16')
+        """
+        if not isinstance(spec, str) or not spec.strip():
+            raise ValueError(f"policy string must be a non-empty str, got {spec!r}")
+        if "=" not in spec:
+            return get_policy(spec)
+        kwargs = {}
+        for part in spec.split(","):
+            if "=" not in part:
+                raise ValueError(
+                    f"policy string {spec!r}: item {part!r} is not 'name=dtype'; "
+                    "write e.g. 'params=f32,compute=bf16,output=f32'"
+                )
+            key, value = (s.strip().lower() for s in part.split("=", 1))
+            if key not in _FIELD_NAMES:
+                raise ValueError(
+                    f"policy string {spec!r}: unknown field {key!r}; accepted: "
+                    f"{', '.join(sorted(_FIELD_NAMES))}"
+                )
+            name = _FIELD_NAMES[key]
+            if name in kwargs:
+                raise ValueError(f"policy string {spec!r}: {name} given twice")
+            kwargs[name] = parse_dtype(value, field=name)
+        return cls(**kwargs)
+
+    def __str__(self) -> str:
+        s = (
+            f"params={self.param_dtype.name},compute={self.compute_dtype.name},"
+            f"output={self.output_dtype.name}"
+        )
+        return s + "".join(f" [{p}->{d.name}]" for p, d in self.overrides)
+
+    @property
+    def needs_loss_scaling(self) -> bool:
+        """True when parameters or computation are float16, whose range underflows gradients."""
+        f16 = np.dtype(jnp.float16)
+        return self.compute_dtype == f16 or self.param_dtype == f16
+
+    def cast_to_param(self, tree):
+        """Casts floating leaves to ``param_dtype``, honouring ``overrides``."""
+        return cast_floating(tree, self.param_dtype, overrides=self.overrides)
+
+    def cast_to_compute(self, tree):
+        """Casts floating leaves to ``compute_dtype``, honouring ``overrides``.
+
+        Call it on the master parameters at the top of a step: under FSDP the cast happens on
+        each shard, so the all-gathers that follow move compute-dtype bytes.
+        """
+        return cast_floating(tree, self.compute_dtype, overrides=self.overrides)
+
+    def cast_to_output(self, tree):
+        """Casts floating leaves to ``output_dtype`` (overrides do not apply to outputs)."""
+        return cast_floating(tree, self.output_dtype)
+
+
+PRESETS: dict[str, Policy] = {
+    "fp32": Policy(jnp.float32, jnp.float32, jnp.float32),
+    "bf16": Policy(jnp.float32, jnp.bfloat16, jnp.float32),
+    "fp16": Policy(jnp.float32, jnp.float16, jnp.float32),
+    "pure_bf16": Policy(jnp.bfloat16, jnp.bfloat16, jnp.float32),
+}
+_PRESET_ALIASES = {"f32": "fp32", "float32": "fp32", "full": "fp32", "bfloat16": "bf16",
+                   "f16": "fp16", "float16": "fp16", "half": "fp16"}
+
+
+def get_policy(name: str | Policy) -> Policy:
+    """Returns a preset policy by name, or parses a policy string.
+
+    Presets: ``"fp32"``; ``"bf16"`` (f32 params, bf16 compute, f32 output); ``"fp16"`` (same with
+    fp16 compute; train it with loss scaling); ``"pure_bf16"`` (bf16 params too).
+
+    Example:
+      >>> get_policy("fp16").needs_loss_scaling
+      True
+      >>> str(get_policy("pure_bf16"))
+      'params=bfloat16,compute=bfloat16,output=float32'
+    """
+    if isinstance(name, Policy):
+        return name
+    if not isinstance(name, str):
+        raise ValueError(f"policy must be a preset name or a Policy, got {name!r}")
+    key = name.strip().lower()
+    key = _PRESET_ALIASES.get(key, key)
+    if key in PRESETS:
+        return PRESETS[key]
+    if "=" in key:
+        return Policy.from_string(name)
+    raise ValueError(
+        f"unknown precision policy {name!r}; presets: {', '.join(PRESETS)}, "
+        "or a string like 'params=f32,compute=bf16,output=f32'"
+    )

@@ -1,0 +1,168 @@
+"""Precision policies, casting that touches only floats, and the fp32 islands."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from effijax.precision import (
+    Policy,
+    cast_floating,
+    cross_entropy,
+    dot,
+    get_policy,
+    layer_norm,
+    log_softmax,
+    softmax,
+)
+
+F32, BF16, F16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16)
+
+
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        ("params=float32,compute=bfloat16,output=float32", (F32, BF16, F32)),
+        ("p=f32,c=bf16,o=f32", (F32, BF16, F32)),
+        ("p=fp32,c=half,o=full", (F32, F16, F32)),
+        ("params=bf16,compute=bf16", (BF16, BF16, F32)),
+        ("C=F16", (F32, F16, F32)),
+        ("bf16", (F32, BF16, F32)),
+        ("pure_bf16", (BF16, BF16, F32)),
+    ],
+)
+def test_from_string(spec, expected):
+    p = Policy.from_string(spec)
+    assert (p.param_dtype, p.compute_dtype, p.output_dtype) == expected
+
+
+def test_presets_and_round_trip():
+    assert get_policy("fp32") == Policy()
+    assert get_policy("bf16") == Policy(F32, BF16, F32)
+    assert get_policy("fp16") == Policy(F32, F16, F32)
+    assert get_policy("pure_bf16") == Policy(BF16, BF16, F32)
+    for name in ("fp32", "bf16", "fp16", "pure_bf16"):
+        p = get_policy(name)
+        assert Policy.from_string(str(p)) == p
+    assert get_policy("fp16").needs_loss_scaling and not get_policy("bf16").needs_loss_scaling
+    assert get_policy("half") == get_policy("fp16")
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("params=f32,compute=int8", "unknown dtype name 'int8'"),
+        ("params=f32,weights=bf16", "unknown field 'weights'"),
+        ("p=f32,p=bf16", "param_dtype given twice"),
+        ("p=f32,bf16", "not 'name=dtype'"),
+        ("p=f32;c=bf16", "unknown dtype name 'f32;c=bf16'"),
+        ("", "non-empty"),
+        ("fp8", "unknown precision policy 'fp8'"),
+    ],
+)
+def test_from_string_errors(spec, message):
+    with pytest.raises(ValueError, match=message):
+        Policy.from_string(spec)
+
+
+def test_policy_rejects_non_float_and_bad_overrides():
+    with pytest.raises(ValueError, match="param_dtype: int32 is not supported"):
+        Policy(param_dtype=jnp.int32)
+    with pytest.raises(ValueError, match=r"overrides\[0\]: invalid regex"):
+        Policy(overrides=(("ln(", "f32"),))
+    with pytest.raises(ValueError, match=r"overrides\[0\]: expected \(path_regex, dtype\)"):
+        Policy(overrides=("ln",))
+
+
+def test_policy_is_frozen_and_replaceable():
+    p = get_policy("bf16")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.compute_dtype = F16
+    assert dataclasses.replace(p, compute_dtype="f16") == get_policy("fp16")
+
+
+def test_cast_touches_only_floats():
+    tree = {
+        "w": jnp.ones((2, 3)),
+        "half": jnp.ones(2, jnp.float16),
+        "ids": jnp.arange(3),
+        "mask": jnp.array([True, False]),
+        "key": jax.random.key(0),
+        "raw_key": jax.random.PRNGKey(0),
+        "count": jnp.int32(4),
+    }
+    out = cast_floating(tree, jnp.bfloat16)
+    assert out["w"].dtype == BF16 and out["half"].dtype == BF16
+    for k in ("ids", "mask", "key", "raw_key", "count"):
+        assert out[k] is tree[k], k  # untouched, not even copied
+    np.testing.assert_array_equal(jax.random.key_data(out["key"]), jax.random.key_data(tree["key"]))
+
+
+def test_cast_overrides_first_match_wins_and_abstract_leaves():
+    tree = {"ln1": {"scale": jnp.ones(2)}, "embed": jnp.ones(2), "dense": jnp.ones(2)}
+    out = cast_floating(tree, jnp.bfloat16, overrides=[("ln", "f32"), (".*", "f16")])
+    assert out["ln1"]["scale"].dtype == F32
+    assert out["embed"].dtype == F16 and out["dense"].dtype == F16
+    abstract = jax.eval_shape(lambda: tree)
+    out = cast_floating(abstract, jnp.bfloat16, overrides=[("embed", "f32")])
+    assert isinstance(out["dense"], jax.ShapeDtypeStruct)
+    assert out["dense"].dtype == BF16 and out["embed"].dtype == F32
+    p = Policy("bf16", "bf16", "f32", overrides=(("ln", "f32"),))
+    assert p.cast_to_param(tree)["ln1"]["scale"].dtype == F32
+    assert p.cast_to_compute(tree)["dense"].dtype == BF16
+
+
+def test_cross_entropy_bf16_logits_is_an_f32_island():
+    key = jax.random.key(1)
+    logits = (jax.random.normal(key, (4, 16, 256)) * 4.0).astype(jnp.bfloat16)
+    labels = jax.random.randint(jax.random.key(2), (4, 16), 0, 256)
+    ce = cross_entropy(logits, labels)
+    assert ce.dtype == F32
+    ref = cross_entropy(logits.astype(jnp.float32), labels)
+    np.testing.assert_allclose(float(ce), float(ref), rtol=1e-6)
+    # The same computation left in bf16 is visibly off: the island is what keeps it exact.
+    naive = -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[..., None], -1))
+    assert abs(float(naive) - float(ref)) / float(ref) > 1e-4
+    # Masked mean.
+    where = jnp.arange(16)[None, :] < 8
+    masked = cross_entropy(logits, labels, where=jnp.broadcast_to(where, (4, 16)))
+    np.testing.assert_allclose(
+        float(masked), float(cross_entropy(logits[:, :8], labels[:, :8])), rtol=1e-6
+    )
+
+
+def test_cross_entropy_errors():
+    with pytest.raises(ValueError, match="labels must be integer"):
+        cross_entropy(jnp.zeros((2, 4)), jnp.zeros(2))
+    with pytest.raises(ValueError, match="does not match logits"):
+        cross_entropy(jnp.zeros((2, 4)), jnp.zeros(3, jnp.int32))
+
+
+def test_layer_norm_statistics_in_f32():
+    # A large mean with a small spread: bf16 statistics would lose the spread entirely.
+    x = (256.0 + jnp.linspace(-1.0, 1.0, 64)).astype(jnp.bfloat16)[None]
+    y = layer_norm(x, jnp.ones(64), jnp.zeros(64))
+    assert y.dtype == BF16
+    x32 = x.astype(jnp.float32)
+    ref = (x32 - x32.mean()) / jnp.sqrt(x32.var() + 1e-5)
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(ref), atol=2e-2)
+    assert float(jnp.std(y.astype(jnp.float32))) > 0.9
+
+
+def test_softmax_and_dot_dtypes_and_values():
+    x = jax.random.normal(jax.random.key(0), (3, 40)).astype(jnp.float16)
+    s = softmax(x)
+    assert s.dtype == F16
+    np.testing.assert_allclose(np.asarray(s, np.float32).sum(-1), 1.0, atol=2e-3)
+    assert log_softmax(x).dtype == F32
+    a = jax.random.normal(jax.random.key(1), (8, 512)).astype(jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(2), (512, 4)).astype(jnp.bfloat16)
+    out = dot("ik,kj->ij", a, b)
+    assert out.dtype == BF16
+    ref = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
+    # f32 accumulation: only the final rounding to bf16 (8 bits of mantissa) remains.
+    np.testing.assert_allclose(np.asarray(out, np.float64), ref, rtol=1e-2, atol=0.1)
+    with pytest.raises(ValueError, match="operand dtypes differ"):
+        dot("ik,kj->ij", a, b.astype(jnp.float32))
