@@ -1,0 +1,140 @@
+"""Deterministic batching: a training batch is a pure function of ``(seed, step)``.
+
+No iterator state: :func:`batch_at` draws the window starts of step ``step`` from a Philox
+generator keyed by ``(seed, step)``, so a run resumed at step ``n`` sees exactly the batches it
+would have seen, whatever happened before. Under multi-process training every process draws the
+same global batch and keeps its own contiguous block of rows, so the concatenation over processes
+is the single-process batch. :func:`eval_batches` returns fixed, evenly spread windows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["batch_at", "eval_batches"]
+
+
+def _check_int(name: str, value, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
+
+
+def _check_tokens(tokens, seq_len: int) -> np.ndarray:
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 1:
+        raise ValueError(f"tokens: expected a 1-D corpus, got shape {tokens.shape}")
+    if tokens.size < seq_len + 1:
+        raise ValueError(
+            f"tokens: the corpus has {tokens.size} tokens, fewer than seq_len + 1 = {seq_len + 1} "
+            "(one window of inputs plus the shifted target); use a bigger corpus or a shorter "
+            "seq_len"
+        )
+    return tokens
+
+
+def _process_rows(batch_size: int, process_index: int, process_count: int) -> slice:
+    _check_int("process_count", process_count, minimum=1)
+    if not 0 <= process_index < process_count:
+        raise ValueError(
+            f"process_index: {process_index!r} is not in [0, process_count={process_count})"
+        )
+    if batch_size % process_count:
+        raise ValueError(
+            f"batch_size: {batch_size} is not divisible by process_count={process_count}; each "
+            "process takes batch_size // process_count rows of the global batch"
+        )
+    rows = batch_size // process_count
+    return slice(process_index * rows, (process_index + 1) * rows)
+
+
+def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
+    windows_BW = tokens[starts[:, None] + np.arange(seq_len + 1)].astype(np.int32)
+    return {"inputs": windows_BW[:, :-1], "targets": windows_BW[:, 1:]}
+
+
+def batch_at(
+    tokens: np.ndarray,
+    *,
+    seed: int,
+    step: int,
+    batch_size: int,
+    seq_len: int,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> dict[str, np.ndarray]:
+    """The training batch of ``step``: ``batch_size`` random windows of the corpus.
+
+    Window starts are drawn uniformly (with replacement) by
+    ``np.random.Generator(np.random.Philox(key=(seed, step)))``; targets are the inputs shifted
+    by one token.
+
+    Args:
+      tokens: 1-D corpus of token ids.
+      seed: the run's data seed (``0 <= seed < 2**64``).
+      step: the training step (``>= 0``).
+      batch_size: the *global* batch size.
+      seq_len: window length ``S``.
+      process_index: this process' index in ``[0, process_count)``.
+      process_count: number of processes; must divide ``batch_size``.
+
+    Returns:
+      ``{"inputs": int32[b, S], "targets": int32[b, S]}`` with ``b = batch_size //
+      process_count``: rows ``[process_index * b, (process_index + 1) * b)`` of the global batch.
+
+    Example:
+      >>> import numpy as np
+      >>> tokens = np.arange(100, dtype=np.uint8)
+      >>> batch = batch_at(tokens, seed=0, step=3, batch_size=4, seq_len=8)
+      >>> batch["inputs"].shape, batch["inputs"].dtype.name
+      ((4, 8), 'int32')
+      >>> bool((batch["targets"][:, :-1] == batch["inputs"][:, 1:]).all())
+      True
+    """
+    _check_int("seed", seed, minimum=0)
+    _check_int("step", step, minimum=0)
+    _check_int("batch_size", batch_size, minimum=1)
+    _check_int("seq_len", seq_len, minimum=1)
+    if seed >= 2**64:
+        raise ValueError(f"seed: expected an int < 2**64, got {seed!r}")
+    rows = _process_rows(batch_size, process_index, process_count)
+    tokens = _check_tokens(tokens, seq_len)
+    rng = np.random.Generator(np.random.Philox(key=np.array([seed, step], dtype=np.uint64)))
+    # Every process draws the whole global batch (cheap) so that its rows are the same rows.
+    starts = rng.integers(0, tokens.size - seq_len, size=batch_size)
+    return _windows(tokens, starts[rows], seq_len)
+
+
+def eval_batches(
+    tokens: np.ndarray,
+    *,
+    batch_size: int,
+    seq_len: int,
+    num_batches: int,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> list[dict[str, np.ndarray]]:
+    """Fixed evaluation batches: ``num_batches * batch_size`` windows spread evenly over the corpus.
+
+    The same arguments always give the same batches (no seed). Windows overlap only when the
+    corpus is shorter than ``num_batches * batch_size * (seq_len + 1)`` tokens. ``process_index``
+    and ``process_count`` slice the rows as in :func:`batch_at`.
+
+    Returns:
+      A list of ``num_batches`` dicts ``{"inputs": int32[b, S], "targets": int32[b, S]}``.
+
+    Example:
+      >>> import numpy as np
+      >>> batches = eval_batches(np.arange(200, dtype=np.uint8), batch_size=2, seq_len=4,
+      ...                        num_batches=3)
+      >>> len(batches), batches[0]["inputs"].tolist()
+      (3, [[0, 1, 2, 3], [39, 40, 41, 42]])
+    """
+    _check_int("batch_size", batch_size, minimum=1)
+    _check_int("seq_len", seq_len, minimum=1)
+    _check_int("num_batches", num_batches, minimum=1)
+    rows = _process_rows(batch_size, process_index, process_count)
+    tokens = _check_tokens(tokens, seq_len)
+    total = num_batches * batch_size
+    starts = np.linspace(0, tokens.size - seq_len - 1, total).astype(np.int64)
+    starts_NB = starts.reshape(num_batches, batch_size)
+    return [_windows(tokens, starts_NB[i, rows], seq_len) for i in range(num_batches)]

@@ -1,0 +1,562 @@
+"""A decoder-only GPT in Flax NNX, with scanned layers and fp32 islands.
+
+The model is GPT-2 shaped: token and learned position embeddings, ``n_layers`` pre-LayerNorm
+blocks (causal multi-head self-attention, then a GELU MLP), a final LayerNorm, and an output head
+tied to the token embedding. The blocks' parameters are stacked along a leading layer axis and
+the forward pass runs ``jax.lax.scan`` over them, so compile time does not grow with depth.
+
+The model computes in its parameters' own dtype: a train step casts the master parameters with
+``Policy.cast_to_compute`` and merges them (see :func:`make_apply`); only the logits are cast, to
+``policy.output_dtype``. Every matmul goes through :func:`_dense` (``dot`` with f32 accumulation),
+softmax and LayerNorm run in f32 (:mod:`effijax.precision._islands`).
+
+Shape suffixes: ``B`` batch, ``S`` query sequence, ``T`` key sequence, ``D`` model width,
+``H`` heads, ``K`` head width, ``F`` MLP width, ``V`` vocabulary, ``L`` layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from effijax.precision._islands import cross_entropy, dot, layer_norm, softmax
+from effijax.precision._policy import Policy, get_policy
+
+__all__ = [
+    "ATTENTION",
+    "GPT",
+    "GPTConfig",
+    "PRESETS",
+    "REMAT",
+    "abstract_params",
+    "abstract_split",
+    "attend",
+    "gpt_config",
+    "init_params",
+    "make_apply",
+    "make_loss_fn",
+    "param_count",
+    "split_params",
+]
+
+_INIT_STD = 0.02
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention implementations (selected by ``GPTConfig.attention``).
+
+
+def attend(
+    q_BSHK: jax.Array,
+    k_BTHK: jax.Array,
+    v_BTHK: jax.Array,
+    *,
+    causal: bool = True,
+    dropout_rate: float = 0.0,
+    dropout_key: jax.Array | None = None,
+) -> jax.Array:
+    """Naive multi-head attention: materialises the ``[B, H, S, T]`` scores.
+
+    Scores and the weighted sum use :func:`dot` (f32 accumulation); the softmax runs in f32 and
+    returns the inputs' dtype. Dropout on the probabilities is applied when ``dropout_key`` is
+    given and ``dropout_rate > 0``.
+
+    Args:
+      q_BSHK: queries. k_BTHK, v_BTHK: keys and values, same dtype as the queries.
+      causal: mask out keys after each query (query ``i`` sees keys ``0..i``; needs ``S == T``).
+      dropout_rate: probability of dropping an attention probability.
+      dropout_key: PRNG key for the dropout mask; ``None`` disables dropout.
+
+    Returns:
+      ``[B, S, H, K]`` attention outputs in the queries' dtype.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> attend(jnp.ones((1, 3, 2, 4)), jnp.ones((1, 3, 2, 4)), jnp.ones((1, 3, 2, 4))).shape
+      (1, 3, 2, 4)
+    """
+    q_BSHK = q_BSHK * jnp.asarray(1.0 / math.sqrt(q_BSHK.shape[-1]), q_BSHK.dtype)
+    scores_BHST = dot("bshk,bthk->bhst", q_BSHK, k_BTHK)
+    mask_ST = None
+    if causal:
+        s, t = q_BSHK.shape[1], k_BTHK.shape[1]
+        if s != t:
+            raise ValueError(f"attend(causal=True) needs S == T, got S={s}, T={t}")
+        mask_ST = jnp.tril(jnp.ones((s, t), dtype=bool))
+    probs_BHST = softmax(scores_BHST, axis=-1, where=mask_ST)
+    probs_BHST = _dropout(probs_BHST, dropout_rate, dropout_key)
+    return dot("bhst,bthk->bshk", probs_BHST, v_BTHK)
+
+
+# Add a blockwise (flash) implementation here with the same signature; configs pick it by name.
+ATTENTION: dict[str, Callable[..., jax.Array]] = {"naive": attend}
+
+# ``jax.checkpoint`` policies by ``GPTConfig.remat`` name; "none" means no checkpointing.
+REMAT: dict[str, Any] = {
+    "none": None,
+    "block": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Configuration.
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GPTConfig:
+    """Architecture of a :class:`GPT`; an immutable value (change it with ``dataclasses.replace``).
+
+    Attributes:
+      vocab_size: number of token ids (256: bytes).
+      seq_len: maximum sequence length (rows of the position embedding).
+      d_model: residual width ``D``.
+      n_layers: number of blocks ``L`` (stacked and scanned).
+      n_heads: attention heads; must divide ``d_model``.
+      mlp_ratio: MLP hidden width is ``mlp_ratio * d_model``.
+      dropout: dropout rate on attention probabilities and residual branches, in ``[0, 1)``.
+      ln_eps: LayerNorm epsilon.
+      remat: ``"none"``, ``"block"`` (recompute each block in the backward pass) or ``"dots"``
+        (save only the non-batched matmul outputs), see :data:`REMAT`.
+      attention: name of the attention implementation in :data:`ATTENTION`.
+
+    Example:
+      >>> GPTConfig(seq_len=16, d_model=32, n_layers=2, n_heads=4).head_dim
+      8
+      >>> GPTConfig(seq_len=16, d_model=30, n_layers=2, n_heads=4)
+      Traceback (most recent call last):
+      ...
+      ValueError: d_model: 30 is not divisible by n_heads=4; pick d_model = n_heads * head_dim
+    """
+
+    vocab_size: int = 256
+    seq_len: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    mlp_ratio: int = 4
+    dropout: float = 0.0
+    ln_eps: float = 1e-5
+    remat: str = "none"
+    attention: str = "naive"
+
+    def __post_init__(self):
+        for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "mlp_ratio"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"d_model: {self.d_model} is not divisible by n_heads={self.n_heads}; "
+                "pick d_model = n_heads * head_dim"
+            )
+        if not isinstance(self.dropout, int | float) or not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout: expected a rate in [0, 1), got {self.dropout!r}")
+        if not isinstance(self.ln_eps, int | float) or not self.ln_eps > 0:
+            raise ValueError(f"ln_eps: expected a positive float, got {self.ln_eps!r}")
+        if self.remat not in REMAT:
+            raise ValueError(f"remat: unknown mode {self.remat!r}; choose one of {list(REMAT)}")
+        if self.attention not in ATTENTION:
+            raise ValueError(
+                f"attention: unknown implementation {self.attention!r}; "
+                f"choose one of {list(ATTENTION)}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        """Width ``K`` of one attention head."""
+        return self.d_model // self.n_heads
+
+    @property
+    def d_ff(self) -> int:
+        """MLP hidden width ``F``."""
+        return self.mlp_ratio * self.d_model
+
+
+PRESETS: dict[str, GPTConfig] = {
+    # Compiles in about a second: for tests.
+    "tiny": GPTConfig(seq_len=64, d_model=64, n_layers=2, n_heads=4),
+    # The `effijax train` default: a few hundred steps in a minute or two on a laptop CPU.
+    "mini": GPTConfig(seq_len=128, d_model=128, n_layers=4, n_heads=4),
+    "small": GPTConfig(seq_len=256, d_model=384, n_layers=6, n_heads=6),
+    # 99.8M parameters with the byte vocabulary.
+    "base": GPTConfig(seq_len=512, d_model=768, n_layers=14, n_heads=12),
+}
+
+
+def gpt_config(name: str, **overrides) -> GPTConfig:
+    """Returns a preset :class:`GPTConfig`, with fields replaced by ``overrides``.
+
+    Presets: ``"tiny"`` (d=64, L=2, seq 64), ``"mini"`` (d=128, L=4, seq 128), ``"small"``
+    (d=384, L=6, seq 256), ``"base"`` (d=768, L=14, seq 512; ~100M parameters).
+
+    Example:
+      >>> gpt_config("tiny", dropout=0.1).dropout
+      0.1
+    """
+    if name not in PRESETS:
+        raise ValueError(f"unknown GPT preset {name!r}; presets: {', '.join(PRESETS)}")
+    try:
+        return dataclasses.replace(PRESETS[name], **overrides)
+    except TypeError as e:
+        fields = [f.name for f in dataclasses.fields(GPTConfig)]
+        raise ValueError(f"gpt_config({name!r}): {e}; GPTConfig fields are {fields}") from e
+
+
+def param_count(config: GPTConfig) -> int:
+    """Number of parameters of a :class:`GPT` with ``config`` (closed form; the head is tied).
+
+    Example:
+      >>> param_count(gpt_config("base"))
+      99821568
+    """
+    v, s, d, f, n = config.vocab_size, config.seq_len, config.d_model, config.d_ff, config.n_layers
+    per_layer = 4 * (d * d + d) + (d * f + f) + (f * d + d) + 2 * (2 * d)
+    return v * d + s * d + n * per_layer + 2 * d
+
+
+# ----------------------------------------------------------------------------------------------
+# Building blocks.
+
+
+def _dense(x_BSD: jax.Array, kernel_DF: jax.Array, bias_F: jax.Array | None) -> jax.Array:
+    """The one matmul of the model: ``x @ kernel + bias`` with f32 accumulation.
+
+    Every parameter matmul goes through here (the tied head too, with the embedding transposed),
+    so LoRA hooks in here. A hook must reach tracing through the parameters or the static
+    graphdef, not through a module global: ``_run_blocks`` is jitted and reuses its traces.
+
+    The result has ``x``'s dtype; when a policy override keeps this kernel in another dtype, the
+    activations are cast to meet it (never the kernel).
+    """
+    y_BSF = dot("...d,df->...f", x_BSD.astype(kernel_DF.dtype), kernel_DF)
+    if bias_F is not None:
+        y_BSF = y_BSF + bias_F.astype(y_BSF.dtype)
+    return y_BSF.astype(x_BSD.dtype)
+
+
+def _constrain(x_BSD: jax.Array) -> jax.Array:
+    """Sharding hook on the residual stream, called at every block boundary.
+
+    The identity for now; sharding code will put a batch-axis ``with_sharding_constraint`` here so
+    that activations stay sharded along the batch under FSDP.
+    """
+    return x_BSD
+
+
+def _dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
+    """Inverted dropout; the identity when ``key`` is None or ``rate`` is 0."""
+    if key is None or rate == 0.0:
+        return x
+    keep = 1.0 - rate
+    mask = jax.random.bernoulli(key, keep, x.shape)
+    return jnp.where(mask, x / keep, jnp.zeros_like(x))
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> jax.Array:
+    return std * jax.random.normal(rngs.params(), shape, jnp.float32)
+
+
+class _Dense(nnx.Module):
+    """A (stackable) dense layer: ``kernel`` in Flax's (in, out) layout and a bias."""
+
+    def __init__(self, d_in: int, d_out: int, *, std: float, stack: tuple[int, ...],
+                 rngs: nnx.Rngs):
+        self.kernel = nnx.Param(_normal(rngs, (*stack, d_in, d_out), std))
+        self.bias = nnx.Param(jnp.zeros((*stack, d_out), jnp.float32))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return _dense(x, self.kernel[...], self.bias[...])
+
+
+class _LayerNorm(nnx.Module):
+    def __init__(self, d: int, *, eps: float, stack: tuple[int, ...]):
+        self.scale = nnx.Param(jnp.ones((*stack, d), jnp.float32))
+        self.bias = nnx.Param(jnp.zeros((*stack, d), jnp.float32))
+        self.eps = eps
+
+    def __call__(self, x_BSD: jax.Array) -> jax.Array:
+        return layer_norm(x_BSD, self.scale[...], self.bias[...], self.eps)
+
+
+class _Embed(nnx.Module):
+    def __init__(self, n: int, d: int, *, rngs: nnx.Rngs):
+        self.embedding = nnx.Param(_normal(rngs, (n, d), _INIT_STD))
+
+
+class _Attention(nnx.Module):
+    def __init__(self, config: GPTConfig, *, out_std: float, stack: tuple[int, ...],
+                 rngs: nnx.Rngs):
+        d = config.d_model
+        self.q = _Dense(d, d, std=_INIT_STD, stack=stack, rngs=rngs)
+        self.k = _Dense(d, d, std=_INIT_STD, stack=stack, rngs=rngs)
+        self.v = _Dense(d, d, std=_INIT_STD, stack=stack, rngs=rngs)
+        self.o = _Dense(d, d, std=out_std, stack=stack, rngs=rngs)
+        self.config = config
+
+    def __call__(self, x_BSD: jax.Array, key: jax.Array | None) -> jax.Array:
+        cfg = self.config
+        b, s, _ = x_BSD.shape
+        split = lambda y_BSD: y_BSD.reshape(b, s, cfg.n_heads, cfg.head_dim)
+        q_BSHK, k_BSHK, v_BSHK = split(self.q(x_BSD)), split(self.k(x_BSD)), split(self.v(x_BSD))
+        out_BSHK = ATTENTION[cfg.attention](
+            q_BSHK, k_BSHK, v_BSHK, causal=True, dropout_rate=cfg.dropout, dropout_key=key
+        )
+        return self.o(out_BSHK.reshape(b, s, cfg.d_model))
+
+
+class _MLP(nnx.Module):
+    def __init__(self, config: GPTConfig, *, out_std: float, stack: tuple[int, ...],
+                 rngs: nnx.Rngs):
+        self.fc_in = _Dense(config.d_model, config.d_ff, std=_INIT_STD, stack=stack, rngs=rngs)
+        self.fc_out = _Dense(config.d_ff, config.d_model, std=out_std, stack=stack, rngs=rngs)
+
+    def __call__(self, x_BSD: jax.Array) -> jax.Array:
+        return self.fc_out(jax.nn.gelu(self.fc_in(x_BSD)))
+
+
+class _Block(nnx.Module):
+    """One pre-LayerNorm transformer block.
+
+    Constructed once with ``stack=(L,)`` so every parameter carries a leading layer axis; the
+    forward pass merges it with one layer's slice of that state at a time (see ``_run_blocks``).
+    """
+
+    def __init__(self, config: GPTConfig, *, stack: tuple[int, ...], rngs: nnx.Rngs):
+        out_std = _INIT_STD / math.sqrt(2 * config.n_layers)
+        self.ln1 = _LayerNorm(config.d_model, eps=config.ln_eps, stack=stack)
+        self.attn = _Attention(config, out_std=out_std, stack=stack, rngs=rngs)
+        self.ln2 = _LayerNorm(config.d_model, eps=config.ln_eps, stack=stack)
+        self.mlp = _MLP(config, out_std=out_std, stack=stack, rngs=rngs)
+        self.config = config
+
+    def __call__(self, x_BSD: jax.Array, key: jax.Array | None) -> jax.Array:
+        rate = self.config.dropout
+        k_attn, k_res1, k_res2 = (None,) * 3 if key is None else tuple(jax.random.split(key, 3))
+        x_BSD = x_BSD + _dropout(self.attn(self.ln1(x_BSD), k_attn), rate, k_res1)
+        x_BSD = x_BSD + _dropout(self.mlp(self.ln2(x_BSD)), rate, k_res2)
+        return x_BSD
+
+
+# ----------------------------------------------------------------------------------------------
+# The model.
+
+
+# Jitted so that an eager (NNX-style) call compiles the layer stack once per shape instead of
+# retracing the scan every call; inside an outer jit it is simply inlined.
+@functools.partial(jax.jit, static_argnames=("graphdef", "remat"))
+def _run_blocks(x_BSD, stacked, keys_L, *, graphdef: nnx.GraphDef, remat: str):
+    """Scans the stacked blocks over the residual stream, one layer's parameters per step."""
+
+    def body(x_BSD, layer):
+        layer_state, layer_key = layer
+        x_BSD = nnx.merge(graphdef, layer_state)(x_BSD, layer_key)
+        return _constrain(x_BSD), None
+
+    if REMAT[remat] is not None:
+        body = jax.checkpoint(body, policy=REMAT[remat], prevent_cse=False)
+    x_BSD, _ = jax.lax.scan(body, x_BSD, (stacked, keys_L))
+    return x_BSD
+
+
+class GPT(nnx.Module):
+    """Decoder-only transformer with tied embeddings and scanned, stacked blocks.
+
+    Args:
+      config: the architecture.
+      policy: precision policy (default fp32). Parameters are created in ``policy.param_dtype``
+        (honouring ``policy.overrides``); logits are returned in ``policy.output_dtype``.
+      rngs: ``nnx.Rngs`` for initialisation (the ``params`` stream, or ``default``).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> model = GPT(gpt_config("tiny"), rngs=nnx.Rngs(0))
+      >>> model(jnp.zeros((2, 8), jnp.int32)).shape
+      (2, 8, 256)
+    """
+
+    def __init__(self, config: GPTConfig, *, policy: Policy | str | None = None,
+                 rngs: nnx.Rngs):
+        if not isinstance(config, GPTConfig):
+            raise TypeError(f"config: expected a GPTConfig, got {type(config).__name__}")
+        policy = get_policy("fp32" if policy is None else policy)
+        self.config = config
+        self.policy = policy
+        self.embed = _Embed(config.vocab_size, config.d_model, rngs=rngs)
+        self.pos_embed = _Embed(config.seq_len, config.d_model, rngs=rngs)
+        self.blocks = _Block(config, stack=(config.n_layers,), rngs=rngs)
+        self.ln_f = _LayerNorm(config.d_model, eps=config.ln_eps, stack=())
+        # Created in f32 (same values for every policy), then stored in the policy's dtypes.
+        state = nnx.state(self, nnx.Param)
+        nnx.replace_by_pure_dict(state, policy.cast_to_param(nnx.to_pure_dict(state)))
+        nnx.update(self, state)
+
+    def __call__(self, tokens_BS: jax.Array, *, deterministic: bool = True,
+                 rngs: nnx.Rngs | jax.Array | None = None) -> jax.Array:
+        """Returns next-token logits ``[B, S, V]`` in ``policy.output_dtype``.
+
+        Args:
+          tokens_BS: integer token ids, ``S <= config.seq_len``.
+          deterministic: when False and ``config.dropout > 0``, dropout is applied.
+          rngs: where dropout keys come from: an ``nnx.Rngs`` (its ``dropout`` stream) or a raw
+            ``jax.random`` key (what a functional train step passes, one per step).
+        """
+        cfg = self.config
+        if tokens_BS.ndim != 2 or not jnp.issubdtype(tokens_BS.dtype, jnp.integer):
+            raise ValueError(
+                f"tokens_BS: expected integer ids of shape [batch, seq], got "
+                f"{tokens_BS.dtype}{list(tokens_BS.shape)}"
+            )
+        s = tokens_BS.shape[1]
+        if s > cfg.seq_len:
+            raise ValueError(f"tokens_BS: sequence length {s} exceeds config.seq_len={cfg.seq_len}")
+        key = None
+        if not deterministic and cfg.dropout > 0:
+            if rngs is None:
+                raise ValueError(
+                    "dropout is on (deterministic=False, config.dropout > 0) but no rngs were "
+                    "given; pass rngs=nnx.Rngs(dropout=...) or a jax.random key"
+                )
+            key = rngs.dropout() if isinstance(rngs, nnx.Rngs) else rngs
+
+        embedding_VD = self.embed.embedding[...]
+        x_BSD = jnp.take(embedding_VD, tokens_BS, axis=0)
+        x_BSD = x_BSD + self.pos_embed.embedding[...][:s].astype(x_BSD.dtype)[None]
+        x_BSD = _constrain(x_BSD)
+
+        graphdef, stacked = nnx.split(self.blocks)
+        keys_L = None if key is None else jax.random.split(key, cfg.n_layers)
+        x_BSD = _run_blocks(x_BSD, stacked, keys_L, graphdef=graphdef, remat=cfg.remat)
+
+        x_BSD = self.ln_f(x_BSD)
+        # Tied head: the token embedding, used transposed.
+        logits_BSV = _dense(x_BSD, embedding_VD.T, None)
+        return logits_BSV.astype(self.policy.output_dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Functional API: pure parameter dicts in, arrays out.
+
+
+def split_params(model: GPT) -> tuple[nnx.GraphDef, dict]:
+    """Splits a model into its static ``graphdef`` and its parameters as a plain nested dict.
+
+    The dict's '/'-joined paths are ``embed/embedding``, ``blocks/attn/q/kernel``, ...;
+    ``nnx.merge(graphdef, params)`` rebuilds the model.
+
+    Example:
+      >>> from flax import nnx
+      >>> graphdef, params = split_params(GPT(gpt_config("tiny"), rngs=nnx.Rngs(0)))
+      >>> params["blocks"]["attn"]["q"]["kernel"].shape
+      (2, 64, 64)
+    """
+    graphdef, state = nnx.split(model, nnx.Param)
+    return graphdef, nnx.to_pure_dict(state)
+
+
+def make_apply(graphdef: nnx.GraphDef) -> Callable[..., jax.Array]:
+    """Returns ``apply(params, tokens_BS, *, rng=None, deterministic=True) -> logits_BSV``.
+
+    ``params`` are used in their own dtype: cast them with ``policy.cast_to_compute`` first for
+    mixed precision. Dropout runs when ``deterministic=False`` and the config's rate is positive;
+    ``rng`` is then a ``jax.random`` key (pass a fresh one each step).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> graphdef, params = abstract_split(gpt_config("tiny"))
+      >>> params = init_params(gpt_config("tiny"), None, jax.random.key(0))
+      >>> make_apply(graphdef)(params, jnp.zeros((1, 4), jnp.int32)).shape
+      (1, 4, 256)
+    """
+
+    def apply(params, tokens_BS, *, rng=None, deterministic=True):
+        model = nnx.merge(graphdef, params)
+        return model(tokens_BS, deterministic=deterministic, rngs=rng)
+
+    return apply
+
+
+def make_loss_fn(graphdef: nnx.GraphDef) -> Callable[..., tuple[jax.Array, dict]]:
+    """Returns ``loss_fn(params, batch, rng=None) -> (loss, {"accuracy": acc})``.
+
+    ``batch`` is ``{"inputs": int32[B, S], "targets": int32[B, S]}``; the loss is the mean token
+    cross-entropy in f32, the accuracy the f32 fraction of argmax hits. Dropout is active when
+    ``rng`` is a key and the config's dropout rate is positive.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> config = gpt_config("tiny")
+      >>> graphdef, _ = abstract_split(config)
+      >>> params = init_params(config, None, jax.random.key(0))
+      >>> batch = {"inputs": jnp.zeros((2, 8), jnp.int32), "targets": jnp.ones((2, 8), jnp.int32)}
+      >>> loss, aux = make_loss_fn(graphdef)(params, batch)
+      >>> loss.dtype, sorted(aux)
+      (dtype('float32'), ['accuracy'])
+    """
+    apply = make_apply(graphdef)
+
+    def loss_fn(params, batch, rng=None):
+        missing = {"inputs", "targets"} - set(batch)
+        if missing:
+            raise KeyError(
+                f"batch is missing {sorted(missing)}; expected "
+                "{'inputs': int32[B, S], 'targets': int32[B, S]}"
+            )
+        targets_BS = batch["targets"]
+        logits_BSV = apply(params, batch["inputs"], rng=rng, deterministic=rng is None)
+        loss = cross_entropy(logits_BSV, targets_BS)
+        hits_BS = jnp.argmax(logits_BSV, axis=-1) == targets_BS
+        return loss, {"accuracy": jnp.mean(hits_BS.astype(jnp.float32))}
+
+    return loss_fn
+
+
+def init_params(config: GPTConfig, policy: Policy | str | None, key: jax.Array) -> dict:
+    """Initialises a model's parameters as a plain nested dict (GPT-2 initialisation).
+
+    Jit it with ``static_argnums=(0, 1)`` (and ``out_shardings``) to create sharded parameters
+    without materialising them on one device.
+
+    Example:
+      >>> import jax
+      >>> params = init_params(gpt_config("tiny"), "bf16", jax.random.key(0))
+      >>> params["embed"]["embedding"].dtype  # bf16 policy: f32 master parameters
+      dtype('float32')
+    """
+    model = GPT(config, policy=policy, rngs=nnx.Rngs(params=key))
+    return split_params(model)[1]
+
+
+def abstract_params(config: GPTConfig, policy: Policy | str | None = None) -> dict:
+    """The parameter tree as ``jax.ShapeDtypeStruct`` leaves, without allocating anything.
+
+    Example:
+      >>> abstract_params(gpt_config("base"), "pure_bf16")["blocks"]["mlp"]["fc_in"]["kernel"]
+      ShapeDtypeStruct(shape=(14, 768, 3072), dtype=bfloat16)
+    """
+    return jax.eval_shape(lambda key: init_params(config, policy, key), jax.random.key(0))
+
+
+def abstract_split(config: GPTConfig, policy: Policy | str | None = None
+                   ) -> tuple[nnx.GraphDef, dict]:
+    """``(graphdef, abstract params)`` of a model, without allocating any parameter.
+
+    The graphdef is what :func:`make_apply` and :func:`make_loss_fn` need; pair it with
+    :func:`init_params` (or restored parameters) to run the model functionally.
+
+    Example:
+      >>> graphdef, params = abstract_split(gpt_config("tiny"))
+      >>> params["ln_f"]["scale"]
+      ShapeDtypeStruct(shape=(64,), dtype=float32)
+    """
+    model = nnx.eval_shape(lambda: GPT(config, policy=policy, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(model, nnx.Param)
+    return graphdef, nnx.to_pure_dict(state)

@@ -1,0 +1,174 @@
+"""Tests of the offline corpora and deterministic batching."""
+
+import doctest
+
+import numpy as np
+import pytest
+
+from effijax.data import (
+    DEFAULT_MAX_BYTES,
+    _batches,
+    _corpus,
+    batch_at,
+    corpus_fingerprint,
+    eval_batches,
+    load_corpus,
+    split_corpus,
+    stdlib_files,
+)
+
+CORPUS = np.frombuffer(bytes(range(256)) * 8, dtype=np.uint8)  # 2048 tokens, token i at i % 256
+
+
+def test_default_corpus_is_capped_deterministic_python():
+    tokens = load_corpus()
+    assert tokens.dtype == np.uint8 and tokens.shape == (DEFAULT_MAX_BYTES,)
+    again = load_corpus(max_bytes=1000)
+    np.testing.assert_array_equal(again, tokens[:1000])
+    assert b"def " in tokens[:200_000].tobytes() and b"import " in tokens[:200_000].tobytes()
+    files = stdlib_files()
+    parts = {part for f in files for part in f.parts}
+    assert not parts & {"site-packages", "test", "idlelib", "__pycache__"}
+    # The corpus starts with the first file in sorted order.
+    first = np.frombuffer(files[0].read_bytes()[:100], np.uint8)
+    np.testing.assert_array_equal(tokens[:100], first)
+
+
+def test_load_file_and_folder(tmp_path):
+    (tmp_path / "b.txt").write_bytes(b"second")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "z.py").write_bytes(b"first-")
+    (tmp_path / ".hidden").write_bytes(b"secret")
+    (tmp_path / "blob.bin").write_bytes(b"\x00\x01binary")
+    assert load_corpus(tmp_path).tobytes() == b"first-second"
+    assert load_corpus(tmp_path / "b.txt").tobytes() == b"second"
+    assert load_corpus(tmp_path, max_bytes=8).tobytes() == b"first-se"
+
+
+def test_load_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_corpus(tmp_path / "missing.txt")
+    (tmp_path / "empty.txt").write_bytes(b"")
+    with pytest.raises(ValueError, match="is empty"):
+        load_corpus(tmp_path / "empty.txt")
+    (tmp_path / "short.txt").write_bytes(b"abc")
+    with pytest.raises(ValueError, match="has 3 bytes, fewer than the 65 needed"):
+        load_corpus(tmp_path / "short.txt", min_bytes=65)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "x").write_bytes(b"\x00")
+    with pytest.raises(ValueError, match="no readable text files"):
+        load_corpus(tmp_path / "bin")
+    with pytest.raises(ValueError, match="max_bytes"):
+        load_corpus(tmp_path / "short.txt", max_bytes=0)
+
+
+def test_fingerprint():
+    a = corpus_fingerprint(CORPUS)
+    assert a == corpus_fingerprint(CORPUS.copy())
+    assert a.startswith("2048:") and len(a) == len("2048:") + 16
+    changed = CORPUS.copy()
+    changed[7] ^= 1
+    assert corpus_fingerprint(changed) != a
+
+
+def test_split_corpus():
+    train, val = split_corpus(CORPUS, 0.25)
+    assert (train.size, val.size) == (1536, 512)
+    np.testing.assert_array_equal(np.concatenate([train, val]), CORPUS)
+    train, val = split_corpus(CORPUS)
+    assert val.size == round(2048 * 0.05)
+    for bad in (0.0, 1.0, -0.1):
+        with pytest.raises(ValueError, match="val_fraction"):
+            split_corpus(CORPUS, bad)
+
+
+def test_batch_shapes_targets_and_windows():
+    batch = batch_at(CORPUS, seed=0, step=0, batch_size=8, seq_len=32)
+    assert set(batch) == {"inputs", "targets"}
+    for x in batch.values():
+        assert x.shape == (8, 32) and x.dtype == np.int32
+    np.testing.assert_array_equal(batch["targets"][:, :-1], batch["inputs"][:, 1:])
+    # Windows are contiguous slices of the corpus: token i is followed by token (i + 1) % 256.
+    np.testing.assert_array_equal(batch["targets"], (batch["inputs"] + 1) % 256)
+
+
+def test_batch_is_a_function_of_seed_and_step():
+    kw = dict(batch_size=8, seq_len=16)
+    a = batch_at(CORPUS, seed=3, step=5, **kw)
+    b = batch_at(CORPUS, seed=3, step=5, **kw)
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
+    assert not np.array_equal(a["inputs"], batch_at(CORPUS, seed=3, step=6, **kw)["inputs"])
+    assert not np.array_equal(a["inputs"], batch_at(CORPUS, seed=4, step=5, **kw)["inputs"])
+    # Pinned values: a change of generator would silently change every run's data.
+    assert a["inputs"][:, 0].tolist() == _PINNED_FIRST_TOKENS
+
+
+# First tokens of batch_at(CORPUS, seed=3, step=5, batch_size=8, seq_len=16) with Philox.
+_PINNED_FIRST_TOKENS = [0, 181, 113, 162, 199, 79, 234, 243]
+
+
+def test_batch_covers_the_whole_corpus():
+    starts = np.concatenate([
+        batch_at(np.arange(100, dtype=np.int32), seed=0, step=s, batch_size=16,
+                 seq_len=9)["inputs"][:, 0]
+        for s in range(50)
+    ])
+    assert starts.min() == 0 and starts.max() == 100 - 10
+
+
+@pytest.mark.parametrize("process_count", [2, 4])
+def test_process_slices_concatenate_to_global_batch(process_count):
+    kw = dict(seed=11, step=7, batch_size=8, seq_len=16)
+    whole = batch_at(CORPUS, **kw)
+    parts = [batch_at(CORPUS, process_index=i, process_count=process_count, **kw)
+             for i in range(process_count)]
+    for k in whole:
+        assert parts[0][k].shape == (8 // process_count, 16)
+        np.testing.assert_array_equal(np.concatenate([p[k] for p in parts]), whole[k])
+
+
+def test_batch_errors():
+    kw = dict(seed=0, step=0, seq_len=16)
+    with pytest.raises(ValueError, match="not divisible by process_count=3"):
+        batch_at(CORPUS, batch_size=8, process_count=3, **kw)
+    with pytest.raises(ValueError, match="process_index"):
+        batch_at(CORPUS, batch_size=8, process_index=2, process_count=2, **kw)
+    with pytest.raises(ValueError, match="fewer than seq_len \\+ 1 = 17"):
+        batch_at(CORPUS[:16], batch_size=8, **kw)
+    with pytest.raises(ValueError, match="step"):
+        batch_at(CORPUS, seed=0, step=-1, batch_size=8, seq_len=16)
+    with pytest.raises(ValueError, match="seed"):
+        batch_at(CORPUS, seed=2**64, step=0, batch_size=8, seq_len=16)
+    with pytest.raises(ValueError, match="batch_size"):
+        batch_at(CORPUS, batch_size=0, **kw)
+
+
+def test_eval_batches_are_fixed_and_sliced():
+    kw = dict(batch_size=4, seq_len=16, num_batches=3)
+    batches = eval_batches(CORPUS, **kw)
+    again = eval_batches(CORPUS, **kw)
+    assert len(batches) == 3
+    starts = []
+    for a, b in zip(batches, again, strict=True):
+        np.testing.assert_array_equal(a["inputs"], b["inputs"])
+        np.testing.assert_array_equal(a["targets"][:, :-1], a["inputs"][:, 1:])
+        assert a["inputs"].shape == (4, 16) and a["inputs"].dtype == np.int32
+        starts += a["inputs"][:, 0].tolist()
+    # 12 evenly spread windows from 0 to the last start, 2048 - 17.
+    expected = np.linspace(0, 2048 - 17, 12).astype(np.int64) % 256
+    assert starts == expected.tolist()
+    halves = [eval_batches(CORPUS, process_index=i, process_count=2, **kw) for i in range(2)]
+    for j in range(3):
+        np.testing.assert_array_equal(
+            np.concatenate([halves[0][j]["inputs"], halves[1][j]["inputs"]]),
+            batches[j]["inputs"],
+        )
+    with pytest.raises(ValueError, match="num_batches"):
+        eval_batches(CORPUS, batch_size=4, seq_len=16, num_batches=0)
+
+
+def test_docstring_examples():
+    for module in (_corpus, _batches):
+        result = doctest.testmod(module)
+        assert result.attempted > 0 and result.failed == 0, module.__name__
