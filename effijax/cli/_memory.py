@@ -1,0 +1,321 @@
+"""``effijax memory`` and ``effijax plan``: the analytic memory estimate and the planner.
+
+``effijax memory --params 7B --zero 3 --devices 8`` prints per-device bytes of parameters,
+gradients, optimizer state (and activations, given a model shape); ``effijax plan --params 70B
+--devices 8 --device-memory 80GB`` prints the cheapest configuration that fits and its arithmetic.
+Both take ``--json``. GB is 10**9 bytes. Bad flags exit with code 2 and a message on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from effijax.memory import (
+    CHECKPOINTING,
+    OPTIMIZERS,
+    PRECISIONS,
+    activation_bytes,
+    format_bytes,
+    model_states,
+    parse_bytes,
+    parse_count,
+    plan,
+)
+from effijax.memory._estimate import _FROZEN_BITS
+
+__all__ = ["add_parsers", "memory_command", "plan_command"]
+
+_SHAPE_FLAGS = ("layers", "hidden", "heads", "seq_len")
+
+
+def _argtype(parse, what: str):
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as e:
+            # argparse already names the flag; drop the library's "count: " prefix.
+            raise argparse.ArgumentTypeError(str(e).removeprefix(f"{what}: ")) from None
+
+    convert.__name__ = what  # argparse names the type in "invalid <name> value" messages
+    return convert
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def _headroom(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return value
+
+
+def _add_shape_flags(p: argparse.ArgumentParser, batch_flag: str, batch_help: str) -> None:
+    g = p.add_argument_group("model shape (for activations; give all or none)")
+    g.add_argument("--layers", type=_positive_int, help="transformer blocks L")
+    g.add_argument("--hidden", type=_positive_int, help="hidden size h")
+    g.add_argument("--heads", type=_positive_int, help="attention heads a")
+    g.add_argument("--seq-len", type=_positive_int, help="sequence length s")
+    g.add_argument(batch_flag, type=_positive_int, help=batch_help)
+    g.add_argument(
+        "--no-dropout",
+        dest="dropout",
+        action="store_false",
+        help="no dropout masks in the activations",
+    )
+    g.add_argument(
+        "--blockwise-attention",
+        action="store_true",
+        help="flash/blockwise attention: no s x s scores stored",
+    )
+
+
+def add_parsers(sub) -> None:
+    """Registers ``memory`` and ``plan`` on an ``argparse`` subparsers object.
+
+    Example:
+      >>> import argparse
+      >>> parser = argparse.ArgumentParser(prog="effijax")
+      >>> add_parsers(parser.add_subparsers(dest="command"))
+      >>> parser.parse_args(["memory", "--params", "7B"]).params
+      7000000000
+    """
+    m = sub.add_parser(
+        "memory",
+        help="per-device memory of model states (and activations)",
+        description="Per-device bytes of parameters, gradients, optimizer state and "
+        "activations, from the analytic formulas. GB = 1e9 bytes.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    m.add_argument(
+        "--params",
+        required=True,
+        type=_argtype(parse_count, "count"),
+        help="parameter count, e.g. 7B, 70e9, 1.5M",
+    )
+    m.add_argument("--optimizer", default="adam", choices=tuple(OPTIMIZERS))
+    m.add_argument("--precision", default="mixed", choices=tuple(PRECISIONS))
+    m.add_argument(
+        "--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (0 = DDP, 3 = FSDP)"
+    )
+    m.add_argument("--devices", type=_positive_int, default=1, help="data-parallel devices")
+    m.add_argument(
+        "--lora-fraction",
+        type=_fraction,
+        default=None,
+        help="LoRA adapters as a fraction of the parameters, e.g. 0.01",
+    )
+    m.add_argument(
+        "--frozen-dtype",
+        default="bf16",
+        choices=tuple(_FROZEN_BITS),
+        help="storage of the frozen base under LoRA",
+    )
+    _add_shape_flags(m, "--batch-size", "sequences per device per micro-batch b")
+    m.add_argument(
+        "--checkpointing", default="none", choices=CHECKPOINTING, help="activation checkpointing"
+    )
+    m.add_argument("--json", action="store_true", help="print a JSON object of integer bytes")
+    m.set_defaults(func=memory_command)
+
+    p = sub.add_parser(
+        "plan",
+        help="the cheapest configuration that fits in device memory",
+        description="Tries DDP, ZeRO-1/2/3, activation checkpointing, smaller micro-batches, "
+        "then LoRA, and prints the first configuration that fits with its arithmetic. "
+        "Exit code 0 if one fits, 1 if none does.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--params",
+        required=True,
+        type=_argtype(parse_count, "count"),
+        help="parameter count, e.g. 70B",
+    )
+    p.add_argument("--devices", type=_positive_int, required=True, help="data-parallel devices")
+    p.add_argument(
+        "--device-memory",
+        required=True,
+        type=_argtype(parse_bytes, "bytes"),
+        help="memory per device, e.g. 80GB, 80GiB",
+    )
+    p.add_argument("--optimizer", default="adam", choices=tuple(OPTIMIZERS))
+    p.add_argument(
+        "--headroom", type=_headroom, default=0.1, help="fraction of device memory kept free"
+    )
+    p.add_argument(
+        "--lora-fraction",
+        type=_fraction,
+        default=0.01,
+        help="LoRA adapters as a fraction of the parameters, if LoRA is needed",
+    )
+    p.add_argument("--no-lora", dest="allow_lora", action="store_false", help="never propose LoRA")
+    _add_shape_flags(p, "--global-batch", "global batch in sequences")
+    p.add_argument("--json", action="store_true", help="print a JSON object")
+    p.set_defaults(func=plan_command)
+
+
+# Library argument names -> the flags that set them, so errors name what the user typed.
+_FLAGS = {
+    "num_params": "--params",
+    "optimizer": "--optimizer",
+    "precision": "--precision",
+    "zero_stage": "--zero",
+    "devices": "--devices",
+    "device_memory": "--device-memory",
+    "lora_fraction": "--lora-fraction",
+    "frozen_dtype": "--frozen-dtype",
+    "layers": "--layers",
+    "hidden": "--hidden",
+    "heads": "--heads",
+    "seq_len": "--seq-len",
+    "batch_size": "--batch-size",
+    "global_batch": "--global-batch",
+    "headroom": "--headroom",
+    "checkpointing": "--checkpointing",
+}
+
+
+def _error(command: str, message: str) -> int:
+    name, sep, rest = message.partition(": ")
+    if sep and name in _FLAGS:
+        message = f"{_FLAGS[name]}: {rest}"
+    print(f"effijax {command}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _shape_error(args, batch_name: str) -> str | None:
+    names = (*_SHAPE_FLAGS, batch_name)
+    given = [n for n in names if getattr(args, n) is not None]
+    if given and len(given) < len(names):
+        missing = [n for n in names if n not in given]
+        flags = ", ".join("--" + n.replace("_", "-") for n in missing)
+        return f"{flags}: required with the other model-shape flags (give all of them or none)"
+    return None
+
+
+def memory_command(args: argparse.Namespace) -> int:
+    """Handler of ``effijax memory``; returns the exit code."""
+    problem = _shape_error(args, "batch_size")
+    if problem:
+        return _error("memory", problem)
+    try:
+        states = model_states(
+            args.params,
+            optimizer=args.optimizer,
+            precision=args.precision,
+            zero_stage=args.zero,
+            devices=args.devices,
+            lora_fraction=args.lora_fraction,
+            frozen_dtype=args.frozen_dtype,
+        )
+        acts = None
+        if args.layers is not None:
+            acts = activation_bytes(
+                layers=args.layers,
+                hidden=args.hidden,
+                heads=args.heads,
+                seq_len=args.seq_len,
+                batch_size=args.batch_size,
+                bytes_per_value=4 if args.precision == "fp32" else 2,
+                dropout=args.dropout,
+                checkpointing=args.checkpointing,
+                blockwise_attention=args.blockwise_attention,
+            )
+    except ValueError as e:
+        return _error("memory", str(e))
+
+    total = states.model_state_bytes + (acts or 0)
+    if args.json:
+        out = dataclasses.asdict(states)
+        if acts is not None:
+            out["activation_bytes"] = acts
+        out["total_bytes"] = total
+        print(json.dumps(out, indent=2))
+        return 0
+
+    lora = (
+        ""
+        if args.lora_fraction is None
+        else (f", LoRA {args.lora_fraction:g} ({args.frozen_dtype} frozen base)")
+    )
+    print(
+        f"{args.params:,} params, {args.optimizer}, {args.precision}{lora}, ZeRO-{args.zero} on "
+        f"{args.devices} device(s); bytes per device (GB = 1e9 bytes)"
+    )
+    rows = [
+        ("params", states.params_bytes),
+        ("grads", states.grads_bytes),
+        ("optimizer", states.optimizer_bytes),
+        ("  of which f32 master", states.master_bytes),
+        ("model states", states.model_state_bytes),
+    ]
+    if acts is not None:
+        rows.append(("activations", acts))
+        rows.append(("total", total))
+    for name, value in rows:
+        print(f"  {name:<22}{format_bytes(value):>12}  {value:>18,}")
+    return 0
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    """Handler of ``effijax plan``; returns 0 if a configuration fits, 1 if none does."""
+    problem = _shape_error(args, "global_batch")
+    if problem:
+        return _error("plan", problem)
+    try:
+        result = plan(
+            args.params,
+            devices=args.devices,
+            device_memory=args.device_memory,
+            layers=args.layers,
+            hidden=args.hidden,
+            heads=args.heads,
+            seq_len=args.seq_len,
+            global_batch=args.global_batch,
+            optimizer=args.optimizer,
+            allow_lora=args.allow_lora,
+            headroom=args.headroom,
+            lora_fraction=args.lora_fraction,
+            dropout=args.dropout,
+            blockwise_attention=args.blockwise_attention,
+        )
+    except ValueError as e:
+        return _error("plan", str(e))
+
+    if args.json:
+        out = {
+            field.name: getattr(result, field.name)
+            for field in dataclasses.fields(result)
+            if field.name not in ("states", "steps")
+        }
+        out["lora"] = result.lora
+        out["states"] = None if result.states is None else dataclasses.asdict(result.states)
+        out["explain"] = list(result.steps)
+        print(json.dumps(out, indent=2))
+    else:
+        print(result.explain())
+    return 0 if result.fits else 1

@@ -1,0 +1,41 @@
+"""Memory accounting: the seeds' analytic formulas and a planner built on them.
+
+:func:`model_states` gives per-device bytes of parameters, gradients and optimizer state for a
+parameter count, optimizer, precision, ZeRO stage and LoRA fraction; :func:`estimate_tree` counts
+the same from a real abstract parameter pytree and optax optimizer; :func:`activation_bytes` is
+the transformer activation formula; :func:`plan` picks the cheapest configuration that fits.
+GB means 10**9 bytes throughout (the unit of the seed tables).
+"""
+
+from effijax.memory._activations import CHECKPOINTING, activation_bytes
+from effijax.memory._estimate import (
+    GB,
+    GIB,
+    OPTIMIZERS,
+    PRECISIONS,
+    ModelStateBytes,
+    estimate_tree,
+    format_bytes,
+    model_states,
+    parse_bytes,
+    parse_count,
+)
+from effijax.memory._plan import HEADROOM, Plan, plan
+
+__all__ = [
+    "GB",
+    "GIB",
+    "OPTIMIZERS",
+    "PRECISIONS",
+    "CHECKPOINTING",
+    "HEADROOM",
+    "ModelStateBytes",
+    "Plan",
+    "activation_bytes",
+    "estimate_tree",
+    "format_bytes",
+    "model_states",
+    "parse_bytes",
+    "parse_count",
+    "plan",
+]

@@ -1,0 +1,136 @@
+"""Activation memory of a transformer stack: what the forward pass keeps for the backward pass.
+
+Per layer, with s sequence length, b (micro-)batch, h hidden size, a heads, p bytes per value
+(masks are 1 byte per value), the terms are those of Korthikanti et al. (2022) as the seed
+"LLM Training Acceleration" derives them:
+
+    MLP        9psbh + sbh        (4h up-projection, 4h GeLU output, h down-projection, mask)
+    attention  5psbh + sbh        (3h q/k/v, h attention output, h projection, mask)
+               + 2pas²b + as²b    (softmax input and output, attention-dropout mask)
+    norms      2psbh
+
+    total = L·p·s·b·h·(16 + 2/p + 2as/h + as/(p·h))
+
+Switches remove or replace exactly the terms they affect (see :func:`activation_bytes`).
+Embeddings, the final norm and the logits are not counted, as in the seed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from effijax.memory._estimate import _check_choice, _check_int
+
+__all__ = ["CHECKPOINTING", "activation_bytes"]
+
+CHECKPOINTING = ("none", "block")
+
+
+@dataclasses.dataclass(frozen=True)
+class _LayerTerms:
+    """Bytes per layer, term by term, for one micro-batch."""
+
+    linear: int  # 16psbh: every p-byte tensor of width h or 4h (MLP, q/k/v, outputs, norms)
+    masks: int  # 2sbh: the two 1-byte dropout masks after the MLP and the attention projection
+    scores: int  # 2pas²b: softmax input and output
+    score_mask: int  # as²b: 1-byte attention-dropout mask
+    softmax_stats: int  # 8asb: blockwise attention's f32 row max and denominator per head
+
+    @property
+    def total(self) -> int:
+        return self.linear + self.masks + self.scores + self.score_mask + self.softmax_stats
+
+
+def _layer_terms(
+    *, hidden, heads, seq_len, batch_size, bytes_per_value, dropout, blockwise_attention
+) -> _LayerTerms:
+    p, s, b, h, a = bytes_per_value, seq_len, batch_size, hidden, heads
+    sbh = s * b * h
+    return _LayerTerms(
+        linear=16 * p * sbh,
+        masks=2 * sbh if dropout else 0,
+        scores=0 if blockwise_attention else 2 * p * a * s * s * b,
+        score_mask=a * s * s * b if dropout and not blockwise_attention else 0,
+        softmax_stats=2 * 4 * a * s * b if blockwise_attention else 0,
+    )
+
+
+def _validate(layers, hidden, heads, seq_len, batch_size, bytes_per_value, checkpointing):
+    for name, value in (
+        ("layers", layers),
+        ("hidden", hidden),
+        ("heads", heads),
+        ("seq_len", seq_len),
+        ("batch_size", batch_size),
+        ("bytes_per_value", bytes_per_value),
+    ):
+        _check_int(name, value, 1)
+    return _check_choice("checkpointing", checkpointing, CHECKPOINTING)
+
+
+def activation_bytes(
+    *,
+    layers: int,
+    hidden: int,
+    heads: int,
+    seq_len: int,
+    batch_size: int,
+    bytes_per_value: int = 2,
+    dropout: bool = True,
+    checkpointing: str = "none",
+    blockwise_attention: bool = False,
+) -> int:
+    """Bytes of activations kept for the backward pass, on one device, for one micro-batch.
+
+    With the defaults this is exactly the seed's ``L·p·s·b·h·(16 + 2/p + 2as/h + as/(p·h))``.
+
+    * ``dropout=False`` removes the three 1-byte dropout masks: 2sbh + as²b per layer.
+    * ``blockwise_attention=True`` (flash attention) never stores the s x s scores: it drops the
+      softmax input and output (2pas²b) and their dropout mask (as²b, regenerated from the RNG
+      seed), and instead keeps the online-softmax statistics of every query row and head, the
+      running max m and denominator d of the seed's derivation, in f32: 2·4·a·s·b bytes.
+      (FlashAttention-2 keeps only their log-sum-exp, 4·a·s·b; this counts both.)
+    * ``checkpointing="block"`` keeps only each block's input, p·s·b·h per layer, and recomputes
+      one block at a time in the backward pass, whose full activations (one layer's worth of the
+      above) are added once: L·psbh + (one layer).
+
+    Args:
+      layers: transformer blocks L.
+      hidden: hidden size h.
+      heads: attention heads a.
+      seq_len: sequence length s.
+      batch_size: sequences per device per micro-batch b.
+      bytes_per_value: p, bytes of an activation value (2 for bf16/fp16, 4 for f32).
+      dropout: whether dropout masks are stored.
+      checkpointing: ``"none"`` or ``"block"``.
+      blockwise_attention: flash/blockwise attention instead of materialized scores.
+
+    Returns:
+      The number of bytes (an exact integer).
+
+    Raises:
+      ValueError: naming the argument, for non-positive sizes or an unknown ``checkpointing``.
+
+    Example:
+      >>> # 32 x 2·2048·1·4096 x (16 + 2/2 + 2·32·2048/4096 + 32·2048/(2·4096))
+      >>> activation_bytes(layers=32, hidden=4096, heads=32, seq_len=2048, batch_size=1)
+      30601641984
+      >>> activation_bytes(layers=32, hidden=4096, heads=32, seq_len=2048, batch_size=1,
+      ...                  checkpointing="block", blockwise_attention=True)
+      822607872
+    """
+    checkpointing = _validate(
+        layers, hidden, heads, seq_len, batch_size, bytes_per_value, checkpointing
+    )
+    per_layer = _layer_terms(
+        hidden=hidden,
+        heads=heads,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        bytes_per_value=bytes_per_value,
+        dropout=dropout,
+        blockwise_attention=blockwise_attention,
+    ).total
+    if checkpointing == "none":
+        return layers * per_layer
+    return layers * bytes_per_value * seq_len * batch_size * hidden + per_layer

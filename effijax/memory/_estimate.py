@@ -1,0 +1,557 @@
+"""Analytic model-state memory: parameters, gradients and optimizer state, per device.
+
+Model states (Rajbhandari et al. 2020, "ZeRO") are what training keeps whatever the batch:
+parameters, gradients, and optimizer state, which under mixed precision includes the f32 master
+copy. For Adam under mixed precision that is (2 + 2 + 12) = 16 bytes per parameter, and ZeRO
+stages shard them over N data-parallel devices:
+
+    DDP (stage 0)  16Ψ          stage 1  4Ψ + 12Ψ/N
+    stage 2        2Ψ + 14Ψ/N   stage 3 (FSDP)  16Ψ/N
+
+:func:`model_states` is the closed form from a parameter count; :func:`estimate_tree` counts the
+same fields from a real abstract parameter pytree and a real optax optimizer. Byte counts are
+exact integers; GB means 10**9 bytes, the unit that reproduces the seed tables (7B Adam = 112 GB).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import re
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "GB",
+    "GIB",
+    "ModelStateBytes",
+    "OPTIMIZERS",
+    "PRECISIONS",
+    "estimate_tree",
+    "format_bytes",
+    "model_states",
+    "parse_bytes",
+    "parse_count",
+]
+
+GB = 10**9
+GIB = 2**30
+
+# Suffixes are matched case-insensitively. Counts: "B" is billion (model sizes), not bytes.
+_COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
+_BYTE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "pb": 10**15,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "pib": 2**50,
+}
+_COUNT_UNIT_NAMES = "K (1e3), M (1e6), B (1e9), T (1e12), or none"
+_BYTE_UNIT_NAMES = (
+    "B, KB, MB, GB, TB, PB (powers of 1000), KiB, MiB, GiB, TiB, PiB (powers of 1024)"
+)
+
+_NUMBER_UNIT = re.compile(
+    r"^\s*(?P<num>[+-]?(?:\d[\d_]*)?(?:\.\d*)?(?:[eE][+-]?\d+)?)\s*(?P<unit>[A-Za-z]*)\s*$"
+)
+
+# Optimizer name -> number of per-parameter state tensors (moments), each in the moment dtype.
+OPTIMIZERS: dict[str, int] = {"adam": 2, "adamw": 2, "lion": 1, "sgd_momentum": 1, "sgd": 0}
+
+
+@dataclasses.dataclass(frozen=True)
+class _PrecisionBytes:
+    param: int  # working copy the forward/backward reads
+    grad: int
+    master: int  # extra f32 copy kept by the optimizer (0 when params are the master)
+    moment: int  # each optimizer moment
+
+
+# fp32: the f32 params are the master copy.
+# mixed: bf16/fp16 params and grads, f32 master and moments (DeepSpeed/ZeRO accounting).
+# pure_bf16: everything bf16, moments included: what optax.adam/lion/sgd allocate for bf16
+#   params (their state takes the parameter dtype); no master copy.
+PRECISIONS: dict[str, _PrecisionBytes] = {
+    "fp32": _PrecisionBytes(param=4, grad=4, master=0, moment=4),
+    "mixed": _PrecisionBytes(param=2, grad=2, master=4, moment=4),
+    "pure_bf16": _PrecisionBytes(param=2, grad=2, master=0, moment=2),
+}
+
+# Storage width of frozen (LoRA base) weights, in bits, so 4-bit bases (QLoRA) count exactly.
+_FROZEN_BITS = {
+    "fp32": 32,
+    "f32": 32,
+    "float32": 32,
+    "bf16": 16,
+    "bfloat16": 16,
+    "fp16": 16,
+    "f16": 16,
+    "float16": 16,
+    "fp8": 8,
+    "int8": 8,
+    "int4": 4,
+    "nf4": 4,
+}
+
+_DTYPE_NAMES = {
+    "fp32": jnp.float32,
+    "f32": jnp.float32,
+    "float32": jnp.float32,
+    "bf16": jnp.bfloat16,
+    "bfloat16": jnp.bfloat16,
+    "fp16": jnp.float16,
+    "f16": jnp.float16,
+    "float16": jnp.float16,
+}
+
+
+def _parse_number(value: Any, units: dict[str, int], unit_names: str, what: str) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"{what}: expected a number, got {value!r}")
+    if isinstance(value, numbers.Integral):
+        number, unit = Decimal(int(value)), ""
+    elif isinstance(value, numbers.Real):
+        if not math.isfinite(value):
+            raise ValueError(f"{what}: expected a finite number, got {value!r}")
+        number, unit = Decimal(repr(float(value))), ""
+    elif isinstance(value, str):
+        match = _NUMBER_UNIT.match(value)
+        if match is None or not re.search(r"\d", match["num"]):
+            raise ValueError(
+                f"{what}: cannot parse {value!r}; write a number with an optional unit, "
+                f"e.g. '7B', '70e9', '80GB'; accepted units: {unit_names}"
+            )
+        try:
+            number = Decimal(match["num"].replace("_", ""))
+        except InvalidOperation as e:
+            raise ValueError(f"{what}: {match['num']!r} in {value!r} is not a number") from e
+        unit = match["unit"]
+    else:
+        raise ValueError(f"{what}: expected an int or a string like '7B', got {value!r}")
+    if unit.lower() not in units:
+        raise ValueError(
+            f"{what}: unknown unit {unit!r} in {value!r}; accepted units: {unit_names}"
+        )
+    if number < 0:
+        raise ValueError(f"{what}: must be non-negative, got {value!r}")
+    result = number * units[unit.lower()]
+    if result != result.to_integral_value():
+        raise ValueError(f"{what}: {value!r} is not a whole number ({result})")
+    return int(result)
+
+
+def parse_count(value: int | float | str) -> int:
+    """Parses a parameter count such as ``"7B"``, ``"70e9"``, ``"1.5M"`` or ``7_000_000_000``.
+
+    Suffixes are decimal and case-insensitive: K = 1e3, M = 1e6, B = 1e9 (billion), T = 1e12.
+
+    Args:
+      value: a non-negative int, an integral float, or a string with an optional suffix.
+
+    Returns:
+      The count as an int.
+
+    Raises:
+      ValueError: for negative, non-numeric, non-integral values or unknown suffixes; the message
+        lists the accepted suffixes.
+
+    Example:
+      >>> parse_count("7B"), parse_count("70e9"), parse_count("1.5M"), parse_count(405_000_000_000)
+      (7000000000, 70000000000, 1500000, 405000000000)
+    """
+    return _parse_number(value, _COUNT_UNITS, _COUNT_UNIT_NAMES, "count")
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """Parses a memory size such as ``"80GB"`` (80e9), ``"80GiB"`` (80 * 2**30) or ``"512MiB"``.
+
+    KB/MB/GB/TB/PB are powers of 1000, KiB/MiB/GiB/TiB/PiB powers of 1024; case-insensitive.
+    A bare number is bytes.
+
+    Args:
+      value: a non-negative int, an integral float, or a string with an optional unit.
+
+    Returns:
+      The number of bytes as an int.
+
+    Raises:
+      ValueError: for negative, non-numeric, fractional-byte values or unknown units; the message
+        lists the accepted units.
+
+    Example:
+      >>> parse_bytes("80GB"), parse_bytes("80GiB"), parse_bytes("512MiB"), parse_bytes("1.5TB")
+      (80000000000, 85899345920, 536870912, 1500000000000)
+    """
+    return _parse_number(value, _BYTE_UNITS, _BYTE_UNIT_NAMES, "bytes")
+
+
+def format_bytes(num_bytes: int, unit: str | None = None) -> str:
+    """Formats a byte count in decimal units (GB = 1e9 bytes), up to two decimals, zeros trimmed.
+
+    Args:
+      num_bytes: the count.
+      unit: ``"B"``, ``"KB"``, ``"MB"``, ``"GB"``, ``"TB"`` or a binary unit such as ``"GiB"``;
+        by default the largest of B, KB, MB, GB not above the value (GB, not TB, for large
+        values, as the seed tables write 1120 GB).
+
+    Example:
+      >>> format_bytes(1120 * 10**9), format_bytes(18_900_000_000), format_bytes(472_500_000)
+      ('1120 GB', '18.9 GB', '472.5 MB')
+      >>> format_bytes(2**30, "GiB")
+      '1 GiB'
+    """
+    if unit is None:
+        unit = "B"
+        for name in ("KB", "MB", "GB"):
+            if abs(num_bytes) >= _BYTE_UNITS[name.lower()]:
+                unit = name
+    if unit.lower() not in _BYTE_UNITS:
+        raise ValueError(f"unit: unknown unit {unit!r}; accepted units: {_BYTE_UNIT_NAMES}")
+    text = f"{num_bytes / _BYTE_UNITS[unit.lower()]:.2f}".rstrip("0").rstrip(".")
+    return f"{text} {unit}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelStateBytes:
+    """Per-device bytes of the model states. All byte fields are exact integers.
+
+    Attributes:
+      params_bytes: parameters the forward pass reads: trainable parameters in their working dtype
+        plus frozen weights (``frozen_bytes``).
+      grads_bytes: gradients of the trainable parameters.
+      optimizer_bytes: optimizer state, *including* the f32 master copy (``master_bytes``) when
+        the master is separate from the working parameters.
+      master_bytes: the f32 master copy (part of ``optimizer_bytes``; 0 when params are the master).
+      frozen_bytes: frozen weights (part of ``params_bytes``): no gradient, no optimizer state.
+      trainable_params: number of trained parameters (adapters under LoRA).
+      frozen_params: number of frozen parameters.
+      devices: data-parallel devices the states are spread over.
+      zero_stage: 0 (DDP) to 3 (FSDP).
+      replicated_bytes: bytes (of the fields above) that the ZeRO stage would shard but stay whole
+        on every device because no dimension divides by ``devices`` (scalar counters, odd shapes).
+        Always 0 from :func:`model_states`.
+      compute_copy_bytes: transient copy of the parameters in the compute dtype made inside the
+        step (:func:`estimate_tree` only); *not* included in ``model_state_bytes``.
+      model_state_bytes: ``params_bytes + grads_bytes + optimizer_bytes``.
+    """
+
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    master_bytes: int
+    frozen_bytes: int
+    trainable_params: int
+    frozen_params: int
+    devices: int
+    zero_stage: int
+    replicated_bytes: int = 0
+    compute_copy_bytes: int = 0
+    model_state_bytes: int = dataclasses.field(init=False)
+
+    def __post_init__(self):
+        total = self.params_bytes + self.grads_bytes + self.optimizer_bytes
+        object.__setattr__(self, "model_state_bytes", total)
+
+
+def _check_choice(name: str, value: Any, accepted) -> str:
+    key = value.strip().lower() if isinstance(value, str) else None
+    if key not in accepted:
+        raise ValueError(f"{name}: unknown value {value!r}; accepted: {', '.join(accepted)}")
+    return key
+
+
+def _check_int(name: str, value: Any, low: int, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name}: expected an int, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bounds = f"in {low}..{high}" if high is not None else f">= {low}"
+        raise ValueError(f"{name}: must be {bounds}, got {value}")
+    return int(value)
+
+
+def _check_fraction(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"lora_fraction: expected a number in (0, 1], got {value!r}")
+    if not 0 < value <= 1:
+        raise ValueError(
+            f"lora_fraction: must be in (0, 1] (adapter parameters as a fraction of the base "
+            f"model's), got {value}"
+        )
+    return float(value)
+
+
+def _per_device(count: int, bits: int, sharded: bool, devices: int) -> int:
+    """Bytes on one device of ``count`` elements of ``bits`` bits, sharded into padded shards."""
+    elements = -(-count // devices) if sharded else count
+    return -(-elements * bits // 8)
+
+
+def model_states(
+    num_params: int | str,
+    *,
+    optimizer: str = "adam",
+    precision: str = "mixed",
+    zero_stage: int = 0,
+    devices: int = 1,
+    lora_fraction: float | None = None,
+    frozen_dtype: str = "bf16",
+) -> ModelStateBytes:
+    """Closed-form per-device bytes of parameters, gradients and optimizer state.
+
+    Bytes per trained parameter (``precision``):
+
+    * ``"fp32"``: params 4 (they are the master), grads 4, each moment 4.
+    * ``"mixed"``: params 2, grads 2, f32 master 4, each moment 4: (2 + 2 + 12) for Adam.
+    * ``"pure_bf16"``: params 2, grads 2, each moment 2, no master (optax gives bf16 params
+      bf16 moments).
+
+    Moments (``optimizer``): ``adam``/``adamw`` 2, ``lion``/``sgd_momentum`` 1, ``sgd`` 0.
+
+    ZeRO: stage >= 1 shards optimizer state (with the master copy), >= 2 also gradients, 3 also
+    parameters and frozen weights, each into ``ceil(count / devices)``-element shards.
+
+    LoRA (``lora_fraction`` set), as in Biderman et al. (2024), appendix D: the whole base model
+    (``num_params``) is frozen and stored once in ``frozen_dtype``; the adapters add
+    ``round(lora_fraction * num_params)`` trainable parameters, with grads, master and moments.
+    7B with 1% adapters and Adam: 2Ψ + 16 x 0.01Ψ = 15.12 GB.
+
+    Args:
+      num_params: Ψ, the model's (base) parameter count; an int or a string like ``"7B"``.
+      optimizer: one of ``adam``, ``adamw``, ``lion``, ``sgd_momentum``, ``sgd``.
+      precision: one of ``fp32``, ``mixed``, ``pure_bf16``.
+      zero_stage: 0 (DDP, everything replicated) to 3 (FSDP).
+      devices: number of data-parallel devices (>= 1).
+      lora_fraction: adapter parameters as a fraction of ``num_params``, in (0, 1]; None for full
+        fine-tuning.
+      frozen_dtype: storage of the frozen base under LoRA: ``bf16``, ``fp16``, ``fp32``, ``fp8``,
+        ``int8``, ``int4``/``nf4``.
+
+    Returns:
+      A :class:`ModelStateBytes` for one device.
+
+    Raises:
+      ValueError: naming the argument, for unknown names, out-of-range stages, devices or
+        fractions, or a non-positive parameter count.
+
+    Example:
+      >>> model_states("7B").model_state_bytes / GB
+      112.0
+      >>> model_states("70B", zero_stage=3, devices=8).model_state_bytes / GB
+      140.0
+      >>> model_states("7B", lora_fraction=0.01, zero_stage=3, devices=8).model_state_bytes / GB
+      1.89
+    """
+    num_params = parse_count(num_params)
+    if num_params < 1:
+        raise ValueError(f"num_params: must be >= 1, got {num_params}")
+    optimizer = _check_choice("optimizer", optimizer, OPTIMIZERS)
+    precision = _check_choice("precision", precision, PRECISIONS)
+    zero_stage = _check_int("zero_stage", zero_stage, 0, 3)
+    devices = _check_int("devices", devices, 1)
+    per = PRECISIONS[precision]
+    moments = OPTIMIZERS[optimizer]
+
+    if lora_fraction is None:
+        trainable, frozen, frozen_bits = num_params, 0, 0
+    else:
+        fraction = _check_fraction(lora_fraction)
+        frozen_dtype = _check_choice("frozen_dtype", frozen_dtype, _FROZEN_BITS)
+        trainable = max(1, round(fraction * num_params))
+        frozen, frozen_bits = num_params, _FROZEN_BITS[frozen_dtype]
+
+    shard_opt, shard_grads, shard_params = zero_stage >= 1, zero_stage >= 2, zero_stage >= 3
+    frozen_bytes = _per_device(frozen, frozen_bits, shard_params, devices)
+    params_bytes = _per_device(trainable, 8 * per.param, shard_params, devices) + frozen_bytes
+    grads_bytes = _per_device(trainable, 8 * per.grad, shard_grads, devices)
+    master_bytes = _per_device(trainable, 8 * per.master, shard_opt, devices)
+    moment_bytes = _per_device(trainable, 8 * per.moment * moments, shard_opt, devices)
+    return ModelStateBytes(
+        params_bytes=params_bytes,
+        grads_bytes=grads_bytes,
+        optimizer_bytes=master_bytes + moment_bytes,
+        master_bytes=master_bytes,
+        frozen_bytes=frozen_bytes,
+        trainable_params=trainable,
+        frozen_params=frozen,
+        devices=devices,
+        zero_stage=zero_stage,
+    )
+
+
+def _to_dtype(value: Any, name: str) -> np.dtype:
+    if isinstance(value, str) and value.strip().lower() in _DTYPE_NAMES:
+        return np.dtype(_DTYPE_NAMES[value.strip().lower()])
+    try:
+        return np.dtype(value)
+    except TypeError as e:
+        raise ValueError(
+            f"{name}: {value!r} is not a dtype; use a dtype or one of {', '.join(_DTYPE_NAMES)}"
+        ) from e
+
+
+def _leaf_bytes(shape: tuple[int, ...], dtype: Any, sharded: bool, devices: int) -> tuple[int, int]:
+    """(bytes on one device, of which replicated although the stage shards it)."""
+    total = -(-math.prod(shape) * jax.dtypes.itemsize_bits(dtype) // 8)
+    if not sharded or devices == 1:
+        return total, 0
+    if any(dim % devices == 0 and dim > 0 for dim in shape):
+        return total // devices, 0
+    return total, total
+
+
+def estimate_tree(
+    abstract_params: Any,
+    optimizer: Any,
+    *,
+    param_dtype: Any,
+    compute_dtype: Any,
+    zero_stage: int = 0,
+    devices: int = 1,
+    trainable: Any = None,
+) -> ModelStateBytes:
+    """Per-device model-state bytes of a real parameter pytree under a real optax optimizer.
+
+    Nothing is allocated: optimizer state shapes come from
+    ``jax.eval_shape(optimizer.init, trainable_params)``.
+
+    What is counted (effijax's train step stores the trainable parameters in ``param_dtype`` and
+    casts them to ``compute_dtype`` inside the step):
+
+    * ``params_bytes``: trainable leaves at ``param_dtype`` (whatever their dtype in
+      ``abstract_params``) plus frozen leaves at their own dtype. Stored params are the master
+      copy, so ``master_bytes`` is 0.
+    * ``grads_bytes``: trainable leaves at ``param_dtype``: the gradient with respect to an f32
+      parameter cast to bf16 is f32 (the cast's transpose), so gradients never come out in
+      ``compute_dtype``.
+    * ``optimizer_bytes``: every leaf of the optimizer state, small counters included.
+    * ``compute_copy_bytes``: the cast of every parameter whose dtype differs from
+      ``compute_dtype``; a transient inside the step, reported but not in ``model_state_bytes``.
+
+    For Adam with f32 params this is 4 + 4 + 8 = 16 bytes per parameter, the same total as
+    :func:`model_states`'s ``"mixed"`` (2 + 2 + 12) and the same fields as its ``"fp32"``.
+
+    ZeRO sharding follows :func:`model_states`: stage >= 1 shards optimizer leaves, >= 2 gradient
+    leaves, 3 parameter (and frozen, and compute-copy) leaves. A leaf is sharded only if one of
+    its dimensions divides by ``devices`` (how a sharding rule splits an array in jax); other
+    leaves stay whole on every device and are added up in ``replicated_bytes``.
+
+    Args:
+      abstract_params: a pytree of ``jax.ShapeDtypeStruct`` or arrays (e.g. from
+        ``jax.eval_shape(model.init, ...)``).
+      optimizer: an ``optax.GradientTransformation``; its ``init`` receives the trainable
+        parameters at ``param_dtype``, with frozen leaves replaced by ``None``.
+      param_dtype: storage dtype of the trainable parameters (``jnp.float32``, ``"bf16"``, ...).
+      compute_dtype: dtype of the forward and backward pass.
+      zero_stage: 0 (DDP) to 3 (FSDP).
+      devices: data-parallel devices (>= 1).
+      trainable: None (everything trains) or a pytree of bools with exactly the structure of
+        ``abstract_params``; False leaves are frozen (no gradient, no optimizer state). For
+        LoRA, put the frozen base and the adapters in one tree, e.g.
+        ``{"base": base, "lora": adapters}`` with mask ``{"base": False..., "lora": True...}``.
+
+    Returns:
+      A :class:`ModelStateBytes` for one device.
+
+    Raises:
+      ValueError: for a ``trainable`` tree of another structure or with non-bool leaves, a leaf
+        without shape and dtype, an unknown dtype, or out-of-range stage/devices.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> params = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)}
+      >>> est = estimate_tree(params, optax.adam(1e-3), param_dtype=jnp.float32,
+      ...                     compute_dtype=jnp.bfloat16)
+      >>> est.params_bytes, est.grads_bytes, est.optimizer_bytes - 8 * 2**20
+      (4194304, 4194304, 4)
+    """
+    zero_stage = _check_int("zero_stage", zero_stage, 0, 3)
+    devices = _check_int("devices", devices, 1)
+    param_dtype = _to_dtype(param_dtype, "param_dtype")
+    compute_dtype = _to_dtype(compute_dtype, "compute_dtype")
+
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
+    if not with_paths:
+        raise ValueError("abstract_params: the tree has no leaves")
+    leaves = []
+    for path, leaf in with_paths:
+        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+            raise ValueError(
+                f"abstract_params: leaf {jax.tree_util.keystr(path)} is {type(leaf).__name__}, "
+                "not an array; pass jax.ShapeDtypeStruct leaves (jax.eval_shape) or arrays"
+            )
+        leaves.append((tuple(leaf.shape), np.dtype(leaf.dtype)))
+
+    if trainable is None:
+        mask = [True] * len(leaves)
+    else:
+        try:
+            mask = treedef.flatten_up_to(trainable)
+        except (ValueError, TypeError) as e:
+            raise ValueError(
+                "trainable: must be a pytree of bools with the structure of abstract_params "
+                f"({treedef.num_leaves} leaves); got {jax.tree.structure(trainable)}"
+            ) from e
+        for (path, _), flag in zip(with_paths, mask, strict=True):
+            if not isinstance(flag, bool | np.bool_):
+                raise ValueError(
+                    f"trainable: leaf {jax.tree_util.keystr(path)} is {flag!r}; expected True "
+                    "(trained) or False (frozen)"
+                )
+        mask = [bool(flag) for flag in mask]
+
+    shard_opt, shard_grads, shard_params = zero_stage >= 1, zero_stage >= 2, zero_stage >= 3
+    params_bytes = grads_bytes = frozen_bytes = replicated = compute_copy = 0
+    trainable_count = frozen_count = 0
+    for (shape, dtype), train in zip(leaves, mask, strict=True):
+        size = math.prod(shape)
+        stored = param_dtype if train else dtype
+        nbytes, rep = _leaf_bytes(shape, stored, shard_params, devices)
+        params_bytes, replicated = params_bytes + nbytes, replicated + rep
+        if stored != compute_dtype:
+            compute_copy += _leaf_bytes(shape, compute_dtype, shard_params, devices)[0]
+        if train:
+            trainable_count += size
+            nbytes, rep = _leaf_bytes(shape, param_dtype, shard_grads, devices)
+            grads_bytes, replicated = grads_bytes + nbytes, replicated + rep
+        else:
+            frozen_count += size
+            frozen_bytes += nbytes
+
+    trainable_tree = jax.tree.unflatten(
+        treedef,
+        [
+            jax.ShapeDtypeStruct(shape, param_dtype) if train else None
+            for (shape, _), train in zip(leaves, mask, strict=True)
+        ],
+    )
+    opt_state = jax.eval_shape(optimizer.init, trainable_tree)
+    optimizer_bytes = 0
+    for leaf in jax.tree.leaves(opt_state):
+        nbytes, rep = _leaf_bytes(tuple(leaf.shape), leaf.dtype, shard_opt, devices)
+        optimizer_bytes, replicated = optimizer_bytes + nbytes, replicated + rep
+
+    return ModelStateBytes(
+        params_bytes=params_bytes,
+        grads_bytes=grads_bytes,
+        optimizer_bytes=optimizer_bytes,
+        master_bytes=0,
+        frozen_bytes=frozen_bytes,
+        trainable_params=trainable_count,
+        frozen_params=frozen_count,
+        devices=devices,
+        zero_stage=zero_stage,
+        replicated_bytes=replicated,
+        compute_copy_bytes=compute_copy,
+    )

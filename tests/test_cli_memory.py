@@ -1,0 +1,132 @@
+"""``effijax memory`` and ``effijax plan`` through a parser built in-process with add_parsers."""
+
+import argparse
+import doctest
+import json
+
+import pytest
+
+from effijax.cli import _memory
+
+
+def run(argv):
+    """Parses ``argv`` like the ``effijax`` program does and calls the handler."""
+    parser = argparse.ArgumentParser(prog="effijax")
+    _memory.add_parsers(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def run_json(argv, capsys):
+    assert run([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_memory_json_zero3(capsys):
+    out = run_json(["memory", "--params", "7B", "--zero", "3", "--devices", "8"], capsys)
+    assert out["params_bytes"] == 1_750_000_000  # 2 B x 7e9 / 8
+    assert out["grads_bytes"] == 1_750_000_000
+    assert out["optimizer_bytes"] == 10_500_000_000  # 12 B x 7e9 / 8
+    assert out["master_bytes"] == 3_500_000_000
+    assert out["model_state_bytes"] == 14_000_000_000  # seed 003: 14 GB
+    assert "activation_bytes" not in out
+    assert all(isinstance(v, int) for v in out.values())
+
+
+def test_memory_json_lora(capsys):
+    argv = ["memory", "--params", "7B", "--zero", "3", "--devices", "32", "--lora-fraction", "0.01"]
+    out = run_json([*argv, "--frozen-dtype", "bf16"], capsys)
+    assert out["model_state_bytes"] == 472_500_000  # seed 003: 0.4725 GB
+    assert out["trainable_params"] == 70_000_000
+
+
+def test_memory_json_lion_single_gpu(capsys):
+    out = run_json(["memory", "--params", "70B", "--optimizer", "lion"], capsys)
+    assert out["model_state_bytes"] == 840 * 10**9
+
+
+def test_memory_json_with_activations(capsys):
+    shape = ["--layers", "32", "--hidden", "4096", "--heads", "32", "--seq-len", "2048"]
+    out = run_json(["memory", "--params", "7B", *shape, "--batch-size", "1"], capsys)
+    assert out["activation_bytes"] == 30_601_641_984  # seed 004 formula, hand-computed
+    assert out["total_bytes"] == 112 * 10**9 + 30_601_641_984
+    flags = ["--checkpointing", "block", "--blockwise-attention", "--no-dropout"]
+    out = run_json(["memory", "--params", "7B", *shape, "--batch-size", "1", *flags], capsys)
+    psbh = 2 * 2048 * 4096
+    assert out["activation_bytes"] == 32 * psbh + 16 * psbh + 8 * 32 * 2048
+
+
+def test_memory_table(capsys):
+    assert run(["memory", "--params", "7.5B", "--zero", "1", "--devices", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "ZeRO-1 on 64 device(s)" in out
+    assert "31.41 GB" in out  # seed 004: 31.4 GB
+    assert "31,406,250,000" in out
+
+
+def test_plan_text(capsys):
+    assert run(["plan", "--params", "70B", "--devices", "8", "--device-memory", "80GB"]) == 0
+    out = capsys.readouterr().out
+    assert "16/8 B/param x 70e9 = 140 GB > 72 GB usable" in out
+    assert out.strip().splitlines()[-1].startswith("-> plan: LoRA")
+
+
+def test_plan_json(capsys):
+    argv = ["plan", "--params", "7B", "--devices", "8", "--device-memory", "80GB"]
+    shape = ["--layers", "32", "--hidden", "4096", "--heads", "32", "--seq-len", "2048"]
+    out = run_json([*argv, *shape, "--global-batch", "64"], capsys)
+    assert out["fits"] is True and out["lora"] is False
+    assert (out["zero_stage"], out["checkpointing"], out["micro_batch"]) == (1, "block", 8)
+    assert out["states"]["model_state_bytes"] == 38_500_000_000
+    assert out["usable_bytes"] == 72 * 10**9
+    assert out["explain"][-1].startswith("-> plan: full fine-tuning")
+
+
+def test_plan_that_does_not_fit_exits_1(capsys):
+    assert run(["plan", "--params", "405B", "--devices", "8", "--device-memory", "80GB"]) == 1
+    assert "-> does not fit" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["memory", "--params", "7X"], ["argument --params", "unknown unit 'X'", "B (1e9)"]),
+        (["memory", "--params=-7B"], ["argument --params", "non-negative"]),
+        (["memory", "--params", "7B", "--optimizer", "adagrad"], ["invalid choice", "lion"]),
+        (["memory", "--params", "7B", "--zero", "4"], ["argument --zero", "invalid choice"]),
+        (["memory", "--params", "7B", "--devices", "0"], ["argument --devices", "positive"]),
+        (["memory", "--params", "7B", "--lora-fraction", "2"], ["--lora-fraction", "(0, 1]"]),
+        (
+            ["plan", "--params", "7B", "--devices", "8", "--device-memory", "80 gigs"],
+            ["argument --device-memory", "unknown unit", "GiB"],
+        ),
+        (["plan", "--params", "7B", "--devices", "8"], ["--device-memory", "required"]),
+    ],
+)
+def test_bad_flags_exit_2(argv, expected, capsys):
+    with pytest.raises(SystemExit) as exc:
+        run(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    for text in expected:
+        assert text in err
+    assert "Traceback" not in err
+
+
+def test_incomplete_shape_exits_2(capsys):
+    assert run(["memory", "--params", "7B", "--layers", "32", "--hidden", "4096"]) == 2
+    err = capsys.readouterr().err
+    assert "effijax memory: error: --heads, --seq-len, --batch-size: required" in err
+
+
+def test_library_errors_name_the_flag(capsys):
+    argv = ["plan", "--params", "7B", "--devices", "8", "--device-memory", "80GB"]
+    shape = ["--layers", "2", "--hidden", "8", "--heads", "2", "--seq-len", "4"]
+    assert run([*argv, *shape, "--global-batch", "12"]) == 2
+    err = capsys.readouterr().err
+    assert "effijax plan: error: --global-batch: 12 does not divide evenly over 8 devices" in err
+
+
+def test_docstring_examples():
+    result = doctest.testmod(_memory)
+    assert result.attempted > 0 and result.failed == 0
