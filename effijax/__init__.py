@@ -1,0 +1,29 @@
+"""effijax: efficient training in plain functional JAX.
+
+* :mod:`effijax.precision`: precision policies, fp32 islands, loss scaling as optax transforms.
+* :mod:`effijax.sharding`: meshes and DDP / ZeRO-1/2/3 (FSDP) strategies.
+* :mod:`effijax.memory`: analytic memory estimates, measurement, the planner.
+* :mod:`effijax.models`, :mod:`effijax.data`: a Flax NNX GPT and offline byte corpora.
+* :mod:`effijax.train`: ``TrainState`` and the functional, jittable train step.
+
+Subpackages are imported on use (``import effijax.models``), so ``import effijax`` stays light.
+"""
+
+from effijax.errors import ConfigError
+from effijax.precision import Policy, dynamic_loss_scale, get_policy, static_loss_scale
+from effijax.train import TrainState, init_train_state, make_optimizer, make_train_step
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError",
+    "Policy",
+    "get_policy",
+    "dynamic_loss_scale",
+    "static_loss_scale",
+    "TrainState",
+    "init_train_state",
+    "make_train_step",
+    "make_optimizer",
+    "__version__",
+]

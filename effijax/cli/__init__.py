@@ -1,0 +1,43 @@
+"""The ``effijax`` command line: ``effijax train``, ``effijax memory``, ``effijax plan``.
+
+Each subcommand lives in its own module, parses its flags, validates them before anything is
+compiled, and calls library functions. ``python -m effijax`` is the same program.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["main", "build_parser"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with every subcommand registered.
+
+    Example:
+      >>> build_parser().parse_args(["train", "--steps", "5"]).steps
+      5
+    """
+    from effijax.cli import _memory, _train
+
+    parser = argparse.ArgumentParser(
+        prog="effijax",
+        description="Efficient training in plain functional JAX: mixed precision, sharding, "
+        "LoRA, memory accounting.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _train.add_parsers(sub)
+    _memory.add_parsers(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``effijax`` console script; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

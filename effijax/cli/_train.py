@@ -1,0 +1,212 @@
+"""``effijax train``: train a GPT on an offline byte corpus with a precision policy.
+
+With no flags it trains the ``mini`` GPT on the local Python standard library's source for 300
+steps (a couple of minutes on a 2-core CPU) and writes ``runs/train/``: ``config.json``,
+``metrics.jsonl``, ``summary.json`` and ``loss.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+from pathlib import Path
+
+from effijax.errors import ConfigError
+
+PRECISIONS = ("auto", "fp32", "bf16", "fp16", "pure_bf16")
+
+
+def add_parsers(sub) -> None:
+    """Registers ``train`` on an ``argparse`` subparsers object."""
+    p = sub.add_parser(
+        "train",
+        help="train a GPT on an offline corpus",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--precision", default="auto", choices=PRECISIONS,
+                   help="precision policy preset; auto = bf16 on GPU/TPU, fp32 on CPU (where "
+                   "bf16 matmuls are emulated and slower)")
+    p.add_argument("--loss-scale", default="auto",
+                   help="'auto' (dynamic for fp16, none otherwise), 'dynamic', 'none', or a "
+                   "number for a static scale")
+    p.add_argument("--model", default="mini", help="GPT preset: tiny, mini, small, base")
+    p.add_argument("--steps", type=int, default=300, help="training steps")
+    p.add_argument("--batch-size", type=int, default=16, help="global batch (sequences)")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="sequence length (default: the model preset's)")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: 5%%)")
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--clip", type=float, default=1.0, help="global-norm clip; 0 disables")
+    p.add_argument("--accumulate", type=int, default=1,
+                   help="micro-steps per optimizer step (optax.MultiSteps)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data", default=None,
+                   help="a text file or folder (default: the Python standard library source)")
+    p.add_argument("--out", default="runs/train", help="run directory")
+    p.add_argument("--eval-batches", type=int, default=8, help="validation batches at the end")
+    p.add_argument("--cpu-devices", type=int, default=None,
+                   help="force N CPU devices (for runs without an accelerator)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSettings:
+    """The validated settings of one ``effijax train`` run (what ``config.json`` records)."""
+
+    precision: str
+    loss_scale: str | float | None
+    model: str
+    steps: int
+    batch_size: int
+    seq_len: int | None
+    lr: float
+    warmup: int
+    weight_decay: float
+    clip: float | None
+    accumulate: int
+    seed: int
+    data: str | None
+    out: str
+    eval_batches: int
+
+
+def _positive_int(name: str, value, minimum: int = 1) -> int:
+    if not isinstance(value, int) or value < minimum:
+        raise ConfigError(name, value, f"must be an integer >= {minimum}")
+    return value
+
+
+def validate(args: argparse.Namespace) -> TrainSettings:
+    """Checks every flag before anything is compiled; raises :class:`ConfigError`."""
+    from effijax.models import PRESETS as MODEL_PRESETS
+
+    steps = _positive_int("--steps", args.steps)
+    batch = _positive_int("--batch-size", args.batch_size)
+    accumulate = _positive_int("--accumulate", args.accumulate)
+    _positive_int("--eval-batches", args.eval_batches, 0)
+    if args.seq_len is not None:
+        _positive_int("--seq-len", args.seq_len, 2)
+    if args.model not in MODEL_PRESETS:
+        raise ConfigError("--model", args.model, f"unknown preset; choose from "
+                          f"{', '.join(MODEL_PRESETS)}")
+    if not args.lr > 0:
+        raise ConfigError("--lr", args.lr, "must be > 0")
+    if args.clip < 0:
+        raise ConfigError("--clip", args.clip, "must be >= 0 (0 disables clipping)")
+    if args.weight_decay < 0:
+        raise ConfigError("--weight-decay", args.weight_decay, "must be >= 0")
+    warmup = args.warmup if args.warmup is not None else max(1, steps // 20)
+    if not 0 <= warmup <= steps:
+        raise ConfigError("--warmup", warmup, f"must be in [0, --steps={steps}]")
+    if steps % accumulate:
+        raise ConfigError("--steps", steps, f"must be a multiple of --accumulate={accumulate}")
+    if args.cpu_devices is not None:
+        _positive_int("--cpu-devices", args.cpu_devices)
+
+    ls = args.loss_scale.strip().lower() if isinstance(args.loss_scale, str) else args.loss_scale
+    if ls == "auto":
+        loss_scale = "dynamic" if args.precision == "fp16" else None
+    elif ls == "none":
+        loss_scale = None
+    elif ls == "dynamic":
+        loss_scale = "dynamic"
+    else:
+        try:
+            loss_scale = float(ls)
+        except ValueError:
+            raise ConfigError("--loss-scale", args.loss_scale,
+                              "use auto, dynamic, none or a positive number") from None
+        if not loss_scale > 0:
+            raise ConfigError("--loss-scale", args.loss_scale, "a static scale must be > 0")
+    if args.precision == "fp16" and loss_scale is None:
+        raise ConfigError("--loss-scale", args.loss_scale,
+                          "fp16 without loss scaling loses small gradients; use dynamic")
+    if args.data is not None and not Path(args.data).exists():
+        raise ConfigError("--data", args.data, "no such file or folder")
+    out = Path(args.out)
+    probe = out if out.exists() else next((p for p in out.parents if p.exists()), Path("."))
+    if not os.access(probe, os.W_OK):
+        raise ConfigError("--out", args.out, f"{probe} is not writable")
+    return TrainSettings(
+        precision=args.precision, loss_scale=loss_scale, model=args.model, steps=steps,
+        batch_size=batch, seq_len=args.seq_len, lr=args.lr, warmup=warmup,
+        weight_decay=args.weight_decay, clip=args.clip or None, accumulate=accumulate,
+        seed=args.seed, data=args.data, out=str(out), eval_batches=args.eval_batches,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs ``effijax train``; returns the exit code."""
+    try:
+        settings = validate(args)
+    except ConfigError as e:
+        print(f"effijax train: error: {e}", file=sys.stderr)
+        return 2
+    import jax
+
+    if args.cpu_devices is not None:
+        jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+    if settings.precision == "auto":
+        resolved = "fp32" if jax.default_backend() == "cpu" else "bf16"
+        settings = dataclasses.replace(settings, precision=resolved)
+
+    from effijax.data import corpus_fingerprint, load_corpus, split_corpus
+    from effijax.jobs import build_lm_job
+    from effijax.models import gpt_config
+    from effijax.run import RunDir, train_loop
+    from effijax.train import make_optimizer
+
+    overrides = {} if settings.seq_len is None else {"seq_len": settings.seq_len}
+    model = gpt_config(settings.model, **overrides)
+    try:
+        tokens = load_corpus(settings.data)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"effijax train: error: --data: {e}", file=sys.stderr)
+        return 2
+    train_tokens, val_tokens = split_corpus(tokens)
+    if min(len(train_tokens), len(val_tokens)) <= model.seq_len + 1:
+        print(f"effijax train: error: --data: corpus of {len(tokens)} bytes is too short for "
+              f"--seq-len {model.seq_len}", file=sys.stderr)
+        return 2
+    optimizer = make_optimizer(
+        settings.lr, settings.steps // settings.accumulate,
+        warmup_steps=settings.warmup // settings.accumulate,
+        weight_decay=settings.weight_decay, clip_norm=settings.clip,
+        loss_scale=settings.loss_scale, accumulate=settings.accumulate,
+    )
+    job = build_lm_job(model, settings.precision, optimizer, train_tokens=train_tokens,
+                       val_tokens=val_tokens, batch_size=settings.batch_size, seed=settings.seed,
+                       num_eval_batches=settings.eval_batches)
+    config = {
+        **dataclasses.asdict(settings),
+        "model_config": dataclasses.asdict(model),
+        "num_params": job.num_params,
+        "corpus_bytes": int(len(tokens)),
+        "corpus_sha256": corpus_fingerprint(tokens),
+        "devices": [str(d) for d in jax.devices()],
+    }
+    run_dir = RunDir(settings.out, config=config)
+    if run_dir.is_main:
+        print(f"effijax train: {settings.model} GPT, {job.num_params:,} params, "
+              f"precision {settings.precision}, {len(jax.devices())} device(s) -> {settings.out}")
+    t0 = time.perf_counter()
+    state, summary = train_loop(job.step, job.state, job.batch, num_steps=settings.steps,
+                                tokens_per_step=job.tokens_per_step, run_dir=run_dir,
+                                progress=not args.no_progress)
+    summary["wall_time_s"] = time.perf_counter() - t0
+    if settings.eval_batches:
+        summary["eval_loss"] = job.evaluate(state.params)
+    summary["num_params"] = job.num_params
+    run_dir.finish(summary, title=f"{settings.model} GPT, {settings.precision}")
+    if run_dir.is_main:
+        ev = f", eval loss {summary['eval_loss']:.4f}" if "eval_loss" in summary else ""
+        print(f"done: {summary['steps']} steps in {summary['wall_time_s']:.1f}s, final loss "
+              f"{summary['final_loss']:.4f}{ev}, {summary['tokens_per_s']:.0f} tokens/s, "
+              f"{summary['skipped_steps']} skipped; wrote {settings.out}/")
+    return 0

@@ -1,0 +1,294 @@
+"""Run directories and the host-side training loop.
+
+A run directory holds what a researcher looks at after a run:
+
+* ``config.json``: every setting of the run, plus library versions;
+* ``metrics.jsonl``: one JSON object per step (``step``, ``loss``, ``loss_scale``, ``skipped``,
+  ``grad_norm``, ``tokens_per_s``, ``learning_rate``, ...);
+* ``summary.json``: final numbers (loss, evaluation loss, throughput, skipped steps);
+* ``loss.png``: the loss curve, with the loss scale when it moved.
+
+:func:`train_loop` drives a jitted step: it dispatches step ``k+1`` before reading step ``k``'s
+metrics, so logging does not stall the device, and only the main process writes files.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+__all__ = ["RunDir", "train_loop", "read_metrics", "plot_metrics", "library_versions"]
+
+
+def library_versions() -> dict[str, str]:
+    """Versions of the libraries a result depends on.
+
+    Example:
+      >>> sorted(library_versions())[:3]
+      ['effijax', 'flax', 'jax']
+    """
+    from importlib import metadata
+
+    out = {"python": platform.python_version()}
+    for name in ("effijax", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, np.generic | np.ndarray | jax.Array):
+        value = np.asarray(value).item() if np.ndim(value) == 0 else np.asarray(value).tolist()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no inf/nan; keep them readable and parseable
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+class RunDir:
+    """The files of one run. Only the main process (``jax.process_index() == 0``) writes.
+
+    Args:
+      path: the directory (created if missing).
+      config: the run's settings, written to ``config.json`` with library versions.
+      append: keep an existing ``metrics.jsonl`` (a resumed run) instead of starting it anew.
+
+    Example:
+      >>> import tempfile
+      >>> d = RunDir(tempfile.mkdtemp(), config={"lr": 1e-3})
+      >>> d.log({"step": 1, "loss": 2.5})
+      >>> read_metrics(d.path)[0]["loss"]
+      2.5
+    """
+
+    def __init__(self, path: str | os.PathLike, *, config: dict, append: bool = False):
+        self.path = Path(path)
+        self.is_main = jax.process_index() == 0
+        if not self.is_main:
+            return
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.write_json("config.json", {**config, "versions": library_versions()})
+        metrics = self.path / "metrics.jsonl"
+        if not append and metrics.exists():
+            metrics.unlink()
+
+    def write_json(self, name: str, obj: dict) -> None:
+        """Writes ``name`` atomically (temp file + rename), so a killed run never leaves half."""
+        if not self.is_main:
+            return
+        tmp = self.path / f".{name}.tmp"
+        tmp.write_text(json.dumps(_jsonable(obj), indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, self.path / name)
+
+    def log(self, record: dict) -> None:
+        """Appends one record to ``metrics.jsonl``."""
+        if not self.is_main:
+            return
+        with open(self.path / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(_jsonable(record)) + "\n")
+
+    def finish(self, summary: dict, *, title: str = "") -> None:
+        """Writes ``summary.json`` and ``loss.png``."""
+        if not self.is_main:
+            return
+        self.write_json("summary.json", summary)
+        records = read_metrics(self.path)
+        if records:
+            plot_metrics({title or self.path.name: records}, self.path / "loss.png")
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """Reads ``metrics.jsonl`` of a run directory (or the file itself).
+
+    Example:
+      >>> import tempfile, pathlib
+      >>> p = pathlib.Path(tempfile.mkdtemp()) / "metrics.jsonl"
+      >>> _ = p.write_text('{"step": 1, "loss": 3.0}\\n')
+      >>> read_metrics(p)
+      [{'step': 1, 'loss': 3.0}]
+    """
+    p = Path(path)
+    if p.is_dir():
+        p = p / "metrics.jsonl"
+    if not p.exists():
+        raise FileNotFoundError(f"no metrics file at {p}")
+    with open(p) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _as_float(v) -> float:
+    return float(v)  # also parses the "inf"/"nan" strings that _jsonable writes
+
+
+def plot_metrics(runs: dict[str, list[dict]], path: str | os.PathLike, *,
+                 title: str | None = None) -> Path:
+    """Plots loss curves of one or more runs, and their loss scales when any moved.
+
+    Args:
+      runs: ``{label: records}`` where records are dicts with ``step`` and ``loss`` (and
+        optionally ``loss_scale``).
+      path: output PNG.
+      title: optional figure title.
+
+    Example:
+      >>> import tempfile, pathlib
+      >>> p = plot_metrics({"a": [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.0}]},
+      ...                  pathlib.Path(tempfile.mkdtemp()) / "loss.png")
+      >>> p.exists()
+      True
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scales = {k: [r.get("loss_scale", 1.0) for r in v] for k, v in runs.items()}
+    show_scale = any(len({_as_float(s) for s in v}) > 1 for v in scales.values())
+    fig, axes = plt.subplots(1, 2 if show_scale else 1, figsize=(11 if show_scale else 6, 4))
+    axes = np.atleast_1d(axes)
+    for label, records in runs.items():
+        steps = [r["step"] for r in records]
+        axes[0].plot(steps, [_as_float(r["loss"]) for r in records], label=label, lw=1.2)
+        if show_scale:
+            axes[1].plot(steps, [_as_float(s) for s in scales[label]], label=label)
+    axes[0].set_xlabel("step")
+    axes[0].set_ylabel("training loss")
+    axes[0].legend()
+    axes[0].grid(alpha=0.3)
+    if show_scale:
+        axes[1].set_yscale("log", base=2)
+        axes[1].set_xlabel("step")
+        axes[1].set_ylabel("loss scale")
+        axes[1].grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def train_loop(
+    step_fn: Callable,
+    state,
+    batch_fn: Callable[[int], Any],
+    *,
+    num_steps: int,
+    tokens_per_step: int,
+    run_dir: RunDir | None = None,
+    progress: bool = True,
+    callbacks: Iterable[Callable[[dict], None]] = (),
+    should_stop: Callable[[], bool] | None = None,
+) -> tuple[Any, dict]:
+    """Runs ``step_fn`` from ``state.step`` up to ``num_steps`` and logs every step.
+
+    Args:
+      step_fn: a jitted ``(state, batch) -> (state, metrics)``; the state may be donated.
+      state: a :class:`~effijax.train.TrainState` (its ``step`` says where to start).
+      batch_fn: ``step -> batch`` (a deterministic function of the step, so resuming is exact).
+      num_steps: the step number to stop at.
+      tokens_per_step: tokens in one global batch, for throughput.
+      run_dir: where to log; None logs nothing.
+      progress: show a tqdm bar with loss, loss scale and tokens/s.
+      callbacks: ``f(record)`` called with each step's host-side record after it is logged.
+      should_stop: polled after each step; True ends the loop early at that step boundary.
+
+    Returns:
+      ``(state, summary)`` with ``steps``, ``final_loss`` (mean of the last 10 losses),
+      ``tokens_per_s`` (median over steps after the first, which includes compilation),
+      ``first_step_s`` (compile + first step), ``skipped_steps``, ``final_loss_scale``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> from effijax.train import init_train_state, make_train_step
+      >>> loss_fn = lambda p, b, rng: jnp.mean((p["w"] - b) ** 2)
+      >>> tx = optax.sgd(0.5)
+      >>> step = jax.jit(make_train_step(loss_fn, tx))
+      >>> state = init_train_state({"w": jnp.zeros(2)}, tx, 0)
+      >>> state, summary = train_loop(step, state, lambda s: jnp.ones(2), num_steps=20,
+      ...                             tokens_per_step=2, progress=False)
+      >>> summary["steps"], summary["final_loss"] < 1e-3
+      (20, True)
+    """
+    from tqdm.auto import tqdm
+
+    start = int(state.step)
+    if num_steps < start:
+        raise ValueError(f"num_steps={num_steps} is before the state's step {start}")
+    is_main = jax.process_index() == 0
+    bar = tqdm(total=num_steps, initial=start, disable=not (progress and is_main),
+               dynamic_ncols=True, unit="step")
+    losses, rates, skipped = [], [], 0
+    first_step_s = None
+    last_scale = float("nan")
+    pending = None  # (step number, metrics on device, dispatch time)
+    t_prev = time.perf_counter()
+
+    def drain(pending):
+        nonlocal t_prev, first_step_s, skipped, last_scale
+        step_no, metrics, _ = pending
+        host = jax.device_get(metrics)
+        now = time.perf_counter()
+        dt = now - t_prev
+        t_prev = now
+        record = {"step": step_no}
+        record.update({k: np.asarray(v).item() for k, v in host.items()})
+        record["tokens_per_s"] = tokens_per_step / dt if dt > 0 else float("inf")
+        record["step_time_s"] = dt
+        if first_step_s is None:
+            first_step_s = dt
+        else:
+            rates.append(record["tokens_per_s"])
+        losses.append(record["loss"])
+        skipped += int(bool(record.get("skipped", False)))
+        last_scale = record.get("loss_scale", 1.0)
+        if run_dir is not None:
+            run_dir.log(record)
+        bar.update(1)
+        bar.set_postfix(loss=f"{record['loss']:.4f}", scale=f"{last_scale:.3g}",
+                        tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
+        for cb in callbacks:
+            cb(record)
+
+    stopped_early = False
+    for step_no in range(start, num_steps):
+        batch = batch_fn(step_no)
+        state, metrics = step_fn(state, batch)
+        if pending is not None:
+            drain(pending)
+        pending = (step_no + 1, metrics, time.perf_counter())
+        if should_stop is not None and should_stop():
+            stopped_early = True
+            break
+    if pending is not None:
+        drain(pending)
+    bar.close()
+    tail = losses[-10:]
+    summary = {
+        "steps": int(state.step),
+        "start_step": start,
+        "stopped_early": stopped_early,
+        "final_loss": float(np.mean(tail)) if tail else float("nan"),
+        "tokens_per_s": float(np.median(rates)) if rates else float("nan"),
+        "first_step_s": first_step_s,
+        "skipped_steps": skipped,
+        "final_loss_scale": last_scale,
+    }
+    return state, summary

@@ -1,0 +1,382 @@
+"""The functional train step: precision policy + loss scaling + any optax optimizer.
+
+``make_train_step(loss_fn, optimizer, policy)`` returns a pure ``step(state, batch) -> (state,
+metrics)`` meant for ``jax.jit(step, donate_argnums=0)``. One step:
+
+1. derives this step's PRNG key from ``(state.rng, state.step)``, so resuming needs only the step;
+2. casts the master parameters to the policy's compute dtype (f32 islands stay in the model);
+3. multiplies the f32 loss by the loss scale found in ``opt_state`` (1 when there is none);
+4. differentiates with respect to the *master* parameters: the cast's transpose hands back
+   gradients in the parameter dtype, while the backward pass itself ran in the compute dtype;
+5. lets the optimizer (e.g. ``dynamic_loss_scale(adamw)``) unscale, check finiteness, skip or
+   apply, and applies the updates.
+
+Any model works if it can be written as ``loss_fn(params, batch, rng) -> loss`` (or
+``(loss, aux)`` with ``has_aux=True``): an NNX model via ``nnx.split``/``nnx.merge``, a Linen
+model via ``module.apply``, or a plain function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from effijax.precision import (
+    DynamicLossScaleState,
+    Policy,
+    StaticLossScaleState,
+    all_finite,
+    dynamic_loss_scale,
+    get_policy,
+    loss_scale_of,
+    static_loss_scale,
+    step_skipped,
+)
+from effijax.precision import accumulate as accumulate_gradients
+from effijax.precision._cast import is_floating
+
+__all__ = [
+    "TrainState",
+    "init_train_state",
+    "make_train_step",
+    "make_optimizer",
+    "has_loss_scale",
+    "learning_rate_of",
+    "global_norm_f32",
+    "optax_promotion",
+]
+
+
+class TrainState(NamedTuple):
+    """Everything a training run carries from step to step.
+
+    Attributes:
+      step: int32 scalar, the number of steps taken (skipped steps included); the data position
+        and the per-step PRNG key are functions of it.
+      params: the master parameters (any pytree).
+      opt_state: the optimizer state, including the loss-scale state when there is one.
+      rng: the run's base PRNG key; per-step keys are ``fold_in(rng, step)``.
+    """
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    rng: jax.Array
+
+
+def init_train_state(params, optimizer: optax.GradientTransformation, rng) -> TrainState:
+    """Builds the initial :class:`TrainState`.
+
+    Args:
+      params: master parameters (already in the policy's ``param_dtype``).
+      optimizer: any optax transformation.
+      rng: a PRNG key (``jax.random.key(seed)``) or an int seed.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> s = init_train_state({"w": jnp.zeros(3)}, optax.sgd(0.1), 0)
+      >>> int(s.step), s.params["w"].shape
+      (0, (3,))
+    """
+    if isinstance(rng, int):
+        rng = jax.random.key(rng)
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=_init_optimizer(optimizer, params),
+        rng=rng,
+    )
+
+
+def optax_promotion():
+    """The dtype-promotion context optax calls run under (standard promotion).
+
+    optax 0.2.8 is not clean under strict promotion (Adam's bias correction raises a float to an
+    int32 count; schedules compare floats with int32 steps), so effijax runs *only* the optimizer's
+    ``init`` and ``update`` under standard promotion; the model and the loss keep the caller's
+    setting (the test suite runs them under strict promotion).
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> tx, params = optax.adam(1e-3), {"w": jnp.ones(2)}
+      >>> with optax_promotion():
+      ...     updates, _ = tx.update(params, tx.init(params))
+    """
+    return jax.numpy_dtype_promotion("standard")
+
+
+def _init_optimizer(optimizer, params):
+    with optax_promotion():
+        return optimizer.init(params)
+
+
+def _is_loss_scale_state(x) -> bool:
+    return isinstance(x, DynamicLossScaleState | StaticLossScaleState)
+
+
+def has_loss_scale(opt_state) -> bool:
+    """True if a loss-scale state sits anywhere inside ``opt_state`` (a structural check).
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from effijax.precision import dynamic_loss_scale
+      >>> has_loss_scale(dynamic_loss_scale(optax.sgd(0.1)).init({"w": jnp.ones(2)}))
+      True
+    """
+    leaves = jax.tree.leaves(opt_state, is_leaf=_is_loss_scale_state)
+    return any(_is_loss_scale_state(x) for x in leaves)
+
+
+def learning_rate_of(opt_state) -> jax.Array | None:
+    """The learning rate an ``optax.inject_hyperparams`` optimizer last used, or None.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.5)
+      >>> float(learning_rate_of(tx.init({"w": jnp.ones(1)})))
+      0.5
+    """
+    kinds = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+    for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, kinds)):
+        if isinstance(x, kinds) and "learning_rate" in x.hyperparams:
+            return jnp.asarray(x.hyperparams["learning_rate"], jnp.float32)
+    return None
+
+
+def global_norm_f32(tree) -> jax.Array:
+    """Global L2 norm of the floating leaves, accumulated in f32 (safe for f16/bf16 leaves).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> float(global_norm_f32({"a": jnp.array([3.0], jnp.float16), "b": jnp.array([4.0])}))
+      5.0
+    """
+    sq = [jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)
+          if is_floating(x)]
+    return jnp.sqrt(sum(sq, jnp.float32(0.0)))
+
+
+def _probe_loss_scaling(optimizer) -> bool | None:
+    """Whether ``optimizer`` keeps a loss scale, found abstractly; None if it can't be probed."""
+    try:
+        probe = {"probe": jax.ShapeDtypeStruct((1,), jnp.float32)}
+        state = jax.eval_shape(lambda p: _init_optimizer(optimizer, p), probe)
+    except Exception:  # an optimizer whose init depends on the parameter structure
+        return None
+    return has_loss_scale(state)
+
+
+_FP16_UNSCALED = (
+    "policy {policy} computes in float16 but the optimizer has no loss scaling: gradients below "
+    "2^-24 underflow to zero. Wrap the optimizer: effijax.precision.dynamic_loss_scale(optimizer) "
+    "(or pass allow_unscaled_fp16=True to run unscaled on purpose)"
+)
+
+
+def make_train_step(
+    loss_fn: Callable,
+    optimizer: optax.GradientTransformation,
+    policy: Policy | str = "fp32",
+    *,
+    has_aux: bool = False,
+    allow_unscaled_fp16: bool = False,
+    constrain_params: Callable[[Any], Any] | None = None,
+    constrain_grads: Callable[[Any], Any] | None = None,
+) -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
+    """Returns a pure ``step(state, batch) -> (state, metrics)`` for ``jax.jit``.
+
+    Args:
+      loss_fn: ``loss_fn(params, batch, rng) -> loss`` (or ``(loss, aux)`` with ``has_aux``),
+        called with parameters already cast to ``policy.compute_dtype``. The loss is taken in f32.
+      optimizer: an optax transformation; wrap it in :func:`~effijax.precision.dynamic_loss_scale`
+        for fp16. For gradient accumulation use
+        ``effijax.precision.accumulate(dynamic_loss_scale(opt), k)``.
+      policy: a :class:`~effijax.precision.Policy` or preset name.
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)``; aux scalars join the metrics.
+      allow_unscaled_fp16: permit an fp16 policy without loss scaling (for experiments that
+        show why it fails).
+      constrain_params: applied to the compute-dtype parameters right after the cast (the
+        sharding strategies use it to pin where the all-gather happens: after the cast, so it
+        moves compute-dtype bytes).
+      constrain_grads: applied to the gradients before the optimizer (ZeRO-2/3 pin them to the
+        sharded layout, i.e. a reduce-scatter instead of an all-reduce).
+
+    Returns:
+      ``step``. Its metrics are f32/bool scalars: ``loss`` (unscaled), ``grad_norm`` (of the
+      unscaled gradients; inf/nan on an overflowing step), ``loss_scale`` (the scale that
+      multiplied this step's loss), ``skipped`` (the optimizer skipped the update),
+      ``grads_finite``, ``learning_rate`` (when the optimizer exposes it, see
+      :func:`learning_rate_of`), plus aux entries.
+
+    Raises:
+      ValueError: at construction (or at trace time, for optimizers whose state cannot be probed
+        abstractly) when the policy computes in fp16 and the optimizer has no loss scaling.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> loss_fn = lambda p, b, rng: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
+      >>> tx = dynamic_loss_scale(optax.sgd(0.1), init_scale=2.0**10)
+      >>> step = jax.jit(make_train_step(loss_fn, tx, "fp16"), donate_argnums=0)
+      >>> state = init_train_state({"w": jnp.zeros((2, 1))}, tx, 0)
+      >>> batch = {"x": jnp.ones((4, 2)), "y": jnp.ones((4, 1))}
+      >>> state, m = step(state, batch)
+      >>> float(m["loss"]), float(m["loss_scale"]), bool(m["skipped"])
+      (1.0, 1024.0, False)
+    """
+    policy = get_policy(policy)
+    if not callable(loss_fn):
+        raise ValueError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    if not isinstance(optimizer, optax.GradientTransformation):
+        raise ValueError(
+            f"optimizer must be an optax.GradientTransformation, got {type(optimizer).__name__}"
+        )
+    check_fp16 = policy.needs_loss_scaling and not allow_unscaled_fp16
+    if check_fp16 and _probe_loss_scaling(optimizer) is False:
+        raise ValueError(_FP16_UNSCALED.format(policy=policy))
+
+    def step(state: TrainState, batch) -> tuple[TrainState, dict]:
+        scaled = has_loss_scale(state.opt_state)
+        if check_fp16 and not scaled:
+            raise ValueError(_FP16_UNSCALED.format(policy=policy))
+        rng = jax.random.fold_in(state.rng, state.step)
+        scale = loss_scale_of(state.opt_state)
+
+        def scaled_loss(params):
+            compute_params = policy.cast_to_compute(params)
+            if constrain_params is not None:
+                compute_params = constrain_params(compute_params)
+            out = loss_fn(compute_params, batch, rng)
+            loss, aux = out if has_aux else (out, {})
+            loss = jnp.asarray(loss).astype(jnp.float32)
+            return loss * scale, (loss, aux)
+
+        grads, (loss, aux) = jax.grad(scaled_loss, has_aux=True)(state.params)
+        if constrain_grads is not None:
+            grads = constrain_grads(grads)
+        with optax_promotion():
+            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        # apply_updates keeps each parameter's dtype; assert it so drift is caught at trace time.
+        jax.tree.map(_same_dtype, state.params, params)
+
+        finite = all_finite(grads)
+        metrics = {
+            "loss": loss,
+            "grad_norm": global_norm_f32(grads) / scale,
+            "loss_scale": scale,
+            "skipped": step_skipped(opt_state) if scaled else jnp.zeros((), bool),
+            "grads_finite": finite,
+        }
+        lr = learning_rate_of(opt_state)
+        if lr is not None:
+            metrics["learning_rate"] = lr
+        for k, v in dict(aux).items():
+            metrics[k] = v
+        new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
+                               rng=state.rng)
+        return new_state, metrics
+
+    return step
+
+
+def _same_dtype(before, after):
+    if hasattr(before, "dtype") and before.dtype != after.dtype:
+        raise TypeError(f"parameter dtype drifted from {before.dtype} to {after.dtype}")
+
+
+def make_optimizer(
+    learning_rate: float,
+    total_steps: int,
+    *,
+    warmup_steps: int = 0,
+    weight_decay: float = 0.0,
+    clip_norm: float | None = 1.0,
+    b1: float = 0.9,
+    b2: float = 0.95,
+    eps: float = 1e-8,
+    loss_scale: str | float | Callable | None = None,
+    accumulate: int = 1,
+) -> optax.GradientTransformation:
+    """AdamW with linear warm-up and cosine decay, clipping, loss scaling and accumulation.
+
+    The composition is ``accumulate(loss_scale(chain(clip, adamw)), k)`` (``accumulate`` is
+    ``optax.MultiSteps`` with an accumulator that recovers from an overflow): the clip sees
+    unscaled gradients, the schedule's counter does not advance on skipped steps, and with
+    accumulation one finiteness check decides each effective step.
+
+    Args:
+      learning_rate: peak learning rate.
+      total_steps: number of optimizer (effective) steps the schedule spans.
+      warmup_steps: linear warm-up length.
+      weight_decay: decoupled weight decay (AdamW).
+      clip_norm: global-norm clip threshold, or None for no clipping.
+      b1, b2, eps: Adam's betas and epsilon (scale ``eps`` with the loss when the objective is
+        multiplied by a small constant: Adam is scale-invariant except through ``eps``).
+      loss_scale: None (no scaling), ``"dynamic"`` (:func:`dynamic_loss_scale` with PyTorch's
+        defaults), a number (a static scale), or a wrapper such as
+        ``functools.partial(dynamic_loss_scale, init_scale=2.0**24, growth_interval=100)``.
+      accumulate: micro-steps per optimizer step (:func:`effijax.precision.accumulate`);
+        1 means none.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> tx = make_optimizer(1e-3, 100, warmup_steps=10, loss_scale="dynamic")
+      >>> float(learning_rate_of(tx.init({"w": jnp.ones(2)})))
+      0.0
+    """
+    if not (isinstance(learning_rate, int | float) and learning_rate > 0):
+        raise ValueError(f"learning_rate must be > 0, got {learning_rate!r}")
+    if not (isinstance(total_steps, int) and total_steps >= 1):
+        raise ValueError(f"total_steps must be an int >= 1, got {total_steps!r}")
+    if not (isinstance(warmup_steps, int) and 0 <= warmup_steps <= total_steps):
+        raise ValueError(f"warmup_steps must be in [0, total_steps={total_steps}], "
+                         f"got {warmup_steps!r}")
+    if clip_norm is not None and not clip_norm > 0:
+        raise ValueError(f"clip_norm must be > 0 or None, got {clip_norm!r}")
+    if not (isinstance(accumulate, int) and accumulate >= 1):
+        raise ValueError(f"accumulate must be an int >= 1, got {accumulate!r}")
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=learning_rate,
+        warmup_steps=warmup_steps,
+        decay_steps=max(total_steps, warmup_steps + 1),
+        end_value=learning_rate * 0.1,
+    )
+    adamw = optax.inject_hyperparams(optax.adamw)(
+        learning_rate=schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay
+    )
+    tx = adamw if clip_norm is None else optax.chain(optax.clip_by_global_norm(clip_norm), adamw)
+    if loss_scale == "dynamic":
+        tx = dynamic_loss_scale(tx)
+    elif isinstance(loss_scale, int | float) and not isinstance(loss_scale, bool):
+        tx = static_loss_scale(tx, float(loss_scale))
+    elif callable(loss_scale):
+        tx = loss_scale(tx)
+    elif loss_scale is not None:
+        raise ValueError(
+            f"loss_scale must be None, 'dynamic', a positive number or a wrapper callable, "
+            f"got {loss_scale!r}"
+        )
+    if accumulate > 1:
+        tx = accumulate_gradients(tx, accumulate)
+    return _standard_promotion(tx)
+
+
+def _standard_promotion(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``tx`` with its init and update run under :func:`optax_promotion`, so it can be used
+    directly under strict promotion too."""
+    tx = optax.with_extra_args_support(tx)
+
+    def init(params):
+        with optax_promotion():
+            return tx.init(params)
+
+    def update(updates, state, params=None, **extra):
+        with optax_promotion():
+            return tx.update(updates, state, params, **extra)
+
+    return optax.GradientTransformationExtraArgs(init, update)

@@ -1,0 +1,26 @@
+"""Every docstring example in the package runs and prints what it says (on the 8 CPU devices)."""
+
+import doctest
+import importlib
+import pkgutil
+
+import pytest
+
+import effijax
+
+
+def _modules():
+    names = []
+    for info in pkgutil.walk_packages(effijax.__path__, prefix="effijax."):
+        if info.name.endswith("__main__"):
+            continue
+        names.append(info.name)
+    return sorted(names)
+
+
+@pytest.mark.parametrize("name", _modules())
+def test_docstring_examples(name):
+    module = importlib.import_module(name)
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE,
+                             verbose=False)
+    assert result.failed == 0, f"{result.failed} docstring example(s) failed in {name}"
