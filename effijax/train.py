@@ -29,7 +29,6 @@ from effijax.precision import (
     DynamicLossScaleState,
     Policy,
     StaticLossScaleState,
-    all_finite,
     dynamic_loss_scale,
     get_policy,
     loss_scale_of,
@@ -263,13 +262,15 @@ def make_train_step(
         # apply_updates keeps each parameter's dtype; assert it so drift is caught at trace time.
         jax.tree.map(_same_dtype, state.params, params)
 
-        finite = all_finite(grads)
+        # The norm is finite iff every gradient is (barring an f32 overflow of the sum of
+        # squares, which only an overflowing step produces): one pass over the gradients.
+        norm = global_norm_f32(grads)
         metrics = {
             "loss": loss,
-            "grad_norm": global_norm_f32(grads) / scale,
+            "grad_norm": norm / scale,
             "loss_scale": scale,
             "skipped": step_skipped(opt_state) if scaled else jnp.zeros((), bool),
-            "grads_finite": finite,
+            "grads_finite": jnp.isfinite(norm),
         }
         lr = learning_rate_of(opt_state)
         if lr is not None:

@@ -1,0 +1,86 @@
+"""Side-by-side timing and the RESULTS.md writer shared by the benchmark scripts.
+
+Machines here are noisy, so variants are timed *interleaved*: each round runs every variant for a
+few steps, rounds repeat, and a variant's time is the median over all its timed steps. Ratios are
+taken between variants of the same run, never across runs.
+"""
+
+from __future__ import annotations
+
+import platform
+import re
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+
+RESULTS = Path(__file__).with_name("RESULTS.md")
+
+
+def device_description() -> str:
+    """One line naming the backend, device kind and count, and the host."""
+    d = jax.devices()
+    return (f"{jax.default_backend()} x{len(d)} ({d[0].device_kind}), "
+            f"{platform.machine()} host, jax {jax.__version__}")
+
+
+def time_interleaved(
+    variants: dict[str, Callable[[], Callable[[], object]]],
+    *,
+    rounds: int = 5,
+    steps_per_round: int = 10,
+    warmup: int = 3,
+) -> dict[str, dict]:
+    """Times several step functions interleaved; returns ``{name: {"median_s", "p10_s", ...}}``.
+
+    Args:
+      variants: ``{name: make}`` where ``make()`` builds the variant's state and returns a
+        zero-argument ``run()`` that performs ONE step and blocks until it is done.
+      rounds: how many times every variant gets its turn.
+      steps_per_round: timed steps per turn.
+      warmup: untimed steps per variant before the first round (compilation).
+    """
+    runners = {name: make() for name, make in variants.items()}
+    for run in runners.values():
+        for _ in range(warmup):
+            run()
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(rounds):
+        for name, run in runners.items():
+            for _ in range(steps_per_round):
+                t0 = time.perf_counter()
+                run()
+                times[name].append(time.perf_counter() - t0)
+    out = {}
+    for name, ts in times.items():
+        ts = sorted(ts)
+        out[name] = {
+            "median_s": statistics.median(ts),
+            "p10_s": ts[len(ts) // 10],
+            "p90_s": ts[(9 * len(ts)) // 10],
+            "n": len(ts),
+        }
+    return out
+
+
+def write_section(name: str, body: str) -> None:
+    """Replaces (or appends) the section ``## name`` of RESULTS.md with ``body``."""
+    text = RESULTS.read_text() if RESULTS.exists() else (
+        "# Benchmark results\n\nWritten by the scripts in `benchmarks/`; each section says how it "
+        "was produced. Re-run a script to refresh its section.\n"
+    )
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    section = f"{start}\n## {name}\n\n{body.rstrip()}\n{end}"
+    pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
+    text = pattern.sub(lambda _: section, text) if pattern.search(text) else (
+        text.rstrip() + "\n\n" + section + "\n")
+    RESULTS.write_text(text if text.endswith("\n") else text + "\n")
+
+
+def markdown_table(header: list[str], rows: list[list[object]]) -> str:
+    """A GitHub markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)

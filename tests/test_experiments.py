@@ -1,0 +1,37 @@
+"""The experiments' CI smoke presets run end to end and show the effect they are about."""
+
+import dataclasses
+import importlib.util
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_precision_smoke(tmp_path):
+    precision = _load("precision")
+    cfg = dataclasses.replace(precision.PRESETS["smoke"], out=str(tmp_path))
+    results = precision.main(cfg)
+    steps = cfg.steps
+    under, normal = results["underflow"], results["normal"]
+    # Unscaled fp16 gets all-zero gradients when the loss sits below fp16's range...
+    assert under["fp16"]["zero_grad_steps"] == steps
+    assert abs(under["fp16"]["final_lm_loss"] - under["fp16"]["first_lm_loss"]) < 0.05
+    # ...while dynamic scaling and bf16 learn like fp32.
+    for label in ("fp32", "bf16", "fp16+dynamic"):
+        assert under[label]["zero_grad_steps"] == 0
+        assert under[label]["final_lm_loss"] < under[label]["first_lm_loss"] - 0.3
+    assert abs(under["fp16+dynamic"]["final_lm_loss"] - under["fp32"]["final_lm_loss"]) < 0.1
+    # The 2^24 initial scale overflows at first and is backed off.
+    assert normal["fp16+dynamic"]["skipped_steps"] >= 1
+    assert (tmp_path / "precision.png").stat().st_size > 1000
+    assert (tmp_path / "results.json").exists()
