@@ -1,0 +1,226 @@
+"""Device meshes with effijax's three named axes, and the batch sharding that goes with them.
+
+Every effijax mesh has the axes ``("data", "fsdp", "tensor")`` in that order, size-1 axes
+included, so that partition specs never depend on which axes a run happens to use:
+
+* ``data``: pure replication of the model state (the outer level of hybrid sharding);
+* ``fsdp``: the axis ZeRO-1/2/3 shard parameters, gradients and optimizer state over;
+* ``tensor``: reserved for tensor parallelism (size 1 unless a rule names it).
+
+The batch is split over ``("data", "fsdp")``, i.e. over every device of a (data, fsdp) mesh.
+Axes are ``AxisType.Auto``: XLA's partitioner propagates shardings from the constraints
+effijax places (jax 0.10's ``jax.make_mesh`` defaults to ``Explicit`` axes, i.e. sharding in
+types, a different programming model that these strategies are not written for).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from effijax.errors import ConfigError
+from effijax.paths import named_leaves
+
+__all__ = [
+    "AXES",
+    "BATCH_AXES",
+    "make_mesh",
+    "parse_mesh",
+    "replicated",
+    "batch_sharding",
+    "check_batch",
+    "constrain_batch",
+]
+
+AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+
+def make_mesh(*, data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> Mesh:
+    """Builds a ``(data, fsdp, tensor)`` mesh over all (or the given) devices.
+
+    Exactly the device count must be used: JAX's own ``make_mesh((3, 2))`` on 8 devices silently
+    leaves 2 idle, so a product that does not match is an error here.
+
+    Args:
+      data: replicas of the model state (hybrid sharding's outer axis).
+      fsdp: devices each replica's state is sharded over; ``-1`` means "the rest".
+      tensor: tensor-parallel axis size.
+      devices: devices to use, default ``jax.devices()``.
+
+    Returns:
+      A ``jax.sharding.Mesh`` with axis names :data:`AXES`, every axis ``AxisType.Auto``.
+
+    Raises:
+      ConfigError: a size is not a positive int (or ``-1``), more than one ``-1`` is given, or
+        the sizes do not multiply to the device count.
+
+    Example:
+      >>> import jax
+      >>> mesh = make_mesh(data=2, devices=jax.devices()[:8])
+      >>> dict(mesh.shape)
+      {'data': 2, 'fsdp': 4, 'tensor': 1}
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    n = len(devices)
+    sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
+    for name, size in sizes.items():
+        if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
+            raise ConfigError(name, size, "mesh axis sizes must be positive ints, or -1 for "
+                              "'the remaining devices'")
+    rest = [name for name, size in sizes.items() if size == -1]
+    described = ", ".join(f"{k}={v}" for k, v in sizes.items())
+    if len(rest) > 1:
+        raise ConfigError("mesh", described, f"at most one axis may be -1, got {rest}")
+    known = math.prod(size for size in sizes.values() if size != -1)
+    if rest:
+        if n % known:
+            raise ConfigError("mesh", described, f"the other axes multiply to {known}, which "
+                              f"does not divide the {n} devices")
+        sizes[rest[0]] = n // known
+    elif known != n:
+        raise ConfigError("mesh", described, f"the axis sizes multiply to {known} but there "
+                          f"are {n} devices; make them multiply to {n} or set one axis to -1")
+    shape = tuple(sizes[a] for a in AXES)
+    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
+
+
+def parse_mesh(spec: str) -> dict[str, int]:
+    """Parses a CLI mesh string such as ``"data=2,fsdp=4"`` into :func:`make_mesh` kwargs.
+
+    Axes left out keep :func:`make_mesh`'s defaults; ``-1`` is accepted ("the rest").
+
+    Raises:
+      ConfigError: an item is not ``axis=int``, the axis is unknown or given twice.
+
+    Example:
+      >>> parse_mesh("data=2, fsdp=-1")
+      {'data': 2, 'fsdp': -1}
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ConfigError("mesh", spec, "expected 'axis=size,...', e.g. 'data=2,fsdp=4'")
+    out: dict[str, int] = {}
+    for item in spec.split(","):
+        name, eq, value = (s.strip() for s in item.partition("="))
+        if not eq:
+            raise ConfigError("mesh", spec, f"item {item.strip()!r} is not 'axis=size'; "
+                              "write e.g. 'data=2,fsdp=4'")
+        if name not in AXES:
+            raise ConfigError("mesh", spec, f"unknown axis {name!r}; the axes are "
+                              f"{', '.join(AXES)}")
+        if name in out:
+            raise ConfigError("mesh", spec, f"axis {name!r} is given twice")
+        try:
+            size = int(value)
+        except ValueError:
+            raise ConfigError("mesh", spec, f"size of {name!r} must be an int, got "
+                              f"{value!r}") from None
+        if size < 1 and size != -1:
+            raise ConfigError("mesh", spec, f"size of {name!r} must be >= 1 or -1, got {size}")
+        out[name] = size
+    return out
+
+
+def _check_mesh(mesh) -> Mesh:
+    if not isinstance(mesh, Mesh):
+        raise ConfigError("mesh", type(mesh).__name__, "expected a jax.sharding.Mesh; build "
+                          "one with effijax.sharding.make_mesh")
+    missing = [a for a in BATCH_AXES if a not in mesh.axis_names]
+    if missing:
+        raise ConfigError("mesh", dict(mesh.shape), f"missing axes {missing}; build the mesh "
+                          "with effijax.sharding.make_mesh")
+    return mesh
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """The fully replicated sharding on ``mesh`` (scalars, PRNG keys, metrics).
+
+    Example:
+      >>> replicated(make_mesh()).spec
+      P()
+    """
+    return NamedSharding(mesh, P())
+
+
+def _batch_size_of_mesh(mesh: Mesh) -> int:
+    return math.prod(mesh.shape[a] for a in BATCH_AXES)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Leading (batch) axis split over ``("data", "fsdp")``, i.e. over every data-parallel rank.
+
+    One sharding serves a whole batch pytree as a ``jit`` ``in_shardings`` prefix.
+
+    Example:
+      >>> batch_sharding(make_mesh(data=2)).spec
+      P(('data', 'fsdp'),)
+    """
+    _check_mesh(mesh)
+    return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def check_batch(batch, mesh: Mesh) -> None:
+    """Checks on the host, before compiling, that the global batch splits evenly over the mesh.
+
+    Args:
+      batch: an int batch size, or a pytree of arrays whose leading axis is the batch.
+      mesh: the mesh the batch will be split over.
+
+    Raises:
+      ConfigError: naming the batch size (and the leaf path for a pytree) and data*fsdp.
+
+    Example:
+      >>> check_batch(16, make_mesh(data=2))
+      >>> check_batch(12, make_mesh(data=2))
+      Traceback (most recent call last):
+      ...
+      effijax.errors.ConfigError: batch_size=12: must be divisible by data*fsdp = 8 (data=2, fsdp=4)
+    """
+    _check_mesh(mesh)
+    n = _batch_size_of_mesh(mesh)
+    where = f"data*fsdp = {n} (data={mesh.shape['data']}, fsdp={mesh.shape['fsdp']})"
+    if isinstance(batch, int) and not isinstance(batch, bool):
+        if batch < 1 or batch % n:
+            raise ConfigError("batch_size", batch, f"must be divisible by {where}")
+        return
+    for path, leaf in named_leaves(batch):
+        shape = getattr(leaf, "shape", None)
+        if shape is None or len(shape) == 0:
+            raise ConfigError(f"batch[{path}]", shape, "every batch leaf needs a leading batch "
+                              "axis")
+        if shape[0] % n:
+            raise ConfigError(f"batch[{path}] batch_size", shape[0],
+                              f"must be divisible by {where} (leaf shape {tuple(shape)})")
+
+
+def constrain_batch(x: jax.Array) -> jax.Array:
+    """Pins the leading axis of an activation to ``("data", "fsdp")`` when a mesh is set.
+
+    Call it at block boundaries. Under ``with jax.set_mesh(mesh):`` (jax 0.10 has no
+    ``jax.sharding.use_mesh``; ``set_mesh`` must be entered outside ``jit``, around the call or
+    ``lower``) it applies ``with_sharding_constraint(x, P(("data", "fsdp")))``; with no mesh
+    set (single device, tests) it is the identity. Without such constraints XLA may split small
+    batches the tensor-parallel way (gathering activations instead of FSDP's weights).
+
+    Raises:
+      ValueError: under a mesh, when the leading axis is not divisible by data*fsdp.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> constrain_batch(jnp.ones((3, 2))).shape  # no mesh set: identity
+      (3, 2)
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
+    if not axes:
+        return x
+    n = math.prod(mesh.shape[a] for a in axes)
+    if x.ndim == 0 or x.shape[0] % n:
+        raise ValueError(f"constrain_batch: leading axis of shape {tuple(x.shape)} is not "
+                         f"divisible by {'*'.join(axes)} = {n}")
+    return jax.lax.with_sharding_constraint(x, P(axes))
