@@ -75,6 +75,7 @@ def run_variant(cfg: Config, label: str, policy: str, scaling, multiplier: float
     job = build_lm_job(model, policy, tx, train_tokens=train_tokens, val_tokens=val_tokens,
                        batch_size=cfg.batch_size, seed=cfg.seed, loss_multiplier=multiplier,
                        allow_unscaled_fp16=True)
+    init_eval_loss = job.evaluate(job.state.params)
     run_dir = RunDir(out / label, config={**dataclasses.asdict(cfg), "variant": label,
                                           "policy": policy, "loss_multiplier": multiplier})
     state, summary = train_loop(job.step, job.state, job.batch, num_steps=cfg.steps,
@@ -85,6 +86,7 @@ def run_variant(cfg: Config, label: str, policy: str, scaling, multiplier: float
     summary["first_lm_loss"] = records[0]["lm_loss"]
     summary["zero_grad_steps"] = sum(1 for r in records if r["grad_norm"] == 0.0)
     summary["eval_loss"] = job.evaluate(state.params)
+    summary["init_eval_loss"] = init_eval_loss
     run_dir.finish(summary, title=label)
     return summary
 
@@ -137,13 +139,14 @@ def _plot(out: Path, results: dict) -> None:
 
 
 def _table(results: dict) -> str:
-    lines = ["| setting | variant | first loss | final loss | eval loss | zero-grad steps | "
-             "skipped | final scale | tokens/s |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| setting | variant | first loss | final loss | eval loss (init -> end) | "
+             "zero-grad steps | skipped | final scale | tokens/s |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for setting, variants in results.items():
         for label, s in variants.items():
             lines.append(
                 f"| {setting} | {label} | {s['first_lm_loss']:.3f} | {s['final_lm_loss']:.3f} "
-                f"| {s['eval_loss']:.3f} | {s['zero_grad_steps']} | {s['skipped_steps']} | "
+                f"| {s['init_eval_loss']:.3f} -> {s['eval_loss']:.3f} | {s['zero_grad_steps']} | {s['skipped_steps']} | "
                 f"{s['final_loss_scale']:.4g} | {s['tokens_per_s']:.0f} |"
             )
     return "\n".join(lines)

@@ -52,10 +52,17 @@ def accumulate(inner: optax.GradientTransformation, every_k: int
         raise ValueError(f"every_k must be an int >= 1, got {every_k!r}")
     multi = optax.MultiSteps(inner, every_k_schedule=every_k)
 
+    # optax's MultiSteps mixes f32 with int32 and int32 with bool, which strict dtype promotion
+    # rejects; it runs under standard promotion, our repair does not need it.
+    def init(params):
+        with jax.numpy_dtype_promotion("standard"):
+            return multi.init(params)
+
     def update(updates, state, params=None, **extra):
-        updates, state = multi.update(updates, state, params, **extra)
+        with jax.numpy_dtype_promotion("standard"):
+            updates, state = multi.update(updates, state, params, **extra)
         boundary = state.mini_step == 0
         acc = jax.tree.map(lambda a: jnp.where(boundary, jnp.zeros_like(a), a), state.acc_grads)
         return updates, state._replace(acc_grads=acc)
 
-    return optax.GradientTransformationExtraArgs(multi.init, update)
+    return optax.GradientTransformationExtraArgs(init, update)
