@@ -10,6 +10,10 @@ The model computes in its parameters' own dtype: a train step casts the master p
 ``policy.output_dtype``. Every matmul goes through :func:`_dense` (``dot`` with f32 accumulation),
 softmax and LayerNorm run in f32 (:mod:`effijax.precision._islands`).
 
+LoRA: ``make_apply(graphdef, lora=spec)`` takes ``{"base": params, "adapters": adapters}`` (see
+:mod:`effijax.lora`). The blocks' adapters are stacked along ``L`` like the kernels they adapt,
+so they are scanned with them; ``_dense`` adds ``s·(x a) b`` to ``x w`` and never forms ``a b``.
+
 Shape suffixes: ``B`` batch, ``S`` query sequence, ``T`` key sequence, ``D`` model width,
 ``H`` heads, ``K`` head width, ``F`` MLP width, ``V`` vocabulary, ``L`` layers.
 """
@@ -19,15 +23,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
+import zlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from effijax.errors import ConfigError
+from effijax.lora import LoraSpec, pairs, validate
 from effijax.precision._islands import cross_entropy, dot, layer_norm, softmax
 from effijax.precision._policy import Policy, get_policy
+from effijax.sharding import constrain_batch
 
 __all__ = [
     "ATTENTION",
@@ -226,17 +235,43 @@ def param_count(config: GPTConfig) -> int:
 # Building blocks.
 
 
-def _dense(x_BSD: jax.Array, kernel_DF: jax.Array, bias_F: jax.Array | None) -> jax.Array:
+class _LoraHook(NamedTuple):
+    """One adapted kernel inside a traced layer: adds ``scale · dropout(x) @ a @ b``.
+
+    Built inside the scanned block from that layer's slice of the adapters (so it crosses no
+    transform boundary); ``scale`` and ``dropout`` are Python floats from the static spec.
+    """
+
+    a_DR: jax.Array
+    b_RF: jax.Array
+    scale: float
+    dropout: float
+    key: jax.Array | None
+
+
+def _dense(x_BSD: jax.Array, kernel_DF: jax.Array, bias_F: jax.Array | None,
+           lora: _LoraHook | None = None) -> jax.Array:
     """The one matmul of the model: ``x @ kernel + bias`` with f32 accumulation.
 
     Every parameter matmul goes through here (the tied head too, with the embedding transposed),
     so LoRA hooks in here. A hook must reach tracing through the parameters or the static
     graphdef, not through a module global: ``_run_blocks`` is jitted and reuses its traces.
 
+    With a LoRA hook the result is ``x @ kernel + scale · (x @ a) @ b + bias``: two thin matmuls
+    (``d_in × r``, ``r × d_out``), no ``d_in × d_out`` delta, and since ``kernel`` is not
+    differentiated when only the adapters are, no gradient for it is ever computed. ``b = 0``
+    adds exact zeros, so a fresh adapter leaves the output bit-identical.
+
     The result has ``x``'s dtype; when a policy override keeps this kernel in another dtype, the
-    activations are cast to meet it (never the kernel).
+    activations are cast to meet it (never the kernel). The same holds for the adapters (f32
+    adapters on a bf16 base run their two matmuls in f32).
     """
     y_BSF = dot("...d,df->...f", x_BSD.astype(kernel_DF.dtype), kernel_DF)
+    if lora is not None:
+        xa_BSD = _dropout(x_BSD, lora.dropout, lora.key).astype(lora.a_DR.dtype)
+        h_BSR = dot("...d,dr->...r", xa_BSD, lora.a_DR)
+        u_BSF = dot("...r,rf->...f", h_BSR, lora.b_RF) * lora.scale
+        y_BSF = y_BSF + u_BSF.astype(y_BSF.dtype)
     if bias_F is not None:
         y_BSF = y_BSF + bias_F.astype(y_BSF.dtype)
     return y_BSF.astype(x_BSD.dtype)
@@ -245,10 +280,12 @@ def _dense(x_BSD: jax.Array, kernel_DF: jax.Array, bias_F: jax.Array | None) -> 
 def _constrain(x_BSD: jax.Array) -> jax.Array:
     """Sharding hook on the residual stream, called at every block boundary.
 
-    The identity for now; sharding code will put a batch-axis ``with_sharding_constraint`` here so
-    that activations stay sharded along the batch under FSDP.
+    Under a mesh set with ``jax.set_mesh`` the batch axis is pinned to ``("data", "fsdp")``
+    (:func:`effijax.sharding.constrain_batch`), so XLA keeps activations batch-sharded and gathers
+    FSDP's weights instead of splitting the model the tensor-parallel way; with no mesh it is the
+    identity.
     """
-    return x_BSD
+    return constrain_batch(x_BSD)
 
 
 def _dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
@@ -272,8 +309,9 @@ class _Dense(nnx.Module):
         self.kernel = nnx.Param(_normal(rngs, (*stack, d_in, d_out), std))
         self.bias = nnx.Param(jnp.zeros((*stack, d_out), jnp.float32))
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return _dense(x, self.kernel[...], self.bias[...])
+    def __call__(self, x: jax.Array, lora: dict | None = None) -> jax.Array:
+        hook = None if lora is None else lora.get("kernel")
+        return _dense(x, self.kernel[...], self.bias[...], hook)
 
 
 class _LayerNorm(nnx.Module):
@@ -301,15 +339,19 @@ class _Attention(nnx.Module):
         self.o = _Dense(d, d, std=out_std, stack=stack, rngs=rngs)
         self.config = config
 
-    def __call__(self, x_BSD: jax.Array, key: jax.Array | None) -> jax.Array:
+    def __call__(self, x_BSD: jax.Array, key: jax.Array | None,
+                 lora: dict | None = None) -> jax.Array:
         cfg = self.config
+        lora = lora or {}
         b, s, _ = x_BSD.shape
         split = lambda y_BSD: y_BSD.reshape(b, s, cfg.n_heads, cfg.head_dim)
-        q_BSHK, k_BSHK, v_BSHK = split(self.q(x_BSD)), split(self.k(x_BSD)), split(self.v(x_BSD))
+        q_BSHK = split(self.q(x_BSD, lora.get("q")))
+        k_BSHK = split(self.k(x_BSD, lora.get("k")))
+        v_BSHK = split(self.v(x_BSD, lora.get("v")))
         out_BSHK = ATTENTION[cfg.attention](
             q_BSHK, k_BSHK, v_BSHK, causal=True, dropout_rate=cfg.dropout, dropout_key=key
         )
-        return self.o(out_BSHK.reshape(b, s, cfg.d_model))
+        return self.o(out_BSHK.reshape(b, s, cfg.d_model), lora.get("o"))
 
 
 class _MLP(nnx.Module):
@@ -318,8 +360,9 @@ class _MLP(nnx.Module):
         self.fc_in = _Dense(config.d_model, config.d_ff, std=_INIT_STD, stack=stack, rngs=rngs)
         self.fc_out = _Dense(config.d_ff, config.d_model, std=out_std, stack=stack, rngs=rngs)
 
-    def __call__(self, x_BSD: jax.Array) -> jax.Array:
-        return self.fc_out(jax.nn.gelu(self.fc_in(x_BSD)))
+    def __call__(self, x_BSD: jax.Array, lora: dict | None = None) -> jax.Array:
+        lora = lora or {}
+        return self.fc_out(jax.nn.gelu(self.fc_in(x_BSD, lora.get("fc_in"))), lora.get("fc_out"))
 
 
 class _Block(nnx.Module):
@@ -337,11 +380,14 @@ class _Block(nnx.Module):
         self.mlp = _MLP(config, out_std=out_std, stack=stack, rngs=rngs)
         self.config = config
 
-    def __call__(self, x_BSD: jax.Array, key: jax.Array | None) -> jax.Array:
+    def __call__(self, x_BSD: jax.Array, key: jax.Array | None,
+                 lora: dict | None = None) -> jax.Array:
         rate = self.config.dropout
+        lora = lora or {}
         k_attn, k_res1, k_res2 = (None,) * 3 if key is None else tuple(jax.random.split(key, 3))
-        x_BSD = x_BSD + _dropout(self.attn(self.ln1(x_BSD), k_attn), rate, k_res1)
-        x_BSD = x_BSD + _dropout(self.mlp(self.ln2(x_BSD)), rate, k_res2)
+        x_BSD = x_BSD + _dropout(self.attn(self.ln1(x_BSD), k_attn, lora.get("attn")), rate,
+                                 k_res1)
+        x_BSD = x_BSD + _dropout(self.mlp(self.ln2(x_BSD), lora.get("mlp")), rate, k_res2)
         return x_BSD
 
 
@@ -349,20 +395,41 @@ class _Block(nnx.Module):
 # The model.
 
 
+# The kernels the factored LoRA apply can adapt: those of the blocks' ``_Dense`` layers.
+_ADAPTABLE = re.compile(r"^blocks/(attn/[qkvo]|mlp/fc_(in|out))/kernel$")
+
+
+def _lora_hooks(adapters, spec: LoraSpec, key: jax.Array | None, path: str = "blocks"):
+    """One layer's adapters (``{"attn": {"q": {"kernel": {"a", "b"}}}}``) as :class:`_LoraHook`s."""
+    if set(adapters) == {"a", "b"}:
+        hook_key = None
+        if key is not None and spec.dropout > 0:
+            hook_key = jax.random.fold_in(key, zlib.crc32(path.encode()) & 0x7FFFFFFF)
+        return _LoraHook(adapters["a"], adapters["b"], spec.scale_for(path), spec.dropout,
+                         hook_key)
+    return {k: _lora_hooks(v, spec, key, f"{path}/{k}") for k, v in adapters.items()}
+
+
 # Jitted so that an eager (NNX-style) call compiles the layer stack once per shape instead of
 # retracing the scan every call; inside an outer jit it is simply inlined.
-@functools.partial(jax.jit, static_argnames=("graphdef", "remat"))
-def _run_blocks(x_BSD, stacked, keys_L, *, graphdef: nnx.GraphDef, remat: str):
-    """Scans the stacked blocks over the residual stream, one layer's parameters per step."""
+@functools.partial(jax.jit, static_argnames=("graphdef", "remat", "lora"))
+def _run_blocks(x_BSD, stacked, keys_L, adapters=None, *, graphdef: nnx.GraphDef, remat: str,
+                lora: LoraSpec | None = None):
+    """Scans the stacked blocks over the residual stream, one layer's parameters per step.
+
+    ``adapters`` (the ``blocks`` subtree of a LoRA adapter tree, stacked along ``L`` like the
+    kernels) is scanned together with the block parameters.
+    """
 
     def body(x_BSD, layer):
-        layer_state, layer_key = layer
-        x_BSD = nnx.merge(graphdef, layer_state)(x_BSD, layer_key)
+        layer_state, layer_key, layer_adapters = layer
+        hooks = None if layer_adapters is None else _lora_hooks(layer_adapters, lora, layer_key)
+        x_BSD = nnx.merge(graphdef, layer_state)(x_BSD, layer_key, hooks)
         return _constrain(x_BSD), None
 
     if REMAT[remat] is not None:
         body = jax.checkpoint(body, policy=REMAT[remat], prevent_cse=False)
-    x_BSD, _ = jax.lax.scan(body, x_BSD, (stacked, keys_L))
+    x_BSD, _ = jax.lax.scan(body, x_BSD, (stacked, keys_L, adapters))
     return x_BSD
 
 
@@ -400,16 +467,37 @@ class GPT(nnx.Module):
         nnx.update(self, state)
 
     def __call__(self, tokens_BS: jax.Array, *, deterministic: bool = True,
-                 rngs: nnx.Rngs | jax.Array | None = None) -> jax.Array:
+                 rngs: nnx.Rngs | jax.Array | None = None, adapters: dict | None = None,
+                 lora: LoraSpec | None = None) -> jax.Array:
         """Returns next-token logits ``[B, S, V]`` in ``policy.output_dtype``.
 
         Args:
           tokens_BS: integer token ids, ``S <= config.seq_len``.
-          deterministic: when False and ``config.dropout > 0``, dropout is applied.
+          deterministic: when False and ``config.dropout > 0`` (or ``lora.dropout > 0``),
+            dropout is applied.
           rngs: where dropout keys come from: an ``nnx.Rngs`` (its ``dropout`` stream) or a raw
             ``jax.random`` key (what a functional train step passes, one per step).
+          adapters: LoRA adapters for this model's parameters (:func:`effijax.lora.init`), in
+            the dtype to compute them in; only the blocks' dense kernels can be adapted here.
+          lora: the :class:`~effijax.lora.LoraSpec` of ``adapters`` (static: scales, dropout).
         """
         cfg = self.config
+        if (adapters is None) != (lora is None):
+            raise ValueError(
+                "adapters and lora go together: pass the adapter tree and its LoraSpec, or neither"
+            )
+        if lora is not None:
+            if not isinstance(lora, LoraSpec):
+                raise TypeError(f"lora: expected a LoraSpec, got {type(lora).__name__}")
+            for path in pairs(adapters):
+                if not _ADAPTABLE.match(path):
+                    raise ConfigError(
+                        "adapters", path,
+                        "the GPT's factored LoRA adapts the blocks' dense kernels only "
+                        "(blocks/attn/{q,k,v,o}/kernel, blocks/mlp/{fc_in,fc_out}/kernel); "
+                        "fold other adapters in with effijax.lora.merge",
+                    )
+            validate(nnx.to_pure_dict(nnx.state(self, nnx.Param)), adapters, lora)
         if tokens_BS.ndim != 2 or not jnp.issubdtype(tokens_BS.dtype, jnp.integer):
             raise ValueError(
                 f"tokens_BS: expected integer ids of shape [batch, seq], got "
@@ -419,11 +507,12 @@ class GPT(nnx.Module):
         if s > cfg.seq_len:
             raise ValueError(f"tokens_BS: sequence length {s} exceeds config.seq_len={cfg.seq_len}")
         key = None
-        if not deterministic and cfg.dropout > 0:
+        lora_dropout = lora is not None and lora.dropout > 0
+        if not deterministic and (cfg.dropout > 0 or lora_dropout):
             if rngs is None:
                 raise ValueError(
-                    "dropout is on (deterministic=False, config.dropout > 0) but no rngs were "
-                    "given; pass rngs=nnx.Rngs(dropout=...) or a jax.random key"
+                    "dropout is on (deterministic=False, config.dropout > 0 or lora.dropout > 0) "
+                    "but no rngs were given; pass rngs=nnx.Rngs(dropout=...) or a jax.random key"
                 )
             key = rngs.dropout() if isinstance(rngs, nnx.Rngs) else rngs
 
@@ -434,7 +523,9 @@ class GPT(nnx.Module):
 
         graphdef, stacked = nnx.split(self.blocks)
         keys_L = None if key is None else jax.random.split(key, cfg.n_layers)
-        x_BSD = _run_blocks(x_BSD, stacked, keys_L, graphdef=graphdef, remat=cfg.remat)
+        block_adapters = None if adapters is None else adapters.get("blocks")
+        x_BSD = _run_blocks(x_BSD, stacked, keys_L, block_adapters, graphdef=graphdef,
+                            remat=cfg.remat, lora=None if block_adapters is None else lora)
 
         x_BSD = self.ln_f(x_BSD)
         # Tied head: the token embedding, used transposed.
@@ -462,34 +553,67 @@ def split_params(model: GPT) -> tuple[nnx.GraphDef, dict]:
     return graphdef, nnx.to_pure_dict(state)
 
 
-def make_apply(graphdef: nnx.GraphDef) -> Callable[..., jax.Array]:
+def _split_lora_params(params) -> tuple[Any, Any]:
+    if not (isinstance(params, dict) and set(params) == {"base", "adapters"}):
+        got = sorted(params) if isinstance(params, dict) else type(params).__name__
+        raise ValueError(
+            "with lora=spec, params must be {'base': params, 'adapters': adapters} (the adapters "
+            f"from effijax.lora.init); got {got}"
+        )
+    return params["base"], params["adapters"]
+
+
+def make_apply(graphdef: nnx.GraphDef, lora: LoraSpec | None = None
+               ) -> Callable[..., jax.Array]:
     """Returns ``apply(params, tokens_BS, *, rng=None, deterministic=True) -> logits_BSV``.
 
     ``params`` are used in their own dtype: cast them with ``policy.cast_to_compute`` first for
     mixed precision. Dropout runs when ``deterministic=False`` and the config's rate is positive;
     ``rng`` is then a ``jax.random`` key (pass a fresh one each step).
 
+    With ``lora`` (a :class:`~effijax.lora.LoraSpec`), ``params`` is ``{"base": params,
+    "adapters": adapters}`` and the adapted kernels compute ``x w + s·(x a) b`` (factored: no
+    ``d_in × d_out`` delta is formed). To train only the adapters, see
+    :func:`effijax.lora.freeze_base`.
+
     Example:
       >>> import jax, jax.numpy as jnp
+      >>> from effijax import lora
       >>> graphdef, params = abstract_split(gpt_config("tiny"))
       >>> params = init_params(gpt_config("tiny"), None, jax.random.key(0))
-      >>> make_apply(graphdef)(params, jnp.zeros((1, 4), jnp.int32)).shape
+      >>> tokens = jnp.zeros((1, 4), jnp.int32)
+      >>> make_apply(graphdef)(params, tokens).shape
       (1, 4, 256)
+      >>> spec = lora.LoraSpec()
+      >>> adapters = lora.init(jax.random.key(1), params, spec)
+      >>> logits = make_apply(graphdef, spec)({"base": params, "adapters": adapters}, tokens)
+      >>> bool(jnp.all(logits == make_apply(graphdef)(params, tokens)))  # b = 0 at init
+      True
     """
+    if lora is not None and not isinstance(lora, LoraSpec):
+        raise TypeError(f"lora: expected a LoraSpec or None, got {type(lora).__name__}")
 
     def apply(params, tokens_BS, *, rng=None, deterministic=True):
-        model = nnx.merge(graphdef, params)
-        return model(tokens_BS, deterministic=deterministic, rngs=rng)
+        if lora is None:
+            model = nnx.merge(graphdef, params)
+            return model(tokens_BS, deterministic=deterministic, rngs=rng)
+        base, adapters = _split_lora_params(params)
+        model = nnx.merge(graphdef, base)
+        return model(tokens_BS, deterministic=deterministic, rngs=rng, adapters=adapters,
+                     lora=lora)
 
     return apply
 
 
-def make_loss_fn(graphdef: nnx.GraphDef) -> Callable[..., tuple[jax.Array, dict]]:
+def make_loss_fn(graphdef: nnx.GraphDef, lora: LoraSpec | None = None
+                 ) -> Callable[..., tuple[jax.Array, dict]]:
     """Returns ``loss_fn(params, batch, rng=None) -> (loss, {"accuracy": acc})``.
 
     ``batch`` is ``{"inputs": int32[B, S], "targets": int32[B, S]}``; the loss is the mean token
     cross-entropy in f32, the accuracy the f32 fraction of argmax hits. Dropout is active when
-    ``rng`` is a key and the config's dropout rate is positive.
+    ``rng`` is a key and the config's dropout rate is positive. With ``lora``, ``params`` is
+    ``{"base": ..., "adapters": ...}`` as in :func:`make_apply`; wrap the loss in
+    :func:`effijax.lora.freeze_base` to differentiate only the adapters.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -501,7 +625,7 @@ def make_loss_fn(graphdef: nnx.GraphDef) -> Callable[..., tuple[jax.Array, dict]
       >>> loss.dtype, sorted(aux)
       (dtype('float32'), ['accuracy'])
     """
-    apply = make_apply(graphdef)
+    apply = make_apply(graphdef, lora)
 
     def loss_fn(params, batch, rng=None):
         missing = {"inputs", "targets"} - set(batch)

@@ -1,0 +1,238 @@
+"""Adapter files: effijax's own safetensors format, and export to Hugging Face PEFT's layout.
+
+:func:`save_adapters` writes only the adapters (a few MB for a multi-GB base) to one
+``.safetensors`` file: tensor names are the '/'-joined adapter paths plus ``/a`` or ``/b``
+(``blocks/attn/q/kernel/a``), arrays keep their Flax layout and dtype, and the :class:`LoraSpec`
+is stored as JSON in the file's metadata (no pickle). :func:`load_adapters` reads it back bitwise.
+
+:func:`export_peft` writes what ``peft.PeftModel.from_pretrained`` reads: ``adapter_config.json``
+and ``adapter_model.safetensors`` in torch's ``(out, in)`` layout, one matrix per layer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import jax.numpy as jnp
+import numpy as np
+import safetensors
+import safetensors.flax
+
+from effijax.errors import ConfigError
+from effijax.lora._adapters import _nest, pairs, validate
+from effijax.lora._spec import LoraSpec
+
+__all__ = ["save_adapters", "load_adapters", "export_peft", "peft_module_name"]
+
+_FORMAT = "effijax-lora"
+_FORMAT_VERSION = "1"
+
+
+def _spec_to_json(spec: LoraSpec, paths: list[str]) -> str:
+    targets = spec.targets
+    if not isinstance(targets, str):
+        # A predicate cannot be stored; the paths it selected can, as an anchored regex.
+        targets = "^(" + "|".join(re.escape(p) for p in sorted(paths)) + ")$"
+    return json.dumps({
+        "rank": spec.rank,
+        "alpha": spec.alpha,
+        "targets": targets,
+        "overrides": [list(rule) for rule in spec.overrides],
+        "rslora": spec.rslora,
+        "dropout": spec.dropout,
+        "init": spec.init,
+        "dtype": spec.dtype.name,
+    }, sort_keys=True)
+
+
+def _spec_from_json(text: str, path) -> LoraSpec:
+    try:
+        fields = json.loads(text)
+        fields["overrides"] = tuple(tuple(rule) for rule in fields.get("overrides", ()))
+        return LoraSpec(**fields)
+    except (ValueError, TypeError) as e:
+        raise ConfigError("path", str(path), f"the stored LoRA spec is invalid: {e}") from e
+
+
+def save_adapters(path: str | os.PathLike, adapters, spec: LoraSpec) -> None:
+    """Writes the adapters alone (and the spec) to one safetensors file.
+
+    Args:
+      path: the file to write (conventionally ``*.safetensors``); its folder must exist.
+      adapters: the adapter tree (see :func:`effijax.lora.init`).
+      spec: the :class:`LoraSpec` they were made with; a predicate ``targets`` is stored as
+        a regex matching exactly the adapted paths.
+
+    Example:
+      >>> import os, tempfile, jax, jax.numpy as jnp
+      >>> from effijax.lora import init
+      >>> spec = LoraSpec(rank=2, targets="w")
+      >>> adapters = init(jax.random.key(0), {"w": jnp.zeros((4, 4))}, spec)
+      >>> file = os.path.join(tempfile.mkdtemp(), "adapters.safetensors")
+      >>> save_adapters(file, adapters, spec)
+      >>> loaded, loaded_spec = load_adapters(file)
+      >>> loaded_spec == spec, bool(jnp.all(loaded["w"]["a"] == adapters["w"]["a"]))
+      (True, True)
+    """
+    flat = pairs(adapters)
+    folder = os.path.dirname(os.fspath(path)) or "."
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"save_adapters: folder {folder!r} does not exist")
+    tensors = {}
+    for name, (a, b) in flat.items():
+        tensors[f"{name}/a"] = jnp.asarray(a)
+        tensors[f"{name}/b"] = jnp.asarray(b)
+    metadata = {"format": _FORMAT, "version": _FORMAT_VERSION,
+                "spec": _spec_to_json(spec, list(flat))}
+    safetensors.flax.save_file(tensors, path, metadata=metadata)
+
+
+def load_adapters(path: str | os.PathLike, params=None) -> tuple[dict, LoraSpec]:
+    """Reads adapters written by :func:`save_adapters`, bitwise, with their spec.
+
+    Args:
+      path: the ``.safetensors`` file.
+      params: optionally, the base parameters (or their ``jax.eval_shape``) to check the
+        adapters against: every adapted path must exist and the shapes must fit.
+
+    Returns:
+      ``(adapters, spec)``.
+
+    Raises:
+      FileNotFoundError: no such file.
+      ConfigError: the file is not an effijax adapter file, or the adapters do not fit ``params``
+        (the message names the path and both shapes).
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"load_adapters: no adapter file at {os.fspath(path)!r} (write one with "
+            "effijax.lora.save_adapters)"
+        )
+    with safetensors.safe_open(path, framework="flax") as f:
+        metadata = f.metadata() or {}
+        if metadata.get("format") != _FORMAT or "spec" not in metadata:
+            raise ConfigError(
+                "path", os.fspath(path),
+                "is not an effijax adapter file (no 'format': 'effijax-lora' metadata); PEFT "
+                "exports and full checkpoints cannot be loaded here",
+            )
+        flat = {}
+        for name in f.keys():
+            kernel_path, _, which = name.rpartition("/")
+            if which not in ("a", "b") or not kernel_path:
+                raise ConfigError("path", os.fspath(path), f"unexpected tensor {name!r}")
+            flat.setdefault(kernel_path, {})[which] = f.get_tensor(name)
+    spec = _spec_from_json(metadata["spec"], path)
+    for kernel_path, pair in flat.items():
+        if set(pair) != {"a", "b"}:
+            raise ConfigError("path", os.fspath(path), f"{kernel_path!r} lacks its a or b tensor")
+    adapters = _nest(flat)
+    if params is not None:
+        validate(params, adapters, spec)
+    return adapters, spec
+
+
+def peft_module_name(path: str, layer: int | None = None) -> str:
+    """The torch module name PEFT sees for the kernel at ``path`` (and layer, if stacked).
+
+    The kernel's own name is dropped, '/' becomes '.', and a stacked kernel's layer index goes
+    right after the first path part (the scanned module): ``blocks/attn/q/kernel``, layer 3, is
+    ``blocks.3.attn.q``.
+
+    Example:
+      >>> peft_module_name("blocks/attn/q/kernel", 3), peft_module_name("head/kernel")
+      ('blocks.3.attn.q', 'head')
+    """
+    parts = path.split("/")[:-1]
+    if not parts:
+        raise ConfigError("path", path, "a PEFT module name needs a module above the kernel")
+    if layer is not None:
+        parts = [parts[0], str(layer), *parts[1:]]
+    return ".".join(parts)
+
+
+def _alpha_json(alpha: float):
+    return int(alpha) if float(alpha).is_integer() else alpha
+
+
+def export_peft(directory: str | os.PathLike, adapters, spec: LoraSpec, *,
+                base_model_name: str = "effijax-gpt") -> dict[str, tuple[int, ...]]:
+    """Writes ``adapter_config.json`` and ``adapter_model.safetensors`` in PEFT's format.
+
+    Module names follow :func:`peft_module_name`; a kernel stacked over layers
+    ``(L, d_in, d_out)`` is unstacked into ``L`` modules. Tensors use torch's ``(out, in)``
+    layout: ``base_model.model.<module>.lora_A.weight = a[i].T`` with shape ``(r, d_in)`` and
+    ``...lora_B.weight = b[i].T`` with shape ``(d_out, r)``, in the adapters' dtype.
+    ``target_modules`` lists the exact module names; per-module ranks and alphas that differ
+    from the spec's (its ``overrides``) go to ``rank_pattern`` / ``alpha_pattern``.
+
+    Args:
+      directory: created if missing.
+      adapters: the adapter tree.
+      spec: the :class:`LoraSpec` they were made with.
+      base_model_name: ``base_model_name_or_path`` in the config.
+
+    Returns:
+      ``{tensor name: shape}`` of what was written.
+
+    Example:
+      >>> import tempfile, jax, jax.numpy as jnp
+      >>> from effijax.lora import init
+      >>> params = {"blocks": {"attn": {"q": {"kernel": jnp.zeros((2, 16, 32))}}}}
+      >>> spec = LoraSpec(rank=4, targets="q/kernel")
+      >>> adapters = init(jax.random.key(0), params, spec)
+      >>> written = export_peft(tempfile.mkdtemp(), adapters, spec)
+      >>> for name, shape in written.items(): print(name, shape)
+      base_model.model.blocks.0.attn.q.lora_A.weight (4, 16)
+      base_model.model.blocks.0.attn.q.lora_B.weight (32, 4)
+      base_model.model.blocks.1.attn.q.lora_A.weight (4, 16)
+      base_model.model.blocks.1.attn.q.lora_B.weight (32, 4)
+    """
+    tensors, modules, rank_pattern, alpha_pattern = {}, [], {}, {}
+    for path, (a, b) in sorted(pairs(adapters).items()):
+        a, b = np.asarray(a), np.asarray(b)
+        if a.ndim == 2:
+            layers = [(None, a, b)]
+        elif a.ndim == 3:
+            layers = [(i, a[i], b[i]) for i in range(a.shape[0])]
+        else:
+            raise ConfigError(
+                "adapters", path,
+                f"shape {a.shape}: PEFT export handles (d_in, r) and one stacked layer axis "
+                "(L, d_in, r) only",
+            )
+        for layer, a_DR, b_RF in layers:
+            module = peft_module_name(path, layer)
+            modules.append(module)
+            prefix = f"base_model.model.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = jnp.asarray(np.ascontiguousarray(a_DR.T))
+            tensors[f"{prefix}.lora_B.weight"] = jnp.asarray(np.ascontiguousarray(b_RF.T))
+            if spec.rank_for(path) != spec.rank:
+                rank_pattern[module] = spec.rank_for(path)
+            if spec.alpha_for(path) != spec.alpha:
+                alpha_pattern[module] = _alpha_json(spec.alpha_for(path))
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name,
+        "r": spec.rank,
+        "lora_alpha": _alpha_json(spec.alpha),
+        "target_modules": modules,
+        "lora_dropout": spec.dropout,
+        "use_rslora": spec.rslora,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True if spec.init == "kaiming" else "gaussian",
+        "rank_pattern": rank_pattern,
+        "alpha_pattern": alpha_pattern,
+        "modules_to_save": None,
+    }
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "adapter_config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    safetensors.flax.save_file(tensors, os.path.join(directory, "adapter_model.safetensors"),
+                               metadata={"format": "pt"})
+    return {name: tuple(t.shape) for name, t in tensors.items()}

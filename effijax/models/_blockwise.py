@@ -1,0 +1,360 @@
+"""Blockwise (flash) attention: online softmax over key blocks, memory linear in sequence length.
+
+The forward pass walks the keys one block of ``block_k`` at a time for each block of ``block_q``
+queries, keeping per query row the running max ``m``, the running denominator ``l`` and the
+unnormalised output ``o`` (all f32), rescaled by ``exp(m_old - m_new)`` whenever the max grows:
+the online softmax of Milakov & Gimelshein (2018) extended to ``o`` (seed 004, "From Online
+Softmax To Flash Attention"). Only ``[block_q, block_k]`` scores exist at any time.
+
+The backward pass is FlashAttention-2's (Dao 2023, algorithm 2): a :func:`jax.custom_vjp` saves
+``q, k, v``, the output ``o`` and the per-row log-sum-exp ``lse = m + log l`` (f32, ``[B, H, S]``),
+and recomputes each block's probabilities as ``exp(s - lse)``. With ``D = rowsum(dO * O)``,
+``dV += Pᵀ dO``, ``dP = dO Vᵀ``, ``dS = P * (dP - D)``, ``dQ += dS K``, ``dK += dSᵀ Q``; the
+``s x s`` matrix is never stored. Under causal masking the blocks entirely above the diagonal
+are skipped (the loops' bounds depend on the block index), not just masked.
+
+Sequence lengths that do not divide by the block sizes are padded up to a multiple (padded keys
+are masked, padded query rows are sliced off); blocks never exceed the sequence, so short
+sequences use one block. bf16/f16 inputs are upcast block by block: scores, softmax statistics
+and accumulators are f32, the output comes back in the inputs' dtype.
+
+Dropout (on the probabilities, as :func:`~effijax.models.attend` does) is supported: each
+``(query block, key block)`` tile draws its mask from ``fold_in(dropout_key, tile index)``, so
+the backward pass regenerates it instead of storing ``s x s`` bits. The masks depend on the block
+sizes and differ from :func:`~effijax.models.attend`'s (same distribution, other draws).
+
+On a GPU, bf16/f16 inputs without dropout go to ``jax.nn.dot_product_attention(...,
+implementation="cudnn")`` (cuDNN's fused flash attention) unless ``implementation="jax"``.
+
+Shape suffixes: ``B`` batch, ``S`` queries, ``T`` keys, ``H`` heads, ``K`` head width,
+``Q``/``C`` a query/key block.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+__all__ = ["IMPLEMENTATIONS", "REMAT_POLICIES", "blockwise_attend"]
+
+# ``implementation=`` values: None picks cuDNN where it applies, else the pure-JAX kernel.
+IMPLEMENTATIONS = (None, "jax", "cudnn")
+
+# Finite "minus infinity": exp(_MASKED - m) underflows to 0 for any real m, and unlike -inf it
+# never produces inf - inf = nan in the running max of a row that has seen only masked keys.
+_MASKED = -1e30
+
+# ``jax.checkpoint`` policies for blocks with blockwise attention (entries for the GPT's
+# ``REMAT``). Its residuals are linear in s, so saving its output and log-sum-exp (named
+# "attention_out", "attention_lse" below) across the remat boundary keeps the attention forward
+# out of the backward pass's recomputation for O(s·h) bytes per layer; "block_save_attention"
+# is "block" plus those two, "dots_save_attention" is "dots" plus those two.
+REMAT_POLICIES = {
+    "block_save_attention": jax.checkpoint_policies.save_only_these_names(
+        "attention_out", "attention_lse"
+    ),
+    "dots_save_attention": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names("attention_out", "attention_lse"),
+    ),
+}
+
+
+class _Spec(NamedTuple):
+    """Static description of one padded problem (hashable: a ``custom_vjp`` nondiff argument)."""
+
+    causal: bool
+    block_q: int
+    block_k: int
+    seq_q: int  # real (unpadded) query length
+    seq_k: int  # real (unpadded) key length
+    dropout_rate: float
+
+
+def _check_block(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    return value
+
+
+def blockwise_attend(
+    q_BSHK: jax.Array,
+    k_BTHK: jax.Array,
+    v_BTHK: jax.Array,
+    *,
+    causal: bool = True,
+    block_q: int = 128,
+    block_k: int = 128,
+    dropout_rate: float = 0.0,
+    dropout_key: jax.Array | None = None,
+    implementation: str | None = None,
+) -> jax.Array:
+    """Multi-head attention in blocks, with the semantics of :func:`~effijax.models.attend`.
+
+    Memory is ``O(B·H·(S + T)·K)``: no ``[S, T]`` scores are kept for the backward pass (a
+    custom VJP recomputes them block by block from ``q, k, v``, the output and the per-row
+    log-sum-exp).
+
+    Args:
+      q_BSHK: queries ``[B, S, H, K]``. k_BTHK, v_BTHK: keys and values ``[B, T, H, K]``, the
+        queries' dtype.
+      causal: query ``i`` sees keys ``0..i`` (needs ``S == T``); blocks above the diagonal are
+        skipped.
+      block_q, block_k: query and key block sizes (capped at ``S`` and ``T``); lengths that do not
+        divide are padded up to a multiple.
+      dropout_rate: probability of dropping an attention probability (inverted dropout).
+      dropout_key: PRNG key for the dropout masks; ``None`` disables dropout (as in ``attend``).
+      implementation: ``None`` (cuDNN flash attention on a GPU for bf16/f16 without dropout,
+        else the pure-JAX blockwise kernel), ``"jax"`` (always the pure-JAX kernel) or
+        ``"cudnn"`` (always cuDNN; raises where it does not apply).
+
+    Returns:
+      ``[B, S, H, K]`` outputs in the queries' dtype.
+
+    Raises:
+      ValueError: before tracing, for mismatched shapes or dtypes, ``causal`` with ``S != T``,
+        bad block sizes, a dropout rate outside ``[0, 1)``, or an unknown ``implementation``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from effijax.models import attend
+      >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 100, 2, 8))
+      >>> out = blockwise_attend(q, k, v, block_q=32, block_k=32)  # 100 = 3 x 32 + 4: padded
+      >>> out.shape, bool(jnp.allclose(out, attend(q, k, v), atol=1e-5))
+      ((1, 100, 2, 8), True)
+    """
+    if q_BSHK.ndim != 4 or k_BTHK.ndim != 4 or v_BTHK.ndim != 4:
+        raise ValueError(
+            "blockwise_attend: expected q [B, S, H, K], k and v [B, T, H, K]; got shapes "
+            f"{q_BSHK.shape}, {k_BTHK.shape}, {v_BTHK.shape}"
+        )
+    b, s, h, d = q_BSHK.shape
+    t = k_BTHK.shape[1]
+    if k_BTHK.shape != (b, t, h, d) or v_BTHK.shape != (b, t, h, d):
+        raise ValueError(
+            f"blockwise_attend: k and v must be [B={b}, T, H={h}, K={d}] and equal; got "
+            f"{k_BTHK.shape} and {v_BTHK.shape}"
+        )
+    if not (q_BSHK.dtype == k_BTHK.dtype == v_BTHK.dtype):
+        raise ValueError(
+            f"blockwise_attend: q, k, v dtypes differ ({q_BSHK.dtype}, {k_BTHK.dtype}, "
+            f"{v_BTHK.dtype}); cast them to one compute dtype"
+        )
+    if causal and s != t:
+        raise ValueError(f"blockwise_attend(causal=True) needs S == T, got S={s}, T={t}")
+    block_q = min(_check_block("block_q", block_q), s)
+    block_k = min(_check_block("block_k", block_k), t)
+    if not isinstance(dropout_rate, int | float) or not 0.0 <= dropout_rate < 1.0:
+        raise ValueError(f"dropout_rate: expected a rate in [0, 1), got {dropout_rate!r}")
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation: unknown {implementation!r}; choose one of {IMPLEMENTATIONS}"
+        )
+    dropout = dropout_key is not None and dropout_rate > 0.0
+
+    if implementation == "cudnn" or (implementation is None and _cudnn_applies(q_BSHK, dropout)):
+        if dropout:
+            raise ValueError(
+                "blockwise_attend(implementation='cudnn') has no dropout; use "
+                "implementation='jax' or dropout_rate=0"
+            )
+        return jax.nn.dot_product_attention(
+            q_BSHK, k_BTHK, v_BTHK, is_causal=causal, implementation="cudnn"
+        )
+
+    spec = _Spec(causal, block_q, block_k, s, t, float(dropout_rate) if dropout else 0.0)
+    pad_s, pad_t = -s % block_q, -t % block_k
+    q_pad = jnp.pad(q_BSHK, ((0, 0), (0, pad_s), (0, 0), (0, 0))) if pad_s else q_BSHK
+    if pad_t:
+        k_BTHK = jnp.pad(k_BTHK, ((0, 0), (0, pad_t), (0, 0), (0, 0)))
+        v_BTHK = jnp.pad(v_BTHK, ((0, 0), (0, pad_t), (0, 0), (0, 0)))
+    key = dropout_key if dropout else None
+    out_BSHK = _flash(spec, q_pad, k_BTHK, v_BTHK, key)
+    return out_BSHK[:, :s] if pad_s else out_BSHK
+
+
+def _cudnn_applies(q_BSHK: jax.Array, dropout: bool) -> bool:
+    """Whether the automatic choice is cuDNN: GPU backend, half precision, no dropout."""
+    return (
+        jax.default_backend() == "gpu"
+        and q_BSHK.dtype in (jnp.bfloat16, jnp.float16)
+        and not dropout
+        and q_BSHK.shape[-1] % 8 == 0
+        and q_BSHK.shape[-1] <= 128
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# The kernel: padded inputs, static spec.
+
+
+def _tile_mask(spec: _Spec, i, j) -> jax.Array:
+    """``[Q, C]`` bool: which (query, key) pairs of tile (i, j) take part."""
+    rows = i * spec.block_q + jnp.arange(spec.block_q)
+    cols = j * spec.block_k + jnp.arange(spec.block_k)
+    mask_QC = cols[None, :] < spec.seq_k  # padded keys never count
+    if spec.causal:
+        mask_QC = mask_QC & (cols[None, :] <= rows[:, None])
+    return mask_QC
+
+
+def _keep_mask(spec: _Spec, key, i, j, num_k_blocks: int, shape) -> jax.Array:
+    """The tile's dropout keep-mask, regenerated identically in the forward and backward pass."""
+    tile_key = jax.random.fold_in(key, i * num_k_blocks + j)
+    return jax.random.bernoulli(tile_key, 1.0 - spec.dropout_rate, shape)
+
+
+def _num_k_blocks_for(spec: _Spec, i, num_k_blocks: int):
+    """Key blocks query block ``i`` needs: all of them, or up to the diagonal when causal."""
+    if not spec.causal:
+        return num_k_blocks
+    return jnp.minimum(((i + 1) * spec.block_q - 1) // spec.block_k + 1, num_k_blocks)
+
+
+def _first_q_block_for(spec: _Spec, j):
+    """First query block that sees key block ``j`` (0 unless causal)."""
+    if not spec.causal:
+        return 0
+    return (j * spec.block_k) // spec.block_q
+
+
+def _slice(x, start, size, axis=1):
+    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
+
+
+def _forward(spec: _Spec, q_BSHK, k_BTHK, v_BTHK, key):
+    """Returns the output ``[B, S, H, K]`` (input dtype) and the row log-sum-exp ``[B, H, S]``."""
+    b, s_pad, h, d = q_BSHK.shape
+    nq, nk = s_pad // spec.block_q, k_BTHK.shape[1] // spec.block_k
+    bq, bk = spec.block_q, spec.block_k
+    scale = jnp.float32(1.0 / math.sqrt(d))
+    keep = 1.0 - spec.dropout_rate
+
+    def query_block(i, carry):
+        out_BSHK, lse_BHS = carry
+        q_BQHK = _slice(q_BSHK, i * bq, bq).astype(jnp.float32) * scale
+
+        def key_block(j, acc):
+            m_BHQ, l_BHQ, o_BHQK = acc
+            k_BCHK = _slice(k_BTHK, j * bk, bk).astype(jnp.float32)
+            v_BCHK = _slice(v_BTHK, j * bk, bk).astype(jnp.float32)
+            s_BHQC = jnp.einsum("bqhk,bchk->bhqc", q_BQHK, k_BCHK)
+            mask_QC = _tile_mask(spec, i, j)
+            s_BHQC = jnp.where(mask_QC, s_BHQC, _MASKED)
+            m_new_BHQ = jnp.maximum(m_BHQ, jnp.max(s_BHQC, axis=-1))
+            p_BHQC = jnp.where(mask_QC, jnp.exp(s_BHQC - m_new_BHQ[..., None]), 0.0)
+            alpha_BHQ = jnp.exp(m_BHQ - m_new_BHQ)
+            l_BHQ = alpha_BHQ * l_BHQ + jnp.sum(p_BHQC, axis=-1)
+            if key is not None:  # the denominator uses the undropped probabilities
+                drop = _keep_mask(spec, key, i, j, nk, p_BHQC.shape)
+                p_BHQC = jnp.where(drop, p_BHQC / keep, 0.0)
+            o_BHQK = alpha_BHQ[..., None] * o_BHQK + jnp.einsum("bhqc,bchk->bhqk", p_BHQC, v_BCHK)
+            return m_new_BHQ, l_BHQ, o_BHQK
+
+        init = (
+            jnp.full((b, h, bq), _MASKED, jnp.float32),
+            jnp.zeros((b, h, bq), jnp.float32),
+            jnp.zeros((b, h, bq, d), jnp.float32),
+        )
+        m_BHQ, l_BHQ, o_BHQK = jax.lax.fori_loop(
+            0, _num_k_blocks_for(spec, i, nk), key_block, init
+        )
+        # Padded query rows may see no key at all (l = 0); they are sliced off, keep them finite.
+        l_BHQ = jnp.where(l_BHQ > 0.0, l_BHQ, 1.0)
+        o_BQHK = jnp.transpose(o_BHQK / l_BHQ[..., None], (0, 2, 1, 3)).astype(out_BSHK.dtype)
+        out_BSHK = jax.lax.dynamic_update_slice_in_dim(out_BSHK, o_BQHK, i * bq, axis=1)
+        lse_BHS = jax.lax.dynamic_update_slice_in_dim(
+            lse_BHS, m_BHQ + jnp.log(l_BHQ), i * bq, axis=2
+        )
+        return out_BSHK, lse_BHS
+
+    init = (jnp.zeros_like(q_BSHK), jnp.zeros((b, h, s_pad), jnp.float32))
+    return jax.lax.fori_loop(0, nq, query_block, init)
+
+
+def _backward(spec: _Spec, q_BSHK, k_BTHK, v_BTHK, key, out_BSHK, lse_BHS, dout_BSHK):
+    """FlashAttention-2's backward: loops over key blocks, then over the query blocks that see
+    them, recomputing ``P = exp(S - lse)`` per tile; returns f32 ``dq, dk, dv``."""
+    b, s_pad, h, d = q_BSHK.shape
+    t_pad = k_BTHK.shape[1]
+    nq, nk = s_pad // spec.block_q, t_pad // spec.block_k
+    bq, bk = spec.block_q, spec.block_k
+    scale = jnp.float32(1.0 / math.sqrt(d))
+    keep = 1.0 - spec.dropout_rate
+    # D_i = rowsum(dO_i * O_i) = sum_j P_ij dP_ij (also with dropout: O uses the dropped P).
+    delta_BHS = jnp.einsum(
+        "bshk,bshk->bhs", dout_BSHK.astype(jnp.float32), out_BSHK.astype(jnp.float32)
+    )
+
+    def key_block(j, carry):
+        dq_BSHK, dk_BTHK, dv_BTHK = carry
+        k_BCHK = _slice(k_BTHK, j * bk, bk).astype(jnp.float32)
+        v_BCHK = _slice(v_BTHK, j * bk, bk).astype(jnp.float32)
+
+        def query_block(i, acc):
+            dq_BSHK, dk_BCHK, dv_BCHK = acc
+            q_BQHK = _slice(q_BSHK, i * bq, bq).astype(jnp.float32) * scale
+            do_BQHK = _slice(dout_BSHK, i * bq, bq).astype(jnp.float32)
+            lse_BHQ = _slice(lse_BHS, i * bq, bq, axis=2)
+            delta_BHQ = _slice(delta_BHS, i * bq, bq, axis=2)
+            s_BHQC = jnp.einsum("bqhk,bchk->bhqc", q_BQHK, k_BCHK)
+            mask_QC = _tile_mask(spec, i, j)
+            p_BHQC = jnp.where(mask_QC, jnp.exp(s_BHQC - lse_BHQ[..., None]), 0.0)
+            dp_BHQC = jnp.einsum("bqhk,bchk->bhqc", do_BQHK, v_BCHK)
+            if key is not None:
+                drop = _keep_mask(spec, key, i, j, nk, p_BHQC.shape)
+                pd_BHQC = jnp.where(drop, p_BHQC / keep, 0.0)
+                dp_BHQC = jnp.where(drop, dp_BHQC / keep, 0.0)
+            else:
+                pd_BHQC = p_BHQC
+            dv_BCHK = dv_BCHK + jnp.einsum("bhqc,bqhk->bchk", pd_BHQC, do_BQHK)
+            ds_BHQC = p_BHQC * (dp_BHQC - delta_BHQ[..., None])
+            dk_BCHK = dk_BCHK + jnp.einsum("bhqc,bqhk->bchk", ds_BHQC, q_BQHK)
+            dq_BQHK = jnp.einsum("bhqc,bchk->bqhk", ds_BHQC, k_BCHK) * scale
+            dq_BSHK = jax.lax.dynamic_update_slice_in_dim(
+                dq_BSHK, _slice(dq_BSHK, i * bq, bq) + dq_BQHK, i * bq, axis=1
+            )
+            return dq_BSHK, dk_BCHK, dv_BCHK
+
+        zeros_BCHK = jnp.zeros((b, bk, h, d), jnp.float32)
+        dq_BSHK, dk_BCHK, dv_BCHK = jax.lax.fori_loop(
+            _first_q_block_for(spec, j), nq, query_block, (dq_BSHK, zeros_BCHK, zeros_BCHK)
+        )
+        dk_BTHK = jax.lax.dynamic_update_slice_in_dim(dk_BTHK, dk_BCHK, j * bk, axis=1)
+        dv_BTHK = jax.lax.dynamic_update_slice_in_dim(dv_BTHK, dv_BCHK, j * bk, axis=1)
+        return dq_BSHK, dk_BTHK, dv_BTHK
+
+    init = (
+        jnp.zeros((b, s_pad, h, d), jnp.float32),
+        jnp.zeros((b, t_pad, h, d), jnp.float32),
+        jnp.zeros((b, t_pad, h, d), jnp.float32),
+    )
+    return jax.lax.fori_loop(0, nk, key_block, init)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(spec: _Spec, q_BSHK, k_BTHK, v_BTHK, key):
+    out_BSHK, _ = _forward(spec, q_BSHK, k_BTHK, v_BTHK, key)
+    return out_BSHK
+
+
+def _flash_fwd(spec: _Spec, q_BSHK, k_BTHK, v_BTHK, key):
+    out_BSHK, lse_BHS = _forward(spec, q_BSHK, k_BTHK, v_BTHK, key)
+    # Named so that a remat policy (REMAT_POLICIES) can keep them across a checkpoint boundary.
+    out_BSHK = checkpoint_name(out_BSHK, "attention_out")
+    lse_BHS = checkpoint_name(lse_BHS, "attention_lse")
+    return out_BSHK, (q_BSHK, k_BTHK, v_BTHK, key, out_BSHK, lse_BHS)
+
+
+def _flash_bwd(spec: _Spec, residuals, dout_BSHK):
+    q_BSHK, k_BTHK, v_BTHK, key, out_BSHK, lse_BHS = residuals
+    dq, dk, dv = _backward(spec, q_BSHK, k_BTHK, v_BTHK, key, out_BSHK, lse_BHS, dout_BSHK)
+    return dq.astype(q_BSHK.dtype), dk.astype(k_BTHK.dtype), dv.astype(v_BTHK.dtype), None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
