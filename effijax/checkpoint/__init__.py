@@ -1,0 +1,49 @@
+"""Checkpoints: async, atomic, finite-only saves of a TrainState; restore onto any mesh.
+
+The only effijax package that imports orbax. A run opens its directory once and offers every
+state to :meth:`Checkpointer.save`, which writes when the step is due::
+
+    ckpt = open_checkpoints(out / "checkpoints", every=100, keep=3, metadata=config)
+    start = validate_resume(ckpt.directory, abstract_state)     # fast: metadata only
+    if start is not None:
+        state = ckpt.restore(target_state_abstract=restore_target(abstract_state, shardings))
+        truncate_metrics(out / "metrics.jsonl", start)
+    ...                                                          # in the loop:
+    result = ckpt.save(state)                                    # SaveResult(step, saved, reason)
+    ...
+    ckpt.close()                                                 # waits; raises a failed write
+
+Exact resume needs nothing else: batches and per-step keys are functions of ``state.step``.
+LoRA runs save only the adapters and their optimizer state, with the base referenced by a
+fingerprint (:func:`save_adapters_checkpoint`).
+"""
+
+from effijax.checkpoint._adapters import (
+    base_fingerprint,
+    base_reference,
+    restore_adapters_checkpoint,
+    save_adapters_checkpoint,
+)
+from effijax.checkpoint._manager import (
+    FORMAT_VERSION,
+    Checkpointer,
+    SaveResult,
+    open_checkpoints,
+    restore_target,
+    validate_resume,
+)
+from effijax.checkpoint._metrics import truncate_metrics
+
+__all__ = [
+    "Checkpointer",
+    "SaveResult",
+    "open_checkpoints",
+    "restore_target",
+    "validate_resume",
+    "truncate_metrics",
+    "base_fingerprint",
+    "base_reference",
+    "save_adapters_checkpoint",
+    "restore_adapters_checkpoint",
+    "FORMAT_VERSION",
+]

@@ -1,0 +1,590 @@
+"""A :class:`Checkpointer` over one orbax ``CheckpointManager``: every-K saves, keep-N, async.
+
+One checkpoint directory holds one run's steps, ``<dir>/<step>/``. Each step is written by orbax
+to a temporary ``<step>.orbax-checkpoint-tmp-*`` directory and renamed when complete, so a run
+killed mid-write leaves a temporary directory that :meth:`Checkpointer.latest_step` ignores
+(and that the next :func:`open_checkpoints` removes). A step directory holds:
+
+* ``state/``: the pytree (a ``TrainState``, or any pytree of arrays), one array per leaf.
+  Typed PRNG keys are stored as their key data (``jax.random.key_data``) and re-wrapped on
+  restore with the implementation recorded in the step's metadata;
+* ``_CHECKPOINT_METADATA``: JSON with the step, library versions, the key implementations,
+  the run's metadata (its config) and, for adapter checkpoints, the base reference.
+
+Saving is asynchronous by default: :meth:`Checkpointer.save` returns once the arrays are
+copied off the device and the files are written by a background thread; errors of that thread
+surface from the next :meth:`~Checkpointer.save`, :meth:`~Checkpointer.wait` or
+:meth:`~Checkpointer.close` (never swallowed). A state with a non-finite parameter or
+optimizer-state value is not written: ``save`` says so in its :class:`SaveResult`.
+
+Restoring needs an abstract target whose every leaf carries a sharding
+(:func:`restore_target`): the arrays land directly in that layout, on any mesh or strategy,
+whatever the mesh they were saved from.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from effijax.errors import ConfigError
+from effijax.paths import map_with_path, named_leaves
+from effijax.precision import all_finite
+from effijax.run import library_versions
+
+__all__ = [
+    "SaveResult",
+    "Checkpointer",
+    "open_checkpoints",
+    "restore_target",
+    "validate_resume",
+    "FORMAT_VERSION",
+]
+
+FORMAT_VERSION = 1
+_ITEM = "state"  # the orbax item name of the pytree inside a step directory
+_META_KEY = "effijax"  # the top-level key of the step's custom metadata
+
+
+class SaveResult(NamedTuple):
+    """What :meth:`Checkpointer.save` did.
+
+    Attributes:
+      step: the state's step.
+      saved: True if a checkpoint of ``step`` was written (or, asynchronously, started).
+      reason: ``"saved"``; ``"not_due"`` (``step % every != 0`` and not forced);
+        ``"exists"`` (this step is already checkpointed); ``"non_finite"`` (a parameter or
+        optimizer-state value is inf/nan: nothing was written, the caller decides what to do).
+    """
+
+    step: int
+    saved: bool
+    reason: str
+
+
+def _is_key(leaf) -> bool:
+    dtype = getattr(leaf, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _key_data_sharding(sharding):
+    # A key array of shape S is stored as uint32 data of shape S + (2,) (threefry); a
+    # NamedSharding's spec leaves the trailing axis replicated, so the same object fits both.
+    return sharding
+
+
+def _host_int(x) -> int:
+    """An int from a (possibly sharded, possibly multi-host) scalar array, without a gather."""
+    if isinstance(x, jax.Array):
+        return int(np.asarray(x.addressable_data(0)))
+    return int(x)
+
+
+def _to_savable(tree):
+    """``tree`` with typed PRNG keys replaced by their key data; returns it and {path: impl}."""
+    impls: dict[str, str] = {}
+
+    def convert(path, leaf):
+        if _is_key(leaf):
+            impls[path] = str(jax.random.key_impl(leaf))
+            return jax.random.key_data(leaf)
+        return leaf
+
+    return map_with_path(convert, tree), impls
+
+
+def _abstract_savable(target):
+    """The orbax restore target: key leaves become ShapeDtypeStructs of their key data."""
+
+    def convert(leaf):
+        if _is_key(leaf):
+            data = jax.eval_shape(jax.random.key_data,
+                                  jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
+            return jax.ShapeDtypeStruct(data.shape, data.dtype,
+                                        sharding=_key_data_sharding(leaf.sharding))
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
+
+    return jax.tree.map(convert, target)
+
+
+def _abstract_leaf(path: str, leaf, sharding=None):
+    if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+        raise ConfigError("abstract_state", path, f"leaf is a {type(leaf).__name__}, expected an "
+                          "array or jax.ShapeDtypeStruct (build the state with jax.eval_shape)")
+    sharding = sharding if sharding is not None else getattr(leaf, "sharding", None)
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+
+
+def restore_target(abstract_state, shardings):
+    """The abstract target of :meth:`Checkpointer.restore`: every leaf with its sharding.
+
+    Orbax places each restored array as its target leaf's sharding says. A leaf without one
+    (typically a scalar: the step, a loss scale, Adam's count, the PRNG key) would land on a
+    single device and break the next ``jit`` on a mesh ("incompatible devices"), so this
+    attaches a sharding to *every* leaf, scalars and typed keys included.
+
+    Args:
+      abstract_state: a pytree of ``jax.ShapeDtypeStruct`` (``jax.eval_shape(init_fn, ...)``)
+        or of arrays; typed PRNG keys stay typed (their key data is handled on restore).
+      shardings: a pytree of ``jax.sharding.Sharding`` with the structure of
+        ``abstract_state`` (``effijax.sharding.state_shardings(abstract_state, mesh,
+        strategy)``), or one sharding for every leaf (e.g. ``effijax.sharding.replicated``).
+
+    Returns:
+      ``abstract_state`` with every leaf a ``jax.ShapeDtypeStruct(shape, dtype, sharding=...)``.
+
+    Raises:
+      ConfigError: a leaf is not array-like, or the shardings tree does not match.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> from effijax.sharding import make_mesh, state_shardings
+      >>> from effijax.train import init_train_state
+      >>> init = lambda key: init_train_state({"w": jnp.zeros((64, 32))}, optax.adam(1e-3), key)
+      >>> abstract = jax.eval_shape(init, jax.random.key(0))
+      >>> target = restore_target(abstract, state_shardings(abstract, make_mesh(), "fsdp"))
+      >>> target.params["w"].sharding.spec, target.step.sharding.spec, target.rng.dtype
+      (P('fsdp',), P(), key<fry>)
+    """
+    if isinstance(shardings, jax.sharding.Sharding):
+        return map_with_path(lambda path, leaf: _abstract_leaf(path, leaf, shardings),
+                             abstract_state)
+    try:
+        return map_with_path(_abstract_leaf, abstract_state, shardings)
+    except ValueError as e:  # jax's tree-structure mismatch
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError("shardings", type(shardings).__name__,
+                          f"does not match the structure of abstract_state ({e}); derive it "
+                          "with effijax.sharding.state_shardings(abstract_state, mesh, "
+                          "strategy)") from e
+
+
+def _check_target(target) -> None:
+    missing = [path for path, leaf in named_leaves(target)
+               if getattr(leaf, "sharding", None) is None]
+    if missing:
+        shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
+        raise ConfigError(
+            "target_state_abstract", shown,
+            f"{len(missing)} leaves carry no sharding; restored without one they land on a "
+            "single device and break jit on a mesh. Build the target with "
+            "effijax.checkpoint.restore_target(abstract_state, shardings)")
+
+
+def _jsonable(metadata: Mapping | None, field: str) -> dict:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise ConfigError(field, type(metadata).__name__, "must be a dict (stored as JSON)")
+    # Values JSON has no type for (dtypes, paths, enums) are stored as their str().
+    return json.loads(json.dumps(dict(metadata), default=str))
+
+
+def _check_every_keep(every, keep) -> None:
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ConfigError("every", every, "must be an int >= 1 (save when step % every == 0)")
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ConfigError("keep", keep, "must be an int >= 1, or None to keep every checkpoint")
+
+
+@jax.jit
+def _finite_flag(tree):
+    return all_finite(tree)
+
+
+def _finite_part(state):
+    """The leaves whose finiteness gates a save: params and opt_state, or the whole tree."""
+    if hasattr(state, "params") and hasattr(state, "opt_state"):
+        return (state.params, state.opt_state)
+    return jax.tree.map(lambda x: None if _is_key(x) else x, state)
+
+
+def _manager(directory, *, every: int, keep: int | None, async_save: bool,
+             reader: bool = False) -> ocp.CheckpointManager:
+    """The orbax manager; ``reader=True`` for a look at the metadata that changes nothing on
+    disk (no directory creation, no cleanup; orbax's ``read_only`` would say the same with a
+    warning on every call)."""
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    registry.add(_ITEM, ocp.args.StandardSave, ocp.StandardCheckpointHandler)
+    registry.add(_ITEM, ocp.args.StandardRestore, ocp.StandardCheckpointHandler)
+    options = ocp.CheckpointManagerOptions(
+        save_interval_steps=every,
+        max_to_keep=None if reader else keep,
+        enable_async_checkpointing=async_save,
+        # Create the step's temporary directory in save() itself: created in the background, a
+        # failure (unwritable or vanished directory) leaves the array writers waiting for its
+        # signal until a timeout (minutes) instead of raising at once.
+        async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
+        # A killed save leaves <step>.orbax-checkpoint-tmp*: never restored, removed on open.
+        cleanup_tmp_directories=not reader,
+        create=not reader,
+    )
+    return ocp.CheckpointManager(directory, options=options, handler_registry=registry)
+
+
+class Checkpointer:
+    """Saves and restores one run's states in ``directory`` (see :func:`open_checkpoints`).
+
+    Not thread-safe; in a multi-process run every process calls every method (orbax
+    coordinates the writes). Use it as a context manager, or call :meth:`close`, so that the
+    last asynchronous write is waited for and its errors are raised.
+
+    Args:
+      directory: where the steps live (created if missing).
+      every: :meth:`save` writes when ``state.step % every == 0`` (or when forced).
+      keep: how many most recent checkpoints to keep; None keeps all.
+      async_save: write in a background thread (the train loop only waits for the
+        device-to-host copy).
+      metadata: the run's settings (JSON-able dict), stored with every step.
+      base_reference: for adapter-only checkpoints, the base model they apply to (see
+        :func:`effijax.checkpoint.save_adapters_checkpoint`); stored with every step.
+
+    Example:
+      >>> import tempfile, jax, jax.numpy as jnp, optax
+      >>> from effijax.sharding import make_mesh, replicated
+      >>> from effijax.train import init_train_state
+      >>> state = init_train_state({"w": jnp.ones(4)}, optax.sgd(0.1), 0)
+      >>> with open_checkpoints(tempfile.mkdtemp(), every=10, keep=2) as ckpt:
+      ...     print(ckpt.save(state))
+      ...     ckpt.wait()
+      ...     target = restore_target(jax.eval_shape(lambda: state), replicated(make_mesh()))
+      ...     restored = ckpt.restore(target_state_abstract=target)
+      SaveResult(step=0, saved=True, reason='saved')
+      >>> restored.params["w"].sharding.is_fully_replicated, restored.rng.dtype
+      (True, key<fry>)
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, every: int = 1, keep: int | None = 3,
+                 async_save: bool = True, metadata: Mapping | None = None,
+                 base_reference: Mapping | None = None):
+        _check_every_keep(every, keep)
+        self.directory = Path(directory)
+        self.every = every
+        self.keep = keep
+        self.async_save = bool(async_save)
+        self._run_metadata = _jsonable(metadata, "metadata")
+        self._base_reference = (None if base_reference is None
+                                else _jsonable(base_reference, "base_reference"))
+        self._versions = library_versions()
+        self._closed = False
+        try:
+            self._manager = _manager(self.directory, every=every, keep=keep,
+                                     async_save=self.async_save)
+        except BaseException as e:
+            e.add_note(f"effijax: could not open checkpoint directory {self.directory}")
+            raise
+
+    # -- saving ---------------------------------------------------------------------------
+
+    def save(self, state, *, force: bool = False, step: int | None = None) -> SaveResult:
+        """Saves ``state`` when its step is due (``step % every == 0``) or ``force``.
+
+        Before writing, one jitted, on-device check that every floating leaf of ``params`` and
+        ``opt_state`` is finite (of the whole tree for a pytree that is not a TrainState);
+        a non-finite state is not written. With ``async_save`` the call returns once the
+        arrays are off the device; the files are committed atomically in the background.
+
+        Args:
+          state: a ``TrainState`` (or any pytree of arrays when ``step`` is given).
+          force: save even if the step is not a multiple of ``every``.
+          step: the step to save under; default ``state.step``.
+
+        Returns:
+          A :class:`SaveResult`.
+
+        Raises:
+          OSError, ValueError, ...: the write failed (unwritable directory, disk full, an
+            orbax error), now or in the previous asynchronous save. The exception carries a
+            note naming the directory and step; it is never swallowed.
+        """
+        self._check_open()
+        step = _host_int(state.step if step is None else step)
+        if not force and step % self.every:
+            return SaveResult(step, False, "not_due")
+        if step in self._manager.all_steps():
+            return SaveResult(step, False, "exists")
+        if not _host_int(_finite_flag(_finite_part(state))):
+            return SaveResult(step, False, "non_finite")
+        tree, impls = _to_savable(state)
+        record = {
+            "format": FORMAT_VERSION,
+            "step": step,
+            "saved_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "versions": self._versions,
+            "prng_keys": impls,
+            "metadata": self._run_metadata,
+        }
+        if self._base_reference is not None:
+            record["base_reference"] = self._base_reference
+        args = ocp.args.Composite(**{_ITEM: ocp.args.StandardSave(tree)})
+        try:
+            self._manager.save(step, args=args, custom_metadata={_META_KEY: record}, force=True)
+        except BaseException as e:
+            e.add_note(f"effijax: saving step {step} to {self.directory} failed")
+            raise
+        return SaveResult(step, True, "saved")
+
+    def wait(self) -> None:
+        """Blocks until the asynchronous write in flight (if any) is committed.
+
+        Raises:
+          The write's exception (with a note naming the directory), if it failed.
+        """
+        try:
+            self._manager.wait_until_finished()
+        except BaseException as e:
+            e.add_note(f"effijax: an asynchronous checkpoint write to {self.directory} failed")
+            raise
+
+    def close(self) -> None:
+        """Waits for the last write (raising its error, if any) and releases orbax's resources.
+
+        Idempotent.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait()
+        finally:
+            self._manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"the Checkpointer of {self.directory} is closed")
+
+    # -- reading --------------------------------------------------------------------------
+
+    def all_steps(self) -> list[int]:
+        """The steps, ascending: committed ones and the one being written, if any (temporary
+        directories of killed writes are never listed)."""
+        return sorted(self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        """The newest step, or None when there is none.
+
+        A step whose asynchronous write is still in flight counts (orbax's view); after
+        :meth:`wait`, or in a new process, only committed steps do.
+
+        Example:
+          >>> import tempfile
+          >>> open_checkpoints(tempfile.mkdtemp()).latest_step() is None
+          True
+        """
+        return self._manager.latest_step()
+
+    def metadata(self, step: int | None = None) -> dict:
+        """The JSON record stored with ``step`` (default: the latest).
+
+        Keys: ``format``, ``step``, ``saved_at``, ``versions`` (library versions),
+        ``prng_keys`` (``{path: key implementation}``), ``metadata`` (the run's, as given to
+        :func:`open_checkpoints`) and, for adapter checkpoints, ``base_reference``.
+        """
+        step = self._resolve_step(step)
+        return _step_record(self._manager, step, self.directory)
+
+    def restore(self, step: int | None = None, *, target_state_abstract):
+        """Restores ``step`` (default: the latest) into the target's shapes and shardings.
+
+        Args:
+          step: the step to restore; None means :meth:`latest_step`.
+          target_state_abstract: the abstract state from :func:`restore_target`: every leaf a
+            ``jax.ShapeDtypeStruct`` with a sharding (scalars and typed keys too). Its mesh
+            and strategy may differ from the saving run's.
+
+        Returns:
+          The state, with the target's tree structure, dtypes and shardings; typed PRNG keys
+          come back typed.
+
+        Raises:
+          FileNotFoundError: there is no committed checkpoint (or not ``step``).
+          ConfigError: a target leaf has no sharding, or the checkpoint's tree, shapes or
+            dtypes differ from the target's (see :func:`validate_resume`).
+        """
+        self._check_open()
+        step = self._resolve_step(step)
+        _check_target(target_state_abstract)
+        _compare(_saved_leaves(self._manager, step), target_state_abstract,
+                 self.directory, step)
+        record = _step_record(self._manager, step, self.directory)
+        restored = self._manager.restore(
+            step, args=ocp.args.Composite(
+                **{_ITEM: ocp.args.StandardRestore(_abstract_savable(target_state_abstract))}))
+        return _from_savable(restored[_ITEM], target_state_abstract,
+                             record.get("prng_keys", {}), self.directory)
+
+    def _resolve_step(self, step: int | None) -> int:
+        steps = self._manager.all_steps()
+        if step is None:
+            if not steps:
+                raise FileNotFoundError(f"no committed checkpoint in {self.directory}")
+            return max(steps)
+        if step not in steps:
+            raise FileNotFoundError(f"no checkpoint of step {step} in {self.directory}; "
+                                    f"committed steps: {sorted(steps)}")
+        return int(step)
+
+
+def open_checkpoints(directory: str | os.PathLike, *, every: int = 1, keep: int | None = 3,
+                     async_save: bool = True, metadata: Mapping | None = None) -> Checkpointer:
+    """Opens (creating if needed) a run's checkpoint directory.
+
+    Args:
+      directory: the checkpoint directory.
+      every: save when ``state.step % every == 0`` (``save(..., force=True)`` saves anyway).
+      keep: keep the ``keep`` most recent checkpoints; None keeps all.
+      async_save: write in a background thread; call :meth:`Checkpointer.wait` or
+        :meth:`Checkpointer.close` before relying on the files.
+      metadata: the run's settings (its config), a JSON-able dict stored with every step
+        next to the library versions.
+
+    Returns:
+      A :class:`Checkpointer` (a context manager).
+
+    Raises:
+      ConfigError: ``every``, ``keep`` or ``metadata`` is invalid.
+      OSError: the directory cannot be created.
+
+    Example:
+      >>> import tempfile, jax.numpy as jnp, optax
+      >>> from effijax.train import init_train_state
+      >>> state = init_train_state({"w": jnp.ones(2)}, optax.sgd(0.1), 0)
+      >>> with open_checkpoints(tempfile.mkdtemp(), every=5, metadata={"lr": 0.1}) as ckpt:
+      ...     ckpt.save(state._replace(step=jnp.int32(3))).reason
+      ...     ckpt.save(state._replace(step=jnp.int32(5))).reason
+      ...     ckpt.wait()
+      ...     ckpt.latest_step(), ckpt.metadata()["metadata"]
+      'not_due'
+      'saved'
+      (5, {'lr': 0.1})
+    """
+    return Checkpointer(directory, every=every, keep=keep, async_save=async_save,
+                        metadata=metadata)
+
+
+def _step_record(manager, step: int, directory) -> dict:
+    custom = manager.metadata(step).custom_metadata or {}
+    record = custom.get(_META_KEY)
+    if not isinstance(record, dict):
+        raise ConfigError("checkpoint", str(directory), f"step {step} was not written by "
+                          "effijax.checkpoint (no effijax metadata)")
+    return record
+
+
+def _saved_leaves(manager, step: int) -> dict[str, Any]:
+    """``{path: ArrayMetadata}`` of a step, read from orbax's metadata (no array is loaded)."""
+    item = manager.item_metadata(step)[_ITEM]
+    tree = getattr(item, "tree", item)
+    return dict(named_leaves(tree, is_leaf=lambda x: hasattr(x, "shape")))
+
+
+def _describe(shape, dtype) -> str:
+    return f"{np.dtype(dtype).name}{list(shape)}"
+
+
+_FIX = "use a fresh --out or the same --model"
+
+
+def _compare(saved: dict[str, Any], abstract_state, directory, step: int) -> None:
+    """Raises ConfigError at the first leaf where the checkpoint and the model differ."""
+    expected = named_leaves(_abstract_savable(jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract_state)))
+    where = f"checkpoint {directory} (step {step})"
+    for path, leaf in expected:
+        if path not in saved:
+            raise ConfigError("checkpoint", str(directory),
+                              f"{where} has no leaf {path!r} that the model expects "
+                              f"({_describe(leaf.shape, leaf.dtype)}): the state's tree "
+                              f"structure differs; {_FIX}")
+        got = saved[path]
+        if tuple(got.shape) != tuple(leaf.shape) or np.dtype(got.dtype) != np.dtype(leaf.dtype):
+            raise ConfigError("checkpoint", str(directory),
+                              f"{where} holds {path!r} as {_describe(got.shape, got.dtype)} but "
+                              f"the model expects {_describe(leaf.shape, leaf.dtype)}; {_FIX}")
+    extra = [p for p in saved if p not in dict(expected)]
+    if extra:
+        raise ConfigError("checkpoint", str(directory),
+                          f"{where} holds {len(extra)} leaves the model does not have, first "
+                          f"{extra[0]!r}: the state's tree structure differs; {_FIX}")
+
+
+def _from_savable(restored, target, impls: Mapping[str, str], directory):
+    """Re-wraps key data as typed keys; every leaf keeps the target's sharding."""
+    rebuilt = jax.tree.unflatten(jax.tree.structure(target), jax.tree.leaves(restored))
+
+    def convert(path, leaf, abstract):
+        if not _is_key(abstract):
+            return leaf
+        if path not in impls:
+            raise ConfigError("checkpoint", str(directory), f"leaf {path!r} is a PRNG key in "
+                              "the target but was not saved as one")
+        return jax.random.wrap_key_data(leaf, impl=impls[path])
+
+    return map_with_path(convert, rebuilt, target)
+
+
+def validate_resume(directory: str | os.PathLike, abstract_state) -> int | None:
+    """Pre-flight check that ``directory``'s latest checkpoint fits the model; its step or None.
+
+    Reads only orbax's metadata of the latest committed step (no array is loaded, nothing is
+    compiled) and compares the tree structure, every leaf's shape and dtype with
+    ``abstract_state`` (typed PRNG keys are compared as their key data).
+
+    Args:
+      directory: a checkpoint directory (it may not exist yet).
+      abstract_state: the state the run would restore into, e.g.
+        ``jax.eval_shape(init_fn, key)`` (shardings are not needed here).
+
+    Returns:
+      The latest committed step, or None when the directory has none (a fresh run).
+
+    Raises:
+      ConfigError: naming the first differing leaf path, the saved and expected shape and
+        dtype, and the fix.
+
+    Example:
+      >>> import tempfile, jax, jax.numpy as jnp, optax
+      >>> from effijax.train import init_train_state
+      >>> init = lambda n: init_train_state({"w": jnp.ones(n)}, optax.sgd(0.1), 0)
+      >>> d = tempfile.mkdtemp()
+      >>> validate_resume(d, jax.eval_shape(lambda: init(2))) is None
+      True
+      >>> with open_checkpoints(d) as ckpt:
+      ...     ckpt.save(init(2)).saved
+      True
+      >>> validate_resume(d, jax.eval_shape(lambda: init(2)))
+      0
+      >>> validate_resume(d, jax.eval_shape(lambda: init(3)))  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ...
+      effijax.errors.ConfigError: checkpoint=...: ...'params/w' as float32[2] but the model ...
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        if directory.exists():
+            raise ConfigError("checkpoint", str(directory), "is a file, not a directory")
+        return None
+    manager = _manager(directory, every=1, keep=None, async_save=False, reader=True)
+    try:
+        step = manager.latest_step()
+        if step is None:
+            return None
+        _compare(_saved_leaves(manager, step), abstract_state, directory, step)
+        return int(step)
+    finally:
+        manager.close()
