@@ -266,15 +266,19 @@ def _dense(x_BSD: jax.Array, kernel_DF: jax.Array, bias_F: jax.Array | None,
     activations are cast to meet it (never the kernel). The same holds for the adapters (f32
     adapters on a bf16 base run their two matmuls in f32).
     """
-    y_BSF = dot("...d,df->...f", x_BSD.astype(kernel_DF.dtype), kernel_DF)
+    # Flatten the leading axes to one: a 2-D matmul's backward contracts over a single axis.
+    # XLA:CPU ran the thin adapter gradients of the 3-D einsum 5x slower than this.
+    lead = x_BSD.shape[:-1]
+    x_ND = x_BSD.reshape(-1, x_BSD.shape[-1])
+    y_NF = dot("nd,df->nf", x_ND.astype(kernel_DF.dtype), kernel_DF)
     if lora is not None:
-        xa_BSD = _dropout(x_BSD, lora.dropout, lora.key).astype(lora.a_DR.dtype)
-        h_BSR = dot("...d,dr->...r", xa_BSD, lora.a_DR)
-        u_BSF = dot("...r,rf->...f", h_BSR, lora.b_RF) * lora.scale
-        y_BSF = y_BSF + u_BSF.astype(y_BSF.dtype)
+        xa_ND = _dropout(x_ND, lora.dropout, lora.key).astype(lora.a_DR.dtype)
+        h_NR = dot("nd,dr->nr", xa_ND, lora.a_DR)
+        u_NF = dot("nr,rf->nf", h_NR, lora.b_RF) * lora.scale
+        y_NF = y_NF + u_NF.astype(y_NF.dtype)
     if bias_F is not None:
-        y_BSF = y_BSF + bias_F.astype(y_BSF.dtype)
-    return y_BSF.astype(x_BSD.dtype)
+        y_NF = y_NF + bias_F.astype(y_NF.dtype)
+    return y_NF.reshape(*lead, y_NF.shape[-1]).astype(x_BSD.dtype)
 
 
 def _constrain(x_BSD: jax.Array) -> jax.Array:
