@@ -4,6 +4,9 @@
 parameter count, optimizer, precision, ZeRO stage and LoRA fraction; :func:`estimate_tree` counts
 the same from a real abstract parameter pytree and optax optimizer; :func:`activation_bytes` is
 the transformer activation formula; :func:`plan` picks the cheapest configuration that fits.
+:func:`measure` reads what XLA really allocates for a compiled function, :func:`compare` sets it
+against an estimate, and :func:`activation_measure` sweeps a GPT train step over sequence
+lengths (naive vs blockwise attention vs remat) next to the formula.
 GB means 10**9 bytes throughout (the unit of the seed tables).
 """
 
@@ -19,6 +22,17 @@ from effijax.memory._estimate import (
     model_states,
     parse_bytes,
     parse_count,
+)
+from effijax.memory._measure import (
+    ACTIVATION_VARIANTS,
+    ROW_HEADER,
+    ActivationPoint,
+    Measurement,
+    Row,
+    activation_measure,
+    compare,
+    measure,
+    tree_bytes,
 )
 from effijax.memory._plan import HEADROOM, Plan, plan
 
@@ -38,4 +52,13 @@ __all__ = [
     "parse_bytes",
     "parse_count",
     "plan",
+    "ACTIVATION_VARIANTS",
+    "ROW_HEADER",
+    "ActivationPoint",
+    "Measurement",
+    "Row",
+    "activation_measure",
+    "compare",
+    "measure",
+    "tree_bytes",
 ]

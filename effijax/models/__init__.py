@@ -7,6 +7,7 @@ Build a model with ``GPT(gpt_config("mini"), rngs=nnx.Rngs(0))`` or, functionall
 targets match.
 """
 
+from effijax.models._blockwise import blockwise_attend
 from effijax.models._gpt import (
     ATTENTION,
     GPT,
@@ -31,6 +32,7 @@ __all__ = [
     "PRESETS",
     "param_count",
     "attend",
+    "blockwise_attend",
     "ATTENTION",
     "REMAT",
     "split_params",

@@ -34,6 +34,7 @@ from flax import nnx
 
 from effijax.errors import ConfigError
 from effijax.lora import LoraSpec, pairs, validate
+from effijax.models._blockwise import REMAT_POLICIES, blockwise_attend
 from effijax.precision._islands import cross_entropy, dot, layer_norm, softmax
 from effijax.precision._policy import Policy, get_policy
 from effijax.sharding import constrain_batch
@@ -104,14 +105,15 @@ def attend(
     return dot("bhst,bthk->bshk", probs_BHST, v_BTHK)
 
 
-# Add a blockwise (flash) implementation here with the same signature; configs pick it by name.
-ATTENTION: dict[str, Callable[..., jax.Array]] = {"naive": attend}
+# Attention implementations by ``GPTConfig.attention`` name, all with ``attend``'s signature.
+ATTENTION: dict[str, Callable[..., jax.Array]] = {"naive": attend, "blockwise": blockwise_attend}
 
 # ``jax.checkpoint`` policies by ``GPTConfig.remat`` name; "none" means no checkpointing.
 REMAT: dict[str, Any] = {
     "none": None,
     "block": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    **REMAT_POLICIES,
 }
 
 
