@@ -18,7 +18,8 @@ model via ``module.apply``, or a plain function.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -37,6 +38,18 @@ from effijax.precision import (
 )
 from effijax.precision import accumulate as accumulate_gradients
 from effijax.precision._cast import is_floating
+from effijax.sharding import (
+    DEFAULT_MIN_SHARD_SIZE,
+    ReplicatedParameterWarning,
+    ShardedStep,
+    Strategy,
+    constraints,
+    get_strategy,
+    grad_shardings,
+    init_sharded,
+    jit_sharded,
+    partition_specs,
+)
 
 __all__ = [
     "TrainState",
@@ -47,6 +60,9 @@ __all__ = [
     "learning_rate_of",
     "global_norm_f32",
     "optax_promotion",
+    "ShardedTraining",
+    "make_sharded_step",
+    "make_sharded_training",
 ]
 
 
@@ -217,11 +233,12 @@ def make_train_step(
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
-      >>> loss_fn = lambda p, b, rng: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
+      >>> def loss_fn(p, b, rng):  # p arrives in the compute dtype (fp16 here)
+      ...     return jnp.mean((b["x"].astype(p["w"].dtype) @ p["w"] - 1.0) ** 2)
       >>> tx = dynamic_loss_scale(optax.sgd(0.1), init_scale=2.0**10)
       >>> step = jax.jit(make_train_step(loss_fn, tx, "fp16"), donate_argnums=0)
       >>> state = init_train_state({"w": jnp.zeros((2, 1))}, tx, 0)
-      >>> batch = {"x": jnp.ones((4, 2)), "y": jnp.ones((4, 1))}
+      >>> batch = {"x": jnp.ones((4, 2))}
       >>> state, m = step(state, batch)
       >>> float(m["loss"]), float(m["loss_scale"]), bool(m["skipped"])
       (1.0, 1024.0, False)
@@ -381,3 +398,147 @@ def _standard_promotion(tx: optax.GradientTransformation) -> optax.GradientTrans
             return tx.update(updates, state, params, **extra)
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+
+def make_sharded_step(
+    loss_fn: Callable,
+    optimizer: optax.GradientTransformation,
+    policy: Policy | str = "fp32",
+    *,
+    mesh,
+    strategy: str | Strategy,
+    specs,
+    shardings,
+    has_aux: bool = False,
+    allow_unscaled_fp16: bool = False,
+    batch_sharding=None,
+    donate: bool = True,
+) -> ShardedStep:
+    """:func:`make_train_step` under a strategy's constraints, jitted with every sharding.
+
+    The step half of :func:`make_sharded_training`, for when the state already exists (or is
+    only abstract: ``step.lower(abstract_state, abstract_batch).compile()`` with
+    :func:`effijax.sharding.with_shardings` measures a configuration without allocating it).
+
+    Args:
+      loss_fn, optimizer, policy, has_aux, allow_unscaled_fp16: as in :func:`make_train_step`.
+      mesh, strategy: the mesh and the strategy.
+      specs: the parameters' sharded specs (:func:`effijax.sharding.partition_specs`).
+      shardings: the state's shardings (:func:`effijax.sharding.state_shardings`).
+      batch_sharding, donate: as in :func:`effijax.sharding.jit_sharded`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> from effijax.sharding import make_mesh, partition_specs, state_shardings
+      >>> tx, mesh = optax.sgd(0.1), make_mesh()
+      >>> loss_fn = lambda p, b, rng: jnp.mean((b["x"] @ p["w"]) ** 2)
+      >>> abstract = jax.eval_shape(
+      ...     lambda: init_train_state({"w": jnp.zeros((64, 32))}, tx, jax.random.key(0)))
+      >>> sh = state_shardings(abstract, mesh, "fsdp")
+      >>> step = make_sharded_step(loss_fn, tx, mesh=mesh, strategy="fsdp",
+      ...                          specs=partition_specs(abstract.params, mesh), shardings=sh)
+      >>> batch = jax.ShapeDtypeStruct((16, 64), jnp.float32)
+      >>> compiled = step.lower(abstract, {"x": batch}).compile()
+    """
+    constrain_params, constrain_grads = constraints(mesh, strategy, specs)
+    step = make_train_step(loss_fn, optimizer, policy, has_aux=has_aux,
+                           allow_unscaled_fp16=allow_unscaled_fp16,
+                           constrain_params=constrain_params, constrain_grads=constrain_grads)
+    return jit_sharded(step, mesh, shardings, batch=batch_sharding, donate=donate)
+
+
+class ShardedTraining(NamedTuple):
+    """A train state born sharded and its step, from :func:`make_sharded_training`.
+
+    Attributes:
+      state: the initial :class:`TrainState`, each leaf laid out as ``shardings`` says.
+      shardings: the ``NamedSharding`` of every state leaf (the step keeps them).
+      specs: each parameter's sharded ``PartitionSpec`` (the same for every strategy; what
+        FSDP stores and ZeRO shards the optimizer state and gradients by).
+      grad_shardings: where the gradients live (sharded for zero2/fsdp, else replicated).
+      step: the :class:`~effijax.sharding.ShardedStep` (call ``step(state, batch)``).
+      mesh: the mesh.
+      strategy: the :class:`~effijax.sharding.Strategy`.
+    """
+
+    state: TrainState
+    shardings: Any
+    specs: Any
+    grad_shardings: Any
+    step: ShardedStep
+    mesh: Any
+    strategy: Strategy
+
+
+def make_sharded_training(
+    init_fn: Callable[..., TrainState],
+    *args,
+    loss_fn: Callable,
+    optimizer: optax.GradientTransformation,
+    policy: Policy | str = "fp32",
+    mesh,
+    strategy: str | Strategy,
+    rules: Sequence[tuple] | None = None,
+    min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
+    has_aux: bool = False,
+    allow_unscaled_fp16: bool = False,
+    batch_sharding=None,
+    donate: bool = True,
+) -> ShardedTraining:
+    """Data-parallel training under a strategy: born-sharded state + constrained, sharded step.
+
+    The composition of :func:`effijax.sharding.init_sharded` (no device ever holds the whole
+    model: ``init_fn`` runs under ``jit`` with the derived ``out_shardings``),
+    :func:`effijax.sharding.constraints` (where FSDP gathers weights, where gradients are
+    reduced) and :func:`effijax.sharding.jit_sharded` around :func:`make_train_step`. The batch
+    is split over ``("data", "fsdp")``: check its size first with
+    :func:`effijax.sharding.check_batch`.
+
+    Args:
+      init_fn: ``init_fn(*args) -> TrainState``, e.g. ``lambda key: init_train_state(
+        init_params(key), optimizer, key)``; traced abstractly first, then run sharded.
+      *args: passed to ``init_fn`` (PRNG keys).
+      loss_fn, optimizer, policy, has_aux, allow_unscaled_fp16: as in :func:`make_train_step`
+        (``optimizer`` must be the one ``init_fn`` initialised the state with).
+      mesh: a mesh from :func:`effijax.sharding.make_mesh`.
+      strategy: ``ddp``, ``zero1``, ``zero2``, ``fsdp`` (or ``zero3``).
+      rules, min_shard_size: partition rules, as in :func:`effijax.sharding.partition_specs`.
+      batch_sharding: the batch's sharding (default: split over ``("data", "fsdp")``).
+      donate: donate the state to the step.
+
+    Returns:
+      A :class:`ShardedTraining`.
+
+    Raises:
+      ConfigError: an unknown strategy, a bad mesh or bad rules, before anything is traced.
+
+    Warns:
+      ReplicatedParameterWarning: once per large parameter that no dimension lets shard.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> from effijax.sharding import make_mesh
+      >>> tx = optax.sgd(0.1)
+      >>> loss_fn = lambda p, b, rng: jnp.mean((b["x"] @ p["w"] - 1.0) ** 2)
+      >>> init = lambda key: init_train_state({"w": jnp.zeros((64, 32))}, tx, key)
+      >>> run = make_sharded_training(init, jax.random.key(0), loss_fn=loss_fn, optimizer=tx,
+      ...                             mesh=make_mesh(data=2), strategy="fsdp")
+      >>> state, metrics = run.step(run.state, {"x": jnp.ones((8, 64))})
+      >>> float(metrics["loss"]), state.params["w"].sharding.spec
+      (1.0, P('fsdp',))
+    """
+    strategy = get_strategy(strategy)
+    kwargs = {"rules": rules, "min_shard_size": min_shard_size}
+    abstract = jax.eval_shape(init_fn, *args)
+    specs = partition_specs(abstract.params, mesh, **kwargs)  # warns once per leftover leaf
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ReplicatedParameterWarning)  # already warned above
+        state, shardings = init_sharded(init_fn, *args, mesh=mesh, strategy=strategy, **kwargs)
+    jitted = make_sharded_step(loss_fn, optimizer, policy, mesh=mesh, strategy=strategy,
+                               specs=specs, shardings=shardings, has_aux=has_aux,
+                               allow_unscaled_fp16=allow_unscaled_fp16,
+                               batch_sharding=batch_sharding, donate=donate)
+    return ShardedTraining(state=state, shardings=shardings, specs=specs,
+                           grad_shardings=grad_shardings(specs, mesh, strategy), step=jitted,
+                           mesh=mesh, strategy=strategy)

@@ -3,14 +3,21 @@
 With no flags it trains the ``mini`` GPT on the local Python standard library's source for 300
 steps (a couple of minutes on a 2-core CPU) and writes ``runs/train/``: ``config.json``,
 ``metrics.jsonl``, ``summary.json`` and ``loss.png``.
+
+``--strategy {ddp,zero1,zero2,fsdp}`` with ``--mesh data=2,fsdp=4`` trains data-parallel over
+every device (``--cpu-devices 8`` forces CPU devices); ``summary.json`` then records the
+per-device memory and the collectives of the compiled step. Several processes run the same
+command with ``--coordinator HOST:PORT --num-processes N --process-id I`` (or the
+``EFFIJAX_COORDINATOR``/``EFFIJAX_NUM_PROCESSES``/``EFFIJAX_PROCESS_ID`` environment); only
+process 0 prints and writes files.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -50,7 +57,20 @@ def add_parsers(sub) -> None:
     p.add_argument("--out", default="runs/train", help="run directory")
     p.add_argument("--eval-batches", type=int, default=8, help="validation batches at the end")
     p.add_argument("--cpu-devices", type=int, default=None,
-                   help="force N CPU devices (for runs without an accelerator)")
+                   help="force N CPU devices (for runs without an accelerator); per process")
+    p.add_argument("--strategy", default=None, metavar="{ddp,zero1,zero2,fsdp,zero3}",
+                   help="data-parallel sharding strategy over the mesh; default: one device, "
+                   "or ddp when --mesh is given or the run has several processes")
+    p.add_argument("--mesh", default=None,
+                   help="mesh axis sizes, e.g. 'data=2,fsdp=4' (default: every device on fsdp)")
+    p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="multi-process: process 0's coordinator address (default: "
+                   "$EFFIJAX_COORDINATOR)")
+    p.add_argument("--num-processes", type=int, default=None,
+                   help="multi-process: number of processes (default: $EFFIJAX_NUM_PROCESSES "
+                   "or 1)")
+    p.add_argument("--process-id", type=int, default=None,
+                   help="multi-process: this process' index (default: $EFFIJAX_PROCESS_ID)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -74,6 +94,11 @@ class TrainSettings:
     data: str | None
     out: str
     eval_batches: int
+    strategy: str | None = None
+    mesh: dict | None = None
+    coordinator: str | None = None
+    num_processes: int = 1
+    process_id: int = 0
 
 
 def _positive_int(name: str, value, minimum: int = 1) -> int:
@@ -83,7 +108,11 @@ def _positive_int(name: str, value, minimum: int = 1) -> int:
 
 
 def validate(args: argparse.Namespace) -> TrainSettings:
-    """Checks every flag before anything is compiled; raises :class:`ConfigError`."""
+    """Checks every flag before jax starts; raises :class:`ConfigError` naming the flag.
+
+    What needs the device count (``--mesh`` against the devices, ``--batch-size`` against
+    data*fsdp) is checked right after jax starts, still before anything is compiled.
+    """
     from effijax.models import PRESETS as MODEL_PRESETS
 
     steps = _positive_int("--steps", args.steps)
@@ -108,6 +137,7 @@ def validate(args: argparse.Namespace) -> TrainSettings:
         raise ConfigError("--steps", steps, f"must be a multiple of --accumulate={accumulate}")
     if args.cpu_devices is not None:
         _positive_int("--cpu-devices", args.cpu_devices)
+    strategy, mesh, processes = _validate_parallel(args, batch)
 
     ls = args.loss_scale.strip().lower() if isinstance(args.loss_scale, str) else args.loss_scale
     if ls == "auto":
@@ -130,15 +160,75 @@ def validate(args: argparse.Namespace) -> TrainSettings:
     if args.data is not None and not Path(args.data).exists():
         raise ConfigError("--data", args.data, "no such file or folder")
     out = Path(args.out)
-    probe = out if out.exists() else next((p for p in out.parents if p.exists()), Path("."))
-    if not os.access(probe, os.W_OK):
-        raise ConfigError("--out", args.out, f"{probe} is not writable")
+    try:  # create it now and prove it writable: a run must not fail at its first log line
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        raise ConfigError("--out", args.out, f"cannot write there ({e.strerror}); choose "
+                          "a writable directory") from None
     return TrainSettings(
         precision=args.precision, loss_scale=loss_scale, model=args.model, steps=steps,
         batch_size=batch, seq_len=args.seq_len, lr=args.lr, warmup=warmup,
         weight_decay=args.weight_decay, clip=args.clip or None, accumulate=accumulate,
         seed=args.seed, data=args.data, out=str(out), eval_batches=args.eval_batches,
+        strategy=strategy, mesh=mesh, **processes,
     )
+
+
+_FLAGS = {"coordinator_address": "--coordinator", "num_processes": "--num-processes",
+          "process_id": "--process-id", "mesh": "--mesh", "batch_size": "--batch-size",
+          "strategy": "--strategy", "local_device_count": "--cpu-devices"}
+
+
+def _as_flag(e: ConfigError) -> ConfigError:
+    """The same error, naming the command-line flag instead of the library argument."""
+    field = e.field
+    for name, flag in _FLAGS.items():
+        if field == name or field.startswith(name + "="):
+            field = flag
+    return ConfigError(field, e.value, e.problem)
+
+
+def _validate_parallel(args, batch: int):
+    """Strategy, mesh and process flags: everything checkable before jax starts."""
+    from effijax.distributed import resolve
+    from effijax.sharding import get_strategy, parse_mesh
+
+    try:
+        processes = resolve(args.coordinator, args.num_processes, args.process_id)
+        strategy = None if args.strategy is None else get_strategy(args.strategy).name
+        mesh = None if args.mesh is None else parse_mesh(args.mesh)
+    except ConfigError as e:
+        raise _as_flag(e) from None
+    if strategy is None and (mesh is not None or processes.num_processes > 1):
+        strategy = "ddp"  # a mesh (or several processes) means data-parallel
+    if strategy is not None and mesh is None:
+        mesh = {"fsdp": -1}
+    if batch % processes.num_processes:
+        raise ConfigError("--batch-size", batch, f"must be divisible by --num-processes="
+                          f"{processes.num_processes} (each process builds its own rows)")
+    return strategy, mesh, {"coordinator": processes.coordinator_address,
+                            "num_processes": processes.num_processes,
+                            "process_id": processes.process_id}
+
+
+def _start(settings: TrainSettings, cpu_devices: int | None):
+    """Starts jax (forced CPU devices, the multi-process run) and builds the mesh against the
+    devices it found: the last pre-flight checks, before anything is compiled."""
+    from effijax import distributed
+    from effijax.sharding import check_batch, make_mesh
+
+    try:
+        distributed.initialize(settings.coordinator, settings.num_processes,
+                               settings.process_id, local_device_count=cpu_devices)
+        if settings.strategy is None:
+            return None
+        mesh = make_mesh(**settings.mesh)
+        check_batch(settings.batch_size, mesh)
+    except ConfigError as e:
+        raise _as_flag(e) from None
+    return mesh
 
 
 def run(args: argparse.Namespace) -> int:
@@ -148,10 +238,22 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"effijax train: error: {e}", file=sys.stderr)
         return 2
+    try:
+        mesh = _start(settings, args.cpu_devices)
+    except ConfigError as e:
+        print(f"effijax train: error: {e}", file=sys.stderr)
+        return 2
+    from effijax import distributed
+
+    try:
+        return _train(args, settings, mesh)
+    finally:
+        distributed.shutdown()
+
+
+def _train(args: argparse.Namespace, settings: TrainSettings, mesh) -> int:
     import jax
 
-    if args.cpu_devices is not None:
-        jax.config.update("jax_num_cpu_devices", args.cpu_devices)
     if settings.precision == "auto":
         resolved = "fp32" if jax.default_backend() == "cpu" else "bf16"
         settings = dataclasses.replace(settings, precision=resolved)
@@ -160,6 +262,7 @@ def run(args: argparse.Namespace) -> int:
     from effijax.jobs import build_lm_job
     from effijax.models import gpt_config
     from effijax.run import RunDir, train_loop
+    from effijax.sharding import census_records
     from effijax.train import make_optimizer
 
     overrides = {} if settings.seq_len is None else {"seq_len": settings.seq_len}
@@ -182,27 +285,41 @@ def run(args: argparse.Namespace) -> int:
     )
     job = build_lm_job(model, settings.precision, optimizer, train_tokens=train_tokens,
                        val_tokens=val_tokens, batch_size=settings.batch_size, seed=settings.seed,
-                       num_eval_batches=settings.eval_batches)
+                       num_eval_batches=settings.eval_batches, mesh=mesh,
+                       strategy=settings.strategy or "ddp")
     config = {
         **dataclasses.asdict(settings),
+        "mesh": None if mesh is None else dict(mesh.shape),
+        "strategy": job.strategy or "single-device",
         "model_config": dataclasses.asdict(model),
         "num_params": job.num_params,
         "corpus_bytes": int(len(tokens)),
         "corpus_sha256": corpus_fingerprint(tokens),
         "devices": [str(d) for d in jax.devices()],
+        "process_count": jax.process_count(),
     }
     run_dir = RunDir(settings.out, config=config)
+    # Every process compiles the step once; the census is read from that same compilation.
+    t_compile = time.perf_counter()
+    compiled = job.compile(census=mesh is not None)
+    compile_s = time.perf_counter() - t_compile
     if run_dir.is_main:
+        where = (f"{job.strategy} on mesh {_mesh_text(mesh)}, {jax.process_count()} "
+                 "process(es)" if mesh is not None else "1 device")
         print(f"effijax train: {settings.model} GPT, {job.num_params:,} params, "
-              f"precision {settings.precision}, {len(jax.devices())} device(s) -> {settings.out}")
+              f"precision {settings.precision}, {where} -> {settings.out}")
+        print(_memory_line(compiled))
     t0 = time.perf_counter()
-    state, summary = train_loop(job.step, job.state, job.batch, num_steps=settings.steps,
+    state, summary = train_loop(compiled.step, job.state, job.batch, num_steps=settings.steps,
                                 tokens_per_step=job.tokens_per_step, run_dir=run_dir,
                                 progress=not args.no_progress)
     summary["wall_time_s"] = time.perf_counter() - t0
+    summary["compile_s"] = compile_s
     if settings.eval_batches:
         summary["eval_loss"] = job.evaluate(state.params)
     summary["num_params"] = job.num_params
+    summary["memory"] = _memory_summary(compiled.memory)
+    summary["collectives"] = census_records(compiled.census)
     run_dir.finish(summary, title=f"{settings.model} GPT, {settings.precision}")
     if run_dir.is_main:
         ev = f", eval loss {summary['eval_loss']:.4f}" if "eval_loss" in summary else ""
@@ -210,3 +327,29 @@ def run(args: argparse.Namespace) -> int:
               f"{summary['final_loss']:.4f}{ev}, {summary['tokens_per_s']:.0f} tokens/s, "
               f"{summary['skipped_steps']} skipped; wrote {settings.out}/")
     return 0
+
+
+def _mesh_text(mesh) -> str:
+    return ",".join(f"{k}={v}" for k, v in mesh.shape.items())
+
+
+def _memory_summary(report) -> dict:
+    """Per-device bytes for ``summary.json``: model states from the shardings, the rest from
+    ``compiled.memory_analysis()``."""
+    out = dataclasses.asdict(report)
+    out["model_states"] = report.params + (report.grads or 0) + report.opt_state
+    return out
+
+
+def _memory_line(compiled) -> str:
+    from effijax.memory import format_bytes
+    from effijax.sharding import census_records
+
+    m = compiled.memory
+    text = (f"per device: params {format_bytes(m.params)}, grads {format_bytes(m.grads or 0)}, "
+            f"optimizer {format_bytes(m.opt_state)}, temporaries {format_bytes(m.temporaries)}")
+    if compiled.census.ops:
+        kinds = "; ".join(f"{r['count']} {r['kind']} {r['dtype']} {format_bytes(r['bytes'])}"
+                          for r in census_records(compiled.census) if r["bytes"] >= 1024)
+        text += f"\ncollectives per step (>= 1 KB): {kinds}"
+    return text

@@ -17,6 +17,14 @@ from effijax.sharding._census import (
     memory_report,
     parse_collectives,
 )
+from effijax.sharding._job import (
+    DeviceBytes,
+    census_records,
+    compile_with_census,
+    device_bytes,
+    grad_shardings,
+    with_shardings,
+)
 from effijax.sharding._mesh import (
     AXES,
     BATCH_AXES,
@@ -75,4 +83,10 @@ __all__ = [
     "parse_collectives",
     "MemoryReport",
     "memory_report",
+    "grad_shardings",
+    "DeviceBytes",
+    "device_bytes",
+    "with_shardings",
+    "census_records",
+    "compile_with_census",
 ]

@@ -1,0 +1,93 @@
+"""`effijax train` under two processes (4 CPU devices each, gloo) equals one process with 8.
+
+Every process runs the same command; they meet at a coordinator on 127.0.0.1 (a free port
+found by binding port 0), each builds only its own rows of every global batch, and only
+process 0 prints and writes the run directory. Subprocesses force their own device counts; this
+test process keeps conftest's 8. Timeouts turn a hang into a failure.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+TIMEOUT_S = 240
+COMMON = ["--model", "tiny", "--seq-len", "32", "--batch-size", "8", "--steps", "3",
+          "--strategy", "fsdp", "--eval-batches", "1", "--no-progress"]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("EFFIJAX_", "JAX_COORDINATOR", "XLA_FLAGS"))}
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def _launch(args):
+    return subprocess.Popen([sys.executable, "-m", "effijax", "train", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env())
+
+
+def _wait(procs):
+    """Waits for all; on a timeout kills them (only the processes started here)."""
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=TIMEOUT_S))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+            p.communicate()
+        pytest.fail(f"a process did not finish within {TIMEOUT_S}s (hang?)")
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, f"exit {p.returncode}\nstdout:\n{out}\nstderr:\n{err}"
+    return outs
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_text("".join(f"def f{i}(x):\n    return x * {i} + 1\n" for i in range(400)))
+    return str(path)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_processes_of_four_devices_match_one_process_of_eight(tmp_path, corpus):
+    multi, single = tmp_path / "2x4", tmp_path / "1x8"
+    port = _free_port()
+    procs = [_launch([*COMMON, "--data", corpus, "--out", str(multi), "--cpu-devices", "4",
+                      "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+                      "--process-id", str(i)]) for i in range(2)]
+    (out0, _), (out1, _) = _wait(procs)
+    assert "done: 3 steps" in out0 and "2 process(es)" in out0
+    # Only process 0 prints (gloo's C++ connection lines are not effijax's to silence).
+    assert [line for line in out1.splitlines() if not line.startswith("[Gloo]")] == []
+    _wait([_launch([*COMMON, "--data", corpus, "--out", str(single), "--cpu-devices", "8"])])
+
+    def metrics(run):
+        return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+    m2, m1 = metrics(multi), metrics(single)
+    assert [r["step"] for r in m2] == [r["step"] for r in m1] == [1, 2, 3]
+    np.testing.assert_allclose([r["loss"] for r in m2], [r["loss"] for r in m1], rtol=1e-5)
+    s2 = json.loads((multi / "summary.json").read_text())
+    s1 = json.loads((single / "summary.json").read_text())
+    np.testing.assert_allclose(s2["eval_loss"], s1["eval_loss"], rtol=1e-5)
+    c2 = json.loads((multi / "config.json").read_text())
+    assert c2["process_count"] == 2 and len(c2["devices"]) == 8
+    assert c2["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1} and c2["strategy"] == "fsdp"
+    # The same program: same per-device memory and collectives.
+    assert s2["memory"]["params"] == s1["memory"]["params"]
+    assert s2["collectives"] == s1["collectives"]
