@@ -146,7 +146,8 @@ def _table(results: dict) -> str:
         for label, s in variants.items():
             lines.append(
                 f"| {setting} | {label} | {s['first_lm_loss']:.3f} | {s['final_lm_loss']:.3f} "
-                f"| {s['init_eval_loss']:.3f} -> {s['eval_loss']:.3f} | {s['zero_grad_steps']} | {s['skipped_steps']} | "
+                f"| {s['init_eval_loss']:.3f} -> {s['eval_loss']:.3f} | {s['zero_grad_steps']} "
+                f"| {s['skipped_steps']} | "
                 f"{s['final_loss_scale']:.4g} | {s['tokens_per_s']:.0f} |"
             )
     return "\n".join(lines)
