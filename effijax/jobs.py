@@ -42,7 +42,7 @@ from effijax.sharding import (
 )
 from effijax.train import TrainState, init_train_state, make_sharded_training, make_train_step
 
-__all__ = ["LMJob", "CompiledStep", "build_lm_job"]
+__all__ = ["LMJob", "CompiledStep", "build_lm_job", "abstract_lm_state"]
 
 
 class CompiledStep(NamedTuple):
@@ -91,6 +91,26 @@ class LMJob(NamedTuple):
     mesh: Any = None
     strategy: str | None = None
     compile: Callable[..., CompiledStep] | None = None
+
+
+def abstract_lm_state(model: GPTConfig, policy: Policy | str,
+                      optimizer: optax.GradientTransformation, *, seed: int = 0) -> TrainState:
+    """The shapes and dtypes of :func:`build_lm_job`'s initial state, without building it.
+
+    Nothing is initialized or compiled (``jax.eval_shape`` only): what a pre-flight check such
+    as :func:`effijax.checkpoint.validate_resume` compares a checkpoint against.
+
+    Example:
+      >>> import optax
+      >>> from effijax.models import gpt_config
+      >>> s = abstract_lm_state(gpt_config("tiny", seq_len=16), "fp32", optax.adam(1e-3))
+      >>> s.step.shape, s.step.dtype
+      ((), dtype('int32'))
+    """
+    policy = get_policy(policy)
+    _, key_run = jax.random.split(jax.random.key(seed))
+    _, abstract = abstract_split(model, policy)
+    return jax.eval_shape(lambda p, k: init_train_state(p, optimizer, k), abstract, key_run)
 
 
 def build_lm_job(

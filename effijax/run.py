@@ -196,6 +196,8 @@ def train_loop(
     progress: bool = True,
     callbacks: Iterable[Callable[[dict], None]] = (),
     should_stop: Callable[[], bool] | None = None,
+    checkpoint: Callable[[Any], Any] | None = None,
+    checkpoint_every: int | None = None,
 ) -> tuple[Any, dict]:
     """Runs ``step_fn`` from ``state.step`` up to ``num_steps`` and logs every step.
 
@@ -209,6 +211,11 @@ def train_loop(
       progress: show a tqdm bar with loss, loss scale and tokens/s.
       callbacks: ``f(record)`` called with each step's host-side record after it is logged.
       should_stop: polled after each step; True ends the loop early at that step boundary.
+      checkpoint: ``f(state)`` called with the state after every ``checkpoint_every``-th step
+        (``state.step % checkpoint_every == 0``), once that step's metrics are logged (so a
+        checkpoint never runs ahead of ``metrics.jsonl``) and before the next step donates
+        the state. The final state is not offered: the caller saves what the loop returns.
+      checkpoint_every: see ``checkpoint``.
 
     Returns:
       ``(state, summary)`` with ``steps``, ``final_loss`` (mean of the last 10 losses),
@@ -274,6 +281,11 @@ def train_loop(
         if pending is not None:
             drain(pending)
         pending = (step_no + 1, metrics, time.perf_counter())
+        if (checkpoint is not None and checkpoint_every and step_no + 1 < num_steps
+                and (step_no + 1) % checkpoint_every == 0):
+            drain(pending)
+            pending = None
+            checkpoint(state)
         if should_stop is not None and should_stop():
             stopped_early = True
             break

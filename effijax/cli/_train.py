@@ -10,14 +10,23 @@ per-device memory and the collectives of the compiled step. Several processes ru
 command with ``--coordinator HOST:PORT --num-processes N --process-id I`` (or the
 ``EFFIJAX_COORDINATOR``/``EFFIJAX_NUM_PROCESSES``/``EFFIJAX_PROCESS_ID`` environment); only
 process 0 prints and writes files.
+
+Checkpoints go to ``OUT/checkpoints`` every ``--checkpoint-every`` steps (asynchronously) and at
+the end, the newest ``--keep`` kept. Running the same command on an ``OUT`` that holds
+checkpoints resumes from the latest one (checked against the model before anything is
+compiled) and continues exactly as the uninterrupted run would have, on the same devices.
+SIGTERM or SIGINT saves at the next step boundary and exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -71,6 +80,11 @@ def add_parsers(sub) -> None:
                    "or 1)")
     p.add_argument("--process-id", type=int, default=None,
                    help="multi-process: this process' index (default: $EFFIJAX_PROCESS_ID)")
+    p.add_argument("--checkpoint-every", type=int, default=100,
+                   help="save a checkpoint to OUT/checkpoints every K steps (and at the end)")
+    p.add_argument("--keep", type=int, default=3, help="checkpoints to keep (the newest)")
+    p.add_argument("--no-checkpoints", action="store_true",
+                   help="write no checkpoints (and do not resume from OUT/checkpoints)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -99,6 +113,8 @@ class TrainSettings:
     coordinator: str | None = None
     num_processes: int = 1
     process_id: int = 0
+    checkpoint_every: int | None = 100
+    keep: int = 3
 
 
 def _positive_int(name: str, value, minimum: int = 1) -> int:
@@ -137,6 +153,8 @@ def validate(args: argparse.Namespace) -> TrainSettings:
         raise ConfigError("--steps", steps, f"must be a multiple of --accumulate={accumulate}")
     if args.cpu_devices is not None:
         _positive_int("--cpu-devices", args.cpu_devices)
+    checkpoint_every = _positive_int("--checkpoint-every", args.checkpoint_every)
+    keep = _positive_int("--keep", args.keep)
     strategy, mesh, processes = _validate_parallel(args, batch)
 
     ls = args.loss_scale.strip().lower() if isinstance(args.loss_scale, str) else args.loss_scale
@@ -173,6 +191,7 @@ def validate(args: argparse.Namespace) -> TrainSettings:
         weight_decay=args.weight_decay, clip=args.clip or None, accumulate=accumulate,
         seed=args.seed, data=args.data, out=str(out), eval_batches=args.eval_batches,
         strategy=strategy, mesh=mesh, **processes,
+        checkpoint_every=None if args.no_checkpoints else checkpoint_every, keep=keep,
     )
 
 
@@ -261,8 +280,6 @@ def _train(args: argparse.Namespace, settings: TrainSettings, mesh) -> int:
     from effijax.data import corpus_fingerprint, load_corpus, split_corpus
     from effijax.jobs import build_lm_job
     from effijax.models import gpt_config
-    from effijax.run import RunDir, train_loop
-    from effijax.sharding import census_records
     from effijax.train import make_optimizer
 
     overrides = {} if settings.seq_len is None else {"seq_len": settings.seq_len}
@@ -283,6 +300,24 @@ def _train(args: argparse.Namespace, settings: TrainSettings, mesh) -> int:
         weight_decay=settings.weight_decay, clip_norm=settings.clip,
         loss_scale=settings.loss_scale, accumulate=settings.accumulate,
     )
+    ckpt_dir = Path(settings.out) / "checkpoints"
+    resume_step = None
+    if settings.checkpoint_every is not None:
+        # Pre-flight, before anything is initialized or compiled: shapes and dtypes only.
+        from effijax.checkpoint import validate_resume
+        from effijax.jobs import abstract_lm_state
+
+        try:
+            resume_step = validate_resume(ckpt_dir, abstract_lm_state(
+                model, settings.precision, optimizer, seed=settings.seed))
+        except ConfigError as e:
+            print(f"effijax train: error: {e}", file=sys.stderr)
+            return 2
+        if resume_step is not None and resume_step > settings.steps:
+            print(f"effijax train: error: --steps={settings.steps}: {ckpt_dir} holds step "
+                  f"{resume_step}, past --steps; raise --steps or choose another --out",
+                  file=sys.stderr)
+            return 2
     job = build_lm_job(model, settings.precision, optimizer, train_tokens=train_tokens,
                        val_tokens=val_tokens, batch_size=settings.batch_size, seed=settings.seed,
                        num_eval_batches=settings.eval_batches, mesh=mesh,
@@ -298,7 +333,49 @@ def _train(args: argparse.Namespace, settings: TrainSettings, mesh) -> int:
         "devices": [str(d) for d in jax.devices()],
         "process_count": jax.process_count(),
     }
-    run_dir = RunDir(settings.out, config=config)
+    is_main = jax.process_index() == 0
+    ckpt = None
+    state = job.state
+    if settings.checkpoint_every is not None:
+        from effijax.checkpoint import open_checkpoints, restore_target, truncate_metrics
+        from effijax.run import library_versions
+
+        ckpt = open_checkpoints(ckpt_dir, every=settings.checkpoint_every, keep=settings.keep,
+                                metadata={"config": config, "versions": library_versions()})
+    try:
+        if resume_step is not None:
+            shardings = (job.shardings if job.shardings is not None
+                         else jax.tree.map(lambda x: x.sharding, job.state))
+            state = ckpt.restore(resume_step,
+                                 target_state_abstract=restore_target(job.state, shardings))
+            job = job._replace(state=None)  # the initial state is not needed any more
+            if is_main:
+                truncate_metrics(Path(settings.out) / "metrics.jsonl", resume_step)
+                saved = ckpt.metadata(resume_step).get("metadata", {}).get("config", {})
+                if saved.get("steps") not in (None, settings.steps):
+                    print(f"effijax train: warning: --steps={settings.steps} but the checkpointed "
+                          f"run had --steps={saved['steps']}; the learning-rate schedule spans "
+                          "--steps, so the continued run differs from an uninterrupted one")
+                print(f"effijax train: resuming from step {resume_step}")
+        return _loop(args, settings, mesh, job, state, config, ckpt, resume_step)
+    except BaseException:
+        if ckpt is not None:
+            try:
+                ckpt.close()
+            except BaseException:  # the first error is the one to report
+                pass
+        raise
+
+
+def _loop(args, settings: TrainSettings, mesh, job, state, config: dict, ckpt,
+          resume_step: int | None) -> int:
+    """Compiles, trains (checkpointing, stopping cleanly on SIGTERM/SIGINT), evaluates."""
+    import jax
+
+    from effijax.run import RunDir, train_loop
+    from effijax.sharding import census_records
+
+    run_dir = RunDir(settings.out, config=config, append=resume_step is not None)
     # Every process compiles the step once; the census is read from that same compilation.
     t_compile = time.perf_counter()
     compiled = job.compile(census=mesh is not None)
@@ -309,12 +386,34 @@ def _train(args: argparse.Namespace, settings: TrainSettings, mesh) -> int:
         print(f"effijax train: {settings.model} GPT, {job.num_params:,} params, "
               f"precision {settings.precision}, {where} -> {settings.out}")
         print(_memory_line(compiled))
+
+    def save(state, force: bool = False) -> None:
+        result = ckpt.save(state, force=force)
+        if result.reason == "non_finite" and run_dir.is_main:
+            print(f"effijax train: warning: step {result.step} has non-finite parameters or "
+                  "optimizer state; not checkpointed (training goes on)", file=sys.stderr,
+                  flush=True)
+
+    stop = _StopFlag()
     t0 = time.perf_counter()
-    state, summary = train_loop(compiled.step, job.state, job.batch, num_steps=settings.steps,
-                                tokens_per_step=job.tokens_per_step, run_dir=run_dir,
-                                progress=not args.no_progress)
+    with stop.installed():
+        state, summary = train_loop(
+            compiled.step, state, job.batch, num_steps=settings.steps,
+            tokens_per_step=job.tokens_per_step, run_dir=run_dir,
+            progress=not args.no_progress, should_stop=stop,
+            checkpoint=save if ckpt is not None else None,
+            checkpoint_every=settings.checkpoint_every)
     summary["wall_time_s"] = time.perf_counter() - t0
+    if ckpt is not None:
+        save(state, force=True)
+        ckpt.close()  # waits for the last write; raises if any write failed
     summary["compile_s"] = compile_s
+    if stop.signal_name is not None:
+        if run_dir.is_main:
+            print(f"effijax train: stopped at step {summary['steps']} by {stop.signal_name}"
+                  + (f"; resume with: effijax train --out {settings.out} ..." if ckpt is not None
+                     else " (--no-checkpoints: nothing saved)"), flush=True)
+        return 0
     if settings.eval_batches:
         summary["eval_loss"] = job.evaluate(state.params)
     summary["num_params"] = job.num_params
@@ -327,6 +426,31 @@ def _train(args: argparse.Namespace, settings: TrainSettings, mesh) -> int:
               f"{summary['final_loss']:.4f}{ev}, {summary['tokens_per_s']:.0f} tokens/s, "
               f"{summary['skipped_steps']} skipped; wrote {settings.out}/")
     return 0
+
+
+class _StopFlag:
+    """Set by SIGTERM/SIGINT while installed; ``train_loop`` polls it after each step."""
+
+    def __init__(self):
+        self.signal_name: str | None = None
+
+    def __call__(self) -> bool:
+        return self.signal_name is not None
+
+    def _handle(self, signum, frame) -> None:
+        self.signal_name = signal.Signals(signum).name
+
+    @contextlib.contextmanager
+    def installed(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield self  # handlers can only be installed from the main thread
+            return
+        old = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield self
+        finally:
+            for s, handler in old.items():
+                signal.signal(s, handler)
 
 
 def _mesh_text(mesh) -> str:

@@ -1,0 +1,203 @@
+"""`effijax train` checkpoints: periodic saves, exact resume, SIGKILL/SIGTERM, pre-flight."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from effijax.checkpoint import open_checkpoints, restore_target
+from effijax.cli import main
+
+TINY = ["--model", "tiny", "--seq-len", "32", "--batch-size", "2", "--eval-batches", "1",
+        "--no-progress"]
+TIMING = ("tokens_per_s", "step_time_s")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_text("".join(f"def f{i}(x):\n    return x + {i}\n" for i in range(300)))
+    return str(path)
+
+
+def _metrics(out) -> list[dict]:
+    records = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in records]
+
+
+def _final_leaves(out) -> tuple[int, list[np.ndarray]]:
+    """The latest checkpoint's step and every leaf (key data for PRNG keys) on the host."""
+    directory = Path(out) / "checkpoints"
+    with open_checkpoints(directory, every=1, keep=None) as ckpt:
+        step = ckpt.latest_step()
+        saved = ckpt.metadata(step)["metadata"]["config"]
+    # The target: the same job's abstract state on one device.
+    from effijax.jobs import abstract_lm_state
+    from effijax.models import gpt_config
+    from effijax.train import make_optimizer
+
+    model = gpt_config(saved["model"], seq_len=saved["seq_len"])
+    tx = make_optimizer(saved["lr"], saved["steps"], warmup_steps=saved["warmup"],
+                        weight_decay=saved["weight_decay"], clip_norm=saved["clip"],
+                        loss_scale=saved["loss_scale"], accumulate=saved["accumulate"])
+    abstract = abstract_lm_state(model, saved["precision"], tx, seed=saved["seed"])
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    with open_checkpoints(directory, every=1, keep=None) as ckpt:
+        state = ckpt.restore(step, target_state_abstract=restore_target(abstract, device))
+    leaves = [np.asarray(jax.random.key_data(x) if jax.dtypes.issubdtype(
+        x.dtype, jax.dtypes.prng_key) else x) for x in jax.tree.leaves(state)]
+    return step, leaves
+
+
+def _assert_same_leaves(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.slow
+def test_resume_continues_bit_for_bit(tmp_path, corpus, capsys):
+    # One 10-step run checkpointing every 2 steps is the uninterrupted reference; dropping its
+    # checkpoints past step 6 (and nothing else) makes its directory look like a run stopped
+    # at 6 (metrics.jsonl of 10 steps is truncated by the resume). The schedule spans --steps,
+    # so the interrupted run must have been started with the same --steps.
+    out = tmp_path / "run"
+    flags = ["--steps", "10", "--checkpoint-every", "2", "--keep", "10", "--data", corpus,
+             "--out", str(out), *TINY]
+    assert main(["train", *flags]) == 0
+    reference_metrics = _metrics(out)
+    assert [r["step"] for r in reference_metrics] == list(range(1, 11))
+    ref_step, reference = _final_leaves(out)
+    assert ref_step == 10
+    assert sorted(int(p.name) for p in (out / "checkpoints").iterdir()
+                  if p.name.isdigit()) == [2, 4, 6, 8, 10]
+    for step in (8, 10):
+        shutil.rmtree(out / "checkpoints" / str(step))
+    capsys.readouterr()
+
+    assert main(["train", *flags]) == 0
+    printed = capsys.readouterr().out
+    assert "resuming from step 6" in printed, printed
+    assert _metrics(out) == reference_metrics  # steps 1..10 exactly once, same numbers
+    step, resumed = _final_leaves(out)
+    assert step == 10
+    _assert_same_leaves(resumed, reference)
+
+
+def _spawn(out, corpus, steps, every):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "effijax", "train", "--steps", str(steps), "--checkpoint-every",
+         str(every), "--data", corpus, "--out", str(out), *TINY],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _wait_for_checkpoint(proc, out, timeout=240.0):
+    directory = Path(out) / "checkpoints"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if directory.is_dir() and any(p.name.isdigit() for p in directory.iterdir()):
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended before a checkpoint: {proc.communicate()}")
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError("no checkpoint appeared")
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_matches_uninterrupted(tmp_path, corpus):
+    steps = 40
+    killed, straight = tmp_path / "killed", tmp_path / "straight"
+    proc = _spawn(killed, corpus, steps, 4)
+    _wait_for_checkpoint(proc, killed)
+    proc.kill()
+    proc.communicate()
+    assert proc.returncode == -signal.SIGKILL
+    logged = _metrics(killed)
+    assert len(logged) < steps, "the run finished before it was killed; make it longer"
+
+    resumed = _spawn(killed, corpus, steps, 4)
+    out, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err
+    assert "resuming from step" in out, out
+    reference = _spawn(straight, corpus, steps, 4)
+    _, err = reference.communicate(timeout=300)
+    assert reference.returncode == 0, err
+
+    records = _metrics(killed)
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    assert records == _metrics(straight)
+    (s1, a), (s2, b) = _final_leaves(killed), _final_leaves(straight)
+    assert s1 == s2 == steps
+    _assert_same_leaves(a, b)
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_exits_zero(tmp_path, corpus):
+    out = tmp_path / "run"
+    proc = _spawn(out, corpus, 100_000, 3)
+    _wait_for_checkpoint(proc, out)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    assert "by SIGTERM; resume with: effijax train --out" in stdout, stdout
+    last = _metrics(out)[-1]["step"]
+    assert f"stopped at step {last} by SIGTERM" in stdout
+    with open_checkpoints(out / "checkpoints", every=1) as ckpt:
+        assert ckpt.latest_step() == last
+
+
+def test_checkpoint_every_zero_is_rejected(capsys, tmp_path):
+    assert main(["train", "--checkpoint-every", "0", "--out", str(tmp_path)]) == 2
+    assert "--checkpoint-every=0: must be an integer >= 1" in capsys.readouterr().err
+    assert main(["train", "--keep", "0", "--out", str(tmp_path)]) == 2
+    assert "--keep=0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("change, leaf", [(["--seq-len", "16"], "params/"),
+                                          (["--model", "mini"], "params/")])
+def test_resume_with_another_model_fails_fast(tmp_path, corpus, capsys, change, leaf):
+    out = tmp_path / "run"
+    flags = ["--steps", "2", "--checkpoint-every", "2", "--data", corpus, "--out", str(out)]
+    assert main(["train", *flags, *TINY]) == 0
+    assert (out / "checkpoints" / "2").is_dir()
+    capsys.readouterr()
+    other = [*TINY]
+    i = other.index(change[0])
+    other[i + 1] = change[1]
+    start = time.perf_counter()
+    assert main(["train", *flags, *other]) == 2
+    elapsed = time.perf_counter() - start
+    err = capsys.readouterr().err
+    assert "effijax train: error: checkpoint=" in err and leaf in err, err
+    assert elapsed < 1.0, elapsed
+
+
+def test_failed_save_raises_and_non_finite_is_a_warning(tmp_path, corpus, capsys, monkeypatch):
+    from effijax.checkpoint import Checkpointer, SaveResult
+
+    def refuse(self, state, *, force=False, step=None):
+        return SaveResult(int(state.step), False, "non_finite")
+
+    monkeypatch.setattr(Checkpointer, "save", refuse)
+    flags = ["--steps", "2", "--checkpoint-every", "1", "--data", corpus, *TINY]
+    assert main(["train", *flags, "--out", str(tmp_path / "a")]) == 0
+    err = capsys.readouterr().err
+    assert "step 1 has non-finite" in err and "step 2 has non-finite" in err, err
+
+    def fail(self, state, *, force=False, step=None):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Checkpointer, "save", fail)
+    with pytest.raises(OSError, match="No space left"):  # the console script exits 1
+        main(["train", *flags, "--out", str(tmp_path / "b")])
