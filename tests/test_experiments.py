@@ -39,3 +39,38 @@ def test_precision_smoke(tmp_path):
     assert normal["fp16+dynamic"]["skipped_steps"] >= 1
     assert (tmp_path / "precision.png").stat().st_size > 1000
     assert (tmp_path / "results.json").exists()
+
+
+@pytest.mark.slow
+def test_lora_smoke(tmp_path):
+    import json
+
+    from effijax.models import gpt_config
+
+    experiment = _load("lora")
+    cfg = dataclasses.replace(experiment.PRESETS["smoke"], out=str(tmp_path))
+    results = experiment.main(cfg)
+    variants = results["variants"]
+    assert list(variants) == ["full", *(f"lora-r{r}" for r in cfg.ranks)]
+    full = variants["full"]
+    assert full["trainable_params"] == results["base"]["params"]
+    # Adapted matrices of one block, (d_in, d_out): attention q, k, v, o and MLP fc_in, fc_out.
+    model = gpt_config(cfg.model, seq_len=cfg.seq_len)
+    d, f = model.d_model, model.d_ff
+    matrices = [(d, d)] * 4 + [(d, f), (f, d)]
+    for r in cfg.ranks:
+        v = variants[f"lora-r{r}"]
+        assert v["trainable_params"] == model.n_layers * sum(r * (i + o) for i, o in matrices)
+        # Adam's two moments per trainable parameter: the optimizer state shrinks with them.
+        fraction = v["trainable_params"] / full["trainable_params"]
+        assert abs(v["opt_state_bytes"] / full["opt_state_bytes"] / fraction - 1) < 0.01
+        # The step returns the adapters and their moments, not the base and its moments.
+        assert v["memory"]["output_bytes"] < full["memory"]["output_bytes"]
+        assert v["model_states_formula_bytes"] < full["model_states_formula_bytes"]
+    for label, v in variants.items():
+        assert v["loss_B_before"] == results["base"]["loss_B"], label
+        assert v["loss_B"] < v["loss_B_before"], label  # every variant learned the new corpus
+        assert v["step_time_ms"] > 0 and v["memory"]["total_bytes"] > 0
+    assert (tmp_path / "lora.png").stat().st_size > 1000
+    assert json.loads((tmp_path / "results.json").read_text())["variants"].keys() == \
+        variants.keys()
