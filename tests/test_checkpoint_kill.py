@@ -35,11 +35,28 @@ import _ckpt_worker as worker  # noqa: E402
 TRIALS = 8
 
 
+_SPAWNED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def reap_workers():
+    """A failed test must not leave workers running or their pipes open (an unclosed pipe
+    is reported, as an error, in whichever test runs next on this pytest worker)."""
+    yield
+    while _SPAWNED:
+        proc = _SPAWNED.pop()
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
 def spawn(*args) -> subprocess.Popen:
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
     env.pop("XLA_FLAGS", None)
-    return subprocess.Popen([sys.executable, str(WORKER), *map(str, args)], env=env,
+    proc = subprocess.Popen([sys.executable, str(WORKER), *map(str, args)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _SPAWNED.append(proc)
+    return proc
 
 
 def finish(proc: subprocess.Popen, timeout=120) -> str:

@@ -3,7 +3,8 @@
 A tiny GPT with rank-4 adapters on attention q, v and the MLP (fc_in, fc_out). The frozen base
 travels in the batch dict (``effijax.lora.freeze_base``), laid out as the fsdp strategy lays out
 parameters (``param_shardings``); each adapter's sharding is derived from its base kernel's
-(:func:`adapter_rules`), and the adapters' optimizer state follows them (``state_shardings``).
+(:func:`effijax.lora.adapter_rules`), and the adapters' optimizer state follows them
+(``state_shardings``).
 Four steps of adapter-only training with ``make_optimizer(..., loss_scale="dynamic")``.
 
 Tolerance: fp32 losses and final adapters match the single-device run within rtol 1e-5, atol
@@ -15,7 +16,6 @@ relative, so rtol alone would not hold).
 The bf16-base variant is checked loosely against the fp32 run (bf16 rounding).
 """
 
-import re
 
 import jax
 import jax.numpy as jnp
@@ -47,32 +47,6 @@ N_STEPS, BATCH = 4, 8
 RTOL, ATOL = 1e-5, 1e-6
 # These tests check numbers, not speed: LLVM optimisation level 0 compiles 2-3x faster on CPU.
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
-
-
-def adapter_rules(base_shardings, adapters) -> list[tuple[str, P]]:
-    """Partition rules that shard each adapter like its base kernel; the rank axis never split.
-
-    For a kernel ``w: (..., d_in, d_out)`` with spec ``(..., s_in, s_out)``, ``a: (..., d_in,
-    r)`` gets ``(..., s_in, None)`` and ``b: (..., r, d_out)`` gets ``(..., None, s_out)``; an
-    entry whose mesh axes do not divide the adapter's dimension is dropped (replicated). The
-    result feeds ``partition_specs``/``state_shardings``/``init_sharded`` as ``rules``, so the
-    optimizer state is sharded like the adapters by the library's path matching.
-    """
-    kernels = dict(named_leaves(base_shardings, is_leaf=lambda x: isinstance(x, NamedSharding)))
-    rules = []
-    for path, (a, b) in lora.pairs(adapters).items():
-        sharding = kernels[path]
-        mesh = sharding.mesh
-        for name, leaf, rank_axis in (("a", a, a.ndim - 1), ("b", b, b.ndim - 2)):
-            spec = tuple(sharding.spec) + (None,) * (leaf.ndim - len(sharding.spec))
-            entries = []
-            for dim, entry in enumerate(spec):
-                axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
-                size = int(np.prod([mesh.shape[x] for x in axes]))
-                keep = dim != rank_axis and axes and leaf.shape[dim] % size == 0
-                entries.append(entry if keep else None)
-            rules.append((f"^{re.escape(path)}/{name}$", P(*entries)))
-    return rules
 
 
 def _batches():
@@ -110,7 +84,7 @@ def _run_fsdp(base, policy):
     base_sh = param_shardings(base, mesh, "fsdp")
     base = jax.device_put(base, base_sh)
     init = _init_fn(tx)
-    rules = adapter_rules(base_sh, jax.eval_shape(init, jax.random.key(1)).params)
+    rules = lora.adapter_rules(base_sh, jax.eval_shape(init, jax.random.key(1)).params)
     state, state_sh = init_sharded(init, jax.random.key(1), mesh=mesh, strategy="fsdp",
                                    rules=rules)
     initial = jax.tree.map(np.asarray, state.params)

@@ -8,9 +8,11 @@ test process keeps conftest's 8. Timeouts turn a hang into a failure.
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -91,3 +93,49 @@ def test_two_processes_of_four_devices_match_one_process_of_eight(tmp_path, corp
     # The same program: same per-device memory and collectives.
     assert s2["memory"]["params"] == s1["memory"]["params"]
     assert s2["collectives"] == s1["collectives"]
+
+
+def _metrics(run):
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _pair(args, port):
+    return [_launch([*args, "--cpu-devices", "4", "--coordinator", f"127.0.0.1:{port}",
+                     "--num-processes", "2", "--process-id", str(i)]) for i in range(2)]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_sigterm_to_one_of_two_processes_stops_both_at_one_step_and_resumes_exactly(
+        tmp_path, corpus):
+    steps = 40
+    args = ["--model", "tiny", "--seq-len", "32", "--batch-size", "8", "--strategy", "fsdp",
+            "--eval-batches", "1", "--no-progress", "--data", corpus, "--steps", str(steps),
+            "--checkpoint-every", "2"]
+    run, straight = tmp_path / "run", tmp_path / "straight"
+    procs = _pair([*args, "--out", str(run)], _free_port())
+    checkpoints = run / "checkpoints"
+    deadline = time.monotonic() + TIMEOUT_S
+    while not (checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())):
+        assert all(p.poll() is None for p in procs), "a process exited before its checkpoint"
+        if time.monotonic() > deadline:
+            _wait(procs)  # kills both, fails
+        time.sleep(0.01)
+    procs[1].send_signal(signal.SIGTERM)  # process 1 only: a preempted host
+    (out0, _), _ = _wait(procs)  # both exit 0
+    last = _metrics(run)[-1]["step"]
+    assert last < steps, "the run finished before the signal; make it longer"
+    assert f"stopped at step {last} by a signal to process 1; saved" in out0
+    # Both processes saved that step together (orbax commits it only when all have written).
+    assert max(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) == last
+
+    (out0, _), _ = _wait(_pair([*args, "--out", str(run)], _free_port()))
+    assert f"resuming from step {last}" in out0 and f"done: {steps} steps" in out0
+    _wait(_pair([*args, "--out", str(straight)], _free_port()))
+    resumed, reference = _metrics(run), _metrics(straight)
+    assert [r["step"] for r in resumed] == list(range(1, steps + 1))
+    # The same program on the same devices: bit for bit.
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in reference]
+    s_resumed = json.loads((run / "summary.json").read_text())
+    s_reference = json.loads((straight / "summary.json").read_text())
+    assert s_resumed["eval_loss"] == s_reference["eval_loss"]

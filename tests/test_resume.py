@@ -2,6 +2,7 @@
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -150,7 +151,10 @@ def test_sigterm_saves_and_exits_zero(tmp_path, corpus):
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, stderr
-    assert "by SIGTERM; resume with: effijax train --out" in stdout, stdout
+    # The hint is the command itself, runnable as printed.
+    hint = stdout.split("resume with: ")[1].splitlines()[0]
+    assert shlex.split(hint) == ["effijax", "train", "--steps", "100000", "--checkpoint-every",
+                                 "3", "--data", corpus, "--out", str(out), *TINY], stdout
     last = _metrics(out)[-1]["step"]
     assert f"stopped at step {last} by SIGTERM" in stdout
     with open_checkpoints(out / "checkpoints", every=1) as ckpt:

@@ -29,6 +29,7 @@ from effijax.checkpoint._manager import (
     Checkpointer,
     SaveResult,
     open_checkpoints,
+    read_checkpoint,
     restore_target,
     validate_resume,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "Checkpointer",
     "SaveResult",
     "open_checkpoints",
+    "read_checkpoint",
     "restore_target",
     "validate_resume",
     "truncate_metrics",

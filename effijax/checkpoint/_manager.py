@@ -208,11 +208,32 @@ def _finite_part(state):
     return jax.tree.map(lambda x: None if _is_key(x) else x, state)
 
 
+def _coordination_barriers() -> None:
+    """Makes orbax synchronise processes through jax's coordination service.
+
+    By default orbax's barriers are device collectives (``sync_global_devices``), and an
+    async save runs some of them from its background thread while the training thread runs
+    the step's collectives (and ``effijax train``'s stop-flag exchange). Collectives issued in
+    different orders on different processes deadlock (observed with two gloo processes: both
+    stuck at the step after a save). The coordination service's barriers are RPCs to the
+    coordinator, outside the devices' streams. A no-op in a single-process run.
+    """
+    if jax.process_count() == 1:
+        return
+    from absl import flags  # orbax's own flag library; the setting is read at each barrier
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()  # nothing reads argv here; every flag keeps its default
+    flags.FLAGS.experimental_orbax_use_distributed_barrier = True
+
+
 def _manager(directory, *, every: int, keep: int | None, async_save: bool,
              reader: bool = False) -> ocp.CheckpointManager:
     """The orbax manager; ``reader=True`` for a look at the metadata that changes nothing on
     disk (no directory creation, no cleanup; orbax's ``read_only`` would say the same with a
     warning on every call)."""
+    directory = Path(directory).absolute()  # orbax's tensorstore paths must be absolute
+    _coordination_barriers()
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
     registry.add(_ITEM, ocp.args.StandardSave, ocp.StandardCheckpointHandler)
     registry.add(_ITEM, ocp.args.StandardRestore, ocp.StandardCheckpointHandler)
@@ -417,27 +438,80 @@ class Checkpointer:
             dtypes differ from the target's (see :func:`validate_resume`).
         """
         self._check_open()
-        step = self._resolve_step(step)
-        _check_target(target_state_abstract)
-        _compare(_saved_leaves(self._manager, step), target_state_abstract,
-                 self.directory, step)
-        record = _step_record(self._manager, step, self.directory)
-        restored = self._manager.restore(
-            step, args=ocp.args.Composite(
-                **{_ITEM: ocp.args.StandardRestore(_abstract_savable(target_state_abstract))}))
-        return _from_savable(restored[_ITEM], target_state_abstract,
-                             record.get("prng_keys", {}), self.directory)
+        return _restore(self._manager, self.directory, step, target_state_abstract)
 
     def _resolve_step(self, step: int | None) -> int:
-        steps = self._manager.all_steps()
-        if step is None:
-            if not steps:
-                raise FileNotFoundError(f"no committed checkpoint in {self.directory}")
-            return max(steps)
-        if step not in steps:
-            raise FileNotFoundError(f"no checkpoint of step {step} in {self.directory}; "
-                                    f"committed steps: {sorted(steps)}")
-        return int(step)
+        return _resolve_step(self._manager, self.directory, step)
+
+
+def _resolve_step(manager, directory, step: int | None) -> int:
+    steps = manager.all_steps()
+    if step is None:
+        if not steps:
+            raise FileNotFoundError(f"no committed checkpoint in {directory}")
+        return max(steps)
+    if step not in steps:
+        raise FileNotFoundError(f"no checkpoint of step {step} in {directory}; "
+                                f"committed steps: {sorted(steps)}")
+    return int(step)
+
+
+def _restore(manager, directory, step: int | None, target_state_abstract):
+    step = _resolve_step(manager, directory, step)
+    _check_target(target_state_abstract)
+    _compare(_saved_leaves(manager, step), target_state_abstract, directory, step)
+    record = _step_record(manager, step, directory)
+    restored = manager.restore(
+        step, args=ocp.args.Composite(
+            **{_ITEM: ocp.args.StandardRestore(_abstract_savable(target_state_abstract))}))
+    return _from_savable(restored[_ITEM], target_state_abstract, record.get("prng_keys", {}),
+                         directory)
+
+
+def read_checkpoint(directory: str | os.PathLike, *, target_state_abstract,
+                    step: int | None = None) -> tuple[Any, dict]:
+    """Restores a step of another run's checkpoints without changing anything on disk.
+
+    What ``effijax train --init-from`` uses: unlike :func:`open_checkpoints` it creates no
+    directory and cleans up nothing (the other run may still be writing).
+
+    Args:
+      directory: a checkpoint directory written by :class:`Checkpointer`.
+      target_state_abstract: as in :meth:`Checkpointer.restore` (:func:`restore_target`).
+      step: the step to restore (default: the latest committed one).
+
+    Returns:
+      ``(state, record)``: the restored state and the step's metadata record (see
+      :meth:`Checkpointer.metadata`).
+
+    Raises:
+      FileNotFoundError: no committed checkpoint (or not ``step``).
+      ConfigError: the checkpoint does not fit the target (see :func:`validate_resume`).
+
+    Example:
+      >>> import tempfile, jax, jax.numpy as jnp, optax
+      >>> from effijax.train import init_train_state
+      >>> state = init_train_state({"w": jnp.ones(2)}, optax.sgd(0.1), 0)
+      >>> d = tempfile.mkdtemp()
+      >>> with open_checkpoints(d) as ckpt:
+      ...     ckpt.save(state).saved
+      True
+      >>> sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+      >>> target = restore_target(state, jax.tree.map(lambda _: sharding, state))
+      >>> restored, record = read_checkpoint(d, target_state_abstract=target)
+      >>> restored.params["w"].tolist(), record["step"]
+      ([1.0, 1.0], 0)
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"no checkpoint directory {directory}")
+    manager = _manager(directory, every=1, keep=None, async_save=False, reader=True)
+    try:
+        step = _resolve_step(manager, directory, step)
+        state = _restore(manager, directory, step, target_state_abstract)
+        return state, _step_record(manager, step, directory)
+    finally:
+        manager.close()
 
 
 def open_checkpoints(directory: str | os.PathLike, *, every: int = 1, keep: int | None = 3,

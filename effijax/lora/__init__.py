@@ -32,6 +32,7 @@ from effijax.lora._adapters import (
     validate,
 )
 from effijax.lora._peft import export_peft, load_adapters, peft_module_name, save_adapters
+from effijax.lora._sharding import adapter_rules
 from effijax.lora._spec import LoraSpec
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "count_params",
     "trainable_report",
     "freeze_base",
+    "adapter_rules",
     "save_adapters",
     "load_adapters",
     "export_peft",
