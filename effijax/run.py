@@ -26,7 +26,28 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["RunDir", "train_loop", "read_metrics", "plot_metrics", "library_versions"]
+__all__ = ["RunDir", "train_loop", "NonFiniteError", "read_metrics", "plot_metrics",
+           "library_versions"]
+
+
+class NonFiniteError(RuntimeError):
+    """Training produced non-finite losses or gradients for too many steps in a row.
+
+    Raised by :func:`train_loop` (``max_non_finite``) for steps that were *not* skipped: with
+    a loss scale, overflowing steps are skipped and harmless; without one, a non-finite
+    gradient is applied and the parameters are lost from then on.
+
+    Attributes:
+      step: the last step of the streak (1-based, as in ``metrics.jsonl``).
+      count: how many consecutive steps were non-finite.
+      first_step: the first step of the streak.
+    """
+
+    def __init__(self, step: int, count: int):
+        self.step, self.count, self.first_step = step, count, step - count + 1
+        super().__init__(f"steps {self.first_step}..{step}: {count} consecutive steps with a "
+                         "non-finite loss or gradient norm that were not skipped (no loss "
+                         "scaling), so the parameters are no longer finite")
 
 
 def library_versions() -> dict[str, str]:
@@ -198,6 +219,7 @@ def train_loop(
     should_stop: Callable[[], bool] | None = None,
     checkpoint: Callable[[Any], Any] | None = None,
     checkpoint_every: int | None = None,
+    max_non_finite: int | None = None,
 ) -> tuple[Any, dict]:
     """Runs ``step_fn`` from ``state.step`` up to ``num_steps`` and logs every step.
 
@@ -216,11 +238,18 @@ def train_loop(
         checkpoint never runs ahead of ``metrics.jsonl``) and before the next step donates
         the state. The final state is not offered: the caller saves what the loop returns.
       checkpoint_every: see ``checkpoint``.
+      max_non_finite: stop after this many consecutive steps whose loss or gradient norm is
+        not finite and that were not skipped (by a loss scale); None never stops. Checked as
+        each step's metrics are read (one step behind the dispatch), before that step's
+        checkpoint, so a checkpoint never holds what the streak produced.
 
     Returns:
       ``(state, summary)`` with ``steps``, ``final_loss`` (mean of the last 10 losses),
       ``tokens_per_s`` (median over steps after the first, which includes compilation),
       ``first_step_s`` (compile + first step), ``skipped_steps``, ``final_loss_scale``.
+
+    Raises:
+      NonFiniteError: ``max_non_finite`` consecutive non-finite steps.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
@@ -236,6 +265,9 @@ def train_loop(
     """
     from tqdm.auto import tqdm
 
+    if max_non_finite is not None and not (isinstance(max_non_finite, int)
+                                           and max_non_finite >= 1):
+        raise ValueError(f"max_non_finite must be an int >= 1 or None, got {max_non_finite!r}")
     start = int(state.step)
     if num_steps < start:
         raise ValueError(f"num_steps={num_steps} is before the state's step {start}")
@@ -243,13 +275,14 @@ def train_loop(
     bar = tqdm(total=num_steps, initial=start, disable=not (progress and is_main),
                dynamic_ncols=True, unit="step")
     losses, rates, skipped = [], [], 0
+    streak = 0  # consecutive non-finite steps that were applied
     first_step_s = None
     last_scale = float("nan")
     pending = None  # (step number, metrics on device, dispatch time)
     t_prev = time.perf_counter()
 
     def drain(pending):
-        nonlocal t_prev, first_step_s, skipped, last_scale
+        nonlocal t_prev, first_step_s, skipped, last_scale, streak
         step_no, metrics, _ = pending
         host = jax.device_get(metrics)
         now = time.perf_counter()
@@ -273,25 +306,31 @@ def train_loop(
                         tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
         for cb in callbacks:
             cb(record)
+        finite = math.isfinite(record["loss"]) and bool(record.get("grads_finite", True))
+        streak = 0 if finite or record.get("skipped", False) else streak + 1
+        if max_non_finite is not None and streak >= max_non_finite:
+            raise NonFiniteError(step_no, streak)
 
     stopped_early = False
-    for step_no in range(start, num_steps):
-        batch = batch_fn(step_no)
-        state, metrics = step_fn(state, batch)
+    try:
+        for step_no in range(start, num_steps):
+            batch = batch_fn(step_no)
+            state, metrics = step_fn(state, batch)
+            if pending is not None:
+                drain(pending)
+            pending = (step_no + 1, metrics, time.perf_counter())
+            if (checkpoint is not None and checkpoint_every and step_no + 1 < num_steps
+                    and (step_no + 1) % checkpoint_every == 0):
+                drain(pending)
+                pending = None
+                checkpoint(state)
+            if should_stop is not None and should_stop():
+                stopped_early = True
+                break
         if pending is not None:
             drain(pending)
-        pending = (step_no + 1, metrics, time.perf_counter())
-        if (checkpoint is not None and checkpoint_every and step_no + 1 < num_steps
-                and (step_no + 1) % checkpoint_every == 0):
-            drain(pending)
-            pending = None
-            checkpoint(state)
-        if should_stop is not None and should_stop():
-            stopped_early = True
-            break
-    if pending is not None:
-        drain(pending)
-    bar.close()
+    finally:
+        bar.close()
     tail = losses[-10:]
     summary = {
         "steps": int(state.step),

@@ -11,11 +11,15 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from effijax.checkpoint import open_checkpoints, restore_target
 from effijax.cli import main
+from effijax.run import NonFiniteError, train_loop
+from effijax.train import init_train_state
 
 TINY = ["--model", "tiny", "--seq-len", "32", "--batch-size", "2", "--eval-batches", "1",
         "--no-progress"]
@@ -205,3 +209,51 @@ def test_failed_save_raises_and_non_finite_is_a_warning(tmp_path, corpus, capsys
     monkeypatch.setattr(Checkpointer, "save", fail)
     with pytest.raises(OSError, match="No space left"):  # the console script exits 1
         main(["train", *flags, "--out", str(tmp_path / "b")])
+
+
+def test_consecutive_non_finite_steps_stop_the_run_naming_the_last_good_checkpoint(
+        tmp_path, corpus, capsys):
+    # fp32, no loss scale: a learning rate of 1e30 makes step 2's loss NaN, and every step after.
+    out = tmp_path / "run"
+    args = ["train", "--steps", "30", "--lr", "1e30", "--warmup", "0", "--checkpoint-every",
+            "1", "--data", corpus, "--out", str(out), *TINY]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "steps 2..4: 3 consecutive steps with a non-finite loss" in err, err
+    assert f"the last good checkpoint is step 1 in {out / 'checkpoints'}" in err, err
+    assert [r["step"] for r in _metrics(out)] == [1, 2, 3, 4]  # stopped at the third
+    with open_checkpoints(out / "checkpoints", every=1) as ckpt:
+        assert ckpt.all_steps() == [1]  # the non-finite states were never written
+    assert main([*args[:-len(TINY)], "--max-non-finite", "5", *TINY, "--out",
+                 str(tmp_path / "five")]) == 1
+    assert "steps 2..6: 5 consecutive" in capsys.readouterr().err
+    assert main(["train", "--max-non-finite", "-1", "--out", str(tmp_path)]) == 2
+    assert "--max-non-finite=-1: must be an integer >= 0" in capsys.readouterr().err
+
+
+def _fake_step(losses, skipped):
+    """A 'step' that replays given losses (and skip flags) as its metrics."""
+    def step(state, batch):
+        i = int(state.step)
+        return state._replace(step=state.step + 1), {
+            "loss": jnp.float32(losses[i]), "skipped": jnp.bool_(skipped[i]),
+            "grads_finite": jnp.bool_(np.isfinite(losses[i]))}
+    return step
+
+
+def test_train_loop_counts_only_applied_non_finite_steps():
+    state = init_train_state({"w": jnp.zeros(2)}, optax.sgd(0.1), 0)
+    nan = float("nan")
+    losses = [1.0, nan, 1.0, nan, nan, 1.0, nan, 1.0]
+    # Skipped overflows (a loss scale backing off) never count; a finite step resets the streak.
+    _, summary = train_loop(_fake_step(losses, [x != x for x in losses]), state,
+                            lambda s: None, num_steps=8, tokens_per_step=1, progress=False,
+                            max_non_finite=2)
+    assert summary["skipped_steps"] == 4
+    with pytest.raises(NonFiniteError, match=r"steps 4\.\.5: 2 consecutive") as info:
+        train_loop(_fake_step(losses, [False] * 8), state, lambda s: None, num_steps=8,
+                   tokens_per_step=1, progress=False, max_non_finite=2)
+    assert (info.value.first_step, info.value.step, info.value.count) == (4, 5, 2)
+    _, summary = train_loop(_fake_step(losses, [False] * 8), state, lambda s: None,
+                            num_steps=8, tokens_per_step=1, progress=False, max_non_finite=3)
+    assert summary["steps"] == 8

@@ -100,6 +100,9 @@ def add_parsers(sub) -> None:
     p.add_argument("--keep", type=int, default=3, help="checkpoints to keep (the newest)")
     p.add_argument("--no-checkpoints", action="store_true",
                    help="write no checkpoints (and do not resume from OUT/checkpoints)")
+    p.add_argument("--max-non-finite", type=int, default=3, metavar="K",
+                   help="stop with an error after K consecutive steps whose loss or gradients "
+                   "are not finite and were not skipped by a loss scale; 0 never stops")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     ft = p.add_argument_group("fine-tuning")
     ft.add_argument("--init-from", default=None, metavar="RUN_DIR",
@@ -146,6 +149,7 @@ class TrainSettings:
     process_id: int = 0
     checkpoint_every: int | None = 100
     keep: int = 3
+    max_non_finite: int | None = 3
     init_from: str | None = None
     lora_rank: int | None = None
     lora_alpha: float | None = None
@@ -205,6 +209,7 @@ def validate(args: argparse.Namespace) -> TrainSettings:
         _positive_int("--cpu-devices", args.cpu_devices)
     checkpoint_every = _positive_int("--checkpoint-every", args.checkpoint_every)
     keep = _positive_int("--keep", args.keep)
+    max_non_finite = _positive_int("--max-non-finite", args.max_non_finite, 0) or None
     strategy, mesh, processes = _validate_parallel(args, batch)
 
     ls = args.loss_scale.strip().lower() if isinstance(args.loss_scale, str) else args.loss_scale
@@ -246,6 +251,7 @@ def validate(args: argparse.Namespace) -> TrainSettings:
         seed=args.seed, data=args.data, out=str(out), eval_batches=args.eval_batches,
         strategy=strategy, mesh=mesh, **processes,
         checkpoint_every=None if args.no_checkpoints else checkpoint_every, keep=keep,
+        max_non_finite=max_non_finite,
         init_from=None if args.init_from is None else str(Path(args.init_from).resolve()),
         **lora,
     )
@@ -587,7 +593,7 @@ def _loop(args, settings: TrainSettings, mesh, job, state, config: dict, ckpt,
     """Compiles, trains (checkpointing, stopping cleanly on SIGTERM/SIGINT), evaluates."""
     import jax
 
-    from effijax.run import RunDir, train_loop
+    from effijax.run import NonFiniteError, RunDir, train_loop
     from effijax.sharding import census_records
 
     run_dir = RunDir(settings.out, config=config, append=resume_step is not None)
@@ -626,12 +632,29 @@ def _loop(args, settings: TrainSettings, mesh, job, state, config: dict, ckpt,
     stop = _StopFlag(jax.process_count())
     t0 = time.perf_counter()
     with stop.installed():
-        state, summary = train_loop(
-            compiled.step, state, job.batch, num_steps=settings.steps,
-            tokens_per_step=job.tokens_per_step, run_dir=run_dir,
-            progress=not args.no_progress, should_stop=stop,
-            checkpoint=save if ckpt is not None else None,
-            checkpoint_every=settings.checkpoint_every)
+        try:
+            state, summary = train_loop(
+                compiled.step, state, job.batch, num_steps=settings.steps,
+                tokens_per_step=job.tokens_per_step, run_dir=run_dir,
+                progress=not args.no_progress, should_stop=stop,
+                checkpoint=save if ckpt is not None else None,
+                checkpoint_every=settings.checkpoint_every,
+                max_non_finite=settings.max_non_finite)
+        except NonFiniteError as e:
+            if ckpt is None:
+                where = "no checkpoint (--no-checkpoints)"
+            else:
+                ckpt.wait()  # the writes in flight hold older, finite states
+                last = ckpt.latest_step()
+                ckpt.close()
+                where = ("no checkpoint yet" if last is None else
+                         f"the last good checkpoint is step {last} in {ckpt.directory}; "
+                         "rerun the same command to resume from it")
+            if run_dir.is_main:
+                print(f"effijax train: error: {e}; {where}. Lower --lr, clip harder, or train "
+                      "with --precision fp16 --loss-scale dynamic (skips such steps)",
+                      file=sys.stderr, flush=True)
+            return 1
     summary["wall_time_s"] = time.perf_counter() - t0
     if ckpt is not None:
         save(state, force=True)
