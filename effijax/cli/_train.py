@@ -711,13 +711,17 @@ class _StopFlag:
 
     With several processes the signal may reach only one of them (a preempted host), yet all
     must stop at the same step boundary and save the same step (a checkpoint is a collective
-    write). So each poll all-gathers the processes' flags (a few bytes; every process polls
-    at every step, in the same order) and any raised flag stops everyone.
+    write). So every ``every``-th poll all-gathers the processes' flags (a few bytes; every
+    process polls after every step, so they exchange at the same steps) and any raised flag
+    stops everyone. Not at every step: waiting for the exchange's result waits for the step
+    just dispatched, which would stop the host from running ahead of the devices.
     """
 
-    def __init__(self, num_processes: int = 1):
+    def __init__(self, num_processes: int = 1, every: int = 10):
         self.signal_name: str | None = None
         self.num_processes = num_processes
+        self.every = every
+        self.polls = 0
         self.stopped = False  # what the processes agreed on; a later signal changes nothing
 
     def __call__(self) -> bool:
@@ -725,6 +729,9 @@ class _StopFlag:
         if self.num_processes == 1:
             self.stopped = local
             return local
+        self.polls += 1
+        if self.polls % self.every:
+            return False
         import numpy as np
         from jax.experimental import multihost_utils
 
