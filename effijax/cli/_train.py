@@ -682,7 +682,10 @@ def _loop(args, settings: TrainSettings, mesh, job, state, config: dict, ckpt,
         ev = f", eval loss {summary['eval_loss']:.4f}" if "eval_loss" in summary else ""
         if "eval_loss_start" in summary:
             ev += f" (from {summary['eval_loss_start']:.4f})"
-        print(f"done: {summary['steps']} steps in {summary['wall_time_s']:.1f}s, final loss "
+        ran = summary["steps"] - summary["start_step"]
+        steps = (f"{summary['steps']} steps" if not summary["start_step"] else
+                 f"{summary['steps']} steps ({ran} after resuming at {summary['start_step']})")
+        print(f"done: {steps} in {summary['wall_time_s']:.1f}s, final loss "
               f"{summary['final_loss']:.4f}{ev}, {summary['tokens_per_s']:.0f} tokens/s, "
               f"{summary['skipped_steps']} skipped; wrote {settings.out}/")
     return 0
