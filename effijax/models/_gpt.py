@@ -259,14 +259,15 @@ def _dense(x_BSD: jax.Array, kernel_DF: jax.Array, bias_F: jax.Array | None,
     so LoRA hooks in here. A hook must reach tracing through the parameters or the static
     graphdef, not through a module global: ``_run_blocks`` is jitted and reuses its traces.
 
-    With a LoRA hook the result is ``x @ kernel + scale · (x @ a) @ b + bias``: two thin matmuls
-    (``d_in × r``, ``r × d_out``), no ``d_in × d_out`` delta, and since ``kernel`` is not
-    differentiated when only the adapters are, no gradient for it is ever computed. ``b = 0``
-    adds exact zeros, so a fresh adapter leaves the output bit-identical.
+    With a LoRA hook the result is ``x @ kernel + (scale · x @ a) @ b + bias``: thin matmuls
+    only (``d_in × r``, ``r × d_out``), no ``d_in × d_out`` delta, and since ``kernel`` is not
+    differentiated when only the adapters are, no gradient for it is ever computed. The adapter
+    term has a hand-written backward (:func:`_lora_delta`). ``b = 0`` adds exact zeros, so a
+    fresh adapter leaves the output bit-identical.
 
     The result has ``x``'s dtype; when a policy override keeps this kernel in another dtype, the
     activations are cast to meet it (never the kernel). The same holds for the adapters (f32
-    adapters on a bf16 base run their two matmuls in f32).
+    adapters on a bf16 base run their matmuls in f32).
     """
     # Flatten the leading axes to one: a 2-D matmul's backward contracts over a single axis.
     # XLA:CPU ran the thin adapter gradients of the 3-D einsum 5x slower than this.
@@ -275,12 +276,50 @@ def _dense(x_BSD: jax.Array, kernel_DF: jax.Array, bias_F: jax.Array | None,
     y_NF = dot("nd,df->nf", x_ND.astype(kernel_DF.dtype), kernel_DF)
     if lora is not None:
         xa_ND = _dropout(x_ND, lora.dropout, lora.key).astype(lora.a_DR.dtype)
-        h_NR = dot("nd,dr->nr", xa_ND, lora.a_DR)
-        u_NF = dot("nr,rf->nf", h_NR, lora.b_RF) * lora.scale
+        u_NF = _lora_delta(xa_ND, lora.a_DR, lora.b_RF, lora.scale)
         y_NF = y_NF + u_NF.astype(y_NF.dtype)
     if bias_F is not None:
         y_NF = y_NF + bias_F.astype(y_NF.dtype)
     return y_NF.reshape(*lead, y_NF.shape[-1]).astype(x_BSD.dtype)
+
+
+# The adapter term ``u = x (s·a) b`` with a hand-written backward. Autodiff of the einsums gives
+# the adapter gradients as ``da = xᵀ·dh`` and ``db = hᵀ·du``: dots whose left operand contracts
+# over its leading (token) axis. XLA:CPU hands only dots whose left operand contracts over its
+# last axis to its fast GEMM library (YNNPACK); the others take a generic fallback that is 4-7x
+# slower for these thin (d × r) outputs, e.g. 4.3 ms instead of 0.6 ms for xᵀ·dh with x of
+# 1024 × 1536 (benchmarks/RESULTS.md, issue 4). So the backward computes ``daᵀ = dhᵀ·x`` and
+# ``db = hᵀ·du`` from row-major ``r × n`` operands (``dhᵀ = b·duᵀ`` is itself such a dot) and
+# transposes only ``r × n`` and ``r × d`` arrays. Those transposes are pinned with
+# ``optimization_barrier``: XLA otherwise folds them back into the dots' dimension numbers, which
+# is exactly the slow form. The scale multiplies ``a`` (d × r), not an activation.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _lora_delta(x_ND: jax.Array, a_DR: jax.Array, b_RF: jax.Array, scale: float) -> jax.Array:
+    return _lora_delta_fwd(x_ND, a_DR, b_RF, scale)[0]
+
+
+def _materialize(x: jax.Array) -> jax.Array:
+    """``x`` as its own buffer: keeps XLA from folding a transpose into the dot that reads it."""
+    return jax.lax.optimization_barrier(x)
+
+
+def _lora_delta_fwd(x_ND, a_DR, b_RF, scale):
+    as_DR = a_DR * jnp.asarray(scale, a_DR.dtype)
+    h_NR = dot("nd,dr->nr", x_ND, as_DR)
+    u_NF = dot("nr,rf->nf", h_NR, b_RF)
+    return u_NF, (x_ND, _materialize(h_NR.T), as_DR, b_RF)
+
+
+def _lora_delta_bwd(scale, residuals, du_NF):
+    x_ND, h_RN, as_DR, b_RF = residuals
+    dh_RN = dot("rf,nf->rn", b_RF, du_NF)
+    dx_ND = dot("nr,dr->nd", _materialize(dh_RN.T), as_DR)
+    das_RD = dot("rn,nd->rd", dh_RN, x_ND) * jnp.asarray(scale, x_ND.dtype)
+    db_RF = dot("rn,nf->rf", h_RN, du_NF)
+    return dx_ND, _materialize(das_RD).T, db_RF
+
+
+_lora_delta.defvjp(_lora_delta_fwd, _lora_delta_bwd)
 
 
 def _constrain(x_BSD: jax.Array) -> jax.Array:
@@ -351,9 +390,12 @@ class _Attention(nnx.Module):
         lora = lora or {}
         b, s, _ = x_BSD.shape
         split = lambda y_BSD: y_BSD.reshape(b, s, cfg.n_heads, cfg.head_dim)
-        q_BSHK = split(self.q(x_BSD, lora.get("q")))
-        k_BSHK = split(self.k(x_BSD, lora.get("k")))
-        v_BSHK = split(self.v(x_BSD, lora.get("v")))
+        # One flat input for q, k and v: the backward pass saves each projection's input (for a
+        # weight or adapter gradient), and three reshapes of x would be three saved copies.
+        x_ND = x_BSD.reshape(b * s, -1)
+        q_BSHK = split(self.q(x_ND, lora.get("q")))
+        k_BSHK = split(self.k(x_ND, lora.get("k")))
+        v_BSHK = split(self.v(x_ND, lora.get("v")))
         out_BSHK = ATTENTION[cfg.attention](
             q_BSHK, k_BSHK, v_BSHK, causal=True, dropout_rate=cfg.dropout, dropout_key=key
         )
