@@ -239,8 +239,8 @@ def main():
         "undercounts them: by up to 10% in the tiny model (d 64), where they weigh most under "
         "fsdp, and by about 0.1% in the d 256 model.",
         "- Activations: the seed formula is a lower bound; with f32 compute the measurement "
-        "stays within the suite's 1x to 4x band (the logits, the GELU intermediates and the "
-        "backward's working buffers are outside the formula). With bf16 compute the seed's "
+        "stays within the suite's 1x to 4x band (the logits and the backward's working "
+        "buffers are outside the formula). With bf16 compute the seed's "
         "p = 2 formula is much further off on this backend: XLA:CPU has no bf16 arithmetic "
         "(after its passes only the dots read bf16), so the intermediates it keeps are f32, "
         "and the backward's f32-accumulating input-gradient matmuls use an f32 copy of the "

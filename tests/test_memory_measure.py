@@ -7,14 +7,14 @@ What holds, and how tightly (f32 compute, Adam, the tiny GPT, b = 1):
   0.00%), per device also when sharded.
 * Activations: the step's temporaries minus its gradients against the seed formula with
   ``bytes_per_value=4, dropout=False``. The formula is a lower bound; XLA's CPU buffers exceed
-  it by 1.5x to 3.8x over the configurations we tried (d 64 and 128, L 1 to 4, b 1 to 2,
-  s 64 to 4096; naive and blockwise attention, remat none or block; highest for blockwise
-  attention at small s, b = 1, where the logits weigh most), so the tests assert
-  ``1 <= measured / formula <= 4``. The excess is not noise (the numbers are deterministic):
-  JAX's tanh-GELU keeps about six 4h-wide tensors where the formula counts two (per added layer
-  the measurement grows 2.1x to 2.9x the formula's per-layer bytes), the logits and loss
-  (B·S·V f32) are outside the formula, and the backward pass holds one layer's activation
-  gradients (for naive attention, s x s ones) on top of what the forward kept.
+  it, so the tests assert ``1 <= measured / formula <= 4``: ``benchmarks/activation_memory.py``
+  measures 1.79x to 2.58x (d 64, L 2, b 1, s 256 to 4096, naive and blockwise attention,
+  remat none or block; highest for blockwise attention at small s, where the logits weigh
+  most). The excess is not noise (the numbers are deterministic): the logits and loss (B·S·V
+  f32) are outside the formula, and the backward pass holds one layer's activation gradients
+  (for naive attention, s x s ones) on top of what the forward kept. (Before the GPT's GELU
+  kept only its input, JAX's tanh-GELU kept about six 4h-wide tensors where the formula counts
+  two, and the ratios reached 3.8x.)
 """
 
 import dataclasses

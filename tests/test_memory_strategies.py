@@ -19,19 +19,19 @@ model stay whole: 10% of its fsdp bytes; ``benchmarks/memory_accuracy.py`` shows
   which the step recomputes from the count, so jit drops the stale value from the compiled
   program (``keep_unused=False``).
 * Activations (within ``1 <= measured / formula <= 4``, the band ``tests/test_memory_measure.py``
-  justifies for a single device: the formula leaves out the logits, the GELU intermediates and
-  the backward's working buffers): the step's temporaries minus its gradients (at the
+  justifies for a single device: the formula leaves out the logits and the backward's working
+  buffers): the step's temporaries minus its gradients (at the
   strategy's sharding, as :func:`compare` counts them) over the seed formula for one sequence
-  per device, ``dropout=False``, 4 bytes per value. Observed on jax 0.10.2: 3.58 (ddp, zero1),
-  3.78 (zero2, fsdp), 3.18 and 3.37 (LoRA with an f32 base: ddp, fsdp), 2.93 and 3.16 (bf16
+  per device, ``dropout=False``, 4 bytes per value. Observed on jax 0.10.2: 2.78 (ddp, zero1),
+  2.98 (zero2, fsdp), 2.49 and 2.59 (LoRA with an f32 base: ddp, fsdp), 2.13 and 2.36 (bf16
   base). For bf16 compute the formula also takes 4 bytes per value, and an f32 copy of the
   frozen weights (as stored on the device: whole under ddp, a shard under fsdp) is
   subtracted, because that is what XLA:CPU keeps: it has no bf16 arithmetic (after its passes
   only the dots read bf16; every elementwise op runs in f32), and its optimized program
   converts the bf16 base kernels to f32 for the backward's f32-accumulating input-gradient
   matmuls (see :func:`effijax.sharding.constraints`). With the seed's 2 bytes per value and no
-  copy subtracted the bf16 ratios are 8.76 (ddp) and 6.69 (fsdp): on a CPU the formula's p is
-  4 whatever the policy.
+  copy subtracted the bf16 ratios fall far outside the band: on a CPU the formula's p is 4
+  whatever the policy.
 
 Communication is not repeated here: ``tests/test_census.py`` pins each strategy's collectives
 and their bytes against the plan.
