@@ -237,7 +237,9 @@ def main():
         "within 5% and the 4 B). With the default rules the biases and LayerNorms (below 1024 "
         "elements) stay whole, and `estimate_tree`, which shards every divisible leaf, "
         "undercounts them: by up to 10% in the tiny model (d 64), where they weigh most under "
-        "fsdp, and by about 0.1% in the d 256 model.",
+        "fsdp, and by about 0.1% in the d 256 model. `estimate_tree(..., min_shard_size="
+        "effijax.sharding.DEFAULT_MIN_SHARD_SIZE)` applies the same floor and then matches "
+        "the default rule's per-device bytes exactly (tested for every strategy).",
         "- Activations: the seed formula is a lower bound; with f32 compute the measurement "
         "stays within the suite's 1x to 4x band (the logits and the backward's working "
         "buffers are outside the formula). With bf16 compute the seed's "

@@ -58,6 +58,7 @@ from effijax.memory import (
 from effijax.models import abstract_params, abstract_split, gpt_config, make_loss_fn
 from effijax.precision import get_policy
 from effijax.sharding import (
+    DEFAULT_MIN_SHARD_SIZE,
     batch_sharding,
     make_mesh,
     param_shardings,
@@ -221,3 +222,24 @@ def test_activations_within_stated_tolerance_of_the_formula(point, name):
     assert temporaries.estimate == p.estimate.grads_bytes + p.formula
     assert temporaries.rel_error < 0  # gradients + formula is a lower bound
 
+
+
+@pytest.mark.parametrize("strategy", list(STAGES))
+def test_estimate_with_min_shard_size_matches_the_default_rule_exactly(strategy):
+    # The default rule keeps leaves under 1024 elements whole (biases, LayerNorms); with the
+    # same floor the estimate counts exactly what the shardings put on each device.
+    mesh = make_mesh()
+    optimizer = make_optimizer(1e-3, 100)
+    state = abstract_lm_state(MODEL, "fp32", optimizer)
+    held = with_shardings(state, state_shardings(state, mesh, strategy))
+    est = estimate_tree(abstract_params(MODEL), optimizer, param_dtype=jnp.float32,
+                        compute_dtype=jnp.float32, zero_stage=STAGES[strategy], devices=8,
+                        min_shard_size=DEFAULT_MIN_SHARD_SIZE)
+    assert est.params_bytes == tree_bytes(held.params)
+    assert est.optimizer_bytes == tree_bytes(held.opt_state)
+    everything = estimate_tree(abstract_params(MODEL), optimizer, param_dtype=jnp.float32,
+                               compute_dtype=jnp.float32, zero_stage=STAGES[strategy],
+                               devices=8)
+    if strategy == "fsdp":  # without the floor the small leaves count as sharded: too few bytes
+        assert everything.params_bytes < est.params_bytes
+        assert est.replicated_bytes > everything.replicated_bytes

@@ -401,12 +401,14 @@ def _to_dtype(value: Any, name: str) -> np.dtype:
         ) from e
 
 
-def _leaf_bytes(shape: tuple[int, ...], dtype: Any, sharded: bool, devices: int) -> tuple[int, int]:
+def _leaf_bytes(shape: tuple[int, ...], dtype: Any, sharded: bool, devices: int,
+                min_shard_size: int = 0) -> tuple[int, int]:
     """(bytes on one device, of which replicated although the stage shards it)."""
     total = -(-math.prod(shape) * jax.dtypes.itemsize_bits(dtype) // 8)
     if not sharded or devices == 1:
         return total, 0
-    if any(dim % devices == 0 and dim > 0 for dim in shape):
+    if math.prod(shape) >= min_shard_size and any(dim % devices == 0 and dim > 0
+                                                  for dim in shape):
         return total // devices, 0
     return total, total
 
@@ -420,6 +422,7 @@ def estimate_tree(
     zero_stage: int = 0,
     devices: int = 1,
     trainable: Any = None,
+    min_shard_size: int = 0,
 ) -> ModelStateBytes:
     """Per-device model-state bytes of a real parameter pytree under a real optax optimizer.
 
@@ -456,6 +459,10 @@ def estimate_tree(
       compute_dtype: dtype of the forward and backward pass.
       zero_stage: 0 (DDP) to 3 (FSDP).
       devices: data-parallel devices (>= 1).
+      min_shard_size: leaves with fewer elements stay whole even when the stage shards
+        them, as :func:`effijax.sharding.partition_specs`' automatic rule does; pass
+        ``effijax.sharding.DEFAULT_MIN_SHARD_SIZE`` to count what the default rule lays out
+        (0, the default here, shards every divisible leaf).
       trainable: None (everything trains) or a pytree of bools with exactly the structure of
         ``abstract_params``; False leaves are frozen (no gradient, no optimizer state). For
         LoRA, put the frozen base and the adapters in one tree, e.g.
@@ -478,6 +485,7 @@ def estimate_tree(
     """
     zero_stage = _check_int("zero_stage", zero_stage, 0, 3)
     devices = _check_int("devices", devices, 1)
+    min_shard_size = _check_int("min_shard_size", min_shard_size, 0)
     param_dtype = _to_dtype(param_dtype, "param_dtype")
     compute_dtype = _to_dtype(compute_dtype, "compute_dtype")
 
@@ -517,13 +525,14 @@ def estimate_tree(
     for (shape, dtype), train in zip(leaves, mask, strict=True):
         size = math.prod(shape)
         stored = param_dtype if train else dtype
-        nbytes, rep = _leaf_bytes(shape, stored, shard_params, devices)
+        nbytes, rep = _leaf_bytes(shape, stored, shard_params, devices, min_shard_size)
         params_bytes, replicated = params_bytes + nbytes, replicated + rep
         if stored != compute_dtype:
-            compute_copy += _leaf_bytes(shape, compute_dtype, shard_params, devices)[0]
+            compute_copy += _leaf_bytes(shape, compute_dtype, shard_params, devices,
+                                        min_shard_size)[0]
         if train:
             trainable_count += size
-            nbytes, rep = _leaf_bytes(shape, param_dtype, shard_grads, devices)
+            nbytes, rep = _leaf_bytes(shape, param_dtype, shard_grads, devices, min_shard_size)
             grads_bytes, replicated = grads_bytes + nbytes, replicated + rep
         else:
             frozen_count += size
@@ -539,7 +548,8 @@ def estimate_tree(
     opt_state = jax.eval_shape(optimizer.init, trainable_tree)
     optimizer_bytes = 0
     for leaf in jax.tree.leaves(opt_state):
-        nbytes, rep = _leaf_bytes(tuple(leaf.shape), leaf.dtype, shard_opt, devices)
+        nbytes, rep = _leaf_bytes(tuple(leaf.shape), leaf.dtype, shard_opt, devices,
+                                  min_shard_size)
         optimizer_bytes, replicated = optimizer_bytes + nbytes, replicated + rep
 
     return ModelStateBytes(
