@@ -214,9 +214,9 @@ def _coordination_barriers() -> None:
     By default orbax's barriers are device collectives (``sync_global_devices``), and an
     async save runs some of them from its background thread while the training thread runs
     the step's collectives (and ``effijax train``'s stop-flag exchange). Collectives issued in
-    different orders on different processes deadlock (observed with two gloo processes: both
-    stuck at the step after a save). The coordination service's barriers are RPCs to the
-    coordinator, outside the devices' streams. A no-op in a single-process run.
+    different orders on different processes can deadlock, since nothing orders a background
+    thread's collective against the main thread's. The coordination service's barriers are
+    RPCs to the coordinator, outside the devices' streams. A no-op in a single-process run.
     """
     if jax.process_count() == 1:
         return
