@@ -1,10 +1,13 @@
-"""Models used by experiments: a decoder-only GPT in Flax NNX and its functional API.
+"""Language models and the interface the training recipe talks to.
 
-Build a model with ``GPT(gpt_config("mini"), rngs=nnx.Rngs(0))`` or, functionally, get
-``graphdef, params = abstract_split(config)`` / ``init_params(config, policy, key)`` and run
-``make_loss_fn(graphdef)(params, batch, rng)``. Parameters are plain nested dicts whose
-'/'-joined paths (``blocks/attn/q/kernel``) are what precision overrides, sharding rules and LoRA
-targets match.
+:class:`LanguageModel` is the interface (parameters, loss, logits, partition rules, default LoRA
+targets, the memory formulas' numbers, the tokenizer); a family implements it on its frozen
+architecture config and registers with :func:`register_family`. The GPT is the first family:
+``gpt_config("mini")`` is a model, ``model.init_params(key, policy)`` its parameters and
+``model.loss_fn()(params, batch, rng)`` its loss. The functional GPT API (``abstract_split``,
+``make_loss_fn``, ...) stays for code that works with a graphdef directly. Parameters are plain
+nested dicts whose '/'-joined paths (``blocks/attn/q/kernel``) are what precision overrides,
+sharding rules and LoRA targets match.
 """
 
 from effijax.models._blockwise import blockwise_attend
@@ -24,8 +27,20 @@ from effijax.models._gpt import (
     param_count,
     split_params,
 )
+from effijax.models._interface import (
+    FAMILIES,
+    LanguageModel,
+    ModelShape,
+    model_from_dict,
+    register_family,
+)
 
 __all__ = [
+    "LanguageModel",
+    "ModelShape",
+    "FAMILIES",
+    "register_family",
+    "model_from_dict",
     "GPT",
     "GPTConfig",
     "gpt_config",

@@ -26,7 +26,7 @@ import math
 import re
 import zlib
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +35,7 @@ from flax import nnx
 from effijax.errors import ConfigError
 from effijax.lora import LoraSpec, pairs, validate
 from effijax.models._blockwise import REMAT_POLICIES, blockwise_attend
+from effijax.models._interface import LanguageModel, ModelShape, register_family
 from effijax.precision._islands import cross_entropy, dot, layer_norm, softmax
 from effijax.precision._policy import Policy, get_policy
 from effijax.sharding import constrain_batch
@@ -121,9 +122,13 @@ REMAT: dict[str, Any] = {
 # Configuration.
 
 
+@register_family
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class GPTConfig:
+class GPTConfig(LanguageModel):
     """Architecture of a :class:`GPT`; an immutable value (change it with ``dataclasses.replace``).
+
+    It is also the GPT family's :class:`~effijax.models.LanguageModel`: the training recipe
+    builds, trains and measures a GPT through the interface's methods.
 
     Attributes:
       vocab_size: number of token ids (256: bytes).
@@ -180,6 +185,9 @@ class GPTConfig:
                 f"choose one of {list(ATTENTION)}"
             )
 
+    family: ClassVar[str] = "gpt"
+    lora_targets: ClassVar[str] = r"(attn/(q|k|v|o)|mlp/(fc_in|fc_out))/kernel"
+
     @property
     def head_dim(self) -> int:
         """Width ``K`` of one attention head."""
@@ -189,6 +197,64 @@ class GPTConfig:
     def d_ff(self) -> int:
         """MLP hidden width ``F``."""
         return self.mlp_ratio * self.d_model
+
+    # The LanguageModel interface ------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        """The preset's name when the config is one (``"mini GPT"``), else its shape."""
+        for preset, config in PRESETS.items():
+            if dataclasses.replace(self, seq_len=config.seq_len) == config:
+                return f"{preset} GPT"
+        return f"GPT d{self.d_model} L{self.n_layers}"
+
+    def with_seq_len(self, seq_len: int) -> GPTConfig:
+        """Learned positions: the model is rebuilt with ``seq_len`` rows of the embedding."""
+        try:
+            return dataclasses.replace(self, seq_len=seq_len)
+        except ValueError as e:
+            raise ConfigError("seq_len", seq_len, str(e).removeprefix("seq_len: ")) from None
+
+    def abstract_params(self, policy: Policy | str | None = None) -> dict:
+        """See :func:`abstract_params`."""
+        return abstract_params(self, policy)
+
+    def init_params(self, key: jax.Array, policy: Policy | str | None = None) -> dict:
+        """See :func:`init_params`."""
+        return init_params(self, policy, key)
+
+    def loss_fn(self, lora: LoraSpec | None = None):
+        """See :func:`make_loss_fn`."""
+        return make_loss_fn(_graphdef(self), lora)
+
+    def logits_fn(self, lora: LoraSpec | None = None):
+        """``logits_fn(params, tokens_BS)``: :func:`make_apply` without dropout."""
+        apply = make_apply(_graphdef(self), lora)
+        return lambda params, tokens_BS: apply(params, tokens_BS)
+
+    def shape(self) -> ModelShape:
+        """The numbers of the activation formula (plain multi-head attention, GELU MLP)."""
+        return ModelShape(num_params=param_count(self), layers=self.n_layers,
+                          hidden=self.d_model, heads=self.n_heads, kv_heads=self.n_heads,
+                          head_dim=self.head_dim, ffn=self.d_ff, vocab=self.vocab_size,
+                          seq_len=self.seq_len)
+
+    def to_dict(self) -> dict:
+        """The fields as a dict with ``family: "gpt"``."""
+        return {"family": self.family, **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_dict(cls, fields: dict) -> GPTConfig:
+        """Rebuilds a config; unknown fields and bad values are :class:`ConfigError`\\ s."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in fields:
+            if key not in known:
+                raise ConfigError(f"model_config.{key}", fields[key],
+                                  f"not a GPTConfig field; fields are {sorted(known)}")
+        try:
+            return cls(**fields)
+        except (TypeError, ValueError) as e:
+            raise ConfigError("model_config", fields, str(e)) from None
 
 
 PRESETS: dict[str, GPTConfig] = {
@@ -706,11 +772,23 @@ def make_loss_fn(graphdef: nnx.GraphDef, lora: LoraSpec | None = None
             )
         targets_BS = batch["targets"]
         logits_BSV = apply(params, batch["inputs"], rng=rng, deterministic=rng is None)
-        loss = cross_entropy(logits_BSV, targets_BS)
-        hits_BS = jnp.argmax(logits_BSV, axis=-1) == targets_BS
-        return loss, {"accuracy": jnp.mean(hits_BS.astype(jnp.float32))}
+        mask_BS = batch.get("mask")
+        trained_BS = None if mask_BS is None else mask_BS != 0
+        loss = cross_entropy(logits_BSV, targets_BS, where=trained_BS)
+        hits_BS = (jnp.argmax(logits_BSV, axis=-1) == targets_BS).astype(jnp.float32)
+        if trained_BS is None:
+            return loss, {"accuracy": jnp.mean(hits_BS)}
+        weight_BS = trained_BS.astype(jnp.float32)
+        accuracy = jnp.sum(hits_BS * weight_BS) / jnp.maximum(jnp.sum(weight_BS), 1.0)
+        return loss, {"accuracy": accuracy}
 
     return loss_fn
+
+
+@functools.lru_cache(maxsize=32)
+def _graphdef(config: GPTConfig) -> nnx.GraphDef:
+    """The model's static structure (policy-independent: dtypes live in the parameters)."""
+    return abstract_split(config)[0]
 
 
 def init_params(config: GPTConfig, policy: Policy | str | None, key: jax.Array) -> dict:

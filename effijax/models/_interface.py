@@ -1,0 +1,179 @@
+"""The model interface: what the training recipe needs from a language model family.
+
+A model is a frozen dataclass of architecture fields that also provides the functions of that
+architecture. The recipe, the memory estimator and the sharding strategies talk to it only
+through :class:`LanguageModel`, so a new family (the GPT here, a Llama-family decoder next)
+plugs in by implementing these methods and registering itself with :func:`register_family`:
+
+* ``abstract_params(policy)`` / ``init_params(key, policy)``: the parameter tree (plain nested
+  dicts; '/'-joined paths are what precision overrides, sharding rules and LoRA targets match);
+* ``loss_fn(lora)`` / ``logits_fn(lora)``: pure functions of compute-dtype parameters (with a
+  :class:`~effijax.lora.LoraSpec`, of ``{"base": params, "adapters": adapters}``);
+* ``partition_rules()``, ``lora_targets``: how the strategies lay the parameters out, and which
+  kernels LoRA adapts by default;
+* ``shape()``: the numbers the memory formulas need; ``encode(data)``: the tokenizer.
+
+A batch is ``{"inputs": int32[B, S], "targets": int32[B, S]}``, optionally with ``"mask"``
+(``[B, S]``, nonzero where the target is trained on); the loss is the mean cross-entropy over
+the trained positions, in f32.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import difflib
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import numpy as np
+
+from effijax.errors import ConfigError
+
+__all__ = ["LanguageModel", "ModelShape", "register_family", "model_from_dict", "FAMILIES"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """The architecture numbers the memory estimator needs (the activation formula's letters).
+
+    Attributes:
+      num_params: parameters of the model (the loaded tree's count, embeddings included).
+      layers: transformer blocks ``L``.
+      hidden: residual width ``h``.
+      heads: query heads ``a``.
+      kv_heads: key/value heads (``heads`` without grouped-query attention).
+      head_dim: width of one head.
+      ffn: MLP hidden width.
+      vocab: vocabulary size.
+      seq_len: the training sequence length ``s``.
+      gated_mlp: the MLP has a gate (SwiGLU: three matrices) rather than two.
+    """
+
+    num_params: int
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    seq_len: int
+    gated_mlp: bool = False
+
+
+class LanguageModel(abc.ABC):
+    """A causal language model: a frozen architecture config plus the functions of it.
+
+    Implementations are frozen dataclasses (change them with ``dataclasses.replace``) whose
+    ``family`` names them in :data:`FAMILIES`; ``to_dict``/``model_from_dict`` round-trip them
+    through a run's ``config.json``.
+    """
+
+    family: ClassVar[str]
+    # Fields (or properties) every implementation has: the training sequence length (tokens
+    # per row of a batch) and the number of token ids.
+    seq_len: int
+    vocab_size: int
+    # The default LoRA targets: a regex over '/'-joined parameter paths (every attention and MLP
+    # kernel of the blocks, what "LoRA Learns Less and Forgets Less" adapts).
+    lora_targets: ClassVar[str]
+
+    @property
+    @abc.abstractmethod
+    def name(self) -> str:
+        """A short human-readable name for logs and plots, e.g. ``"mini GPT"``."""
+
+    @abc.abstractmethod
+    def with_seq_len(self, seq_len: int) -> LanguageModel:
+        """The same model trained on windows of ``seq_len`` tokens (a :class:`ConfigError`
+        naming ``seq_len`` when the architecture cannot take it)."""
+
+    @abc.abstractmethod
+    def abstract_params(self, policy: Any = None) -> Any:
+        """The parameter tree as ``jax.ShapeDtypeStruct`` leaves (nothing allocated); in the
+        policy's ``param_dtype``."""
+
+    @abc.abstractmethod
+    def init_params(self, key: Any, policy: Any = None) -> Any:
+        """Freshly initialised parameters (jit it with ``out_shardings`` to create them
+        sharded)."""
+
+    @abc.abstractmethod
+    def loss_fn(self, lora: Any = None) -> Callable[..., tuple[Any, dict]]:
+        """``loss_fn(params, batch, rng=None) -> (loss, aux)``: mean cross-entropy in f32 over
+        the trained positions; ``aux`` holds f32 scalars (e.g. ``accuracy``). Dropout runs when
+        ``rng`` is a key. With ``lora`` (a :class:`~effijax.lora.LoraSpec`) ``params`` is
+        ``{"base": ..., "adapters": ...}``."""
+
+    @abc.abstractmethod
+    def logits_fn(self, lora: Any = None) -> Callable[..., Any]:
+        """``logits_fn(params, tokens_BS) -> logits_BSV`` in the policy's output dtype."""
+
+    @abc.abstractmethod
+    def shape(self) -> ModelShape:
+        """The architecture's numbers for :mod:`effijax.memory`."""
+
+    @abc.abstractmethod
+    def to_dict(self) -> dict:
+        """The architecture as a JSON-able dict, ``family`` included."""
+
+    @classmethod
+    @abc.abstractmethod
+    def from_dict(cls, fields: dict) -> LanguageModel:
+        """Rebuilds the model from :meth:`to_dict`'s output (without ``family``)."""
+
+    def partition_rules(self) -> list[tuple[str, Any]] | None:
+        """Partition rules for :func:`effijax.sharding.partition_specs` (None: automatic)."""
+        return None
+
+    def encode(self, data: bytes) -> np.ndarray:
+        """Token ids of raw training data (the model's tokenizer).
+
+        The default is the byte vocabulary: one token per byte, for models whose
+        ``vocab_size`` is 256.
+        """
+        if self.vocab_size < 256:
+            raise ConfigError("model", self.name, f"vocabulary of {self.vocab_size} cannot "
+                              "hold bytes and the model has no tokenizer")
+        return np.frombuffer(data, np.uint8)
+
+
+FAMILIES: dict[str, type[LanguageModel]] = {}
+
+
+def register_family(cls: type[LanguageModel]) -> type[LanguageModel]:
+    """Class decorator: makes ``cls`` loadable by :func:`model_from_dict` under ``cls.family``.
+
+    Example:
+      >>> from effijax.models import GPTConfig
+      >>> FAMILIES["gpt"] is GPTConfig
+      True
+    """
+    FAMILIES[cls.family] = cls
+    return cls
+
+
+def model_from_dict(fields: dict) -> LanguageModel:
+    """The model a :meth:`LanguageModel.to_dict` output describes.
+
+    Raises:
+      ConfigError: no or an unknown ``family``, or fields the family does not have.
+
+    Example:
+      >>> from effijax.models import gpt_config
+      >>> model = gpt_config("tiny")
+      >>> model_from_dict(model.to_dict()) == model
+      True
+    """
+    if not isinstance(fields, dict):
+        raise ConfigError("model_config", fields, "expected a JSON object of architecture "
+                          "fields")
+    family = fields.get("family", "gpt")  # runs written before the interface were all GPTs
+    if family not in FAMILIES:
+        close = difflib.get_close_matches(str(family), FAMILIES, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError("model_config.family", family,
+                          f"unknown model family; known: {', '.join(sorted(FAMILIES))}{hint}")
+    rest = {k: v for k, v in fields.items() if k != "family"}
+    return FAMILIES[family].from_dict(rest)
