@@ -32,6 +32,8 @@ from effijax.models._interface import (
     LanguageModel,
     ModelShape,
     model_from_dict,
+    preset,
+    preset_names,
     register_family,
 )
 
@@ -41,6 +43,8 @@ __all__ = [
     "FAMILIES",
     "register_family",
     "model_from_dict",
+    "preset",
+    "preset_names",
     "GPT",
     "GPTConfig",
     "gpt_config",

@@ -36,8 +36,7 @@ from effijax.errors import ConfigError
 from effijax.lora import LoraSpec, pairs, validate
 from effijax.models._blockwise import REMAT_POLICIES, blockwise_attend
 from effijax.models._interface import LanguageModel, ModelShape, register_family
-from effijax.precision._islands import cross_entropy, dot, layer_norm, softmax
-from effijax.precision._policy import Policy, get_policy
+from effijax.precision import Policy, cross_entropy, dot, get_policy, layer_norm, softmax
 from effijax.sharding import constrain_batch
 
 __all__ = [
@@ -266,6 +265,9 @@ PRESETS: dict[str, GPTConfig] = {
     # 99.8M parameters with the byte vocabulary.
     "base": GPTConfig(seq_len=512, d_model=768, n_layers=14, n_heads=12),
 }
+
+
+GPTConfig.presets = PRESETS
 
 
 def gpt_config(name: str, **overrides) -> GPTConfig:
