@@ -147,4 +147,4 @@ def test_bad_init_from_runs_are_clear_errors(tmp_path, lora_run, pretrained, cap
         assert main(["train", "--init-from", str(run_dir), "--out", str(tmp_path / "y")]) == 2
         assert message in capsys.readouterr().err, run_dir
     assert main(["train", "--init-from", str(pretrained), "--out", str(pretrained)]) == 2
-    assert "is the --init-from run itself" in capsys.readouterr().err
+    assert "is the init_from run itself" in capsys.readouterr().err

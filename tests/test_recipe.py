@@ -39,6 +39,10 @@ def test_unknown_and_mistyped_settings_are_refused_by_name():
         TrainConfig(lora_dropout=0.5)
     with pytest.raises(ConfigError, match=r"warmup=400: must be in \[0, steps=300\]"):
         TrainConfig(warmup=400)
+    with pytest.raises(ConfigError, match=r"lora_rank=4: LoRA adapts a trained model: give "
+                       r"--init-from RUN_DIR, or --lora-random-base"):
+        TrainConfig(lora_rank=4)
+    assert TrainConfig(lora_rank=4, lora_random_base=True).lora_rank == 4
 
 
 def test_precision_vocabulary_accepts_aliases():
@@ -157,6 +161,6 @@ def test_bad_settings_fail_before_anything_is_written(tmp_path, corpus):
     out = tmp_path / "never"
     with pytest.raises(ConfigError, match="lora_targets='nothing'"):
         train(TrainConfig(steps=2, data=corpus, out=str(out), lora_rank=2,
-                          lora_targets="nothing", **TINY))
+                          lora_targets="nothing", lora_random_base=True, **TINY))
     assert not out.exists() or not any(out.rglob("*.json"))
     assert not os.path.exists(out / "metrics.jsonl")

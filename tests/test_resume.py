@@ -180,8 +180,10 @@ def test_resume_with_another_model_fails_fast(tmp_path, corpus, capsys, change, 
     other = [*TINY]
     i = other.index(change[0])
     other[i + 1] = change[1]
+    longer = [*flags]
+    longer[1] = "4"  # an unfinished run: it resumes, so its checkpoint is checked
     start = time.perf_counter()
-    assert main(["train", *flags, *other]) == 2
+    assert main(["train", *longer, *other]) == 2
     elapsed = time.perf_counter() - start
     err = capsys.readouterr().err
     assert "effijax train: error: checkpoint=" in err and leaf in err, err

@@ -43,8 +43,10 @@ def _flag_type(field: dataclasses.Field):
 def add_parsers(sub) -> None:
     """Registers ``train`` on an ``argparse`` subparsers object: one flag per config field,
     its help and default read from the field."""
-    p = sub.add_parser("train", help="train or fine-tune a model", description=__doc__
-                       .split("\n\n")[0].replace("``", ""))
+    p = sub.add_parser("train", help="train or fine-tune a model", description=(
+        "Train or fine-tune a language model. With no flags: the mini GPT on the Python standard "
+        "library's source (on every machine), 300 steps, written to runs/train/. Every flag is a "
+        "setting of effijax.recipe.TrainConfig, which --config FILE (TOML or JSON) also sets."))
     p.add_argument("--config", metavar="FILE", help="a TOML or JSON file of settings (e.g. an "
                    "earlier run's config.json); flags override it")
     groups = {}
@@ -54,7 +56,7 @@ def add_parsers(sub) -> None:
         group = groups.get(section) or groups.setdefault(
             section, p if section == "training" else p.add_argument_group(section))
         flag = flag_of(f.name)
-        if f.type in ("bool",) or isinstance(f.default, bool):
+        if isinstance(f.default, bool):
             group.add_argument(flag, dest=f.name, action="store_const", const=not f.default,
                                default=argparse.SUPPRESS, help=meta["help"])
             continue

@@ -16,7 +16,6 @@ from effijax.recipe._config import (
     DEFAULT_MODEL,
     PRECISION_ALIASES,
     PRECISIONS,
-    STRATEGIES,
     TrainConfig,
     flag_of,
 )
@@ -43,7 +42,6 @@ __all__ = [
     "DEFAULT_MODEL",
     "PRECISIONS",
     "PRECISION_ALIASES",
-    "STRATEGIES",
     "Job",
     "CompiledStep",
     "plan_job",

@@ -22,17 +22,16 @@ import tomllib
 from pathlib import Path
 
 from effijax.errors import ConfigError
+from effijax.memory import PRECISION_ALIASES
+from effijax.precision import PRESETS as POLICY_PRESETS
 
-__all__ = ["TrainConfig", "PRECISIONS", "PRECISION_ALIASES", "STRATEGIES", "DEFAULT_MODEL",
+__all__ = ["TrainConfig", "PRECISIONS", "PRECISION_ALIASES", "DEFAULT_MODEL",
            "RECORD_KEYS", "flag_of"]
 
-# The precision vocabulary of every command (`effijax train`, `memory`, `plan`): policy presets,
-# plus "auto" (bf16 on GPU/TPU, fp32 on CPU, where bf16 matmuls are emulated and slower).
-PRECISIONS = ("auto", "fp32", "bf16", "fp16", "pure_bf16")
-# Older or alternative spellings, accepted and normalised.
-PRECISION_ALIASES = {"mixed": "bf16", "f32": "fp32", "float32": "fp32", "bfloat16": "bf16",
-                     "f16": "fp16", "float16": "fp16", "half": "fp16"}
-STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "zero3")
+# The precision vocabulary of every command (`effijax train`, `memory`, `plan`): the policy
+# presets plus "auto" (bf16 on GPU/TPU, fp32 on CPU, where bf16 matmuls are emulated and
+# slower), with the memory estimator's aliases ("mixed", "float32", "half", ...).
+PRECISIONS = ("auto", *POLICY_PRESETS)
 FROZEN_DTYPES = ("auto", "fp32", "bf16", "fp16")
 DEFAULT_MODEL = "mini"
 # Keys of a run's config.json that record the run rather than configure it.
@@ -87,8 +86,9 @@ class TrainConfig:
                                    "checkpoint (its --out directory); the model is that run's",
                                    metavar="RUN_DIR", section="model")
     # Precision.
-    precision: str = _field("auto", "precision policy; auto = bf16 on GPU/TPU, fp32 on CPU "
-                            "(where bf16 matmuls are emulated and slower)", choices=PRECISIONS,
+    precision: str = _field("auto", "precision policy: auto, fp32, bf16, fp16 or pure_bf16 "
+                            "(aliases such as mixed, float32, half accepted); auto = bf16 on "
+                            "GPU/TPU, fp32 on CPU (where bf16 matmuls are emulated and slower)",
                             section="precision")
     loss_scale: str | float = _field("auto", "'auto' (dynamic for fp16, none otherwise), "
                                      "'dynamic', 'none', or a number for a static scale",
@@ -111,9 +111,9 @@ class TrainConfig:
     eval_batches: int = _field(8, "validation batches evaluated at the end (0: none)",
                                section="data")
     # Devices and sharding.
-    strategy: str | None = _field(None, "data-parallel sharding strategy over the mesh; default: "
-                                  "one device, or ddp with --mesh or several processes",
-                                  choices=STRATEGIES, section="parallel")
+    strategy: str | None = _field(None, "data-parallel sharding strategy over the mesh: ddp, "
+                                  "zero1, zero2, fsdp (zero3); default: one device, or ddp with "
+                                  "--mesh or several processes", section="parallel")
     mesh: dict | None = _field(None, "mesh axis sizes, e.g. 'data=2,fsdp=4' (default with a "
                                "strategy: every device on fsdp)", section="parallel")
     cpu_devices: int | None = _field(None, "force N CPU devices per process (runs without an "
@@ -146,6 +146,9 @@ class TrainConfig:
                                  section="lora")
     frozen_dtype: str = _field("auto", "storage dtype of the frozen base (auto: the precision's "
                                "compute dtype)", choices=FROZEN_DTYPES, section="lora")
+    lora_random_base: bool = _field(False, "train adapters on a randomly initialised base (for "
+                                    "experiments; LoRA normally adapts an init_from model)",
+                                    flag="--lora-random-base", section="lora")
 
     def __post_init__(self):
         _check_types(self)
@@ -172,18 +175,29 @@ class TrainConfig:
         object.__setattr__(self, "precision", _precision(self.precision))
         object.__setattr__(self, "loss_scale", _loss_scale(self.loss_scale, self.precision))
         object.__setattr__(self, "mesh", _mesh(self.mesh))
-        if self.strategy is not None and self.strategy not in STRATEGIES:
-            raise ConfigError("strategy", self.strategy, f"choose one of {', '.join(STRATEGIES)}")
+        if self.strategy is not None:
+            from effijax.sharding import get_strategy  # the strategies' one list
+
+            get_strategy(self.strategy)
+        if self.num_processes and self.batch_size % self.num_processes:
+            raise ConfigError("batch_size", self.batch_size, f"must be divisible by "
+                              f"num_processes={self.num_processes} (each process builds its own "
+                              "rows of the global batch)")
         self._check_lora()
 
     def _check_lora(self) -> None:
         if self.lora_rank is None:
             for name, default in (("lora_alpha", 8.0), ("lora_targets", None),
-                                  ("lora_dropout", 0.0), ("frozen_dtype", "auto")):
+                                  ("lora_dropout", 0.0), ("frozen_dtype", "auto"),
+                                  ("lora_random_base", False)):
                 if getattr(self, name) != default:
                     raise ConfigError(name, getattr(self, name), "only applies to LoRA; "
                                       "give the adapters' rank too (--lora-rank R)")
             return
+        if self.init_from is None and not self.lora_random_base:
+            raise ConfigError("lora_rank", self.lora_rank, "LoRA adapts a trained model: give "
+                              "--init-from RUN_DIR, or --lora-random-base to train adapters on "
+                              "a random base on purpose")
         if self.frozen_dtype not in FROZEN_DTYPES:
             raise ConfigError("frozen_dtype", self.frozen_dtype,
                               f"choose one of {', '.join(FROZEN_DTYPES)}")
@@ -290,7 +304,8 @@ _STR_FIELDS = {"model", "init_from", "precision", "data", "strategy", "coordinat
 def _check_types(cfg: TrainConfig) -> None:
     """Each field's value has its type (ints are floats too; None where the default is None)."""
     nullable = {f.name for f in dataclasses.fields(cfg) if f.default is None}
-    for name in _INT_FIELDS | _FLOAT_FIELDS | _STR_FIELDS | {"checkpoints", "progress"}:
+    for name in _INT_FIELDS | _FLOAT_FIELDS | _STR_FIELDS | {"checkpoints", "progress",
+                                                             "lora_random_base"}:
         value = getattr(cfg, name)
         if value is None and name in nullable:
             continue

@@ -26,7 +26,8 @@ def _where(config, job) -> str:
     if config.strategy is None:
         return "1 device"
     mesh = ",".join(f"{k}={v}" for k, v in job.mesh.shape.items() if v > 1) or "1 device"
-    return f"{config.strategy} on mesh {mesh}, {jax.process_count()} process(es)"
+    return (f"{config.strategy} over {job.mesh.size} devices (mesh {mesh}), "
+            f"{jax.process_count()} process(es)")
 
 
 def start(config, job, compiled, source, frozen, state, is_main: bool) -> None:

@@ -34,7 +34,8 @@ def check_paths(config: TrainConfig) -> None:
     out = Path(config.out).resolve()
     parent = next((p for p in (out, *out.parents) if p.exists()), None)
     if parent is None or not parent.is_dir():
-        raise ConfigError("out", config.out, "its nearest existing parent is not a folder")
+        raise ConfigError("out", config.out, f"cannot write there: {parent} is a file, not a "
+                          "folder; choose another directory")
     try:
         with tempfile.NamedTemporaryFile(dir=parent):
             pass

@@ -142,7 +142,7 @@ def start(config: TrainConfig) -> Session:
         mesh = make_mesh(**(config.mesh or {"fsdp": -1}))
     except ConfigError as e:
         hint = ("" if config.cpu_devices else "; on CPU, --cpu-devices N forces N devices")
-        raise ConfigError("mesh", config.mesh, e.problem + hint) from None
+        raise ConfigError("mesh", e.value, e.problem + hint) from None
     return Session(mesh=mesh, is_main=jax.process_index() == 0)
 
 
@@ -170,8 +170,8 @@ def load_data(config: TrainConfig, model) -> tuple[tuple[Any, Any], str]:
 
     try:
         raw = load_corpus(config.data)
-    except (FileNotFoundError, ValueError) as e:
-        raise ConfigError("data", config.data, str(e)) from None
+    except ConfigError as e:
+        raise ConfigError("data", config.data, e.problem) from None
     tokens = model.encode(raw.tobytes())
     train_tokens, val_tokens = split_corpus(tokens)
     if min(len(train_tokens), len(val_tokens)) <= model.seq_len + 1:
