@@ -41,7 +41,6 @@ import numpy as np
 
 from effijax import lora
 from effijax.data import corpus_fingerprint, split_corpus, stdlib_files
-from effijax.jobs import build_lm_job
 from effijax.memory import model_states
 from effijax.models import GPTConfig, gpt_config
 from effijax.recipe import batch_fn, compile_job, init_frozen, init_state, plan_job
@@ -138,14 +137,15 @@ def make_evaluate(cfg: Config, val_a, val_b):
     return evaluate
 
 
-def pretrain(cfg: Config, model, train_a, val_a, out: Path):
-    """Trains the base GPT on A with the library's LM job; returns its parameters."""
+def pretrain(cfg: Config, model, train_a, out: Path):
+    """Trains the base GPT on A with the recipe's job; returns its parameters, the loop's
+    summary and the job (whose evaluation scores the base)."""
     tx = make_optimizer(cfg.pretrain_lr, cfg.pretrain_steps,
                         warmup_steps=max(1, cfg.pretrain_steps // 20))
-    job = build_lm_job(model, "fp32", tx, train_tokens=train_a, val_tokens=val_a,
-                       batch_size=cfg.batch_size, seed=cfg.seed, num_eval_batches=0)
+    job = plan_job(model, "fp32", tx, batch_size=cfg.batch_size, seed=cfg.seed)
     run_dir = RunDir(out / "pretrain", config={**dataclasses.asdict(cfg), "variant": "pretrain"})
-    state, summary = train_loop(job.step, job.state, job.batch, num_steps=cfg.pretrain_steps,
+    state, summary = train_loop(job.step, init_state(job), batch_fn(job, train_a),
+                                num_steps=cfg.pretrain_steps,
                                 tokens_per_step=job.tokens_per_step, run_dir=run_dir,
                                 progress=cfg.progress)
     run_dir.finish(summary, title="pretrain on A")
@@ -226,7 +226,7 @@ def main(cfg: Config) -> dict:
     model = gpt_config(cfg.model, seq_len=cfg.seq_len)
     evaluate = make_evaluate(cfg, val_a, val_b)
 
-    base, pre_summary, pre_job = pretrain(cfg, model, train_a, val_a, out)
+    base, pre_summary, pre_job = pretrain(cfg, model, train_a, out)
     variants = {"full": None}
     for r in cfg.ranks:
         variants[f"lora-r{r}"] = lora.LoraSpec(rank=r, alpha=cfg.alpha_per_rank * r,

@@ -74,6 +74,7 @@ def test_bad_flags_fail_before_compiling(flags, message, capsys, tmp_path):
     assert message in err, err
 
 
+@pytest.mark.slow
 def test_console_script_with_forced_cpu_devices(tmp_path, corpus):
     out = tmp_path / "run"
     proc = subprocess.run(

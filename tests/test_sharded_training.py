@@ -392,6 +392,7 @@ def _load_experiment(name):
     return module
 
 
+@pytest.mark.slow
 def test_sharding_experiment_smoke(tmp_path):
     experiment = _load_experiment("sharding")
     cfg = dataclasses.replace(experiment.PRESETS["smoke"], out=str(tmp_path))

@@ -200,7 +200,7 @@ def plan_job(
       >>> from effijax.models import gpt_config
       >>> job = plan_job(gpt_config("tiny", seq_len=16), "fp32", optax.adam(1e-3), batch_size=2)
       >>> job.num_params, job.state.step.shape
-      (115776, ())
+      (117504, ())
     """
     policy = get_policy(policy)
     strategy = get_strategy(strategy)
