@@ -40,6 +40,10 @@ def _random(model, seed=0):
                                         for x, k in zip(leaves, keys, strict=True)])
 
 
+def _spec(x):
+    return (tuple(x.shape), jnp.dtype(x.dtype))
+
+
 def _assert_equal(actual, expected):
     assert jax.tree.structure(actual) == jax.tree.structure(expected)
     for (path, a), (_, b) in zip(named_leaves(actual), named_leaves(expected), strict=True):
@@ -80,6 +84,7 @@ def test_hf_directory_round_trips_exactly(tmp_path, model):
     np.testing.assert_array_equal(q, np.asarray(params["layers"]["attn"]["q_proj"]["kernel"][1]).T)
     loaded_model, loaded = load_hf(tmp_path, seq_len=model.seq_len)
     assert loaded_model == model
+    assert jax.tree.map(_spec, loaded) == jax.tree.map(_spec, model.abstract_params())
     _assert_equal(loaded, params)
 
 
@@ -192,6 +197,7 @@ def test_quantized_gguf_is_dequantized_to_the_param_dtype(tmp_path, params):
     np.testing.assert_array_equal(loaded["layers"]["mlp"]["down_proj"]["kernel"][1], expected.T)
     assert 0 < np.abs(expected - q).max() < 0.02  # quantized, and close
     _, bf16 = load_gguf(file, policy="pure_bf16", seq_len=TINY.seq_len)
+    assert jax.tree.map(_spec, bf16) == jax.tree.map(_spec, TINY.abstract_params("pure_bf16"))
     assert {x.dtype for x in jax.tree.leaves(bf16)} == {jnp.dtype(jnp.bfloat16)}
 
 

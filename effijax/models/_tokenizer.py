@@ -228,10 +228,11 @@ class Tokenizer:
         if isinstance(template, list):  # several named templates: take the default one
             named = {t.get("name"): t.get("template") for t in template}
             template = named.get("default", next(iter(named.values()), None))
-        vocab = json.loads(spec).get("model", {}).get("vocab") or {}
-        for added in json.loads(spec).get("added_tokens", []):
+        parsed = json.loads(spec)
+        vocab = parsed.get("model", {}).get("vocab") or {}
+        vocab = dict(vocab) if isinstance(vocab, dict) else {}  # unigram vocabularies are lists
+        for added in parsed.get("added_tokens", []):
             vocab.setdefault(added["content"], added["id"])
-        vocab = vocab if isinstance(vocab, dict) else {}
         return cls(spec=spec, bos_id=_special_id(config, "bos_token", vocab),
                    eos_id=_special_id(config, "eos_token", vocab),
                    unk_id=_special_id(config, "unk_token", vocab),
