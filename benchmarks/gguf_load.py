@@ -104,8 +104,9 @@ def main():
     table = markdown_table(["load", "wall s", "RSS before MiB", "peak RSS MiB",
                             "peak - before MiB"], rows)
     size = gguf.stat().st_size / 2**20
-    body = (f"Device: {device_description()}. SmolLM2-135M-Instruct Q4_1 GGUF ({size:.0f} MiB on "
-            "disk, 134.5M parameters = 513 MiB in f32). Produced by `benchmarks/gguf_load.py`."
+    body = (f"Device: {device_description()} (the effijax runs force 8 CPU devices). "
+            f"SmolLM2-135M-Instruct Q4_1 GGUF ({size:.0f} MiB on disk, 134.5M parameters = "
+            "513 MiB in f32). Produced by `benchmarks/gguf_load.py`."
             f"\n\n{table}\n\nLogits of a {len(PROMPT.split())}-word prompt, effijax (FSDP) vs "
             f"transformers, f32: max abs difference {parity['diff']:.2e} (logits up to "
             f"{parity['scale']:.1f}), argmax equal at every position: {parity['argmax_equal']}.")
