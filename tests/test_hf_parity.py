@@ -140,7 +140,7 @@ def test_peft_adapters_and_merged_export_match_factored_lora(tmp_path, targets):
 
 
 def test_llama_cpp_style_gguf_loads_alike_in_both(tmp_path):
-    model = llama_config("tiny", vocab_size=VOCAB_SIZE, seq_len=32)
+    model = llama_config("llama-tiny", vocab_size=VOCAB_SIZE, seq_len=32)
     params = model.init_params(jax.random.key(3))
     params = jax.tree.map(lambda x: x * 4.0 if x.ndim > 1 else x, params)  # visible logits
     write_gguf(tmp_path / "tiny.gguf", model, params)
@@ -153,7 +153,7 @@ def test_llama_cpp_style_gguf_loads_alike_in_both(tmp_path):
 
 
 def test_saved_tokenizer_files_load_in_transformers(tmp_path):
-    model = llama_config("tiny", vocab_size=VOCAB_SIZE, seq_len=32)
+    model = llama_config("llama-tiny", vocab_size=VOCAB_SIZE, seq_len=32)
     write_gguf(tmp_path / "tiny.gguf", model, model.init_params(jax.random.key(0)))
     tok = load_tokenizer(tmp_path / "tiny.gguf")
     tok.save(tmp_path / "tok")

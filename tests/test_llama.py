@@ -23,12 +23,14 @@ from effijax.models import (
     byte_level_bpe,
     llama_config,
     model_from_dict,
+    preset,
+    preset_names,
 )
 from effijax.paths import named_leaves
 from effijax.sharding import make_mesh
 from effijax.train import init_train_state, make_sharded_training, make_train_step
 
-TINY = llama_config("tiny", seq_len=16)
+TINY = llama_config("llama-tiny", seq_len=16)
 
 
 def _batch(model, b=8, seed=0, mask=True):
@@ -90,7 +92,7 @@ def test_presets_match_the_published_configs():
 ])
 def test_bad_fields_are_config_errors_naming_the_field(fields, field):
     with pytest.raises(ConfigError) as e:
-        llama_config("tiny", **fields)
+        llama_config("llama-tiny", **fields)
     assert e.value.field == field
 
 
@@ -98,7 +100,13 @@ def test_unknown_preset_and_override_are_named():
     with pytest.raises(ConfigError, match="smollm2-135m"):
         llama_config("smollm")
     with pytest.raises(ConfigError, match="hidden"):
-        llama_config("tiny", hidden=64)
+        llama_config("llama-tiny", hidden=64)
+
+
+def test_presets_are_found_by_name_alone():
+    assert preset("smollm2-135m") is LLAMA_PRESETS["smollm2-135m"]
+    assert preset("tiny").family == "gpt" and preset("llama-tiny").family == "llama"
+    assert len(preset_names()) == len(set(preset_names()))
 
 
 def test_to_dict_round_trips_through_the_family_registry():
@@ -183,7 +191,7 @@ def test_bf16_computes_in_bf16_with_f32_loss(params):
     from effijax.precision import get_policy
 
     policy = get_policy("bf16")
-    model = llama_config("tiny", seq_len=16)
+    model = llama_config("llama-tiny", seq_len=16)
     batch = _batch(model, b=2)
     compute = policy.cast_to_compute(params)
     loss, aux = jax.jit(model.loss_fn())(compute, batch)

@@ -27,7 +27,7 @@ from effijax.models import Tokenizer, llama_config
 from effijax.paths import named_leaves
 from effijax.sharding import make_mesh, param_shardings
 
-TINY = llama_config("tiny", vocab_size=VOCAB_SIZE, seq_len=32)
+TINY = llama_config("llama-tiny", vocab_size=VOCAB_SIZE, seq_len=32)
 TIED = dataclasses.replace(TINY, tie_embeddings=True, n_kv_heads=4)
 
 

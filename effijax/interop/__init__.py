@@ -14,7 +14,7 @@ and exports that Hugging Face loads.
 Example:
   >>> import tempfile, jax
   >>> from effijax.models import llama_config
-  >>> model = llama_config("tiny")
+  >>> model = llama_config("llama-tiny")
   >>> params = model.init_params(jax.random.key(0))
   >>> directory = tempfile.mkdtemp()
   >>> save_hf(directory, model, params)

@@ -75,7 +75,7 @@ def config_from_hf(fields: dict, *, seq_len: int | None = None,
       >>> config = config_from_hf({"model_type": "llama", "vocab_size": 256, "hidden_size": 64,
       ...     "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
       ...     "num_key_value_heads": 2, "max_position_embeddings": 256})
-      >>> config == dataclasses.replace(llama_config("tiny"), rms_eps=1e-6, seq_len=256)
+      >>> config == dataclasses.replace(llama_config("llama-tiny"), rms_eps=1e-6, seq_len=256)
       True
     """
     if fields.get("model_type") != "llama":

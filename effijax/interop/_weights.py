@@ -90,7 +90,7 @@ def expected_hf_shapes(config: LlamaConfig) -> dict[str, tuple[str, int | None, 
 
     Example:
       >>> from effijax.models import llama_config
-      >>> shapes = expected_hf_shapes(llama_config("tiny"))
+      >>> shapes = expected_hf_shapes(llama_config("llama-tiny"))
       >>> len(shapes), shapes["model.layers.1.self_attn.k_proj.weight"]
       (21, ('layers/attn/k_proj/kernel', 1, (32, 64)))
     """

@@ -4,7 +4,7 @@
 targets, the memory formulas' numbers, the tokenizer); a family implements it on its frozen
 architecture config and registers with :func:`register_family`. The GPT is the first family:
 ``gpt_config("mini")`` is a model, ``model.init_params(key, policy)`` its parameters and
-``model.loss_fn()(params, batch, rng)`` its loss. The Llama family (``llama_config("tiny")``,
+``model.loss_fn()(params, batch, rng)`` its loss. The Llama family (``llama_config("llama-tiny")``,
 ``"smollm2-135m"``, ...) is the second; its pretrained weights and :class:`Tokenizer` come from
 GGUF files and Hugging Face directories through :mod:`effijax.interop`. The functional GPT API
 (``abstract_split``, ``make_loss_fn``, ...) stays for code that works with a graphdef directly.
@@ -34,6 +34,8 @@ from effijax.models._interface import (
     LanguageModel,
     ModelShape,
     model_from_dict,
+    preset,
+    preset_names,
     register_family,
 )
 from effijax.models._llama import LLAMA_PRESETS, Llama, LlamaConfig, llama_config
@@ -45,6 +47,8 @@ __all__ = [
     "FAMILIES",
     "register_family",
     "model_from_dict",
+    "preset",
+    "preset_names",
     "GPT",
     "GPTConfig",
     "gpt_config",

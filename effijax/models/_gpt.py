@@ -45,8 +45,7 @@ from effijax.models._layers import (
     make_apply,
     make_loss_fn,
 )
-from effijax.precision._islands import dot, layer_norm, softmax
-from effijax.precision._policy import Policy, get_policy
+from effijax.precision import Policy, dot, get_policy, layer_norm, softmax
 
 __all__ = [
     "ATTENTION",
@@ -274,6 +273,9 @@ PRESETS: dict[str, GPTConfig] = {
     # 99.8M parameters with the byte vocabulary.
     "base": GPTConfig(seq_len=512, d_model=768, n_layers=14, n_heads=12),
 }
+
+
+GPTConfig.presets = PRESETS
 
 
 def gpt_config(name: str, **overrides) -> GPTConfig:

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from effijax.lora import LoraSpec
-from effijax.precision._islands import cross_entropy, dot
+from effijax.precision import cross_entropy, dot
 from effijax.sharding import constrain_batch
 
 INIT_STD = 0.02  # GPT-2's and Hugging Face's ``initializer_range``

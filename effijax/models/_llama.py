@@ -44,8 +44,7 @@ from effijax.models._layers import (
     make_loss_fn,
 )
 from effijax.models._tokenizer import Tokenizer
-from effijax.precision._islands import rms_norm
-from effijax.precision._policy import Policy, get_policy
+from effijax.precision import Policy, get_policy, rms_norm
 
 __all__ = ["Llama", "LlamaConfig", "LLAMA_PRESETS", "llama_config"]
 
@@ -297,7 +296,7 @@ def _architecture(config: LlamaConfig) -> LlamaConfig:
 
 LLAMA_PRESETS: dict[str, LlamaConfig] = {
     # Compiles in about a second: for tests. GQA (2 query heads per kv head), untied head.
-    "tiny": LlamaConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, seq_len=64,
+    "llama-tiny": LlamaConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, seq_len=64,
                         max_position=256),
     # HuggingFaceTB/SmolLM2-135M(-Instruct): 134.5M parameters, tied embeddings.
     "smollm2-135m": LlamaConfig(vocab_size=49152, d_model=576, n_layers=30, n_heads=9,
@@ -320,16 +319,20 @@ LLAMA_PRESETS: dict[str, LlamaConfig] = {
 }
 
 
+# Preset names are unique across families (effijax.models.preset looks them up by name alone).
+LlamaConfig.presets = LLAMA_PRESETS
+
+
 def llama_config(name: str, **overrides) -> LlamaConfig:
     """A preset :class:`LlamaConfig`, with fields replaced by ``overrides``.
 
-    Presets: ``"tiny"`` (tests), ``"smollm2-135m"``, ``"llama-2-7b"``, ``"llama-2-70b"``,
+    Presets: ``"llama-tiny"`` (tests), ``"smollm2-135m"``, ``"llama-2-7b"``, ``"llama-2-70b"``,
     ``"llama-3.1-405b"`` (shapes from their published ``config.json``).
 
     Example:
       >>> llama_config("llama-2-70b").shape().num_params
       68976648192
-      >>> llama_config("tiny", seq_len=16).seq_len
+      >>> llama_config("llama-tiny", seq_len=16).seq_len
       16
     """
     if name not in LLAMA_PRESETS:
@@ -514,7 +517,7 @@ class Llama(nnx.Module):
     Example:
       >>> import jax.numpy as jnp
       >>> from flax import nnx
-      >>> model = Llama(llama_config("tiny"), rngs=nnx.Rngs(0))
+      >>> model = Llama(llama_config("llama-tiny"), rngs=nnx.Rngs(0))
       >>> model(jnp.zeros((2, 8), jnp.int32)).shape
       (2, 8, 256)
     """

@@ -29,13 +29,14 @@ from effijax.precision._loss_scale import (
     static_loss_scale,
     step_skipped,
 )
-from effijax.precision._policy import PRESETS, Policy, get_policy
+from effijax.precision._policy import PRESET_ALIASES, PRESETS, Policy, get_policy
 
 __all__ = [
     "Policy",
     "get_policy",
     "parse_dtype",
     "PRESETS",
+    "PRESET_ALIASES",
     "cast_floating",
     "is_floating",
     "dot",

@@ -32,6 +32,8 @@ def dot(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
       dtype(bfloat16)
     """
     if x.dtype != w.dtype:
+        # A ValueError, not a ConfigError: mismatched operands are a bug in the model code, not
+        # a setting a user can change.
         raise ValueError(
             f"dot({equation!r}): operand dtypes differ ({x.dtype} vs {w.dtype}); cast the "
             "parameters with Policy.cast_to_compute before applying the model"
@@ -81,6 +83,7 @@ def cross_entropy(
       >>> float(cross_entropy(jnp.zeros((2, 4), jnp.bfloat16), jnp.array([0, 3])))  # log(4)
       1.3862943649291992
     """
+    # Plain ValueErrors: wrong label dtypes or shapes are bugs in the calling code, not settings.
     if not jnp.issubdtype(labels.dtype, jnp.integer):
         raise ValueError(f"cross_entropy: labels must be integer class ids, got {labels.dtype}")
     if labels.shape != logits.shape[:-1]:
