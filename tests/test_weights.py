@@ -273,3 +273,23 @@ def test_tokenizer_files_round_trip(tmp_path, gguf_file):
     model = dataclasses.replace(TINY, tokenizer=tok)
     text = _texts()[-2]
     np.testing.assert_array_equal(model.encode(text.encode()), tok.encode(text))
+
+
+@pytest.mark.parametrize("pre", ["smollm", "gpt2", "llama3", "qwen2"])
+def test_long_texts_encode_in_parallel_pieces_to_the_same_ids(gguf_file, monkeypatch, pre):
+    import effijax.models._tokenizer as tokenizer_module
+
+    tok = load_tokenizer(gguf_file, pre=pre)
+    text = "\n\n\n".join(_texts()) + "  \n\t 12\n345 x.\n\ny 6\n"
+    whole = tok.backend.encode(text, add_special_tokens=False).ids
+    monkeypatch.setattr(tokenizer_module, "_CHUNK_CHARS", 200)
+    assert tok._splits_at_line_starts
+    assert len(tokenizer_module._line_chunks(text, 200)) > 50
+    assert tok.encode(text).tolist() == whole
+
+
+def test_tokenizers_of_unknown_splits_are_encoded_whole(tmp_path, gguf_file):
+    spec = json.loads(load_tokenizer(gguf_file).spec)
+    spec["pre_tokenizer"] = {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first",
+                             "split": True}
+    assert not Tokenizer(spec=json.dumps(spec))._splits_at_line_starts
