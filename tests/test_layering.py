@@ -39,7 +39,8 @@ def test_precision_sharding_lora_do_not_import_each_other():
 
 def test_lower_layers_do_not_import_upper_layers():
     upper = ("effijax.train", "effijax.jobs", "effijax.run", "effijax.cli", "effijax.memory",
-             "effijax.checkpoint", "effijax.models", "effijax.data", "effijax.recipe")
+             "effijax.checkpoint", "effijax.models", "effijax.data", "effijax.recipe",
+             "effijax.interop")
     for pkg in ("precision", "sharding", "lora"):
         assert not _offenders(_modules(pkg), upper), pkg
 
@@ -49,7 +50,7 @@ def test_lower_layers_do_not_import_upper_layers():
 LAYERS = [
     ("errors.py", "paths.py", "provenance.py"),
     ("precision", "sharding", "lora", "data", "distributed.py"),
-    ("models", "memory", "train.py", "checkpoint"),
+    ("models", "interop", "memory", "train.py", "checkpoint"),
     ("run.py",),
     ("recipe", "jobs.py"),
     ("cli", "__main__.py"),
@@ -107,3 +108,8 @@ def test_only_distributed_module_calls_jax_distributed():
         if path.name == "distributed.py":
             continue
         assert not pattern.search(path.read_text()), path
+
+
+def test_models_do_not_import_interop():
+    # File formats sit above the models: a model never needs to know where weights come from.
+    assert not _offenders(_modules("models"), ("effijax.interop",))
