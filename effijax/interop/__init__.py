@@ -27,7 +27,7 @@ Example:
 
 from effijax.interop._gguf import gguf_tokenizer, load_gguf, permute, unpermute
 from effijax.interop._hf import config_from_hf, hf_config, load_hf, save_hf
-from effijax.interop._io import load, load_tokenizer, peft_module, save_peft
+from effijax.interop._io import export_adapters, load, load_tokenizer, peft_module, save_peft
 from effijax.interop._weights import TENSORS, gguf_name, hf_name
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "load_tokenizer",
     "save_hf",
     "save_peft",
+    "export_adapters",
     "config_from_hf",
     "hf_config",
     "gguf_tokenizer",

@@ -14,7 +14,7 @@ from effijax.interop._weights import TENSORS, hf_name
 from effijax.lora import LoraSpec, export_peft, pairs
 from effijax.models import LlamaConfig, Tokenizer
 
-__all__ = ["load", "load_tokenizer", "save_peft", "peft_module"]
+__all__ = ["load", "load_tokenizer", "save_peft", "peft_module", "export_adapters"]
 
 
 def _is_gguf(path: str) -> bool:
@@ -102,3 +102,27 @@ def save_peft(directory: str | os.PathLike, model: LlamaConfig, adapters, spec: 
     suffixes = sorted({_HF_MODULES[path].rsplit(".", 1)[-1] for path in pairs(adapters)})
     return export_peft(directory, adapters, spec, base_model_name=os.fspath(base_model),
                        module_name=peft_module, target_modules=suffixes)
+
+
+def export_adapters(directory: str | os.PathLike, model, adapters, spec: LoraSpec, *,
+                    base_model: str) -> dict[str, tuple[int, ...]]:
+    """Writes LoRA adapters in PEFT's format with the module names of the model's family:
+    Hugging Face's for a Llama (:func:`save_peft`), effijax's own for other families
+    (:func:`effijax.lora.export_peft`).
+
+    Example:
+      >>> import jax, tempfile
+      >>> from effijax import lora
+      >>> from effijax.models import llama_config
+      >>> model = llama_config("llama-tiny")
+      >>> spec = lora.LoraSpec(rank=2, targets=model.lora_targets)
+      >>> adapters = lora.init(jax.random.key(0), model.abstract_params(), spec)
+      >>> names = export_adapters(tempfile.mkdtemp(), model, adapters, spec, base_model="x")
+      >>> sorted(names)[0]
+      'base_model.model.model.layers.0.mlp.down_proj.lora_A.weight'
+    """
+    from effijax.lora import export_peft
+
+    if isinstance(model, LlamaConfig):
+        return save_peft(directory, model, adapters, spec, base_model=base_model)
+    return export_peft(directory, adapters, spec, base_model_name=base_model)

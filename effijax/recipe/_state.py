@@ -104,7 +104,7 @@ def initial_state(job, run: Run, source, is_main: bool) -> tuple[Any, Any]:
     base = None
     if source is not None and (job.lora is not None or run.resume_step is None):
         base = _sources.load_params(source, job.model, None if job.mesh.size == 1 else job.mesh,
-                                    run.record["init_from_checkpoint"]["step"])
+                                    run.record["init_from_checkpoint"].get("step"))
     frozen = _job.init_frozen(job, base) if job.lora is not None else None
     if run.resume_step is not None:
         state = run.ckpt.restore(run.resume_step,
@@ -160,8 +160,7 @@ def loop_and_finish(config: TrainConfig, job, run: Run, compiled, state, frozen,
     if evaluate:
         summary["eval_loss"] = evaluate(state.params)
     if job.lora is not None:
-        summary["adapters"] = _export_adapters(state.params, job.lora, config.out,
-                                               run_dir.is_main)
+        summary["adapters"] = _export_adapters(state.params, job, config, run_dir.is_main)
     summary.update(_report.summary_extras(job, compiled))
     run_dir.finish(summary, title=_report.title(config, job))
     _report.done(config, summary, run_dir.is_main)
@@ -189,17 +188,20 @@ def _last_good(run: Run) -> str:
             "to resume from it")
 
 
-def _export_adapters(adapters, spec, out: str, is_main: bool) -> dict:
-    """Writes ``OUT/adapters.safetensors`` and ``OUT/peft/``; returns their paths. Every
-    process gathers the (small) adapters; process 0 writes."""
+def _export_adapters(adapters, job, config: TrainConfig, is_main: bool) -> dict:
+    """Writes ``OUT/adapters.safetensors`` and ``OUT/peft/`` (PEFT's format, with the model
+    family's module names); returns their paths. Every process gathers the (small) adapters;
+    process 0 writes."""
     from jax.experimental import multihost_utils
 
-    from effijax.lora import export_peft, save_adapters
+    from effijax.interop import export_adapters
+    from effijax.lora import save_adapters
 
     host = multihost_utils.process_allgather(adapters, tiled=True)
-    files = {"adapters": str(Path(out) / "adapters.safetensors"),
-             "peft": str(Path(out) / "peft")}
+    files = {"adapters": str(Path(config.out) / "adapters.safetensors"),
+             "peft": str(Path(config.out) / "peft")}
     if is_main:
-        save_adapters(files["adapters"], host, spec)
-        export_peft(files["peft"], host, spec)
+        save_adapters(files["adapters"], host, job.lora)
+        export_adapters(files["peft"], job.model, host, job.lora,
+                        base_model=config.init_from or job.model.name)
     return files

@@ -82,7 +82,8 @@ def _run(config: TrainConfig, session: Session, argv) -> TrainResult:
     if done_step is not None:
         _report.finished_before(config, done_step, session.is_main)
         return TrainResult(config.out, {}, "finished_before", config)
-    source = _sources.read_run(config.init_from) if config.init_from else None
+    source = (_sources.read_source(config.init_from, config.seq_len) if config.init_from
+              else None)
     model = _sources.model_for(config, source)
     config = resolve(config, session.mesh)
     tokens, fingerprint = load_data(config, model)
