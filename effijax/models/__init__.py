@@ -12,16 +12,23 @@ Parameters are plain nested dicts whose '/'-joined paths (``blocks/attn/q/kernel
 precision overrides, sharding rules and LoRA targets match.
 """
 
+from effijax.models._attention import (
+    ATTENTION,
+    AttentionChoice,
+    AttentionFallbackWarning,
+    attend,
+    auto_attend,
+    choose_attention,
+    xla_attend,
+)
 from effijax.models._blockwise import blockwise_attend
 from effijax.models._gpt import (
-    ATTENTION,
     GPT,
     PRESETS,
     REMAT,
     GPTConfig,
     abstract_params,
     abstract_split,
-    attend,
     gpt_config,
     init_params,
     make_apply,
@@ -63,6 +70,11 @@ __all__ = [
     "PRE_TOKENIZERS",
     "attend",
     "blockwise_attend",
+    "xla_attend",
+    "auto_attend",
+    "choose_attention",
+    "AttentionChoice",
+    "AttentionFallbackWarning",
     "ATTENTION",
     "REMAT",
     "split_params",

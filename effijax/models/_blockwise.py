@@ -23,8 +23,15 @@ Dropout (on the probabilities, as :func:`~effijax.models.attend` does) is suppor
 the backward pass regenerates it instead of storing ``s x s`` bits. The masks depend on the block
 sizes and differ from :func:`~effijax.models.attend`'s (same distribution, other draws).
 
+Grouped-query attention: ``k`` and ``v`` may have fewer heads than ``q`` (``H_kv`` dividing
+``H``; query head ``h`` reads kv head ``h // (H // H_kv)``, Hugging Face Llama's ``repeat_kv``).
+The kv heads are repeated before the kernel, so its custom VJP is the multi-head one and autodiff
+of the repeat sums each group's gradients; that costs ``O(B·T·H·K)`` extra bytes, linear in the
+sequence like the rest of the kernel's residuals.
+
 On a GPU, bf16/f16 inputs without dropout go to ``jax.nn.dot_product_attention(...,
-implementation="cudnn")`` (cuDNN's fused flash attention) unless ``implementation="jax"``.
+implementation="cudnn")`` (cuDNN's fused flash attention, grouped heads included) unless
+``implementation="jax"``.
 
 Shape suffixes: ``B`` batch, ``S`` queries, ``T`` keys, ``H`` heads, ``K`` head width,
 ``Q``/``C`` a query/key block.
@@ -40,7 +47,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-__all__ = ["IMPLEMENTATIONS", "REMAT_POLICIES", "blockwise_attend"]
+__all__ = ["IMPLEMENTATIONS", "REMAT_POLICIES", "blockwise_attend", "check_qkv",
+           "cudnn_unusable_reason"]
 
 # ``implementation=`` values: None picks cuDNN where it applies, else the pure-JAX kernel.
 IMPLEMENTATIONS = (None, "jax", "cudnn")
@@ -101,8 +109,8 @@ def blockwise_attend(
     log-sum-exp).
 
     Args:
-      q_BSHK: queries ``[B, S, H, K]``. k_BTHK, v_BTHK: keys and values ``[B, T, H, K]``, the
-        queries' dtype.
+      q_BSHK: queries ``[B, S, H, K]``. k_BTHK, v_BTHK: keys and values ``[B, T, H_kv, K]``,
+        the queries' dtype; ``H_kv`` divides ``H`` (grouped-query attention when smaller).
       causal: query ``i`` sees keys ``0..i`` (needs ``S == T``); blocks above the diagonal are
         skipped.
       block_q, block_k: query and key block sizes (capped at ``S`` and ``T``); lengths that do not
@@ -117,8 +125,9 @@ def blockwise_attend(
       ``[B, S, H, K]`` outputs in the queries' dtype.
 
     Raises:
-      ValueError: before tracing, for mismatched shapes or dtypes, ``causal`` with ``S != T``,
-        bad block sizes, a dropout rate outside ``[0, 1)``, or an unknown ``implementation``.
+      ValueError: before tracing, for mismatched shapes or dtypes, ``H`` not a multiple of
+        ``H_kv``, ``causal`` with ``S != T``, bad block sizes, a dropout rate outside
+        ``[0, 1)``, or an unknown ``implementation``.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -128,25 +137,8 @@ def blockwise_attend(
       >>> out.shape, bool(jnp.allclose(out, attend(q, k, v), atol=1e-5))
       ((1, 100, 2, 8), True)
     """
-    if q_BSHK.ndim != 4 or k_BTHK.ndim != 4 or v_BTHK.ndim != 4:
-        raise ValueError(
-            "blockwise_attend: expected q [B, S, H, K], k and v [B, T, H, K]; got shapes "
-            f"{q_BSHK.shape}, {k_BTHK.shape}, {v_BTHK.shape}"
-        )
-    b, s, h, d = q_BSHK.shape
-    t = k_BTHK.shape[1]
-    if k_BTHK.shape != (b, t, h, d) or v_BTHK.shape != (b, t, h, d):
-        raise ValueError(
-            f"blockwise_attend: k and v must be [B={b}, T, H={h}, K={d}] and equal; got "
-            f"{k_BTHK.shape} and {v_BTHK.shape}"
-        )
-    if not (q_BSHK.dtype == k_BTHK.dtype == v_BTHK.dtype):
-        raise ValueError(
-            f"blockwise_attend: q, k, v dtypes differ ({q_BSHK.dtype}, {k_BTHK.dtype}, "
-            f"{v_BTHK.dtype}); cast them to one compute dtype"
-        )
-    if causal and s != t:
-        raise ValueError(f"blockwise_attend(causal=True) needs S == T, got S={s}, T={t}")
+    groups = check_qkv("blockwise_attend", q_BSHK, k_BTHK, v_BTHK, causal=causal)
+    s, t = q_BSHK.shape[1], k_BTHK.shape[1]
     block_q = min(_check_block("block_q", block_q), s)
     block_k = min(_check_block("block_k", block_k), t)
     if not isinstance(dropout_rate, int | float) or not 0.0 <= dropout_rate < 1.0:
@@ -157,7 +149,8 @@ def blockwise_attend(
         )
     dropout = dropout_key is not None and dropout_rate > 0.0
 
-    if implementation == "cudnn" or (implementation is None and _cudnn_applies(q_BSHK, dropout)):
+    auto_cudnn = implementation is None and cudnn_unusable_reason(q_BSHK, dropout) is None
+    if implementation == "cudnn" or auto_cudnn:
         if dropout:
             raise ValueError(
                 "blockwise_attend(implementation='cudnn') has no dropout; use "
@@ -173,20 +166,84 @@ def blockwise_attend(
     if pad_t:
         k_BTHK = jnp.pad(k_BTHK, ((0, 0), (0, pad_t), (0, 0), (0, 0)))
         v_BTHK = jnp.pad(v_BTHK, ((0, 0), (0, pad_t), (0, 0), (0, 0)))
+    if groups > 1:  # grouped-query attention: the transpose of the repeat sums the gradients
+        k_BTHK = jnp.repeat(k_BTHK, groups, axis=2)
+        v_BTHK = jnp.repeat(v_BTHK, groups, axis=2)
     key = dropout_key if dropout else None
     out_BSHK = _flash(spec, q_pad, k_BTHK, v_BTHK, key)
     return out_BSHK[:, :s] if pad_s else out_BSHK
 
 
-def _cudnn_applies(q_BSHK: jax.Array, dropout: bool) -> bool:
-    """Whether the automatic choice is cuDNN: GPU backend, half precision, no dropout."""
-    return (
-        jax.default_backend() == "gpu"
-        and q_BSHK.dtype in (jnp.bfloat16, jnp.float16)
-        and not dropout
-        and q_BSHK.shape[-1] % 8 == 0
-        and q_BSHK.shape[-1] <= 128
-    )
+def check_qkv(name: str, q_BSHK, k_BTHK, v_BTHK, *, causal: bool) -> int:
+    """Validates attention inputs before tracing; returns the group size ``H // H_kv``.
+
+    Shared by every implementation of :data:`~effijax.models.ATTENTION` so that they refuse the
+    same inputs with the same messages, each naming the function (``name``).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> q, kv = jnp.ones((1, 4, 4, 8)), jnp.ones((1, 4, 2, 8))
+      >>> check_qkv("attend", q, kv, kv, causal=True)
+      2
+      >>> check_qkv("attend", q, jnp.ones((1, 4, 3, 8)), jnp.ones((1, 4, 3, 8)), causal=True)
+      Traceback (most recent call last):
+      ...
+      ValueError: attend: q has H=4 heads, k and v have H_kv=3; grouped-query attention ...
+    """
+    if q_BSHK.ndim != 4 or k_BTHK.ndim != 4 or v_BTHK.ndim != 4:
+        raise ValueError(
+            f"{name}: expected q [B, S, H, K], k and v [B, T, H_kv, K]; got shapes "
+            f"{q_BSHK.shape}, {k_BTHK.shape}, {v_BTHK.shape}"
+        )
+    b, s, h, d = q_BSHK.shape
+    t, h_kv = k_BTHK.shape[1], k_BTHK.shape[2]
+    if k_BTHK.shape != (b, t, h_kv, d) or v_BTHK.shape != k_BTHK.shape:
+        raise ValueError(
+            f"{name}: k and v must be [B={b}, T, H_kv, K={d}] and equal; got "
+            f"{k_BTHK.shape} and {v_BTHK.shape}"
+        )
+    if h % h_kv:
+        raise ValueError(
+            f"{name}: q has H={h} heads, k and v have H_kv={h_kv}; grouped-query attention "
+            "needs H to be a multiple of H_kv (query head h reads kv head h // (H // H_kv))"
+        )
+    if not (q_BSHK.dtype == k_BTHK.dtype == v_BTHK.dtype):
+        raise ValueError(
+            f"{name}: q, k, v dtypes differ ({q_BSHK.dtype}, {k_BTHK.dtype}, "
+            f"{v_BTHK.dtype}); cast them to one compute dtype"
+        )
+    if causal and s != t:
+        raise ValueError(f"{name}(causal=True) needs S == T, got S={s}, T={t}")
+    return h // h_kv
+
+
+def cudnn_unusable_reason(q_BSHK, dropout: bool, backend: str | None = None) -> str | None:
+    """Why cuDNN's fused attention cannot run these queries here, or None when it can.
+
+    It needs a GPU, bf16/f16 inputs, a head width that is a multiple of 8 and at most 128 (the
+    limit before Hopper; cuDNN allows 256 from sm90, not relied on here) and no dropout.
+    ``q_BSHK`` may be an array or a ``jax.ShapeDtypeStruct``; ``backend`` defaults to
+    ``jax.default_backend()``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> q = jax.ShapeDtypeStruct((1, 8, 2, 64), jnp.bfloat16)
+      >>> cudnn_unusable_reason(q, dropout=False, backend="gpu") is None
+      True
+      >>> cudnn_unusable_reason(q, dropout=False, backend="cpu")
+      'no GPU (backend cpu)'
+    """
+    backend = jax.default_backend() if backend is None else backend
+    head_dim = q_BSHK.shape[-1]
+    if backend != "gpu":
+        return f"no GPU (backend {backend})"
+    if q_BSHK.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"{jnp.dtype(q_BSHK.dtype).name} inputs (cuDNN needs bf16 or f16)"
+    if head_dim % 8 or head_dim > 128:
+        return f"head width {head_dim} (cuDNN needs a multiple of 8, at most 128)"
+    if dropout:
+        return "attention dropout (cuDNN's kernel here has none)"
+    return None
 
 
 # ----------------------------------------------------------------------------------------------

@@ -24,7 +24,6 @@ import dataclasses
 import functools
 import math
 import re
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import jax
@@ -33,7 +32,8 @@ from flax import nnx
 
 from effijax.errors import ConfigError
 from effijax.lora import LoraSpec, pairs, validate
-from effijax.models._blockwise import REMAT_POLICIES, blockwise_attend
+from effijax.models._attention import ATTENTION
+from effijax.models._blockwise import REMAT_POLICIES
 from effijax.models._interface import LanguageModel, ModelShape, register_family
 from effijax.models._layers import (
     _constrain,
@@ -45,17 +45,15 @@ from effijax.models._layers import (
     make_apply,
     make_loss_fn,
 )
-from effijax.precision import Policy, dot, get_policy, layer_norm, softmax
+from effijax.precision import Policy, get_policy, layer_norm
 
 __all__ = [
-    "ATTENTION",
     "GPT",
     "GPTConfig",
     "PRESETS",
     "REMAT",
     "abstract_params",
     "abstract_split",
-    "attend",
     "gpt_config",
     "init_params",
     "make_apply",
@@ -66,55 +64,6 @@ __all__ = [
 
 _INIT_STD = 0.02
 
-
-# ----------------------------------------------------------------------------------------------
-# Attention implementations (selected by ``GPTConfig.attention``).
-
-
-def attend(
-    q_BSHK: jax.Array,
-    k_BTHK: jax.Array,
-    v_BTHK: jax.Array,
-    *,
-    causal: bool = True,
-    dropout_rate: float = 0.0,
-    dropout_key: jax.Array | None = None,
-) -> jax.Array:
-    """Naive multi-head attention: materialises the ``[B, H, S, T]`` scores.
-
-    Scores and the weighted sum use :func:`dot` (f32 accumulation); the softmax runs in f32 and
-    returns the inputs' dtype. Dropout on the probabilities is applied when ``dropout_key`` is
-    given and ``dropout_rate > 0``.
-
-    Args:
-      q_BSHK: queries. k_BTHK, v_BTHK: keys and values, same dtype as the queries.
-      causal: mask out keys after each query (query ``i`` sees keys ``0..i``; needs ``S == T``).
-      dropout_rate: probability of dropping an attention probability.
-      dropout_key: PRNG key for the dropout mask; ``None`` disables dropout.
-
-    Returns:
-      ``[B, S, H, K]`` attention outputs in the queries' dtype.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> attend(jnp.ones((1, 3, 2, 4)), jnp.ones((1, 3, 2, 4)), jnp.ones((1, 3, 2, 4))).shape
-      (1, 3, 2, 4)
-    """
-    q_BSHK = q_BSHK * jnp.asarray(1.0 / math.sqrt(q_BSHK.shape[-1]), q_BSHK.dtype)
-    scores_BHST = dot("bshk,bthk->bhst", q_BSHK, k_BTHK)
-    mask_ST = None
-    if causal:
-        s, t = q_BSHK.shape[1], k_BTHK.shape[1]
-        if s != t:
-            raise ValueError(f"attend(causal=True) needs S == T, got S={s}, T={t}")
-        mask_ST = jnp.tril(jnp.ones((s, t), dtype=bool))
-    probs_BHST = softmax(scores_BHST, axis=-1, where=mask_ST)
-    probs_BHST = _dropout(probs_BHST, dropout_rate, dropout_key)
-    return dot("bhst,bthk->bshk", probs_BHST, v_BTHK)
-
-
-# Attention implementations by ``GPTConfig.attention`` name, all with ``attend``'s signature.
-ATTENTION: dict[str, Callable[..., jax.Array]] = {"naive": attend, "blockwise": blockwise_attend}
 
 # ``jax.checkpoint`` policies by ``GPTConfig.remat`` name; "none" means no checkpointing.
 REMAT: dict[str, Any] = {
@@ -148,7 +97,9 @@ class GPTConfig(LanguageModel):
       ln_eps: LayerNorm epsilon.
       remat: ``"none"``, ``"block"`` (recompute each block in the backward pass) or ``"dots"``
         (save only the non-batched matmul outputs), see :data:`REMAT`.
-      attention: name of the attention implementation in :data:`ATTENTION`.
+      attention: the attention implementation, a name in :data:`ATTENTION`: ``"naive"``,
+        ``"blockwise"``, ``"xla"`` (``jax.nn.dot_product_attention``; no dropout) or ``"auto"``
+        (cuDNN's fused kernel on a GPU where it applies, else the best fallback).
 
     Example:
       >>> GPTConfig(seq_len=16, d_model=32, n_layers=2, n_heads=4).head_dim
@@ -190,6 +141,12 @@ class GPTConfig(LanguageModel):
             raise ValueError(
                 f"attention: unknown implementation {self.attention!r}; "
                 f"choose one of {list(ATTENTION)}"
+            )
+        if self.attention == "xla" and self.dropout > 0:
+            raise ValueError(
+                f"attention: 'xla' (jax.nn.dot_product_attention) has no attention dropout but "
+                f"dropout={self.dropout}; use attention='auto' (it falls back to one with "
+                "dropout), 'naive' or 'blockwise', or dropout=0"
             )
 
     family: ClassVar[str] = "gpt"

@@ -1,0 +1,289 @@
+"""Attention implementations, chosen by name (``GPTConfig.attention``), all with one signature.
+
+Every entry of :data:`ATTENTION` is ``fn(q_BSHK, k_BTHK, v_BTHK, *, causal=True,
+dropout_rate=0.0, dropout_key=None) -> out_BSHK`` with the same semantics (scaled dot product,
+f32 softmax, causal mask ``key <= query``, inverted dropout on the probabilities):
+
+* ``"naive"``: :func:`attend`, the reference; materialises the ``[B, H, S, T]`` scores.
+* ``"blockwise"``: :func:`~effijax.models.blockwise_attend`, flash attention in pure JAX with a
+  custom VJP; memory linear in the sequence length (cuDNN on a GPU for bf16/f16).
+* ``"xla"``: :func:`xla_attend`, ``jax.nn.dot_product_attention``: cuDNN's fused kernel on a GPU
+  where it applies, XLA's composed attention elsewhere. No dropout.
+* ``"auto"``: :func:`auto_attend`, the fused kernel where it can run, otherwise the best other
+  implementation (:func:`choose_attention`; on a CPU ``"blockwise"``, measured, see
+  :data:`CPU_ATTENTION`); on a GPU a fallback says why, once per reason.
+
+All accept grouped-query attention: ``k`` and ``v`` may have ``H_kv`` heads, ``H_kv`` dividing
+``H``, query head ``h`` reading kv head ``h // (H // H_kv)`` (Hugging Face Llama's convention).
+
+Shape suffixes: ``B`` batch, ``S`` queries, ``T`` keys, ``H`` heads, ``K`` head width.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from effijax.models._blockwise import blockwise_attend, check_qkv, cudnn_unusable_reason
+from effijax.precision import dot, softmax
+
+__all__ = [
+    "ATTENTION",
+    "AttentionChoice",
+    "AttentionFallbackWarning",
+    "CPU_ATTENTION",
+    "attend",
+    "auto_attend",
+    "choose_attention",
+    "xla_attend",
+]
+
+
+def attend(
+    q_BSHK: jax.Array,
+    k_BTHK: jax.Array,
+    v_BTHK: jax.Array,
+    *,
+    causal: bool = True,
+    dropout_rate: float = 0.0,
+    dropout_key: jax.Array | None = None,
+) -> jax.Array:
+    """Naive multi-head attention: materialises the ``[B, H, S, T]`` scores.
+
+    Scores and the weighted sum use :func:`dot` (f32 accumulation); the softmax runs in f32 and
+    returns the inputs' dtype. Dropout on the probabilities is applied when ``dropout_key`` is
+    given and ``dropout_rate > 0``.
+
+    Args:
+      q_BSHK: queries. k_BTHK, v_BTHK: keys and values, same dtype as the queries; they may have
+        fewer heads ``H_kv`` (grouped-query attention, ``H_kv`` dividing ``H``).
+      causal: mask out keys after each query (query ``i`` sees keys ``0..i``; needs ``S == T``).
+      dropout_rate: probability of dropping an attention probability.
+      dropout_key: PRNG key for the dropout mask; ``None`` disables dropout.
+
+    Returns:
+      ``[B, S, H, K]`` attention outputs in the queries' dtype.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> attend(jnp.ones((1, 3, 2, 4)), jnp.ones((1, 3, 2, 4)), jnp.ones((1, 3, 2, 4))).shape
+      (1, 3, 2, 4)
+    """
+    groups = check_qkv("attend", q_BSHK, k_BTHK, v_BTHK, causal=causal)
+    if groups > 1:  # grouped-query attention; autodiff of the repeat sums each group's gradients
+        k_BTHK = jnp.repeat(k_BTHK, groups, axis=2)
+        v_BTHK = jnp.repeat(v_BTHK, groups, axis=2)
+    q_BSHK = q_BSHK * jnp.asarray(1.0 / math.sqrt(q_BSHK.shape[-1]), q_BSHK.dtype)
+    scores_BHST = dot("bshk,bthk->bhst", q_BSHK, k_BTHK)
+    mask_ST = None
+    if causal:
+        s, t = q_BSHK.shape[1], k_BTHK.shape[1]
+        mask_ST = jnp.tril(jnp.ones((s, t), dtype=bool))
+    probs_BHST = softmax(scores_BHST, axis=-1, where=mask_ST)
+    probs_BHST = _dropout(probs_BHST, dropout_rate, dropout_key)
+    return dot("bhst,bthk->bshk", probs_BHST, v_BTHK)
+
+
+def _dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
+    """Inverted dropout; the identity when ``key`` is None or ``rate`` is 0.
+
+    The same function as ``_gpt._dropout`` (residual dropout); kept here so that this module
+    does not import the model.
+    """
+    if key is None or rate == 0.0:
+        return x
+    keep = 1.0 - rate
+    mask = jax.random.bernoulli(key, keep, x.shape)
+    return jnp.where(mask, x / keep, jnp.zeros_like(x))
+
+
+def xla_attend(
+    q_BSHK: jax.Array,
+    k_BTHK: jax.Array,
+    v_BTHK: jax.Array,
+    *,
+    causal: bool = True,
+    dropout_rate: float = 0.0,
+    dropout_key: jax.Array | None = None,
+) -> jax.Array:
+    """Attention by ``jax.nn.dot_product_attention``: cuDNN's fused kernel where it applies.
+
+    On a GPU with bf16/f16 inputs, a head width that is a multiple of 8 up to 128 and no dropout
+    this is ``implementation="cudnn"`` (flash attention, causal blocks skipped); everywhere else
+    ``implementation="xla"`` (the scores in f32, an f32 softmax, probabilities in the inputs'
+    dtype: :func:`attend`'s math, with the ``1/sqrt(K)`` scale applied to the f32 scores
+    instead of the queries). Grouped-query attention is native to both.
+
+    Args:
+      q_BSHK, k_BTHK, v_BTHK, causal: as in :func:`attend`.
+      dropout_rate, dropout_key: only for the common signature: ``jax.nn.dot_product_attention``
+        has no dropout, so a positive rate with a key raises.
+
+    Returns:
+      ``[B, S, H, K]`` outputs in the queries' dtype.
+
+    Raises:
+      ValueError: before tracing, for the inputs :func:`attend` refuses, and for dropout.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 6, 4, 8))
+      >>> out = xla_attend(q, k[:, :, :2], v[:, :, :2])  # 4 query heads, 2 kv heads
+      >>> bool(jnp.allclose(out, attend(q, k[:, :, :2], v[:, :, :2]), atol=1e-5))
+      True
+    """
+    check_qkv("xla_attend", q_BSHK, k_BTHK, v_BTHK, causal=causal)
+    if dropout_key is not None and dropout_rate > 0.0:
+        raise ValueError(
+            f"xla_attend: jax.nn.dot_product_attention has no dropout, got dropout_rate="
+            f"{dropout_rate}; set GPTConfig.dropout=0, or use attention='auto' (falls back to "
+            "an implementation with dropout), 'naive' or 'blockwise'"
+        )
+    if cudnn_unusable_reason(q_BSHK, dropout=False) is None:
+        return _sdpa(q_BSHK, k_BTHK, v_BTHK, causal, "cudnn")
+    if q_BSHK.dtype == jnp.float32:
+        return _sdpa(q_BSHK, k_BTHK, v_BTHK, causal, "xla")
+    return _sdpa_half(q_BSHK, k_BTHK, v_BTHK, causal)
+
+
+def _sdpa(q_BSHK, k_BTHK, v_BTHK, causal: bool, implementation: str) -> jax.Array:
+    # jax's XLA path asks promote_types(bf16, f32) for its f32 scores, which strict promotion
+    # refuses when tracing; the promotion is intended there (the output keeps the inputs' dtype).
+    with jax.numpy_dtype_promotion("standard"):
+        return jax.nn.dot_product_attention(q_BSHK, k_BTHK, v_BTHK, is_causal=causal,
+                                            implementation=implementation)
+
+
+# The XLA path with bf16/f16 inputs. jax's forward is fine, but its backward cannot be compiled
+# under strict dtype promotion (jax 0.10.2): the transpose of the scores' einsum is a dot with
+# ``DotAlgorithmPreset.BF16_BF16_F32``, an f32 cotangent and a bf16 operand, and lowering it asks
+# ``promote_types(f32, bf16)``, which strict promotion refuses (at compile time, outside any
+# ``numpy_dtype_promotion`` context we could set here). So the backward is jax's own VJP of the
+# same function on f32 copies of q, k, v (no algorithm preset on that path), recomputing the
+# scores from the saved q, k, v (flash attention's trade: no [B, H, S, T] residual, one more
+# forward); the gradients are cast back to the inputs' dtype. It is more precise than jax's
+# backward (which rounds the scores' cotangent to bf16), and it only runs off cuDNN: on a CPU
+# (where bf16 is emulated anyway) or for a GPU head width cuDNN refuses.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _sdpa_half(q_BSHK, k_BTHK, v_BTHK, causal: bool) -> jax.Array:
+    return _sdpa(q_BSHK, k_BTHK, v_BTHK, causal, "xla")
+
+
+def _sdpa_half_fwd(q_BSHK, k_BTHK, v_BTHK, causal):
+    return _sdpa(q_BSHK, k_BTHK, v_BTHK, causal, "xla"), (q_BSHK, k_BTHK, v_BTHK)
+
+
+def _sdpa_half_bwd(causal, residuals, dout_BSHK):
+    f32 = lambda x: x.astype(jnp.float32)
+    _, vjp_fn = jax.vjp(lambda q, k, v: _sdpa(q, k, v, causal, "xla"), *map(f32, residuals))
+    return tuple(g.astype(x.dtype) for g, x in zip(vjp_fn(f32(dout_BSHK)), residuals,
+                                                    strict=True))
+
+
+_sdpa_half.defvjp(_sdpa_half_fwd, _sdpa_half_bwd)
+
+
+# ----------------------------------------------------------------------------------------------
+# "auto": the fused kernel where it runs, else the best fallback.
+
+# What "auto" runs without a GPU: blockwise. Measured on XLA:CPU (benchmarks/attention.py,
+# RESULTS.md "Attention implementations on this device"; 2 shared cores, so noisy): at the mini
+# and small GPTs' shapes the three implementations are within ~25% of each other for the op and
+# ~10% for the whole train step, and in f32 blockwise is the fastest or tied by best time (mini
+# op 18 ms vs 22 xla / 26 naive; small 204 vs 240 / 266). It is the one whose advantage grows
+# with the sequence (causal tiles above the diagonal are skipped, not masked: at S=256 one of 4
+# tiles), its memory is linear in S, and it has dropout, so "auto" needs no second fallback.
+CPU_ATTENTION = "blockwise"
+# A GPU without the fused kernel: XLA's composed attention; with dropout, the naive one (the
+# same math plus the mask). Neither was measured on a GPU here.
+GPU_FALLBACK, GPU_FALLBACK_DROPOUT = "xla", "naive"
+
+
+class AttentionFallbackWarning(UserWarning):
+    """``attention="auto"`` on a GPU could not use the fused kernel; the message says why."""
+
+
+class AttentionChoice(NamedTuple):
+    """What ``"auto"`` runs: an :data:`ATTENTION` name, whether that is cuDNN's fused kernel,
+    and, on a GPU that cannot use it, why not (None otherwise)."""
+
+    name: str
+    fused: bool
+    reason: str | None
+
+
+def choose_attention(q_BSHK, *, dropout: bool, backend: str | None = None) -> AttentionChoice:
+    """The implementation ``"auto"`` uses for these queries on ``backend``.
+
+    A pure function of the queries' dtype and head width, whether dropout is on, and the backend
+    (default ``jax.default_backend()``): a GPU gets cuDNN's fused kernel (through
+    :func:`xla_attend`) when :func:`~effijax.models._blockwise.cudnn_unusable_reason` allows it,
+    else a fallback with the reason. Other backends silently get :data:`CPU_ATTENTION` (with or
+    without dropout): there is no fused kernel to fall back from.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> q = jax.ShapeDtypeStruct((2, 128, 4, 32), jnp.float32)
+      >>> choose_attention(q, dropout=False, backend="cpu")
+      AttentionChoice(name='blockwise', fused=False, reason=None)
+      >>> choose_attention(q, dropout=False, backend="gpu").reason
+      "attention='auto': float32 inputs (cuDNN needs bf16 or f16); using 'xla'"
+      >>> q16 = jax.ShapeDtypeStruct((2, 128, 4, 32), jnp.bfloat16)
+      >>> choose_attention(q16, dropout=False, backend="gpu")
+      AttentionChoice(name='xla', fused=True, reason=None)
+    """
+    backend = jax.default_backend() if backend is None else backend
+    if backend != "gpu":
+        return AttentionChoice(CPU_ATTENTION, False, None)
+    why = cudnn_unusable_reason(q_BSHK, dropout, backend)
+    if why is None:
+        return AttentionChoice("xla", True, None)
+    name = GPU_FALLBACK_DROPOUT if dropout else GPU_FALLBACK
+    return AttentionChoice(name, False, f"attention='auto': {why}; using {name!r}")
+
+
+_warned: set[str] = set()
+
+
+def auto_attend(
+    q_BSHK: jax.Array,
+    k_BTHK: jax.Array,
+    v_BTHK: jax.Array,
+    *,
+    causal: bool = True,
+    dropout_rate: float = 0.0,
+    dropout_key: jax.Array | None = None,
+) -> jax.Array:
+    """:func:`attend`'s semantics by the implementation :func:`choose_attention` picks.
+
+    The choice is made when tracing, from static facts (dtype, head width, dropout, backend).
+    On a GPU that cannot use the fused kernel it emits one :class:`AttentionFallbackWarning` per
+    distinct reason per process.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> auto_attend(jnp.ones((1, 3, 2, 4)), jnp.ones((1, 3, 1, 4)), jnp.ones((1, 3, 1, 4))).shape
+      (1, 3, 2, 4)
+    """
+    dropout = dropout_key is not None and dropout_rate > 0.0
+    choice = choose_attention(q_BSHK, dropout=dropout)
+    if choice.reason is not None and choice.reason not in _warned:
+        _warned.add(choice.reason)
+        warnings.warn(choice.reason, AttentionFallbackWarning, stacklevel=2)
+    return ATTENTION[choice.name](q_BSHK, k_BTHK, v_BTHK, causal=causal,
+                                  dropout_rate=dropout_rate, dropout_key=dropout_key)
+
+
+# Attention implementations by ``GPTConfig.attention`` name, all with ``attend``'s signature.
+ATTENTION: dict[str, Callable[..., jax.Array]] = {
+    "naive": attend,
+    "blockwise": blockwise_attend,
+    "xla": xla_attend,
+    "auto": auto_attend,
+}
