@@ -34,7 +34,7 @@ def test_unknown_and_mistyped_settings_are_refused_by_name():
     with pytest.raises(ConfigError, match=r"checkpoints=1: expected true or false"):
         TrainConfig(checkpoints=1)
     with pytest.raises(ConfigError, match=r"lora_targets='\(': not a valid regex"):
-        TrainConfig(lora_rank=4, lora_targets="(")
+        TrainConfig(lora_rank=4, lora_targets="(", lora_random_base=True)
     with pytest.raises(ConfigError, match=r"lora_dropout=0.5: only applies to LoRA"):
         TrainConfig(lora_dropout=0.5)
     with pytest.raises(ConfigError, match=r"warmup=400: must be in \[0, steps=300\]"):
@@ -164,3 +164,45 @@ def test_bad_settings_fail_before_anything_is_written(tmp_path, corpus):
                           lora_targets="nothing", lora_random_base=True, **TINY))
     assert not out.exists() or not any(out.rglob("*.json"))
     assert not os.path.exists(out / "metrics.jsonl")
+
+
+# A second family plugs in, and pretrained models are a source ----------------------------------
+
+def test_the_llama_family_trains_through_the_same_recipe(tmp_path, corpus):
+    result = train(TrainConfig(steps=3, data=corpus, out=str(tmp_path / "l"),
+                               **{**TINY, "model": "llama-tiny"}))
+    config = json.loads((tmp_path / "l" / "config.json").read_text())
+    assert config["run"]["model_config"]["family"] == "llama"
+    assert result.summary["steps"] == 3 and np.isfinite(result.summary["eval_loss"])
+
+
+def test_lora_from_a_gguf_file_freezes_its_weights_and_exports_hf_names(tmp_path, corpus):
+    gguf = pytest.importorskip("gguf", reason="loading GGUF files needs the gguf package")
+    del gguf
+    import jax
+    from _llama_files import VOCAB_SIZE, write_gguf
+    from safetensors.numpy import load_file
+
+    from effijax.models import llama_config
+
+    model = llama_config("llama-tiny", vocab_size=VOCAB_SIZE, seq_len=16)
+    params = model.init_params(jax.random.key(3))
+    file = tmp_path / "tiny.gguf"
+    write_gguf(file, model, params)
+    out = tmp_path / "run"
+    result = train(TrainConfig(init_from=str(file), lora_rank=2, steps=3, data=corpus,
+                               out=str(out), **{**TINY, "model": "mini"}))
+    record = json.loads((out / "config.json").read_text())["run"]
+    import hashlib
+
+    assert record["init_from_checkpoint"] == {
+        "path": str(file.resolve()), "sha256": hashlib.sha256(file.read_bytes()).hexdigest()}
+    assert record["model_config"]["family"] == "llama"
+    assert result.summary["eval_loss"] < result.summary["eval_loss_start"]  # it learns
+    names = sorted(load_file(out / "peft" / "adapter_model.safetensors"))
+    assert names[0].startswith("base_model.model.model.layers.0.")
+    peft_config = json.loads((out / "peft" / "adapter_config.json").read_text())
+    assert peft_config["base_model_name_or_path"] == str(file)
+    with pytest.raises(ConfigError, match="init_from='nowhere.gguf': no such run directory"):
+        train(TrainConfig(init_from="nowhere.gguf", lora_rank=2, out=str(tmp_path / "x"),
+                          **TINY))

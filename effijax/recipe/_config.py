@@ -51,17 +51,19 @@ def _field(default, help: str, *, flag: str | None = None, metavar: str | None =
 
 
 def flag_of(field: str) -> str:
-    """The command-line flag of a config field (the field, dotted or not, dashed).
+    """The command-line flag of a config field (other names come back unchanged).
 
     Example:
       >>> flag_of("batch_size"), flag_of("coordinator_address"), flag_of("checkpoints")
       ('--batch-size', '--coordinator', '--no-checkpoints')
+      >>> flag_of("checkpoint")
+      'checkpoint'
     """
     name = field.split(".")[0].split("=")[0]
     fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
-    if name in fields and "flag" in fields[name].metadata:
-        return fields[name].metadata["flag"]
-    return "--" + name.replace("_", "-")
+    if name not in fields:
+        return field  # not a setting (e.g. a checkpoint directory): reported as it is
+    return fields[name].metadata.get("flag") or "--" + name.replace("_", "-")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

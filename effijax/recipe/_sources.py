@@ -91,7 +91,9 @@ def _is_pretrained(path: Path) -> bool:
     if path.is_file():
         with open(path, "rb") as f:
             return f.read(4) == b"GGUF"
-    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+    # Hugging Face names its weights model.safetensors or model-0000i-of-0000n.safetensors
+    # (an effijax run directory holds adapters.safetensors, never those).
+    return (path / "config.json").is_file() and any(path.glob("model*.safetensors"))
 
 
 def read_source(init_from: str, seq_len: int | None) -> Source:
