@@ -13,3 +13,19 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+
+_SLOW_LIST = os.path.join(os.path.dirname(__file__), "slow_tests.txt")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks the tests listed in slow_tests.txt (modules or node ids) as slow, so that
+    ``-m "not slow"`` is the fast tier."""
+    import pytest
+
+    with open(_SLOW_LIST) as f:
+        listed = {line.strip() for line in f if line.strip() and not line.startswith("#")}
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        if item.nodeid in listed or module in listed:
+            item.add_marker(pytest.mark.slow)
