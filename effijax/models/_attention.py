@@ -192,13 +192,14 @@ _sdpa_half.defvjp(_sdpa_half_fwd, _sdpa_half_bwd)
 # ----------------------------------------------------------------------------------------------
 # "auto": the fused kernel where it runs, else the best fallback.
 
-# What "auto" runs without a GPU: blockwise. Measured on XLA:CPU (benchmarks/attention.py,
-# RESULTS.md "Attention implementations on this device"; 2 shared cores, so noisy): at the mini
-# and small GPTs' shapes the three implementations are within ~25% of each other for the op and
-# ~10% for the whole train step, and in f32 blockwise is the fastest or tied by best time (mini
-# op 18 ms vs 22 xla / 26 naive; small 204 vs 240 / 266). It is the one whose advantage grows
-# with the sequence (causal tiles above the diagonal are skipped, not masked: at S=256 one of 4
-# tiles), its memory is linear in S, and it has dropout, so "auto" needs no second fallback.
+# What "auto" runs without a GPU: blockwise. Measured on XLA:CPU, fp32, the mini and small GPTs'
+# train steps and their attention op alone (benchmarks/attention.py, RESULTS.md "Attention
+# implementations on this device"; 2 shared cores, so noisy): blockwise was the fastest of the
+# three in every column of the recorded run (small step median 6.08 s vs 6.48 xla, 6.54 naive;
+# op best 192 ms vs 200, 215; mini op best 36.7 ms vs 47.9, 38.7), and within 7% of the fastest
+# in three earlier runs; the three are within ~25% for the op and ~10% for the step. Its advantage
+# grows with the sequence (causal tiles above the diagonal are skipped, not masked: 1 of 4 at
+# S=256), its memory is linear in S, and it has dropout, so "auto" needs no second fallback.
 CPU_ATTENTION = "blockwise"
 # A GPU without the fused kernel: XLA's composed attention; with dropout, the naive one (the
 # same math plus the mask). Neither was measured on a GPU here.
