@@ -3,7 +3,10 @@
 * :mod:`effijax.precision`: precision policies, fp32 islands, loss scaling as optax transforms.
 * :mod:`effijax.sharding`: meshes and DDP / ZeRO-1/2/3 (FSDP) strategies.
 * :mod:`effijax.memory`: analytic memory estimates, measurement, the planner.
-* :mod:`effijax.models`, :mod:`effijax.data`: a Flax NNX GPT and offline byte corpora.
+* :mod:`effijax.models`, :mod:`effijax.data`: Flax NNX models (a GPT, the Llama family) and
+  offline byte corpora.
+* :mod:`effijax.interop`: pretrained models in and out (GGUF files, Hugging Face directories,
+  tokenizers, PEFT adapters).
 * :mod:`effijax.train`: ``TrainState`` and the functional, jittable train step.
 
 Subpackages are imported on use (``import effijax.models``), so ``import effijax`` stays light.

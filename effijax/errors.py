@@ -20,3 +20,13 @@ class ConfigError(ValueError):
         self.value = value
         self.problem = problem
         super().__init__(f"{field}={value!r}: {problem}")
+
+    def renamed(self, field: str) -> ConfigError:
+        """The same error reported under another name (e.g. a library argument under the
+        config field or flag that set it).
+
+        Example:
+          >>> str(ConfigError("rank", 0, "must be >= 1").renamed("lora_rank"))
+          'lora_rank=0: must be >= 1'
+        """
+        return ConfigError(field, self.value, self.problem)

@@ -14,10 +14,12 @@ metrics, so logging does not stall the device, and only the main process writes 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
-import platform
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -26,8 +28,9 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["RunDir", "train_loop", "NonFiniteError", "read_metrics", "plot_metrics",
-           "library_versions"]
+from effijax.provenance import library_versions
+
+__all__ = ["RunDir", "train_loop", "NonFiniteError", "StopFlag", "read_metrics", "plot_metrics"]
 
 
 class NonFiniteError(RuntimeError):
@@ -41,31 +44,16 @@ class NonFiniteError(RuntimeError):
       step: the last step of the streak (1-based, as in ``metrics.jsonl``).
       count: how many consecutive steps were non-finite.
       first_step: the first step of the streak.
+      where: what the caller knows about recovering (e.g. the last good checkpoint).
     """
 
-    def __init__(self, step: int, count: int):
+    def __init__(self, step: int, count: int, where: str | None = None):
         self.step, self.count, self.first_step = step, count, step - count + 1
-        super().__init__(f"steps {self.first_step}..{step}: {count} consecutive steps with a "
-                         "non-finite loss or gradient norm that were not skipped (no loss "
-                         "scaling), so the parameters are no longer finite")
-
-
-def library_versions() -> dict[str, str]:
-    """Versions of the libraries a result depends on.
-
-    Example:
-      >>> sorted(library_versions())[:3]
-      ['effijax', 'flax', 'jax']
-    """
-    from importlib import metadata
-
-    out = {"python": platform.python_version()}
-    for name in ("effijax", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy"):
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = "not installed"
-    return out
+        self.where = where
+        text = (f"steps {self.first_step}..{step}: {count} consecutive steps with a "
+                "non-finite loss or gradient norm that were not skipped (no loss scaling), so "
+                "the parameters are no longer finite")
+        super().__init__(text if where is None else f"{text}; {where}")
 
 
 def _jsonable(value: Any) -> Any:
@@ -343,3 +331,60 @@ def train_loop(
         "final_loss_scale": last_scale,
     }
     return state, summary
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT while installed; :func:`train_loop` polls it after each step.
+
+    With several processes the signal may reach only one of them (a preempted host), yet all
+    must stop at the same step boundary and save the same step (a checkpoint is a collective
+    write). So every ``every``-th poll all-gathers the processes' flags (a few bytes; every
+    process polls after every step, so they exchange at the same steps) and any raised flag
+    stops everyone. Not at every step: waiting for the exchange's result waits for the step
+    just dispatched, which would stop the host from running ahead of the devices.
+
+    Example:
+      >>> flag = StopFlag()
+      >>> with flag.installed():
+      ...     flag()
+      False
+    """
+
+    def __init__(self, num_processes: int = 1, every: int = 10):
+        self.signal_name: str | None = None
+        self.num_processes = num_processes
+        self.every = every
+        self.polls = 0
+        self.stopped = False  # what the processes agreed on; a later signal changes nothing
+
+    def __call__(self) -> bool:
+        local = self.signal_name is not None  # one read: the handler may run at any bytecode
+        if self.num_processes == 1:
+            self.stopped = local
+            return local
+        self.polls += 1
+        if self.polls % self.every:
+            return False
+        from jax.experimental import multihost_utils
+
+        flags = multihost_utils.process_allgather(np.int32(local))
+        self.stopped = bool(np.any(flags))
+        if self.stopped and not local:
+            self.signal_name = f"a signal to process {int(np.argmax(flags))}"
+        return self.stopped
+
+    def _handle(self, signum, frame) -> None:
+        self.signal_name = signal.Signals(signum).name
+
+    @contextlib.contextmanager
+    def installed(self):
+        """Installs the SIGTERM/SIGINT handlers for the block (main thread only)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield self  # handlers can only be installed from the main thread
+            return
+        old = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield self
+        finally:
+            for s, handler in old.items():
+                signal.signal(s, handler)

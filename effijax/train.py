@@ -32,12 +32,12 @@ from effijax.precision import (
     StaticLossScaleState,
     dynamic_loss_scale,
     get_policy,
+    is_floating,
     loss_scale_of,
     static_loss_scale,
     step_skipped,
 )
 from effijax.precision import accumulate as accumulate_gradients
-from effijax.precision._cast import is_floating
 from effijax.sharding import (
     DEFAULT_MIN_SHARD_SIZE,
     ReplicatedParameterWarning,

@@ -37,19 +37,19 @@ import warnings
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from effijax import lora
-from effijax.data import batch_at, corpus_fingerprint, eval_batches, split_corpus, stdlib_files
-from effijax.jobs import build_lm_job
+from effijax.data import corpus_fingerprint, split_corpus, stdlib_files
 from effijax.memory import model_states
-from effijax.models import abstract_split, gpt_config, make_loss_fn
+from effijax.models import GPTConfig, gpt_config
+from effijax.recipe import batch_fn, compile_job, init_frozen, init_state, plan_job
+from effijax.recipe import evaluate as recipe_evaluate
 from effijax.run import RunDir, read_metrics, train_loop
-from effijax.train import init_train_state, make_optimizer, make_train_step
+from effijax.train import make_optimizer
 
 # Every dense kernel of the blocks: attention (q, k, v, o) and MLP (fc_in, fc_out).
-TARGETS = r"(attn/(q|k|v|o)|mlp/(fc_in|fc_out))/kernel"
+TARGETS = GPTConfig.lora_targets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,82 +125,68 @@ def build_corpora(a_bytes: int, b_bytes: int) -> tuple[np.ndarray, np.ndarray]:
 # --- pretraining and fine-tuning ---------------------------------------------------------------
 
 
-def make_evaluate(graphdef, cfg: Config, val_a, val_b):
-    """``evaluate(params) -> {"loss_A", "loss_B"}``: mean eval loss on fixed windows of each."""
-    loss_fn = make_loss_fn(graphdef)
-    eval_loss = jax.jit(lambda p, b: loss_fn(p, b)[0])
-    sets = {name: eval_batches(val, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
-                               num_batches=cfg.eval_batches)
-            for name, val in (("loss_A", val_a), ("loss_B", val_b))}
+def make_evaluate(cfg: Config, val_a, val_b):
+    """``evaluate(job, params, frozen) -> {"loss_A", "loss_B"}``: the job's mean eval loss on
+    fixed windows of each corpus (LoRA: the adapters on the frozen base, unmerged)."""
 
-    def evaluate(params) -> dict[str, float]:
-        return {name: float(np.mean([float(eval_loss(params, b)) for b in batches]))
-                for name, batches in sets.items()}
+    def evaluate(job, params, frozen=None) -> dict[str, float]:
+        return {name: recipe_evaluate(job, params, val, num_batches=cfg.eval_batches,
+                                      frozen=frozen)
+                for name, val in (("loss_A", val_a), ("loss_B", val_b))}
 
     return evaluate
 
 
-def pretrain(cfg: Config, model, train_a, val_a, out: Path):
-    """Trains the base GPT on A with the library's LM job; returns its parameters."""
+def pretrain(cfg: Config, model, train_a, out: Path):
+    """Trains the base GPT on A with the recipe's job; returns its parameters, the loop's
+    summary and the job (whose evaluation scores the base)."""
     tx = make_optimizer(cfg.pretrain_lr, cfg.pretrain_steps,
                         warmup_steps=max(1, cfg.pretrain_steps // 20))
-    job = build_lm_job(model, "fp32", tx, train_tokens=train_a, val_tokens=val_a,
-                       batch_size=cfg.batch_size, seed=cfg.seed, num_eval_batches=0)
+    job = plan_job(model, "fp32", tx, batch_size=cfg.batch_size, seed=cfg.seed)
     run_dir = RunDir(out / "pretrain", config={**dataclasses.asdict(cfg), "variant": "pretrain"})
-    state, summary = train_loop(job.step, job.state, job.batch, num_steps=cfg.pretrain_steps,
+    state, summary = train_loop(job.step, init_state(job), batch_fn(job, train_a),
+                                num_steps=cfg.pretrain_steps,
                                 tokens_per_step=job.tokens_per_step, run_dir=run_dir,
                                 progress=cfg.progress)
     run_dir.finish(summary, title="pretrain on A")
-    return state.params, summary
+    return state.params, summary, job
 
 
 def _tree_bytes(tree) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def finetune(cfg: Config, label: str, spec: lora.LoraSpec | None, graphdef, base, train_b,
+def finetune(cfg: Config, label: str, spec: lora.LoraSpec | None, model, base, train_b,
              evaluate, out: Path) -> dict:
-    """Fine-tunes on B: every parameter (``spec`` None) or LoRA adapters (the base frozen).
+    """Fine-tunes on B: every parameter (``spec`` None) or LoRA adapters (the base frozen),
+    with the recipe's job (:func:`effijax.recipe.plan_job`).
 
     The step is compiled once, ahead of time: its ``memory_analysis()`` is what is reported and
     the executable is what trains.
     """
-    if spec is None:
-        loss_fn, params, frozen, lr = make_loss_fn(graphdef), jax.tree.map(jnp.copy, base), {}, \
-            cfg.full_lr
-        full_params = lambda p: p
-    else:
-        loss_fn = lora.freeze_base(make_loss_fn(graphdef, lora=spec))
-        params, frozen, lr = lora.init(jax.random.key(cfg.seed + 1), base, spec), \
-            {"base": base}, cfg.lora_lr
-        full_params = lambda adapters: lora.merge(base, adapters, spec)  # f32: exact to ~1e-7
+    lr = cfg.full_lr if spec is None else cfg.lora_lr
     tx = make_optimizer(lr, cfg.finetune_steps, warmup_steps=max(1, cfg.finetune_steps // 10))
-    state = init_train_state(params, tx, jax.random.key(cfg.seed))
-
-    def batch(step: int) -> dict:
-        b = batch_at(train_b, seed=cfg.seed, step=step, batch_size=cfg.batch_size,
-                     seq_len=cfg.seq_len)
-        return {**b, **frozen}
-
-    step = make_train_step(loss_fn, tx, "fp32", has_aux=True)
-    compiled = jax.jit(step, donate_argnums=0).lower(state, batch(0)).compile()
-    mem = compiled.memory_analysis()
-    trainable = lora.count_params(params)
-    total = lora.count_params(base)
+    job = plan_job(model, "fp32", tx, batch_size=cfg.batch_size, lora=spec, seed=cfg.seed)
+    frozen = init_frozen(job, base) if spec is not None else None
+    state = init_state(job, base if spec is None else None)
+    compiled = compile_job(job, census=False)
+    mem = compiled.step.memory_analysis()
+    trainable, total = job.trainable_params, job.num_params
     opt_bytes = _tree_bytes(state.opt_state)
     formula = model_states(total, optimizer="adamw", precision="fp32", frozen_dtype="fp32",
                            lora_fraction=None if spec is None else trainable / total)
 
     run_dir = RunDir(out / label, config={**dataclasses.asdict(cfg), "variant": label,
                                           "learning_rate": lr})
-    curve = [{"step": 0, **evaluate(full_params(state.params))}]
+    curve = [{"step": 0, **evaluate(job, state.params, frozen)}]
     summary = {}
+    batch = batch_fn(job, train_b, frozen)
     for upto in range(cfg.eval_every, cfg.finetune_steps + cfg.eval_every, cfg.eval_every):
         upto = min(upto, cfg.finetune_steps)
-        state, summary = train_loop(compiled, state, batch, num_steps=upto,
-                                    tokens_per_step=cfg.batch_size * cfg.seq_len,
-                                    run_dir=run_dir, progress=cfg.progress)
-        curve.append({"step": upto, **evaluate(full_params(state.params))})
+        state, summary = train_loop(compiled.step, state, batch, num_steps=upto,
+                                    tokens_per_step=job.tokens_per_step, run_dir=run_dir,
+                                    progress=cfg.progress)
+        curve.append({"step": upto, **evaluate(job, state.params, frozen)})
     records = read_metrics(run_dir.path)
     result = {
         "kind": "full" if spec is None else "lora",
@@ -238,10 +224,9 @@ def main(cfg: Config) -> dict:
     corpus_a, corpus_b = build_corpora(cfg.corpus_a_bytes, cfg.corpus_b_bytes)
     (train_a, val_a), (train_b, val_b) = split_corpus(corpus_a), split_corpus(corpus_b)
     model = gpt_config(cfg.model, seq_len=cfg.seq_len)
-    graphdef, _ = abstract_split(model)
-    evaluate = make_evaluate(graphdef, cfg, val_a, val_b)
+    evaluate = make_evaluate(cfg, val_a, val_b)
 
-    base, pre_summary = pretrain(cfg, model, train_a, val_a, out)
+    base, pre_summary, pre_job = pretrain(cfg, model, train_a, out)
     variants = {"full": None}
     for r in cfg.ranks:
         variants[f"lora-r{r}"] = lora.LoraSpec(rank=r, alpha=cfg.alpha_per_rank * r,
@@ -256,8 +241,8 @@ def main(cfg: Config) -> dict:
             "stdlib": sysconfig.get_paths()["stdlib"],
         },
         "base": {"params": lora.count_params(base), "pretrain_final_loss":
-                 pre_summary["final_loss"], **evaluate(base)},
-        "variants": {label: finetune(cfg, label, spec, graphdef, base, train_b, evaluate, out)
+                 pre_summary["final_loss"], **evaluate(pre_job, base)},
+        "variants": {label: finetune(cfg, label, spec, model, base, train_b, evaluate, out)
                      for label, spec in variants.items()},
     }
     out.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,7 @@ import numpy as np
 import optax
 import pytest
 
+from effijax.errors import ConfigError
 from effijax.precision import accumulate, dynamic_loss_scale, loss_scale_of, skipped_steps_of
 
 STANDARD = jax.numpy_dtype_promotion("standard")  # optax's MultiSteps mixes f32/int32/bool
@@ -71,5 +72,7 @@ def test_plain_multisteps_is_poisoned_where_accumulate_is_not():
 
 
 def test_every_k_validation():
-    with pytest.raises(ValueError, match="every_k must be an int >= 1"):
-        accumulate(optax.sgd(0.1), 0)
+    for bad in (0, -2, 2.0, True):
+        with pytest.raises(ConfigError, match=f"^every_k={bad!r}: must be an int >= 1") as e:
+            accumulate(optax.sgd(0.1), bad)
+        assert (e.value.field, e.value.value) == ("every_k", bad)

@@ -57,12 +57,13 @@ def lora_run(tmp_path_factory, pretrained, corpora):
 def test_lora_run_trains_only_the_adapters_of_the_pretrained_model(lora_run, pretrained):
     config, summary = _read(lora_run)
     base_config, _ = _read(pretrained)
-    assert config["model_config"] == base_config["model_config"]  # the run's model, seq_len 32
+    # The run's model (seq_len 32).
+    assert config["run"]["model_config"] == base_config["run"]["model_config"]
     assert (config["lora_rank"], config["lora_alpha"]) == (RANK, 16.0)
     # r·(d_in + d_out) per adapted matrix: q, k, v, o (D x D), fc_in (D x F), fc_out (F x D).
-    assert config["trainable_params"] == L * RANK * (4 * 2 * D + 2 * (D + F))
-    assert config["num_params"] == base_config["num_params"]
-    assert config["init_from_checkpoint"]["step"] == 12
+    assert config["run"]["trainable_params"] == L * RANK * (4 * 2 * D + 2 * (D + F))
+    assert config["run"]["num_params"] == base_config["run"]["num_params"]
+    assert config["run"]["init_from_checkpoint"]["step"] == 12
     # It learned corpus B (B moved off zero), starting from the base model's loss on it.
     assert summary["eval_loss"] < summary["eval_loss_start"]
     # The checkpoint holds the adapters and their optimizer state only.
@@ -121,10 +122,11 @@ def test_lora_run_resumes_and_checks_its_base(tmp_path, lora_run, pretrained, co
          "matched 0 of"),
         (["--lora-rank", "4", "--lora-targets", "("], "--lora-targets='(': not a valid regex"),
         (["--lora-rank", "0"], "--lora-rank=0: must be an integer >= 1"),
-        (["--lora-alpha", "4"], "--lora-alpha=4.0: only applies to LoRA; add --lora-rank"),
+        (["--lora-alpha", "4"], "--lora-alpha=4.0: only applies to LoRA; give the adapters' "
+         "rank too (--lora-rank R)"),
         (["--lora-rank", "4", "--lora-dropout", "1.5"], "--lora-dropout=1.5: must be in [0, 1)"),
-        (["--model", "small"], "--model='small': the --init-from run trained 'tiny'"),
-        (["--seq-len", "64"], "--seq-len=64: the --init-from run's model has 32 positions"),
+        (["--model", "small"], "--model='small': the init_from run trained 'tiny'"),
+        (["--seq-len", "64"], "--seq-len=64: the init_from run's model has 32 positions"),
     ],
 )
 def test_bad_fine_tune_flags_are_clear_errors(tmp_path, pretrained, corpora, capsys, flags,
@@ -145,4 +147,4 @@ def test_bad_init_from_runs_are_clear_errors(tmp_path, lora_run, pretrained, cap
         assert main(["train", "--init-from", str(run_dir), "--out", str(tmp_path / "y")]) == 2
         assert message in capsys.readouterr().err, run_dir
     assert main(["train", "--init-from", str(pretrained), "--out", str(pretrained)]) == 2
-    assert "is the --init-from run itself" in capsys.readouterr().err
+    assert "is the init_from run itself" in capsys.readouterr().err

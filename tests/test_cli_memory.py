@@ -90,15 +90,15 @@ def test_plan_that_does_not_fit_exits_1(capsys):
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
-        (["memory", "--params", "7X"], ["argument --params", "unknown unit 'X'", "B (1e9)"]),
-        (["memory", "--params=-7B"], ["argument --params", "non-negative"]),
+        (["memory", "--params", "7X"], ["argument --params: '7X': unknown unit 'X'", "B (1e9)"]),
+        (["memory", "--params=-7B"], ["argument --params: '-7B': must be non-negative"]),
         (["memory", "--params", "7B", "--optimizer", "adagrad"], ["invalid choice", "lion"]),
         (["memory", "--params", "7B", "--zero", "4"], ["argument --zero", "invalid choice"]),
         (["memory", "--params", "7B", "--devices", "0"], ["argument --devices", "positive"]),
         (["memory", "--params", "7B", "--lora-fraction", "2"], ["--lora-fraction", "(0, 1]"]),
         (
             ["plan", "--params", "7B", "--devices", "8", "--device-memory", "80 gigs"],
-            ["argument --device-memory", "unknown unit", "GiB"],
+            ["argument --device-memory: '80 gigs': unknown unit 'gigs'", "GiB"],
         ),
         (["plan", "--params", "7B", "--devices", "8"], ["--device-memory", "required"]),
     ],
@@ -124,7 +124,43 @@ def test_library_errors_name_the_flag(capsys):
     shape = ["--layers", "2", "--hidden", "8", "--heads", "2", "--seq-len", "4"]
     assert run([*argv, *shape, "--global-batch", "12"]) == 2
     err = capsys.readouterr().err
-    assert "effijax plan: error: --global-batch: 12 does not divide evenly over 8 devices" in err
+    assert ("effijax plan: error: --global-batch=12: does not divide evenly over 8 devices; use "
+            "a multiple of 8") in err
+
+
+def test_precision_takes_the_policies_names_and_aliases(capsys):
+    default = run_json(["memory", "--params", "7B"], capsys)
+    assert default["model_state_bytes"] == 112 * 10**9  # bf16: (2 + 2 + 12) x 7e9
+    for name in ("bf16", "fp16", "mixed", "BFloat16", "half"):
+        assert run_json(["memory", "--params", "7B", "--precision", name], capsys) == default
+    assert run_json(["memory", "--params", "7B", "--precision", "pure_bf16"],
+                    capsys)["model_state_bytes"] == 56 * 10**9
+    assert run(["memory", "--params", "7B", "--precision", "mixed"]) == 0
+    assert "7,000,000,000 params, adam, bf16, ZeRO-0" in capsys.readouterr().out  # canonical
+
+
+def test_bad_precision_exits_2_with_the_library_message(capsys):
+    assert run(["memory", "--params", "7B", "--precision", "fp8"]) == 2
+    err = capsys.readouterr().err
+    assert ("effijax memory: error: --precision='fp8': unknown precision; accepted: fp32, bf16, "
+            "fp16, pure_bf16 (aliases: mixed, ") in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", ["memory", "plan"])
+def test_help_shows_choices_and_defaults(command, capsys):
+    with pytest.raises(SystemExit) as exc:
+        run([command, "--help"])
+    assert exc.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps the help text
+    assert "--optimizer {adam,adamw,lion,sgd_momentum,sgd} optimizer whose state is counted " \
+           "(default: adam)" in out
+    if command == "memory":
+        assert "--precision {fp32,bf16,fp16,pure_bf16} precision policy" in out
+        assert "mixed, bfloat16 = bf16" in out
+        precision_help = out.split("--precision {fp32,bf16,fp16,pure_bf16} ")[1].split(" --zero")[0]
+        assert precision_help.endswith("half = fp16 (default: bf16)")
+        assert precision_help.count("default") == 1
 
 
 def test_docstring_examples():

@@ -32,7 +32,7 @@ def test_train_writes_a_complete_run_dir(tmp_path, corpus):
     assert records[0]["loss_scale"] == 2.0**16  # fp16 -> dynamic scaling by default
     config = json.loads((out / "config.json").read_text())
     assert config["precision"] == "fp16" and config["loss_scale"] == "dynamic"
-    assert config["model_config"]["seq_len"] == 32 and config["num_params"] > 0
+    assert config["run"]["model_config"]["seq_len"] == 32 and config["run"]["num_params"] > 0
     assert "jax" in config["versions"]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["eval_loss"] > 0
@@ -44,7 +44,7 @@ def test_auto_precision_is_fp32_on_cpu_and_accumulation_runs(tmp_path, corpus):
     assert main(["train", "--steps", "4", "--accumulate", "2", "--data", corpus,
                  "--out", str(out), *TINY]) == 0
     config = json.loads((out / "config.json").read_text())
-    assert config["precision"] == "fp32" and config["loss_scale"] is None
+    assert config["precision"] == "fp32" and config["loss_scale"] == "none"
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 4 and records[-1]["learning_rate"] > 0
 
@@ -54,12 +54,12 @@ def test_auto_precision_is_fp32_on_cpu_and_accumulation_runs(tmp_path, corpus):
     [
         (["--steps", "0"], "--steps=0: must be an integer >= 1"),
         (["--batch-size", "-2"], "--batch-size=-2"),
-        (["--model", "huge"], "--model='huge': unknown preset"),
+        (["--model", "huge"], "--model='huge': unknown model preset"),
         (["--lr", "0"], "--lr=0.0: must be > 0"),
         (["--loss-scale", "lots"], "--loss-scale='lots'"),
         (["--precision", "fp16", "--loss-scale", "none"], "fp16 without loss scaling"),
         (["--data", "/no/such/file"], "--data='/no/such/file': no such file"),
-        (["--steps", "5", "--accumulate", "2"], "must be a multiple of --accumulate=2"),
+        (["--steps", "5", "--accumulate", "2"], "--steps=5: must be a multiple of accumulate=2"),
         (["--out", "{file}/run"], "cannot write there"),
     ],
 )
@@ -74,6 +74,7 @@ def test_bad_flags_fail_before_compiling(flags, message, capsys, tmp_path):
     assert message in err, err
 
 
+@pytest.mark.slow
 def test_console_script_with_forced_cpu_devices(tmp_path, corpus):
     out = tmp_path / "run"
     proc = subprocess.run(
@@ -84,4 +85,4 @@ def test_console_script_with_forced_cpu_devices(tmp_path, corpus):
     assert proc.returncode == 0, proc.stderr
     assert "done: 2 steps" in proc.stdout
     config = json.loads((out / "config.json").read_text())
-    assert len(config["devices"]) == 3
+    assert len(config["run"]["devices"]) == 3

@@ -16,6 +16,7 @@ from effijax.data import (
     split_corpus,
     stdlib_files,
 )
+from effijax.errors import ConfigError
 
 CORPUS = np.frombuffer(bytes(range(256)) * 8, dtype=np.uint8)  # 2048 tokens, token i at i % 256
 
@@ -46,20 +47,27 @@ def test_load_file_and_folder(tmp_path):
 
 
 def test_load_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="does not exist"):
-        load_corpus(tmp_path / "missing.txt")
+    def fails(match, path, **kwargs):
+        with pytest.raises(ConfigError, match=match) as e:
+            load_corpus(path, **kwargs)
+        return e.value
+
+    missing = tmp_path / "missing.txt"
+    e = fails(r"^path='.*missing\.txt': does not exist; pass a text file", missing)
+    assert (e.field, e.value) == ("path", str(missing))
     (tmp_path / "empty.txt").write_bytes(b"")
-    with pytest.raises(ValueError, match="is empty"):
-        load_corpus(tmp_path / "empty.txt")
+    assert fails(r"^path='.*empty\.txt': the corpus is empty",
+                 tmp_path / "empty.txt").field == "path"
     (tmp_path / "short.txt").write_bytes(b"abc")
-    with pytest.raises(ValueError, match="has 3 bytes, fewer than the 65 needed"):
-        load_corpus(tmp_path / "short.txt", min_bytes=65)
+    fails(r"^path='.*short\.txt': the corpus has 3 bytes, fewer than the 65 needed",
+          tmp_path / "short.txt", min_bytes=65)
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "x").write_bytes(b"\x00")
-    with pytest.raises(ValueError, match="no readable text files"):
-        load_corpus(tmp_path / "bin")
-    with pytest.raises(ValueError, match="max_bytes"):
-        load_corpus(tmp_path / "short.txt", max_bytes=0)
+    fails(r"^path='.*bin': the folder holds no readable text files", tmp_path / "bin")
+    for bad in (0, -1, "5", True):
+        e = fails(f"^max_bytes={bad!r}: expected a positive int, or None",
+                  tmp_path / "short.txt", max_bytes=bad)
+        assert (e.field, e.value) == ("max_bytes", bad)
 
 
 def test_fingerprint():
@@ -77,9 +85,13 @@ def test_split_corpus():
     np.testing.assert_array_equal(np.concatenate([train, val]), CORPUS)
     train, val = split_corpus(CORPUS)
     assert val.size == round(2048 * 0.05)
-    for bad in (0.0, 1.0, -0.1):
-        with pytest.raises(ValueError, match="val_fraction"):
+    for bad in (0.0, 1.0, -0.1, "0.1"):
+        with pytest.raises(ConfigError, match=f"^val_fraction={bad!r}: expected a fraction in "
+                           r"\(0, 1\)") as e:
             split_corpus(CORPUS, bad)
+        assert (e.value.field, e.value.value) == ("val_fraction", bad)
+    with pytest.raises(ConfigError, match=r"^tokens=\(1,\): expected a 1-D corpus of at least 2"):
+        split_corpus(CORPUS[:1])
 
 
 def test_batch_shapes_targets_and_windows():
@@ -130,17 +142,20 @@ def test_process_slices_concatenate_to_global_batch(process_count):
 
 def test_batch_errors():
     kw = dict(seed=0, step=0, seq_len=16)
-    with pytest.raises(ValueError, match="not divisible by process_count=3"):
+    with pytest.raises(ConfigError, match="^batch_size=8: not divisible by process_count=3"):
         batch_at(CORPUS, batch_size=8, process_count=3, **kw)
-    with pytest.raises(ValueError, match="process_index"):
+    with pytest.raises(ConfigError, match=r"^process_index=2: must be in \[0, process_count=2\)"):
         batch_at(CORPUS, batch_size=8, process_index=2, process_count=2, **kw)
-    with pytest.raises(ValueError, match="fewer than seq_len \\+ 1 = 17"):
+    with pytest.raises(ConfigError, match=r"^seq_len=16: the corpus has 16 tokens, fewer than "
+                       r"seq_len \+ 1 = 17"):
         batch_at(CORPUS[:16], batch_size=8, **kw)
-    with pytest.raises(ValueError, match="step"):
+    with pytest.raises(ConfigError, match=r"^tokens=\(2, 1024\): expected a 1-D corpus"):
+        batch_at(CORPUS.reshape(2, -1), batch_size=8, **kw)
+    with pytest.raises(ConfigError, match="^step=-1: expected an int >= 0"):
         batch_at(CORPUS, seed=0, step=-1, batch_size=8, seq_len=16)
-    with pytest.raises(ValueError, match="seed"):
+    with pytest.raises(ConfigError, match=r"^seed=18446744073709551616: expected an int < 2\*\*64"):
         batch_at(CORPUS, seed=2**64, step=0, batch_size=8, seq_len=16)
-    with pytest.raises(ValueError, match="batch_size"):
+    with pytest.raises(ConfigError, match="^batch_size=0: expected an int >= 1"):
         batch_at(CORPUS, batch_size=0, **kw)
 
 
@@ -164,7 +179,7 @@ def test_eval_batches_are_fixed_and_sliced():
             np.concatenate([halves[0][j]["inputs"], halves[1][j]["inputs"]]),
             batches[j]["inputs"],
         )
-    with pytest.raises(ValueError, match="num_batches"):
+    with pytest.raises(ConfigError, match="^num_batches=0: expected an int >= 1"):
         eval_batches(CORPUS, batch_size=4, seq_len=16, num_batches=0)
 
 

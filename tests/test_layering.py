@@ -39,9 +39,59 @@ def test_precision_sharding_lora_do_not_import_each_other():
 
 def test_lower_layers_do_not_import_upper_layers():
     upper = ("effijax.train", "effijax.jobs", "effijax.run", "effijax.cli", "effijax.memory",
-             "effijax.checkpoint", "effijax.models", "effijax.data")
+             "effijax.checkpoint", "effijax.models", "effijax.data", "effijax.recipe",
+             "effijax.interop")
     for pkg in ("precision", "sharding", "lora"):
         assert not _offenders(_modules(pkg), upper), pkg
+
+
+# The layers above the core, bottom to top. A module may import its own layer and those below,
+# never one above: the library never reaches up into the recipe, the recipe never into the CLI.
+LAYERS = [
+    ("errors.py", "paths.py", "provenance.py"),
+    ("precision", "sharding", "lora", "data", "distributed.py"),
+    ("models", "interop", "memory", "train.py", "checkpoint"),
+    ("run.py",),
+    ("recipe", "jobs.py"),
+    ("cli", "__main__.py"),
+]
+
+
+def _module_name(entry: str) -> str:
+    return "effijax." + entry.removesuffix(".py")
+
+
+def test_upper_layers_never_import_back_up():
+    for i, layer in enumerate(LAYERS):
+        above = [_module_name(e) for upper in LAYERS[i + 1:] for e in upper]
+        for entry in layer:
+            bad = _offenders(_modules(entry), above)
+            assert not bad, f"{entry} imports a higher layer: {bad}"
+
+
+def test_every_module_is_in_a_layer():
+    placed = {e for layer in LAYERS for e in layer} | {"__init__.py"}
+    tops = {p.name for p in PKG.iterdir() if p.suffix == ".py" or
+            (p.is_dir() and (p / "__init__.py").exists())}
+    assert tops <= placed, sorted(tops - placed)
+
+
+def test_checkpoints_do_not_import_the_training_loop():
+    assert not _offenders(_modules("checkpoint"), ("effijax.run", "effijax.train",
+                                                   "effijax.recipe")), "checkpoint"
+
+
+def test_no_module_imports_another_packages_private_modules():
+    # Tests may reach into a module's internals to test them; library code, experiments and
+    # benchmarks go through the public names.
+    private = re.compile(r"^effijax\.(\w+)\._\w+")
+    roots = [PKG, PKG.parent / "experiments", PKG.parent / "benchmarks"]
+    for root in roots:
+        for path in root.rglob("*.py"):
+            inside = path.relative_to(PKG).parts[0] if path.is_relative_to(PKG) else None
+            for name in _imports(path):
+                m = private.match(name)
+                assert not m or m.group(1) == inside, f"{path}: imports {name}"
 
 
 def test_only_checkpoint_imports_orbax_and_only_models_and_lora_import_flax():
@@ -58,3 +108,8 @@ def test_only_distributed_module_calls_jax_distributed():
         if path.name == "distributed.py":
             continue
         assert not pattern.search(path.read_text()), path
+
+
+def test_models_do_not_import_interop():
+    # File formats sit above the models: a model never needs to know where weights come from.
+    assert not _offenders(_modules("models"), ("effijax.interop",))

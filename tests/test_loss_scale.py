@@ -15,7 +15,8 @@ import numpy as np
 import optax
 import pytest
 
-from effijax.precision._loss_scale import (
+from effijax.errors import ConfigError
+from effijax.precision import (
     DynamicLossScaleState,
     StaticLossScaleState,
     all_finite,
@@ -687,48 +688,53 @@ def test_jitted_update_does_not_retrace():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(growth_factor=1.0), r"growth_factor must be a finite float > 1, got 1\.0"),
-        (dict(growth_factor=0.5), r"growth_factor .* got 0\.5"),
-        (dict(growth_factor=math.inf), r"growth_factor .* got inf"),
-        (dict(backoff_factor=1.0), r"backoff_factor must be a float in \(0, 1\), got 1\.0"),
-        (dict(backoff_factor=0.0), r"backoff_factor .* got 0\.0"),
-        (dict(backoff_factor=-0.5), r"backoff_factor .* got -0\.5"),
-        (dict(init_scale=0.0), r"init_scale must be a positive finite float .* got 0\.0"),
-        (dict(init_scale=-1.0), r"init_scale .* got -1\.0"),
-        (dict(init_scale=math.inf), r"init_scale .* got inf"),
-        (dict(init_scale=math.nan), r"init_scale .* got nan"),
-        (dict(init_scale=1e39), r"init_scale .*float32.* got 1e\+39"),
-        (dict(min_scale=0.0), r"min_scale must be a positive .* got 0\.0"),
-        (dict(min_scale=-2.0, init_scale=1.0), r"min_scale .* got -2\.0"),
-        (dict(max_scale=math.inf), r"max_scale must be a positive .* got inf"),
-        (dict(max_scale=-1.0), r"max_scale .* got -1\.0"),
-        (dict(min_scale=8.0, init_scale=4.0), r"min_scale must be <= init_scale.*8\.0.*4\.0"),
-        (dict(init_scale=8.0, max_scale=4.0), r"init_scale must be <= max_scale.*8\.0.*4\.0"),
-        (dict(growth_interval=0), r"growth_interval must be an int >= 1.*got 0"),
-        (dict(growth_interval=2.5), r"growth_interval must be an int >= 1, got 2\.5"),
-        (dict(growth_interval=True), r"growth_interval must be an int >= 1, got True"),
-        (dict(hysteresis=0), r"hysteresis must be an int >= 1.*got 0"),
-        (dict(hysteresis=-3), r"hysteresis .* got -3"),
+        (dict(growth_factor=1.0), r"growth_factor=1\.0: must be a finite float > 1"),
+        (dict(growth_factor=0.5), r"growth_factor=0\.5: must be a finite float > 1"),
+        (dict(growth_factor=math.inf), r"growth_factor=inf: must be a finite float > 1"),
+        (dict(backoff_factor=1.0), r"backoff_factor=1\.0: must be a float in \(0, 1\)"),
+        (dict(backoff_factor=0.0), r"backoff_factor=0\.0: must be a float in \(0, 1\)"),
+        (dict(backoff_factor=-0.5), r"backoff_factor=-0\.5: must be a float in \(0, 1\)"),
+        (dict(init_scale=0.0), r"init_scale=0\.0: must be a positive finite float"),
+        (dict(init_scale=-1.0), r"init_scale=-1\.0: must be a positive finite float"),
+        (dict(init_scale=math.inf), r"init_scale=inf: must be a positive finite float"),
+        (dict(init_scale=math.nan), r"init_scale=nan: must be a positive finite float"),
+        (dict(init_scale=1e39), r"init_scale=1e\+39: must be .*representable in float32"),
+        (dict(min_scale=0.0), r"min_scale=0\.0: must be a positive finite float"),
+        (dict(min_scale=-2.0, init_scale=1.0), r"min_scale=-2\.0: must be a positive"),
+        (dict(max_scale=math.inf), r"max_scale=inf: must be a positive finite float"),
+        (dict(max_scale=-1.0), r"max_scale=-1\.0: must be a positive finite float"),
+        (dict(min_scale=8.0, init_scale=4.0), r"min_scale=8\.0: must be <= init_scale=4\.0"),
+        (dict(init_scale=8.0, max_scale=4.0), r"init_scale=8\.0: must be <= max_scale=4\.0"),
+        (dict(growth_interval=0), r"growth_interval=0: must be an int >= 1"),
+        (dict(growth_interval=2.5), r"growth_interval=2\.5: must be an int >= 1"),
+        (dict(growth_interval=True), r"growth_interval=True: must be an int >= 1"),
+        (dict(hysteresis=0), r"hysteresis=0: must be an int >= 1"),
+        (dict(hysteresis=-3), r"hysteresis=-3: must be an int >= 1"),
     ],
 )
 def test_dynamic_construction_errors(kwargs, match):
-    with pytest.raises(ValueError, match=f"dynamic_loss_scale: {match}"):
+    with pytest.raises(ConfigError, match=f"^{match}") as e:
         dynamic_loss_scale(optax.sgd(0.1), **kwargs)
+    assert e.value.field == match.split("=")[0]
 
 
 def test_inner_must_be_a_gradient_transformation():
-    with pytest.raises(ValueError, match=r"inner must be an optax.GradientTransformation.*str"):
+    with pytest.raises(ConfigError, match=r"^inner='adam': must be an "
+                       r"optax.GradientTransformation.*got str"):
         dynamic_loss_scale("adam")
-    with pytest.raises(ValueError, match=r"MultiSteps.*gradient_transformation\(\)"):
+    with pytest.raises(ConfigError, match=r"^inner=.*got MultiSteps.*"
+                       r"gradient_transformation\(\)"):
         dynamic_loss_scale(optax.MultiSteps(optax.sgd(0.1), 2))
-    with pytest.raises(ValueError, match=r"static_loss_scale: inner must be"):
+    with pytest.raises(ConfigError, match=r"^inner=<function sgd .*: must be an "
+                       r"optax.GradientTransformation"):
         static_loss_scale(optax.sgd, 2.0)
 
 
 @pytest.mark.parametrize("scale", [0.0, -1.0, math.inf, math.nan, "big"])
 def test_static_construction_errors(scale):
-    with pytest.raises(ValueError, match=r"static_loss_scale: scale must be a positive finite"):
+    with pytest.raises(ConfigError, match=r"^scale=.*: must be a positive finite float") as e:
         static_loss_scale(optax.sgd(0.1), scale)
+    assert e.value.field == "scale" and e.value.value is scale
 
 
 # --------------------------------------------------------------------------------------------

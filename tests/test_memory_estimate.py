@@ -7,6 +7,7 @@ under test.
 
 import dataclasses
 import doctest
+import re
 from decimal import Decimal
 
 import flax.linen as nn
@@ -18,8 +19,12 @@ import pytest
 import effijax.memory._activations
 import effijax.memory._estimate
 import effijax.memory._plan
+from effijax.errors import ConfigError
 from effijax.memory import (
+    FROZEN_DTYPES,
     GB,
+    PRECISION_ALIASES,
+    PRECISIONS,
     ModelStateBytes,
     activation_bytes,
     estimate_tree,
@@ -162,6 +167,9 @@ def test_zero_sharding_pads_to_whole_shards():
         ("sgd", "mixed", (2, 2, 4)),
         ("sgd", "fp32", (4, 4, 0)),
         ("sgd", "pure_bf16", (2, 2, 0)),
+        ("adam", "bf16", (2, 2, 12)),
+        ("adam", "fp16", (2, 2, 12)),
+        ("lion", "bf16", (2, 2, 8)),
     ],
 )
 def test_bytes_per_parameter(optimizer, precision, per_param):
@@ -169,7 +177,23 @@ def test_bytes_per_parameter(optimizer, precision, per_param):
     assert (est.params_bytes, est.grads_bytes, est.optimizer_bytes) == tuple(
         1000 * b for b in per_param
     )
-    assert est.master_bytes == (4000 if precision == "mixed" else 0)
+    assert est.master_bytes == (4000 if precision in ("mixed", "bf16", "fp16") else 0)
+
+
+def test_precisions_are_the_policies_names():
+    from effijax.precision import PRESETS
+
+    assert tuple(PRECISIONS) == tuple(PRESETS) == ("fp32", "bf16", "fp16", "pure_bf16")
+    # The default is bf16, the seeds' (2 + 2 + 12) "mixed precision".
+    assert model_states("7B") == model_states("7B", precision="bf16")
+    assert model_states("7B") == model_states("7B", precision="mixed")
+    assert model_states("7B").model_state_bytes == 112 * GB
+    # Every alias names the same bytes as its canonical precision, whatever the case.
+    assert PRECISION_ALIASES["mixed"] == "bf16"
+    for alias, name in PRECISION_ALIASES.items():
+        assert model_states("7B", precision=f" {alias.upper()} ") == model_states(
+            "7B", precision=name
+        )
 
 
 def test_zero_stages_shard_the_right_fields():
@@ -201,27 +225,43 @@ def test_model_state_bytes_is_frozen_and_total():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"optimizer": "adagrad"}, r"optimizer: .*adagrad.*accepted: adam, adamw, lion"),
-        ({"optimizer": ["adam"]}, r"optimizer: unknown value \['adam'\]"),
-        ({"precision": "fp8"}, r"precision: .*accepted: fp32, mixed, pure_bf16"),
-        ({"zero_stage": 4}, r"zero_stage: must be in 0\.\.3"),
-        ({"zero_stage": -1}, r"zero_stage"),
-        ({"devices": 0}, r"devices: must be >= 1"),
-        ({"devices": 2.0}, r"devices: expected an int"),
-        ({"lora_fraction": 0.0}, r"lora_fraction: must be in \(0, 1\]"),
-        ({"lora_fraction": 1.5}, r"lora_fraction"),
-        ({"lora_fraction": 0.1, "frozen_dtype": "int3"}, r"frozen_dtype: .*accepted"),
+        ({"optimizer": "adagrad"}, r"optimizer='adagrad': unknown optimizer; accepted: adam, "
+         "adamw, lion"),
+        ({"optimizer": ["adam"]}, r"optimizer=\['adam'\]: unknown optimizer"),
+        ({"precision": "fp8"}, r"precision='fp8': unknown precision; accepted: fp32, bf16, fp16, "
+         r"pure_bf16 \(aliases: mixed, "),
+        ({"zero_stage": 4}, r"zero_stage=4: must be in 0\.\.3"),
+        ({"zero_stage": -1}, r"zero_stage=-1: must be in 0\.\.3"),
+        ({"devices": 0}, r"devices=0: must be >= 1"),
+        ({"devices": 2.0}, r"devices=2\.0: expected an int"),
+        ({"lora_fraction": 0.0}, r"lora_fraction=0\.0: must be a number in \(0, 1\]"),
+        ({"lora_fraction": 1.5}, r"lora_fraction=1\.5: must be a number in \(0, 1\]"),
+        ({"lora_fraction": 0.1, "frozen_dtype": "int3"}, r"frozen_dtype='int3': unknown "
+         "frozen_dtype; accepted"),
     ],
 )
 def test_model_states_validation(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ConfigError, match=f"^{match}") as e:
         model_states("7B", **kwargs)
+    assert e.value.field == match.split("=")[0]
 
 
-@pytest.mark.parametrize("bad", ["-7B", 0, "0", -5])
-def test_model_states_rejects_non_positive_counts(bad):
-    with pytest.raises(ValueError, match="count|num_params"):
+def test_frozen_dtypes_count_their_bits():
+    for name, bits in FROZEN_DTYPES.items():
+        est = model_states("7B", lora_fraction=0.01, frozen_dtype=name)
+        assert est.frozen_bytes == 7 * 10**9 * bits // 8, name
+    assert FROZEN_DTYPES["nf4"] == 4 and FROZEN_DTYPES["bf16"] == 16
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [("-7B", "must be non-negative"), (0, "must be >= 1"), ("0", "must be >= 1"),
+     (-5, "must be non-negative")],
+)
+def test_model_states_rejects_non_positive_counts(bad, match):
+    with pytest.raises(ConfigError, match=f"^num_params={bad!r}: {match}") as e:
         model_states(bad)
+    assert (e.value.field, e.value.value) == ("num_params", bad)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,24 +310,28 @@ def test_parse_bytes(text, expected):
 @pytest.mark.parametrize(
     ("parse", "bad", "match"),
     [
-        (parse_count, "-7B", "non-negative"),
+        (parse_count, "-7B", "must be non-negative"),
         (parse_count, "seven", "cannot parse"),
         (parse_count, "7X", r"unknown unit 'X'.*K \(1e3\), M \(1e6\), B \(1e9\)"),
-        (parse_count, "7GB", "unknown unit"),
-        (parse_count, "1.5", "not a whole number"),
+        (parse_count, "7GB", "unknown unit 'GB'"),
+        (parse_count, "1.5", "is not a whole number"),
         (parse_count, "", "cannot parse"),
         (parse_count, None, "expected an int"),
         (parse_count, True, "expected a number"),
-        (parse_count, float("nan"), "finite"),
-        (parse_bytes, "-1GB", "non-negative"),
-        (parse_bytes, "80GiBs", r"unknown unit.*KiB, MiB, GiB"),
+        (parse_count, float("nan"), "expected a finite number"),
+        (parse_bytes, "-1GB", "must be non-negative"),
+        (parse_bytes, "80GiBs", r"unknown unit 'GiBs'.*KiB, MiB, GiB"),
         (parse_bytes, "eighty", "cannot parse"),
-        (parse_bytes, "1.5B", "not a whole number"),
+        (parse_bytes, "1.5B", "is not a whole number"),
     ],
 )
 def test_parse_errors(parse, bad, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ConfigError, match=f"^value={re.escape(repr(bad))}: {match}") as e:
         parse(bad)
+    assert e.value.value is bad
+    # The caller names its own setting.
+    with pytest.raises(ConfigError, match=f"^num_params={re.escape(repr(bad))}: {match}"):
+        parse(bad, field="num_params")
 
 
 def test_format_bytes():
@@ -295,7 +339,7 @@ def test_format_bytes():
     assert format_bytes(6480 * GB) == "6480 GB"
     assert format_bytes(512) == "512 B"
     assert format_bytes(3 * 2**30, "GiB") == "3 GiB"
-    with pytest.raises(ValueError, match="unit"):
+    with pytest.raises(ConfigError, match=r"^unit='XB': unknown unit; accepted units: B, KB"):
         format_bytes(1, "XB")
 
 
@@ -403,16 +447,18 @@ def test_activations_scale_linearly_in_batch_and_layers():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"checkpointing": "selective"}, r"checkpointing: .*accepted: none, block"),
-        ({"layers": 0}, "layers: must be >= 1"),
-        ({"heads": -2}, "heads"),
-        ({"seq_len": 2.5}, "seq_len: expected an int"),
-        ({"bytes_per_value": 0}, "bytes_per_value"),
+        ({"checkpointing": "selective"}, r"checkpointing='selective': unknown checkpointing; "
+         "accepted: none, block"),
+        ({"layers": 0}, "layers=0: must be >= 1"),
+        ({"heads": -2}, "heads=-2: must be >= 1"),
+        ({"seq_len": 2.5}, r"seq_len=2\.5: expected an int"),
+        ({"bytes_per_value": 0}, "bytes_per_value=0: must be >= 1"),
     ],
 )
 def test_activation_validation(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ConfigError, match=f"^{match}") as e:
         activation_bytes(**{**SHAPE, **kwargs})
+    assert e.value.field == match.split("=")[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -554,22 +600,27 @@ def test_estimate_tree_lora_mask_matches_closed_form():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"trainable": {"w1": True}}, "trainable: must be a pytree of bools with the structure"),
-        ({"trainable": {"emb": True, "w1": 1, "w2": True}}, r"trainable: leaf \['w1'\] is 1"),
-        ({"param_dtype": "float99"}, "param_dtype"),
-        ({"zero_stage": 5}, "zero_stage"),
-        ({"devices": 0}, "devices"),
+        ({"trainable": {"w1": True}}, r"trainable=PyTreeDef\(\{'w1': \*\}\): must be a pytree "
+         "of bools with the structure"),
+        ({"trainable": {"emb": True, "w1": 1, "w2": True}}, r"trainable='w1': leaf is 1; "
+         "expected True"),
+        ({"param_dtype": "float99"}, "param_dtype='float99': not a dtype"),
+        ({"zero_stage": 5}, r"zero_stage=5: must be in 0\.\.3"),
+        ({"devices": 0}, "devices=0: must be >= 1"),
     ],
 )
 def test_estimate_tree_validation(kwargs, match):
     args = {"param_dtype": jnp.float32, "compute_dtype": jnp.bfloat16, **kwargs}
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ConfigError, match=f"^{match}") as e:
         estimate_tree(_divisible_tree(), optax.adam(1e-3), **args)
+    assert e.value.field == match.split("=")[0]
 
 
 def test_estimate_tree_rejects_non_array_leaves():
-    with pytest.raises(ValueError, match=r"leaf \['x'\] is float"):
+    with pytest.raises(ConfigError, match=r"^abstract_params='x': leaf is float, not an array"):
         estimate_tree({"x": 1.0}, optax.adam(1e-3), param_dtype="f32", compute_dtype="f32")
+    with pytest.raises(ConfigError, match=r"^abstract_params=\{\}: the tree has no leaves"):
+        estimate_tree({}, optax.adam(1e-3), param_dtype="f32", compute_dtype="f32")
 
 
 @pytest.mark.parametrize(

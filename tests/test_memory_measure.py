@@ -29,6 +29,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from effijax.errors import ConfigError
 from effijax.memory import (
     ROW_HEADER,
     Measurement,
@@ -40,8 +41,7 @@ from effijax.memory import (
     model_states,
     tree_bytes,
 )
-from effijax.models import _gpt, gpt_config
-from effijax.models._blockwise import blockwise_attend
+from effijax.models import ATTENTION, blockwise_attend, gpt_config
 from effijax.sharding import make_mesh
 from effijax.train import optax_promotion
 
@@ -53,7 +53,7 @@ S = 256
 def points():
     """The tiny GPT's train step (b = 1) at s = 256: naive/blockwise x remat none/block."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(_gpt.ATTENTION, "blockwise", blockwise_attend)
+        mp.setitem(ATTENTION, "blockwise", blockwise_attend)
         pts = activation_measure(gpt_config("tiny"), (S,), batch_size=1)
     return {p.variant: p for p in pts}
 
@@ -67,8 +67,9 @@ def test_measure_reads_memory_analysis():
     assert m.temp_bytes >= 128 * 128 * 4  # the [128, 128] product
     assert m.total_bytes == m.argument_bytes + m.output_bytes + m.temp_bytes
     assert measure(f.lower(x).compile()) == m  # a Compiled is read directly
-    with pytest.raises(ValueError, match="takes no arguments"):
+    with pytest.raises(ValueError, match="takes no arguments") as e:
         measure(f.lower(x).compile(), x)
+    assert not isinstance(e.value, ConfigError)  # a misuse of measure, not a setting
     # Donation shows up as aliased output bytes.
     donated = measure(jax.jit(lambda a: a * 2.0, donate_argnums=0), x)
     assert donated.alias_bytes == 128 * 64 * 4
@@ -154,10 +155,15 @@ def test_activations_within_stated_tolerance_of_the_formula(points):
 
 
 def test_activation_measure_validates():
-    with pytest.raises(ValueError, match="seq_lens"):
+    with pytest.raises(ConfigError, match=r"^seq_lens=\(\): expected a non-empty sequence of "
+                       "positive ints"):
         activation_measure(gpt_config("tiny"), ())
-    with pytest.raises(ValueError, match=r"variants\['bad'\]"):
+    with pytest.raises(ConfigError, match=r"^seq_lens=\(32, 0\): expected"):
+        activation_measure(gpt_config("tiny"), (32, 0))
+    with pytest.raises(ConfigError, match=r"^variants\['bad'\]=\{'remat': 'sometimes'\}: the "
+                       "model config rejects it: .*sometimes") as e:
         activation_measure(gpt_config("tiny"), (32,), variants={"bad": {"remat": "sometimes"}})
+    assert e.value.field == "variants['bad']"
 
 
 @pytest.mark.slow
@@ -169,7 +175,7 @@ def test_memory_experiment_smoke(tmp_path):
     spec.loader.exec_module(module)
     cfg = dataclasses.replace(module.PRESETS["smoke"], out=str(tmp_path))
     with pytest.MonkeyPatch.context() as mp:  # the experiment registers blockwise if needed
-        mp.setitem(_gpt.ATTENTION, "blockwise", blockwise_attend)
+        mp.setitem(ATTENTION, "blockwise", blockwise_attend)
         results = module.main(cfg)
     seed003 = {(r["model"], r["method"], r["optimizer"]): r for r in results["seed_003"]}
     assert seed003["7B", "full", "adam"]["1 GPU"] == 112

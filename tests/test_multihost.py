@@ -88,7 +88,7 @@ def test_two_processes_of_four_devices_match_one_process_of_eight(tmp_path, corp
     s1 = json.loads((single / "summary.json").read_text())
     np.testing.assert_allclose(s2["eval_loss"], s1["eval_loss"], rtol=1e-5)
     c2 = json.loads((multi / "config.json").read_text())
-    assert c2["process_count"] == 2 and len(c2["devices"]) == 8
+    assert c2["run"]["process_count"] == 2 and len(c2["run"]["devices"]) == 8
     assert c2["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1} and c2["strategy"] == "fsdp"
     # The same program: same per-device memory and collectives.
     assert s2["memory"]["params"] == s1["memory"]["params"]

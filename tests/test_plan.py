@@ -4,6 +4,7 @@ import dataclasses
 
 import pytest
 
+from effijax.errors import ConfigError
 from effijax.memory import GB, Plan, activation_bytes, model_states, plan
 
 LLAMA_7B = {"layers": 32, "hidden": 4096, "heads": 32}
@@ -29,6 +30,9 @@ def test_7b_on_8x80gb_picks_zero1():
     assert "DDP: model states 16 B/param x 7e9 = 112 GB > 72 GB usable" in text
     assert "ZeRO-1: model states (4 + 12/8) B/param x 7e9 = 38.5 GB <= 72 GB usable" in text
     assert p.explain().splitlines()[-1].startswith("-> plan: full fine-tuning, mixed precision")
+    # The policies' name for the seeds' (2 + 2 + 12) mixed precision.
+    assert p.precision == "bf16"
+    assert "precision: bf16 (16-bit params and grads, f32 master and adam state)" in text
 
 
 def test_70b_on_8x80gb_needs_lora_with_fsdp():
@@ -126,16 +130,20 @@ def test_plan_is_immutable():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"layers": 32}, r"hidden, heads, seq_len, global_batch: missing"),
-        ({**LLAMA_7B, "seq_len": 2048, "global_batch": 12}, "global_batch: 12 does not divide"),
-        ({"headroom": 1.0}, r"headroom: must be a fraction in \[0, 1\)"),
-        ({"optimizer": "adafactor"}, "optimizer: .*accepted"),
-        ({"devices": 0}, "devices: must be >= 1"),
-        ({"device_memory": "80 gigs"}, "unknown unit"),
-        ({"lora_fraction": 2}, "lora_fraction"),
+        ({"layers": 32}, r"hidden=None: required with layers: .*\(missing: hidden, heads, "
+         r"seq_len, global_batch\)"),
+        ({**LLAMA_7B, "seq_len": 2048, "global_batch": 12}, "global_batch=12: does not divide "
+         "evenly over 8 devices; use a multiple of 8"),
+        ({"headroom": 1.0}, r"headroom=1\.0: must be a fraction in \[0, 1\)"),
+        ({"optimizer": "adafactor"}, "optimizer='adafactor': unknown optimizer; accepted"),
+        ({"devices": 0}, "devices=0: must be >= 1"),
+        ({"device_memory": "80 gigs"}, "device_memory='80 gigs': unknown unit 'gigs'"),
+        ({"device_memory": "0GB"}, "device_memory='0GB': must be positive"),
+        ({"lora_fraction": 2}, r"lora_fraction=2: must be a number in \(0, 1\]"),
     ],
 )
 def test_plan_validation(kwargs, match):
     args = {"devices": 8, "device_memory": "80GB", **kwargs}
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ConfigError, match=f"^{match}") as e:
         plan("7B", **args)
+    assert e.value.field == match.split("=")[0]

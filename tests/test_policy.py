@@ -7,7 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from effijax.errors import ConfigError
 from effijax.precision import (
+    PRESET_ALIASES,
+    PRESETS,
     Policy,
     cast_floating,
     cross_entropy,
@@ -48,32 +51,55 @@ def test_presets_and_round_trip():
         assert Policy.from_string(str(p)) == p
     assert get_policy("fp16").needs_loss_scaling and not get_policy("bf16").needs_loss_scaling
     assert get_policy("half") == get_policy("fp16")
+    for alias, name in PRESET_ALIASES.items():
+        assert name in PRESETS and get_policy(alias.upper()) == get_policy(name)
 
 
 @pytest.mark.parametrize(
     "spec, message",
     [
-        ("params=f32,compute=int8", "unknown dtype name 'int8'"),
-        ("params=f32,weights=bf16", "unknown field 'weights'"),
+        ("params=f32,compute=int8", r"compute_dtype='int8': unknown dtype name; accepted: bf16"),
+        ("params=f32,weights=bf16", "unknown field 'weights'; accepted: "),
         ("p=f32,p=bf16", "param_dtype given twice"),
-        ("p=f32,bf16", "not 'name=dtype'"),
-        ("p=f32;c=bf16", "unknown dtype name 'f32;c=bf16'"),
-        ("", "non-empty"),
-        ("fp8", "unknown precision policy 'fp8'"),
+        ("p=f32,bf16", "item 'bf16' is not 'name=dtype'"),
+        ("p=f32;c=bf16", r"param_dtype='f32;c=bf16': unknown dtype name"),
+        ("", "expected a non-empty str"),
+        ("fp8", r"unknown precision policy; presets: fp32, bf16, fp16, pure_bf16"),
     ],
 )
 def test_from_string_errors(spec, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ConfigError, match=message) as e:
         Policy.from_string(spec)
+    assert (e.value.field, e.value.value) == ("spec", spec)
+
+
+def test_get_policy_errors_name_the_argument():
+    with pytest.raises(ConfigError, match=r"^name='fp8': unknown precision policy; presets: "
+                       r"fp32, bf16, fp16, pure_bf16 \(aliases: f32, float32"):
+        get_policy("fp8")
+    with pytest.raises(ConfigError, match=r"^name='p=f32,c=int8': compute_dtype='int8': "
+                       "unknown dtype name"):
+        get_policy("p=f32,c=int8")
+    with pytest.raises(ConfigError, match=r"^name=3: expected a preset name"):
+        get_policy(3)
 
 
 def test_policy_rejects_non_float_and_bad_overrides():
-    with pytest.raises(ValueError, match="param_dtype: int32 is not supported"):
+    with pytest.raises(ConfigError,
+                       match=r"^param_dtype=dtype\('int32'\): not supported; use float32"):
         Policy(param_dtype=jnp.int32)
-    with pytest.raises(ValueError, match=r"overrides\[0\]: invalid regex"):
+    with pytest.raises(ConfigError, match=r"^overrides\[0\]=\('ln\(', 'f32'\): invalid regex"):
         Policy(overrides=(("ln(", "f32"),))
-    with pytest.raises(ValueError, match=r"overrides\[0\]: expected \(path_regex, dtype\)"):
+    with pytest.raises(ConfigError,
+                       match=r"^overrides\[0\]='ln': expected a \(path_regex, dtype\) pair"):
         Policy(overrides=("ln",))
+    with pytest.raises(ConfigError, match=r"^overrides\[0\]=\('ln', 'f8'\): dtype 'f8': unknown "
+                       "dtype name"):
+        Policy(overrides=(("ln", "f8"),))
+    with pytest.raises(ConfigError, match=r"^overrides='ln': expected a tuple of"):
+        Policy(overrides="ln")
+    with pytest.raises(ConfigError, match=r"^overrides\[0\]=\('\(', 'f32'\): invalid regex"):
+        cast_floating({"w": jnp.ones(2)}, jnp.float32, overrides=[("(", "f32")])
 
 
 def test_policy_is_frozen_and_replaceable():
@@ -134,10 +160,13 @@ def test_cross_entropy_bf16_logits_is_an_f32_island():
 
 
 def test_cross_entropy_errors():
-    with pytest.raises(ValueError, match="labels must be integer"):
+    # Wrong operands are bugs in the calling code, not settings: plain ValueErrors.
+    with pytest.raises(ValueError, match="labels must be integer") as e:
         cross_entropy(jnp.zeros((2, 4)), jnp.zeros(2))
-    with pytest.raises(ValueError, match="does not match logits"):
+    assert not isinstance(e.value, ConfigError)
+    with pytest.raises(ValueError, match="does not match logits") as e:
         cross_entropy(jnp.zeros((2, 4)), jnp.zeros(3, jnp.int32))
+    assert not isinstance(e.value, ConfigError)
 
 
 def test_layer_norm_statistics_in_f32():
@@ -164,5 +193,6 @@ def test_softmax_and_dot_dtypes_and_values():
     ref = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
     # f32 accumulation: only the final rounding to bf16 (8 bits of mantissa) remains.
     np.testing.assert_allclose(np.asarray(out, np.float64), ref, rtol=1e-2, atol=0.1)
-    with pytest.raises(ValueError, match="operand dtypes differ"):
+    with pytest.raises(ValueError, match="operand dtypes differ") as e:
         dot("ik,kj->ij", a, b.astype(jnp.float32))
+    assert not isinstance(e.value, ConfigError)

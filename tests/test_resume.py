@@ -45,15 +45,12 @@ def _final_leaves(out) -> tuple[int, list[np.ndarray]]:
         step = ckpt.latest_step()
         saved = ckpt.metadata(step)["metadata"]["config"]
     # The target: the same job's abstract state on one device.
-    from effijax.jobs import abstract_lm_state
-    from effijax.models import gpt_config
-    from effijax.train import make_optimizer
+    from effijax.models import model_from_dict
+    from effijax.recipe import TrainConfig, abstract_state, optimizer_for
 
-    model = gpt_config(saved["model"], seq_len=saved["seq_len"])
-    tx = make_optimizer(saved["lr"], saved["steps"], warmup_steps=saved["warmup"],
-                        weight_decay=saved["weight_decay"], clip_norm=saved["clip"],
-                        loss_scale=saved["loss_scale"], accumulate=saved["accumulate"])
-    abstract = abstract_lm_state(model, saved["precision"], tx, seed=saved["seed"])
+    config = TrainConfig.from_dict(saved)
+    abstract = abstract_state(model_from_dict(saved["run"]["model_config"]), config.precision,
+                              optimizer_for(config), seed=config.seed)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     with open_checkpoints(directory, every=1, keep=None) as ckpt:
         state = ckpt.restore(step, target_state_abstract=restore_target(abstract, device))
@@ -183,8 +180,10 @@ def test_resume_with_another_model_fails_fast(tmp_path, corpus, capsys, change, 
     other = [*TINY]
     i = other.index(change[0])
     other[i + 1] = change[1]
+    longer = [*flags]
+    longer[1] = "4"  # an unfinished run: it resumes, so its checkpoint is checked
     start = time.perf_counter()
-    assert main(["train", *flags, *other]) == 2
+    assert main(["train", *longer, *other]) == 2
     elapsed = time.perf_counter() - start
     err = capsys.readouterr().err
     assert "effijax train: error: checkpoint=" in err and leaf in err, err

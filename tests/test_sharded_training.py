@@ -311,7 +311,7 @@ def test_cli_fsdp_run_records_memory_and_collectives(tmp_path, text_file, capsys
                  "--precision", "bf16", "--data", text_file, "--out", str(out),
                  "--no-progress"]) == 0
     printed = capsys.readouterr().out
-    assert "fsdp on mesh data=2,fsdp=4" in printed and "per device: params" in printed
+    assert "fsdp over 8 devices (mesh data=2,fsdp=4)" in printed and "per device: params" in printed
     config = json.loads((out / "config.json").read_text())
     assert config["strategy"] == "fsdp" and config["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1}
     summary = json.loads((out / "summary.json").read_text())
@@ -345,7 +345,7 @@ def test_cli_fsdp_run_records_memory_and_collectives(tmp_path, text_file, capsys
          "--coordinator='127.0.0.1': expected host:port"),
         (["--num-processes", "2", "--process-id", "1", "--coordinator", "127.0.0.1:1",
           "--batch-size", "5"],
-         "--batch-size=5: must be divisible by --num-processes=2"),
+         "--batch-size=5: must be divisible by num_processes=2"),
     ],
 )
 def test_bad_parallel_flags_exit_2_naming_the_flag_before_compiling(flags, message, capsys,
@@ -392,6 +392,7 @@ def _load_experiment(name):
     return module
 
 
+@pytest.mark.slow
 def test_sharding_experiment_smoke(tmp_path):
     experiment = _load_experiment("sharding")
     cfg = dataclasses.replace(experiment.PRESETS["smoke"], out=str(tmp_path))

@@ -17,8 +17,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from effijax.precision._accumulate import accumulate
-from effijax.precision._loss_scale import dynamic_loss_scale, loss_scale_of, static_loss_scale
+from effijax.precision import accumulate, dynamic_loss_scale, loss_scale_of, static_loss_scale
 
 
 class Entry(NamedTuple):

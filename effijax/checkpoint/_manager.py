@@ -38,7 +38,7 @@ import orbax.checkpoint as ocp
 from effijax.errors import ConfigError
 from effijax.paths import map_with_path, named_leaves
 from effijax.precision import all_finite
-from effijax.run import library_versions
+from effijax.provenance import library_versions
 
 __all__ = [
     "SaveResult",

@@ -26,6 +26,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Efficient training in plain functional JAX: mixed precision, sharding, "
         "LoRA, memory accounting.",
     )
+    from importlib import metadata
+
+    try:
+        version = metadata.version("effijax")
+    except metadata.PackageNotFoundError:  # a source tree that was not installed
+        version = "unknown (not installed)"
+    parser.add_argument("--version", action="version", version=f"effijax {version}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _train.add_parsers(sub)
     _memory.add_parsers(sub)

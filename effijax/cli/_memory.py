@@ -3,7 +3,8 @@
 ``effijax memory --params 7B --zero 3 --devices 8`` prints per-device bytes of parameters,
 gradients, optimizer state (and activations, given a model shape); ``effijax plan --params 70B
 --devices 8 --device-memory 80GB`` prints the cheapest configuration that fits and its arithmetic.
-Both take ``--json``. GB is 10**9 bytes. Bad flags exit with code 2 and a message on stderr.
+Both take ``--json``. GB is 10**9 bytes. Bad flags exit with code 2 and a message on stderr
+naming the flag, the value and the fix.
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ import dataclasses
 import json
 import sys
 
+from effijax.errors import ConfigError
 from effijax.memory import (
     CHECKPOINTING,
+    FROZEN_DTYPES,
     OPTIMIZERS,
+    PRECISION_ALIASES,
     PRECISIONS,
     activation_bytes,
     format_bytes,
@@ -24,7 +28,6 @@ from effijax.memory import (
     parse_count,
     plan,
 )
-from effijax.memory._estimate import _FROZEN_BITS
 
 __all__ = ["add_parsers", "memory_command", "plan_command"]
 
@@ -35,9 +38,9 @@ def _argtype(parse, what: str):
     def convert(text: str):
         try:
             return parse(text)
-        except ValueError as e:
-            # argparse already names the flag; drop the library's "count: " prefix.
-            raise argparse.ArgumentTypeError(str(e).removeprefix(f"{what}: ")) from None
+        except ConfigError as e:
+            # argparse already names the flag ("argument --params: "); add the value and problem.
+            raise argparse.ArgumentTypeError(f"{text!r}: {e.problem}") from None
 
     convert.__name__ = what  # argparse names the type in "invalid <name> value" messages
     return convert
@@ -71,6 +74,23 @@ def _headroom(text: str) -> float:
     if not 0 <= value < 1:
         raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
     return value
+
+
+def _precision(text: str) -> str:
+    """The canonical name of an alias ("mixed" -> "bf16"); model_states rejects unknown names."""
+    key = text.strip().lower()
+    return PRECISION_ALIASES.get(key, key)
+
+
+def _aliases_text() -> str:
+    """'mixed, bfloat16 = bf16; f32, float32, full = fp32; ...' for the --precision help."""
+    groups: dict[str, list[str]] = {}
+    for alias, name in PRECISION_ALIASES.items():
+        groups.setdefault(name, []).append(alias)
+    return "; ".join(f"{', '.join(aliases)} = {name}" for name, aliases in groups.items())
+
+
+_OPTIMIZER_HELP = "optimizer whose state is counted"
 
 
 def _add_shape_flags(p: argparse.ArgumentParser, batch_flag: str, batch_help: str) -> None:
@@ -116,8 +136,15 @@ def add_parsers(sub) -> None:
         type=_argtype(parse_count, "count"),
         help="parameter count, e.g. 7B, 70e9, 1.5M",
     )
-    m.add_argument("--optimizer", default="adam", choices=tuple(OPTIMIZERS))
-    m.add_argument("--precision", default="mixed", choices=tuple(PRECISIONS))
+    m.add_argument("--optimizer", default="adam", choices=tuple(OPTIMIZERS), help=_OPTIMIZER_HELP)
+    m.add_argument(
+        "--precision",
+        default="bf16",
+        type=_precision,
+        metavar="{" + ",".join(PRECISIONS) + "}",
+        help="precision policy (bf16, fp16: 16-bit params and grads, f32 master and moments); "
+        f"also accepted: {_aliases_text()}",
+    )
     m.add_argument(
         "--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (0 = DDP, 3 = FSDP)"
     )
@@ -131,7 +158,7 @@ def add_parsers(sub) -> None:
     m.add_argument(
         "--frozen-dtype",
         default="bf16",
-        choices=tuple(_FROZEN_BITS),
+        choices=tuple(FROZEN_DTYPES),
         help="storage of the frozen base under LoRA",
     )
     _add_shape_flags(m, "--batch-size", "sequences per device per micro-batch b")
@@ -162,7 +189,7 @@ def add_parsers(sub) -> None:
         type=_argtype(parse_bytes, "bytes"),
         help="memory per device, e.g. 80GB, 80GiB",
     )
-    p.add_argument("--optimizer", default="adam", choices=tuple(OPTIMIZERS))
+    p.add_argument("--optimizer", default="adam", choices=tuple(OPTIMIZERS), help=_OPTIMIZER_HELP)
     p.add_argument(
         "--headroom", type=_headroom, default=0.1, help="fraction of device memory kept free"
     )
@@ -199,11 +226,12 @@ _FLAGS = {
 }
 
 
-def _error(command: str, message: str) -> int:
-    name, sep, rest = message.partition(": ")
-    if sep and name in _FLAGS:
-        message = f"{_FLAGS[name]}: {rest}"
-    print(f"effijax {command}: error: {message}", file=sys.stderr)
+def _error(command: str, problem: ConfigError | str) -> int:
+    """Prints the error, naming the flag instead of the library argument; returns exit code 2."""
+    if isinstance(problem, ConfigError):
+        problem = ConfigError(_FLAGS.get(problem.field, problem.field), problem.value,
+                              problem.problem)
+    print(f"effijax {command}: error: {problem}", file=sys.stderr)
     return 2
 
 
@@ -245,8 +273,8 @@ def memory_command(args: argparse.Namespace) -> int:
                 checkpointing=args.checkpointing,
                 blockwise_attention=args.blockwise_attention,
             )
-    except ValueError as e:
-        return _error("memory", str(e))
+    except ConfigError as e:
+        return _error("memory", e)
 
     total = states.model_state_bytes + (acts or 0)
     if args.json:
@@ -303,8 +331,8 @@ def plan_command(args: argparse.Namespace) -> int:
             dropout=args.dropout,
             blockwise_attention=args.blockwise_attention,
         )
-    except ValueError as e:
-        return _error("plan", str(e))
+    except ConfigError as e:
+        return _error("plan", e)
 
     if args.json:
         out = {

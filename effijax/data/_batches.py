@@ -11,36 +11,40 @@ from __future__ import annotations
 
 import numpy as np
 
+from effijax.errors import ConfigError
+
 __all__ = ["batch_at", "eval_batches"]
 
 
 def _check_int(name: str, value, *, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
+        raise ConfigError(name, value, f"expected an int >= {minimum}")
 
 
 def _check_tokens(tokens, seq_len: int) -> np.ndarray:
     tokens = np.asarray(tokens)
     if tokens.ndim != 1:
-        raise ValueError(f"tokens: expected a 1-D corpus, got shape {tokens.shape}")
+        # The shape stands for the value: the repr of a whole corpus would drown the message.
+        raise ConfigError("tokens", tokens.shape, "expected a 1-D corpus of token ids, not an "
+                          "array of this shape")
     if tokens.size < seq_len + 1:
-        raise ValueError(
-            f"tokens: the corpus has {tokens.size} tokens, fewer than seq_len + 1 = {seq_len + 1} "
-            "(one window of inputs plus the shifted target); use a bigger corpus or a shorter "
-            "seq_len"
+        raise ConfigError(
+            "seq_len", seq_len, f"the corpus has {tokens.size} tokens, fewer than seq_len + 1 = "
+            f"{seq_len + 1} (one window of inputs plus the shifted target); use a bigger corpus "
+            "or a shorter seq_len"
         )
     return tokens
 
 
 def _process_rows(batch_size: int, process_index: int, process_count: int) -> slice:
     _check_int("process_count", process_count, minimum=1)
-    if not 0 <= process_index < process_count:
-        raise ValueError(
-            f"process_index: {process_index!r} is not in [0, process_count={process_count})"
-        )
+    _check_int("process_index", process_index, minimum=0)
+    if not process_index < process_count:
+        raise ConfigError("process_index", process_index,
+                          f"must be in [0, process_count={process_count})")
     if batch_size % process_count:
-        raise ValueError(
-            f"batch_size: {batch_size} is not divisible by process_count={process_count}; each "
+        raise ConfigError(
+            "batch_size", batch_size, f"not divisible by process_count={process_count}; each "
             "process takes batch_size // process_count rows of the global batch"
         )
     rows = batch_size // process_count
@@ -81,6 +85,11 @@ def batch_at(
       ``{"inputs": int32[b, S], "targets": int32[b, S]}`` with ``b = batch_size //
       process_count``: rows ``[process_index * b, (process_index + 1) * b)`` of the global batch.
 
+    Raises:
+      ConfigError: naming the argument: a seed, step or size out of range, a ``batch_size`` that
+        ``process_count`` does not divide, a corpus that is not 1-D (``tokens``) or shorter than
+        ``seq_len + 1`` tokens (``seq_len``).
+
     Example:
       >>> import numpy as np
       >>> tokens = np.arange(100, dtype=np.uint8)
@@ -95,7 +104,7 @@ def batch_at(
     _check_int("batch_size", batch_size, minimum=1)
     _check_int("seq_len", seq_len, minimum=1)
     if seed >= 2**64:
-        raise ValueError(f"seed: expected an int < 2**64, got {seed!r}")
+        raise ConfigError("seed", seed, "expected an int < 2**64")
     rows = _process_rows(batch_size, process_index, process_count)
     tokens = _check_tokens(tokens, seq_len)
     rng = np.random.Generator(np.random.Philox(key=np.array([seed, step], dtype=np.uint64)))
@@ -121,6 +130,9 @@ def eval_batches(
 
     Returns:
       A list of ``num_batches`` dicts ``{"inputs": int32[b, S], "targets": int32[b, S]}``.
+
+    Raises:
+      ConfigError: naming the argument, as :func:`batch_at`.
 
     Example:
       >>> import numpy as np

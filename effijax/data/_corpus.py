@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from effijax.errors import ConfigError
+
 __all__ = [
     "DEFAULT_MAX_BYTES",
     "corpus_fingerprint",
@@ -106,17 +108,19 @@ def load_corpus(
       A 1-D ``np.uint8`` array.
 
     Raises:
-      FileNotFoundError: ``path`` does not exist.
-      ValueError: the corpus is empty or shorter than ``min_bytes``, or ``max_bytes`` is not
-        positive.
+      ConfigError: with ``field="path"``: the path does not exist, a folder holds no text file,
+        the corpus is empty or shorter than ``min_bytes``; with ``field="max_bytes"``: it is not
+        a positive int or None.
 
     Example:
       >>> tokens = load_corpus(max_bytes=1000)
       >>> tokens.dtype, tokens.shape
       (dtype('uint8'), (1000,))
     """
-    if max_bytes is not None and (isinstance(max_bytes, bool) or max_bytes <= 0):
-        raise ValueError(f"max_bytes: expected a positive int or None, got {max_bytes!r}")
+    if max_bytes is not None and (isinstance(max_bytes, bool)
+                                  or not isinstance(max_bytes, int | np.integer) or max_bytes <= 0):
+        raise ConfigError("max_bytes", max_bytes, "expected a positive int, or None (8 MiB of "
+                          "the standard library, the whole of a given path)")
     if path is None:
         files = stdlib_files()
         source = f"the standard library at {sysconfig.get_paths()['stdlib']}"
@@ -124,20 +128,23 @@ def load_corpus(
     else:
         p = Path(path)
         if not p.exists():
-            raise FileNotFoundError(f"corpus path {str(p)!r} does not exist")
-        source = repr(str(p))
+            raise ConfigError("path", str(p), "does not exist; pass a text file, a folder of "
+                              "text files, or None for the standard library")
+        source = "the corpus"
         if p.is_dir():
             files = [f for f in _folder_files(p) if not _is_binary(f)]
             if not files:
-                raise ValueError(f"corpus folder {source} holds no readable text files")
+                raise ConfigError("path", str(p), "the folder holds no readable text files "
+                                  "(binary, hidden and __pycache__ files are skipped)")
         else:
             files = [p]
     data = _read_capped(files, max_bytes)
+    shown = None if path is None else str(path)
     if not data:
-        raise ValueError(f"corpus {source} is empty")
+        raise ConfigError("path", shown, f"{source} is empty")
     if len(data) < min_bytes:
-        raise ValueError(
-            f"corpus {source} has {len(data)} bytes, fewer than the {min_bytes} needed "
+        raise ConfigError(
+            "path", shown, f"{source} has {len(data)} bytes, fewer than the {min_bytes} needed "
             "(a training window is seq_len + 1 bytes); use a bigger corpus or a shorter seq_len"
         )
     return np.frombuffer(data, dtype=np.uint8).copy()
@@ -158,16 +165,25 @@ def corpus_fingerprint(tokens: np.ndarray) -> str:
 def split_corpus(tokens: np.ndarray, val_fraction: float = 0.05) -> tuple[np.ndarray, np.ndarray]:
     """Splits a corpus into ``(train, val)``; the last ``val_fraction`` of it is validation.
 
+    Raises:
+      ConfigError: ``val_fraction`` is not in (0, 1), or ``tokens`` is not a 1-D corpus of at
+        least 2 tokens (the error's value is then its shape).
+
     Example:
       >>> import numpy as np
       >>> train, val = split_corpus(np.arange(100, dtype=np.uint8), 0.1)
       >>> len(train), val[:3].tolist()
       (90, [90, 91, 92])
+      >>> split_corpus(np.arange(100, dtype=np.uint8), 5)
+      Traceback (most recent call last):
+      effijax.errors.ConfigError: val_fraction=5: expected a fraction in (0, 1), e.g. 0.05
     """
-    if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"val_fraction: expected a fraction in (0, 1), got {val_fraction!r}")
+    if (isinstance(val_fraction, bool) or not isinstance(val_fraction, int | float | np.floating)
+            or not 0.0 < val_fraction < 1.0):
+        raise ConfigError("val_fraction", val_fraction, "expected a fraction in (0, 1), e.g. 0.05")
     tokens = np.asarray(tokens)
     if tokens.ndim != 1 or tokens.size < 2:
-        raise ValueError(f"tokens: expected a 1-D corpus of at least 2 tokens, got {tokens.shape}")
+        # The shape stands for the value: the repr of a whole corpus would drown the message.
+        raise ConfigError("tokens", tokens.shape, "expected a 1-D corpus of at least 2 tokens")
     n_val = min(max(1, round(tokens.size * val_fraction)), tokens.size - 1)
     return tokens[: tokens.size - n_val], tokens[tokens.size - n_val:]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable, Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -158,21 +159,28 @@ def _alpha_json(alpha: float):
 
 
 def export_peft(directory: str | os.PathLike, adapters, spec: LoraSpec, *,
-                base_model_name: str = "effijax-gpt") -> dict[str, tuple[int, ...]]:
+                base_model_name: str = "effijax-gpt",
+                module_name: Callable[[str, int | None], str] | None = None,
+                target_modules: Sequence[str] | None = None) -> dict[str, tuple[int, ...]]:
     """Writes ``adapter_config.json`` and ``adapter_model.safetensors`` in PEFT's format.
 
-    Module names follow :func:`peft_module_name`; a kernel stacked over layers
-    ``(L, d_in, d_out)`` is unstacked into ``L`` modules. Tensors use torch's ``(out, in)``
-    layout: ``base_model.model.<module>.lora_A.weight = a[i].T`` with shape ``(r, d_in)`` and
-    ``...lora_B.weight = b[i].T`` with shape ``(d_out, r)``, in the adapters' dtype.
-    ``target_modules`` lists the exact module names; per-module ranks and alphas that differ
-    from the spec's (its ``overrides``) go to ``rank_pattern`` / ``alpha_pattern``.
+    Module names follow ``module_name`` (default :func:`peft_module_name`); a kernel stacked
+    over layers ``(L, d_in, d_out)`` is unstacked into ``L`` modules. Tensors use torch's
+    ``(out, in)`` layout: ``base_model.model.<module>.lora_A.weight = a[i].T`` with shape
+    ``(r, d_in)`` and ``...lora_B.weight = b[i].T`` with shape ``(d_out, r)``, in the adapters'
+    dtype. ``target_modules`` lists the exact module names unless given; per-module ranks and
+    alphas that differ from the spec's (its ``overrides``) go to ``rank_pattern`` /
+    ``alpha_pattern``.
 
     Args:
       directory: created if missing.
       adapters: the adapter tree.
       spec: the :class:`LoraSpec` they were made with.
       base_model_name: ``base_model_name_or_path`` in the config.
+      module_name: ``module_name(path, layer) -> str``, the torch module of an adapted kernel
+        (one layer of a stacked one); how a model's parameter paths map to its torch twin's.
+      target_modules: written as ``target_modules`` instead of the exact names (e.g. PEFT's
+        usual suffixes ``["q_proj", "v_proj"]`` when every layer is adapted).
 
     Returns:
       ``{tensor name: shape}`` of what was written.
@@ -190,6 +198,7 @@ def export_peft(directory: str | os.PathLike, adapters, spec: LoraSpec, *,
       base_model.model.blocks.1.attn.q.lora_A.weight (4, 16)
       base_model.model.blocks.1.attn.q.lora_B.weight (32, 4)
     """
+    module_name = module_name or peft_module_name
     tensors, modules, rank_pattern, alpha_pattern = {}, [], {}, {}
     for path, (a, b) in sorted(pairs(adapters).items()):
         a, b = np.asarray(a), np.asarray(b)
@@ -204,7 +213,7 @@ def export_peft(directory: str | os.PathLike, adapters, spec: LoraSpec, *,
                 "(L, d_in, r) only",
             )
         for layer, a_DR, b_RF in layers:
-            module = peft_module_name(path, layer)
+            module = module_name(path, layer)
             modules.append(module)
             prefix = f"base_model.model.{module}"
             tensors[f"{prefix}.lora_A.weight"] = jnp.asarray(np.ascontiguousarray(a_DR.T))
@@ -219,7 +228,7 @@ def export_peft(directory: str | os.PathLike, adapters, spec: LoraSpec, *,
         "base_model_name_or_path": base_model_name,
         "r": spec.rank,
         "lora_alpha": _alpha_json(spec.alpha),
-        "target_modules": modules,
+        "target_modules": modules if target_modules is None else list(target_modules),
         "lora_dropout": spec.dropout,
         "use_rslora": spec.rslora,
         "bias": "none",

@@ -7,14 +7,18 @@ the transformer activation formula; :func:`plan` picks the cheapest configuratio
 :func:`measure` reads what XLA really allocates for a compiled function, :func:`compare` sets it
 against an estimate, and :func:`activation_measure` sweeps a GPT train step over sequence
 lengths (naive vs blockwise attention vs remat) next to the formula.
-GB means 10**9 bytes throughout (the unit of the seed tables).
+GB means 10**9 bytes throughout (the unit of the seed tables). Precisions are named as the
+training policies are (``fp32``, ``bf16``, ``fp16``, ``pure_bf16``; ``mixed`` is an alias of
+``bf16``); bad arguments raise :class:`~effijax.errors.ConfigError` naming the argument.
 """
 
 from effijax.memory._activations import CHECKPOINTING, activation_bytes
 from effijax.memory._estimate import (
+    FROZEN_DTYPES,
     GB,
     GIB,
     OPTIMIZERS,
+    PRECISION_ALIASES,
     PRECISIONS,
     ModelStateBytes,
     estimate_tree,
@@ -41,6 +45,8 @@ __all__ = [
     "GIB",
     "OPTIMIZERS",
     "PRECISIONS",
+    "PRECISION_ALIASES",
+    "FROZEN_DTYPES",
     "CHECKPOINTING",
     "HEADROOM",
     "ModelStateBytes",

@@ -109,7 +109,7 @@ def activation_bytes(
       The number of bytes (an exact integer).
 
     Raises:
-      ValueError: naming the argument, for non-positive sizes or an unknown ``checkpointing``.
+      ConfigError: naming the argument, for non-positive sizes or an unknown ``checkpointing``.
 
     Example:
       >>> # 32 x 2·2048·1·4096 x (16 + 2/2 + 2·32·2048/4096 + 32·2048/(2·4096))

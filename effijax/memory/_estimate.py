@@ -26,12 +26,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from effijax.errors import ConfigError
+from effijax.paths import path_of
+from effijax.precision import PRESET_ALIASES
+
 __all__ = [
+    "FROZEN_DTYPES",
     "GB",
     "GIB",
     "ModelStateBytes",
     "OPTIMIZERS",
     "PRECISIONS",
+    "PRECISION_ALIASES",
     "estimate_tree",
     "format_bytes",
     "model_states",
@@ -79,18 +85,25 @@ class _PrecisionBytes:
     moment: int  # each optimizer moment
 
 
+# The precision policies' names (effijax.precision.PRESETS), counted as the seeds count them:
 # fp32: the f32 params are the master copy.
-# mixed: bf16/fp16 params and grads, f32 master and moments (DeepSpeed/ZeRO accounting).
+# bf16, fp16: 16-bit params and grads, f32 master and moments (DeepSpeed/ZeRO's "mixed precision"
+#   accounting, 2 + 2 + 12 for Adam).
 # pure_bf16: everything bf16, moments included: what optax.adam/lion/sgd allocate for bf16
 #   params (their state takes the parameter dtype); no master copy.
 PRECISIONS: dict[str, _PrecisionBytes] = {
     "fp32": _PrecisionBytes(param=4, grad=4, master=0, moment=4),
-    "mixed": _PrecisionBytes(param=2, grad=2, master=4, moment=4),
+    "bf16": _PrecisionBytes(param=2, grad=2, master=4, moment=4),
+    "fp16": _PrecisionBytes(param=2, grad=2, master=4, moment=4),
     "pure_bf16": _PrecisionBytes(param=2, grad=2, master=0, moment=2),
 }
+# Other names of the same precisions: the policies' own aliases, and "mixed" (the seeds' name
+# for 16-bit training with f32 master weights; bf16 and fp16 count the same bytes).
+PRECISION_ALIASES: dict[str, str] = {"mixed": "bf16", **PRESET_ALIASES}
 
-# Storage width of frozen (LoRA base) weights, in bits, so 4-bit bases (QLoRA) count exactly.
-_FROZEN_BITS = {
+# Accepted frozen-base (LoRA) dtype names -> storage width in bits, so 4-bit bases (QLoRA)
+# count exactly.
+FROZEN_DTYPES: dict[str, int] = {
     "fp32": 32,
     "f32": 32,
     "float32": 32,
@@ -117,64 +130,67 @@ _DTYPE_NAMES = {
 }
 
 
-def _parse_number(value: Any, units: dict[str, int], unit_names: str, what: str) -> int:
+def _parse_number(value: Any, units: dict[str, int], unit_names: str, example: str,
+                  field: str) -> int:
     if isinstance(value, bool):
-        raise ValueError(f"{what}: expected a number, got {value!r}")
+        raise ConfigError(field, value, f"expected a number such as {example}, not a bool")
     if isinstance(value, numbers.Integral):
         number, unit = Decimal(int(value)), ""
     elif isinstance(value, numbers.Real):
         if not math.isfinite(value):
-            raise ValueError(f"{what}: expected a finite number, got {value!r}")
+            raise ConfigError(field, value, f"expected a finite number such as {example}")
         number, unit = Decimal(repr(float(value))), ""
     elif isinstance(value, str):
         match = _NUMBER_UNIT.match(value)
         if match is None or not re.search(r"\d", match["num"]):
-            raise ValueError(
-                f"{what}: cannot parse {value!r}; write a number with an optional unit, "
-                f"e.g. '7B', '70e9', '80GB'; accepted units: {unit_names}"
+            raise ConfigError(
+                field, value, f"cannot parse; write a number with an optional unit, e.g. "
+                f"{example}; accepted units: {unit_names}"
             )
         try:
             number = Decimal(match["num"].replace("_", ""))
-        except InvalidOperation as e:
-            raise ValueError(f"{what}: {match['num']!r} in {value!r} is not a number") from e
+        except InvalidOperation:
+            raise ConfigError(field, value, f"{match['num']!r} is not a number") from None
         unit = match["unit"]
     else:
-        raise ValueError(f"{what}: expected an int or a string like '7B', got {value!r}")
+        raise ConfigError(field, value, f"expected an int or a string such as {example}")
     if unit.lower() not in units:
-        raise ValueError(
-            f"{what}: unknown unit {unit!r} in {value!r}; accepted units: {unit_names}"
-        )
+        raise ConfigError(field, value, f"unknown unit {unit!r}; accepted units: {unit_names}")
     if number < 0:
-        raise ValueError(f"{what}: must be non-negative, got {value!r}")
+        raise ConfigError(field, value, "must be non-negative")
     result = number * units[unit.lower()]
     if result != result.to_integral_value():
-        raise ValueError(f"{what}: {value!r} is not a whole number ({result})")
+        raise ConfigError(field, value, f"is not a whole number ({result})")
     return int(result)
 
 
-def parse_count(value: int | float | str) -> int:
+def parse_count(value: int | float | str, *, field: str = "value") -> int:
     """Parses a parameter count such as ``"7B"``, ``"70e9"``, ``"1.5M"`` or ``7_000_000_000``.
 
     Suffixes are decimal and case-insensitive: K = 1e3, M = 1e6, B = 1e9 (billion), T = 1e12.
 
     Args:
       value: a non-negative int, an integral float, or a string with an optional suffix.
+      field: the name of the setting the value is for, used as the error's ``field``.
 
     Returns:
       The count as an int.
 
     Raises:
-      ValueError: for negative, non-numeric, non-integral values or unknown suffixes; the message
-        lists the accepted suffixes.
+      ConfigError: for negative, non-numeric, non-integral values or unknown suffixes; the
+        message lists the accepted suffixes.
 
     Example:
       >>> parse_count("7B"), parse_count("70e9"), parse_count("1.5M"), parse_count(405_000_000_000)
       (7000000000, 70000000000, 1500000, 405000000000)
+      >>> parse_count("7X", field="num_params")  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      effijax.errors.ConfigError: num_params='7X': unknown unit 'X'; accepted units: K (1e3), ...
     """
-    return _parse_number(value, _COUNT_UNITS, _COUNT_UNIT_NAMES, "count")
+    return _parse_number(value, _COUNT_UNITS, _COUNT_UNIT_NAMES, "'7B', '70e9', '1.5M'", field)
 
 
-def parse_bytes(value: int | float | str) -> int:
+def parse_bytes(value: int | float | str, *, field: str = "value") -> int:
     """Parses a memory size such as ``"80GB"`` (80e9), ``"80GiB"`` (80 * 2**30) or ``"512MiB"``.
 
     KB/MB/GB/TB/PB are powers of 1000, KiB/MiB/GiB/TiB/PiB powers of 1024; case-insensitive.
@@ -182,19 +198,21 @@ def parse_bytes(value: int | float | str) -> int:
 
     Args:
       value: a non-negative int, an integral float, or a string with an optional unit.
+      field: the name of the setting the value is for, used as the error's ``field``.
 
     Returns:
       The number of bytes as an int.
 
     Raises:
-      ValueError: for negative, non-numeric, fractional-byte values or unknown units; the message
-        lists the accepted units.
+      ConfigError: for negative, non-numeric, fractional-byte values or unknown units; the
+        message lists the accepted units.
 
     Example:
       >>> parse_bytes("80GB"), parse_bytes("80GiB"), parse_bytes("512MiB"), parse_bytes("1.5TB")
       (80000000000, 85899345920, 536870912, 1500000000000)
     """
-    return _parse_number(value, _BYTE_UNITS, _BYTE_UNIT_NAMES, "bytes")
+    return _parse_number(value, _BYTE_UNITS, _BYTE_UNIT_NAMES, "'80GB', '80GiB', '512MiB'",
+                         field)
 
 
 def format_bytes(num_bytes: int, unit: str | None = None) -> str:
@@ -205,6 +223,9 @@ def format_bytes(num_bytes: int, unit: str | None = None) -> str:
       unit: ``"B"``, ``"KB"``, ``"MB"``, ``"GB"``, ``"TB"`` or a binary unit such as ``"GiB"``;
         by default the largest of B, KB, MB, GB not above the value (GB, not TB, for large
         values, as the seed tables write 1120 GB).
+
+    Raises:
+      ConfigError: for an unknown ``unit``.
 
     Example:
       >>> format_bytes(1120 * 10**9), format_bytes(18_900_000_000), format_bytes(472_500_000)
@@ -218,7 +239,7 @@ def format_bytes(num_bytes: int, unit: str | None = None) -> str:
             if abs(num_bytes) >= _BYTE_UNITS[name.lower()]:
                 unit = name
     if unit.lower() not in _BYTE_UNITS:
-        raise ValueError(f"unit: unknown unit {unit!r}; accepted units: {_BYTE_UNIT_NAMES}")
+        raise ConfigError("unit", unit, f"unknown unit; accepted units: {_BYTE_UNIT_NAMES}")
     text = f"{num_bytes / _BYTE_UNITS[unit.lower()]:.2f}".rstrip("0").rstrip(".")
     return f"{text} {unit}"
 
@@ -268,27 +289,33 @@ class ModelStateBytes:
 def _check_choice(name: str, value: Any, accepted) -> str:
     key = value.strip().lower() if isinstance(value, str) else None
     if key not in accepted:
-        raise ValueError(f"{name}: unknown value {value!r}; accepted: {', '.join(accepted)}")
+        raise ConfigError(name, value, f"unknown {name}; accepted: {', '.join(accepted)}")
+    return key
+
+
+def _check_precision(value: Any) -> str:
+    """The canonical name (a key of PRECISIONS) of a precision or one of its aliases."""
+    key = value.strip().lower() if isinstance(value, str) else None
+    key = PRECISION_ALIASES.get(key, key)
+    if key not in PRECISIONS:
+        raise ConfigError("precision", value, f"unknown precision; accepted: "
+                          f"{', '.join(PRECISIONS)} (aliases: {', '.join(PRECISION_ALIASES)})")
     return key
 
 
 def _check_int(name: str, value: Any, low: int, high: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name}: expected an int, got {value!r}")
+        raise ConfigError(name, value, "expected an int")
     if value < low or (high is not None and value > high):
         bounds = f"in {low}..{high}" if high is not None else f">= {low}"
-        raise ValueError(f"{name}: must be {bounds}, got {value}")
+        raise ConfigError(name, value, f"must be {bounds}")
     return int(value)
 
 
 def _check_fraction(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"lora_fraction: expected a number in (0, 1], got {value!r}")
-    if not 0 < value <= 1:
-        raise ValueError(
-            f"lora_fraction: must be in (0, 1] (adapter parameters as a fraction of the base "
-            f"model's), got {value}"
-        )
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value <= 1:
+        raise ConfigError("lora_fraction", value, "must be a number in (0, 1] (adapter "
+                          "parameters as a fraction of the base model's, e.g. 0.01)")
     return float(value)
 
 
@@ -302,7 +329,7 @@ def model_states(
     num_params: int | str,
     *,
     optimizer: str = "adam",
-    precision: str = "mixed",
+    precision: str = "bf16",
     zero_stage: int = 0,
     devices: int = 1,
     lora_fraction: float | None = None,
@@ -310,12 +337,19 @@ def model_states(
 ) -> ModelStateBytes:
     """Closed-form per-device bytes of parameters, gradients and optimizer state.
 
-    Bytes per trained parameter (``precision``):
+    Bytes per trained parameter (``precision``, named as the policies of
+    :data:`effijax.precision.PRESETS`):
 
     * ``"fp32"``: params 4 (they are the master), grads 4, each moment 4.
-    * ``"mixed"``: params 2, grads 2, f32 master 4, each moment 4: (2 + 2 + 12) for Adam.
+    * ``"bf16"``, ``"fp16"``: params 2, grads 2, f32 master 4, each moment 4: (2 + 2 + 12) for
+      Adam, the seeds' "mixed precision" (``"mixed"`` is accepted as an alias of ``"bf16"``).
+      effijax's own train step keeps f32 params and grads instead (4 + 4 + 8, see
+      :func:`estimate_tree`): the same total.
     * ``"pure_bf16"``: params 2, grads 2, each moment 2, no master (optax gives bf16 params
       bf16 moments).
+
+    Other spellings (:data:`PRECISION_ALIASES`: ``"mixed"``, ``"float32"``, ``"bfloat16"``,
+    ``"half"``, ...) name the same precisions.
 
     Moments (``optimizer``): ``adam``/``adamw`` 2, ``lion``/``sgd_momentum`` 1, ``sgd`` 0.
 
@@ -330,7 +364,7 @@ def model_states(
     Args:
       num_params: Ψ, the model's (base) parameter count; an int or a string like ``"7B"``.
       optimizer: one of ``adam``, ``adamw``, ``lion``, ``sgd_momentum``, ``sgd``.
-      precision: one of ``fp32``, ``mixed``, ``pure_bf16``.
+      precision: one of ``fp32``, ``bf16``, ``fp16``, ``pure_bf16``, or an alias.
       zero_stage: 0 (DDP, everything replicated) to 3 (FSDP).
       devices: number of data-parallel devices (>= 1).
       lora_fraction: adapter parameters as a fraction of ``num_params``, in (0, 1]; None for full
@@ -342,7 +376,7 @@ def model_states(
       A :class:`ModelStateBytes` for one device.
 
     Raises:
-      ValueError: naming the argument, for unknown names, out-of-range stages, devices or
+      ConfigError: naming the argument, for unknown names, out-of-range stages, devices or
         fractions, or a non-positive parameter count.
 
     Example:
@@ -352,12 +386,16 @@ def model_states(
       140.0
       >>> model_states("7B", lora_fraction=0.01, zero_stage=3, devices=8).model_state_bytes / GB
       1.89
+      >>> model_states("7B", zero_stage=4)
+      Traceback (most recent call last):
+      effijax.errors.ConfigError: zero_stage=4: must be in 0..3
     """
-    num_params = parse_count(num_params)
-    if num_params < 1:
-        raise ValueError(f"num_params: must be >= 1, got {num_params}")
+    count = parse_count(num_params, field="num_params")
+    if count < 1:
+        raise ConfigError("num_params", num_params, "must be >= 1")
+    num_params = count
     optimizer = _check_choice("optimizer", optimizer, OPTIMIZERS)
-    precision = _check_choice("precision", precision, PRECISIONS)
+    precision = _check_precision(precision)
     zero_stage = _check_int("zero_stage", zero_stage, 0, 3)
     devices = _check_int("devices", devices, 1)
     per = PRECISIONS[precision]
@@ -367,9 +405,9 @@ def model_states(
         trainable, frozen, frozen_bits = num_params, 0, 0
     else:
         fraction = _check_fraction(lora_fraction)
-        frozen_dtype = _check_choice("frozen_dtype", frozen_dtype, _FROZEN_BITS)
+        frozen_dtype = _check_choice("frozen_dtype", frozen_dtype, FROZEN_DTYPES)
         trainable = max(1, round(fraction * num_params))
-        frozen, frozen_bits = num_params, _FROZEN_BITS[frozen_dtype]
+        frozen, frozen_bits = num_params, FROZEN_DTYPES[frozen_dtype]
 
     shard_opt, shard_grads, shard_params = zero_stage >= 1, zero_stage >= 2, zero_stage >= 3
     frozen_bytes = _per_device(frozen, frozen_bits, shard_params, devices)
@@ -395,10 +433,10 @@ def _to_dtype(value: Any, name: str) -> np.dtype:
         return np.dtype(_DTYPE_NAMES[value.strip().lower()])
     try:
         return np.dtype(value)
-    except TypeError as e:
-        raise ValueError(
-            f"{name}: {value!r} is not a dtype; use a dtype or one of {', '.join(_DTYPE_NAMES)}"
-        ) from e
+    except TypeError:
+        raise ConfigError(
+            name, value, f"not a dtype; use a dtype or one of {', '.join(_DTYPE_NAMES)}"
+        ) from None
 
 
 def _leaf_bytes(shape: tuple[int, ...], dtype: Any, sharded: bool, devices: int,
@@ -443,7 +481,7 @@ def estimate_tree(
       ``compute_dtype``; a transient inside the step, reported but not in ``model_state_bytes``.
 
     For Adam with f32 params this is 4 + 4 + 8 = 16 bytes per parameter, the same total as
-    :func:`model_states`'s ``"mixed"`` (2 + 2 + 12) and the same fields as its ``"fp32"``.
+    :func:`model_states`'s ``"bf16"`` (2 + 2 + 12) and the same fields as its ``"fp32"``.
 
     ZeRO sharding follows :func:`model_states`: stage >= 1 shards optimizer leaves, >= 2 gradient
     leaves, 3 parameter (and frozen, and compute-copy) leaves. A leaf is sharded only if one of
@@ -472,8 +510,9 @@ def estimate_tree(
       A :class:`ModelStateBytes` for one device.
 
     Raises:
-      ValueError: for a ``trainable`` tree of another structure or with non-bool leaves, a leaf
-        without shape and dtype, an unknown dtype, or out-of-range stage/devices.
+      ConfigError: naming the argument (and the leaf's '/'-joined path): a ``trainable`` tree of
+        another structure or with non-bool leaves, an empty tree or a leaf without shape and
+        dtype, an unknown dtype, or out-of-range stage/devices.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
@@ -491,13 +530,14 @@ def estimate_tree(
 
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
     if not with_paths:
-        raise ValueError("abstract_params: the tree has no leaves")
+        raise ConfigError("abstract_params", abstract_params, "the tree has no leaves; pass the "
+                          "parameters, e.g. jax.eval_shape(model.init, ...)")
     leaves = []
     for path, leaf in with_paths:
         if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
-            raise ValueError(
-                f"abstract_params: leaf {jax.tree_util.keystr(path)} is {type(leaf).__name__}, "
-                "not an array; pass jax.ShapeDtypeStruct leaves (jax.eval_shape) or arrays"
+            raise ConfigError(
+                "abstract_params", path_of(path), f"leaf is {type(leaf).__name__}, not an array; "
+                "pass jax.ShapeDtypeStruct leaves (jax.eval_shape) or arrays"
             )
         leaves.append((tuple(leaf.shape), np.dtype(leaf.dtype)))
 
@@ -506,16 +546,16 @@ def estimate_tree(
     else:
         try:
             mask = treedef.flatten_up_to(trainable)
-        except (ValueError, TypeError) as e:
-            raise ValueError(
-                "trainable: must be a pytree of bools with the structure of abstract_params "
-                f"({treedef.num_leaves} leaves); got {jax.tree.structure(trainable)}"
-            ) from e
+        except (ValueError, TypeError):
+            raise ConfigError(
+                "trainable", jax.tree.structure(trainable), "must be a pytree of bools with the "
+                f"structure of abstract_params ({treedef.num_leaves} leaves), or None"
+            ) from None
         for (path, _), flag in zip(with_paths, mask, strict=True):
             if not isinstance(flag, bool | np.bool_):
-                raise ValueError(
-                    f"trainable: leaf {jax.tree_util.keystr(path)} is {flag!r}; expected True "
-                    "(trained) or False (frozen)"
+                raise ConfigError(
+                    "trainable", path_of(path), f"leaf is {flag!r}; expected True (trained) or "
+                    "False (frozen)"
                 )
         mask = [bool(flag) for flag in mask]
 

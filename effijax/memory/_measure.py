@@ -29,6 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from effijax.errors import ConfigError
 from effijax.memory._activations import activation_bytes
 from effijax.memory._estimate import ModelStateBytes, estimate_tree, format_bytes
 
@@ -85,6 +86,7 @@ def measure(fn: Callable, *args, **kwargs) -> Measurement:
       A :class:`Measurement`.
 
     Raises:
+      ValueError: a ``Compiled`` program given together with arguments.
       RuntimeError: when the backend reports no memory analysis.
 
     Example:
@@ -96,6 +98,8 @@ def measure(fn: Callable, *args, **kwargs) -> Measurement:
     """
     if isinstance(fn, jax.stages.Compiled):
         if args or kwargs:
+            # A ValueError, not a ConfigError: a call that mixes up the two ways of calling
+            # measure is a bug in the calling code, not a setting.
             raise ValueError("measure: a Compiled program takes no arguments here; pass the "
                              "jitted function and its arguments, or the Compiled alone")
         compiled = fn
@@ -303,7 +307,8 @@ def activation_measure(
       :class:`ActivationPoint` s, variant-major, in the order of ``variants`` and ``seq_lens``.
 
     Raises:
-      ValueError: for an empty or non-positive ``seq_lens``, or an override the config rejects.
+      ConfigError: for an empty or non-positive ``seq_lens`` (``field="seq_lens"``), or an
+        override the config rejects (``field="variants['name']"``).
     """
     # Imported here: models pull in flax, which `import effijax.memory` (the CLI's estimator)
     # does not need.
@@ -316,7 +321,8 @@ def activation_measure(
     seq_lens = tuple(seq_lens)
     if not seq_lens or any(isinstance(s, bool) or not isinstance(s, int) or s < 1
                            for s in seq_lens):
-        raise ValueError(f"seq_lens: expected positive ints, got {seq_lens!r}")
+        raise ConfigError("seq_lens", seq_lens, "expected a non-empty sequence of positive ints, "
+                          "e.g. (256, 512, 1024)")
     variants = dict(ACTIVATION_VARIANTS if variants is None else variants)
     policy = get_policy(policy)
     optimizer = optax.adam(1e-3) if optimizer is None else optimizer
@@ -328,7 +334,8 @@ def activation_measure(
             try:
                 cfg = dataclasses.replace(config, seq_len=s, **overrides)
             except (TypeError, ValueError) as e:
-                raise ValueError(f"variants[{name!r}]: {e}") from e
+                raise ConfigError(f"variants[{name!r}]", overrides,
+                                  f"the model config rejects it: {e}") from e
             graphdef, abstract = abstract_split(cfg, policy)
             loss_fn = make_loss_fn(graphdef)
             step = jax.jit(make_train_step(lambda p, b, r, f=loss_fn: f(p, b, r)[0],

@@ -4,7 +4,7 @@ Memory-saving techniques cost something: communication, recomputation, throughpu
 LoRA) a different method. :func:`plan` tries them in order of that cost, as in the "strategy
 selection" of the study notes on efficient training, and stops at the first that fits:
 
-1. full fine-tuning, mixed precision, DDP, then ZeRO-1, ZeRO-2 (no extra communication over
+1. full fine-tuning, bf16 mixed precision, DDP, then ZeRO-1, ZeRO-2 (no extra communication over
    DDP), then ZeRO-3/FSDP (1.5x the communication);
 2. activation checkpointing of every block (about one extra forward pass);
 3. smaller micro-batches with gradient accumulation, so the global batch stays the same;
@@ -21,9 +21,10 @@ import math
 import numbers
 from decimal import Decimal
 
+from effijax.errors import ConfigError
 from effijax.memory._activations import _layer_terms, activation_bytes
 from effijax.memory._estimate import (
-    _FROZEN_BITS,
+    FROZEN_DTYPES,
     OPTIMIZERS,
     PRECISIONS,
     ModelStateBytes,
@@ -39,7 +40,7 @@ from effijax.memory._estimate import (
 __all__ = ["HEADROOM", "Plan", "plan"]
 
 HEADROOM = 0.10
-_PRECISION = "mixed"
+_PRECISION = "bf16"
 _STAGE_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3/FSDP"}
 
 
@@ -55,7 +56,8 @@ class Plan:
       device_memory: bytes of memory per device.
       usable_bytes: ``device_memory`` minus the headroom.
       optimizer: optimizer the states were counted for.
-      precision: always ``"mixed"`` (bf16 params and grads, f32 master and moments).
+      precision: always ``"bf16"`` (16-bit params and grads, f32 master and moments: the (2 +
+        2 + 12) accounting of :func:`model_states`).
       zero_stage: chosen ZeRO stage (0 = DDP).
       lora_fraction: adapter fraction if LoRA was needed, else None.
       checkpointing: ``"none"`` or ``"block"``.
@@ -120,7 +122,7 @@ def _state_formula(optimizer: str, stage: int, devices: int, lora_fraction, froz
         rep_terms += [_num(replicated)] if replicated else []
         shard_terms += [_num(sharded)] if sharded else []
     else:
-        frozen = _num(_FROZEN_BITS[frozen_dtype] / 8)
+        frozen = _num(FROZEN_DTYPES[frozen_dtype] / 8)
         (shard_terms if stage >= 3 else rep_terms).append(frozen)
         f = _num(lora_fraction)
         rep_terms += [f"{_num(replicated)} x {f}"] if replicated else []
@@ -156,7 +158,7 @@ def plan(
 ) -> Plan:
     """Recommends the cheapest configuration whose model states (and activations) fit.
 
-    Model states come from :func:`model_states` with ``precision="mixed"``; activations, when the
+    Model states come from :func:`model_states` with ``precision="bf16"``; activations, when the
     model shape and global batch are given, from the seed formula (:func:`activation_bytes`) with
     2-byte values, for a micro-batch of ``global_batch / devices / grad_accum_steps`` sequences.
     The order tried is described in the module docstring; the first configuration with
@@ -182,7 +184,8 @@ def plan(
       exception).
 
     Raises:
-      ValueError: for invalid arguments (naming the argument), not for a model that does not fit.
+      ConfigError: for invalid arguments (naming the argument), not for a model that does not
+        fit.
 
     Example:
       >>> p = plan("70B", devices=8, device_memory="80GB")
@@ -192,18 +195,20 @@ def plan(
       LoRA (0.01 adapters, bf16 frozen base), ZeRO-3/FSDP: model states
       (2 + 16 x 0.01)/8 B/param x 70e9 = 18.9 GB <= 72 GB usable
     """
-    num_params = parse_count(num_params)
-    if num_params < 1:
-        raise ValueError(f"num_params: must be >= 1, got {num_params}")
+    count = parse_count(num_params, field="num_params")
+    if count < 1:
+        raise ConfigError("num_params", num_params, "must be >= 1")
+    num_params = count
     devices = _check_int("devices", devices, 1)
-    device_memory = parse_bytes(device_memory)
-    if device_memory < 1:
-        raise ValueError(f"device_memory: must be positive, got {device_memory}")
+    memory = parse_bytes(device_memory, field="device_memory")
+    if memory < 1:
+        raise ConfigError("device_memory", device_memory, "must be positive, e.g. '80GB'")
+    device_memory = memory
     optimizer = _check_choice("optimizer", optimizer, OPTIMIZERS)
-    if isinstance(headroom, bool) or not isinstance(headroom, numbers.Real):
-        raise ValueError(f"headroom: must be a fraction in [0, 1), got {headroom!r}")
-    if not 0 <= headroom < 1:
-        raise ValueError(f"headroom: must be a fraction in [0, 1), got {headroom!r}")
+    if (isinstance(headroom, bool) or not isinstance(headroom, numbers.Real)
+            or not 0 <= headroom < 1):
+        raise ConfigError("headroom", headroom, "must be a fraction in [0, 1) of device_memory "
+                          "kept free, e.g. 0.1")
     lora_fraction = _check_fraction(lora_fraction)
     shape = {
         "layers": layers,
@@ -215,16 +220,16 @@ def plan(
     given = [k for k, v in shape.items() if v is not None]
     if given and len(given) < len(shape):
         missing = [k for k in shape if k not in given]
-        raise ValueError(
-            f"{', '.join(missing)}: missing; activations need all of "
-            f"{', '.join(shape)} (given: {', '.join(given)})"
+        raise ConfigError(
+            missing[0], None, f"required with {', '.join(given)}: activations need all of "
+            f"{', '.join(shape)} or none (missing: {', '.join(missing)})"
         )
     for name in given:
         _check_int(name, shape[name], 1)
     if given and global_batch % devices:
-        raise ValueError(
-            f"global_batch: {global_batch} does not divide evenly over {devices} devices; "
-            f"use a multiple of {devices}"
+        raise ConfigError(
+            "global_batch", global_batch, f"does not divide evenly over {devices} devices; use "
+            f"a multiple of {devices}"
         )
 
     usable = int(Decimal(device_memory) * (1 - Decimal(repr(float(headroom)))))
@@ -232,7 +237,7 @@ def plan(
     steps = [
         f"usable memory: {format_bytes(device_memory)} x (1 - {_num(headroom)} headroom) = "
         f"{fmt_usable} per device",
-        f"precision: mixed (bf16 params and grads, f32 master and {optimizer} state)",
+        f"precision: {_PRECISION} (16-bit params and grads, f32 master and {optimizer} state)",
     ]
     per_device_batch = global_batch // devices if given else None
     if given:

@@ -4,10 +4,12 @@
 targets, the memory formulas' numbers, the tokenizer); a family implements it on its frozen
 architecture config and registers with :func:`register_family`. The GPT is the first family:
 ``gpt_config("mini")`` is a model, ``model.init_params(key, policy)`` its parameters and
-``model.loss_fn()(params, batch, rng)`` its loss. The functional GPT API (``abstract_split``,
-``make_loss_fn``, ...) stays for code that works with a graphdef directly. Parameters are plain
-nested dicts whose '/'-joined paths (``blocks/attn/q/kernel``) are what precision overrides,
-sharding rules and LoRA targets match.
+``model.loss_fn()(params, batch, rng)`` its loss. The Llama family (``llama_config("llama-tiny")``,
+``"smollm2-135m"``, ...) is the second; its pretrained weights and :class:`Tokenizer` come from
+GGUF files and Hugging Face directories through :mod:`effijax.interop`. The functional GPT API
+(``abstract_split``, ``make_loss_fn``, ...) stays for code that works with a graphdef directly.
+Parameters are plain nested dicts whose '/'-joined paths (``blocks/attn/q/kernel``) are what
+precision overrides, sharding rules and LoRA targets match.
 """
 
 from effijax.models._attention import (
@@ -39,8 +41,12 @@ from effijax.models._interface import (
     LanguageModel,
     ModelShape,
     model_from_dict,
+    preset,
+    preset_names,
     register_family,
 )
+from effijax.models._llama import LLAMA_PRESETS, Llama, LlamaConfig, llama_config
+from effijax.models._tokenizer import PRE_TOKENIZERS, Tokenizer, byte_level_bpe
 
 __all__ = [
     "LanguageModel",
@@ -48,11 +54,20 @@ __all__ = [
     "FAMILIES",
     "register_family",
     "model_from_dict",
+    "preset",
+    "preset_names",
     "GPT",
     "GPTConfig",
     "gpt_config",
     "PRESETS",
     "param_count",
+    "Llama",
+    "LlamaConfig",
+    "llama_config",
+    "LLAMA_PRESETS",
+    "Tokenizer",
+    "byte_level_bpe",
+    "PRE_TOKENIZERS",
     "attend",
     "blockwise_attend",
     "xla_attend",

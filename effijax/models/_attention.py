@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 
 from effijax.models._blockwise import blockwise_attend, check_qkv, cudnn_unusable_reason
-from effijax.precision._islands import dot, softmax
+from effijax.models._layers import _dropout
+from effijax.precision import dot, softmax
 
 __all__ = [
     "ATTENTION",
@@ -88,19 +89,6 @@ def attend(
     probs_BHST = softmax(scores_BHST, axis=-1, where=mask_ST)
     probs_BHST = _dropout(probs_BHST, dropout_rate, dropout_key)
     return dot("bhst,bthk->bshk", probs_BHST, v_BTHK)
-
-
-def _dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
-    """Inverted dropout; the identity when ``key`` is None or ``rate`` is 0.
-
-    The same function as ``_gpt._dropout`` (residual dropout); kept here so that this module
-    does not import the model.
-    """
-    if key is None or rate == 0.0:
-        return x
-    keep = 1.0 - rate
-    mask = jax.random.bernoulli(key, keep, x.shape)
-    return jnp.where(mask, x / keep, jnp.zeros_like(x))
 
 
 def xla_attend(

@@ -24,9 +24,7 @@ import dataclasses
 import functools
 import math
 import re
-import zlib
-from collections.abc import Callable
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -37,9 +35,17 @@ from effijax.lora import LoraSpec, pairs, validate
 from effijax.models._attention import ATTENTION
 from effijax.models._blockwise import REMAT_POLICIES
 from effijax.models._interface import LanguageModel, ModelShape, register_family
-from effijax.precision._islands import cross_entropy, dot, layer_norm
-from effijax.precision._policy import Policy, get_policy
-from effijax.sharding import constrain_batch
+from effijax.models._layers import (
+    _constrain,
+    _Dense,
+    _dense,
+    _dropout,
+    _Embed,
+    _run_layers,
+    make_apply,
+    make_loss_fn,
+)
+from effijax.precision import Policy, get_policy, layer_norm
 
 __all__ = [
     "GPT",
@@ -226,6 +232,9 @@ PRESETS: dict[str, GPTConfig] = {
 }
 
 
+GPTConfig.presets = PRESETS
+
+
 def gpt_config(name: str, **overrides) -> GPTConfig:
     """Returns a preset :class:`GPTConfig`, with fields replaced by ``overrides``.
 
@@ -258,92 +267,7 @@ def param_count(config: GPTConfig) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# Building blocks.
-
-
-class _LoraHook(NamedTuple):
-    """One adapted kernel inside a traced layer: adds ``scale · dropout(x) @ a @ b``.
-
-    Built inside the scanned block from that layer's slice of the adapters (so it crosses no
-    transform boundary); ``scale`` and ``dropout`` are Python floats from the static spec.
-    """
-
-    a_DR: jax.Array
-    b_RF: jax.Array
-    scale: float
-    dropout: float
-    key: jax.Array | None
-
-
-def _dense(x_BSD: jax.Array, kernel_DF: jax.Array, bias_F: jax.Array | None,
-           lora: _LoraHook | None = None) -> jax.Array:
-    """The one matmul of the model: ``x @ kernel + bias`` with f32 accumulation.
-
-    Every parameter matmul goes through here (the tied head too, with the embedding transposed),
-    so LoRA hooks in here. A hook must reach tracing through the parameters or the static
-    graphdef, not through a module global: ``_run_blocks`` is jitted and reuses its traces.
-
-    With a LoRA hook the result is ``x @ kernel + (scale · x @ a) @ b + bias``: thin matmuls
-    only (``d_in × r``, ``r × d_out``), no ``d_in × d_out`` delta, and since ``kernel`` is not
-    differentiated when only the adapters are, no gradient for it is ever computed. The adapter
-    term has a hand-written backward (:func:`_lora_delta`). ``b = 0`` adds exact zeros, so a
-    fresh adapter leaves the output bit-identical.
-
-    The result has ``x``'s dtype; when a policy override keeps this kernel in another dtype, the
-    activations are cast to meet it (never the kernel). The same holds for the adapters (f32
-    adapters on a bf16 base run their matmuls in f32).
-    """
-    # Flatten the leading axes to one: a 2-D matmul's backward contracts over a single axis.
-    # XLA:CPU ran the thin adapter gradients of the 3-D einsum 5x slower than this.
-    lead = x_BSD.shape[:-1]
-    x_ND = x_BSD.reshape(-1, x_BSD.shape[-1])
-    y_NF = dot("nd,df->nf", x_ND.astype(kernel_DF.dtype), kernel_DF)
-    if lora is not None:
-        xa_ND = _dropout(x_ND, lora.dropout, lora.key).astype(lora.a_DR.dtype)
-        u_NF = _lora_delta(xa_ND, lora.a_DR, lora.b_RF, lora.scale)
-        y_NF = y_NF + u_NF.astype(y_NF.dtype)
-    if bias_F is not None:
-        y_NF = y_NF + bias_F.astype(y_NF.dtype)
-    return y_NF.reshape(*lead, y_NF.shape[-1]).astype(x_BSD.dtype)
-
-
-# The adapter term ``u = x (s·a) b`` with a hand-written backward. Autodiff of the einsums gives
-# the adapter gradients as ``da = xᵀ·dh`` and ``db = hᵀ·du``: dots whose left operand contracts
-# over its leading (token) axis. XLA:CPU hands only dots whose left operand contracts over its
-# last axis to its fast GEMM library (YNNPACK); the others take a generic fallback that is 4-7x
-# slower for these thin (d × r) outputs, e.g. 4.3 ms instead of 0.6 ms for xᵀ·dh with x of
-# 1024 × 1536 (benchmarks/RESULTS.md, issue 4). So the backward computes ``daᵀ = dhᵀ·x`` and
-# ``db = hᵀ·du`` from row-major ``r × n`` operands (``dhᵀ = b·duᵀ`` is itself such a dot) and
-# transposes only ``r × n`` and ``r × d`` arrays. Those transposes are pinned with
-# ``optimization_barrier``: XLA otherwise folds them back into the dots' dimension numbers, which
-# is exactly the slow form. The scale multiplies ``a`` (d × r), not an activation.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _lora_delta(x_ND: jax.Array, a_DR: jax.Array, b_RF: jax.Array, scale: float) -> jax.Array:
-    return _lora_delta_fwd(x_ND, a_DR, b_RF, scale)[0]
-
-
-def _materialize(x: jax.Array) -> jax.Array:
-    """``x`` as its own buffer: keeps XLA from folding a transpose into the dot that reads it."""
-    return jax.lax.optimization_barrier(x)
-
-
-def _lora_delta_fwd(x_ND, a_DR, b_RF, scale):
-    as_DR = a_DR * jnp.asarray(scale, a_DR.dtype)
-    h_NR = dot("nd,dr->nr", x_ND, as_DR)
-    u_NF = dot("nr,rf->nf", h_NR, b_RF)
-    return u_NF, (x_ND, _materialize(h_NR.T), as_DR, b_RF)
-
-
-def _lora_delta_bwd(scale, residuals, du_NF):
-    x_ND, h_RN, as_DR, b_RF = residuals
-    dh_RN = dot("rf,nf->rn", b_RF, du_NF)
-    dx_ND = dot("nr,dr->nd", _materialize(dh_RN.T), as_DR)
-    das_RD = dot("rn,nd->rd", dh_RN, x_ND) * jnp.asarray(scale, x_ND.dtype)
-    db_RF = dot("rn,nf->rf", h_RN, du_NF)
-    return dx_ND, _materialize(das_RD).T, db_RF
-
-
-_lora_delta.defvjp(_lora_delta_fwd, _lora_delta_bwd)
+# Building blocks (the generic ones are in effijax.models._layers).
 
 
 # tanh-GELU that keeps only its input for the backward pass and recomputes the rest there.
@@ -368,43 +292,6 @@ def _gelu_bwd(x, g):
 _gelu.defvjp(_gelu_fwd, _gelu_bwd)
 
 
-def _constrain(x_BSD: jax.Array) -> jax.Array:
-    """Sharding hook on the residual stream, called at every block boundary.
-
-    Under a mesh set with ``jax.set_mesh`` the batch axis is pinned to ``("data", "fsdp")``
-    (:func:`effijax.sharding.constrain_batch`), so XLA keeps activations batch-sharded and gathers
-    FSDP's weights instead of splitting the model the tensor-parallel way; with no mesh it is the
-    identity.
-    """
-    return constrain_batch(x_BSD)
-
-
-def _dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
-    """Inverted dropout; the identity when ``key`` is None or ``rate`` is 0."""
-    if key is None or rate == 0.0:
-        return x
-    keep = 1.0 - rate
-    mask = jax.random.bernoulli(key, keep, x.shape)
-    return jnp.where(mask, x / keep, jnp.zeros_like(x))
-
-
-def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> jax.Array:
-    return std * jax.random.normal(rngs.params(), shape, jnp.float32)
-
-
-class _Dense(nnx.Module):
-    """A (stackable) dense layer: ``kernel`` in Flax's (in, out) layout and a bias."""
-
-    def __init__(self, d_in: int, d_out: int, *, std: float, stack: tuple[int, ...],
-                 rngs: nnx.Rngs):
-        self.kernel = nnx.Param(_normal(rngs, (*stack, d_in, d_out), std))
-        self.bias = nnx.Param(jnp.zeros((*stack, d_out), jnp.float32))
-
-    def __call__(self, x: jax.Array, lora: dict | None = None) -> jax.Array:
-        hook = None if lora is None else lora.get("kernel")
-        return _dense(x, self.kernel[...], self.bias[...], hook)
-
-
 class _LayerNorm(nnx.Module):
     def __init__(self, d: int, *, eps: float, stack: tuple[int, ...]):
         self.scale = nnx.Param(jnp.ones((*stack, d), jnp.float32))
@@ -413,11 +300,6 @@ class _LayerNorm(nnx.Module):
 
     def __call__(self, x_BSD: jax.Array) -> jax.Array:
         return layer_norm(x_BSD, self.scale[...], self.bias[...], self.eps)
-
-
-class _Embed(nnx.Module):
-    def __init__(self, n: int, d: int, *, rngs: nnx.Rngs):
-        self.embedding = nnx.Param(_normal(rngs, (n, d), _INIT_STD))
 
 
 class _Attention(nnx.Module):
@@ -491,40 +373,6 @@ class _Block(nnx.Module):
 
 # The kernels the factored LoRA apply can adapt: those of the blocks' ``_Dense`` layers.
 _ADAPTABLE = re.compile(r"^blocks/(attn/[qkvo]|mlp/fc_(in|out))/kernel$")
-
-
-def _lora_hooks(adapters, spec: LoraSpec, key: jax.Array | None, path: str = "blocks"):
-    """One layer's adapters (``{"attn": {"q": {"kernel": {"a", "b"}}}}``) as :class:`_LoraHook`s."""
-    if set(adapters) == {"a", "b"}:
-        hook_key = None
-        if key is not None and spec.dropout > 0:
-            hook_key = jax.random.fold_in(key, zlib.crc32(path.encode()) & 0x7FFFFFFF)
-        return _LoraHook(adapters["a"], adapters["b"], spec.scale_for(path), spec.dropout,
-                         hook_key)
-    return {k: _lora_hooks(v, spec, key, f"{path}/{k}") for k, v in adapters.items()}
-
-
-# Jitted so that an eager (NNX-style) call compiles the layer stack once per shape instead of
-# retracing the scan every call; inside an outer jit it is simply inlined.
-@functools.partial(jax.jit, static_argnames=("graphdef", "remat", "lora"))
-def _run_blocks(x_BSD, stacked, keys_L, adapters=None, *, graphdef: nnx.GraphDef, remat: str,
-                lora: LoraSpec | None = None):
-    """Scans the stacked blocks over the residual stream, one layer's parameters per step.
-
-    ``adapters`` (the ``blocks`` subtree of a LoRA adapter tree, stacked along ``L`` like the
-    kernels) is scanned together with the block parameters.
-    """
-
-    def body(x_BSD, layer):
-        layer_state, layer_key, layer_adapters = layer
-        hooks = None if layer_adapters is None else _lora_hooks(layer_adapters, lora, layer_key)
-        x_BSD = nnx.merge(graphdef, layer_state)(x_BSD, layer_key, hooks)
-        return _constrain(x_BSD), None
-
-    if REMAT[remat] is not None:
-        body = jax.checkpoint(body, policy=REMAT[remat], prevent_cse=False)
-    x_BSD, _ = jax.lax.scan(body, x_BSD, (stacked, keys_L, adapters))
-    return x_BSD
 
 
 class GPT(nnx.Module):
@@ -618,8 +466,9 @@ class GPT(nnx.Module):
         graphdef, stacked = nnx.split(self.blocks)
         keys_L = None if key is None else jax.random.split(key, cfg.n_layers)
         block_adapters = None if adapters is None else adapters.get("blocks")
-        x_BSD = _run_blocks(x_BSD, stacked, keys_L, block_adapters, graphdef=graphdef,
-                            remat=cfg.remat, lora=None if block_adapters is None else lora)
+        x_BSD = _run_layers(x_BSD, stacked, keys_L, block_adapters, graphdef=graphdef,
+                            remat=REMAT[cfg.remat], lora=None if block_adapters is None else lora,
+                            path="blocks")
 
         x_BSD = self.ln_f(x_BSD)
         # Tied head: the token embedding, used transposed.
@@ -645,102 +494,6 @@ def split_params(model: GPT) -> tuple[nnx.GraphDef, dict]:
     """
     graphdef, state = nnx.split(model, nnx.Param)
     return graphdef, nnx.to_pure_dict(state)
-
-
-def _split_lora_params(params) -> tuple[Any, Any]:
-    if not (isinstance(params, dict) and set(params) == {"base", "adapters"}):
-        got = sorted(params) if isinstance(params, dict) else type(params).__name__
-        raise ValueError(
-            "with lora=spec, params must be {'base': params, 'adapters': adapters} (the adapters "
-            f"from effijax.lora.init); got {got}"
-        )
-    return params["base"], params["adapters"]
-
-
-def make_apply(graphdef: nnx.GraphDef, lora: LoraSpec | None = None
-               ) -> Callable[..., jax.Array]:
-    """Returns ``apply(params, tokens_BS, *, rng=None, deterministic=True) -> logits_BSV``.
-
-    ``params`` are used in their own dtype: cast them with ``policy.cast_to_compute`` first for
-    mixed precision. Dropout runs when ``deterministic=False`` and the config's rate is positive;
-    ``rng`` is then a ``jax.random`` key (pass a fresh one each step).
-
-    With ``lora`` (a :class:`~effijax.lora.LoraSpec`), ``params`` is ``{"base": params,
-    "adapters": adapters}`` and the adapted kernels compute ``x w + s·(x a) b`` (factored: no
-    ``d_in × d_out`` delta is formed). To train only the adapters, see
-    :func:`effijax.lora.freeze_base`.
-
-    Example:
-      >>> import jax, jax.numpy as jnp
-      >>> from effijax import lora
-      >>> graphdef, params = abstract_split(gpt_config("tiny"))
-      >>> params = init_params(gpt_config("tiny"), None, jax.random.key(0))
-      >>> tokens = jnp.zeros((1, 4), jnp.int32)
-      >>> make_apply(graphdef)(params, tokens).shape
-      (1, 4, 256)
-      >>> spec = lora.LoraSpec()
-      >>> adapters = lora.init(jax.random.key(1), params, spec)
-      >>> logits = make_apply(graphdef, spec)({"base": params, "adapters": adapters}, tokens)
-      >>> bool(jnp.all(logits == make_apply(graphdef)(params, tokens)))  # b = 0 at init
-      True
-    """
-    if lora is not None and not isinstance(lora, LoraSpec):
-        raise TypeError(f"lora: expected a LoraSpec or None, got {type(lora).__name__}")
-
-    def apply(params, tokens_BS, *, rng=None, deterministic=True):
-        if lora is None:
-            model = nnx.merge(graphdef, params)
-            return model(tokens_BS, deterministic=deterministic, rngs=rng)
-        base, adapters = _split_lora_params(params)
-        model = nnx.merge(graphdef, base)
-        return model(tokens_BS, deterministic=deterministic, rngs=rng, adapters=adapters,
-                     lora=lora)
-
-    return apply
-
-
-def make_loss_fn(graphdef: nnx.GraphDef, lora: LoraSpec | None = None
-                 ) -> Callable[..., tuple[jax.Array, dict]]:
-    """Returns ``loss_fn(params, batch, rng=None) -> (loss, {"accuracy": acc})``.
-
-    ``batch`` is ``{"inputs": int32[B, S], "targets": int32[B, S]}``; the loss is the mean token
-    cross-entropy in f32, the accuracy the f32 fraction of argmax hits. Dropout is active when
-    ``rng`` is a key and the config's dropout rate is positive. With ``lora``, ``params`` is
-    ``{"base": ..., "adapters": ...}`` as in :func:`make_apply`; wrap the loss in
-    :func:`effijax.lora.freeze_base` to differentiate only the adapters.
-
-    Example:
-      >>> import jax, jax.numpy as jnp
-      >>> config = gpt_config("tiny")
-      >>> graphdef, _ = abstract_split(config)
-      >>> params = init_params(config, None, jax.random.key(0))
-      >>> batch = {"inputs": jnp.zeros((2, 8), jnp.int32), "targets": jnp.ones((2, 8), jnp.int32)}
-      >>> loss, aux = make_loss_fn(graphdef)(params, batch)
-      >>> loss.dtype, sorted(aux)
-      (dtype('float32'), ['accuracy'])
-    """
-    apply = make_apply(graphdef, lora)
-
-    def loss_fn(params, batch, rng=None):
-        missing = {"inputs", "targets"} - set(batch)
-        if missing:
-            raise KeyError(
-                f"batch is missing {sorted(missing)}; expected "
-                "{'inputs': int32[B, S], 'targets': int32[B, S]}"
-            )
-        targets_BS = batch["targets"]
-        logits_BSV = apply(params, batch["inputs"], rng=rng, deterministic=rng is None)
-        mask_BS = batch.get("mask")
-        trained_BS = None if mask_BS is None else mask_BS != 0
-        loss = cross_entropy(logits_BSV, targets_BS, where=trained_BS)
-        hits_BS = (jnp.argmax(logits_BSV, axis=-1) == targets_BS).astype(jnp.float32)
-        if trained_BS is None:
-            return loss, {"accuracy": jnp.mean(hits_BS)}
-        weight_BS = trained_BS.astype(jnp.float32)
-        accuracy = jnp.sum(hits_BS * weight_BS) / jnp.maximum(jnp.sum(weight_BS), 1.0)
-        return loss, {"accuracy": accuracy}
-
-    return loss_fn
 
 
 @functools.lru_cache(maxsize=32)

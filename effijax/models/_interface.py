@@ -30,7 +30,8 @@ import numpy as np
 
 from effijax.errors import ConfigError
 
-__all__ = ["LanguageModel", "ModelShape", "register_family", "model_from_dict", "FAMILIES"]
+__all__ = ["LanguageModel", "ModelShape", "register_family", "model_from_dict", "FAMILIES",
+           "preset", "preset_names"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +72,8 @@ class LanguageModel(abc.ABC):
     """
 
     family: ClassVar[str]
+    # The family's named configurations (one table per family; names are unique across them).
+    presets: ClassVar[dict[str, LanguageModel]]
     # Fields (or properties) every implementation has: the training sequence length (tokens
     # per row of a batch) and the number of token ids.
     seq_len: int
@@ -177,3 +180,32 @@ def model_from_dict(fields: dict) -> LanguageModel:
                           f"unknown model family; known: {', '.join(sorted(FAMILIES))}{hint}")
     rest = {k: v for k, v in fields.items() if k != "family"}
     return FAMILIES[family].from_dict(rest)
+
+
+def preset_names() -> list[str]:
+    """Every registered family's preset names.
+
+    Example:
+      >>> preset_names()[:4]
+      ['tiny', 'mini', 'small', 'base']
+    """
+    return [name for cls in FAMILIES.values() for name in cls.presets]
+
+
+def preset(name: str) -> LanguageModel:
+    """The model a preset name stands for, whatever its family.
+
+    Raises:
+      ConfigError: an unknown name (naming the closest preset).
+
+    Example:
+      >>> preset("mini").name
+      'mini GPT'
+    """
+    for cls in FAMILIES.values():
+        if name in cls.presets:
+            return cls.presets[name]
+    close = difflib.get_close_matches(str(name), preset_names(), n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise ConfigError("model", name, f"unknown model preset; {hint}presets: "
+                      f"{', '.join(preset_names())}")

@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from effijax.errors import ConfigError
+
 __all__ = ["accumulate"]
 
 
@@ -34,6 +36,9 @@ def accumulate(inner: optax.GradientTransformation, every_k: int
       A transformation whose state is an ``optax.MultiStepsState``. Updates are zero on the
       micro-steps and the inner update on every k-th.
 
+    Raises:
+      ConfigError: ``every_k`` is not an int >= 1.
+
     Example:
       >>> import jax.numpy as jnp, optax
       >>> from effijax.precision import dynamic_loss_scale
@@ -48,8 +53,9 @@ def accumulate(inner: optax.GradientTransformation, every_k: int
       >>> float(u["w"][0])
       -2.0
     """
-    if not (isinstance(every_k, int) and every_k >= 1):
-        raise ValueError(f"every_k must be an int >= 1, got {every_k!r}")
+    if isinstance(every_k, bool) or not (isinstance(every_k, int) and every_k >= 1):
+        raise ConfigError("every_k", every_k, "must be an int >= 1 (micro-steps per effective "
+                          "step; 1 applies every step)")
     multi = optax.MultiSteps(inner, every_k_schedule=every_k)
 
     # optax's MultiSteps mixes f32 with int32 and int32 with bool, which strict dtype promotion

@@ -8,7 +8,8 @@ compute-dtype inputs, does its reduction in f32, and returns the dtype a caller 
   and emits the inputs' dtype;
 * :func:`softmax` returns the input dtype (for attention probabilities), computed in f32;
 * :func:`log_softmax`, :func:`cross_entropy` return f32;
-* :func:`layer_norm` computes mean and variance in f32 and returns the input dtype.
+* :func:`layer_norm` computes mean and variance in f32 and returns the input dtype;
+* :func:`rms_norm` computes the mean square in f32 and returns the input dtype.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["dot", "softmax", "log_softmax", "cross_entropy", "layer_norm"]
+__all__ = ["dot", "softmax", "log_softmax", "cross_entropy", "layer_norm", "rms_norm"]
 
 
 def dot(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
@@ -31,6 +32,8 @@ def dot(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
       dtype(bfloat16)
     """
     if x.dtype != w.dtype:
+        # A ValueError, not a ConfigError: mismatched operands are a bug in the model code, not
+        # a setting a user can change.
         raise ValueError(
             f"dot({equation!r}): operand dtypes differ ({x.dtype} vs {w.dtype}); cast the "
             "parameters with Policy.cast_to_compute before applying the model"
@@ -80,6 +83,7 @@ def cross_entropy(
       >>> float(cross_entropy(jnp.zeros((2, 4), jnp.bfloat16), jnp.array([0, 3])))  # log(4)
       1.3862943649291992
     """
+    # Plain ValueErrors: wrong label dtypes or shapes are bugs in the calling code, not settings.
     if not jnp.issubdtype(labels.dtype, jnp.integer):
         raise ValueError(f"cross_entropy: labels must be integer class ids, got {labels.dtype}")
     if labels.shape != logits.shape[:-1]:
@@ -117,4 +121,25 @@ def layer_norm(
         y = y * scale.astype(jnp.float32)
     if bias is not None:
         y = y + bias.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array | None, eps: float = 1e-6) -> jax.Array:
+    """Root-mean-square normalisation over the last axis in f32, returned in ``x``'s dtype.
+
+    ``x / sqrt(mean(x²) + eps) · scale`` (Llama's RMSNorm: no mean subtraction, no bias). The
+    statistic, the normalisation and the scale run in f32; Hugging Face's ``LlamaRMSNorm`` casts
+    back before the scale, which differs from this only in the compute dtype's last bit.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> y = rms_norm(jnp.array([[3.0, -4.0]], jnp.bfloat16), jnp.array([1.0, 2.0]), eps=0.0)
+      >>> y.dtype, y.tolist()  # rms = sqrt((9 + 16) / 2)
+      (dtype(bfloat16), [[0.84765625, -2.265625]])
+    """
+    x32 = x.astype(jnp.float32)
+    ms = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+    y = x32 * jax.lax.rsqrt(ms + jnp.float32(eps))
+    if scale is not None:
+        y = y * scale.astype(jnp.float32)
     return y.astype(x.dtype)

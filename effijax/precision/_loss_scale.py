@@ -34,6 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from effijax.errors import ConfigError
+
 __all__ = [
     "DynamicLossScaleState",
     "StaticLossScaleState",
@@ -167,53 +169,49 @@ def _skip_or_apply(
     return jax.tree.map(out, inner_updates, like), new_inner_state, finite
 
 
-def _check_inner(inner: Any, fn_name: str) -> optax.GradientTransformationExtraArgs:
+def _check_inner(inner: Any) -> optax.GradientTransformationExtraArgs:
     if not isinstance(inner, optax.GradientTransformation):
         hint = ""
         if hasattr(inner, "init") and hasattr(inner, "update"):
             hint = (
-                " It has init/update methods: pass `inner.gradient_transformation()` (for "
-                "optax.MultiSteps) or `optax.GradientTransformation(inner.init, inner.update)`."
+                "; it has init/update methods: pass `inner.gradient_transformation()` (for "
+                "optax.MultiSteps) or `optax.GradientTransformation(inner.init, inner.update)`"
             )
-        raise ValueError(
-            f"{fn_name}: inner must be an optax.GradientTransformation (e.g. optax.adamw(1e-3) "
-            f"or an optax.chain), got {type(inner).__name__}: {inner!r}.{hint}"
+        raise ConfigError(
+            "inner", inner, "must be an optax.GradientTransformation (e.g. optax.adamw(1e-3) or "
+            f"an optax.chain), got {type(inner).__name__}{hint}"
         )
     return optax.with_extra_args_support(inner)
 
 
-def _check_scale(fn_name: str, name: str, value: Any) -> float:
+def _check_scale(name: str, value: Any) -> float:
     try:
         v = float(value)
     except (TypeError, ValueError):
-        raise ValueError(
-            f"{fn_name}: {name} must be a positive finite float, got {value!r}."
-        ) from None
+        raise ConfigError(name, value, "must be a positive finite float, e.g. 2.0**16") from None
     if not (math.isfinite(v) and 0.0 < v <= _F32_MAX):
-        raise ValueError(
-            f"{fn_name}: {name} must be a positive finite float representable in float32 "
-            f"(0 < {name} <= {_F32_MAX:.8g}), got {value!r}."
+        raise ConfigError(
+            name, value, f"must be a positive finite float representable in float32 "
+            f"(0 < {name} <= {_F32_MAX:.8g})"
         )
     return v
 
 
-def _check_int(fn_name: str, name: str, value: Any) -> int:
+def _check_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise ValueError(f"{fn_name}: {name} must be an int >= 1, got {value!r}.")
+        raise ConfigError(name, value, "must be an int >= 1")
     if not 1 <= int(value) <= np.iinfo(np.int32).max:
-        raise ValueError(
-            f"{fn_name}: {name} must be an int >= 1 (and fit in int32), got {value!r}."
-        )
+        raise ConfigError(name, value, "must be an int >= 1 (and fit in int32)")
     return int(value)
 
 
-def _check_factor(fn_name: str, name: str, value: Any, accepted: str, ok) -> float:
+def _check_factor(name: str, value: Any, accepted: str, ok) -> float:
     try:
         v = float(value)
     except (TypeError, ValueError):
         v = math.nan
     if not (math.isfinite(v) and ok(v)):
-        raise ValueError(f"{fn_name}: {name} must be {accepted}, got {value!r}.")
+        raise ConfigError(name, value, f"must be {accepted}")
     return v
 
 
@@ -271,7 +269,8 @@ def dynamic_loss_scale(
       :class:`DynamicLossScaleState`.
 
     Raises:
-      ValueError: naming the argument, its value and what is accepted, before any tracing.
+      ConfigError: naming the argument (``init_scale``, ``growth_interval``, ``inner``, ...), its
+        value and what is accepted, before any tracing.
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -286,29 +285,24 @@ def dynamic_loss_scale(
       >>> updates["w"].tolist(), float(loss_scale_of(state)), int(skipped_steps_of(state))
       ([0.0, 0.0], 4.0, 1)
     """
-    name = "dynamic_loss_scale"
-    inner = _check_inner(inner, name)
-    init_scale = _check_scale(name, "init_scale", init_scale)
-    min_scale = _check_scale(name, "min_scale", min_scale)
-    max_scale = _check_scale(name, "max_scale", max_scale)
+    inner = _check_inner(inner)
+    init_scale = _check_scale("init_scale", init_scale)
+    min_scale = _check_scale("min_scale", min_scale)
+    max_scale = _check_scale("max_scale", max_scale)
     growth_factor = _check_factor(
-        name, "growth_factor", growth_factor, "a finite float > 1", lambda v: v > 1.0
+        "growth_factor", growth_factor, "a finite float > 1, e.g. 2.0", lambda v: v > 1.0
     )
     backoff_factor = _check_factor(
-        name, "backoff_factor", backoff_factor, "a float in (0, 1)", lambda v: 0.0 < v < 1.0
+        "backoff_factor", backoff_factor, "a float in (0, 1), e.g. 0.5", lambda v: 0.0 < v < 1.0
     )
-    growth_interval = _check_int(name, "growth_interval", growth_interval)
-    hysteresis = _check_int(name, "hysteresis", hysteresis)
+    growth_interval = _check_int("growth_interval", growth_interval)
+    hysteresis = _check_int("hysteresis", hysteresis)
     if min_scale > init_scale:
-        raise ValueError(
-            f"{name}: min_scale must be <= init_scale, got min_scale={min_scale!r} > "
-            f"init_scale={init_scale!r}."
-        )
+        raise ConfigError("min_scale", min_scale, f"must be <= init_scale={init_scale!r}; "
+                          "lower min_scale or raise init_scale")
     if init_scale > max_scale:
-        raise ValueError(
-            f"{name}: init_scale must be <= max_scale, got init_scale={init_scale!r} > "
-            f"max_scale={max_scale!r}."
-        )
+        raise ConfigError("init_scale", init_scale, f"must be <= max_scale={max_scale!r}; "
+                          "lower init_scale or raise max_scale")
 
     def init_fn(params):
         return DynamicLossScaleState(
@@ -371,7 +365,8 @@ def static_loss_scale(
       :class:`StaticLossScaleState`.
 
     Raises:
-      ValueError: if ``scale`` is not positive and finite or ``inner`` is not a transform.
+      ConfigError: ``scale`` is not positive and finite in f32, or ``inner`` is not an optax
+        transformation; before any tracing.
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -382,9 +377,8 @@ def static_loss_scale(
       >>> updates["w"].tolist(), float(loss_scale_of(state)), bool(step_skipped(state))
       ([-1.0, -2.0], 1024.0, False)
     """
-    name = "static_loss_scale"
-    inner = _check_inner(inner, name)
-    scale = _check_scale(name, "scale", scale)
+    inner = _check_inner(inner)
+    scale = _check_scale("scale", scale)
 
     def init_fn(params):
         return StaticLossScaleState(

@@ -21,11 +21,11 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from effijax.paths import compile_pattern
-from effijax.precision._cast import cast_floating
+from effijax.errors import ConfigError
+from effijax.precision._cast import _check_overrides, cast_floating
 from effijax.precision._dtypes import parse_dtype
 
-__all__ = ["Policy", "get_policy", "parse_dtype", "PRESETS"]
+__all__ = ["Policy", "get_policy", "parse_dtype", "PRESETS", "PRESET_ALIASES"]
 
 _FIELD_NAMES = {
     "p": "param_dtype",
@@ -54,6 +54,10 @@ class Policy:
         instead, e.g. ``(("ln|norm", "f32"),)`` keeps normalisation scales in f32 under
         ``pure_bf16``. Regexes and dtypes are validated at construction.
 
+    Raises:
+      ConfigError: naming the field (``compute_dtype``, ``overrides[0]``, ...) for a dtype that
+        is not f32, bf16 or f16 (or one of their names), or a malformed override.
+
     Example:
       >>> import jax.numpy as jnp
       >>> p = Policy.from_string("params=float32,compute=bfloat16,output=float32")
@@ -75,17 +79,8 @@ class Policy:
     def __post_init__(self):
         for name in ("param_dtype", "compute_dtype", "output_dtype"):
             object.__setattr__(self, name, parse_dtype(getattr(self, name), field=name))
-        rules = []
-        for i, rule in enumerate(self.overrides):
-            if not (isinstance(rule, tuple | list) and len(rule) == 2):
-                raise ValueError(
-                    f"overrides[{i}]: expected (path_regex, dtype), got {rule!r}"
-                )
-            pattern, dtype = rule
-            compile_pattern(pattern, field=f"overrides[{i}]")
-            rules.append((pattern if isinstance(pattern, str) else pattern.pattern,
-                          parse_dtype(dtype, field=f"overrides[{i}] dtype")))
-        object.__setattr__(self, "overrides", tuple(rules))
+        rules = _check_overrides(self.overrides)
+        object.__setattr__(self, "overrides", tuple((p.pattern, d) for p, d in rules))
 
     @classmethod
     def from_string(cls, spec: str) -> Policy:
@@ -93,31 +88,38 @@ class Policy:
 
         Fields left out default to float32. A bare preset name (``"bf16"``) is accepted too.
 
+        Raises:
+          ConfigError: with ``field="spec"``: an item that is not ``name=dtype``, an unknown
+            field or dtype name, a field given twice, or an unknown preset.
+
         Example:
           >>> Policy.from_string("p=f32,c=f16,o=f32").compute_dtype
           dtype('float16')
+          >>> Policy.from_string("params=f32,weights=bf16")  # doctest: +ELLIPSIS
+          Traceback (most recent call last):
+          effijax.errors.ConfigError: spec='params=f32,weights=bf16': unknown field 'weights'; ...
         """
         if not isinstance(spec, str) or not spec.strip():
-            raise ValueError(f"policy string must be a non-empty str, got {spec!r}")
+            raise ConfigError("spec", spec, f"expected a non-empty str: a preset "
+                              f"({', '.join(PRESETS)}) or {_SPEC_EXAMPLE}")
         if "=" not in spec:
-            return get_policy(spec)
+            return _preset(spec, "spec")
         kwargs = {}
         for part in spec.split(","):
             if "=" not in part:
-                raise ValueError(
-                    f"policy string {spec!r}: item {part!r} is not 'name=dtype'; "
-                    "write e.g. 'params=f32,compute=bf16,output=f32'"
-                )
+                raise ConfigError("spec", spec, f"item {part!r} is not 'name=dtype'; write e.g. "
+                                  f"{_SPEC_EXAMPLE}")
             key, value = (s.strip().lower() for s in part.split("=", 1))
             if key not in _FIELD_NAMES:
-                raise ValueError(
-                    f"policy string {spec!r}: unknown field {key!r}; accepted: "
-                    f"{', '.join(sorted(_FIELD_NAMES))}"
-                )
+                raise ConfigError("spec", spec, f"unknown field {key!r}; accepted: "
+                                  f"{', '.join(sorted(_FIELD_NAMES))}")
             name = _FIELD_NAMES[key]
             if name in kwargs:
-                raise ValueError(f"policy string {spec!r}: {name} given twice")
-            kwargs[name] = parse_dtype(value, field=name)
+                raise ConfigError("spec", spec, f"{name} given twice")
+            try:
+                kwargs[name] = parse_dtype(value, field=name)
+            except ConfigError as e:
+                raise ConfigError("spec", spec, str(e)) from None
         return cls(**kwargs)
 
     def __str__(self) -> str:
@@ -156,15 +158,35 @@ PRESETS: dict[str, Policy] = {
     "fp16": Policy(jnp.float32, jnp.float16, jnp.float32),
     "pure_bf16": Policy(jnp.bfloat16, jnp.bfloat16, jnp.float32),
 }
-_PRESET_ALIASES = {"f32": "fp32", "float32": "fp32", "full": "fp32", "bfloat16": "bf16",
-                   "f16": "fp16", "float16": "fp16", "half": "fp16"}
+# Other spellings of the preset names (what parse_dtype accepts for the compute dtype).
+PRESET_ALIASES: dict[str, str] = {
+    "f32": "fp32", "float32": "fp32", "full": "fp32", "bfloat16": "bf16", "f16": "fp16",
+    "float16": "fp16", "half": "fp16",
+}
+_SPEC_EXAMPLE = "a string like 'params=f32,compute=bf16,output=f32'"
+
+
+def _preset(name: str, field: str) -> Policy:
+    key = name.strip().lower()
+    key = PRESET_ALIASES.get(key, key)
+    if key not in PRESETS:
+        raise ConfigError(field, name, f"unknown precision policy; presets: {', '.join(PRESETS)} "
+                          f"(aliases: {', '.join(PRESET_ALIASES)}), or {_SPEC_EXAMPLE}")
+    return PRESETS[key]
 
 
 def get_policy(name: str | Policy) -> Policy:
     """Returns a preset policy by name, or parses a policy string.
 
     Presets: ``"fp32"``; ``"bf16"`` (f32 params, bf16 compute, f32 output); ``"fp16"`` (same with
-    fp16 compute; train it with loss scaling); ``"pure_bf16"`` (bf16 params too).
+    fp16 compute; train it with loss scaling); ``"pure_bf16"`` (bf16 params too). Case and
+    surrounding spaces are ignored, and :data:`PRESET_ALIASES` (``"float32"``, ``"bfloat16"``,
+    ``"half"``, ...) name the same presets.
+
+    Raises:
+      ConfigError: with ``field="name"`` for an unknown preset (the message lists the presets)
+        or a value that is neither a str nor a Policy; see :meth:`Policy.from_string` for
+        policy strings.
 
     Example:
       >>> get_policy("fp16").needs_loss_scaling
@@ -175,14 +197,11 @@ def get_policy(name: str | Policy) -> Policy:
     if isinstance(name, Policy):
         return name
     if not isinstance(name, str):
-        raise ValueError(f"policy must be a preset name or a Policy, got {name!r}")
-    key = name.strip().lower()
-    key = _PRESET_ALIASES.get(key, key)
-    if key in PRESETS:
-        return PRESETS[key]
-    if "=" in key:
-        return Policy.from_string(name)
-    raise ValueError(
-        f"unknown precision policy {name!r}; presets: {', '.join(PRESETS)}, "
-        "or a string like 'params=f32,compute=bf16,output=f32'"
-    )
+        raise ConfigError("name", name, f"expected a preset name ({', '.join(PRESETS)}), "
+                          f"{_SPEC_EXAMPLE}, or a Policy")
+    if "=" in name:
+        try:
+            return Policy.from_string(name)
+        except ConfigError as e:  # the caller's argument is `name`, not from_string's `spec`
+            raise ConfigError("name", name, e.problem) from None
+    return _preset(name, "name")

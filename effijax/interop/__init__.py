@@ -1,0 +1,50 @@
+"""Real pretrained models in and out: GGUF files and Hugging Face directories, the tokenizer,
+and exports that Hugging Face loads.
+
+* :func:`load` reads a Llama-family model, a ``.gguf`` file (:func:`load_gguf`; quantized
+  tensors are dequantized) or a Hugging Face ``LlamaForCausalLM`` directory (:func:`load_hf`),
+  into ``(LlamaConfig, params)``, parameter by parameter, straight onto the shardings asked for.
+  The config carries the tokenizer (``config.encode(data)`` tokenizes).
+* :func:`save_hf` writes a directory ``transformers.AutoModelForCausalLM.from_pretrained`` loads
+  (weights, ``config.json``, tokenizer files with the chat template), LoRA adapters merged in if
+  given; :func:`save_peft` writes the adapters alone for ``peft.PeftModel.from_pretrained``.
+
+``gguf``, ``tokenizers`` and ``safetensors`` are imported when a function needs them.
+
+Example:
+  >>> import tempfile, jax
+  >>> from effijax.models import llama_config
+  >>> model = llama_config("llama-tiny")
+  >>> params = model.init_params(jax.random.key(0))
+  >>> directory = tempfile.mkdtemp()
+  >>> save_hf(directory, model, params)
+  ['model.safetensors', 'config.json', 'generation_config.json']
+  >>> loaded, loaded_params = load(directory, seq_len=model.seq_len)
+  >>> loaded == model, bool(jax.tree.all(jax.tree.map(lambda a, b: (a == b).all(),
+  ...                                                 loaded_params, params)))
+  (True, True)
+"""
+
+from effijax.interop._gguf import gguf_tokenizer, load_gguf, permute, unpermute
+from effijax.interop._hf import config_from_hf, hf_config, load_hf, save_hf
+from effijax.interop._io import export_adapters, load, load_tokenizer, peft_module, save_peft
+from effijax.interop._weights import TENSORS, gguf_name, hf_name
+
+__all__ = [
+    "load",
+    "load_gguf",
+    "load_hf",
+    "load_tokenizer",
+    "save_hf",
+    "save_peft",
+    "export_adapters",
+    "config_from_hf",
+    "hf_config",
+    "gguf_tokenizer",
+    "peft_module",
+    "hf_name",
+    "gguf_name",
+    "TENSORS",
+    "permute",
+    "unpermute",
+]

@@ -1,0 +1,194 @@
+"""GGUF files (llama.cpp's format): architecture, weights and tokenizer in one file.
+
+:func:`load_gguf` reads the hyperparameters (``llama.block_count``, ``llama.embedding_length``,
+...) into a :class:`~effijax.models.LlamaConfig`, the tokenizer from ``tokenizer.ggml.*`` (see
+:func:`effijax.models.byte_level_bpe`), and the tensors, dequantized with
+``gguf.quants.dequantize`` (Q4_1, Q8_0, F16, ... to f32, then the parameter dtype). The file is
+memory-mapped, so a tensor is read when its parameter is assembled.
+
+Two conventions differ from Hugging Face's. GGUF lists shapes in ggml order (``(in, out)``), but
+the dequantized arrays are row-major ``(out, in)``, torch's layout. And llama.cpp's converter
+permutes the rows of ``attn_q``/``attn_k`` so that each head's rotary pairs are adjacent
+(``(x0, x1), (x2, x3), ...``) instead of Hugging Face's halves (``x_i`` with ``x_{i+K/2}``); the
+loader undoes it (:func:`unpermute`). No ``output.weight`` means the head is tied to the
+embedding.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import numpy as np
+
+from effijax.errors import ConfigError
+from effijax.interop._hf import DEFAULT_SEQ_LEN
+from effijax.interop._weights import TENSORS, assemble, check_tensors, expected_hf_shapes
+from effijax.models import LlamaConfig, Tokenizer, byte_level_bpe
+
+__all__ = ["load_gguf", "gguf_tokenizer", "permute", "unpermute", "read_metadata"]
+
+_Q, _K = "self_attn.q_proj.weight", "self_attn.k_proj.weight"
+
+
+def permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's converter's Q/K row order: per head, the rotary halves interleaved.
+
+    ``w`` is ``(n_heads · K, d_in)`` in Hugging Face's order.
+
+    Example:
+      >>> permute(np.arange(4)[:, None], 1)[:, 0].tolist()  # halves (0, 1), (2, 3)
+      [0, 2, 1, 3]
+    """
+    k = w.shape[0] // n_heads
+    return w.reshape(n_heads, 2, k // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """The inverse of :func:`permute`: GGUF's Q/K rows back in Hugging Face's order.
+
+    Example:
+      >>> w = np.random.default_rng(0).normal(size=(12, 5))
+      >>> bool(np.array_equal(unpermute(permute(w, 3), 3), w))
+      True
+    """
+    k = w.shape[0] // n_heads
+    return w.reshape(n_heads, k // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def read_metadata(reader) -> dict:
+    """A GGUF reader's key/value fields as plain Python values."""
+    return {name: field.contents() for name, field in reader.fields.items()
+            if not name.startswith("GGUF.")}
+
+
+def _f32(value) -> float:
+    """A float stored as f32, as the shortest decimal that rounds to it (1e-05, not 9.99e-06)."""
+    return float(str(np.float32(value)))
+
+
+def gguf_tokenizer(metadata: dict, *, pre: str | None = None) -> Tokenizer | None:
+    """The tokenizer a GGUF's ``tokenizer.*`` metadata describes (byte-level BPE), or None.
+
+    Args:
+      metadata: from :func:`read_metadata`.
+      pre: override ``tokenizer.ggml.pre`` (e.g. ``"gpt2"``: the split ``transformers`` uses
+        for every byte-level GGUF, which differs from SmolLM's on whitespace before digits).
+
+    Warns:
+      UserWarning: a tokenizer model other than ``gpt2`` (e.g. SentencePiece ``llama``), which
+        is not supported: the model loads without a tokenizer.
+    """
+    kind = metadata.get("tokenizer.ggml.model")
+    if kind is None:
+        return None
+    if kind != "gpt2":
+        warnings.warn(f"GGUF tokenizer.ggml.model={kind!r} is not supported (byte-level BPE "
+                      "'gpt2' only); the model is loaded without a tokenizer", stacklevel=3)
+        return None
+    get = metadata.get
+    return byte_level_bpe(
+        get("tokenizer.ggml.tokens"), get("tokenizer.ggml.merges") or [],
+        pre=pre or get("tokenizer.ggml.pre") or "default",
+        token_types=get("tokenizer.ggml.token_type"),
+        bos_id=get("tokenizer.ggml.bos_token_id"), eos_id=get("tokenizer.ggml.eos_token_id"),
+        unk_id=get("tokenizer.ggml.unknown_token_id"),
+        pad_id=get("tokenizer.ggml.padding_token_id"),
+        add_bos=bool(get("tokenizer.ggml.add_bos_token", False)),
+        add_eos=bool(get("tokenizer.ggml.add_eos_token", False)),
+        chat_template=get("tokenizer.chat_template"))
+
+
+def _config(metadata: dict, tensors: dict, *, seq_len, tokenizer, source) -> LlamaConfig:
+    arch = metadata.get("general.architecture")
+    if arch != "llama":
+        raise ConfigError("general.architecture", arch,
+                          f"{source}: effijax loads Llama-family GGUFs ('llama') only")
+
+    def need(key):
+        if f"llama.{key}" not in metadata:
+            raise ConfigError(f"llama.{key}", None, f"{source}: missing from the metadata")
+        return metadata[f"llama.{key}"]
+
+    if metadata.get("llama.rope.scaling.type", "none") not in ("none", None) or \
+            "rope_freqs.weight" in tensors:
+        raise ConfigError("llama.rope.scaling.type", metadata.get("llama.rope.scaling.type",
+                                                                  "rope_freqs.weight"),
+                          f"{source}: rotary scaling from GGUF is not supported; load the "
+                          "Hugging Face checkpoint instead")
+    d, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    head_dim = int(metadata.get("llama.attention.key_length", d // heads))
+    rope_dim = int(metadata.get("llama.rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise ConfigError("llama.rope.dimension_count", rope_dim,
+                          f"{source}: partial rotary embeddings (head_dim {head_dim}) are not "
+                          "supported")
+    vocab = metadata.get("llama.vocab_size")
+    if vocab is None:  # older files: the embedding's rows
+        vocab = tensors["token_embd.weight"][0] if "token_embd.weight" in tensors else \
+            len(metadata.get("tokenizer.ggml.tokens", ()))
+    max_position = int(metadata.get("llama.context_length", 2048))
+    return LlamaConfig(
+        vocab_size=int(vocab), d_model=d, n_layers=int(need("block_count")), n_heads=heads,
+        n_kv_heads=int(metadata.get("llama.attention.head_count_kv", heads)), head_dim=head_dim,
+        d_ff=int(need("feed_forward_length")),
+        rope_theta=_f32(metadata.get("llama.rope.freq_base", 10000.0)),
+        rms_eps=_f32(need("attention.layer_norm_rms_epsilon")),
+        tie_embeddings="output.weight" not in tensors,
+        seq_len=min(max_position, DEFAULT_SEQ_LEN) if seq_len is None else seq_len,
+        max_position=max_position, tokenizer=tokenizer)
+
+
+def load_gguf(path: str | os.PathLike, *, policy=None, shardings=None,
+              seq_len: int | None = None, pre: str | None = None) -> tuple[LlamaConfig, dict]:
+    """Loads a Llama-architecture GGUF file: config, tokenizer and dequantized parameters.
+
+    Args:
+      path: the ``.gguf`` file.
+      policy: the parameters' dtypes (default f32).
+      shardings: where each parameter goes (a tree like the parameters, or one sharding);
+        default: the default device.
+      seq_len: the training window (default ``min(llama.context_length, 2048)``).
+      pre: override the tokenizer's pre-tokenizer name (see :func:`gguf_tokenizer`).
+
+    Returns:
+      ``(config, params)``, ``params`` matching ``config.abstract_params(policy)``.
+
+    Raises:
+      ConfigError: another architecture, unsupported features, or tensors missing, unexpected
+        or misshaped (all named at once).
+    """
+    import gguf
+    from gguf.quants import dequantize
+
+    source = os.fspath(path)
+    if not os.path.isfile(source):
+        raise FileNotFoundError(f"no GGUF file at {source!r}")
+    reader = gguf.GGUFReader(source)
+    metadata = read_metadata(reader)
+    tensors = {t.name: t for t in reader.tensors}  # views into the memory-mapped file
+    # ggml lists dimensions fastest-first: reversed, they are torch's (out, in).
+    shapes = {name: tuple(int(n) for n in reversed(t.shape)) for name, t in tensors.items()}
+    config = _config(metadata, shapes, seq_len=seq_len,
+                     tokenizer=gguf_tokenizer(metadata, pre=pre), source=source)
+    # The reader's parsed fields (a numpy array per vocabulary string: ~200 MB for SmolLM2's
+    # 49152 tokens and 48900 merges) are not needed past this point; the tensors keep the map.
+    del reader, metadata
+    to_gguf = {}
+    for path_, (hf, gg) in TENSORS.items():
+        for layer in (range(config.n_layers) if path_.startswith("layers/") else [None]):
+            to_gguf[hf.format(i=layer)] = gg.format(i=layer)
+    expected = {to_gguf[name]: shape for name, (_, _, shape) in expected_hf_shapes(config).items()}
+    check_tensors(expected, shapes, source=source)
+
+    def read(hf_name: str) -> np.ndarray:
+        t = tensors[to_gguf[hf_name]]
+        w = dequantize(t.data, t.tensor_type).reshape(shapes[t.name])
+        if hf_name.endswith(_Q):
+            w = unpermute(w, config.n_heads)
+        elif hf_name.endswith(_K):
+            w = unpermute(w, config.n_kv_heads)
+        return w
+
+    params = assemble(config, read, policy=policy, shardings=shardings)
+    return config, params

@@ -1,0 +1,376 @@
+"""A model's tokenizer as an immutable value, run by Hugging Face's ``tokenizers`` library.
+
+:class:`Tokenizer` holds the tokenizer's complete ``tokenizers`` JSON (what a Hugging Face
+``tokenizer.json`` contains), the special token ids and the chat template: plain, comparable data,
+so a :class:`~effijax.models.LlamaConfig` can carry it as a field, and the same object writes the
+tokenizer files Hugging Face loads (:meth:`Tokenizer.save`). The ``tokenizers.Tokenizer`` that
+does the work is built from the JSON on first use.
+
+Two ways in: :meth:`Tokenizer.load` reads a model directory's ``tokenizer.json`` and
+``tokenizer_config.json``; :func:`byte_level_bpe` builds GPT-2 style byte-level BPE from a
+vocabulary and merges (what a GGUF file stores), with the pre-tokenizer its ``pre`` name says.
+``tokenizers`` is imported on first use, so importing effijax does not load it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from effijax.errors import ConfigError
+
+__all__ = ["Tokenizer", "byte_level_bpe", "PRE_TOKENIZERS"]
+
+# GPT-2's split, which ``ByteLevel(use_regex=True)`` applies itself.
+_GPT2 = None
+_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+          r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+#: Pre-tokenization by a GGUF's ``tokenizer.ggml.pre`` name, as llama.cpp defines it: the regexes
+#: that split text before BPE, applied in order (``None`` is GPT-2's own split). "smollm" (like
+#: StarCoder) isolates every digit first, then splits the GPT-2 way: the split SmolLM's own
+#: ``tokenizer.json`` makes (``Digits(individual_digits=True)`` then ``ByteLevel``).
+PRE_TOKENIZERS: dict[str, tuple[str | None, ...]] = {
+    "default": (_GPT2,),
+    "gpt2": (_GPT2,),
+    "gpt-2": (_GPT2,),
+    "smollm": (r"\p{N}", _GPT2),
+    "starcoder": (r"\p{N}", _GPT2),
+    "refact": (r"\p{N}", _GPT2),
+    "codeshell": (r"\p{N}", _GPT2),
+    "llama3": (_LLAMA3,),
+    "llama-v3": (_LLAMA3,),
+    "llama-bpe": (_LLAMA3,),
+    "smaug-bpe": (_LLAMA3,),
+    "qwen2": (_QWEN2,),
+}
+
+
+# Texts longer than this (in characters) are encoded in pieces of about this size, in parallel.
+_CHUNK_CHARS = 1 << 20
+
+
+def _line_chunks(text: str, size: int) -> list[str]:
+    """``text`` cut into pieces of about ``size`` characters, each cut right before a newline
+    that follows a letter or digit.
+
+    Every pre-tokenizer effijax knows ends a piece there and starts the next one from the
+    newline without looking back; cutting before whitespace would not do (GPT-2's
+    ``\\s+(?!\\S)`` looks ahead past a run of spaces), nor after punctuation (Llama 3's
+    ``[^\\s\\p{L}\\p{N}]+[\\r\\n]*`` takes the newlines along).
+    """
+    chunks, start = [], 0
+    while len(text) - start > size:
+        cut = text.find("\n", start + size)
+        while cut != -1 and not text[cut - 1].isalnum():
+            cut = text.find("\n", cut + 1)
+        if cut == -1:
+            break
+        chunks.append(text[start:cut])
+        start = cut
+    chunks.append(text[start:])
+    return chunks
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (``bytes_to_unicode``)."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def _special_id(config: dict, name: str, vocab: dict[str, int]) -> int | None:
+    token = config.get(name)
+    if isinstance(token, dict):
+        token = token.get("content")
+    if token is None:
+        return None
+    return vocab.get(token)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Tokenizer:
+    """A tokenizer: ``tokenizers`` JSON, special token ids, and the chat template.
+
+    Attributes:
+      spec: the serialised ``tokenizers.Tokenizer`` (the text of a ``tokenizer.json``).
+      bos_id, eos_id, unk_id, pad_id: special token ids, or None.
+      add_bos, add_eos: whether :meth:`encode` with ``add_special_tokens=True`` adds them (the
+        ``spec``'s post-processor does it; the flags record it for ``tokenizer_config.json``).
+      chat_template: the Jinja chat template, or None.
+
+    Example:
+      >>> tok = byte_level_bpe(["a", "b", "ab", "Ġ", "Ġab"], ["a b", "Ġ ab"])
+      >>> tok.encode("ab ab").tolist(), tok.decode([2, 4])
+      ([2, 4], 'ab ab')
+    """
+
+    spec: str = dataclasses.field(repr=False)
+    bos_id: int | None = None
+    eos_id: int | None = None
+    unk_id: int | None = None
+    pad_id: int | None = None
+    add_bos: bool = False
+    add_eos: bool = False
+    chat_template: str | None = dataclasses.field(default=None, repr=False)
+
+    def __post_init__(self):
+        if not isinstance(self.spec, str):
+            raise ConfigError("spec", type(self.spec).__name__,
+                              "expected the tokenizers JSON as a str (tokenizer.json's text)")
+        for name in ("bos_id", "eos_id", "unk_id", "pad_id"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 0):
+                raise ConfigError(name, value, "expected a token id (int >= 0) or None")
+
+    @functools.cached_property
+    def backend(self):
+        """The ``tokenizers.Tokenizer`` (built from :attr:`spec` once, then cached)."""
+        from tokenizers import Tokenizer as Backend
+
+        return Backend.from_str(self.spec)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def token(self, token_id: int | None) -> str | None:
+        """The token's string (its vocabulary spelling), or None for None."""
+        return None if token_id is None else self.backend.id_to_token(token_id)
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> np.ndarray:
+        """Token ids of ``text`` as int32; special tokens written in the text stay whole.
+
+        ``add_special_tokens=True`` runs the post-processor (adds BOS/EOS where the tokenizer
+        does); training data is encoded without. A long text is cut into pieces at line ends
+        and encoded on every core when the pre-tokenizer provably splits there anyway (byte-level
+        BPE with the splits of :data:`PRE_TOKENIZERS`): the ids are the same, only faster.
+        """
+        if add_special_tokens or len(text) <= _CHUNK_CHARS or not self._splits_at_line_starts:
+            ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+            return np.asarray(ids, np.int32)
+        encodings = self.backend.encode_batch(_line_chunks(text, _CHUNK_CHARS),
+                                              add_special_tokens=False)
+        return np.concatenate([np.asarray(e.ids, np.int32) for e in encodings])
+
+    @functools.cached_property
+    def _splits_at_line_starts(self) -> bool:
+        """Whether text cut by :func:`_line_chunks` encodes to the same ids as the whole.
+
+        True for byte-level splits effijax knows (GPT-2's, the digit split, :data:`PRE_TOKENIZERS`'
+        regexes) without a normalizer; False for anything else (a ``Metaspace`` prefix, say,
+        would be added to every piece).
+        """
+        spec = json.loads(self.spec)
+        pre = spec.get("pre_tokenizer")
+        if spec.get("normalizer") is not None or pre is None:
+            return False
+        if any("\n" in added["content"] for added in spec.get("added_tokens", [])):
+            return False  # matched before pre-tokenization, across any cut
+        parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+        known = {regex for splits in PRE_TOKENIZERS.values() for regex in splits if regex}
+
+        def safe(part) -> bool:
+            kind = part.get("type")
+            if kind == "ByteLevel":
+                return not part.get("add_prefix_space", False)
+            if kind == "Digits":
+                return True
+            if kind == "Split":
+                return (part.get("pattern") or {}).get("Regex") in known
+            return False
+
+        return bool(parts) and all(safe(part) for part in parts)
+
+    def decode(self, ids, *, skip_special_tokens: bool = False) -> str:
+        """The text of ``ids``; for byte-level BPE, ``decode(encode(text)) == text``."""
+        return self.backend.decode([int(i) for i in np.asarray(ids).reshape(-1)],
+                                   skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: Sequence[dict], *,
+                            add_generation_prompt: bool = False) -> str:
+        """Renders ``[{"role": ..., "content": ...}, ...]`` with :attr:`chat_template`.
+
+        Uses Jinja in a sandbox the way ``transformers`` does (``trim_blocks``,
+        ``lstrip_blocks``, ``bos_token``/``eos_token`` in scope); needs ``jinja2``.
+        """
+        if self.chat_template is None:
+            raise ConfigError("chat_template", None, "this tokenizer has no chat template")
+        try:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+        except ImportError as e:  # pragma: no cover - jinja2 ships with torch and transformers
+            raise ImportError("apply_chat_template needs jinja2: pip install jinja2") from e
+
+        def raise_exception(message):
+            raise ValueError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        return env.from_string(self.chat_template).render(
+            messages=list(messages), add_generation_prompt=add_generation_prompt,
+            bos_token=self.token(self.bos_id) or "", eos_token=self.token(self.eos_id) or "")
+
+    # Files ------------------------------------------------------------------------------------
+
+    def save(self, directory: str | os.PathLike) -> list[str]:
+        """Writes ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json``.
+
+        What ``transformers.AutoTokenizer.from_pretrained(directory)`` reads; returns the file
+        names written.
+        """
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, "tokenizer.json"), "w", encoding="utf-8") as f:
+            f.write(self.spec)
+        special = {name: self.token(getattr(self, f"{name}_id"))
+                   for name in ("bos", "eos", "unk", "pad")}
+        special = {f"{name}_token": token for name, token in special.items() if token is not None}
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "add_bos_token": self.add_bos,
+            "add_eos_token": self.add_eos,
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": int(1e30),
+            **special,
+        }
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template
+        with open(os.path.join(directory, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2, ensure_ascii=False)
+        with open(os.path.join(directory, "special_tokens_map.json"), "w",
+                  encoding="utf-8") as f:
+            json.dump(special, f, indent=2, ensure_ascii=False)
+        return ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> Tokenizer:
+        """Reads a model directory's ``tokenizer.json`` (and ``tokenizer_config.json``).
+
+        Special tokens and the chat template come from ``tokenizer_config.json`` (a
+        ``chat_template.jinja`` file next to it wins, as in recent ``transformers``).
+
+        Raises:
+          FileNotFoundError: the directory has no ``tokenizer.json``.
+        """
+        path = os.path.join(directory, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"no tokenizer.json in {os.fspath(directory)!r}; effijax reads fast-tokenizer "
+                "files only (convert a slow tokenizer with transformers' save_pretrained)")
+        with open(path, encoding="utf-8") as f:
+            spec = f.read()
+        config: dict[str, Any] = {}
+        config_path = os.path.join(directory, "tokenizer_config.json")
+        if os.path.isfile(config_path):
+            with open(config_path, encoding="utf-8") as f:
+                config = json.load(f)
+        template = config.get("chat_template")
+        template_path = os.path.join(directory, "chat_template.jinja")
+        if os.path.isfile(template_path):
+            with open(template_path, encoding="utf-8") as f:
+                template = f.read()
+        if isinstance(template, list):  # several named templates: take the default one
+            named = {t.get("name"): t.get("template") for t in template}
+            template = named.get("default", next(iter(named.values()), None))
+        parsed = json.loads(spec)
+        vocab = parsed.get("model", {}).get("vocab") or {}
+        vocab = dict(vocab) if isinstance(vocab, dict) else {}  # unigram vocabularies are lists
+        for added in parsed.get("added_tokens", []):
+            vocab.setdefault(added["content"], added["id"])
+        return cls(spec=spec, bos_id=_special_id(config, "bos_token", vocab),
+                   eos_id=_special_id(config, "eos_token", vocab),
+                   unk_id=_special_id(config, "unk_token", vocab),
+                   pad_id=_special_id(config, "pad_token", vocab),
+                   add_bos=bool(config.get("add_bos_token", False)),
+                   add_eos=bool(config.get("add_eos_token", False)), chat_template=template)
+
+
+def byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], *, pre: str = "default",
+                   token_types: Sequence[int] | None = None, bos_id: int | None = None,
+                   eos_id: int | None = None, unk_id: int | None = None,
+                   pad_id: int | None = None, add_bos: bool = False, add_eos: bool = False,
+                   chat_template: str | None = None) -> Tokenizer:
+    """GPT-2 style byte-level BPE from a vocabulary and merges (a GGUF's ``gpt2`` tokenizer).
+
+    Args:
+      tokens: the vocabulary in id order, spelled in GPT-2's byte alphabet (``"Ġthe"``); a token
+        using other characters is respelled from its UTF-8 bytes, as ``transformers`` does.
+      merges: ``"left right"`` pairs, best first.
+      pre: the pre-tokenizer's name in :data:`PRE_TOKENIZERS` (a GGUF's ``tokenizer.ggml.pre``).
+      token_types: llama.cpp's token types; control tokens (3) become special added tokens and
+        user-defined ones (4) plain added tokens, so text containing them keeps them whole.
+      bos_id, eos_id, unk_id, pad_id, add_bos, add_eos, chat_template: see :class:`Tokenizer`.
+
+    Raises:
+      ConfigError: an unknown ``pre`` name.
+
+    Example:
+      >>> tok = byte_level_bpe(["<s>", "1", "2", "Ġ", "Ġ1"], ["Ġ 1"], pre="smollm",
+      ...                      token_types=[3, 1, 1, 1, 1])
+      >>> tok.encode("<s> 12").tolist()  # digits are isolated before BPE: no "Ġ1"
+      [0, 3, 1, 2]
+    """
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+    from tokenizers import Tokenizer as Backend
+
+    if pre not in PRE_TOKENIZERS:
+        raise ConfigError("pre", pre, f"unknown pre-tokenizer; known: {sorted(PRE_TOKENIZERS)}")
+    alphabet = _byte_alphabet()
+    letters = set(alphabet.values())
+    vocab = {}
+    for index, token in enumerate(tokens):
+        if not set(token) <= letters:
+            token = "".join(alphabet[b] for b in token.encode("utf-8"))
+        vocab[token] = index
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    backend = Backend(models.BPE(vocab, pairs, dropout=None, continuing_subword_prefix="",
+                                 end_of_word_suffix="", fuse_unk=False))
+    splits = []
+    for regex in PRE_TOKENIZERS[pre]:
+        if regex is None:
+            splits.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
+        else:
+            splits.append(pre_tokenizers.Split(Regex(regex), behavior="isolated"))
+    if PRE_TOKENIZERS[pre][-1] is not None:
+        splits.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+    backend.pre_tokenizer = splits[0] if len(splits) == 1 else pre_tokenizers.Sequence(splits)
+    backend.decoder = decoders.ByteLevel()
+    if token_types is not None:
+        control = [AddedToken(t, special=True, normalized=False)
+                   for t, kind in zip(tokens, token_types, strict=True)
+                   if kind == 3 and set(t) <= letters]
+        user = [AddedToken(t, special=False, normalized=False)
+                for t, kind in zip(tokens, token_types, strict=True) if kind == 4]
+        backend.add_special_tokens(control)
+        backend.add_tokens(user)
+    specials = []
+    if add_bos and bos_id is not None:
+        specials.append(("bos", tokens[bos_id], bos_id))
+    if add_eos and eos_id is not None:
+        specials.append(("eos", tokens[eos_id], eos_id))
+    if specials:
+        names = dict((kind, token) for kind, token, _ in specials)
+        single = " ".join(filter(None, [names.get("bos"), "$A", names.get("eos")]))
+        pair = " ".join(filter(None, [names.get("bos"), "$A", names.get("eos"),
+                                      names.get("bos"), "$B:1", names.get("eos")]))
+        backend.post_processor = processors.TemplateProcessing(
+            single=single, pair=pair, special_tokens=[(t, i) for _, t, i in specials])
+    return Tokenizer(spec=backend.to_str(), bos_id=bos_id, eos_id=eos_id, unk_id=unk_id,
+                     pad_id=pad_id, add_bos=add_bos, add_eos=add_eos, chat_template=chat_template)

@@ -1,0 +1,372 @@
+"""``TrainConfig``: every setting of a training run, and the single source of their defaults.
+
+A config is a frozen dataclass. It loads from TOML or JSON (:meth:`TrainConfig.from_file`), and
+``effijax train`` builds its flags from the fields (each field's flag and help live next to it,
+below), so a flag, a config-file key and a library argument are one name. A run writes its
+``config.json`` in the same schema with every ``auto`` resolved, plus a ``run`` record (model
+architecture, corpus fingerprint, devices) and the library versions, which loading ignores; so
+``effijax train --config runs/x/config.json --out runs/y`` reproduces run x.
+
+Values are checked when the config is built, before jax starts: a wrong value raises
+:class:`~effijax.errors.ConfigError` naming the field; an unknown key is refused with the
+closest valid one suggested.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import re
+import tomllib
+from pathlib import Path
+
+from effijax.errors import ConfigError
+from effijax.memory import PRECISION_ALIASES
+from effijax.precision import PRESETS as POLICY_PRESETS
+
+__all__ = ["TrainConfig", "PRECISIONS", "PRECISION_ALIASES", "DEFAULT_MODEL",
+           "RECORD_KEYS", "flag_of"]
+
+# The precision vocabulary of every command (`effijax train`, `memory`, `plan`): the policy
+# presets plus "auto" (bf16 on GPU/TPU, fp32 on CPU, where bf16 matmuls are emulated and
+# slower), with the memory estimator's aliases ("mixed", "float32", "half", ...).
+PRECISIONS = ("auto", *POLICY_PRESETS)
+FROZEN_DTYPES = ("auto", "fp32", "bf16", "fp16")
+DEFAULT_MODEL = "mini"
+# Keys of a run's config.json that record the run rather than configure it.
+RECORD_KEYS = ("run", "versions")
+
+
+def _field(default, help: str, *, flag: str | None = None, metavar: str | None = None,
+           choices=None, section: str = "training"):
+    meta = {"help": help, "section": section}
+    if flag:
+        meta["flag"] = flag
+    if metavar:
+        meta["metavar"] = metavar
+    if choices:
+        meta["choices"] = choices
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def flag_of(field: str) -> str:
+    """The command-line flag of a config field (the field, dotted or not, dashed).
+
+    Example:
+      >>> flag_of("batch_size"), flag_of("coordinator_address"), flag_of("checkpoints")
+      ('--batch-size', '--coordinator', '--no-checkpoints')
+    """
+    name = field.split(".")[0].split("=")[0]
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    if name in fields and "flag" in fields[name].metadata:
+        return fields[name].metadata["flag"]
+    return "--" + name.replace("_", "-")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """The settings of one training run (see the module docstring).
+
+    Example:
+      >>> cfg = TrainConfig(steps=50, lora_rank=4, init_from="runs/base")
+      >>> cfg.lr, cfg.lora_alpha, cfg.with_overrides(lr=1e-3).lr
+      (0.003, 8.0, 0.001)
+      >>> TrainConfig.from_dict({"step": 5})
+      Traceback (most recent call last):
+      ...
+      effijax.errors.ConfigError: step=5: unknown setting; did you mean 'steps'?
+    """
+
+    # What to train.
+    model: str = _field(DEFAULT_MODEL, "model preset (tiny, mini, small, base); an --init-from "
+                        "run's model is used when --init-from is given", section="model")
+    seq_len: int | None = _field(None, "sequence length (default: the model's)", section="model")
+    init_from: str | None = _field(None, "start from the parameters of an earlier run's latest "
+                                   "checkpoint (its --out directory); the model is that run's",
+                                   metavar="RUN_DIR", section="model")
+    # Precision.
+    precision: str = _field("auto", "precision policy: auto, fp32, bf16, fp16 or pure_bf16 "
+                            "(aliases such as mixed, float32, half accepted); auto = bf16 on "
+                            "GPU/TPU, fp32 on CPU (where bf16 matmuls are emulated and slower)",
+                            section="precision")
+    loss_scale: str | float = _field("auto", "'auto' (dynamic for fp16, none otherwise), "
+                                     "'dynamic', 'none', or a number for a static scale",
+                                     section="precision")
+    max_non_finite: int = _field(3, "stop with an error after K consecutive steps whose loss or "
+                                 "gradients are not finite and were not skipped by a loss "
+                                 "scale; 0 never stops", metavar="K", section="precision")
+    # Optimisation.
+    steps: int = _field(300, "training steps")
+    batch_size: int = _field(16, "global batch (sequences per step)")
+    lr: float = _field(3e-3, "peak learning rate (AdamW, linear warm-up, cosine decay to 10%%)")
+    warmup: int | None = _field(None, "warm-up steps (default: 5%% of --steps)")
+    weight_decay: float = _field(0.01, "decoupled weight decay")
+    clip: float = _field(1.0, "global-norm gradient clip; 0 disables")
+    accumulate: int = _field(1, "micro-steps per optimizer step (optax.MultiSteps)")
+    seed: int = _field(0, "seeds the parameters, adapters, dropout and batch order")
+    # Data.
+    data: str | None = _field(None, "a text file or folder (default: the Python standard "
+                              "library's source, on every machine)", section="data")
+    eval_batches: int = _field(8, "validation batches evaluated at the end (0: none)",
+                               section="data")
+    # Devices and sharding.
+    strategy: str | None = _field(None, "data-parallel sharding strategy over the mesh: ddp, "
+                                  "zero1, zero2, fsdp (zero3); default: one device, or ddp with "
+                                  "--mesh or several processes", section="parallel")
+    mesh: dict | None = _field(None, "mesh axis sizes, e.g. 'data=2,fsdp=4' (default with a "
+                               "strategy: every device on fsdp)", section="parallel")
+    cpu_devices: int | None = _field(None, "force N CPU devices per process (runs without an "
+                                     "accelerator)", metavar="N", section="parallel")
+    coordinator_address: str | None = _field(
+        None, "multi-process: process 0's address (default: $EFFIJAX_COORDINATOR)",
+        flag="--coordinator", metavar="HOST:PORT", section="parallel")
+    num_processes: int | None = _field(None, "multi-process: number of processes (default: "
+                                       "$EFFIJAX_NUM_PROCESSES or 1)", section="parallel")
+    process_id: int | None = _field(None, "multi-process: this process' index (default: "
+                                    "$EFFIJAX_PROCESS_ID)", section="parallel")
+    # Run directory and checkpoints.
+    out: str = _field("runs/train", "run directory", section="output")
+    checkpoints: bool = _field(True, "write checkpoints to OUT/checkpoints and resume from them",
+                               flag="--no-checkpoints", section="output")
+    checkpoint_every: int = _field(100, "save a checkpoint every K steps (and at the end)",
+                                   metavar="K", section="output")
+    keep: int = _field(3, "checkpoints to keep (the newest)", section="output")
+    progress: bool = _field(True, "show a progress bar", flag="--no-progress",
+                            section="output")
+    # LoRA.
+    lora_rank: int | None = _field(None, "train rank-R LoRA adapters; the base stays frozen",
+                                   metavar="R", section="lora")
+    lora_alpha: float = _field(8.0, "LoRA alpha; updates are scaled by alpha/rank (PEFT's "
+                               "default)", metavar="A", section="lora")
+    lora_targets: str | None = _field(None, "regex over '/'-joined parameter paths (default: "
+                                      "the model's attention and MLP kernels)", metavar="REGEX",
+                                      section="lora")
+    lora_dropout: float = _field(0.0, "dropout on the adapters' input", metavar="P",
+                                 section="lora")
+    frozen_dtype: str = _field("auto", "storage dtype of the frozen base (auto: the precision's "
+                               "compute dtype)", choices=FROZEN_DTYPES, section="lora")
+    lora_random_base: bool = _field(False, "train adapters on a randomly initialised base (for "
+                                    "experiments; LoRA normally adapts an init_from model)",
+                                    flag="--lora-random-base", section="lora")
+
+    def __post_init__(self):
+        _check_types(self)
+        for name in ("steps", "batch_size", "accumulate", "checkpoint_every", "keep"):
+            _at_least(name, getattr(self, name), 1)
+        for name in ("eval_batches", "max_non_finite", "seed"):
+            _at_least(name, getattr(self, name), 0)
+        for name in ("seq_len", "cpu_devices", "num_processes", "lora_rank"):
+            if getattr(self, name) is not None:
+                _at_least(name, getattr(self, name), 2 if name == "seq_len" else 1)
+        if self.process_id is not None:
+            _at_least("process_id", self.process_id, 0)
+        if not self.lr > 0:
+            raise ConfigError("lr", self.lr, "must be > 0")
+        if self.clip < 0:
+            raise ConfigError("clip", self.clip, "must be >= 0 (0 disables clipping)")
+        if self.weight_decay < 0:
+            raise ConfigError("weight_decay", self.weight_decay, "must be >= 0")
+        if self.steps % self.accumulate:
+            raise ConfigError("steps", self.steps, f"must be a multiple of accumulate="
+                              f"{self.accumulate}")
+        if self.warmup is not None and not 0 <= self.warmup <= self.steps:
+            raise ConfigError("warmup", self.warmup, f"must be in [0, steps={self.steps}]")
+        object.__setattr__(self, "precision", _precision(self.precision))
+        object.__setattr__(self, "loss_scale", _loss_scale(self.loss_scale, self.precision))
+        object.__setattr__(self, "mesh", _mesh(self.mesh))
+        if self.strategy is not None:
+            from effijax.sharding import get_strategy  # the strategies' one list
+
+            get_strategy(self.strategy)
+        if self.num_processes and self.batch_size % self.num_processes:
+            raise ConfigError("batch_size", self.batch_size, f"must be divisible by "
+                              f"num_processes={self.num_processes} (each process builds its own "
+                              "rows of the global batch)")
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        if self.lora_rank is None:
+            for name, default in (("lora_alpha", 8.0), ("lora_targets", None),
+                                  ("lora_dropout", 0.0), ("frozen_dtype", "auto"),
+                                  ("lora_random_base", False)):
+                if getattr(self, name) != default:
+                    raise ConfigError(name, getattr(self, name), "only applies to LoRA; "
+                                      "give the adapters' rank too (--lora-rank R)")
+            return
+        if self.init_from is None and not self.lora_random_base:
+            raise ConfigError("lora_rank", self.lora_rank, "LoRA adapts a trained model: give "
+                              "--init-from RUN_DIR, or --lora-random-base to train adapters on "
+                              "a random base on purpose")
+        if self.frozen_dtype not in FROZEN_DTYPES:
+            raise ConfigError("frozen_dtype", self.frozen_dtype,
+                              f"choose one of {', '.join(FROZEN_DTYPES)}")
+        if self.lora_targets is not None:
+            try:
+                re.compile(self.lora_targets)
+            except re.error as e:
+                raise ConfigError("lora_targets", self.lora_targets,
+                                  f"not a valid regex ({e})") from None
+        if not self.lora_alpha > 0:
+            raise ConfigError("lora_alpha", self.lora_alpha, "must be > 0")
+        if not 0 <= self.lora_dropout < 1:
+            raise ConfigError("lora_dropout", self.lora_dropout, "must be in [0, 1)")
+
+    # Derived values ---------------------------------------------------------------------------
+
+    @property
+    def warmup_steps(self) -> int:
+        """``warmup``, or 5% of the steps (at least 1)."""
+        return self.warmup if self.warmup is not None else max(1, self.steps // 20)
+
+    def lora_spec(self, default_targets: str):
+        """The run's :class:`~effijax.lora.LoraSpec` (None: full training); a spec error is
+        reported under the config's field name (``lora_rank``, ``lora_targets``, ...)."""
+        if self.lora_rank is None:
+            return None
+        from effijax.lora import LoraSpec
+
+        try:
+            return LoraSpec(rank=self.lora_rank, alpha=self.lora_alpha,
+                            targets=self.lora_targets or default_targets,
+                            dropout=self.lora_dropout)
+        except ConfigError as e:
+            raise e.renamed("lora_" + e.field) from None
+
+    # Loading and writing -------------------------------------------------------------------------
+
+    def with_overrides(self, **changes) -> TrainConfig:
+        """A copy with ``changes`` applied (checked like a fresh config)."""
+        _check_keys(changes)
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        """Every field, JSON-able (the mesh as a dict)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> TrainConfig:
+        """A config from a dict (a parsed TOML/JSON file); unknown keys are refused by name.
+
+        A run's ``config.json`` loads as it is: its ``run`` and ``versions`` records are
+        ignored.
+        """
+        if not isinstance(values, dict):
+            raise ConfigError("config", type(values).__name__, "expected a table of settings")
+        values = {k: v for k, v in values.items() if k not in RECORD_KEYS}
+        _check_keys(values)
+        return cls(**values)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> TrainConfig:
+        """A config from a ``.toml`` or ``.json`` file.
+
+        Example:
+          >>> import tempfile, pathlib
+          >>> p = pathlib.Path(tempfile.mkdtemp()) / "run.toml"
+          >>> _ = p.write_text('steps = 20\\nlora_rank = 4\\ninit_from = "runs/base"\\n')
+          >>> TrainConfig.from_file(p).lora_rank
+          4
+        """
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise ConfigError("config", str(path), f"cannot read it ({e.strerror})") from None
+        try:
+            values = (tomllib.loads(text) if path.suffix.lower() == ".toml"
+                      else json.loads(text))
+        except (tomllib.TOMLDecodeError, ValueError) as e:
+            kind = "TOML" if path.suffix.lower() == ".toml" else "JSON"
+            raise ConfigError("config", str(path), f"not valid {kind} ({e})") from None
+        return cls.from_dict(values)
+
+
+# Checks ------------------------------------------------------------------------------------------
+
+def _check_keys(values: dict) -> None:
+    known = [f.name for f in dataclasses.fields(TrainConfig)]
+    for key in values:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]!r}?" if close else f"settings are {', '.join(known)}"
+            raise ConfigError(key, values[key], f"unknown setting; {hint}")
+
+
+_INT_FIELDS = {"seq_len", "max_non_finite", "steps", "batch_size", "warmup", "accumulate",
+               "seed", "eval_batches", "cpu_devices", "num_processes", "process_id",
+               "checkpoint_every", "keep", "lora_rank"}
+_FLOAT_FIELDS = {"lr", "weight_decay", "clip", "lora_alpha", "lora_dropout"}
+_STR_FIELDS = {"model", "init_from", "precision", "data", "strategy", "coordinator_address",
+               "out", "lora_targets", "frozen_dtype"}
+
+
+def _check_types(cfg: TrainConfig) -> None:
+    """Each field's value has its type (ints are floats too; None where the default is None)."""
+    nullable = {f.name for f in dataclasses.fields(cfg) if f.default is None}
+    for name in _INT_FIELDS | _FLOAT_FIELDS | _STR_FIELDS | {"checkpoints", "progress",
+                                                             "lora_random_base"}:
+        value = getattr(cfg, name)
+        if value is None and name in nullable:
+            continue
+        if name in _INT_FIELDS:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+            want = "an integer"
+        elif name in _FLOAT_FIELDS:
+            ok = isinstance(value, int | float) and not isinstance(value, bool)
+            want = "a number"
+            if ok:
+                object.__setattr__(cfg, name, float(value))
+        elif name in _STR_FIELDS:
+            ok, want = isinstance(value, str), "a string"
+        else:
+            ok, want = isinstance(value, bool), "true or false"
+        if not ok:
+            raise ConfigError(name, value, f"expected {want}")
+
+
+def _at_least(name: str, value: int, minimum: int) -> None:
+    if value < minimum:
+        raise ConfigError(name, value, f"must be an integer >= {minimum}")
+
+
+def _precision(value: str) -> str:
+    key = PRECISION_ALIASES.get(value.strip().lower(), value.strip().lower())
+    if key not in PRECISIONS:
+        raise ConfigError("precision", value, f"choose one of {', '.join(PRECISIONS)}")
+    return key
+
+
+def _loss_scale(value, precision: str) -> str | float:
+    """'auto', 'dynamic', 'none' or a positive number; fp16 requires a scale."""
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text not in ("auto", "dynamic", "none"):
+            try:
+                value = float(text)
+            except ValueError:
+                raise ConfigError("loss_scale", value, "use auto, dynamic, none or a positive "
+                                  "number") from None
+        else:
+            value = text
+    elif isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError("loss_scale", value, "use auto, dynamic, none or a positive number")
+    if isinstance(value, int | float) and not value > 0:
+        raise ConfigError("loss_scale", value, "a static scale must be > 0")
+    if precision == "fp16" and value == "none":
+        raise ConfigError("loss_scale", value, "fp16 without loss scaling loses small "
+                          "gradients; use dynamic")
+    return float(value) if isinstance(value, int | float) else value
+
+
+def _mesh(value) -> dict | None:
+    """The mesh as ``{axis: size}`` from a dict or an 'axis=size,...' string."""
+    if value is None:
+        return None
+    from effijax.sharding import parse_mesh  # imported here: sharding imports jax
+
+    if isinstance(value, dict):
+        value = ",".join(f"{k}={v}" for k, v in value.items())
+    if not isinstance(value, str):
+        raise ConfigError("mesh", value, "expected 'axis=size,...' such as 'data=2,fsdp=4'")
+    return parse_mesh(value)

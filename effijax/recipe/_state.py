@@ -1,0 +1,207 @@
+"""A run's state across its life: the run directory and checkpoints, the starting state
+(fresh, from an earlier run, or resumed), the loop with its stop signals, and the end (final
+checkpoint, evaluation, adapter export, summary)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+from effijax.errors import ConfigError
+from effijax.recipe import _report
+from effijax.recipe._config import TrainConfig
+
+__all__ = ["Run", "finished_step", "open_run", "initial_state", "loop_and_finish"]
+
+
+@dataclasses.dataclass
+class Run:
+    """The run directory's side of a run: where it resumes from and its checkpointer.
+
+    """
+
+    config: TrainConfig
+    record: dict
+    resume_step: int | None
+    ckpt: Any = None
+
+    @property
+    def json(self) -> dict:
+        """``config.json``: the resolved settings and the run record."""
+        return {**self.config.to_dict(), "run": self.record}
+
+    def close(self) -> None:
+        if self.ckpt is not None:
+            try:
+                self.ckpt.close()
+            finally:
+                self.ckpt = None
+
+
+def finished_step(config: TrainConfig) -> int | None:
+    """The step of a finished run in ``config.out`` (its latest checkpoint is at ``steps`` or
+    later), else None. Nothing is written or validated: a finished run is left as it is,
+    whatever the new settings say."""
+    from effijax.checkpoint import Checkpointer
+
+    directory = Path(config.out).resolve() / "checkpoints"
+    if not config.checkpoints or not directory.is_dir():
+        return None
+    with Checkpointer(directory, keep=None) as ckpt:
+        step = ckpt.latest_step()
+    return step if step is not None and step >= config.steps else None
+
+
+def open_run(config: TrainConfig, job, origin: dict | None, *, fingerprint: str,
+             corpus_bytes: int) -> Run:
+    """Checks the run directory against the job (metadata only) and opens its checkpoints.
+
+    Raises:
+      ConfigError: checkpoints of another model or optimizer, a step past ``steps``, or a run
+        that started from another ``init_from`` checkpoint.
+    """
+    import jax
+
+    from effijax.checkpoint import open_checkpoints, validate_resume
+    from effijax.provenance import library_versions
+
+    record = {
+        "model_config": job.model.to_dict(),
+        "num_params": job.num_params,
+        "trainable_params": job.trainable_params,
+        "init_from_checkpoint": origin,
+        "corpus_bytes": int(corpus_bytes),
+        "corpus_sha256": fingerprint,
+        "devices": [str(d) for d in jax.devices()],
+        "process_count": jax.process_count(),
+    }
+    ckpt_dir = Path(config.out).resolve() / "checkpoints"
+    resume_step = validate_resume(ckpt_dir, job.state) if config.checkpoints else None
+    run = Run(config, record, resume_step)
+    if config.checkpoints:
+        run.ckpt = open_checkpoints(ckpt_dir, every=config.checkpoint_every, keep=config.keep,
+                                    metadata={"config": run.json,
+                                              "versions": library_versions()})
+    if resume_step is not None:
+        saved = run.ckpt.metadata(resume_step).get("metadata", {}).get("config", {})
+        was = (saved.get("run") or {}).get("init_from_checkpoint")
+        if was != origin:
+            run.close()
+            raise ConfigError("init_from", (origin or {}).get("run"), f"{ckpt_dir} continues "
+                              f"a run that started from {was}, not from {origin}; use a fresh "
+                              "out")
+    return run
+
+
+def initial_state(job, run: Run, source, is_main: bool) -> tuple[Any, Any]:
+    """``(state, frozen)``: resumed from the run's checkpoint, or fresh (adapters from the seed,
+    parameters from the seed or from ``source``'s checkpoint); a LoRA run's frozen base."""
+    from effijax.checkpoint import restore_target, truncate_metrics
+    from effijax.recipe import _job, _sources
+
+    base = None
+    if source is not None and (job.lora is not None or run.resume_step is None):
+        base = _sources.load_params(source, job.model, None if job.mesh.size == 1 else job.mesh,
+                                    run.record["init_from_checkpoint"].get("step"))
+    frozen = _job.init_frozen(job, base) if job.lora is not None else None
+    if run.resume_step is not None:
+        state = run.ckpt.restore(run.resume_step,
+                                 target_state_abstract=restore_target(job.state, job.shardings))
+        if is_main:
+            truncate_metrics(Path(run.config.out) / "metrics.jsonl", run.resume_step)
+            print(f"effijax train: resuming from step {run.resume_step} in "
+                  f"{run.ckpt.directory}", flush=True)
+        return state, frozen
+    state = _job.init_state(job, base if job.lora is None else None)
+    return state, frozen
+
+
+def loop_and_finish(config: TrainConfig, job, run: Run, compiled, state, frozen, tokens,
+                    *, argv=None):
+    """Trains to ``config.steps`` (checkpointing; a signal stops at a step boundary), then
+    evaluates, exports the adapters and writes the summary."""
+    import jax
+
+    from effijax.recipe import _job
+    from effijax.recipe._train import TrainResult
+    from effijax.run import NonFiniteError, RunDir, StopFlag, train_loop
+
+    run_dir = RunDir(config.out, config=run.json, append=run.resume_step is not None)
+    train_tokens, val_tokens = tokens
+    evaluate = (lambda p: _job.evaluate(job, p, val_tokens, num_batches=config.eval_batches,
+                                        frozen=frozen)) if config.eval_batches else None
+    start = {}
+    if run.resume_step is None and evaluate and (config.init_from or job.lora is not None):
+        start["eval_loss_start"] = evaluate(state.params)  # before the state is donated
+    stop = StopFlag(jax.process_count())
+    t0 = time.perf_counter()
+    with stop.installed():
+        try:
+            state, summary = train_loop(
+                compiled.step, state, _job.batch_fn(job, train_tokens, frozen),
+                num_steps=config.steps, tokens_per_step=job.tokens_per_step, run_dir=run_dir,
+                progress=config.progress, should_stop=stop,
+                checkpoint=(lambda s: _save(run, s, run_dir.is_main)) if run.ckpt else None,
+                checkpoint_every=config.checkpoint_every,
+                max_non_finite=config.max_non_finite or None)
+        except NonFiniteError as e:
+            raise NonFiniteError(e.step, e.count, where=_last_good(run)) from None
+    summary["wall_time_s"] = time.perf_counter() - t0
+    if run.ckpt is not None:
+        _save(run, state, run_dir.is_main, force=True)
+        run.close()  # waits for the last write; raises if any write failed
+    if stop.stopped:
+        _report.stopped(config, summary, stop.signal_name, run.ckpt is not None or
+                        config.checkpoints, argv, run_dir.is_main)
+        return TrainResult(config.out, summary, "stopped", config)
+    summary.update(start)
+    if evaluate:
+        summary["eval_loss"] = evaluate(state.params)
+    if job.lora is not None:
+        summary["adapters"] = _export_adapters(state.params, job, config, run_dir.is_main)
+    summary.update(_report.summary_extras(job, compiled))
+    run_dir.finish(summary, title=_report.title(config, job))
+    _report.done(config, summary, run_dir.is_main)
+    return TrainResult(config.out, summary, "done", config)
+
+
+def _save(run: Run, state, is_main: bool, force: bool = False) -> None:
+    result = run.ckpt.save(state, force=force)
+    if result.reason == "non_finite" and is_main:
+        _report.warn(f"step {result.step} has non-finite parameters or optimizer state; not "
+                     "checkpointed (training goes on)")
+
+
+def _last_good(run: Run) -> str:
+    """Where a run that went non-finite can resume from."""
+    if run.ckpt is None:
+        return "no checkpoint (--no-checkpoints)"
+    run.ckpt.wait()  # the writes in flight hold older, finite states
+    last = run.ckpt.latest_step()
+    directory = run.ckpt.directory
+    run.close()
+    if last is None:
+        return "no checkpoint yet"
+    return (f"the last good checkpoint is step {last} in {directory}; rerun the same command "
+            "to resume from it")
+
+
+def _export_adapters(adapters, job, config: TrainConfig, is_main: bool) -> dict:
+    """Writes ``OUT/adapters.safetensors`` and ``OUT/peft/`` (PEFT's format, with the model
+    family's module names); returns their paths. Every process gathers the (small) adapters;
+    process 0 writes."""
+    from jax.experimental import multihost_utils
+
+    from effijax.interop import export_adapters
+    from effijax.lora import save_adapters
+
+    host = multihost_utils.process_allgather(adapters, tiled=True)
+    files = {"adapters": str(Path(config.out) / "adapters.safetensors"),
+             "peft": str(Path(config.out) / "peft")}
+    if is_main:
+        save_adapters(files["adapters"], host, job.lora)
+        export_adapters(files["peft"], job.model, host, job.lora,
+                        base_model=config.init_from or job.model.name)
+    return files

@@ -1,0 +1,195 @@
+"""``train(config)``: the one training recipe, readable top to bottom.
+
+start (processes, devices, mesh) → model → data → optimizer → plan (abstract state, shardings,
+step) → state (fresh, ``init_from``, or resumed) → compile → loop → evaluate → export. The CLI,
+the experiments and the notebooks all train through it; each stage is a small function of
+explicit arguments, so a stage can also be called on its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, NamedTuple
+
+from effijax.errors import ConfigError
+from effijax.recipe import _report, _sources
+from effijax.recipe._config import TrainConfig
+
+__all__ = ["train", "TrainResult", "Session", "start", "resolve", "load_data", "optimizer_for"]
+
+
+class TrainResult(NamedTuple):
+    """What a run produced.
+
+    Attributes:
+      out: the run directory.
+      summary: ``summary.json``'s content (final and evaluation losses, throughput, memory,
+        collectives, exported files); empty when nothing was trained.
+      status: ``"done"``, ``"stopped"`` (a signal; saved, resumable), or ``"finished_before"``
+        (the run directory already held the finished run: nothing was touched).
+      config: the resolved config (every ``auto`` decided), as written to ``config.json``.
+    """
+
+    out: str
+    summary: dict
+    status: str
+    config: TrainConfig
+
+
+class Session(NamedTuple):
+    """The running processes and devices: ``mesh`` (None: one device), ``is_main``."""
+
+    mesh: Any
+    is_main: bool
+
+
+def train(config: TrainConfig, *, argv: list[str] | None = None) -> TrainResult:
+    """Trains as ``config`` says; see the module docstring for the stages.
+
+    Args:
+      config: the run's settings.
+      argv: the command line that started it (printed as the command that resumes it).
+
+    Raises:
+      ConfigError: a bad setting, found before anything is compiled.
+      effijax.run.NonFiniteError: too many consecutive non-finite steps (the message says
+        which checkpoint is the last good one).
+
+    Example:
+      >>> import tempfile
+      >>> cfg = TrainConfig(model="tiny", seq_len=16, steps=4, batch_size=2, eval_batches=1,
+      ...                   checkpoints=False, progress=False, out=tempfile.mkdtemp())
+      >>> result = train(cfg)  # doctest: +ELLIPSIS
+      effijax train: tiny GPT, ... params, precision fp32, 1 device -> ...
+      >>> result.status, result.summary["steps"]
+      ('done', 4)
+    """
+    from effijax import distributed
+
+    _sources.check_paths(config)
+    session = start(config)
+    try:
+        return _run(config, session, argv)
+    finally:
+        distributed.shutdown()
+
+
+def _run(config: TrainConfig, session: Session, argv) -> TrainResult:
+    from effijax.recipe import _job, _state
+
+    done_step = _state.finished_step(config)
+    if done_step is not None:
+        _report.finished_before(config, done_step, session.is_main)
+        return TrainResult(config.out, {}, "finished_before", config)
+    source = (_sources.read_source(config.init_from, config.seq_len) if config.init_from
+              else None)
+    model = _sources.model_for(config, source)
+    config = resolve(config, session.mesh)
+    tokens, fingerprint = load_data(config, model)
+    optimizer = optimizer_for(config)
+    spec = config.lora_spec(model.lora_targets)
+    with _lora_fields():  # the spec's checks against the model: rank, targets
+        job = _job.plan_job(model, config.precision, optimizer, batch_size=config.batch_size,
+                            mesh=session.mesh, strategy=config.strategy or "ddp", lora=spec,
+                            seed=config.seed, frozen_dtype=None if config.frozen_dtype == "auto"
+                            else config.frozen_dtype)
+    origin = None if source is None else _sources.latest_step(source, model)
+    run = _state.open_run(config, job, origin, fingerprint=fingerprint,
+                          corpus_bytes=len(tokens[0]) + len(tokens[1]))
+    try:
+        state, frozen = _state.initial_state(job, run, source, session.is_main)
+        compiled = _job.compile_job(job)
+        _report.start(config, job, compiled, source, frozen, state, session.is_main)
+        return _state.loop_and_finish(config, job, run, compiled, state, frozen, tokens,
+                                      argv=argv)
+    finally:
+        run.close()
+
+
+@contextlib.contextmanager
+def _lora_fields():
+    """Reports a LoraSpec's field (``rank``, ``targets``, ...) under the config's name
+    (``lora_rank``, ``lora_targets``, ...)."""
+    from effijax.lora import LoraSpec
+
+    try:
+        yield
+    except ConfigError as e:
+        spec_fields = {f.name for f in dataclasses.fields(LoraSpec)}
+        if e.field in spec_fields:
+            raise e.renamed("lora_" + e.field) from None
+        raise
+
+
+def start(config: TrainConfig) -> Session:
+    """Joins the multi-process run (if any), forces CPU devices, builds the mesh against the
+    devices found: the last checks before anything is compiled."""
+    import jax
+
+    from effijax import distributed
+    from effijax.sharding import make_mesh
+
+    distributed.initialize(config.coordinator_address, config.num_processes, config.process_id,
+                           local_device_count=config.cpu_devices)
+    strategy = config.strategy
+    processes = jax.process_count()
+    if strategy is None and config.mesh is None and processes == 1:
+        if config.cpu_devices and config.cpu_devices > 1 and jax.process_index() == 0:
+            print(f"effijax train: note: {config.cpu_devices} CPU devices but no --strategy or "
+                  "--mesh: training on 1 device (add --strategy ddp or fsdp to use them all)")
+        return Session(mesh=None, is_main=True)
+    try:
+        mesh = make_mesh(**(config.mesh or {"fsdp": -1}))
+    except ConfigError as e:
+        hint = ("" if config.cpu_devices else "; on CPU, --cpu-devices N forces N devices")
+        raise ConfigError("mesh", e.value, e.problem + hint) from None
+    return Session(mesh=mesh, is_main=jax.process_index() == 0)
+
+
+def resolve(config: TrainConfig, mesh) -> TrainConfig:
+    """Every ``auto`` decided: precision from the backend, the strategy, warm-up, loss scale,
+    the frozen dtype and the mesh's actual shape (what ``config.json`` records)."""
+    import jax
+
+    precision = config.precision
+    if precision == "auto":
+        precision = "fp32" if jax.default_backend() == "cpu" else "bf16"
+    loss_scale = config.loss_scale
+    if loss_scale == "auto":
+        loss_scale = "dynamic" if precision == "fp16" else "none"
+    return dataclasses.replace(
+        config, precision=precision, loss_scale=loss_scale, warmup=config.warmup_steps,
+        strategy=None if mesh is None else (config.strategy or "ddp"),
+        mesh=None if mesh is None else {k: int(v) for k, v in mesh.shape.items()})
+
+
+def load_data(config: TrainConfig, model) -> tuple[tuple[Any, Any], str]:
+    """``((train_tokens, val_tokens), corpus fingerprint)`` of ``config.data`` through the
+    model's tokenizer."""
+    from effijax.data import corpus_fingerprint, load_corpus, split_corpus
+
+    try:
+        raw = load_corpus(config.data)
+    except ConfigError as e:
+        raise ConfigError("data", config.data, e.problem) from None
+    tokens = model.encode(raw.tobytes())
+    train_tokens, val_tokens = split_corpus(tokens)
+    if min(len(train_tokens), len(val_tokens)) <= model.seq_len + 1:
+        raise ConfigError("data", config.data, f"{len(tokens)} tokens are too few for "
+                          f"seq_len {model.seq_len} (5% is held out for validation)")
+    return (train_tokens, val_tokens), corpus_fingerprint(raw)
+
+
+def optimizer_for(config: TrainConfig):
+    """AdamW with warm-up, cosine decay, clipping, loss scaling and accumulation, as the config
+    says (:func:`effijax.train.make_optimizer`)."""
+    from effijax.train import make_optimizer
+
+    k = config.accumulate
+    scale = {"auto": None, "none": None}.get(config.loss_scale, config.loss_scale)
+    if config.loss_scale == "auto" and config.precision == "fp16":
+        scale = "dynamic"
+    return make_optimizer(config.lr, config.steps // k, warmup_steps=config.warmup_steps // k,
+                          weight_decay=config.weight_decay, clip_norm=config.clip or None,
+                          loss_scale=scale, accumulate=k)

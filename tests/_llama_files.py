@@ -1,0 +1,129 @@
+"""Tiny Llama checkpoints on disk for the weight and parity tests.
+
+:func:`write_gguf` writes a GGUF the way llama.cpp's ``convert_hf_to_gguf.py`` does for a Llama:
+the hyperparameters as ``llama.*`` metadata, a byte-level BPE tokenizer, torch-layout tensors
+under llama.cpp's names, ``attn_q``/``attn_k`` rows permuted (:func:`llama_cpp_permute`, written
+here from the converter's description rather than taken from effijax), optionally quantized.
+"""
+
+import gguf
+import numpy as np
+
+from effijax.interop import TENSORS
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# A few merges over the byte alphabet: "Ġt", "he", "Ġthe", "in", "Ġ1" (never used under the
+# smollm split: digits are isolated first).
+MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ 1"]
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                 "{% endif %}")
+
+
+def byte_alphabet():
+    """GPT-2's bytes_to_unicode, in byte order."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    out, extra = [], 0
+    for b in range(256):
+        if b in printable:
+            out.append(chr(b))
+        else:
+            out.append(chr(256 + extra))
+            extra += 1
+    return out
+
+
+def vocabulary():
+    """(tokens, token types, merges): 3 specials, the 256 bytes, one token per merge."""
+    tokens = SPECIALS + byte_alphabet() + [m.replace(" ", "") for m in MERGES]
+    types = [3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS))
+    return tokens, types, MERGES
+
+
+VOCAB_SIZE = len(vocabulary()[0])  # 264
+
+
+def llama_cpp_permute(w, n_head, n_head_kv=None):
+    """convert_hf_to_gguf.py's LlamaModel.permute: per head, rotary halves interleaved."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def torch_tensors(model, params):
+    """``{hf name: (path, torch-layout f32 array)}`` of a model's parameters."""
+    out = {}
+    for path, (hf, _) in TENSORS.items():
+        node = params
+        for part in path.split("/"):
+            node = node.get(part) if isinstance(node, dict) else None
+            if node is None:
+                break
+        if node is None:
+            continue
+        w = np.asarray(node, np.float32)
+        layers = range(model.n_layers) if path.startswith("layers/") else [None]
+        for layer in layers:
+            x = w if layer is None else w[layer]
+            out[hf.format(i=layer)] = (path, np.ascontiguousarray(x.T if x.ndim == 2 and
+                                                                  path.endswith("kernel") else x))
+    return out
+
+
+def write_gguf(file, model, params, *, pre="smollm", qtype=None, drop=(), extra=None,
+               reshape=None, architecture="llama"):
+    """Writes ``model`` with ``params`` as a llama.cpp-style GGUF file.
+
+    Args:
+      qtype: a ``gguf.GGMLQuantizationType`` for the matrices (norms stay F32), or None (F32).
+      drop: GGUF tensor names to leave out; extra: ``{name: array}`` to add; reshape:
+        ``{name: shape}`` to write a tensor with the wrong shape (for error tests).
+    """
+    writer = gguf.GGUFWriter(str(file), architecture)
+    writer.add_name("tiny-llama")
+    writer.add_context_length(model.max_position)
+    writer.add_embedding_length(model.d_model)
+    writer.add_block_count(model.n_layers)
+    writer.add_feed_forward_length(model.d_ff)
+    writer.add_head_count(model.n_heads)
+    writer.add_head_count_kv(model.n_kv_heads)
+    writer.add_rope_freq_base(model.rope_theta)
+    writer.add_layer_norm_rms_eps(model.rms_eps)
+    writer.add_rope_dimension_count(model.head_dim)
+    writer.add_vocab_size(model.vocab_size)
+    tokens, types, merges = vocabulary()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_pad_token_id(2)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHAT_TEMPLATE)
+    names = {hf.format(i=i): gg.format(i=i) for hf, gg in TENSORS.values()
+             for i in range(model.n_layers)}
+    for hf, (_, w) in torch_tensors(model, params).items():
+        name = names[hf]
+        if name in drop:
+            continue
+        if hf.endswith("self_attn.q_proj.weight"):
+            w = llama_cpp_permute(w, model.n_heads, model.n_heads)
+        elif hf.endswith("self_attn.k_proj.weight"):
+            w = llama_cpp_permute(w, model.n_heads, model.n_kv_heads)
+        if reshape and name in reshape:
+            w = np.resize(w, reshape[name])
+        if qtype is not None and w.ndim == 2:
+            writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, w)
+    for name, w in (extra or {}).items():
+        writer.add_tensor(name, np.asarray(w, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -1,0 +1,166 @@
+"""The training recipe: TrainConfig (loading, checking, flags), the model interface, train()."""
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+import optax
+import pytest
+
+from effijax.cli import build_parser
+from effijax.cli._train import config_from_args
+from effijax.errors import ConfigError
+from effijax.models import FAMILIES, GPTConfig, gpt_config, model_from_dict, preset
+from effijax.recipe import TrainConfig, flag_of, plan_job, train
+
+TINY = dict(model="tiny", seq_len=16, batch_size=2, eval_batches=1, progress=False)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_text("".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(200)))
+    return str(path)
+
+
+# TrainConfig -------------------------------------------------------------------------------------
+
+def test_unknown_and_mistyped_settings_are_refused_by_name():
+    with pytest.raises(ConfigError, match=r"lrr=0.1: unknown setting; did you mean 'lr'\?"):
+        TrainConfig.from_dict({"lrr": 0.1})
+    with pytest.raises(ConfigError, match=r"steps='10': expected an integer"):
+        TrainConfig(steps="10")
+    with pytest.raises(ConfigError, match=r"checkpoints=1: expected true or false"):
+        TrainConfig(checkpoints=1)
+    with pytest.raises(ConfigError, match=r"lora_targets='\(': not a valid regex"):
+        TrainConfig(lora_rank=4, lora_targets="(")
+    with pytest.raises(ConfigError, match=r"lora_dropout=0.5: only applies to LoRA"):
+        TrainConfig(lora_dropout=0.5)
+    with pytest.raises(ConfigError, match=r"warmup=400: must be in \[0, steps=300\]"):
+        TrainConfig(warmup=400)
+    with pytest.raises(ConfigError, match=r"lora_rank=4: LoRA adapts a trained model: give "
+                       r"--init-from RUN_DIR, or --lora-random-base"):
+        TrainConfig(lora_rank=4)
+    assert TrainConfig(lora_rank=4, lora_random_base=True).lora_rank == 4
+
+
+def test_precision_vocabulary_accepts_aliases():
+    assert TrainConfig(precision="mixed").precision == "bf16"
+    assert TrainConfig(precision="FP16").loss_scale == "auto"
+    with pytest.raises(ConfigError, match="loss_scale='none': fp16 without loss scaling"):
+        TrainConfig(precision="half", loss_scale="none")
+    with pytest.raises(ConfigError, match="precision='fp8'"):
+        TrainConfig(precision="fp8")
+
+
+def test_config_files_load_toml_and_json_and_round_trip(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text('model = "tiny"\nsteps = 40\nlr = 1e-3\nmesh = "data=2,fsdp=4"\n'
+                    'strategy = "fsdp"\n')
+    cfg = TrainConfig.from_file(toml)
+    assert (cfg.model, cfg.steps, cfg.lr, cfg.mesh) == ("tiny", 40, 1e-3, {"data": 2, "fsdp": 4})
+    js = tmp_path / "run.json"
+    js.write_text(json.dumps({**cfg.to_dict(), "run": {"anything": 1}, "versions": {}}))
+    assert TrainConfig.from_file(js) == cfg
+    bad = tmp_path / "bad.toml"
+    bad.write_text("steps = \n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        TrainConfig.from_file(bad)
+
+
+def test_every_field_has_one_flag_with_help_and_the_default_once():
+    parser = build_parser()
+    train_parser = parser._subparsers._group_actions[0].choices["train"]
+    flags = {a.dest: a for a in train_parser._actions}
+    for f in dataclasses.fields(TrainConfig):
+        action = flags[f.name]
+        assert flag_of(f.name) in action.option_strings
+        assert action.help and action.help.count("(default:") <= 1, f.name
+    assert flag_of("coordinator_address") == "--coordinator"
+    assert flag_of("lora_rank") == "--lora-rank"
+
+
+def test_flags_override_the_config_file(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"steps": 40, "lr": 1e-3, "model": "tiny"}))
+    args = build_parser().parse_args(["train", "--config", str(path), "--lr", "0.01"])
+    cfg = config_from_args(args)
+    assert (cfg.steps, cfg.lr, cfg.model, cfg.batch_size) == (40, 0.01, "tiny", 16)
+
+
+# The model interface -----------------------------------------------------------------------------
+
+def test_gpt_implements_the_interface_and_round_trips():
+    model = gpt_config("tiny", seq_len=32)
+    assert FAMILIES["gpt"] is GPTConfig and preset("tiny") == gpt_config("tiny")
+    assert model_from_dict(model.to_dict()) == model
+    shape = model.shape()
+    leaves = [x.size for x in __import__("jax").tree.leaves(model.abstract_params())]
+    assert shape.num_params == sum(leaves)
+    assert (shape.layers, shape.hidden, shape.kv_heads) == (2, 64, 4)
+    with pytest.raises(ConfigError, match="did you mean 'tiny'"):
+        preset("tinyy")
+    with pytest.raises(ConfigError, match="model_config.d_modell"):
+        model_from_dict({"family": "gpt", **dataclasses.asdict(model), "d_modell": 3})
+    with pytest.raises(ConfigError, match="unknown model family; known: gpt"):
+        model_from_dict({"family": "gptx"})
+
+
+def test_masked_loss_averages_only_trained_positions():
+    import jax
+    import jax.numpy as jnp
+
+    model = gpt_config("tiny", seq_len=8)
+    params = model.init_params(jax.random.key(0))
+    tokens = jnp.arange(16, dtype=jnp.int32).reshape(2, 8)
+    mask = jnp.zeros((2, 8)).at[:, 4:].set(1.0)
+    loss, _ = model.loss_fn()(params, {"inputs": tokens, "targets": tokens, "mask": mask})
+    logits = model.logits_fn()(params, tokens)
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32))
+    nll = -jnp.take_along_axis(logp, tokens[..., None], -1)[..., 0]
+    np.testing.assert_allclose(float(loss), float(jnp.mean(nll[:, 4:])), rtol=1e-6)
+
+
+def test_one_device_is_a_one_device_mesh():
+    job = plan_job(gpt_config("tiny", seq_len=16), "fp32", optax.adam(1e-3), batch_size=2)
+    assert job.mesh.size == 1 and job.strategy.name == "ddp"
+    assert all(s.mesh.size == 1 for s in __import__("jax").tree.leaves(job.shardings))
+
+
+# train(config) -----------------------------------------------------------------------------------
+
+def test_a_run_config_reproduces_the_run(tmp_path, corpus):
+    first = train(TrainConfig(steps=6, data=corpus, out=str(tmp_path / "x"), **TINY))
+    assert first.status == "done"
+    again = TrainConfig.from_file(tmp_path / "x" / "config.json").with_overrides(
+        out=str(tmp_path / "y"))
+    second = train(again)
+    a = [json.loads(x) for x in (tmp_path / "x" / "metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(x) for x in (tmp_path / "y" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]  # bitwise: same floats in JSON
+    assert second.summary["eval_loss"] == first.summary["eval_loss"]
+    assert first.config.precision == "fp32" and first.config.warmup == 1
+
+
+def test_a_finished_run_is_left_untouched(tmp_path, corpus, capsys):
+    out = tmp_path / "run"
+    cfg = TrainConfig(steps=4, data=corpus, out=str(out), **TINY)
+    assert train(cfg).status == "done"
+    before = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.iterdir()
+              if p.is_file()}
+    result = train(cfg.with_overrides(strategy="fsdp"))
+    assert result.status == "finished_before"
+    assert "already holds this run, finished at step 4" in capsys.readouterr().out
+    after = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.iterdir()
+             if p.is_file()}
+    assert after == before
+
+
+def test_bad_settings_fail_before_anything_is_written(tmp_path, corpus):
+    out = tmp_path / "never"
+    with pytest.raises(ConfigError, match="lora_targets='nothing'"):
+        train(TrainConfig(steps=2, data=corpus, out=str(out), lora_rank=2,
+                          lora_targets="nothing", lora_random_base=True, **TINY))
+    assert not out.exists() or not any(out.rglob("*.json"))
+    assert not os.path.exists(out / "metrics.jsonl")
