@@ -155,9 +155,9 @@ def _sdpa(q_BSHK, k_BTHK, v_BTHK, causal: bool, implementation: str) -> jax.Arra
 # ``numpy_dtype_promotion`` context we could set here). So the backward is jax's own VJP of the
 # same function on f32 copies of q, k, v (no algorithm preset on that path), recomputing the
 # scores from the saved q, k, v (flash attention's trade: no [B, H, S, T] residual, one more
-# forward); the gradients are cast back to the inputs' dtype. It is more precise than jax's
-# backward (which rounds the scores' cotangent to bf16), and it only runs off cuDNN: on a CPU
-# (where bf16 is emulated anyway) or for a GPU head width cuDNN refuses.
+# forward); the gradients are cast back to the inputs' dtype. At least as precise as jax's own
+# backward (whose BF16_BF16_F32 dots take their operands in bf16), and it only runs off cuDNN: on
+# a CPU (where bf16 is emulated anyway) or for a GPU head width cuDNN refuses.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _sdpa_half(q_BSHK, k_BTHK, v_BTHK, causal: bool) -> jax.Array:
     return _sdpa(q_BSHK, k_BTHK, v_BTHK, causal, "xla")
