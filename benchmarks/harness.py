@@ -33,7 +33,7 @@ def time_interleaved(
     steps_per_round: int = 10,
     warmup: int = 3,
 ) -> dict[str, dict]:
-    """Times several step functions interleaved; returns ``{name: {"median_s", "p10_s", ...}}``.
+    """Times several step functions interleaved; returns ``{name: {"median_s", "min_s", ...}}``.
 
     Args:
       variants: ``{name: make}`` where ``make()`` builds the variant's state and returns a
@@ -58,6 +58,7 @@ def time_interleaved(
         ts = sorted(ts)
         out[name] = {
             "median_s": statistics.median(ts),
+            "min_s": ts[0],
             "p10_s": ts[len(ts) // 10],
             "p90_s": ts[(9 * len(ts)) // 10],
             "n": len(ts),

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from effijax.models._blockwise import blockwise_attend, check_qkv, cudnn_unusable_reason
+from effijax.models._layers import _dropout
 from effijax.precision import dot, softmax
 
 __all__ = [
@@ -88,19 +89,6 @@ def attend(
     probs_BHST = softmax(scores_BHST, axis=-1, where=mask_ST)
     probs_BHST = _dropout(probs_BHST, dropout_rate, dropout_key)
     return dot("bhst,bthk->bshk", probs_BHST, v_BTHK)
-
-
-def _dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
-    """Inverted dropout; the identity when ``key`` is None or ``rate`` is 0.
-
-    The same function as ``_gpt._dropout`` (residual dropout); kept here so that this module
-    does not import the model.
-    """
-    if key is None or rate == 0.0:
-        return x
-    keep = 1.0 - rate
-    mask = jax.random.bernoulli(key, keep, x.shape)
-    return jnp.where(mask, x / keep, jnp.zeros_like(x))
 
 
 def xla_attend(
@@ -167,9 +155,9 @@ def _sdpa(q_BSHK, k_BTHK, v_BTHK, causal: bool, implementation: str) -> jax.Arra
 # ``numpy_dtype_promotion`` context we could set here). So the backward is jax's own VJP of the
 # same function on f32 copies of q, k, v (no algorithm preset on that path), recomputing the
 # scores from the saved q, k, v (flash attention's trade: no [B, H, S, T] residual, one more
-# forward); the gradients are cast back to the inputs' dtype. It is more precise than jax's
-# backward (which rounds the scores' cotangent to bf16), and it only runs off cuDNN: on a CPU
-# (where bf16 is emulated anyway) or for a GPU head width cuDNN refuses.
+# forward); the gradients are cast back to the inputs' dtype. At least as precise as jax's own
+# backward (whose BF16_BF16_F32 dots take their operands in bf16), and it only runs off cuDNN: on
+# a CPU (where bf16 is emulated anyway) or for a GPU head width cuDNN refuses.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _sdpa_half(q_BSHK, k_BTHK, v_BTHK, causal: bool) -> jax.Array:
     return _sdpa(q_BSHK, k_BTHK, v_BTHK, causal, "xla")
@@ -192,13 +180,14 @@ _sdpa_half.defvjp(_sdpa_half_fwd, _sdpa_half_bwd)
 # ----------------------------------------------------------------------------------------------
 # "auto": the fused kernel where it runs, else the best fallback.
 
-# What "auto" runs without a GPU: blockwise. Measured on XLA:CPU (benchmarks/attention.py,
-# RESULTS.md "Attention implementations on this device"; 2 shared cores, so noisy): at the mini
-# and small GPTs' shapes the three implementations are within ~25% of each other for the op and
-# ~10% for the whole train step, and in f32 blockwise is the fastest or tied by best time (mini
-# op 18 ms vs 22 xla / 26 naive; small 204 vs 240 / 266). It is the one whose advantage grows
-# with the sequence (causal tiles above the diagonal are skipped, not masked: at S=256 one of 4
-# tiles), its memory is linear in S, and it has dropout, so "auto" needs no second fallback.
+# What "auto" runs without a GPU: blockwise. Measured on XLA:CPU, fp32, the mini and small GPTs'
+# train steps and their attention op alone (benchmarks/attention.py, RESULTS.md "Attention
+# implementations on this device"; 2 shared cores, so noisy): blockwise was the fastest of the
+# three in every column of the recorded run (small step median 6.08 s vs 6.48 xla, 6.54 naive;
+# op best 192 ms vs 200, 215; mini op best 36.7 ms vs 47.9, 38.7), and within 7% of the fastest
+# in three earlier runs; the three are within ~25% for the op and ~10% for the step. Its advantage
+# grows with the sequence (causal tiles above the diagonal are skipped, not masked: 1 of 4 at
+# S=256), its memory is linear in S, and it has dropout, so "auto" needs no second fallback.
 CPU_ATTENTION = "blockwise"
 # A GPU without the fused kernel: XLA's composed attention; with dropout, the naive one (the
 # same math plus the mask). Neither was measured on a GPU here.
