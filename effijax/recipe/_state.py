@@ -55,7 +55,7 @@ def finished_step(config: TrainConfig) -> int | None:
 
 
 def open_run(config: TrainConfig, job, origin: dict | None, *, fingerprint: str,
-             corpus_bytes: int) -> Run:
+             corpus_tokens: int) -> Run:
     """Checks the run directory against the job (metadata only) and opens its checkpoints.
 
     Raises:
@@ -72,7 +72,7 @@ def open_run(config: TrainConfig, job, origin: dict | None, *, fingerprint: str,
         "num_params": job.num_params,
         "trainable_params": job.trainable_params,
         "init_from_checkpoint": origin,
-        "corpus_bytes": int(corpus_bytes),
+        "corpus_tokens": int(corpus_tokens),
         "corpus_sha256": fingerprint,
         "devices": [str(d) for d in jax.devices()],
         "process_count": jax.process_count(),

@@ -96,7 +96,7 @@ def _run(config: TrainConfig, session: Session, argv) -> TrainResult:
                             else config.frozen_dtype)
     origin = None if source is None else _sources.latest_step(source, model)
     run = _state.open_run(config, job, origin, fingerprint=fingerprint,
-                          corpus_bytes=len(tokens[0]) + len(tokens[1]))
+                          corpus_tokens=len(tokens[0]) + len(tokens[1]))
     try:
         state, frozen = _state.initial_state(job, run, source, session.is_main)
         compiled = _job.compile_job(job)
