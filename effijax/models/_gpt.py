@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from effijax.errors import ConfigError
-from effijax.lora import LoraSpec, pairs, validate
+from effijax.lora import LoraSpec
 from effijax.models._attention import ATTENTION
 from effijax.models._blockwise import REMAT_POLICIES
 from effijax.models._interface import LanguageModel, ModelShape, register_family
@@ -42,6 +42,7 @@ from effijax.models._layers import (
     _dropout,
     _Embed,
     _run_layers,
+    check_call,
     make_apply,
     make_loss_fn,
 )
@@ -424,27 +425,9 @@ class GPT(nnx.Module):
           lora: the :class:`~effijax.lora.LoraSpec` of ``adapters`` (static: scales, dropout).
         """
         cfg = self.config
-        if (adapters is None) != (lora is None):
-            raise ValueError(
-                "adapters and lora go together: pass the adapter tree and its LoraSpec, or neither"
-            )
-        if lora is not None:
-            if not isinstance(lora, LoraSpec):
-                raise TypeError(f"lora: expected a LoraSpec, got {type(lora).__name__}")
-            for path in pairs(adapters):
-                if not _ADAPTABLE.match(path):
-                    raise ConfigError(
-                        "adapters", path,
-                        "the GPT's factored LoRA adapts the blocks' dense kernels only "
-                        "(blocks/attn/{q,k,v,o}/kernel, blocks/mlp/{fc_in,fc_out}/kernel); "
-                        "fold other adapters in with effijax.lora.merge",
-                    )
-            validate(nnx.to_pure_dict(nnx.state(self, nnx.Param)), adapters, lora)
-        if tokens_BS.ndim != 2 or not jnp.issubdtype(tokens_BS.dtype, jnp.integer):
-            raise ValueError(
-                f"tokens_BS: expected integer ids of shape [batch, seq], got "
-                f"{tokens_BS.dtype}{list(tokens_BS.shape)}"
-            )
+        check_call(self, tokens_BS, adapters, lora, adaptable=_ADAPTABLE,
+                   adaptable_text="the GPT's factored LoRA adapts the blocks' dense kernels only "
+                   "(blocks/attn/{q,k,v,o}/kernel, blocks/mlp/{fc_in,fc_out}/kernel)")
         s = tokens_BS.shape[1]
         if s > cfg.seq_len:
             raise ValueError(f"tokens_BS: sequence length {s} exceeds config.seq_len={cfg.seq_len}")

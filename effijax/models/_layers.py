@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from effijax.lora import LoraSpec
+from effijax.errors import ConfigError
+from effijax.lora import LoraSpec, pairs, validate
 from effijax.precision import cross_entropy, dot
 from effijax.sharding import constrain_batch
 
@@ -318,3 +319,28 @@ def make_loss_fn(graphdef: nnx.GraphDef, lora: LoraSpec | None = None
       (dtype('float32'), ['accuracy'])
     """
     return lm_loss_fn(make_apply(graphdef, lora))
+
+
+def check_call(module: nnx.Module, tokens_BS: jax.Array, adapters, lora, *, adaptable,
+               adaptable_text: str) -> None:
+    """The checks a model's ``__call__`` runs before tracing: adapters and their spec come
+    together, every adapter targets a kernel the factored path adapts (``adaptable``, a
+    compiled regex; ``adaptable_text`` says which in the error), the adapters fit the
+    parameters, and the tokens are integer ``[batch, seq]`` ids."""
+    if (adapters is None) != (lora is None):
+        raise ValueError(
+            "adapters and lora go together: pass the adapter tree and its LoraSpec, or neither"
+        )
+    if lora is not None:
+        if not isinstance(lora, LoraSpec):
+            raise TypeError(f"lora: expected a LoraSpec, got {type(lora).__name__}")
+        for path in pairs(adapters):
+            if not adaptable.match(path):
+                raise ConfigError("adapters", path, f"{adaptable_text}; fold other adapters in "
+                                  "with effijax.lora.merge")
+        validate(nnx.to_pure_dict(nnx.state(module, nnx.Param)), adapters, lora)
+    if tokens_BS.ndim != 2 or not jnp.issubdtype(tokens_BS.dtype, jnp.integer):
+        raise ValueError(
+            f"tokens_BS: expected integer ids of shape [batch, seq], got "
+            f"{tokens_BS.dtype}{list(tokens_BS.shape)}"
+        )

@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from effijax.errors import ConfigError
-from effijax.lora import LoraSpec, pairs, validate
+from effijax.lora import LoraSpec
 from effijax.models._gpt import ATTENTION, REMAT
 from effijax.models._interface import LanguageModel, ModelShape, register_family
 from effijax.models._layers import (
@@ -40,6 +40,7 @@ from effijax.models._layers import (
     _dense,
     _Embed,
     _run_layers,
+    check_call,
     make_apply,
     make_loss_fn,
 )
@@ -552,27 +553,9 @@ class Llama(nnx.Module):
           adapters, lora: LoRA adapters of the layers' projections and their spec, or neither.
         """
         cfg = self.config
-        if (adapters is None) != (lora is None):
-            raise ValueError(
-                "adapters and lora go together: pass the adapter tree and its LoraSpec, or neither"
-            )
-        if lora is not None:
-            if not isinstance(lora, LoraSpec):
-                raise TypeError(f"lora: expected a LoraSpec, got {type(lora).__name__}")
-            for path in pairs(adapters):
-                if not _ADAPTABLE.match(path):
-                    raise ConfigError(
-                        "adapters", path,
-                        "the Llama's factored LoRA adapts the layers' projections only "
-                        "(layers/attn/{q,k,v,o}_proj/kernel, layers/mlp/{gate,up,down}_proj/"
-                        "kernel); fold other adapters in with effijax.lora.merge",
-                    )
-            validate(nnx.to_pure_dict(nnx.state(self, nnx.Param)), adapters, lora)
-        if tokens_BS.ndim != 2 or not jnp.issubdtype(tokens_BS.dtype, jnp.integer):
-            raise ValueError(
-                f"tokens_BS: expected integer ids of shape [batch, seq], got "
-                f"{tokens_BS.dtype}{list(tokens_BS.shape)}"
-            )
+        check_call(self, tokens_BS, adapters, lora, adaptable=_ADAPTABLE,
+                   adaptable_text="the Llama's factored LoRA adapts the layers' projections only "
+                   "(layers/attn/{q,k,v,o}_proj/kernel, layers/mlp/{gate,up,down}_proj/kernel)")
         s = tokens_BS.shape[1]
         if s > cfg.max_position:
             raise ValueError(f"tokens_BS: sequence length {s} exceeds config.max_position="
