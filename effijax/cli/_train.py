@@ -22,22 +22,15 @@ import dataclasses
 import sys
 
 from effijax.errors import ConfigError
-from effijax.recipe import TrainConfig, flag_of
+from effijax.recipe import TrainConfig, field_kind, flag_of
 
 __all__ = ["add_parsers", "config_from_args", "run"]
 
-_TYPES = {int: int, float: float, str: str}
-
-
 def _flag_type(field: dataclasses.Field):
-    """The argparse type of a field: the non-None member of its annotation."""
-    text = str(field.type)
-    if field.name in ("loss_scale", "mesh"):
-        return str
-    for name, kind in (("int", int), ("float", float)):
-        if text.startswith(name):
-            return kind
-    return str
+    """The argparse type of a field: its annotated number type, else the text as given (the
+    config parses names, numbers and meshes itself)."""
+    kind = field_kind(field)
+    return kind if kind in (int, float) else str
 
 
 def add_parsers(sub) -> None:

@@ -17,6 +17,7 @@ from effijax.recipe._config import (
     PRECISION_ALIASES,
     PRECISIONS,
     TrainConfig,
+    field_kind,
     flag_of,
 )
 from effijax.recipe._job import (
@@ -39,6 +40,7 @@ __all__ = [
     "resolve",
     "optimizer_for",
     "flag_of",
+    "field_kind",
     "DEFAULT_MODEL",
     "PRECISIONS",
     "PRECISION_ALIASES",

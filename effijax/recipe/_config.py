@@ -14,6 +14,7 @@ closest valid one suggested.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import json
@@ -26,7 +27,7 @@ from effijax.memory import PRECISION_ALIASES
 from effijax.precision import PRESETS as POLICY_PRESETS
 
 __all__ = ["TrainConfig", "PRECISIONS", "PRECISION_ALIASES", "DEFAULT_MODEL",
-           "RECORD_KEYS", "flag_of"]
+           "RECORD_KEYS", "flag_of", "field_kind", "lora_fields"]
 
 # The precision vocabulary of every command (`effijax train`, `memory`, `plan`): the policy
 # presets plus "auto" (bf16 on GPU/TPU, fp32 on CPU, where bf16 matmuls are emulated and
@@ -217,6 +218,13 @@ class TrainConfig:
     # Derived values ---------------------------------------------------------------------------
 
     @property
+    def loss_scale_mode(self) -> str | float:
+        """``loss_scale`` with ``auto`` decided: dynamic for fp16, none otherwise."""
+        if self.loss_scale != "auto":
+            return self.loss_scale
+        return "dynamic" if self.precision == "fp16" else "none"
+
+    @property
     def warmup_steps(self) -> int:
         """``warmup``, or 5% of the steps (at least 1)."""
         return self.warmup if self.warmup is not None else max(1, self.steps // 20)
@@ -228,12 +236,10 @@ class TrainConfig:
             return None
         from effijax.lora import LoraSpec
 
-        try:
+        with lora_fields():
             return LoraSpec(rank=self.lora_rank, alpha=self.lora_alpha,
                             targets=self.lora_targets or default_targets,
                             dropout=self.lora_dropout)
-        except ConfigError as e:
-            raise e.renamed("lora_" + e.field) from None
 
     # Loading and writing -------------------------------------------------------------------------
 
@@ -284,6 +290,29 @@ class TrainConfig:
         return cls.from_dict(values)
 
 
+@contextlib.contextmanager
+def lora_fields():
+    """Reports a :class:`~effijax.lora.LoraSpec`'s field (``rank``, ``targets``, ...) under the
+    config's name (``lora_rank``, ``lora_targets``, ...); other errors pass unchanged.
+
+    Example:
+      >>> from effijax.lora import LoraSpec
+      >>> with lora_fields():
+      ...     LoraSpec(rank=0)
+      Traceback (most recent call last):
+      ...
+      effijax.errors.ConfigError: lora_rank=0: must be a positive int (PEFT's default is 8)
+    """
+    from effijax.lora import LoraSpec
+
+    try:
+        yield
+    except ConfigError as e:
+        if e.field in {f.name for f in dataclasses.fields(LoraSpec)}:
+            raise e.renamed("lora_" + e.field) from None
+        raise
+
+
 # Checks ------------------------------------------------------------------------------------------
 
 def _check_keys(values: dict) -> None:
@@ -295,36 +324,43 @@ def _check_keys(values: dict) -> None:
             raise ConfigError(key, values[key], f"unknown setting; {hint}")
 
 
-_INT_FIELDS = {"seq_len", "max_non_finite", "steps", "batch_size", "warmup", "accumulate",
-               "seed", "eval_batches", "cpu_devices", "num_processes", "process_id",
-               "checkpoint_every", "keep", "lora_rank"}
-_FLOAT_FIELDS = {"lr", "weight_decay", "clip", "lora_alpha", "lora_dropout"}
-_STR_FIELDS = {"model", "init_from", "precision", "data", "strategy", "coordinator_address",
-               "out", "lora_targets", "frozen_dtype"}
+_KINDS = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+def field_kind(field: dataclasses.Field) -> type | None:
+    """The one plain type of a field's annotation (``int | None`` -> int), or None for the
+    fields with a checker of their own (``loss_scale``: a name or a number; ``mesh``).
+
+    Example:
+      >>> fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+      >>> field_kind(fields["seq_len"]), field_kind(fields["lr"]), field_kind(fields["mesh"])
+      (<class 'int'>, <class 'float'>, None)
+    """
+    kinds = [t.strip() for t in str(field.type).split("|") if t.strip() != "None"]
+    return _KINDS.get(kinds[0]) if len(kinds) == 1 else None
 
 
 def _check_types(cfg: TrainConfig) -> None:
-    """Each field's value has its type (ints are floats too; None where the default is None)."""
-    nullable = {f.name for f in dataclasses.fields(cfg) if f.default is None}
-    for name in _INT_FIELDS | _FLOAT_FIELDS | _STR_FIELDS | {"checkpoints", "progress",
-                                                             "lora_random_base"}:
-        value = getattr(cfg, name)
-        if value is None and name in nullable:
+    """Each field's value has its annotated type (ints are floats too; None where the default
+    is None)."""
+    for f in dataclasses.fields(cfg):
+        kind, value = field_kind(f), getattr(cfg, f.name)
+        if kind is None or (value is None and f.default is None):
             continue
-        if name in _INT_FIELDS:
+        if kind is int:
             ok = isinstance(value, int) and not isinstance(value, bool)
             want = "an integer"
-        elif name in _FLOAT_FIELDS:
+        elif kind is float:
             ok = isinstance(value, int | float) and not isinstance(value, bool)
             want = "a number"
             if ok:
-                object.__setattr__(cfg, name, float(value))
-        elif name in _STR_FIELDS:
+                object.__setattr__(cfg, f.name, float(value))
+        elif kind is str:
             ok, want = isinstance(value, str), "a string"
         else:
             ok, want = isinstance(value, bool), "true or false"
         if not ok:
-            raise ConfigError(name, value, f"expected {want}")
+            raise ConfigError(f.name, value, f"expected {want}")
 
 
 def _at_least(name: str, value: int, minimum: int) -> None:

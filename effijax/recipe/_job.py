@@ -148,12 +148,18 @@ def abstract_state(model: LanguageModel, policy: Policy | str,
       >>> s.step.shape, s.step.dtype
       ((), dtype('int32'))
     """
-    policy = get_policy(policy)
-    trainable = model.abstract_params(policy)
+    return _abstract_state(model.abstract_params(get_policy(policy)), optimizer, seed, lora)
+
+
+def _abstract_state(abstract_params, optimizer, seed: int, lora) -> TrainState:
+    """The state's shapes from the model's abstract parameters: their adapters' with LoRA."""
+    trainable = abstract_params
     if lora is not None:
-        lora_lib.init(adapter_key(seed), trainable, lora)  # errors read better outside a trace
-        base = trainable
-        trainable = jax.eval_shape(lambda k: lora_lib.init(k, base, lora), adapter_key(seed))
+        if not isinstance(lora, lora_lib.LoraSpec):
+            raise ConfigError("lora", type(lora).__name__, "expected an effijax.lora.LoraSpec")
+        lora_lib.init(adapter_key(seed), abstract_params, lora)  # errors read better untraced
+        trainable = jax.eval_shape(lambda k: lora_lib.init(k, abstract_params, lora),
+                                   adapter_key(seed))
     return jax.eval_shape(lambda p, k: init_train_state(p, optimizer, k), trainable,
                           _keys(seed)[1])
 
@@ -214,18 +220,15 @@ def plan_job(
         raise ConfigError("batch_size", batch_size, f"must be divisible by the "
                           f"{jax.process_count()} processes (each builds its own rows)")
     rules = model.partition_rules() if rules is None else rules
-    key_params, key_run = _keys(seed)
+    if lora is None and frozen_dtype is not None:
+        raise ConfigError("frozen_dtype", frozen_dtype, "only applies to LoRA; pass lora=")
     abstract = model.abstract_params(policy)
+    abstract_state = _abstract_state(abstract, optimizer, seed, lora)
+    trainable = abstract_state.params
     frozen = frozen_sh = None
     if lora is None:
-        if frozen_dtype is not None:
-            raise ConfigError("frozen_dtype", frozen_dtype, "only applies to LoRA; pass lora=")
-        trainable, loss = abstract, model.loss_fn()
+        loss = model.loss_fn()
     else:
-        if not isinstance(lora, lora_lib.LoraSpec):
-            raise ConfigError("lora", type(lora).__name__, "expected an effijax.lora.LoraSpec")
-        lora_lib.init(adapter_key(seed), abstract, lora)  # errors read better outside a trace
-        trainable = jax.eval_shape(lambda k: lora_lib.init(k, abstract, lora), adapter_key(seed))
         dtype = policy.compute_dtype if frozen_dtype is None else parse_dtype(frozen_dtype)
         base = cast_floating(abstract, dtype)
         frozen_sh = param_shardings(base, mesh, strategy, rules=rules)
@@ -234,8 +237,6 @@ def plan_job(
         # the adapters' paths ('.../kernel/a').
         rules = lora_lib.adapter_rules(frozen_sh, trainable) + list(rules or [])
         loss = lora_lib.freeze_base(model.loss_fn(lora))
-    abstract_state = jax.eval_shape(lambda p, k: init_train_state(p, optimizer, k), trainable,
-                                    key_run)
     specs = partition_specs(abstract_state.params, mesh, rules=rules)  # warns once per leaf
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ReplicatedParameterWarning)  # warned just above

@@ -8,13 +8,12 @@ explicit arguments, so a stage can also be called on its own.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Any, NamedTuple
 
 from effijax.errors import ConfigError
 from effijax.recipe import _report, _sources
-from effijax.recipe._config import TrainConfig
+from effijax.recipe._config import TrainConfig, lora_fields
 
 __all__ = ["train", "TrainResult", "Session", "start", "resolve", "load_data", "optimizer_for"]
 
@@ -89,7 +88,7 @@ def _run(config: TrainConfig, session: Session, argv) -> TrainResult:
     tokens, fingerprint = load_data(config, model)
     optimizer = optimizer_for(config)
     spec = config.lora_spec(model.lora_targets)
-    with _lora_fields():  # the spec's checks against the model: rank, targets
+    with lora_fields():  # the spec's checks against the model: rank, targets
         job = _job.plan_job(model, config.precision, optimizer, batch_size=config.batch_size,
                             mesh=session.mesh, strategy=config.strategy or "ddp", lora=spec,
                             seed=config.seed, frozen_dtype=None if config.frozen_dtype == "auto"
@@ -105,21 +104,6 @@ def _run(config: TrainConfig, session: Session, argv) -> TrainResult:
                                       argv=argv)
     finally:
         run.close()
-
-
-@contextlib.contextmanager
-def _lora_fields():
-    """Reports a LoraSpec's field (``rank``, ``targets``, ...) under the config's name
-    (``lora_rank``, ``lora_targets``, ...)."""
-    from effijax.lora import LoraSpec
-
-    try:
-        yield
-    except ConfigError as e:
-        spec_fields = {f.name for f in dataclasses.fields(LoraSpec)}
-        if e.field in spec_fields:
-            raise e.renamed("lora_" + e.field) from None
-        raise
 
 
 def start(config: TrainConfig) -> Session:
@@ -148,18 +132,16 @@ def start(config: TrainConfig) -> Session:
 
 
 def resolve(config: TrainConfig, mesh) -> TrainConfig:
-    """Every ``auto`` decided: precision from the backend, the strategy, warm-up, loss scale,
-    the frozen dtype and the mesh's actual shape (what ``config.json`` records)."""
+    """Every ``auto`` decided: precision from the backend, the strategy, warm-up, loss scale
+    and the mesh's actual shape (what ``config.json`` records)."""
     import jax
 
     precision = config.precision
     if precision == "auto":
         precision = "fp32" if jax.default_backend() == "cpu" else "bf16"
-    loss_scale = config.loss_scale
-    if loss_scale == "auto":
-        loss_scale = "dynamic" if precision == "fp16" else "none"
     return dataclasses.replace(
-        config, precision=precision, loss_scale=loss_scale, warmup=config.warmup_steps,
+        config, precision=precision, loss_scale=config.loss_scale_mode,
+        warmup=config.warmup_steps,
         strategy=None if mesh is None else (config.strategy or "ddp"),
         mesh=None if mesh is None else {k: int(v) for k, v in mesh.shape.items()})
 
@@ -187,9 +169,7 @@ def optimizer_for(config: TrainConfig):
     from effijax.train import make_optimizer
 
     k = config.accumulate
-    scale = {"auto": None, "none": None}.get(config.loss_scale, config.loss_scale)
-    if config.loss_scale == "auto" and config.precision == "fp16":
-        scale = "dynamic"
+    scale = None if config.loss_scale_mode == "none" else config.loss_scale_mode
     return make_optimizer(config.lr, config.steps // k, warmup_steps=config.warmup_steps // k,
                           weight_decay=config.weight_decay, clip_norm=config.clip or None,
                           loss_scale=scale, accumulate=k)
