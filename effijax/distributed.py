@@ -28,8 +28,9 @@ import jax
 
 from effijax.errors import ConfigError
 
-__all__ = ["initialize", "resolve", "ProcessSettings", "is_main", "shutdown", "global_batch",
-           "parse_address", "ENV_COORDINATOR", "ENV_NUM_PROCESSES", "ENV_PROCESS_ID"]
+__all__ = ["initialize", "resolve", "ProcessSettings", "is_main", "barrier", "shutdown",
+           "global_batch", "parse_address", "ENV_COORDINATOR", "ENV_NUM_PROCESSES",
+           "ENV_PROCESS_ID"]
 
 ENV_COORDINATOR = "EFFIJAX_COORDINATOR"
 ENV_NUM_PROCESSES = "EFFIJAX_NUM_PROCESSES"
@@ -251,6 +252,20 @@ def is_main() -> bool:
       True
     """
     return jax.process_index() == 0
+
+
+def barrier(name: str) -> None:
+    """Waits until every process of the run has called ``barrier(name)``; a no-op in one
+    process. Use it between reads every process makes on its own (of a shared directory) and
+    the first write that would change what a late reader sees.
+
+    Example:
+      >>> barrier("example")
+    """
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
 
 
 def shutdown() -> None:

@@ -147,6 +147,10 @@ def test_a_finished_run_is_left_untouched(tmp_path, corpus, capsys):
     out = tmp_path / "run"
     cfg = TrainConfig(steps=4, data=corpus, out=str(out), **TINY)
     assert train(cfg).status == "done"
+    # What another process of a multi-process run may be writing: the check only looks (a
+    # Checkpointer would open the directory for writing and clean this up).
+    in_progress = out / "checkpoints" / "6.orbax-checkpoint-tmp-1"
+    in_progress.mkdir()
     before = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.iterdir()
               if p.is_file()}
     result = train(cfg.with_overrides(strategy="fsdp"))
@@ -155,6 +159,7 @@ def test_a_finished_run_is_left_untouched(tmp_path, corpus, capsys):
     after = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.iterdir()
              if p.is_file()}
     assert after == before
+    assert in_progress.is_dir()
 
 
 def test_bad_settings_fail_before_anything_is_written(tmp_path, corpus):

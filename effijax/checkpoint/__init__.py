@@ -28,6 +28,7 @@ from effijax.checkpoint._manager import (
     FORMAT_VERSION,
     Checkpointer,
     SaveResult,
+    latest_step,
     open_checkpoints,
     read_checkpoint,
     restore_target,
@@ -38,6 +39,7 @@ from effijax.checkpoint._metrics import truncate_metrics
 __all__ = [
     "Checkpointer",
     "SaveResult",
+    "latest_step",
     "open_checkpoints",
     "read_checkpoint",
     "restore_target",

@@ -514,6 +514,36 @@ def read_checkpoint(directory: str | os.PathLike, *, target_state_abstract,
         manager.close()
 
 
+def latest_step(directory: str | os.PathLike) -> int | None:
+    """The latest committed step in ``directory``, or None (no directory, or no step yet).
+
+    A look only: nothing on disk is created or cleaned up and no process waits for another,
+    so any process may call it on its own (a :class:`Checkpointer` opens the directory for
+    writing, which every process of a run must do together).
+
+    Example:
+      >>> import tempfile, jax.numpy as jnp, optax
+      >>> from effijax.train import init_train_state
+      >>> d = tempfile.mkdtemp()
+      >>> latest_step(d) is None
+      True
+      >>> with open_checkpoints(d) as ckpt:
+      ...     ckpt.save(init_train_state({"w": jnp.ones(2)}, optax.sgd(0.1), 0)).saved
+      True
+      >>> latest_step(d)
+      0
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        return None
+    manager = _manager(directory, every=1, keep=None, async_save=False, reader=True)
+    try:
+        step = manager.latest_step()
+        return None if step is None else int(step)
+    finally:
+        manager.close()
+
+
 def open_checkpoints(directory: str | os.PathLike, *, every: int = 1, keep: int | None = 3,
                      async_save: bool = True, metadata: Mapping | None = None) -> Checkpointer:
     """Opens (creating if needed) a run's checkpoint directory.

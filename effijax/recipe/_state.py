@@ -44,13 +44,11 @@ def finished_step(config: TrainConfig) -> int | None:
     """The step of a finished run in ``config.out`` (its latest checkpoint is at ``steps`` or
     later), else None. Nothing is written or validated: a finished run is left as it is,
     whatever the new settings say."""
-    from effijax.checkpoint import Checkpointer
+    from effijax.checkpoint import latest_step
 
-    directory = Path(config.out).resolve() / "checkpoints"
-    if not config.checkpoints or not directory.is_dir():
+    if not config.checkpoints:
         return None
-    with Checkpointer(directory, keep=None) as ckpt:
-        step = ckpt.latest_step()
+    step = latest_step(Path(config.out).resolve() / "checkpoints")
     return step if step is not None and step >= config.steps else None
 
 
@@ -64,6 +62,7 @@ def open_run(config: TrainConfig, job, origin: dict | None, *, fingerprint: str,
     """
     import jax
 
+    from effijax import distributed
     from effijax.checkpoint import open_checkpoints, validate_resume
     from effijax.provenance import library_versions
 
@@ -80,6 +79,9 @@ def open_run(config: TrainConfig, job, origin: dict | None, *, fingerprint: str,
     ckpt_dir = Path(config.out).resolve() / "checkpoints"
     resume_step = validate_resume(ckpt_dir, job.state) if config.checkpoints else None
     run = Run(config, record, resume_step)
+    # Every process has read the directory (finished_step, validate_resume) before any
+    # process creates or cleans it up: their decisions (fresh, resume at N) agree.
+    distributed.barrier("effijax:run-directory-read")
     if config.checkpoints:
         run.ckpt = open_checkpoints(ckpt_dir, every=config.checkpoint_every, keep=config.keep,
                                     metadata={"config": run.json,
