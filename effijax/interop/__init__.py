@@ -25,14 +25,23 @@ Example:
   (True, True)
 """
 
-from effijax.interop._gguf import gguf_tokenizer, load_gguf, permute, unpermute
+from effijax.interop._gguf import gguf_config, gguf_tokenizer, load_gguf, permute, unpermute
 from effijax.interop._hf import config_from_hf, hf_config, load_hf, save_hf
-from effijax.interop._io import export_adapters, load, load_tokenizer, peft_module, save_peft
+from effijax.interop._io import (
+    export_adapters,
+    load,
+    load_tokenizer,
+    peft_module,
+    read_config,
+    save_peft,
+)
 from effijax.interop._weights import TENSORS, gguf_name, hf_name
 
 __all__ = [
     "load",
     "load_gguf",
+    "read_config",
+    "gguf_config",
     "load_hf",
     "load_tokenizer",
     "save_hf",

@@ -139,6 +139,20 @@ def _config(metadata: dict, tensors: dict, *, seq_len, tokenizer, source) -> Lla
         max_position=max_position, tokenizer=tokenizer)
 
 
+def gguf_config(path: str | os.PathLike, *, seq_len: int | None = None) -> LlamaConfig:
+    """The architecture a GGUF file describes, from its metadata and tensor shapes alone (no
+    tensor is read, no tokenizer built): what :func:`effijax.memory` needs of a model."""
+    import gguf
+
+    source = os.fspath(path)
+    if not os.path.isfile(source):
+        raise FileNotFoundError(f"no GGUF file at {source!r}")
+    reader = gguf.GGUFReader(source)
+    shapes = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
+    return _config(read_metadata(reader), shapes, seq_len=seq_len, tokenizer=None,
+                   source=source)
+
+
 def load_gguf(path: str | os.PathLike, *, policy=None, shardings=None,
               seq_len: int | None = None, pre: str | None = None) -> tuple[LlamaConfig, dict]:
     """Loads a Llama-architecture GGUF file: config, tokenizer and dequantized parameters.

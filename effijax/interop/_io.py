@@ -5,16 +5,17 @@ Llama module names (the merged model goes out through :func:`~effijax.interop.sa
 
 from __future__ import annotations
 
+import json
 import os
 
 from effijax.errors import ConfigError
-from effijax.interop._gguf import gguf_tokenizer, load_gguf, read_metadata
-from effijax.interop._hf import load_hf
+from effijax.interop._gguf import gguf_config, gguf_tokenizer, load_gguf, read_metadata
+from effijax.interop._hf import config_from_hf, hf_config, load_hf
 from effijax.interop._weights import TENSORS, hf_name
 from effijax.lora import LoraSpec, export_peft, pairs
 from effijax.models import LlamaConfig, Tokenizer
 
-__all__ = ["load", "load_tokenizer", "save_peft", "peft_module", "export_adapters"]
+__all__ = ["load", "read_config", "load_tokenizer", "save_peft", "peft_module", "export_adapters"]
 
 
 def _is_gguf(path: str) -> bool:
@@ -40,6 +41,34 @@ def load(path: str | os.PathLike, **kwargs) -> tuple[LlamaConfig, dict]:
         return load_hf(path, **kwargs)
     raise FileNotFoundError(f"{path!r} is neither a GGUF file nor a Hugging Face model "
                             "directory (config.json + safetensors)")
+
+
+def read_config(path: str | os.PathLike, *, seq_len: int | None = None) -> LlamaConfig:
+    """The architecture of a pretrained model without reading its weights: a ``.gguf`` file's
+    metadata, or a Hugging Face ``config.json`` (the file, or the directory holding it).
+
+    Example:
+      >>> import json, tempfile, os
+      >>> from effijax.models import llama_config
+      >>> d = tempfile.mkdtemp()
+      >>> with open(os.path.join(d, "config.json"), "w") as f:
+      ...     json.dump(hf_config(llama_config("llama-tiny")), f)
+      >>> read_config(d).num_params == llama_config("llama-tiny").num_params
+      True
+    """
+    path = os.fspath(path)
+    if _is_gguf(path):
+        return gguf_config(path, seq_len=seq_len)
+    config_file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.isfile(config_file):
+        raise FileNotFoundError(f"{path!r} is neither a GGUF file, a Hugging Face config.json "
+                                "nor a directory holding one")
+    try:
+        with open(config_file) as f:
+            fields = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError("config", config_file, f"not a readable JSON file ({e})") from None
+    return config_from_hf(fields, seq_len=seq_len)
 
 
 def load_tokenizer(path: str | os.PathLike, *, pre: str | None = None) -> Tokenizer:

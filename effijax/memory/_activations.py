@@ -12,13 +12,22 @@ Per layer, with s sequence length, b (micro-)batch, h hidden size, a heads, p by
     total = L·p·s·b·h·(16 + 2/p + 2as/h + as/(p·h))
 
 Switches remove or replace exactly the terms they affect (see :func:`activation_bytes`).
-Embeddings, the final norm and the logits are not counted, as in the seed.
+Embeddings, the final norm and the logits are not counted, as in the seed, unless ``vocab`` is
+given (the f32 logits the cross-entropy keeps for the backward pass, ``4·s·b·V``).
+
+Llama-family layers generalise the linear terms (Ainslie et al. 2023 grouped-query attention,
+Shazeer 2020 SwiGLU): with query width ``q = a·d_head``, key/value width ``k = a_kv·d_head`` and
+MLP width ``f``, a layer keeps ``p·s·b·(h + 2q + 2k)`` for attention (the projections' input,
+Q, K, V and the attention output), ``p·s·b·(h + 2f)`` for a GeLU MLP or ``p·s·b·(h + 3f)`` for
+a gated one (gate, up and their product), and ``2psbh`` for the norms. With ``q = k = h`` and
+``f = 4h`` this is the 16psbh above.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from effijax.errors import ConfigError
 from effijax.memory._estimate import _check_choice, _check_int
 
 __all__ = ["CHECKPOINTING", "activation_bytes"]
@@ -42,12 +51,17 @@ class _LayerTerms:
 
 
 def _layer_terms(
-    *, hidden, heads, seq_len, batch_size, bytes_per_value, dropout, blockwise_attention
+    *, hidden, heads, seq_len, batch_size, bytes_per_value, dropout, blockwise_attention,
+    kv_heads=None, head_dim=None, ffn=None, gated_mlp=False,
 ) -> _LayerTerms:
     p, s, b, h, a = bytes_per_value, seq_len, batch_size, hidden, heads
     sbh = s * b * h
+    d_head = h // a if head_dim is None else head_dim
+    q, k = a * d_head, (a if kv_heads is None else kv_heads) * d_head
+    f = 4 * h if ffn is None else ffn
+    width = (h + 2 * q + 2 * k) + (h + (3 if gated_mlp else 2) * f) + 2 * h
     return _LayerTerms(
-        linear=16 * p * sbh,
+        linear=p * s * b * width,
         masks=2 * sbh if dropout else 0,
         scores=0 if blockwise_attention else 2 * p * a * s * s * b,
         score_mask=a * s * s * b if dropout and not blockwise_attention else 0,
@@ -79,10 +93,16 @@ def activation_bytes(
     dropout: bool = True,
     checkpointing: str = "none",
     blockwise_attention: bool = False,
+    kv_heads: int | None = None,
+    head_dim: int | None = None,
+    ffn: int | None = None,
+    gated_mlp: bool = False,
+    vocab: int | None = None,
 ) -> int:
     """Bytes of activations kept for the backward pass, on one device, for one micro-batch.
 
-    With the defaults this is exactly the seed's ``L·p·s·b·h·(16 + 2/p + 2as/h + as/(p·h))``.
+    With the defaults this is exactly the seed's ``L·p·s·b·h·(16 + 2/p + 2as/h + as/(p·h))``
+    (Korthikanti et al. 2022).
 
     * ``dropout=False`` removes the three 1-byte dropout masks: 2sbh + as²b per layer.
     * ``blockwise_attention=True`` (flash attention) never stores the s x s scores: it drops the
@@ -104,6 +124,12 @@ def activation_bytes(
       dropout: whether dropout masks are stored.
       checkpointing: ``"none"`` or ``"block"``.
       blockwise_attention: flash/blockwise attention instead of materialized scores.
+      kv_heads: key/value heads under grouped-query attention (default ``heads``).
+      head_dim: width of one head (default ``hidden // heads``).
+      ffn: MLP hidden width (default ``4 * hidden``).
+      gated_mlp: a gated MLP (SwiGLU: gate, up, down) instead of up, GeLU, down.
+      vocab: count the f32 logits, ``4·s·b·vocab`` bytes (default: not counted, as in the
+        seed's table).
 
     Returns:
       The number of bytes (an exact integer).
@@ -118,10 +144,21 @@ def activation_bytes(
       >>> activation_bytes(layers=32, hidden=4096, heads=32, seq_len=2048, batch_size=1,
       ...                  checkpointing="block", blockwise_attention=True)
       822607872
+      >>> # Llama-2-70B's shape: 8 key/value heads of 64 query heads, SwiGLU of width 28672.
+      >>> activation_bytes(layers=80, hidden=8192, heads=64, seq_len=4096, batch_size=1,
+      ...                  dropout=False, kv_heads=8, ffn=28672, gated_mlp=True)
+      433523261440
     """
     checkpointing = _validate(
         layers, hidden, heads, seq_len, batch_size, bytes_per_value, checkpointing
     )
+    for name, value in (("kv_heads", kv_heads), ("head_dim", head_dim), ("ffn", ffn),
+                        ("vocab", vocab)):
+        if value is not None:
+            _check_int(name, value, 1)
+    if kv_heads is not None and heads % kv_heads:
+        raise ConfigError("kv_heads", kv_heads, f"must divide heads={heads} (each key/value "
+                          "head serves a whole group of query heads)")
     per_layer = _layer_terms(
         hidden=hidden,
         heads=heads,
@@ -130,7 +167,12 @@ def activation_bytes(
         bytes_per_value=bytes_per_value,
         dropout=dropout,
         blockwise_attention=blockwise_attention,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        ffn=ffn,
+        gated_mlp=gated_mlp,
     ).total
+    logits = 0 if vocab is None else 4 * seq_len * batch_size * vocab
     if checkpointing == "none":
-        return layers * per_layer
-    return layers * bytes_per_value * seq_len * batch_size * hidden + per_layer
+        return layers * per_layer + logits
+    return layers * bytes_per_value * seq_len * batch_size * hidden + per_layer + logits

@@ -286,15 +286,19 @@ def activation_measure(
     policy: Any = "fp32",
     optimizer: Any = None,
 ) -> tuple[ActivationPoint, ...]:
-    """Compiled memory of a GPT train step over sequence lengths, per variant, with the formula.
+    """Compiled memory of a model's train step over sequence lengths, per variant, with the
+    formula.
 
     Each point compiles ``jax.jit(make_train_step(loss, optimizer, policy), donate_argnums=0)``
     for ``dataclasses.replace(config, seq_len=s, **variants[name])`` on abstract state and
-    batch (nothing is allocated or run) and reads :func:`measure`.
+    batch (nothing is allocated or run) and reads :func:`measure`. The formula takes the
+    model's :meth:`~effijax.models.LanguageModel.shape` (grouped-query attention and a gated
+    MLP for the Llama family) and counts its f32 logits.
 
     Args:
-      config: an :class:`effijax.models.GPTConfig`; its ``seq_len`` is replaced by each of
-        ``seq_lens`` (so the position table grows with s).
+      config: any :class:`effijax.models.LanguageModel` with ``seq_len``, ``remat`` and
+        ``attention`` fields (the GPT, the Llama family); its ``seq_len`` is replaced by each of
+        ``seq_lens``.
       seq_lens: sequence lengths to measure.
       batch_size: sequences per step.
       variants: ``{name: GPTConfig overrides}``; default :data:`ACTIVATION_VARIANTS` (naive vs
@@ -314,7 +318,6 @@ def activation_measure(
     # does not need.
     import optax
 
-    from effijax.models import abstract_split, make_loss_fn
     from effijax.precision import get_policy
     from effijax.train import init_train_state, make_train_step
 
@@ -336,8 +339,8 @@ def activation_measure(
             except (TypeError, ValueError) as e:
                 raise ConfigError(f"variants[{name!r}]", overrides,
                                   f"the model config rejects it: {e}") from e
-            graphdef, abstract = abstract_split(cfg, policy)
-            loss_fn = make_loss_fn(graphdef)
+            abstract = cfg.abstract_params(policy)
+            loss_fn = cfg.loss_fn()
             step = jax.jit(make_train_step(lambda p, b, r, f=loss_fn: f(p, b, r)[0],
                                            optimizer, policy), donate_argnums=0)
             state = jax.eval_shape(lambda p: init_train_state(p, optimizer, jax.random.key(0)),
@@ -350,11 +353,14 @@ def activation_measure(
                                    compute_dtype=policy.compute_dtype)
             formula = None
             if cfg.remat in ("none", "block"):
+                shape = cfg.shape()
                 formula = activation_bytes(
-                    layers=cfg.n_layers, hidden=cfg.d_model, heads=cfg.n_heads, seq_len=s,
+                    layers=shape.layers, hidden=shape.hidden, heads=shape.heads, seq_len=s,
                     batch_size=batch_size, bytes_per_value=bytes_per_value,
-                    dropout=cfg.dropout > 0, checkpointing=cfg.remat,
+                    dropout=getattr(cfg, "dropout", 0) > 0, checkpointing=cfg.remat,
                     blockwise_attention=cfg.attention == "blockwise",
+                    kv_heads=shape.kv_heads, head_dim=shape.head_dim, ffn=shape.ffn,
+                    gated_mlp=shape.gated_mlp, vocab=shape.vocab,
                 )
             rows = compare(states, measurement, activation_bytes=formula,
                            other_argument_bytes=tree_bytes((batch, state.step, state.rng)))

