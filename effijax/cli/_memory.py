@@ -344,11 +344,13 @@ def memory_command(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
         return 0
 
-    lora = (
-        ""
-        if args.lora_fraction is None
-        else (f", LoRA {args.lora_fraction:g} ({args.frozen_dtype} frozen base)")
-    )
+    if args.lora_fraction is None:
+        lora = ""
+    elif args.lora_rank is not None:
+        lora = (f", LoRA rank {args.lora_rank} ({states.trainable_params:,} adapter params, "
+                f"{args.frozen_dtype} frozen base)")
+    else:
+        lora = f", LoRA {args.lora_fraction:g} ({args.frozen_dtype} frozen base)"
     model = "" if extra is None else (
         f"{args.model_name}: {args.layers} layers, width {args.hidden}, {args.heads} heads "
         f"({extra['kv_heads']} key/value), {'SwiGLU ' if extra['gated_mlp'] else 'MLP '}"
