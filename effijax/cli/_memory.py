@@ -46,6 +46,12 @@ def _argtype(parse, what: str):
     return convert
 
 
+def _size(text: str) -> str:
+    """A size with its unit, checked here and passed on as written (the library parses it)."""
+    parse_bytes(text, field="device_memory")
+    return text
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -186,8 +192,9 @@ def add_parsers(sub) -> None:
     p.add_argument(
         "--device-memory",
         required=True,
-        type=_argtype(parse_bytes, "bytes"),
-        help="memory per device, e.g. 80GB, 80GiB",
+        type=_argtype(_size, "size"),
+        help="memory per device with its unit: 80GB (10**9 bytes), 80GiB (2**30 bytes), "
+        "512MiB; a bare number is refused",
     )
     p.add_argument("--optimizer", default="adam", choices=tuple(OPTIMIZERS), help=_OPTIMIZER_HELP)
     p.add_argument(

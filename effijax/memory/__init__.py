@@ -12,59 +12,17 @@ training policies are (``fp32``, ``bf16``, ``fp16``, ``pure_bf16``; ``mixed`` is
 ``bf16``); bad arguments raise :class:`~effijax.errors.ConfigError` naming the argument.
 """
 
-from effijax.memory._activations import CHECKPOINTING, activation_bytes
-from effijax.memory._estimate import (
-    FROZEN_DTYPES,
-    GB,
-    GIB,
-    OPTIMIZERS,
-    PRECISION_ALIASES,
-    PRECISIONS,
-    ModelStateBytes,
-    estimate_tree,
-    format_bytes,
-    model_states,
-    parse_bytes,
-    parse_count,
-)
-from effijax.memory._measure import (
-    ACTIVATION_VARIANTS,
-    ROW_HEADER,
-    ActivationPoint,
-    Measurement,
-    Row,
-    activation_measure,
-    compare,
-    measure,
-    tree_bytes,
-)
-from effijax.memory._plan import HEADROOM, Plan, plan
+from effijax._lazy import attach
 
-__all__ = [
-    "GB",
-    "GIB",
-    "OPTIMIZERS",
-    "PRECISIONS",
-    "PRECISION_ALIASES",
-    "FROZEN_DTYPES",
-    "CHECKPOINTING",
-    "HEADROOM",
-    "ModelStateBytes",
-    "Plan",
-    "activation_bytes",
-    "estimate_tree",
-    "format_bytes",
-    "model_states",
-    "parse_bytes",
-    "parse_count",
-    "plan",
-    "ACTIVATION_VARIANTS",
-    "ROW_HEADER",
-    "ActivationPoint",
-    "Measurement",
-    "Row",
-    "activation_measure",
-    "compare",
-    "measure",
-    "tree_bytes",
-]
+# Each name is imported from its module on first use: importing the package (the CLI's
+# flag checks, a config's validation) does not import JAX. __all__ lists every name.
+__getattr__, __dir__, __all__ = attach(__name__, {
+    "effijax.memory._activations": ("CHECKPOINTING", "activation_bytes"),
+    "effijax.memory._estimate": ("GB", "GIB", "OPTIMIZERS", "PRECISIONS", "PRECISION_ALIASES",
+        "FROZEN_DTYPES", "ModelStateBytes", "format_bytes", "model_states",
+        "parse_bytes", "parse_count"),
+    "effijax.memory._tree": ("estimate_tree",),
+    "effijax.memory._measure": ("ACTIVATION_VARIANTS", "ROW_HEADER", "ActivationPoint",
+        "Measurement", "Row", "activation_measure", "compare", "measure", "tree_bytes"),
+    "effijax.memory._plan": ("HEADROOM", "Plan", "plan"),
+})

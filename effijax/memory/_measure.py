@@ -31,7 +31,8 @@ import jax.numpy as jnp
 
 from effijax.errors import ConfigError
 from effijax.memory._activations import activation_bytes
-from effijax.memory._estimate import ModelStateBytes, estimate_tree, format_bytes
+from effijax.memory._estimate import ModelStateBytes, format_bytes
+from effijax.memory._tree import estimate_tree
 
 __all__ = [
     "ACTIVATION_VARIANTS",

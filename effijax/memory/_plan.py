@@ -143,7 +143,7 @@ def plan(
     num_params: int | str,
     *,
     devices: int,
-    device_memory: int | str,
+    device_memory: str,
     layers: int | None = None,
     hidden: int | None = None,
     heads: int | None = None,
@@ -168,7 +168,8 @@ def plan(
     Args:
       num_params: Ψ, an int or a string like ``"70B"``.
       devices: data-parallel devices (>= 1).
-      device_memory: memory per device, bytes or a string like ``"80GB"``.
+      device_memory: memory per device with its unit, such as ``"80GB"`` or ``"80GiB"``
+        (:func:`~effijax.memory.parse_bytes`; a bare number is refused).
       layers, hidden, heads, seq_len, global_batch: the model shape and the global batch in
         sequences; give all five or none (then only model states are planned).
         ``global_batch`` must divide by ``devices``.
