@@ -1,4 +1,4 @@
-"""Memory accounting: the seeds' analytic formulas and a planner built on them.
+"""Memory accounting: the published analytic formulas and a planner built on them.
 
 :func:`model_states` gives per-device bytes of parameters, gradients and optimizer state for a
 parameter count, optimizer, precision, ZeRO stage and LoRA fraction; :func:`estimate_tree` counts
@@ -7,9 +7,10 @@ the transformer activation formula; :func:`plan` picks the cheapest configuratio
 :func:`measure` reads what XLA really allocates for a compiled function, :func:`compare` sets it
 against an estimate, and :func:`activation_measure` sweeps a GPT train step over sequence
 lengths (naive vs blockwise attention vs remat) next to the formula.
-GB means 10**9 bytes throughout (the unit of the seed tables). Precisions are named as the
-training policies are (``fp32``, ``bf16``, ``fp16``, ``pure_bf16``; ``mixed`` is an alias of
-``bf16``); bad arguments raise :class:`~effijax.errors.ConfigError` naming the argument.
+GB means 10**9 bytes throughout (the unit of the ZeRO paper's and Biderman et al. 2024's
+tables). Precisions are named as the training policies are (``fp32``, ``bf16``, ``fp16``,
+``pure_bf16``; ``mixed`` is an alias of ``bf16``); bad arguments raise
+:class:`~effijax.errors.ConfigError` naming the argument.
 """
 
 from effijax._lazy import attach

@@ -82,13 +82,14 @@ def activation_bytes(
 ) -> int:
     """Bytes of activations kept for the backward pass, on one device, for one micro-batch.
 
-    With the defaults this is exactly the seed's ``L·p·s·b·h·(16 + 2/p + 2as/h + as/(p·h))``.
+    With the defaults this is exactly ``L·p·s·b·h·(16 + 2/p + 2as/h + as/(p·h))`` (Korthikanti
+    et al. 2022, with p bytes per value).
 
     * ``dropout=False`` removes the three 1-byte dropout masks: 2sbh + as²b per layer.
     * ``blockwise_attention=True`` (flash attention) never stores the s x s scores: it drops the
       softmax input and output (2pas²b) and their dropout mask (as²b, regenerated from the RNG
       seed), and instead keeps the online-softmax statistics of every query row and head, the
-      running max m and denominator d of the seed's derivation, in f32: 2·4·a·s·b bytes.
+      running max m and denominator d (Milakov & Gimelshein 2018), in f32: 2·4·a·s·b bytes.
       (FlashAttention-2 keeps only their log-sum-exp, 4·a·s·b; this counts both.)
     * ``checkpointing="block"`` keeps only each block's input, p·s·b·h per layer, and recomputes
       one block at a time in the backward pass, whose full activations (one layer's worth of the

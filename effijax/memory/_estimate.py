@@ -10,7 +10,8 @@ stages shard them over N data-parallel devices:
 
 :func:`model_states` is the closed form from a parameter count; :func:`estimate_tree` counts the
 same fields from a real abstract parameter pytree and a real optax optimizer. Byte counts are
-exact integers; GB means 10**9 bytes, the unit that reproduces the seed tables (7B Adam = 112 GB).
+exact integers; GB means 10**9 bytes, the unit that reproduces the published tables (7B Adam =
+112 GB).
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ class _PrecisionBytes:
     moment: int  # each optimizer moment
 
 
-# The precision policies' names (effijax.precision.PRESETS), counted as the seeds count them:
+# The precision policies' names (effijax.precision.PRESETS), counted as the ZeRO paper counts them:
 # fp32: the f32 params are the master copy.
 # bf16, fp16: 16-bit params and grads, f32 master and moments (DeepSpeed/ZeRO's "mixed precision"
 #   accounting, 2 + 2 + 12 for Adam).
@@ -90,8 +91,8 @@ PRECISIONS: dict[str, _PrecisionBytes] = {
     "fp16": _PrecisionBytes(param=2, grad=2, master=4, moment=4),
     "pure_bf16": _PrecisionBytes(param=2, grad=2, master=0, moment=2),
 }
-# Other names of the same precisions: the policies' own aliases, and "mixed" (the seeds' name
-# for 16-bit training with f32 master weights; bf16 and fp16 count the same bytes).
+# Other names of the same precisions: the policies' own aliases, and "mixed" (the ZeRO paper's
+# name for 16-bit training with f32 master weights; bf16 and fp16 count the same bytes).
 PRECISION_ALIASES: dict[str, str] = {"mixed": "bf16", **PRESET_ALIASES}
 
 # Accepted frozen-base (LoRA) dtype names -> storage width in bits, so 4-bit bases (QLoRA)
@@ -220,7 +221,7 @@ def format_bytes(num_bytes: int, unit: str | None = None) -> str:
       num_bytes: the count.
       unit: ``"B"``, ``"KB"``, ``"MB"``, ``"GB"``, ``"TB"`` or a binary unit such as ``"GiB"``;
         by default the largest of B, KB, MB, GB not above the value (GB, not TB, for large
-        values, as the seed tables write 1120 GB).
+        values, as the published tables write 1120 GB).
 
     Raises:
       ConfigError: for an unknown ``unit``.
@@ -340,7 +341,7 @@ def model_states(
 
     * ``"fp32"``: params 4 (they are the master), grads 4, each moment 4.
     * ``"bf16"``, ``"fp16"``: params 2, grads 2, f32 master 4, each moment 4: (2 + 2 + 12) for
-      Adam, the seeds' "mixed precision" (``"mixed"`` is accepted as an alias of ``"bf16"``).
+      Adam, the ZeRO paper's "mixed precision" (``"mixed"`` is accepted as an alias of ``"bf16"``).
       effijax's own train step keeps f32 params and grads instead (4 + 4 + 8, see
       :func:`estimate_tree`): the same total.
     * ``"pure_bf16"``: params 2, grads 2, each moment 2, no master (optax gives bf16 params

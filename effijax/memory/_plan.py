@@ -108,7 +108,8 @@ def _num(x: float) -> str:
 
 
 def _state_formula(optimizer: str, stage: int, devices: int, lora_fraction, frozen_dtype) -> str:
-    """Bytes per (base) parameter as the seeds write them: '(4 + 12/8)', '(2 + 16 x 0.01)/8'."""
+    """Bytes per (base) parameter as the ZeRO paper writes them: '(4 + 12/8)',
+    '(2 + 16 x 0.01)/8'."""
     per, moments = PRECISIONS[_PRECISION], OPTIMIZERS[optimizer]
     parts = (
         (per.param, stage >= 3),
@@ -159,8 +160,9 @@ def plan(
     """Recommends the cheapest configuration whose model states (and activations) fit.
 
     Model states come from :func:`model_states` with ``precision="bf16"``; activations, when the
-    model shape and global batch are given, from the seed formula (:func:`activation_bytes`) with
-    2-byte values, for a micro-batch of ``global_batch / devices / grad_accum_steps`` sequences.
+    model shape and global batch are given, from the activation formula
+    (:func:`activation_bytes`) with 2-byte values, for a micro-batch of
+    ``global_batch / devices / grad_accum_steps`` sequences.
     The order tried is described in the module docstring; the first configuration with
     ``model states + activations <= (1 - headroom) x device_memory`` wins. LoRA uses
     ``lora_fraction`` adapters over a bf16 frozen base.
