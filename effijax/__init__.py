@@ -9,7 +9,8 @@
   tokenizers, PEFT adapters).
 * :mod:`effijax.train`: ``TrainState`` and the functional, jittable train step.
 
-Subpackages are imported on use (``import effijax.models``), so ``import effijax`` stays light.
+Subpackages and the names below are imported on first use (``effijax.models``,
+``effijax.get_policy``), so ``import effijax`` stays light and does not import JAX.
 """
 
 from effijax._lazy import attach
@@ -23,6 +24,4 @@ __getattr__, __dir__, _lazy_names = attach(__name__, {
 })
 
 __version__ = "0.1.0"
-
-
 __all__ = [*_lazy_names, "__version__"]

@@ -32,6 +32,8 @@ CASES = {
     ("memory", "--params", "7B", "--zero", "3", "--devices", "8"): (0, "model states"),
     ("memory", "--params", "7X"): (2, "unknown unit 'X'"),
     ("--version",): (0, "effijax "),
+    ("plan", "--help"): (0, "--no-lora"),
+    ("memory", "--help"): (0, "--no-dropout"),
 }
 
 HARNESS = """
@@ -84,6 +86,14 @@ def test_a_config_is_validated_without_importing_jax(results):
     assert last["config"] == [{"data": 2, "fsdp": 4},
                               "lrr=0.1: unknown setting; did you mean 'lr'?"]
     assert last["jax"] is False
+
+
+@pytest.mark.parametrize("argv", [("plan", "--help"), ("memory", "--help")])
+def test_help_shows_only_defaults_that_read_right(argv, results):
+    text = next(r for r in results if tuple(r.get("argv", ())) == argv)["text"]
+    assert "(default: None)" not in text and "(default: True)" not in text
+    assert "(default: False)" not in text and "(default: adam)" in text
+    assert "--device-memory SIZE" in text or argv[0] == "memory"
 
 
 def test_the_harness_would_see_jax():

@@ -99,6 +99,16 @@ def _aliases_text() -> str:
 _OPTIMIZER_HELP = "optimizer whose state is counted"
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a default only where it says something: not for a flag without one (None) nor for
+    an on/off switch (``--no-lora (default: True)`` reads backwards)."""
+
+    def _get_help_string(self, action):
+        if action.required or action.nargs == 0 or action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _add_shape_flags(p: argparse.ArgumentParser, batch_flag: str, batch_help: str) -> None:
     g = p.add_argument_group("model shape (for activations; give all or none)")
     g.add_argument("--layers", type=_positive_int, help="transformer blocks L")
@@ -134,12 +144,13 @@ def add_parsers(sub) -> None:
         help="per-device memory of model states (and activations)",
         description="Per-device bytes of parameters, gradients, optimizer state and "
         "activations, from the analytic formulas. GB = 1e9 bytes.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_Help,
     )
     m.add_argument(
         "--params",
         required=True,
         type=_argtype(parse_count, "count"),
+        metavar="COUNT",
         help="parameter count, e.g. 7B, 70e9, 1.5M",
     )
     m.add_argument("--optimizer", default="adam", choices=tuple(OPTIMIZERS), help=_OPTIMIZER_HELP)
@@ -180,12 +191,13 @@ def add_parsers(sub) -> None:
         description="Tries DDP, ZeRO-1/2/3, activation checkpointing, smaller micro-batches, "
         "then LoRA, and prints the first configuration that fits with its arithmetic. "
         "Exit code 0 if one fits, 1 if none does.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_Help,
     )
     p.add_argument(
         "--params",
         required=True,
         type=_argtype(parse_count, "count"),
+        metavar="COUNT",
         help="parameter count, e.g. 70B",
     )
     p.add_argument("--devices", type=_positive_int, required=True, help="data-parallel devices")
@@ -193,6 +205,7 @@ def add_parsers(sub) -> None:
         "--device-memory",
         required=True,
         type=_argtype(_size, "size"),
+        metavar="SIZE",
         help="memory per device with its unit: 80GB (10**9 bytes), 80GiB (2**30 bytes), "
         "512MiB; a bare number is refused",
     )
