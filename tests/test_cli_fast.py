@@ -97,8 +97,8 @@ def test_help_shows_only_defaults_that_read_right(argv, results):
 
 
 def test_the_harness_would_see_jax():
-    """The check can fail: asking for the job pieces imports jax."""
-    code = "import sys; from effijax.recipe import plan_job; print('jax' in sys.modules)"
+    """The check can fail: asking for a mesh imports jax."""
+    code = "import sys; from effijax.sharding import make_mesh; print('jax' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(ROOT)),
                           capture_output=True, text=True, timeout=120)
     assert proc.stdout.strip() == "True", proc.stderr
