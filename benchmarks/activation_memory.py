@@ -1,4 +1,4 @@
-"""Activation memory (issue 5): compiled temporaries and step time vs sequence length.
+"""Activation memory: compiled temporaries and step time vs sequence length.
 
 One small GPT (the ``tiny`` preset's shape: L=2, d=64, 4 heads, byte vocabulary; f32, Adam,
 batch 1) at s = 256 ... 4096, four variants compiled and run side by side:
@@ -9,10 +9,10 @@ batch 1) at s = 256 ... 4096, four variants compiled and run side by side:
 
 For every point: XLA's temporary bytes (``memory_analysis``), the step's median wall time
 (variants interleaved per sequence length, :func:`harness.time_interleaved`), measured
-activations (temporaries minus gradients) over the seed formula (4-byte values, no dropout),
+activations (temporaries minus gradients) over the activation formula (4-byte values, no dropout),
 and the model-state estimate's error on the step's argument bytes.
 
-Goal (issue 5): at s = 4096 blockwise attention's temporaries are at least 8x below naive's.
+Goal: at s = 4096 blockwise attention's temporaries are at least 8x below naive's.
 Run: ``python benchmarks/activation_memory.py [--seq-lens 256 512 1024 2048 4096 --rounds 2]``.
 """
 
@@ -23,7 +23,14 @@ import argparse
 import jax
 import jax.numpy as jnp
 import optax
-from harness import device_description, markdown_table, time_interleaved, write_section
+from harness import (
+    add_write_flag,
+    command_line,
+    device_description,
+    markdown_table,
+    publish,
+    time_interleaved,
+)
 
 from effijax.memory import ACTIVATION_VARIANTS, activation_measure, format_bytes
 from effijax.models import gpt_config, init_params
@@ -32,13 +39,14 @@ from effijax.train import init_train_state
 GOAL = 8.0
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seq-lens", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps-per-round", type=int, default=1)
-    args = ap.parse_args()
+    add_write_flag(ap)
+    args = ap.parse_args(argv)
 
     config = gpt_config("tiny")
     tx = optax.adam(1e-3)
@@ -89,7 +97,7 @@ def main():
 
     table = markdown_table(HEADER, rows)
     body = "\n\n".join([
-        f"`python benchmarks/activation_memory.py` on {device_description()}. GPT "
+        f"On {device_description()}. GPT "
         f"L={config.n_layers}, d={config.d_model}, heads={config.n_heads}, vocab "
         f"{config.vocab_size}, batch {args.batch_size}, f32, Adam; one jitted train step per "
         "point (compiled once; its `memory_analysis()` is what is reported and what is run). "
@@ -103,15 +111,16 @@ def main():
         "Estimate vs measured: the step's argument bytes equal params + Adam state + batch + "
         "step + key as `estimate_tree` / `tree_bytes` count them (largest relative error "
         f"{max(arg_errors):.2%}). Measured activations (temporaries minus gradients) are "
-        f"{min(ratios):.2f}x to {max(ratios):.2f}x the seed formula with 4-byte values and no "
+        f"{min(ratios):.2f}x to {max(ratios):.2f}x the activation formula (Korthikanti et "
+        "al. 2022) with 4-byte values and no "
         "dropout: the formula is a lower bound (the logits and loss, B·S·V f32, are outside "
         "it; the backward pass holds one layer's activation gradients on top; blockwise "
         "attention keeps its per-block statistics). Since the GPT's GELU keeps only its input "
         "(a custom VJP) the MLP keeps the formula's two 4h-wide tensors; before, JAX's "
         "tanh-GELU kept about six and the measurement ranged up to 3.59x.",
     ])
-    print(body)
-    write_section("Activation memory (issue 5)", body)
+    publish("Activation memory", body, command=command_line(__file__, argv),
+            write=args.write)
 
 
 HEADER = ["variant", "s", "temporaries", "step ms", "measured activations",

@@ -15,12 +15,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import shlex
-import sys
 
 import jax
 import jax.numpy as jnp
-from harness import device_description, markdown_table, time_interleaved, write_section
+from harness import (
+    add_write_flag,
+    command_line,
+    device_description,
+    markdown_table,
+    publish,
+    time_interleaved,
+)
 
 from effijax.data import batch_at, load_corpus
 from effijax.models import ATTENTION, choose_attention, gpt_config
@@ -64,7 +69,7 @@ def main(argv=None):
     ap.add_argument("--precision", default="fp32", help="policy preset (fp32, bf16, ...)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps-per-round", type=int, default=4)
-    ap.add_argument("--write", action="store_true", help="update benchmarks/RESULTS.md")
+    add_write_flag(ap)
     args = ap.parse_args(argv)
 
     tokens = load_corpus(max_bytes=1_000_000)
@@ -94,9 +99,8 @@ def main(argv=None):
         lines.append(f"- `{name}`: fastest step (median) **{best}**, fastest op (best time) "
                      f"**{best_op}**; `auto` runs `{auto}` here")
 
-    cmd = "python benchmarks/attention.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     body = "\n".join([
-        f"`{cmd.strip()}` on {device_description()}; batch {args.batch_size} x the preset's "
+        f"On {device_description()}; batch {args.batch_size} x the preset's "
         f"seq_len, {args.precision}, AdamW with clipping (`effijax train`'s optimizer). "
         f"Interleaved: {args.rounds} rounds x {args.steps_per_round} steps per variant; median.",
         "",
@@ -106,9 +110,8 @@ def main(argv=None):
         "",
         *lines,
     ])
-    print(body)
-    if args.write:
-        write_section("Attention implementations on this device", body)
+    publish("Attention implementations on this device", body, command=command_line(__file__, argv),
+            write=args.write)
 
 
 if __name__ == "__main__":

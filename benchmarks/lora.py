@@ -32,7 +32,14 @@ import time
 import jax
 import jax.numpy as jnp
 import optax
-from harness import device_description, markdown_table, time_interleaved, write_section
+from harness import (
+    add_write_flag,
+    command_line,
+    device_description,
+    markdown_table,
+    publish,
+    time_interleaved,
+)
 
 from effijax import lora
 from effijax.data import batch_at, load_corpus
@@ -57,7 +64,7 @@ def transposed_lhs_dots(hlo: str) -> int:
                and "lhs_contracting_dims={0}" in line)
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="small")
     ap.add_argument("--seq-len", type=int, default=256)
@@ -65,7 +72,8 @@ def main():
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--steps-per-round", type=int, default=5)
-    args = ap.parse_args()
+    add_write_flag(ap)
+    args = ap.parse_args(argv)
 
     config = gpt_config(args.model, seq_len=args.seq_len)
     graphdef, _ = abstract_split(config)
@@ -152,8 +160,7 @@ def main():
     cpu_ratio = cpu["LoRA factored"] / cpu["full fine-tuning"]
     cpu_floor = cpu["frozen base, no adapters"] / cpu["full fine-tuning"]
     body = "\n".join([
-        f"`python benchmarks/lora.py --model {args.model} --batch-size {args.batch_size}` on "
-        f"{device_description()}; `{args.model}` GPT ({total:,} params), batch "
+        f"On {device_description()}; `{args.model}` GPT ({total:,} params), batch "
         f"{args.batch_size}x{config.seq_len}, LoRA rank {args.rank} on `{TARGETS}`, AdamW, fp32. "
         f"Interleaved: {args.rounds} rounds x {args.steps_per_round} steps per variant.",
         "",
@@ -174,7 +181,7 @@ def main():
         "time per step), and full "
         "fine-tuning's weight-gradient dots are independent of the input-gradient chain, so "
         "they fill the second core better than anything in the frozen step does.",
-        "- Why LoRA was slower than the theory (issue 4): autodiff of the factored "
+        "- Why LoRA was slower than the theory: autodiff of the factored "
         "`(x a) b` gives the adapter gradients as `x^T dh` and `h^T du`, 2-D dots whose left "
         "operand contracts over its leading (token) axis. XLA:CPU hands only dots whose left "
         "operand contracts over its last axis to YNNPACK; the rest run on a generic fallback "
@@ -204,8 +211,8 @@ def main():
         f"{'met' if abs(opt_ratio / fraction - 1) <= 0.01 else 'MISSED'}, "
         f"off by {100 * abs(opt_ratio / fraction - 1):.3f}%).",
     ])
-    print(body)
-    write_section("LoRA vs full fine-tuning (issue 4)", body)
+    publish("LoRA vs full fine-tuning", body, command=command_line(__file__, argv),
+            write=args.write)
 
 
 if __name__ == "__main__":

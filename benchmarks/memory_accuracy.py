@@ -1,4 +1,4 @@
-"""Memory estimate vs compiled measurement (issue 5), per sharding strategy and for LoRA.
+"""Memory estimate vs compiled measurement, per sharding strategy and for LoRA.
 
 Each row compiles the sharded GPT train step that ``build_lm_job`` runs (``make_sharded_step``
 on the abstract state, nothing allocated) on ``make_mesh()`` (8 devices, fsdp = 8), AdamW from
@@ -19,13 +19,13 @@ Per row: **arguments**, :func:`estimate_tree`'s per-device ``params_bytes + opti
 them (real shardings minus all-sharded ones, computed without compiling); **temporaries**,
 :func:`compare`'s ``grads_bytes + activation_bytes`` against the step's temporaries; and
 **activations / formula**: temporaries minus gradients (both at the strategy's sharding) over
-the seed formula for one sequence per device, no dropout, 4 bytes per value. For bf16 compute
-the formula also takes 4 bytes per value and an f32 copy of the frozen weights is subtracted:
-what XLA:CPU keeps (see ``tests/test_memory_strategies.py``); the seed's view, p = 2 and
-nothing subtracted, is given in the notes.
+the activation formula (Korthikanti et al. 2022) for one sequence per device, no dropout, 4
+bytes per value. For bf16 compute the formula also takes 4 bytes per value and an f32 copy of
+the frozen weights is subtracted: what XLA:CPU keeps (see ``tests/test_memory_strategies.py``);
+the formula's view, p = 2 and nothing subtracted, is given in the notes.
 
-Run: ``python benchmarks/memory_accuracy.py`` (3 to 5 minutes on a 2-core CPU). Writes the
-"Memory: estimate vs measured (issue 5)" section of RESULTS.md.
+Run: ``python benchmarks/memory_accuracy.py [--write]`` (3 to 5 minutes on a 2-core CPU); with
+``--write`` it replaces the "Memory: estimate vs measured" section of RESULTS.md.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)  # before anything starts the backend
 
 import jax.numpy as jnp  # noqa: E402
-from harness import device_description, markdown_table, write_section  # noqa: E402
+from harness import add_write_flag, command_line, device_description, markdown_table, publish  # noqa: E402
 
 from effijax import lora  # noqa: E402
 from effijax.jobs import abstract_lm_state  # noqa: E402
@@ -172,10 +172,11 @@ def measure_point(model, config: str, min_shard_size: int) -> dict:
     }
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--groups", nargs="+", default=list(GROUPS), choices=list(GROUPS))
-    args = ap.parse_args()
+    add_write_flag(ap)
+    args = ap.parse_args(argv)
 
     rows, points = [], {}
     for group in args.groups:
@@ -202,12 +203,12 @@ def main():
             f"- {group}: largest argument error **{err['arguments'].rel_error:+.4%}** "
             f"({err['config']}); activations / formula {min(ratios['f32']):.2f}x to "
             f"{max(ratios['f32']):.2f}x with f32 compute, {min(ratios['bf16']):.2f}x to "
-            f"{max(ratios['bf16']):.2f}x with bf16 compute (seed's p = 2, no copy "
+            f"{max(ratios['bf16']):.2f}x with bf16 compute (the formula's p = 2, no copy "
             f"subtracted: {', '.join(seed)}).")
     models = {g.split(",")[0]: GROUPS[g][0] for g in args.groups}
     sizes = ", ".join(f"{name} {param_count(model):,}" for name, model in models.items())
     body = "\n".join([
-        f"`python benchmarks/memory_accuracy.py` on {device_description()}. Per device, mesh "
+        f"On {device_description()}. Per device, mesh "
         f"fsdp=8, global batch {BATCH} (one sequence per device), `make_optimizer`'s AdamW, "
         f"fp32 policy (bf16 policy for the bf16 LoRA base); parameters: {sizes}. LoRA: rank "
         f"{SPEC.rank} on every attention and MLP kernel, the frozen base passed in the batch "
@@ -222,7 +223,7 @@ def main():
         "`min_shard_size`), times 7/8; in every row measured = estimate + kept whole - 4 B "
         "exactly (checked by the script; the 4 B: the schedule recomputes the injected "
         "learning rate, so jit drops the stale one from the arguments). *Temporaries*: "
-        "`compare`'s gradients (sharded for zero2/fsdp) + the seed activation formula (4 B "
+        "`compare`'s gradients (sharded for zero2/fsdp) + the activation formula (4 B "
         "per value) vs the step's temporaries. *Activations / formula*: (temporaries - "
         "gradients - f32 copy of a bf16 frozen base) / formula.",
         "",
@@ -240,9 +241,9 @@ def main():
         "fsdp, and by about 0.1% in the d 256 model. `estimate_tree(..., min_shard_size="
         "effijax.sharding.DEFAULT_MIN_SHARD_SIZE)` applies the same floor and then matches "
         "the default rule's per-device bytes exactly (tested for every strategy).",
-        "- Activations: the seed formula is a lower bound; with f32 compute the measurement "
+        "- Activations: the formula is a lower bound; with f32 compute the measurement "
         "stays within the suite's 1x to 4x band (the logits and the backward's working "
-        "buffers are outside the formula). With bf16 compute the seed's "
+        "buffers are outside the formula). With bf16 compute the formula's "
         "p = 2 formula is much further off on this backend: XLA:CPU has no bf16 arithmetic "
         "(after its passes only the dots read bf16), so the intermediates it keeps are f32, "
         "and the backward's f32-accumulating input-gradient matmuls use an f32 copy of the "
@@ -254,8 +255,8 @@ def main():
         "temporaries, by the factor above: the planner's estimates of activations should be "
         "read the same way.",
     ])
-    print(body)
-    write_section("Memory: estimate vs measured (issue 5)", body)
+    publish("Memory: estimate vs measured", body, command=command_line(__file__, argv),
+            write=args.write)
 
 
 if __name__ == "__main__":

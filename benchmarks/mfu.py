@@ -15,7 +15,7 @@ Per GPT preset and precision policy it reports:
 * the ratio to a matmul peak measured in the same run on the same device (the best time of a
   large ``n x n x n`` matmul, interleaved with the train steps so both see the same noise).
 
-Goal (issue "Accelerator performance"): the default ``effijax train`` step (``mini`` GPT, batch
+Goal: the default ``effijax train`` step (``mini`` GPT, batch
 16, seq 128, fp32) reaches >= 0.40 of the measured f32 matmul peak.
 
 Not met on the 2-core CPU this was written on (the mini fp32 step measured 0.27-0.38 of the
@@ -41,13 +41,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import shlex
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
-from harness import device_description, markdown_table, time_interleaved, write_section
+from harness import (
+    add_write_flag,
+    command_line,
+    device_description,
+    markdown_table,
+    publish,
+    time_interleaved,
+)
 
 from effijax.models import gpt_config, param_count
 from effijax.precision import get_policy
@@ -341,10 +346,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="tiny GPT, fp32, short: a smoke run")
     ap.add_argument("--profile", action="store_true",
                     help="also break the default step's time down (forward, backward, matmuls)")
-    ap.add_argument("--write", action="store_true", help="update benchmarks/RESULTS.md")
+    add_write_flag(ap)
     args = ap.parse_args(argv)
-    command = shlex.join(["python", "benchmarks/mfu.py",
-                          *(sys.argv[1:] if argv is None else argv)])
 
     t0 = time.perf_counter()
     if args.quick:
@@ -360,7 +363,7 @@ def main(argv: list[str] | None = None) -> None:
     how = ("a quick smoke run (1 round x 2 steps)" if args.quick
            else f"{args.rounds} rounds x {args.steps_per_round} steps")
     body = "\n".join([
-        f"`{command}` on {device_description()}; batch {batch_size} x the preset's seq_len, "
+        f"On {device_description()}; batch {batch_size} x the preset's seq_len, "
         f"attention={'naive' if args.quick else args.attention}, random tokens; {how}, train "
         f"steps and matmuls interleaved ({time.perf_counter() - t0:.0f} s).",
         "",
@@ -368,9 +371,8 @@ def main(argv: list[str] | None = None) -> None:
     ])
     if args.profile:
         body += "\n\n" + profile(batch_size=args.batch_size, attention=args.attention)
-    print(body)
-    if args.write:
-        write_section("MFU (Accelerator performance)", body)
+    publish("MFU (Accelerator performance)", body, command=command_line(__file__, argv),
+            write=args.write)
 
 
 if __name__ == "__main__":

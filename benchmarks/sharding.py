@@ -7,7 +7,7 @@ ddp, zero1, zero2, fsdp on ``make_mesh()`` (fsdp = 8) the job's step is compiled
 (``LMJob.compile``: executable, memory report and census from one compilation), then:
 
 * **memory**: per-device bytes of params + grads + optimizer state, read off the real state's
-  shardings, against the seeds' formulas (DDP 16Ψ, ZeRO-1 4Ψ + 12Ψ/N, ZeRO-2 2Ψ + 14Ψ/N,
+  shardings, against the ZeRO paper's formulas (DDP 16Ψ, ZeRO-1 4Ψ + 12Ψ/N, ZeRO-2 2Ψ + 14Ψ/N,
   ZeRO-3 16Ψ/N: bf16 params and grads, f32 master + Adam moments = 2 + 2 + 12 B) and against
   the same formulas for the bytes this job really stores (f32 params, which are the master,
   f32 grads, f32 moments = 4 + 4 + 8 B; ``effijax.memory.estimate_tree``). Leaves the
@@ -23,7 +23,7 @@ ddp, zero1, zero2, fsdp on ``make_mesh()`` (fsdp = 8) the job's step is compiled
   extra collectives, not a network.
 
 Run: ``python benchmarks/sharding.py [--rounds 5 --steps-per-round 4]`` (2 to 5 minutes on a
-2-core CPU). Writes the "Sharding strategies (issue 3)" section of RESULTS.md.
+2-core CPU). With ``--write`` it replaces the "Sharding strategies" section of RESULTS.md.
 """
 
 from __future__ import annotations
@@ -36,10 +36,12 @@ jax.config.update("jax_num_cpu_devices", 8)  # before anything starts the backen
 
 import numpy as np  # noqa: E402
 from harness import (  # noqa: E402
+    add_write_flag,
+    command_line,
     device_description,
     markdown_table,
+    publish,
     time_interleaved,
-    write_section,
 )
 
 from effijax.data import load_corpus, split_corpus  # noqa: E402
@@ -70,12 +72,13 @@ def collective_bytes(census, n_layers: int) -> dict[tuple[str, str], float]:
     return out
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps-per-round", type=int, default=4)
     ap.add_argument("--batch-size", type=int, default=8)
-    args = ap.parse_args()
+    add_write_flag(ap)
+    args = ap.parse_args(argv)
 
     model = gpt_config("small", seq_len=64, d_model=256, n_layers=4, n_heads=4)
     policy = get_policy("bf16")
@@ -159,16 +162,16 @@ def main():
 
     fsdp_measured, fsdp_seed, fsdp_leftover = fsdp_check
     body = "\n".join([
-        f"`python benchmarks/sharding.py --rounds {args.rounds} --steps-per-round "
-        f"{args.steps_per_round}` on {device_description()}. GPT `small` with d_model=256, "
+        f"On {device_description()}, {args.rounds} rounds x {args.steps_per_round} steps. "
+        "GPT `small` with d_model=256, "
         f"4 layers, seq 64: Ψ = {psi:,} parameters; `bf16` policy (f32 master params, bf16 "
         f"compute), AdamW; global batch {args.batch_size}; mesh data=1, fsdp={n}.",
         "",
         "**Per-device model states** (MB = 1e6 B). *Measured* is read off the state's "
-        "shardings (and equals `memory_report`'s fields). *Seed* is the ZeRO paper's mixed "
+        "shardings (and equals `memory_report`'s fields). *ZeRO* is the ZeRO paper's mixed "
         "precision formula (2+2+12 B/param: bf16 params and grads); this job stores f32 "
         "params (the master) and f32 grads, so *same-dtype* is the formula for 4+4+8 B/param "
-        "(`model_states(precision='fp32')`; totals agree with the seed for DDP and ZeRO-3, "
+        "(`model_states(precision='fp32')`; totals agree with it for DDP and ZeRO-3, "
         "not for ZeRO-1/2, whose replicated params/grads are f32 here). *Leftovers*: "
         "parameter-shaped leaves the automatic rule keeps whole (`ln_f`, below 1024 elements) "
         "times (N-1)/N, plus the optimizer's scalars; *ratio* = measured / (same-dtype + "
@@ -176,7 +179,7 @@ def main():
         "`memory_analysis().temp_size_in_bytes` of the compiled step (activations, gathered "
         "weights).",
         "",
-        markdown_table(["strategy", "params", "grads", "opt state", "measured", "seed",
+        markdown_table(["strategy", "params", "grads", "opt state", "measured", "ZeRO",
                         "same-dtype", "leftovers", "ratio", "estimate_tree", "temp MB"],
                        mem_rows),
         "",
@@ -225,11 +228,11 @@ def main():
         "copies of every gradient), zero2 and fsdp reduce-scatter them (every device sums its "
         "1/8): the likely reason the pairs differ here, since zero1's 1/8 optimizer update "
         "does not make it faster than ddp. fsdp also computes the MLPs tensor-parallel (see "
-        "above). On accelerators over a real interconnect the ratios will differ; no GPU was "
-        "lent to this issue.",
+        "above). On accelerators over a real interconnect the ratios will differ; not "
+        "measured on a GPU.",
     ])
-    print(body)
-    write_section("Sharding strategies (issue 3)", body)
+    publish("Sharding strategies", body, command=command_line(__file__, argv),
+            write=args.write)
     np.testing.assert_array_less(0, base)
 
 

@@ -12,7 +12,7 @@ Same model (the ``mini`` GPT), batch, optimizer (AdamW) and math in every varian
 * ``effijax recipe job fp32``: the step ``effijax train`` runs (``effijax.recipe.plan_job`` on a
   1-device mesh: sharding constraints, the ``lm_loss``/``accuracy`` metrics), same AdamW.
 
-Goals (issue 2): effijax fp32 <= 1.02x optax fp32; effijax fp16 <= 1.0x the jmp / Flax steps.
+Goals: effijax fp32 <= 1.02x optax fp32; effijax fp16 <= 1.0x the jmp / Flax steps.
 Run: ``python benchmarks/step_overhead.py [--batch-size 8 --rounds 5 --steps-per-round 10]``.
 """
 
@@ -26,7 +26,14 @@ import jmp
 import numpy as np
 import optax
 from flax.training.dynamic_scale import DynamicScale
-from harness import device_description, markdown_table, time_interleaved, write_section
+from harness import (
+    add_write_flag,
+    command_line,
+    device_description,
+    markdown_table,
+    publish,
+    time_interleaved,
+)
 
 from effijax.data import batch_at, load_corpus
 from effijax.models import abstract_split, gpt_config, init_params, make_loss_fn
@@ -36,13 +43,14 @@ from effijax.sharding import batch_sharding
 from effijax.train import init_train_state, make_train_step
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="mini")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps-per-round", type=int, default=10)
-    args = ap.parse_args()
+    add_write_flag(ap)
+    args = ap.parse_args(argv)
 
     config = gpt_config(args.model)
     graphdef, _ = abstract_split(config)
@@ -168,8 +176,7 @@ def main():
     tokens = args.batch_size * config.seq_len
     n_params = sum(x.size for x in jax.tree.leaves(params0))
     body = "\n".join([
-        f"`python benchmarks/step_overhead.py --batch-size {args.batch_size}` on "
-        f"{device_description()}; `{args.model}` GPT ({n_params:,} params), "
+        f"On {device_description()}; `{args.model}` GPT ({n_params:,} params), "
         f"batch {args.batch_size}x{config.seq_len} ({tokens} tokens), AdamW. "
         f"Interleaved: {args.rounds} rounds x {args.steps_per_round} steps per variant; "
         "median step time.",
@@ -184,11 +191,11 @@ def main():
         f"- the recipe's job step (`effijax train`'s, with the accuracy metric) / hand-written "
         f"optax fp32: **{ratio_job:.3f}x** (goal <= 1.02x: "
         f"{'met' if ratio_job <= 1.02 else 'MISSED'})",
-        "- No GPU was lent to this issue, so bf16/fp16 speedups and MFU on an accelerator are "
-        "not measured here (on this CPU, 16-bit matmuls are emulated and slower than fp32).",
+        "- Not measured on a GPU: bf16/fp16 speedups and MFU on an accelerator (on this CPU, "
+        "16-bit matmuls are emulated and slower than fp32).",
     ])
-    print(body)
-    write_section("Step overhead (issue 2)", body)
+    publish("Step overhead", body, command=command_line(__file__, argv),
+            write=args.write)
     np.testing.assert_array_less(0, base)  # a benchmark that measured nothing is a bug
 
 

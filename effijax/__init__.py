@@ -9,24 +9,19 @@
   tokenizers, PEFT adapters).
 * :mod:`effijax.train`: ``TrainState`` and the functional, jittable train step.
 
-Subpackages are imported on use (``import effijax.models``), so ``import effijax`` stays light.
+Subpackages and the names below are imported on first use (``effijax.models``,
+``effijax.get_policy``), so ``import effijax`` stays light and does not import JAX.
 """
 
-from effijax.errors import ConfigError
-from effijax.precision import Policy, dynamic_loss_scale, get_policy, static_loss_scale
-from effijax.train import TrainState, init_train_state, make_optimizer, make_train_step
+from effijax._lazy import attach
+
+# Each name is imported from its module on first use: importing the package (the CLI's
+# flag checks, a config's validation) does not import JAX. __all__ lists every name.
+__getattr__, __dir__, _lazy_names = attach(__name__, {
+    "effijax.errors": ("ConfigError",),
+    "effijax.precision": ("Policy", "get_policy", "dynamic_loss_scale", "static_loss_scale"),
+    "effijax.train": ("TrainState", "init_train_state", "make_train_step", "make_optimizer"),
+})
 
 __version__ = "0.1.0"
-
-__all__ = [
-    "ConfigError",
-    "Policy",
-    "get_policy",
-    "dynamic_loss_scale",
-    "static_loss_scale",
-    "TrainState",
-    "init_train_state",
-    "make_train_step",
-    "make_optimizer",
-    "__version__",
-]
+__all__ = [*_lazy_names, "__version__"]

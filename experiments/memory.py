@@ -1,14 +1,14 @@
-"""Memory: the seeds' tables from the estimator, and measured activations against the formula.
+"""Memory: published memory tables from the estimator, and measured activations vs the formula.
 
-Part 1 prints the analytic tables the seeds state:
+Part 1 prints the analytic tables of:
 
-* seed 003 (Biderman et al. 2024, appendix D): model + optimizer state per GPU for 7B / 70B /
-  405B, full fine-tuning vs LoRA (1% adapters, bf16 frozen base), Adam vs Lion, FSDP over
-  1 / 8 / 32 GPUs;
-* seed 004: the (2 + 2 + 12)Ψ mixed-precision Adam table (7B -> 112 GB, 70B -> 1120 GB), the
-  ZeRO-1 worked example (7.5B on N_d = 64: 120 GB -> 31.4 GB) and the activation formula
-  L·p·s·b·h·(16 + 2/p + 2as/h + as/(p·h)) for a 7B-shaped model, with flash attention and
-  block checkpointing.
+* Biderman et al. 2024, "LoRA Learns Less and Forgets Less", appendix tables S1-S3: model +
+  optimizer state per GPU for 7B / 70B / 405B, full fine-tuning vs LoRA (1% adapters, bf16
+  frozen base), Adam vs Lion, FSDP over 1 / 8 / 32 GPUs;
+* Rajbhandari et al. 2020 (ZeRO): the (2 + 2 + 12)Ψ mixed-precision Adam table (7B -> 112 GB,
+  70B -> 1120 GB) and the ZeRO-1 worked example (7.5B on N_d = 64: 120 GB -> 31.4 GB);
+* the activation formula L·p·s·b·h·(16 + 2/p + 2as/h + as/(p·h)) (Korthikanti et al. 2022,
+  p bytes per value) for a 7B-shaped model, with flash attention and block checkpointing.
 
 Part 2 compiles a GPT train step (f32, Adam) at several sequence lengths for naive vs blockwise
 attention, with and without block rematerialisation, and sets the compiled temporaries minus
@@ -53,28 +53,29 @@ PRESETS = {
                     variants=("naive", "blockwise")),
 }
 
-SEED_003_MODELS = ("7B", "70B", "405B")
-SEED_003_DEVICES = (1, 8, 32)
+LORA_PAPER_MODELS = ("7B", "70B", "405B")
+LORA_PAPER_DEVICES = (1, 8, 32)
 
 
-def seed_003_table() -> list[dict]:
-    """Model + optimizer state per GPU (GB) as in seed 003's Tables S1-S3."""
+def lora_paper_table() -> list[dict]:
+    """Model + optimizer state per GPU (GB) as in Biderman et al. 2024, tables S1-S3."""
     rows = []
-    for model in SEED_003_MODELS:
+    for model in LORA_PAPER_MODELS:
         for method in ("full", "lora"):
             for optimizer in ("adam", "lion"):
                 cells = [model_states(model, optimizer=optimizer, precision="fp32", zero_stage=3,
                                       devices=n, lora_fraction=0.01 if method == "lora" else None,
                                       frozen_dtype="bf16").model_state_bytes / GB
-                         for n in SEED_003_DEVICES]
+                         for n in LORA_PAPER_DEVICES]
                 rows.append({"model": model, "method": method, "optimizer": optimizer,
-                             **{f"{n} GPU": c for n, c in zip(SEED_003_DEVICES, cells,
+                             **{f"{n} GPU": c for n, c in zip(LORA_PAPER_DEVICES, cells,
                                                               strict=True)}})
     return rows
 
 
-def seed_004_tables() -> dict:
-    """Seed 004's (2 + 2 + 12)Ψ table, ZeRO-1 example and activation formula example."""
+def model_state_tables() -> dict:
+    """The ZeRO paper's (2 + 2 + 12)Ψ table and ZeRO-1 example, and the activation formula
+    example."""
     states = []
     for model in ("7B", "70B"):
         st = model_states(model, optimizer="adam", precision="mixed")
@@ -88,7 +89,7 @@ def seed_004_tables() -> dict:
              "limit 4/(4+K), K=12": 4 / 16}
     shape = {"layers": 32, "hidden": 4096, "heads": 32, "seq_len": 2048, "batch_size": 1}
     acts = []
-    for label, kw in (("seed formula (bf16, dropout)", {}),
+    for label, kw in (("formula (bf16, dropout)", {}),
                       ("blockwise attention", {"blockwise_attention": True}),
                       ("block checkpointing", {"checkpointing": "block"}),
                       ("both", {"blockwise_attention": True, "checkpointing": "block"})):
@@ -161,7 +162,7 @@ def _plot(out: Path, rows: list[dict], title: str) -> None:
     ax.set_title(f"activations of a train step ({title}): measured vs formula")
     ax.legend(fontsize=7)
     ax_ratio.set_ylabel("measured / formula")
-    ax_ratio.set_title("measured activations over the seed formula")
+    ax_ratio.set_title("measured activations over the formula")
     ax_ratio.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "memory.png", dpi=110)
@@ -169,19 +170,19 @@ def _plot(out: Path, rows: list[dict], title: str) -> None:
 
 
 def main(cfg: Config) -> dict:
-    """Prints the seed tables and the measured sweep; returns them (also in results.json)."""
+    """Prints the published tables and the measured sweep; returns them (also in results.json)."""
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    seed003 = seed_003_table()
-    seed004 = seed_004_tables()
-    print("## Seed 003: model + optimizer state per GPU (GB), FSDP\n")
-    print(_markdown(seed003))
-    print("\n## Seed 004: (2 + 2 + 12)Ψ, mixed-precision Adam (GB)\n")
-    print(_markdown(seed004["states"]))
-    print("\n## Seed 004: ZeRO-1 worked example (GB)\n")
-    print(_markdown([seed004["zero1"]], fmt="{:.4g}"))
-    print("\n## Seed 004: activation formula (GB)\n")
-    print(_markdown(seed004["activations"], fmt="{:.2f}"))
+    lora_paper = lora_paper_table()
+    zero = model_state_tables()
+    print("## Biderman et al. 2024, tables S1-S3: model + optimizer state per GPU (GB), FSDP\n")
+    print(_markdown(lora_paper))
+    print("\n## Rajbhandari et al. 2020 (ZeRO): (2 + 2 + 12)Ψ, mixed-precision Adam (GB)\n")
+    print(_markdown(zero["states"]))
+    print("\n## Rajbhandari et al. 2020 (ZeRO): ZeRO-1 worked example (GB)\n")
+    print(_markdown([zero["zero1"]], fmt="{:.4g}"))
+    print("\n## Activation formula (Korthikanti et al. 2022), 7B shape (GB)\n")
+    print(_markdown(zero["activations"], fmt="{:.2f}"))
 
     measured = measured_activations(cfg)
     model = gpt_config(cfg.model)
@@ -190,7 +191,7 @@ def main(cfg: Config) -> dict:
     print(f"\n## Measured activations, {title}\n")
     print(_measured_table(measured))
     _plot(out, measured, title)
-    results = {"seed_003": seed003, "seed_004": seed004, "measured": measured,
+    results = {"lora_paper_tables": lora_paper, "zero_tables": zero, "measured": measured,
                "config": dataclasses.asdict(cfg)}
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     return results

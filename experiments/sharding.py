@@ -8,12 +8,13 @@ state are read off the shardings. They are set against:
 * ``estimate_tree``: :func:`effijax.memory.estimate_tree` for the job's real dtypes. Under the
   ``bf16`` policy the stored parameters are the f32 master (4 B) and so are the gradients (the
   cast's transpose returns f32), Adam's moments are f32 (8 B): 16 bytes per parameter, split
-  4 + 4 + 8, not the seeds' 2 + 2 + 12. It shards every leaf that has a divisible dimension;
+  4 + 4 + 8, not the ZeRO paper's 2 + 2 + 12. It shards every leaf that has a divisible dimension;
   the automatic partition rule keeps leaves below ``min_shard_size`` (biases, LayerNorms) whole,
   which the ``leftover`` column accounts for exactly (measured == estimate + leftover).
-* ``seed``: the closed form of the ZeRO paper, :func:`effijax.memory.model_states` with
-  ``precision="mixed"``: DDP 16Ψ, ZeRO-1 4Ψ + 12Ψ/N, ZeRO-2 2Ψ + 14Ψ/N, ZeRO-3 16Ψ/N. Same
-  totals at N = 1 and for FSDP; ZeRO-1/2 differ because our replicated params/grads are f32.
+* ``ZeRO``: the closed form of the ZeRO paper (Rajbhandari et al. 2020),
+  :func:`effijax.memory.model_states` with ``precision="mixed"``: DDP 16Ψ, ZeRO-1
+  4Ψ + 12Ψ/N, ZeRO-2 2Ψ + 14Ψ/N, ZeRO-3 16Ψ/N. Same totals at N = 1 and for FSDP; ZeRO-1/2
+  differ because our replicated params/grads are f32.
 
 With ``compile=True`` each configuration's step is also compiled (abstractly, still nothing
 allocated) and ``compiled.memory_analysis()`` adds the temporaries: activations and, under FSDP,
@@ -97,8 +98,8 @@ def measure(cfg: Config, strategy: str, n: int, abstract, optimizer, policy) -> 
     estimate = estimate_tree(abstract.params, optimizer, param_dtype=policy.param_dtype,
                              compute_dtype=policy.compute_dtype, zero_stage=stage, devices=n)
     num_params = sum(x.size for x in jax.tree.leaves(abstract.params))
-    seed = model_states(num_params, optimizer="adam", precision="mixed", zero_stage=stage,
-                        devices=n)
+    paper = model_states(num_params, optimizer="adam", precision="mixed", zero_stage=stage,
+                         devices=n)
     row = {
         "strategy": strategy, "devices": n, "num_params": num_params,
         "params": measured.params, "grads": measured.grads, "opt_state": measured.opt_state,
@@ -106,7 +107,7 @@ def measure(cfg: Config, strategy: str, n: int, abstract, optimizer, policy) -> 
         "estimate": estimate.model_state_bytes,
         "leftover": measured.model_states - everything.model_states,
         "estimate_matches_layout": everything.model_states == estimate.model_state_bytes,
-        "seed_mixed": seed.model_state_bytes,
+        "zero_paper_mixed": paper.model_state_bytes,
     }
     if cfg.compile:
         row.update(_compiled(cfg, mesh, strategy, specs, shardings, state, grads, optimizer,
@@ -147,11 +148,11 @@ def main(cfg: Config) -> dict:
 
 def _table(rows: list[dict]) -> str:
     head = (f"{'strategy':<8}{'N':>3}{'params':>11}{'grads':>11}{'opt':>11}{'measured':>11}"
-            f"{'estimate':>11}{'leftover':>10}{'seed':>11}")
+            f"{'estimate':>11}{'leftover':>10}{'ZeRO':>11}")
     lines = [head]
     for r in rows:
         cells = [format_bytes(r[k]) for k in ("params", "grads", "opt_state", "measured",
-                                               "estimate", "leftover", "seed_mixed")]
+                                               "estimate", "leftover", "zero_paper_mixed")]
         lines.append(f"{r['strategy']:<8}{r['devices']:>3}" + "".join(
             f"{c:>{w}}" for c, w in zip(cells, (11, 11, 11, 11, 11, 10, 11), strict=True)))
         if "temporaries" in r:
@@ -174,8 +175,8 @@ def _plot(path: Path, cfg: Config, rows: list[dict]) -> None:
                 label=f"{strategy} measured")
         ax.plot(ns, [r["estimate"] / 1e6 for r in mine], "x--", color=color, alpha=0.7,
                 label=f"{strategy} estimate_tree")
-        ax.plot(ns, [r["seed_mixed"] / 1e6 for r in mine], ":", color=color, alpha=0.6,
-                label=f"{strategy} seed (2+2+12)Ψ")
+        ax.plot(ns, [r["zero_paper_mixed"] / 1e6 for r in mine], ":", color=color, alpha=0.6,
+                label=f"{strategy} ZeRO paper (2+2+12)Ψ")
     ax.set_xscale("log", base=2)
     ax.set_xticks(list(cfg.devices), [str(n) for n in cfg.devices])
     ax.set_xlabel("devices N")

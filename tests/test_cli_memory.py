@@ -101,6 +101,11 @@ def test_plan_that_does_not_fit_exits_1(capsys):
             ["argument --device-memory: '80 gigs': unknown unit 'gigs'", "GiB"],
         ),
         (["plan", "--params", "7B", "--devices", "8"], ["--device-memory", "required"]),
+        (
+            ["plan", "--params", "70B", "--devices", "8", "--device-memory", "80"],
+            ["argument --device-memory: '80': a size needs a unit: write e.g. '80GB' "
+             "(10**9 bytes), '80GiB' (2**30 bytes), '512MiB', or '80B' for bytes"],
+        ),
     ],
 )
 def test_bad_flags_exit_2(argv, expected, capsys):

@@ -48,7 +48,7 @@ def test_lower_layers_do_not_import_upper_layers():
 # The layers above the core, bottom to top. A module may import its own layer and those below,
 # never one above: the library never reaches up into the recipe, the recipe never into the CLI.
 LAYERS = [
-    ("errors.py", "paths.py", "provenance.py"),
+    ("_lazy.py", "errors.py", "paths.py", "provenance.py"),
     ("precision", "sharding", "lora", "data", "distributed.py"),
     ("models", "interop", "memory", "train.py", "checkpoint"),
     ("run.py",),

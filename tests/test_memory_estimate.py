@@ -297,10 +297,10 @@ def test_parse_count(text, expected):
         ("512MiB", 512 * 2**20),
         ("1.5TB", 1_500_000_000_000),
         ("16 GB", 16 * 10**9),
-        ("1024", 1024),
+        ("1024B", 1024),
+        ("1024 b", 1024),
         ("2KB", 2000),
         ("0.5KiB", 512),
-        (80 * 10**9, 80 * 10**9),
     ],
 )
 def test_parse_bytes(text, expected):
@@ -323,6 +323,11 @@ def test_parse_bytes(text, expected):
         (parse_bytes, "80GiBs", r"unknown unit 'GiBs'.*KiB, MiB, GiB"),
         (parse_bytes, "eighty", "cannot parse"),
         (parse_bytes, "1.5B", "is not a whole number"),
+        (parse_bytes, "80", r"a size needs a unit: write e.g. '80GB' \(10\*\*9 bytes\), '80GiB'"),
+        (parse_bytes, " 1024 ", r"a size needs a unit: write e.g. '1024GB'.*'1024B' for bytes"),
+        (parse_bytes, 80 * 10**9, r"a size needs a unit: write e.g. '80000000000GB'"),
+        (parse_bytes, 2.5, "a size needs a unit"),
+        (parse_bytes, None, "expected a size with a unit"),
     ],
 )
 def test_parse_errors(parse, bad, match):

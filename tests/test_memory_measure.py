@@ -196,10 +196,10 @@ def test_memory_experiment_smoke(tmp_path):
     with pytest.MonkeyPatch.context() as mp:  # the experiment registers blockwise if needed
         mp.setitem(ATTENTION, "blockwise", blockwise_attend)
         results = module.main(cfg)
-    seed003 = {(r["model"], r["method"], r["optimizer"]): r for r in results["seed_003"]}
+    seed003 = {(r["model"], r["method"], r["optimizer"]): r for r in results["lora_paper_tables"]}
     assert seed003["7B", "full", "adam"]["1 GPU"] == 112
     assert seed003["70B", "lora", "adam"]["8 GPU"] == pytest.approx(18.9)
-    assert results["seed_004"]["zero1"]["ZeRO-1, N_d=64"] == pytest.approx(31.40625)
+    assert results["zero_tables"]["zero1"]["ZeRO-1, N_d=64"] == pytest.approx(31.40625)
     measured = results["measured"]
     assert len(measured) == len(cfg.variants) * len(cfg.seq_lens)
     assert all(r["argument_rel_error"] == 0.0 for r in measured)

@@ -46,6 +46,12 @@ def _argtype(parse, what: str):
     return convert
 
 
+def _size(text: str) -> str:
+    """A size with its unit, checked here and passed on as written (the library parses it)."""
+    parse_bytes(text, field="device_memory")
+    return text
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -93,6 +99,16 @@ def _aliases_text() -> str:
 _OPTIMIZER_HELP = "optimizer whose state is counted"
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a default only where it says something: not for a flag without one (None) nor for
+    an on/off switch (``--no-lora (default: True)`` reads backwards)."""
+
+    def _get_help_string(self, action):
+        if action.required or action.nargs == 0 or action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _add_shape_flags(p: argparse.ArgumentParser, batch_flag: str, batch_help: str) -> None:
     g = p.add_argument_group("model shape (for activations; give all or none)")
     g.add_argument("--layers", type=_positive_int, help="transformer blocks L")
@@ -122,7 +138,8 @@ _MODEL_HELP = ("a real model instead of --params: a preset (llama-2-7b, llama-2-
 
 def _add_model_flags(p: argparse.ArgumentParser, params_help: str) -> None:
     which = p.add_mutually_exclusive_group(required=True)
-    which.add_argument("--params", type=_argtype(parse_count, "count"), help=params_help)
+    which.add_argument("--params", type=_argtype(parse_count, "count"), metavar="COUNT",
+                       help=params_help)
     which.add_argument("--model", metavar="NAME_OR_PATH", help=_MODEL_HELP)
     p.add_argument("--lora-rank", type=_positive_int, default=None,
                    help="with --model: LoRA of this rank on the model's default targets (all "
@@ -144,7 +161,7 @@ def add_parsers(sub) -> None:
         help="per-device memory of model states (and activations)",
         description="Per-device bytes of parameters, gradients, optimizer state and "
         "activations, from the analytic formulas. GB = 1e9 bytes.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_Help,
     )
     _add_model_flags(m, "parameter count, e.g. 7B, 70e9, 1.5M")
     m.add_argument("--optimizer", default="adam", choices=tuple(OPTIMIZERS), help=_OPTIMIZER_HELP)
@@ -185,15 +202,17 @@ def add_parsers(sub) -> None:
         description="Tries DDP, ZeRO-1/2/3, activation checkpointing, smaller micro-batches, "
         "then LoRA, and prints the first configuration that fits with its arithmetic. "
         "Exit code 0 if one fits, 1 if none does.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_Help,
     )
     _add_model_flags(p, "parameter count, e.g. 70B")
     p.add_argument("--devices", type=_positive_int, required=True, help="data-parallel devices")
     p.add_argument(
         "--device-memory",
         required=True,
-        type=_argtype(parse_bytes, "bytes"),
-        help="memory per device, e.g. 80GB, 80GiB",
+        type=_argtype(_size, "size"),
+        metavar="SIZE",
+        help="memory per device with its unit: 80GB (10**9 bytes), 80GiB (2**30 bytes), "
+        "512MiB; a bare number is refused",
     )
     p.add_argument("--optimizer", default="adam", choices=tuple(OPTIMIZERS), help=_OPTIMIZER_HELP)
     p.add_argument(

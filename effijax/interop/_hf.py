@@ -323,8 +323,12 @@ def save_hf(directory: str | os.PathLike, model: LlamaConfig, params, *, adapter
             tensors[hf_name(path, layer)] = to_hf(path, w if layer is None else w[layer])
             weight_map[hf_name(path, layer)] = file
             total += nbytes
-        safetensors.numpy.save_file(tensors, os.path.join(directory, file),
-                                    metadata={"format": "pt"})
+        # Bytes written as any other output file (0644 under the usual umask): safetensors'
+        # save_file creates its files 0600.
+        data = safetensors.numpy.save(tensors, metadata={"format": "pt"})
+        with open(os.path.join(directory, file), "wb") as f:
+            f.write(data)
+        del data
         del tensors
     host.clear()
     written = list(names)

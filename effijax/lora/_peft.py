@@ -57,6 +57,13 @@ def _spec_from_json(text: str, path) -> LoraSpec:
         raise ConfigError("path", str(path), f"the stored LoRA spec is invalid: {e}") from e
 
 
+def _write(path: str | os.PathLike, data: bytes) -> None:
+    # Written as any other output file (0644 under the usual umask); safetensors' save_file
+    # creates its files 0600.
+    with open(path, "wb") as f:
+        f.write(data)
+
+
 def save_adapters(path: str | os.PathLike, adapters, spec: LoraSpec) -> None:
     """Writes the adapters alone (and the spec) to one safetensors file.
 
@@ -87,7 +94,7 @@ def save_adapters(path: str | os.PathLike, adapters, spec: LoraSpec) -> None:
         tensors[f"{name}/b"] = jnp.asarray(b)
     metadata = {"format": _FORMAT, "version": _FORMAT_VERSION,
                 "spec": _spec_to_json(spec, list(flat))}
-    safetensors.flax.save_file(tensors, path, metadata=metadata)
+    _write(path, safetensors.flax.save(tensors, metadata=metadata))
 
 
 def load_adapters(path: str | os.PathLike, params=None) -> tuple[dict, LoraSpec]:
@@ -242,6 +249,6 @@ def export_peft(directory: str | os.PathLike, adapters, spec: LoraSpec, *,
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "adapter_config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
-    safetensors.flax.save_file(tensors, os.path.join(directory, "adapter_model.safetensors"),
-                               metadata={"format": "pt"})
+    _write(os.path.join(directory, "adapter_model.safetensors"),
+           safetensors.flax.save(tensors, metadata={"format": "pt"}))
     return {name: tuple(t.shape) for name, t in tensors.items()}

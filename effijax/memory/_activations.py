@@ -12,8 +12,8 @@ Per layer, with s sequence length, b (micro-)batch, h hidden size, a heads, p by
     total = L·p·s·b·h·(16 + 2/p + 2as/h + as/(p·h))
 
 Switches remove or replace exactly the terms they affect (see :func:`activation_bytes`).
-Embeddings, the final norm and the logits are not counted, as in the seed, unless ``vocab`` is
-given (the f32 logits the cross-entropy keeps for the backward pass, ``4·s·b·V``).
+Embeddings, the final norm and the logits are not counted, as in Korthikanti et al., unless
+``vocab`` is given (the f32 logits the cross-entropy keeps for the backward pass, ``4·s·b·V``).
 
 Llama-family layers generalise the linear terms (Ainslie et al. 2023 grouped-query attention,
 Shazeer 2020 SwiGLU): with query width ``q = a·d_head``, key/value width ``k = a_kv·d_head`` and
@@ -101,14 +101,14 @@ def activation_bytes(
 ) -> int:
     """Bytes of activations kept for the backward pass, on one device, for one micro-batch.
 
-    With the defaults this is exactly the seed's ``L·p·s·b·h·(16 + 2/p + 2as/h + as/(p·h))``
-    (Korthikanti et al. 2022).
+    With the defaults this is exactly ``L·p·s·b·h·(16 + 2/p + 2as/h + as/(p·h))`` (Korthikanti
+    et al. 2022, with p bytes per value).
 
     * ``dropout=False`` removes the three 1-byte dropout masks: 2sbh + as²b per layer.
     * ``blockwise_attention=True`` (flash attention) never stores the s x s scores: it drops the
       softmax input and output (2pas²b) and their dropout mask (as²b, regenerated from the RNG
       seed), and instead keeps the online-softmax statistics of every query row and head, the
-      running max m and denominator d of the seed's derivation, in f32: 2·4·a·s·b bytes.
+      running max m and denominator d (Milakov & Gimelshein 2018), in f32: 2·4·a·s·b bytes.
       (FlashAttention-2 keeps only their log-sum-exp, 4·a·s·b; this counts both.)
     * ``checkpointing="block"`` keeps only each block's input, p·s·b·h per layer, and recomputes
       one block at a time in the backward pass, whose full activations (one layer's worth of the
@@ -128,8 +128,8 @@ def activation_bytes(
       head_dim: width of one head (default ``hidden // heads``).
       ffn: MLP hidden width (default ``4 * hidden``).
       gated_mlp: a gated MLP (SwiGLU: gate, up, down) instead of up, GeLU, down.
-      vocab: count the f32 logits, ``4·s·b·vocab`` bytes (default: not counted, as in the
-        seed's table).
+      vocab: count the f32 logits, ``4·s·b·vocab`` bytes (default: not counted, as in
+        Korthikanti et al.'s formula).
 
     Returns:
       The number of bytes (an exact integer).

@@ -10,10 +10,10 @@ For a jitted train step these line up with the estimates as follows:
 * arguments = parameters + optimizer state + batch (+ step counter and PRNG key): exactly
   :func:`estimate_tree`'s ``params_bytes + optimizer_bytes`` plus :func:`tree_bytes` of the rest;
 * temporaries = gradients + activations + working buffers of the backward pass, the logits and
-  the loss (neither in the seed's formula), and the optimizer's update.
+  the loss (neither in the activation formula), and the optimizer's update.
 
 :func:`compare` makes those rows; :func:`activation_measure` sweeps a GPT's train step over
-sequence lengths for naive vs blockwise attention vs rematerialisation, with the seed formula
+sequence lengths for naive vs blockwise attention vs rematerialisation, with the activation formula
 (:func:`activation_bytes`) next to every point. How close they get on the CPU is recorded in
 ``tests/test_memory_measure.py``: for f32 the measured activations (temporaries minus
 gradients) are 1.5x to 3.8x the formula, which is a lower bound.
@@ -31,7 +31,8 @@ import jax.numpy as jnp
 
 from effijax.errors import ConfigError
 from effijax.memory._activations import activation_bytes
-from effijax.memory._estimate import ModelStateBytes, estimate_tree, format_bytes
+from effijax.memory._estimate import ModelStateBytes, format_bytes
+from effijax.memory._tree import estimate_tree
 
 __all__ = [
     "ACTIVATION_VARIANTS",
@@ -244,10 +245,11 @@ class ActivationPoint:
       attention, remat: the GPT's attention implementation and remat mode.
       measurement: the compiled step's memory.
       states: model-state estimate of the step's parameters (:func:`estimate_tree`).
-      formula_bytes: the seed formula for this shape (:func:`activation_bytes` with the compute
-        dtype's bytes, dropout masks iff the model has dropout, ``checkpointing="block"`` for
-        ``remat="block"``, ``blockwise_attention`` for ``attention="blockwise"``); None for remat
-        modes the formula does not model (``"dots"``).
+      formula_bytes: the activation formula for this shape (:func:`activation_bytes` with the
+        compute dtype's bytes, dropout masks iff the model has dropout,
+        ``checkpointing="block"`` for ``remat="block"``, ``blockwise_attention`` for
+        ``attention="blockwise"``); None for remat modes the formula does not model
+        (``"dots"``).
       rows: :func:`compare` of ``states`` (and the formula) with the measurement: arguments vs
         params + optimizer state + batch, step and key; temporaries vs gradients + formula.
       compiled: the compiled step, ``compiled(state, batch) -> (state, metrics)`` (donates

@@ -108,7 +108,8 @@ def _num(x: float) -> str:
 
 
 def _state_formula(optimizer: str, stage: int, devices: int, lora_fraction, frozen_dtype) -> str:
-    """Bytes per (base) parameter as the seeds write them: '(4 + 12/8)', '(2 + 16 x 0.01)/8'."""
+    """Bytes per (base) parameter as the ZeRO paper writes them: '(4 + 12/8)',
+    '(2 + 16 x 0.01)/8'."""
     per, moments = PRECISIONS[_PRECISION], OPTIMIZERS[optimizer]
     parts = (
         (per.param, stage >= 3),
@@ -143,7 +144,7 @@ def plan(
     num_params: int | str,
     *,
     devices: int,
-    device_memory: int | str,
+    device_memory: str,
     layers: int | None = None,
     hidden: int | None = None,
     heads: int | None = None,
@@ -164,8 +165,9 @@ def plan(
     """Recommends the cheapest configuration whose model states (and activations) fit.
 
     Model states come from :func:`model_states` with ``precision="bf16"``; activations, when the
-    model shape and global batch are given, from the seed formula (:func:`activation_bytes`) with
-    2-byte values, for a micro-batch of ``global_batch / devices / grad_accum_steps`` sequences.
+    model shape and global batch are given, from the activation formula
+    (:func:`activation_bytes`) with 2-byte values, for a micro-batch of
+    ``global_batch / devices / grad_accum_steps`` sequences.
     The order tried is described in the module docstring; the first configuration with
     ``model states + activations <= (1 - headroom) x device_memory`` wins. LoRA uses
     ``lora_fraction`` adapters over a bf16 frozen base.
@@ -173,7 +175,8 @@ def plan(
     Args:
       num_params: Ψ, an int or a string like ``"70B"``.
       devices: data-parallel devices (>= 1).
-      device_memory: memory per device, bytes or a string like ``"80GB"``.
+      device_memory: memory per device with its unit, such as ``"80GB"`` or ``"80GiB"``
+        (:func:`~effijax.memory.parse_bytes`; a bare number is refused).
       layers, hidden, heads, seq_len, global_batch: the model shape and the global batch in
         sequences; give all five or none (then only model states are planned).
         ``global_batch`` must divide by ``devices``.
@@ -185,7 +188,7 @@ def plan(
       blockwise_attention: whether attention is blockwise (flash), without s x s scores.
       kv_heads, head_dim, ffn, gated_mlp, vocab: the rest of a model's shape (grouped-query
         attention, a SwiGLU MLP, the logits), as :func:`activation_bytes` takes them; the
-        defaults are the seed's GPT layer without logits.
+        defaults are Korthikanti et al.'s GPT layer without logits.
 
     Returns:
       A :class:`Plan`; when nothing fits, ``fits`` is False and ``explain()`` says why (no

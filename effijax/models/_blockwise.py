@@ -3,8 +3,9 @@
 The forward pass walks the keys one block of ``block_k`` at a time for each block of ``block_q``
 queries, keeping per query row the running max ``m``, the running denominator ``l`` and the
 unnormalised output ``o`` (all f32), rescaled by ``exp(m_old - m_new)`` whenever the max grows:
-the online softmax of Milakov & Gimelshein (2018) extended to ``o`` (seed 004, "From Online
-Softmax To Flash Attention"). Only ``[block_q, block_k]`` scores exist at any time.
+the online softmax of Milakov & Gimelshein (2018) extended to ``o`` (as derived in the lecture
+notes "LLM Training Acceleration", "From Online Softmax To Flash Attention"). Only
+``[block_q, block_k]`` scores exist at any time.
 
 The backward pass is FlashAttention-2's (Dao 2023, algorithm 2): a :func:`jax.custom_vjp` saves
 ``q, k, v``, the output ``o`` and the per-row log-sum-exp ``lse = m + log l`` (f32, ``[B, H, S]``),

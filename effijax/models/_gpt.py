@@ -273,7 +273,7 @@ def param_count(config: GPTConfig) -> int:
 
 # tanh-GELU that keeps only its input for the backward pass and recomputes the rest there.
 # Differentiated as is, it keeps about five intermediates of its input's size (the cube, the
-# tanh, ...): per layer, five more B·S·4D arrays than the seeds' activation formula counts, and
+# tanh, ...): per layer, five more B·S·4D arrays than the activation formula counts, and
 # on XLA:CPU writing and reading them back is a visible share of the step (measured: the small
 # GPT's step temporaries 486 -> 342 MiB, and faster). Recomputing one elementwise function costs
 # less. A custom VJP rather than jax.checkpoint: the model's remat options stay the only remat.

@@ -82,11 +82,11 @@ def _dense(x_BSD: jax.Array, kernel_DF: jax.Array, bias_F: jax.Array | None,
 # over its leading (token) axis. XLA:CPU hands only dots whose left operand contracts over its
 # last axis to its fast GEMM library (YNNPACK); the others take a generic fallback that is 4-7x
 # slower for these thin (d × r) outputs, e.g. 4.3 ms instead of 0.6 ms for xᵀ·dh with x of
-# 1024 × 1536 (benchmarks/RESULTS.md, issue 4). So the backward computes ``daᵀ = dhᵀ·x`` and
-# ``db = hᵀ·du`` from row-major ``r × n`` operands (``dhᵀ = b·duᵀ`` is itself such a dot) and
-# transposes only ``r × n`` and ``r × d`` arrays. Those transposes are pinned with
-# ``optimization_barrier``: XLA otherwise folds them back into the dots' dimension numbers, which
-# is exactly the slow form. The scale multiplies ``a`` (d × r), not an activation.
+# 1024 × 1536 (benchmarks/RESULTS.md, "LoRA vs full fine-tuning"). So the backward computes
+# ``daᵀ = dhᵀ·x`` and ``db = hᵀ·du`` from row-major ``r × n`` operands (``dhᵀ = b·duᵀ`` is
+# itself such a dot) and transposes only ``r × n`` and ``r × d`` arrays. Those transposes are
+# pinned with ``optimization_barrier``: XLA otherwise folds them back into the dots' dimension
+# numbers, which is exactly the slow form. The scale multiplies ``a`` (d × r), not an activation.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _lora_delta(x_ND: jax.Array, a_DR: jax.Array, b_RF: jax.Array, scale: float) -> jax.Array:
     return _lora_delta_fwd(x_ND, a_DR, b_RF, scale)[0]

@@ -8,50 +8,19 @@ not underflow: the scale lives in ``opt_state``, non-finite steps are skipped in
 no host sync.
 """
 
-from effijax.precision._accumulate import accumulate
-from effijax.precision._cast import cast_floating, is_floating
-from effijax.precision._dtypes import parse_dtype
-from effijax.precision._islands import (
-    cross_entropy,
-    dot,
-    layer_norm,
-    log_softmax,
-    rms_norm,
-    softmax,
-)
-from effijax.precision._loss_scale import (
-    DynamicLossScaleState,
-    StaticLossScaleState,
-    all_finite,
-    dynamic_loss_scale,
-    loss_scale_of,
-    skipped_steps_of,
-    static_loss_scale,
-    step_skipped,
-)
-from effijax.precision._policy import PRESET_ALIASES, PRESETS, Policy, get_policy
+from effijax._lazy import attach
 
-__all__ = [
-    "Policy",
-    "get_policy",
-    "parse_dtype",
-    "PRESETS",
-    "PRESET_ALIASES",
-    "cast_floating",
-    "is_floating",
-    "dot",
-    "softmax",
-    "log_softmax",
-    "cross_entropy",
-    "layer_norm",
-    "rms_norm",
-    "dynamic_loss_scale",
-    "static_loss_scale",
-    "DynamicLossScaleState",
-    "StaticLossScaleState",
-    "loss_scale_of",
-    "skipped_steps_of",
-    "step_skipped",
-    "all_finite",
-    "accumulate",
-]
+# Each name is imported from its module on first use: importing the package (the CLI's
+# flag checks, a config's validation) does not import JAX. __all__ lists every name.
+__getattr__, __dir__, __all__ = attach(__name__, {
+    "effijax.precision._accumulate": ("accumulate",),
+    "effijax.precision._cast": ("cast_floating", "is_floating"),
+    "effijax.precision._dtypes": ("parse_dtype",),
+    "effijax.precision._islands": ("dot", "softmax", "log_softmax", "cross_entropy",
+        "layer_norm", "rms_norm"),
+    "effijax.precision._loss_scale": ("dynamic_loss_scale", "static_loss_scale",
+        "DynamicLossScaleState", "StaticLossScaleState", "loss_scale_of", "skipped_steps_of",
+        "step_skipped", "all_finite"),
+    "effijax.precision._policy": ("Policy", "get_policy", "PRESETS"),
+    "effijax.precision._names": ("PRESET_NAMES", "PRESET_ALIASES"),
+})

@@ -24,6 +24,7 @@ import numpy as np
 from effijax.errors import ConfigError
 from effijax.precision._cast import _check_overrides, cast_floating
 from effijax.precision._dtypes import parse_dtype
+from effijax.precision._names import PRESET_ALIASES, PRESET_NAMES
 
 __all__ = ["Policy", "get_policy", "parse_dtype", "PRESETS", "PRESET_ALIASES"]
 
@@ -158,11 +159,7 @@ PRESETS: dict[str, Policy] = {
     "fp16": Policy(jnp.float32, jnp.float16, jnp.float32),
     "pure_bf16": Policy(jnp.bfloat16, jnp.bfloat16, jnp.float32),
 }
-# Other spellings of the preset names (what parse_dtype accepts for the compute dtype).
-PRESET_ALIASES: dict[str, str] = {
-    "f32": "fp32", "float32": "fp32", "full": "fp32", "bfloat16": "bf16", "f16": "fp16",
-    "float16": "fp16", "half": "fp16",
-}
+assert tuple(PRESETS) == PRESET_NAMES, "precision._names lists the presets"
 _SPEC_EXAMPLE = "a string like 'params=f32,compute=bf16,output=f32'"
 
 

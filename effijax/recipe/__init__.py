@@ -12,45 +12,14 @@ Example:
   1
 """
 
-from effijax.recipe._config import (
-    DEFAULT_MODEL,
-    PRECISION_ALIASES,
-    PRECISIONS,
-    TrainConfig,
-    field_kind,
-    flag_of,
-)
-from effijax.recipe._job import (
-    CompiledStep,
-    Job,
-    abstract_state,
-    batch_fn,
-    compile_job,
-    evaluate,
-    init_frozen,
-    init_state,
-    plan_job,
-)
-from effijax.recipe._train import TrainResult, optimizer_for, resolve, train
+from effijax._lazy import attach
 
-__all__ = [
-    "TrainConfig",
-    "TrainResult",
-    "train",
-    "resolve",
-    "optimizer_for",
-    "flag_of",
-    "field_kind",
-    "DEFAULT_MODEL",
-    "PRECISIONS",
-    "PRECISION_ALIASES",
-    "Job",
-    "CompiledStep",
-    "plan_job",
-    "abstract_state",
-    "init_state",
-    "init_frozen",
-    "batch_fn",
-    "evaluate",
-    "compile_job",
-]
+# Each name is imported from its module on first use: importing the package (the CLI's
+# flag checks, a config's validation) does not import JAX. __all__ lists every name.
+__getattr__, __dir__, __all__ = attach(__name__, {
+    "effijax.recipe._config": ("TrainConfig", "flag_of", "field_kind", "DEFAULT_MODEL",
+        "PRECISIONS", "PRECISION_ALIASES"),
+    "effijax.recipe._job": ("Job", "CompiledStep", "plan_job", "abstract_state", "init_state",
+        "init_frozen", "batch_fn", "evaluate", "compile_job"),
+    "effijax.recipe._train": ("TrainResult", "train", "resolve", "optimizer_for"),
+})

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from effijax.errors import ConfigError
 from effijax.memory import PRECISION_ALIASES
-from effijax.precision import PRESETS as POLICY_PRESETS
+from effijax.precision import PRESET_NAMES
 
 __all__ = ["TrainConfig", "PRECISIONS", "PRECISION_ALIASES", "DEFAULT_MODEL",
            "RECORD_KEYS", "flag_of", "field_kind", "lora_fields"]
@@ -32,7 +32,7 @@ __all__ = ["TrainConfig", "PRECISIONS", "PRECISION_ALIASES", "DEFAULT_MODEL",
 # The precision vocabulary of every command (`effijax train`, `memory`, `plan`): the policy
 # presets plus "auto" (bf16 on GPU/TPU, fp32 on CPU, where bf16 matmuls are emulated and
 # slower), with the memory estimator's aliases ("mixed", "float32", "half", ...).
-PRECISIONS = ("auto", *POLICY_PRESETS)
+PRECISIONS = ("auto", *PRESET_NAMES)
 FROZEN_DTYPES = ("auto", "fp32", "bf16", "fp16")
 DEFAULT_MODEL = "mini"
 # Keys of a run's config.json that record the run rather than configure it.
@@ -179,7 +179,7 @@ class TrainConfig:
         object.__setattr__(self, "loss_scale", _loss_scale(self.loss_scale, self.precision))
         object.__setattr__(self, "mesh", _mesh(self.mesh))
         if self.strategy is not None:
-            from effijax.sharding import get_strategy  # the strategies' one list
+            from effijax.sharding import get_strategy  # the strategies' one list (no jax)
 
             get_strategy(self.strategy)
         if self.num_processes and self.batch_size % self.num_processes:
@@ -401,7 +401,7 @@ def _mesh(value) -> dict | None:
     """The mesh as ``{axis: size}`` from a dict or an 'axis=size,...' string."""
     if value is None:
         return None
-    from effijax.sharding import parse_mesh  # imported here: sharding imports jax
+    from effijax.sharding import parse_mesh
 
     if isinstance(value, dict):
         value = ",".join(f"{k}={v}" for k, v in value.items())

@@ -9,84 +9,22 @@ composes; :func:`collective_census` and :func:`memory_report` show what the comp
 communicates and holds per device.
 """
 
-from effijax.sharding._census import (
-    Census,
-    Collective,
-    MemoryReport,
-    collective_census,
-    memory_report,
-    parse_collectives,
-)
-from effijax.sharding._job import (
-    DeviceBytes,
-    census_records,
-    compile_with_census,
-    device_bytes,
-    grad_shardings,
-    with_shardings,
-)
-from effijax.sharding._mesh import (
-    AXES,
-    BATCH_AXES,
-    batch_sharding,
-    check_batch,
-    constrain_batch,
-    make_mesh,
-    parse_mesh,
-    replicated,
-)
-from effijax.sharding._rules import (
-    DEFAULT_MIN_SHARD_SIZE,
-    LOGICAL_AXES,
-    ReplicatedParameterWarning,
-    partition_specs,
-)
-from effijax.sharding._strategy import (
-    STRATEGIES,
-    ShardedStep,
-    Strategy,
-    assert_sharded_like_params,
-    constraints,
-    get_strategy,
-    init_sharded,
-    jit_sharded,
-    param_shardings,
-    state_shardings,
-)
+from effijax._lazy import attach
 
-__all__ = [
-    "AXES",
-    "BATCH_AXES",
-    "make_mesh",
-    "parse_mesh",
-    "replicated",
-    "batch_sharding",
-    "check_batch",
-    "constrain_batch",
-    "LOGICAL_AXES",
-    "DEFAULT_MIN_SHARD_SIZE",
-    "ReplicatedParameterWarning",
-    "partition_specs",
-    "Strategy",
-    "STRATEGIES",
-    "get_strategy",
-    "param_shardings",
-    "state_shardings",
-    "assert_sharded_like_params",
-    "init_sharded",
-    "constraints",
-    "jit_sharded",
-    "ShardedStep",
-    "Collective",
-    "Census",
-    "collective_census",
-    "parse_collectives",
-    "MemoryReport",
-    "memory_report",
-    "grad_shardings",
-    "DeviceBytes",
-    "device_bytes",
-    "with_shardings",
-    "census_records",
-    "compile_with_census",
-]
+# Each name is imported from its module on first use: importing the package (the CLI's
+# flag checks, a config's validation) does not import JAX. __all__ lists every name.
+__getattr__, __dir__, __all__ = attach(__name__, {
+    "effijax.sharding._census": ("Collective", "Census", "collective_census",
+        "parse_collectives", "MemoryReport", "memory_report"),
+    "effijax.sharding._job": ("grad_shardings", "DeviceBytes", "device_bytes", "with_shardings",
+        "census_records", "compile_with_census"),
+    "effijax.sharding._names": ("AXES", "BATCH_AXES", "parse_mesh", "Strategy", "STRATEGIES",
+        "get_strategy"),
+    "effijax.sharding._mesh": ("make_mesh", "replicated", "batch_sharding", "check_batch",
+        "constrain_batch"),
+    "effijax.sharding._rules": ("LOGICAL_AXES", "DEFAULT_MIN_SHARD_SIZE",
+        "ReplicatedParameterWarning", "partition_specs"),
+    "effijax.sharding._strategy": ("param_shardings", "state_shardings",
+        "assert_sharded_like_params", "init_sharded", "constraints", "jit_sharded",
+        "ShardedStep"),
+})

@@ -17,7 +17,8 @@ from jax.sharding import PartitionSpec as P
 from effijax.paths import named_leaves
 from effijax.sharding._census import Census, _tree_device_bytes, collective_census
 from effijax.sharding._mesh import _check_mesh, replicated
-from effijax.sharding._strategy import Strategy, _part, get_strategy
+from effijax.sharding._names import Strategy, get_strategy
+from effijax.sharding._strategy import _part
 
 __all__ = ["grad_shardings", "DeviceBytes", "device_bytes", "with_shardings", "census_records",
            "compile_with_census"]

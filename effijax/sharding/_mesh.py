@@ -23,20 +23,16 @@ from jax.sharding import PartitionSpec as P
 
 from effijax.errors import ConfigError
 from effijax.paths import named_leaves
+from effijax.sharding._names import AXES, BATCH_AXES
 
 __all__ = [
-    "AXES",
-    "BATCH_AXES",
     "make_mesh",
-    "parse_mesh",
     "replicated",
     "batch_sharding",
     "check_batch",
     "constrain_batch",
 ]
 
-AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")
 
 
 def make_mesh(*, data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> Mesh:
@@ -86,42 +82,6 @@ def make_mesh(*, data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -
                           f"are {n} devices; make them multiply to {n} or set one axis to -1")
     shape = tuple(sizes[a] for a in AXES)
     return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
-
-
-def parse_mesh(spec: str) -> dict[str, int]:
-    """Parses a CLI mesh string such as ``"data=2,fsdp=4"`` into :func:`make_mesh` kwargs.
-
-    Axes left out keep :func:`make_mesh`'s defaults; ``-1`` is accepted ("the rest").
-
-    Raises:
-      ConfigError: an item is not ``axis=int``, the axis is unknown or given twice.
-
-    Example:
-      >>> parse_mesh("data=2, fsdp=-1")
-      {'data': 2, 'fsdp': -1}
-    """
-    if not isinstance(spec, str) or not spec.strip():
-        raise ConfigError("mesh", spec, "expected 'axis=size,...', e.g. 'data=2,fsdp=4'")
-    out: dict[str, int] = {}
-    for item in spec.split(","):
-        name, eq, value = (s.strip() for s in item.partition("="))
-        if not eq:
-            raise ConfigError("mesh", spec, f"item {item.strip()!r} is not 'axis=size'; "
-                              "write e.g. 'data=2,fsdp=4'")
-        if name not in AXES:
-            raise ConfigError("mesh", spec, f"unknown axis {name!r}; the axes are "
-                              f"{', '.join(AXES)}")
-        if name in out:
-            raise ConfigError("mesh", spec, f"axis {name!r} is given twice")
-        try:
-            size = int(value)
-        except ValueError:
-            raise ConfigError("mesh", spec, f"size of {name!r} must be an int, got "
-                              f"{value!r}") from None
-        if size < 1 and size != -1:
-            raise ConfigError("mesh", spec, f"size of {name!r} must be >= 1 or -1, got {size}")
-        out[name] = size
-    return out
 
 
 def _check_mesh(mesh) -> Mesh:

@@ -40,12 +40,10 @@ from jax.sharding import PartitionSpec as P
 from effijax.errors import ConfigError
 from effijax.paths import map_with_path, named_leaves
 from effijax.sharding._mesh import _check_mesh, batch_sharding, replicated
+from effijax.sharding._names import Strategy, get_strategy
 from effijax.sharding._rules import DEFAULT_MIN_SHARD_SIZE, partition_specs
 
 __all__ = [
-    "Strategy",
-    "STRATEGIES",
-    "get_strategy",
     "param_shardings",
     "state_shardings",
     "assert_sharded_like_params",
@@ -54,63 +52,6 @@ __all__ = [
     "jit_sharded",
     "ShardedStep",
 ]
-
-
-@dataclasses.dataclass(frozen=True)
-class Strategy:
-    """What a data-parallel strategy shards over the ``fsdp`` axis.
-
-    Attributes:
-      name: the canonical name (``ddp``, ``zero1``, ``zero2``, ``fsdp``).
-      shard_opt_state: optimizer-state leaves shaped like a parameter take its sharded spec.
-      shard_grads: gradients are constrained to the sharded spec before the optimizer.
-      shard_params: the parameters themselves are stored sharded.
-
-    Example:
-      >>> get_strategy("zero3") == STRATEGIES["fsdp"]
-      True
-      >>> get_strategy("zero2").shard_grads, get_strategy("zero2").shard_params
-      (True, False)
-    """
-
-    name: str
-    shard_opt_state: bool
-    shard_grads: bool
-    shard_params: bool
-
-
-STRATEGIES: Mapping[str, Strategy] = {
-    "ddp": Strategy("ddp", False, False, False),
-    "zero1": Strategy("zero1", True, False, False),
-    "zero2": Strategy("zero2", True, True, False),
-    "fsdp": Strategy("fsdp", True, True, True),
-}
-_ALIASES = {"zero3": "fsdp"}
-
-
-def get_strategy(strategy: str | Strategy) -> Strategy:
-    """Looks a strategy up by name (``ddp``, ``zero1``, ``zero2``, ``fsdp``/``zero3``).
-
-    Raises:
-      ConfigError: an unknown name; the message lists the accepted ones.
-
-    Example:
-      >>> get_strategy("fsdp").name
-      'fsdp'
-      >>> get_strategy("zero4")  # doctest: +ELLIPSIS
-      Traceback (most recent call last):
-      ...
-      effijax.errors.ConfigError: strategy='zero4': unknown strategy; accepted: ddp, zero1, ...
-    """
-    if isinstance(strategy, Strategy):
-        return strategy
-    if isinstance(strategy, str):
-        key = strategy.strip().lower()
-        key = _ALIASES.get(key, key)
-        if key in STRATEGIES:
-            return STRATEGIES[key]
-    accepted = ", ".join([*STRATEGIES, *_ALIASES])
-    raise ConfigError("strategy", strategy, f"unknown strategy; accepted: {accepted}")
 
 
 def _rule_kwargs(rules, logical_axes, min_shard_size) -> dict:

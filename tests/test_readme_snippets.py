@@ -1,0 +1,222 @@
+"""Every README example runs as written: its Python blocks, its `effijax` commands and the
+output and error lines it shows.
+
+The Python blocks are complete programs (checked statically here, run in a fresh interpreter by
+the slow tests); `effijax memory`/`plan` print what the README shows; `--help` of every command
+lists the flags the README's command summary names; the error lines quoted in the README are
+what the CLI prints. The training commands run with tiny overrides appended (argparse lets the
+last occurrence of a flag win), so they test the commands as written, only shorter.
+"""
+
+import ast
+import builtins
+import json
+import os
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def _fenced(text: str) -> list[tuple[str, str]]:
+    """(language, body) of every fenced block, in order."""
+    blocks, lang, body = [], None, []
+    for line in text.splitlines():
+        if line.startswith("```"):
+            if lang is None:
+                lang, body = line[3:].strip(), []
+            else:
+                blocks.append((lang, "".join(body)))
+                lang = None
+        elif lang is not None:
+            body.append(line + "\n")
+    return blocks
+
+
+def _blocks(lang: str, text: str = README) -> list[str]:
+    return [body for block_lang, body in _fenced(text) if block_lang == lang]
+
+
+PYTHON_BLOCKS = _blocks("python")
+# Output blocks: fenced without a language, each command on a "$ " line followed by its output.
+OUTPUT_BLOCKS = _blocks("")
+
+
+def _env() -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env.pop("XLA_FLAGS", None)
+    return env
+
+
+def _effijax(args: list[str], cwd=ROOT, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "effijax", *args], cwd=cwd, env=_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _undefined_names(source: str) -> set[str]:
+    tree = ast.parse(source)
+    bound = set(dir(builtins))
+    loaded = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            (loaded if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+    return loaded - bound
+
+
+def test_the_readme_has_python_blocks():
+    assert len(PYTHON_BLOCKS) >= 3, "README lost its Python examples?"
+
+
+@pytest.mark.parametrize("index", range(len(PYTHON_BLOCKS)))
+def test_python_block_uses_no_undefined_name(index):
+    assert _undefined_names(PYTHON_BLOCKS[index]) == set(), PYTHON_BLOCKS[index]
+
+
+def test_the_undefined_name_check_can_fail():
+    assert _undefined_names("import jax\nstep = make(loss_fn, tx)\n") == {"make", "loss_fn", "tx"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(len(PYTHON_BLOCKS)))
+def test_python_block_runs_in_a_fresh_interpreter(index, tmp_path):
+    """Each block alone, in a new process, in an empty directory (a fresh clone's user)."""
+    script = tmp_path / "snippet.py"
+    script.write_text(PYTHON_BLOCKS[index])
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+
+
+def _shown_commands(program: str) -> list[tuple[list[str], list[str]]]:
+    """(argv, shown output lines) of each "$ effijax PROGRAM ..." in the README's output blocks."""
+    found = []
+    for block in OUTPUT_BLOCKS:
+        for chunk in re.split(r"^\$ ", block, flags=re.M)[1:]:
+            command, *lines = chunk.rstrip("\n").split("\n")
+            argv = shlex.split(command)
+            if argv[:2] == ["effijax", program]:
+                found.append((argv[1:], [line for line in lines if line.strip()]))
+    return found
+
+
+@pytest.mark.parametrize("program", ["memory", "plan"])
+def test_memory_and_plan_print_what_the_readme_shows(program):
+    shown = _shown_commands(program)
+    assert shown, f"README shows no `effijax {program}` run"
+    for argv, lines in shown:
+        proc = _effijax(argv)
+        out = proc.stdout.splitlines()
+        assert proc.returncode == 0, proc.stderr
+        # The README elides with "..."; every line it does show appears, in order.
+        position = 0
+        for line in lines:
+            if line.strip() == "...":
+                continue
+            assert line in out[position:], f"{line!r} not printed by {argv}:\n{proc.stdout}"
+            position = out.index(line, position) + 1
+
+
+def _commands_block() -> str:
+    section = README.split("## Commands", 1)[1].split("\n## ", 1)[0]
+    return _blocks("bash", section)[0]
+
+
+@pytest.mark.parametrize("program", ["train", "memory", "plan"])
+def test_help_lists_every_flag_the_readme_names(program):
+    proc = _effijax([program, "--help"])
+    assert proc.returncode == 0, proc.stderr
+    text = _commands_block().replace("\\\n", " ")
+    lines = [line.split("#")[0] for line in text.splitlines()
+             if line.strip().startswith(f"effijax {program}")]
+    flags = {flag for line in lines for flag in re.findall(r"--[a-z][a-z0-9-]*", line)}
+    assert flags, program
+    # Flags continued on the lines after "effijax train" belong to train too.
+    if program == "train":
+        flags |= set(re.findall(r"--[a-z][a-z0-9-]*", text.split("effijax memory")[0]))
+    missing = sorted(f for f in flags if f not in proc.stdout)
+    assert not missing, f"effijax {program} --help lacks {missing}"
+
+
+def test_top_level_help_and_version():
+    proc = _effijax(["--help"])
+    assert proc.returncode == 0 and "train" in proc.stdout and "plan" in proc.stdout
+    proc = _effijax(["--version"])
+    assert proc.returncode == 0 and re.fullmatch(r"effijax \S+\n", proc.stdout), proc.stdout
+
+
+def _quoted_errors() -> list[str]:
+    return [" ".join(m.split())
+            for m in re.findall(r"`(effijax (?:train|memory|plan): error: [^`]+)`", README)]
+
+
+def test_the_readme_quotes_cli_errors():
+    assert _quoted_errors()
+
+
+@pytest.mark.parametrize("message", _quoted_errors())
+def test_quoted_error_is_what_the_cli_prints(message):
+    """Each quoted error comes from the flags it names: `--steps=0` runs `train --steps 0`."""
+    program = message.split()[1].rstrip(":")
+    # "error: --steps=0: ..." (the config's check) or "error: argument --flag: 'value': ..."
+    # (the flag's type); a README command shown with the error gives the other flags.
+    flag, value = re.match(r"effijax \w+: error: (?:argument )?(--[\w-]+)(?:=|: ')([^':]+)'?:",
+                           message).groups()
+    shown = re.search(rf"`effijax {program} ([^`]*{flag} {re.escape(value)})` exits 2", README)
+    argv = [program, *shlex.split(shown.group(1))] if shown else [program, flag, value]
+    proc = _effijax(argv)
+    assert proc.returncode == 2
+    assert message.removesuffix("...").rstrip("; ") in " ".join(proc.stderr.split()), proc.stderr
+
+
+def test_quoted_config_error_is_what_the_library_raises():
+    from effijax.errors import ConfigError
+    from effijax.recipe import TrainConfig
+
+    quoted = " ".join(re.search(r"`(lrr=0\.1: [^`]+)`", README).group(1).split())
+    with pytest.raises(ConfigError) as e:
+        TrainConfig.from_dict({"lrr": 0.1})
+    assert str(e.value) == quoted
+
+
+TINY = ["--model", "tiny", "--steps", "2", "--batch-size", "8", "--seq-len", "16",
+        "--no-progress"]
+
+
+@pytest.mark.slow
+def test_config_file_commands_run_and_reproduce(tmp_path):
+    """The recipe section's TOML file and its two commands, shortened: the file as written,
+    its flag override, then the written config.json reproducing the run."""
+    (tmp_path / "finetune.toml").write_text(_blocks("toml")[0])
+    section = README.split("## One recipe", 1)[1].split("\n## ", 1)[0]
+    commands = [shlex.split(line.split("#")[0])
+                for line in _blocks("bash", section)[0].splitlines()
+                if line.strip()]
+    assert [c[:2] for c in commands] == [["effijax", "train"]] * 2
+    first = _effijax(commands[0][1:] + TINY[2:], cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = _effijax(commands[1][1:], cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    one, two = (json.loads((tmp_path / "runs" / d / "summary.json").read_text())
+                for d in ("from-toml", "again"))
+    assert one["final_loss"] == two["final_loss"] and one["steps"] == two["steps"] == 2
+
+
+@pytest.mark.slow
+def test_sharding_command_runs(tmp_path):
+    line = re.search(r"^effijax train --strategy fsdp [^#\n]*", README, re.M).group(0)
+    proc = _effijax(shlex.split(line)[1:] + TINY + ["--out", "runs/fsdp"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "8 devices" in proc.stdout, proc.stdout
