@@ -20,6 +20,8 @@ from effijax.recipe._config import (
     field_kind,
     flag_of,
 )
+from effijax.recipe._data import Dataset, load_dataset, load_eval_data
+from effijax.recipe._eval import EvalResult, evaluate_model, load_model
 from effijax.recipe._job import (
     CompiledStep,
     Job,
@@ -53,4 +55,10 @@ __all__ = [
     "batch_fn",
     "evaluate",
     "compile_job",
+    "Dataset",
+    "load_dataset",
+    "load_eval_data",
+    "EvalResult",
+    "evaluate_model",
+    "load_model",
 ]
