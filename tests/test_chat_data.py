@@ -3,6 +3,7 @@ chat / instruction JSONL rendered with the chat template and masked to the assis
 packed rows batched as a pure function of (seed, step), the masked loss in training and
 evaluation, and `effijax eval`."""
 
+import functools
 import json
 import os
 import pathlib
@@ -53,9 +54,8 @@ def model(tok):
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    """A tiny GGUF (llama-tiny with the tiny tokenizer and template) and a 40-record JSONL."""
+    """A folder with a 40-record JSONL (half prompt/response, half messages)."""
     d = tmp_path_factory.mktemp("chat")
-    write_gguf(d / "tiny.gguf", TINY, jax.jit(TINY.init_params)(jax.random.key(0)))
     with open(d / "qa.jsonl", "w") as f:
         for i in range(40):
             record = ({"prompt": f"{i}+1", "response": f"{i + 1}"} if i % 2 else
@@ -63,6 +63,13 @@ def files(tmp_path_factory):
                                     {"role": "assistant", "content": f"{i + 2}"}]})
             f.write(json.dumps(record) + "\n")
     return d
+
+
+@pytest.fixture(scope="module")
+def gguf(files):
+    """llama-tiny with the tiny tokenizer and template as a GGUF file, next to the JSONL."""
+    write_gguf(files / "tiny.gguf", TINY, jax.jit(TINY.init_params)(jax.random.key(0)))
+    return files
 
 
 def _messages():
@@ -184,14 +191,20 @@ def test_packed_batches_are_pure_in_seed_and_step_and_split_over_processes(files
         batch_at(data.train, step=0, seed=0, batch_size=2, seq_len=32)
 
 
+@functools.cache
+def _logits(model):
+    return jax.jit(model.logits_fn())
+
+
 def _nll(model, params, batch):
     """Per-position cross-entropy in numpy from the model's logits."""
-    logits = np.asarray(jax.jit(model.logits_fn())(params, batch["inputs"]), np.float64)
+    logits = np.asarray(_logits(model)(params, batch["inputs"]), np.float64)
     logits -= logits.max(-1, keepdims=True)
     logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     return -np.take_along_axis(logp, batch["targets"][..., None], -1)[..., 0]
 
 
+@pytest.mark.slow
 def test_masked_evaluation_is_the_mean_over_the_assistant_tokens(files, model):
     data = load_dataset(str(files / "qa.jsonl"), model)
     job = plan_job(model, "fp32", optax.adam(1e-3), batch_size=2, masked=True)
@@ -210,7 +223,9 @@ def test_masked_evaluation_is_the_mean_over_the_assistant_tokens(files, model):
         evaluate(job, params, np.arange(500) % VOCAB_SIZE, num_batches=1)
 
 
-def test_evaluate_model_scores_every_assistant_token(files, model):
+@pytest.mark.slow
+def test_evaluate_model_scores_every_assistant_token(gguf, model):
+    files = gguf
     result = evaluate_model(str(files / "tiny.gguf"), str(files / "qa.jsonl"), batch_size=4,
                             seq_len=SEQ)
     from effijax.interop import load
@@ -234,7 +249,9 @@ def _env():
     return env
 
 
-def test_eval_cli_prints_loss_and_perplexity(files):
+@pytest.mark.slow
+def test_eval_cli_prints_loss_and_perplexity(gguf):
+    files = gguf
     cmd = [sys.executable, "-m", "effijax", "eval", str(files / "tiny.gguf"),
            str(files / "qa.jsonl"), "--batch-size", "4", "--seq-len", str(SEQ), "--json"]
     out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
@@ -253,15 +270,9 @@ def test_eval_cli_prints_loss_and_perplexity(files):
 
 # Training ------------------------------------------------------------------------------------
 
-def _final_state(out):
-    from effijax.checkpoint import read_checkpoint
-
-    state, _ = read_checkpoint(pathlib.Path(out) / "checkpoints")
-    return state
-
-
 @pytest.mark.slow
-def test_lora_on_chat_jsonl_counts_trained_tokens_and_resumes_exactly(files, tmp_path):
+def test_lora_on_chat_jsonl_counts_trained_tokens_and_resumes_exactly(gguf, tmp_path):
+    files = gguf
     from effijax.recipe import TrainConfig, train
 
     base = dict(init_from=str(files / "tiny.gguf"), data=str(files / "qa.jsonl"), lora_rank=2,
@@ -270,13 +281,21 @@ def test_lora_on_chat_jsonl_counts_trained_tokens_and_resumes_exactly(files, tmp
     train(TrainConfig(steps=2, out=str(tmp_path / "part"), **base))
     resumed = train(TrainConfig(steps=4, out=str(tmp_path / "part"), **base))
     assert resumed.summary["start_step"] == 2
-    a, b = _final_state(tmp_path / "whole"), _final_state(tmp_path / "part")
-    jax.tree.map(np.testing.assert_array_equal, a.params, b.params)
+    from effijax.lora import load_adapters
+
+    a, _ = load_adapters(tmp_path / "whole" / "adapters.safetensors")
+    b, _ = load_adapters(tmp_path / "part" / "adapters.safetensors")
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+    losses = [[json.loads(line)["loss"] for line in
+               (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+              for run in ("whole", "part")]
+    assert losses[0] == losses[1]
     # The metrics count the trained tokens of each step's batch.
     from effijax.interop import load
 
     data = load_dataset(base["data"], load(files / "tiny.gguf", seq_len=SEQ)[0])
-    records = [json.loads(line) for line in open(tmp_path / "whole" / "metrics.jsonl")]
+    records = [json.loads(line) for line in
+               (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
     want = [int(batch_at(data.train, seed=0, step=s, batch_size=2, seq_len=SEQ)["mask"].sum())
             for s in range(4)]
     assert [r["tokens"] for r in records] == want
@@ -285,8 +304,9 @@ def test_lora_on_chat_jsonl_counts_trained_tokens_and_resumes_exactly(files, tmp
 
 
 @pytest.mark.slow
-def test_train_cli_fine_tunes_on_jsonl_and_prints_validation_loss_before_and_after(files,
+def test_train_cli_fine_tunes_on_jsonl_and_prints_validation_loss_before_and_after(gguf,
                                                                                   tmp_path):
+    files = gguf
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "effijax", "train", "--init-from", str(files / "tiny.gguf"),
            "--data", str(files / "qa.jsonl"), "--lora-rank", "2", "--seq-len", str(SEQ),
@@ -306,3 +326,36 @@ def test_train_cli_fine_tunes_on_jsonl_and_prints_validation_loss_before_and_aft
     result = evaluate_model(str(out), str(files / "qa.jsonl"), batch_size=4,
                             seq_len=SEQ)
     assert "LoRA r=2" in result.model and np.isfinite(result.loss)
+
+
+@pytest.mark.slow
+def test_smollm2_chat_ids_match_transformers_apply_chat_template():
+    transformers = pytest.importorskip("transformers", reason="the reference chat rendering")
+    from effijax.interop import load_tokenizer
+    from effijax.recipe._sources import bundled_path
+
+    file = pathlib.Path(bundled_path("smollm2"))
+    # transformers builds GGUF tokenizers with GPT-2's split (see test_hf_parity), so compare
+    # with that split; the template and the special tokens are the file's.
+    tok = load_tokenizer(file, pre="gpt2")
+    hf = transformers.AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+    conversations = [
+        [{"role": "user", "content": "What does json.dumps return?"},
+         {"role": "assistant", "content": "A str holding the JSON text."}],
+        [{"role": "system", "content": "Answer in one word."},
+         {"role": "user", "content": "Capital of France?"},
+         {"role": "assistant", "content": "Paris"},
+         {"role": "user", "content": "And of Italy?"},
+         {"role": "assistant", "content": "Rome"}],
+    ]
+    for messages in conversations:
+        ids, mask = render_chat(tok, messages)
+        theirs = hf.apply_chat_template(messages, tokenize=True)
+        theirs = theirs["input_ids"] if hasattr(theirs, "keys") else theirs
+        assert ids.tolist() == list(theirs)
+        replies = [m["content"] + "<|im_end|>" for m in messages if m["role"] == "assistant"]
+        assert tok.decode(ids[mask == 1]) == "".join(replies)
+        # Each trained run of tokens is exactly one reply.
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])))
+        runs = [tok.decode(ids[a:b]) for a, b in zip(edges[::2], edges[1::2], strict=True)]
+        assert runs == replies

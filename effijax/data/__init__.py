@@ -9,6 +9,8 @@ With a model's tokenizer, text files are documents joined by the end-of-text tok
 (:func:`encode_documents`), and chat / instruction JSONL (:func:`read_records`) is rendered with
 the model's chat template (:func:`render_chat`: the mask marks the assistant's tokens) and packed
 into rows (:func:`pack_examples`) that :func:`batch_at` draws with their mask.
+:func:`stdlib_qa` builds an instruction set offline (questions about the standard library,
+answered from the interpreter).
 """
 
 from effijax.data._batches import batch_at, eval_batches
@@ -29,6 +31,7 @@ from effijax.data._corpus import (
     split_corpus,
     stdlib_files,
 )
+from effijax.data._examples import STDLIB_MODULES, stdlib_qa, write_jsonl
 from effijax.data._documents import documents_fingerprint, encode_documents, end_of_text_id
 
 __all__ = [
@@ -44,6 +47,9 @@ __all__ = [
     "pack_examples",
     "split_records",
     "records_fingerprint",
+    "stdlib_qa",
+    "STDLIB_MODULES",
+    "write_jsonl",
     "stdlib_files",
     "DEFAULT_MAX_BYTES",
     "corpus_fingerprint",
