@@ -167,6 +167,25 @@ def test_chat_data_needs_a_chat_template(files):
         load_dataset(str(files / "qa.jsonl"), gpt_config("tiny", seq_len=16))
 
 
+def test_make_example_writes_checkable_standard_library_records(tmp_path, capsys):
+    import inspect
+    import shlex
+    import textwrap
+
+    from effijax.cli import main
+
+    out = tmp_path / "new" / "qa.jsonl"
+    assert main(["data", "make-example", str(out)]) == 0
+    records = read_records(out)
+    assert len(records) > 200 and "wrote" in capsys.readouterr().out
+    by_prompt = {r.messages[0]["content"]: r.messages[1]["content"] for r in records}
+    assert by_prompt["What is the signature of textwrap.dedent?"] == \
+        f"textwrap.dedent{inspect.signature(textwrap.dedent)}"
+    assert by_prompt["In one line, what does shlex.quote do?"] == \
+        inspect.getdoc(shlex.quote).splitlines()[0]
+    assert main(["data", "make-example", str(tmp_path / "x.jsonl"), "--modules", "nope"]) == 2
+
+
 # Batches -------------------------------------------------------------------------------------
 
 def test_packed_batches_are_pure_in_seed_and_step_and_split_over_processes(files, model):

@@ -31,7 +31,7 @@ def add_parsers(sub) -> None:
                                   "Write {prompt, response} records about the standard "
                                   "library's functions (signature and one-line summary, "
                                   "answered from this interpreter) to OUT, one per line."))
-    make.add_argument("out", help="the .jsonl file to write")
+    make.add_argument("out", help="the .jsonl file to write (its folder is created)")
     make.add_argument("--modules", default=None, help="comma-separated standard-library "
                       "modules (default: a fixed list of 24)")
     make.set_defaults(func=run)
@@ -48,6 +48,9 @@ def run(args: argparse.Namespace) -> int:
         if not records:
             raise ConfigError("modules", args.modules, "no function with a docstring and a "
                               "signature found there")
+        from pathlib import Path
+
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         n = write_jsonl(args.out, records)
     except ModuleNotFoundError as e:
         print(f"effijax data: error: --modules: no module {e.name!r}", file=sys.stderr)

@@ -205,7 +205,7 @@ def text_rows(tokens: np.ndarray, seq_len: int, *, pad_id: int = 0):
     Example:
       >>> import numpy as np
       >>> rows = text_rows(np.arange(7), 3)
-      >>> rows.tokens_NW.tolist(), rows.mask_NW[:, 1:].sum()
+      >>> rows.tokens_NW.tolist(), int(rows.mask_NW[:, 1:].sum())
       ([[0, 1, 2, 3], [3, 4, 5, 6]], 6)
     """
     from effijax.data import Packed
