@@ -5,12 +5,16 @@ generator keyed by ``(seed, step)``, so a run resumed at step ``n`` sees exactly
 would have seen, whatever happened before. Under multi-process training every process draws the
 same global batch and keeps its own contiguous block of rows, so the concatenation over processes
 is the single-process batch. :func:`eval_batches` returns fixed, evenly spread windows.
+
+Packed chat examples (:class:`~effijax.data.Packed`) are batched the same way with whole rows
+in place of windows, and their batches carry the loss mask as ``"mask"``.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from effijax.data._chat import Packed
 from effijax.errors import ConfigError
 
 __all__ = ["batch_at", "eval_batches"]
@@ -36,6 +40,13 @@ def _check_tokens(tokens, seq_len: int) -> np.ndarray:
     return tokens
 
 
+def _check_width(data: Packed, seq_len: int) -> Packed:
+    if data.tokens_NW.shape[1] != seq_len + 1:
+        raise ConfigError("seq_len", seq_len, f"the packed rows hold {data.tokens_NW.shape[1]} "
+                          "tokens; pack them with this seq_len (rows of seq_len + 1)")
+    return data
+
+
 def _process_rows(batch_size: int, process_index: int, process_count: int) -> slice:
     _check_int("process_count", process_count, minimum=1)
     _check_int("process_index", process_index, minimum=0)
@@ -51,13 +62,24 @@ def _process_rows(batch_size: int, process_index: int, process_count: int) -> sl
     return slice(process_index * rows, (process_index + 1) * rows)
 
 
+def _check_packed(data: Packed) -> Packed:
+    if not len(data):
+        raise ConfigError("data", 0, "packed rows: no example to batch")
+    return data
+
+
+def _rows(data: Packed, index: np.ndarray) -> dict[str, np.ndarray]:
+    tokens_BW, mask_BW = data.tokens_NW[index], data.mask_NW[index]
+    return {"inputs": tokens_BW[:, :-1], "targets": tokens_BW[:, 1:], "mask": mask_BW[:, 1:]}
+
+
 def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
     windows_BW = tokens[starts[:, None] + np.arange(seq_len + 1)].astype(np.int32)
     return {"inputs": windows_BW[:, :-1], "targets": windows_BW[:, 1:]}
 
 
 def batch_at(
-    tokens: np.ndarray,
+    tokens: np.ndarray | Packed,
     *,
     seed: int,
     step: int,
@@ -70,10 +92,11 @@ def batch_at(
 
     Window starts are drawn uniformly (with replacement) by
     ``np.random.Generator(np.random.Philox(key=(seed, step)))``; targets are the inputs shifted
-    by one token.
+    by one token. From :class:`~effijax.data.Packed` rows, whole rows are drawn the same way
+    (their width must be ``seq_len + 1``) and the batch adds their ``"mask"``.
 
     Args:
-      tokens: 1-D corpus of token ids.
+      tokens: 1-D corpus of token ids, or packed rows.
       seed: the run's data seed (``0 <= seed < 2**64``).
       step: the training step (``>= 0``).
       batch_size: the *global* batch size.
@@ -82,13 +105,14 @@ def batch_at(
       process_count: number of processes; must divide ``batch_size``.
 
     Returns:
-      ``{"inputs": int32[b, S], "targets": int32[b, S]}`` with ``b = batch_size //
-      process_count``: rows ``[process_index * b, (process_index + 1) * b)`` of the global batch.
+      ``{"inputs": int32[b, S], "targets": int32[b, S]}`` (and ``"mask": int32[b, S]`` from
+      packed rows) with ``b = batch_size // process_count``: rows ``[process_index * b,
+      (process_index + 1) * b)`` of the global batch.
 
     Raises:
       ConfigError: naming the argument: a seed, step or size out of range, a ``batch_size`` that
         ``process_count`` does not divide, a corpus that is not 1-D (``tokens``) or shorter than
-        ``seq_len + 1`` tokens (``seq_len``).
+        ``seq_len + 1`` tokens (``seq_len``), packed rows of another width (``seq_len``).
 
     Example:
       >>> import numpy as np
@@ -106,15 +130,18 @@ def batch_at(
     if seed >= 2**64:
         raise ConfigError("seed", seed, "expected an int < 2**64")
     rows = _process_rows(batch_size, process_index, process_count)
-    tokens = _check_tokens(tokens, seq_len)
     rng = np.random.Generator(np.random.Philox(key=np.array([seed, step], dtype=np.uint64)))
+    if isinstance(tokens, Packed):
+        data = _check_width(_check_packed(tokens), seq_len)
+        return _rows(data, rng.integers(0, len(data), size=batch_size)[rows])
+    tokens = _check_tokens(tokens, seq_len)
     # Every process draws the whole global batch (cheap) so that its rows are the same rows.
     starts = rng.integers(0, tokens.size - seq_len, size=batch_size)
     return _windows(tokens, starts[rows], seq_len)
 
 
 def eval_batches(
-    tokens: np.ndarray,
+    tokens: np.ndarray | Packed,
     *,
     batch_size: int,
     seq_len: int,
@@ -125,7 +152,9 @@ def eval_batches(
     """Fixed evaluation batches: ``num_batches * batch_size`` windows spread evenly over the corpus.
 
     The same arguments always give the same batches (no seed). Windows overlap only when the
-    corpus is shorter than ``num_batches * batch_size * (seq_len + 1)`` tokens. ``process_index``
+    corpus is shorter than ``num_batches * batch_size * (seq_len + 1)`` tokens. From
+    :class:`~effijax.data.Packed` rows: evenly spread rows (repeated only when there are fewer
+    than ``num_batches * batch_size``), with their ``"mask"``. ``process_index``
     and ``process_count`` slice the rows as in :func:`batch_at`.
 
     Returns:
@@ -145,8 +174,13 @@ def eval_batches(
     _check_int("seq_len", seq_len, minimum=1)
     _check_int("num_batches", num_batches, minimum=1)
     rows = _process_rows(batch_size, process_index, process_count)
-    tokens = _check_tokens(tokens, seq_len)
     total = num_batches * batch_size
+    if isinstance(tokens, Packed):
+        data = _check_width(_check_packed(tokens), seq_len)
+        index_NB = np.linspace(0, len(data) - 1, total).round().astype(np.int64)
+        index_NB = index_NB.reshape(num_batches, batch_size)
+        return [_rows(data, index_NB[i, rows]) for i in range(num_batches)]
+    tokens = _check_tokens(tokens, seq_len)
     starts = np.linspace(0, tokens.size - seq_len - 1, total).astype(np.int64)
     starts_NB = starts.reshape(num_batches, batch_size)
     return [_windows(tokens, starts_NB[i, rows], seq_len) for i in range(num_batches)]

@@ -22,6 +22,7 @@ __all__ = [
     "DEFAULT_MAX_BYTES",
     "corpus_fingerprint",
     "load_corpus",
+    "load_documents",
     "split_corpus",
     "stdlib_files",
 ]
@@ -75,16 +76,60 @@ def _is_binary(path: Path) -> bool:
         return b"\0" in f.read(_BINARY_PROBE_BYTES)
 
 
-def _read_capped(files: list[Path], max_bytes: int | None) -> bytes:
+def _read_capped(files: list[Path], max_bytes: int | None) -> list[bytes]:
+    """The files' contents in order, the last one cut so that the total is at most
+    ``max_bytes``."""
     chunks, total = [], 0
     for path in files:
         if max_bytes is not None and total >= max_bytes:
             break
         data = path.read_bytes()
+        if max_bytes is not None:
+            data = data[: max_bytes - total]
         chunks.append(data)
         total += len(data)
-    out = b"".join(chunks)
-    return out if max_bytes is None else out[:max_bytes]
+    return chunks
+
+
+def load_documents(
+    path: str | os.PathLike | None = None,
+    *,
+    max_bytes: int | None = None,
+) -> list[bytes]:
+    """The corpus' documents: one ``bytes`` per file, in the order :func:`load_corpus` reads
+    them (which is ``b"".join(load_documents(...))``).
+
+    Args:
+      path, max_bytes: as in :func:`load_corpus` (the cap cuts the last document).
+
+    Raises:
+      ConfigError: as :func:`load_corpus` (``field="path"`` or ``"max_bytes"``).
+
+    Example:
+      >>> docs = load_documents(max_bytes=1000)
+      >>> sum(map(len, docs)), all(isinstance(d, bytes) for d in docs)
+      (1000, True)
+    """
+    if max_bytes is not None and (isinstance(max_bytes, bool)
+                                  or not isinstance(max_bytes, int | np.integer) or max_bytes <= 0):
+        raise ConfigError("max_bytes", max_bytes, "expected a positive int, or None (8 MiB of "
+                          "the standard library, the whole of a given path)")
+    if path is None:
+        files = stdlib_files()
+        max_bytes = DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
+    else:
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError("path", str(p), "does not exist; pass a text file, a folder of "
+                              "text files, or None for the standard library")
+        if p.is_dir():
+            files = [f for f in _folder_files(p) if not _is_binary(f)]
+            if not files:
+                raise ConfigError("path", str(p), "the folder holds no readable text files "
+                                  "(binary, hidden and __pycache__ files are skipped)")
+        else:
+            files = [p]
+    return _read_capped(files, max_bytes)
 
 
 def load_corpus(
@@ -117,28 +162,9 @@ def load_corpus(
       >>> tokens.dtype, tokens.shape
       (dtype('uint8'), (1000,))
     """
-    if max_bytes is not None and (isinstance(max_bytes, bool)
-                                  or not isinstance(max_bytes, int | np.integer) or max_bytes <= 0):
-        raise ConfigError("max_bytes", max_bytes, "expected a positive int, or None (8 MiB of "
-                          "the standard library, the whole of a given path)")
-    if path is None:
-        files = stdlib_files()
-        source = f"the standard library at {sysconfig.get_paths()['stdlib']}"
-        max_bytes = DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
-    else:
-        p = Path(path)
-        if not p.exists():
-            raise ConfigError("path", str(p), "does not exist; pass a text file, a folder of "
-                              "text files, or None for the standard library")
-        source = "the corpus"
-        if p.is_dir():
-            files = [f for f in _folder_files(p) if not _is_binary(f)]
-            if not files:
-                raise ConfigError("path", str(p), "the folder holds no readable text files "
-                                  "(binary, hidden and __pycache__ files are skipped)")
-        else:
-            files = [p]
-    data = _read_capped(files, max_bytes)
+    data = b"".join(load_documents(path, max_bytes=max_bytes))
+    source = ("the corpus" if path is not None
+              else f"the standard library at {sysconfig.get_paths()['stdlib']}")
     shown = None if path is None else str(path)
     if not data:
         raise ConfigError("path", shown, f"{source} is empty")

@@ -210,23 +210,26 @@ class Tokenizer:
         """Renders ``[{"role": ..., "content": ...}, ...]`` with :attr:`chat_template`.
 
         Uses Jinja in a sandbox the way ``transformers`` does (``trim_blocks``,
-        ``lstrip_blocks``, ``bos_token``/``eos_token`` in scope); needs ``jinja2``.
+        ``lstrip_blocks``, ``bos_token``/``eos_token`` in scope); the template is compiled on
+        first use.
         """
         if self.chat_template is None:
             raise ConfigError("chat_template", None, "this tokenizer has no chat template")
-        try:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-        except ImportError as e:  # pragma: no cover - jinja2 ships with torch and transformers
-            raise ImportError("apply_chat_template needs jinja2: pip install jinja2") from e
+        return self._compiled_chat_template.render(
+            messages=list(messages), add_generation_prompt=add_generation_prompt,
+            bos_token=self.token(self.bos_id) or "", eos_token=self.token(self.eos_id) or "")
+
+    @functools.cached_property
+    def _compiled_chat_template(self):
+        """The chat template compiled once (rendering a dataset renders it per record)."""
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message):
             raise ValueError(message)
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
-        return env.from_string(self.chat_template).render(
-            messages=list(messages), add_generation_prompt=add_generation_prompt,
-            bos_token=self.token(self.bos_id) or "", eos_token=self.token(self.eos_id) or "")
+        return env.from_string(self.chat_template)
 
     # Files ------------------------------------------------------------------------------------
 

@@ -34,6 +34,7 @@ __all__ = ["TrainConfig", "PRECISIONS", "PRECISION_ALIASES", "DEFAULT_MODEL",
 # slower), with the memory estimator's aliases ("mixed", "float32", "half", ...).
 PRECISIONS = ("auto", *PRESET_NAMES)
 FROZEN_DTYPES = ("auto", "fp32", "bf16", "fp16")
+DATA_FORMATS = ("auto", "text", "chat")
 DEFAULT_MODEL = "mini"
 # Keys of a run's config.json that record the run rather than configure it.
 RECORD_KEYS = ("run", "versions")
@@ -109,8 +110,14 @@ class TrainConfig:
     accumulate: int = _field(1, "micro-steps per optimizer step (optax.MultiSteps)")
     seed: int = _field(0, "seeds the parameters, adapters, dropout and batch order")
     # Data.
-    data: str | None = _field(None, "a text file or folder (default: the Python standard "
-                              "library's source, on every machine)", section="data")
+    data: str | None = _field(None, "a text file or folder, or a chat / instruction .jsonl "
+                              "file (default: the Python standard library's source, on every "
+                              "machine)", section="data")
+    data_format: str = _field("auto", "how to read --data: text (documents joined with the "
+                              "end-of-text token), chat (JSONL records rendered with the model's "
+                              "chat template, trained on the assistant's tokens), or auto "
+                              "(chat for a .jsonl file, else text)", choices=DATA_FORMATS,
+                              section="data")
     eval_batches: int = _field(8, "validation batches evaluated at the end (0: none)",
                                section="data")
     # Devices and sharding.
@@ -175,6 +182,9 @@ class TrainConfig:
                               f"{self.accumulate}")
         if self.warmup is not None and not 0 <= self.warmup <= self.steps:
             raise ConfigError("warmup", self.warmup, f"must be in [0, steps={self.steps}]")
+        if self.data_format not in DATA_FORMATS:
+            raise ConfigError("data_format", self.data_format,
+                              f"choose one of {', '.join(DATA_FORMATS)}")
         object.__setattr__(self, "precision", _precision(self.precision))
         object.__setattr__(self, "loss_scale", _loss_scale(self.loss_scale, self.precision))
         object.__setattr__(self, "mesh", _mesh(self.mesh))

@@ -85,6 +85,8 @@ class Job(NamedTuple):
       eval_loss: jitted ``eval_loss(params, batch) -> f32`` (the loss without dropout).
       num_params: parameters of the model; ``trainable_params``: those that get gradients.
       seed: the seed of the parameters, adapters, dropout keys and batch order.
+      masked: batches carry a loss mask (``batch["mask"]``, int32 ``[B, S]``, sharded like
+        the inputs): chat data trained on the assistant's tokens.
     """
 
     model: LanguageModel
@@ -103,6 +105,7 @@ class Job(NamedTuple):
     num_params: int
     trainable_params: int
     seed: int
+    masked: bool = False
 
     @property
     def shardings(self):
@@ -178,6 +181,7 @@ def plan_job(
     seed: int = 0,
     loss_multiplier: float = 1.0,
     allow_unscaled_fp16: bool = False,
+    masked: bool = False,
 ) -> Job:
     """Plans a training job without allocating or compiling anything.
 
@@ -196,6 +200,8 @@ def plan_job(
       loss_multiplier: multiplies the training objective (the metric ``lm_loss`` keeps the
         unmultiplied loss); values far below 1 push gradients below fp16's range.
       allow_unscaled_fp16: see :func:`effijax.train.make_train_step`.
+      masked: batches carry ``"mask"`` (int32 ``[B, S]``, nonzero = trained), which the loss
+        honours; the step's ``tokens`` metric counts the trained positions either way.
 
     Raises:
       ConfigError: a bad strategy, mesh or rules; a batch that does not split over the data
@@ -245,9 +251,9 @@ def plan_job(
 
     def train_loss(p, batch, rng):
         value, aux = loss(p, batch, rng)
-        return value * mult, {"lm_loss": value, **aux}
+        return value * mult, {"lm_loss": value, "tokens": _trained_tokens(batch), **aux}
 
-    batch_sh = _batch_shardings(mesh, frozen_sh)
+    batch_sh = _batch_shardings(mesh, frozen_sh, masked)
     step = make_sharded_step(train_loss, optimizer, policy, mesh=mesh, strategy=strategy,
                              specs=specs, shardings=shardings, has_aux=True,
                              allow_unscaled_fp16=allow_unscaled_fp16, batch_sharding=batch_sh)
@@ -263,12 +269,21 @@ def plan_job(
                strategy=strategy, batch_size=batch_size,
                state=with_shardings(abstract_state, shardings), frozen=frozen, specs=specs,
                grads=grad_shardings(specs, mesh, strategy), step=step, eval_loss=eval_jit,
-               num_params=_size(abstract), trainable_params=_size(trainable), seed=seed)
+               num_params=_size(abstract), trainable_params=_size(trainable), seed=seed,
+               masked=bool(masked))
 
 
-def _batch_shardings(mesh, frozen_shardings) -> dict:
+def _trained_tokens(batch) -> jax.Array:
+    """The target positions the loss counts (int32): the mask's nonzeros, else all."""
+    mask = batch.get("mask")
+    if mask is None:
+        return jnp.int32(batch["targets"].size)
+    return jnp.sum(mask != 0, dtype=jnp.int32)
+
+
+def _batch_shardings(mesh, frozen_shardings, masked: bool = False) -> dict:
     rows = batch_sharding(mesh)
-    out = {"inputs": rows, "targets": rows}
+    out = {"inputs": rows, "targets": rows, **({"mask": rows} if masked else {})}
     return out if frozen_shardings is None else {**out, "base": frozen_shardings}
 
 
@@ -376,6 +391,10 @@ def evaluate(job: Job, params: Any, tokens: np.ndarray, *, num_batches: int,
              frozen: Any = None) -> float:
     """Mean loss of ``params`` over ``num_batches`` fixed validation batches of ``tokens``.
 
+    ``tokens`` is a 1-D corpus or :class:`~effijax.data.Packed` rows (for a job planned with
+    ``masked=True``); with rows, the mean is over the trained tokens (each batch's masked mean
+    weighted by its trained tokens).
+
     Example:
       >>> import numpy as np, optax
       >>> from effijax.models import gpt_config
@@ -387,14 +406,22 @@ def evaluate(job: Job, params: Any, tokens: np.ndarray, *, num_batches: int,
     if num_batches < 1:
         raise ConfigError("num_batches", num_batches, "must be >= 1")
     rows = batch_sharding(job.mesh)
+    kw = {"batch_size": job.batch_size, "seq_len": job.model.seq_len, "num_batches": num_batches}
     losses = []
-    for local in eval_batches(tokens, batch_size=job.batch_size, seq_len=job.model.seq_len,
-                              num_batches=num_batches, process_index=jax.process_index(),
+    for local in eval_batches(tokens, **kw, process_index=jax.process_index(),
                               process_count=jax.process_count()):
+        if ("mask" in local) != job.masked:
+            raise ConfigError("tokens", "packed rows" if "mask" in local else "a corpus",
+                              f"the job was planned with masked={job.masked}")
         b = global_batch(local, rows)
         losses.append(float(job.eval_loss(params, b if frozen is None else {**b,
                                                                             "base": frozen})))
-    return float(np.mean(losses))
+    if not job.masked:
+        return float(np.mean(losses))
+    # Every process counts the global batches' trained tokens (host arrays, cheap).
+    counts = [np.count_nonzero(b["mask"]) for b in eval_batches(tokens, **kw)]
+    return float(sum(loss * n for loss, n in zip(losses, counts, strict=True) if n)
+                 / max(sum(counts), 1))
 
 
 def compile_job(job: Job, *, census: bool = True) -> CompiledStep:
@@ -403,8 +430,9 @@ def compile_job(job: Job, *, census: bool = True) -> CompiledStep:
     XLA planned (read from the same compilation)."""
     seq = job.model.seq_len
     rows = batch_sharding(job.mesh)
+    keys = ("inputs", "targets", "mask") if job.masked else ("inputs", "targets")
     batch = {k: jax.ShapeDtypeStruct((job.batch_size, seq), jnp.int32, sharding=rows)
-             for k in ("inputs", "targets")}
+             for k in keys}
     if job.frozen is not None:
         batch["base"] = job.frozen
     if census and job.mesh.size > 1:

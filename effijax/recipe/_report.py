@@ -6,7 +6,7 @@ import dataclasses
 import shlex
 import sys
 
-__all__ = ["start", "done", "stopped", "finished_before", "warn", "title", "summary_extras"]
+__all__ = ["start", "eval_start", "done", "stopped", "finished_before", "warn", "title", "summary_extras"]
 
 
 def warn(message: str) -> None:
@@ -30,8 +30,10 @@ def _where(config, job) -> str:
             f"{jax.process_count()} process(es)")
 
 
-def start(config, job, compiled, source, frozen, state, is_main: bool) -> None:
-    """The start-up lines: model and placement, per-device memory, the source, LoRA."""
+def start(config, job, compiled, source, frozen, state, is_main: bool, *,
+          data: str = "") -> None:
+    """The start-up lines: model and placement, per-device memory, the source, LoRA, the
+    data (``data``: a line about it, or empty)."""
     if not is_main:
         return
     import jax
@@ -62,6 +64,14 @@ def start(config, job, compiled, source, frozen, state, is_main: bool) -> None:
         print(f"effijax train: LoRA rank {job.lora.rank}, alpha {job.lora.alpha:g} on "
               f"{job.lora.targets!r}, frozen base in {'/'.join(sorted(dtypes))}; "
               + trainable_report(frozen, state.params))
+    if data:
+        print(f"effijax train: {data}", flush=True)
+
+
+def eval_start(loss: float, is_main: bool) -> None:
+    """The validation loss of the starting parameters, before the first step."""
+    if is_main:
+        print(f"effijax train: validation loss before training {loss:.4f}", flush=True)
 
 
 def summary_extras(job, compiled) -> dict:
@@ -86,8 +96,14 @@ def done(config, summary: dict, is_main: bool) -> None:
              f"{summary['steps']} steps ({ran} after resuming at {summary['start_step']})")
     print(f"done: {steps} in {summary['wall_time_s']:.1f}s, final loss "
           f"{summary['final_loss']:.4f} (mean of the last 10 steps){ev}, "
-          f"{summary['tokens_per_s']:.0f} tokens/s, {summary['skipped_steps']} skipped; "
+          f"{summary['tokens_per_s']:.0f} tokens/s{_trained(summary)}, "
+          f"{summary['skipped_steps']} skipped; "
           f"wrote {config.out}/", flush=True)
+
+
+def _trained(summary: dict) -> str:
+    rate = summary.get("trained_tokens_per_s")
+    return "" if rate is None else f" ({rate:.0f} of them trained)"
 
 
 def stopped(config, summary: dict, signal_name: str | None, saved: bool, argv,

@@ -137,6 +137,8 @@ def loop_and_finish(config: TrainConfig, job, run: Run, compiled, state, frozen,
     start = {}
     if run.resume_step is None and evaluate and (config.init_from or job.lora is not None):
         start["eval_loss_start"] = evaluate(state.params)  # before the state is donated
+        _report.eval_start(start["eval_loss_start"], run_dir.is_main)
+    trained = _TrainedTokens()
     stop = StopFlag(jax.process_count())
     t0 = time.perf_counter()
     with stop.installed():
@@ -147,7 +149,7 @@ def loop_and_finish(config: TrainConfig, job, run: Run, compiled, state, frozen,
                 progress=config.progress, should_stop=stop,
                 checkpoint=(lambda s: _save(run, s, run_dir.is_main)) if run.ckpt else None,
                 checkpoint_every=config.checkpoint_every,
-                max_non_finite=config.max_non_finite or None)
+                max_non_finite=config.max_non_finite or None, callbacks=(trained,))
         except NonFiniteError as e:
             raise NonFiniteError(e.step, e.count, where=_last_good(run)) from None
     summary["wall_time_s"] = time.perf_counter() - t0
@@ -159,6 +161,7 @@ def loop_and_finish(config: TrainConfig, job, run: Run, compiled, state, frozen,
                         config.checkpoints, argv, run_dir.is_main)
         return TrainResult(config.out, summary, "stopped", config)
     summary.update(start)
+    summary.update(trained.summary(job.masked))
     if evaluate:
         summary["eval_loss"] = evaluate(state.params)
     if job.lora is not None:
@@ -167,6 +170,30 @@ def loop_and_finish(config: TrainConfig, job, run: Run, compiled, state, frozen,
     run_dir.finish(summary, title=_report.title(config, job))
     _report.done(config, summary, run_dir.is_main)
     return TrainResult(config.out, summary, "done", config)
+
+
+class _TrainedTokens:
+    """Sums the steps' ``tokens`` metric (trained target positions) and their rate."""
+
+    def __init__(self):
+        self.total, self.rates = 0, []
+
+    def __call__(self, record: dict) -> None:
+        tokens = int(record.get("tokens", 0))
+        self.total += tokens
+        dt = record.get("step_time_s")
+        self.rates.append(tokens / dt if dt else float("nan"))
+
+    def summary(self, masked: bool) -> dict:
+        """``trained_tokens`` (this session's steps) and, for masked data,
+        ``trained_tokens_per_s`` (median over the steps after the first, like ``tokens_per_s``)."""
+        out = {"trained_tokens": self.total}
+        if masked:
+            import numpy as np
+
+            rates = self.rates[1:]
+            out["trained_tokens_per_s"] = float(np.median(rates)) if rates else float("nan")
+        return out
 
 
 def _save(run: Run, state, is_main: bool, force: bool = False) -> None:

@@ -85,23 +85,24 @@ def _run(config: TrainConfig, session: Session, argv) -> TrainResult:
               else None)
     model = _sources.model_for(config, source)
     config = resolve(config, session.mesh)
-    tokens, fingerprint = load_data(config, model)
+    data = load_data(config, model)
     optimizer = optimizer_for(config)
     spec = config.lora_spec(model.lora_targets)
     with lora_fields():  # the spec's checks against the model: rank, targets
         job = _job.plan_job(model, config.precision, optimizer, batch_size=config.batch_size,
                             mesh=session.mesh, strategy=config.strategy or "ddp", lora=spec,
                             seed=config.seed, frozen_dtype=None if config.frozen_dtype == "auto"
-                            else config.frozen_dtype)
+                            else config.frozen_dtype, masked=data.masked)
     origin = None if source is None else _sources.latest_step(source, model)
-    run = _state.open_run(config, job, origin, fingerprint=fingerprint,
-                          corpus_tokens=len(tokens[0]) + len(tokens[1]))
+    run = _state.open_run(config, job, origin, fingerprint=data.fingerprint,
+                          corpus_tokens=data.tokens)
     try:
         state, frozen = _state.initial_state(job, run, source, session.is_main)
         compiled = _job.compile_job(job)
-        _report.start(config, job, compiled, source, frozen, state, session.is_main)
-        return _state.loop_and_finish(config, job, run, compiled, state, frozen, tokens,
-                                      argv=argv)
+        _report.start(config, job, compiled, source, frozen, state, session.is_main,
+                      data=data.note)
+        return _state.loop_and_finish(config, job, run, compiled, state, frozen,
+                                      (data.train, data.val), argv=argv)
     finally:
         run.close()
 
@@ -146,21 +147,12 @@ def resolve(config: TrainConfig, mesh) -> TrainConfig:
         mesh=None if mesh is None else {k: int(v) for k, v in mesh.shape.items()})
 
 
-def load_data(config: TrainConfig, model) -> tuple[tuple[Any, Any], str]:
-    """``((train_tokens, val_tokens), corpus fingerprint)`` of ``config.data`` through the
-    model's tokenizer."""
-    from effijax.data import corpus_fingerprint, load_corpus, split_corpus
+def load_data(config: TrainConfig, model):
+    """The run's :class:`~effijax.recipe.Dataset`: ``config.data`` through the model's
+    tokenizer, read as ``config.data_format`` says, 5% held out for validation."""
+    from effijax.recipe._data import load_dataset
 
-    try:
-        raw = load_corpus(config.data)
-    except ConfigError as e:
-        raise ConfigError("data", config.data, e.problem) from None
-    tokens = model.encode(raw.tobytes())
-    train_tokens, val_tokens = split_corpus(tokens)
-    if min(len(train_tokens), len(val_tokens)) <= model.seq_len + 1:
-        raise ConfigError("data", config.data, f"{len(tokens)} tokens are too few for "
-                          f"seq_len {model.seq_len} (5% is held out for validation)")
-    return (train_tokens, val_tokens), corpus_fingerprint(raw)
+    return load_dataset(config.data, model, data_format=config.data_format)
 
 
 def optimizer_for(config: TrainConfig):

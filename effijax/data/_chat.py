@@ -1,0 +1,291 @@
+"""Chat and instruction data: JSONL records rendered with a model's chat template, trained on
+the assistant's tokens only.
+
+A record is one JSON object per line, either ``{"messages": [{"role": ..., "content": ...},
+...]}`` or ``{"prompt": ..., "response": ...}`` (optionally with ``"system"``), which is the
+conversation ``[system?, user: prompt, assistant: response]``. :func:`read_records` checks every
+line and names the file and line of the first bad one.
+
+:func:`render_chat` renders a conversation with the tokenizer's own chat template (Jinja, as
+``transformers`` renders it) and tokenizes the whole text at once, so the ids are exactly what the
+model sees at generation time. The loss mask marks the tokens of each assistant turn: the text
+the template adds for that turn beyond the generation prompt that precedes it (the reply and its
+end-of-turn token, such as ``<|im_end|>``; whitespace the template writes after the turn is not
+trained). A token is trained when its first character lies in such a span.
+
+:func:`pack_examples` packs the rendered examples whole, in order, into rows of ``seq_len + 1``
+tokens (greedy next-fit: an example that does not fit in the current row starts the next one);
+the rest of a row is padding that is never trained. An example longer than a row keeps its first
+``seq_len + 1`` tokens. The training batches are rows drawn by :func:`~effijax.data.batch_at`.
+:func:`split_records` holds out a deterministic set of records by their content.
+
+The tokenizer is any object with ``apply_chat_template(messages, add_generation_prompt=...)``
+and a ``tokenizers`` ``backend`` (:class:`effijax.models.Tokenizer`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from effijax.errors import ConfigError
+
+__all__ = ["Record", "Packed", "read_records", "render_chat", "pack_examples", "split_records",
+           "records_fingerprint"]
+
+_RECORD_KEYS = ({"messages"}, {"prompt", "response"}, {"prompt", "response", "system"})
+
+
+class Record(NamedTuple):
+    """One conversation: ``messages`` (``[{"role", "content"}]``), where it came from
+    (``source``: ``"file:line"``) and the line's text (``raw``, what the split hashes)."""
+
+    messages: tuple[dict, ...]
+    source: str
+    raw: str
+
+
+class Packed(NamedTuple):
+    """Packed examples: ``tokens_NW`` (int32 ids) and ``mask_NW`` (int32, 1 = trained) of ``N``
+    rows of ``W = seq_len + 1`` tokens; the batches' targets and mask are ``[:, 1:]``.
+
+    Attributes:
+      tokens_NW, mask_NW: the rows.
+      examples: examples packed; ``truncated``: of them, cut to one row.
+      filled: real tokens in the rows (padding excluded).
+    """
+
+    tokens_NW: np.ndarray
+    mask_NW: np.ndarray
+    examples: int = 0
+    truncated: int = 0
+    filled: int = 0
+
+    def __len__(self) -> int:
+        return len(self.tokens_NW)
+
+    @property
+    def trained_tokens(self) -> int:
+        """Target positions with a nonzero mask (the first column is never a target)."""
+        return int(np.count_nonzero(self.mask_NW[:, 1:]))
+
+
+def _bad(source: str, problem: str) -> ConfigError:
+    return ConfigError("data", source, problem + "; expected one JSON object per line: "
+                       '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", '
+                       '"content": "..."}]} or {"prompt": "...", "response": "..."}')
+
+
+def _record(obj: Any, source: str) -> tuple[dict, ...]:
+    if not isinstance(obj, dict):
+        raise _bad(source, f"a JSON {type(obj).__name__}, not an object")
+    if set(obj) not in _RECORD_KEYS:
+        raise _bad(source, f"keys {sorted(obj)}")
+    if "messages" in obj:
+        messages = obj["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise _bad(source, '"messages" must be a non-empty list')
+        for i, m in enumerate(messages):
+            if (not isinstance(m, dict) or set(m) != {"role", "content"}
+                    or not isinstance(m["role"], str) or not m["role"]
+                    or not isinstance(m["content"], str)):
+                raise _bad(source, f'messages[{i}] must be {{"role": str, "content": str}}, '
+                           f"got {json.dumps(m)[:80]}")
+        if not any(m["role"] == "assistant" for m in messages):
+            raise _bad(source, 'no message has role "assistant": nothing to train on')
+        return tuple({"role": m["role"], "content": m["content"]} for m in messages)
+    for key in sorted(obj):
+        if not isinstance(obj[key], str):
+            raise _bad(source, f'"{key}" must be a string, got {type(obj[key]).__name__}')
+    system = ({"role": "system", "content": obj["system"]},) if "system" in obj else ()
+    return (*system, {"role": "user", "content": obj["prompt"]},
+            {"role": "assistant", "content": obj["response"]})
+
+
+def read_records(path: str | os.PathLike) -> list[Record]:
+    """Reads and checks a chat / instruction JSONL file (blank lines are skipped).
+
+    Raises:
+      ConfigError: ``field="data"``, value ``"file:line"`` of the first bad record (not JSON,
+        unknown keys, a message that is not ``{"role": str, "content": str}``, no assistant
+        message), or the file has no record.
+
+    Example:
+      >>> import pathlib, tempfile
+      >>> f = pathlib.Path(tempfile.mkdtemp()) / "chat.jsonl"
+      >>> _ = f.write_text('{"prompt": "2+2?", "response": "4"}\\n\\n{"prompt": 1}\\n')
+      >>> read_records(f)  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      effijax.errors.ConfigError: data='.../chat.jsonl:3': keys ['prompt']; expected ...
+    """
+    path = Path(path)
+    records = []
+    with open(path, encoding="utf-8", errors="strict") as f:
+        for number, line in enumerate(f, start=1):
+            source = f"{path}:{number}"
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise _bad(source, f"not JSON ({e.msg} at column {e.colno})") from None
+            records.append(Record(_record(obj, source), source, line.strip()))
+    if not records:
+        raise ConfigError("data", str(path), "holds no record (one JSON object per line)")
+    return records
+
+
+def records_fingerprint(records: Sequence[Record]) -> str:
+    """``"<n records>:<sha256 prefix>"`` of the records' lines, in order.
+
+    Example:
+      >>> records_fingerprint([Record(({"role": "assistant", "content": "hi"},), "x:1", "{}")])
+      '1:ca3d163bab055381'
+    """
+    digest = hashlib.sha256()
+    for r in records:
+        digest.update(r.raw.encode("utf-8") + b"\n")
+    return f"{len(records)}:{digest.hexdigest()[:16]}"
+
+
+def split_records(records: Sequence[Record], val_fraction: float = 0.05
+                  ) -> tuple[list[Record], list[Record]]:
+    """``(train, val)``: the ``max(1, round(n * val_fraction))`` records with the smallest
+    SHA-256 of their line are validation, the rest train; both keep the file's order.
+
+    The choice depends on each record's content only, so editing or reordering other records
+    moves no record between the splits except at the boundary of the count.
+
+    Raises:
+      ConfigError: ``val_fraction`` not in (0, 1), or fewer than 2 records.
+
+    Example:
+      >>> recs = [Record((), f"x:{i}", str(i)) for i in range(40)]
+      >>> train, val = split_records(recs)
+      >>> len(train), [r.raw for r in val]
+      (38, ['9', '39'])
+    """
+    if (isinstance(val_fraction, bool) or not isinstance(val_fraction, int | float)
+            or not 0.0 < val_fraction < 1.0):
+        raise ConfigError("val_fraction", val_fraction, "expected a fraction in (0, 1), e.g. 0.05")
+    if len(records) < 2:
+        raise ConfigError("data", len(records), "records: at least 2 are needed (one is held "
+                          "out for validation)")
+    n_val = min(max(1, round(len(records) * val_fraction)), len(records) - 1)
+    order = sorted(range(len(records)),
+                   key=lambda i: hashlib.sha256(records[i].raw.encode("utf-8")).digest())
+    held = set(order[:n_val])
+    return ([r for i, r in enumerate(records) if i not in held],
+            [r for i, r in enumerate(records) if i in held])
+
+
+def _render(tokenizer, messages, add_generation_prompt: bool = False) -> str:
+    return tokenizer.apply_chat_template(list(messages),
+                                         add_generation_prompt=add_generation_prompt)
+
+
+def assistant_spans(tokenizer, messages: Sequence[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """``(text, spans)``: the rendered conversation and the ``[start, end)`` character spans
+    of its assistant turns (see the module docstring).
+
+    Raises:
+      ConfigError: the template does not render a conversation's prefixes as prefixes of the
+        whole (the assistant's spans cannot then be found).
+    """
+    text = _render(tokenizer, messages)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = _render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
+        upto = _render(tokenizer, messages[: i + 1])
+        if not (text.startswith(upto) and upto.startswith(before)):
+            raise ConfigError("chat_template", "the model's", "renders a conversation's first "
+                              "turns differently from the whole conversation, so the assistant "
+                              "turns cannot be located; use a template that renders turn by turn")
+        end = len(upto.rstrip())
+        if end > len(before):
+            spans.append((len(before), end))
+    return text, spans
+
+
+def render_chat(tokenizer, messages: Sequence[dict]) -> tuple[np.ndarray, np.ndarray]:
+    """``(ids, mask)``: a conversation rendered with the chat template and tokenized whole,
+    and ``mask`` (int32, 1 on the assistant turns' tokens).
+
+    No BOS/EOS is added beyond what the template writes (``transformers``'
+    ``apply_chat_template(tokenize=True)`` gives the same ids).
+
+    Example:
+      >>> from effijax.models import byte_level_bpe
+      >>> tok = byte_level_bpe(["<s>", "a", "b", ":", "Ċ"], [], token_types=[3, 1, 1, 1, 1],
+      ...     chat_template="{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}"
+      ...                   "<s>{% endfor %}{% if add_generation_prompt %}a:{% endif %}")
+      >>> ids, mask = render_chat(tok, [{"role": "b", "content": "ab"},
+      ...                               {"role": "assistant", "content": "ba"}])
+      >>> tok.decode(ids), mask.tolist()  # trained: "ba<s>"
+      ('b:ab<s>a:ba<s>', [0, 0, 0, 0, 0, 0, 0, 1, 1, 1])
+    """
+    text, spans = assistant_spans(tokenizer, messages)
+    encoding = tokenizer.backend.encode(text, add_special_tokens=False)
+    ids = np.asarray(encoding.ids, np.int32)
+    starts = np.asarray([start for start, _ in encoding.offsets], np.int64)
+    mask = np.zeros(len(ids), np.int32)
+    for a, b in spans:
+        mask[(starts >= a) & (starts < b)] = 1
+    return ids, mask
+
+
+def pack_examples(examples: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int, *,
+                  pad_id: int) -> Packed:
+    """Packs ``(ids, mask)`` examples whole, in order, into rows of ``seq_len + 1`` tokens.
+
+    Greedy next-fit: an example that does not fit in the current row's free space starts a new
+    row; padding (``pad_id``, mask 0) fills the rest. An example longer than a row is cut to
+    its first ``seq_len + 1`` tokens (counted in ``truncated``).
+
+    Raises:
+      ConfigError: no example, or ``seq_len`` below 1.
+
+    Example:
+      >>> import numpy as np
+      >>> ex = [(np.array([1, 2, 3]), np.array([0, 1, 1])), (np.array([4, 5]), np.array([0, 1]))]
+      >>> p = pack_examples(ex, 3, pad_id=0)
+      >>> p.tokens_NW.tolist(), p.mask_NW.tolist()
+      ([[1, 2, 3, 0], [4, 5, 0, 0]], [[0, 1, 1, 0], [0, 1, 0, 0]])
+      >>> pack_examples(ex, 4, pad_id=0).tokens_NW.tolist()
+      [[1, 2, 3, 4, 5]]
+    """
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int | np.integer) or seq_len < 1:
+        raise ConfigError("seq_len", seq_len, "expected an int >= 1")
+    if not examples:
+        raise ConfigError("data", 0, "examples: nothing to pack")
+    width = seq_len + 1
+    rows: list[list[tuple[np.ndarray, np.ndarray]]] = []
+    used = width  # forces a first row
+    truncated = 0
+    for ids, mask in examples:
+        ids, mask = np.asarray(ids, np.int32), np.asarray(mask, np.int32)
+        if len(ids) > width:
+            ids, mask, truncated = ids[:width], mask[:width], truncated + 1
+        if used + len(ids) > width:
+            rows.append([])
+            used = 0
+        rows[-1].append((ids, mask))
+        used += len(ids)
+    tokens_NW = np.full((len(rows), width), pad_id, np.int32)
+    mask_NW = np.zeros((len(rows), width), np.int32)
+    for r, row in enumerate(rows):
+        at = 0
+        for ids, mask in row:
+            tokens_NW[r, at:at + len(ids)] = ids
+            mask_NW[r, at:at + len(ids)] = mask
+            at += len(ids)
+    filled = sum(len(ids) for row in rows for ids, _ in row)
+    return Packed(tokens_NW, mask_NW, examples=len(examples), truncated=truncated, filled=filled)

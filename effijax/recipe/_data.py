@@ -1,0 +1,267 @@
+"""A run's data through its model: text or chat / instruction JSONL, split for validation.
+
+Three ways, picked by the model and the data format (``auto``: ``chat`` for a ``.jsonl`` file,
+else ``text``):
+
+* **bytes**: a model without a tokenizer (the byte GPT) reads the corpus as one byte stream, as
+  it always has (:func:`effijax.data.load_corpus`);
+* **text**: with a tokenizer, every file is a document, tokenized on its own and followed by the
+  end-of-text token (:func:`effijax.data.encode_documents`); training windows are drawn anywhere
+  in the stream;
+* **chat**: JSONL records rendered with the model's chat template, the loss on the assistant's
+  tokens only, packed whole into rows of ``seq_len + 1`` (:mod:`effijax.data`'s chat functions).
+
+Validation: the last 5% of the token stream (bytes, text), or 5% of the records chosen by their
+content (chat). :func:`load_eval_data` reads a whole file for evaluation instead: every token in
+consecutive windows, or every record.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from effijax.errors import ConfigError
+
+__all__ = ["Dataset", "resolve_format", "load_dataset", "load_eval_data", "text_rows"]
+
+VAL_FRACTION = 0.05
+
+
+class Dataset(NamedTuple):
+    """A run's data.
+
+    Attributes:
+      train, val: 1-D token arrays (``bytes``, ``text``) or :class:`~effijax.data.Packed` rows
+        (``chat``).
+      fingerprint: identifies the content (recorded in ``config.json``).
+      format: ``"bytes"``, ``"text"`` or ``"chat"``.
+      tokens: tokens in train and val together (packed rows: real tokens, padding excluded).
+      note: one line about the data for the start-up printout (empty for bytes).
+    """
+
+    train: Any
+    val: Any
+    fingerprint: str
+    format: str
+    tokens: int
+    note: str = ""
+
+    @property
+    def masked(self) -> bool:
+        """Whether batches carry a loss mask (chat data)."""
+        from effijax.data import Packed
+
+        return isinstance(self.train, Packed)
+
+
+def resolve_format(path: str | None, data_format: str = "auto") -> str:
+    """``"chat"`` or ``"text"``: ``data_format``, with ``auto`` decided by the path's suffix.
+
+    Example:
+      >>> resolve_format("x.jsonl"), resolve_format("notes/"), resolve_format(None)
+      ('chat', 'text', 'text')
+    """
+    if data_format not in ("auto", "text", "chat"):
+        raise ConfigError("data_format", data_format, "choose one of auto, text, chat")
+    if data_format != "auto":
+        return data_format
+    return "chat" if path is not None and Path(path).suffix.lower() == ".jsonl" else "text"
+
+
+def _tokenizer(model, *, chat: bool):
+    tokenizer = getattr(model, "tokenizer", None)
+    if chat and (tokenizer is None or tokenizer.chat_template is None):
+        raise ConfigError("data", "chat", f"{model.name} has no "
+                          f"{'tokenizer' if tokenizer is None else 'chat template'}; chat / "
+                          "instruction JSONL needs a model that has both (e.g. --init-from "
+                          "smollm2), or read the file as plain text with --data-format text")
+    return tokenizer
+
+
+def _pad_id(tokenizer) -> int:
+    for token_id in (tokenizer.pad_id, tokenizer.eos_id):
+        if token_id is not None:
+            return int(token_id)
+    return 0
+
+
+def _chat_examples(tokenizer, records) -> list[tuple[np.ndarray, np.ndarray]]:
+    from effijax.data import render_chat
+
+    out = []
+    for r in records:
+        try:
+            out.append(render_chat(tokenizer, r.messages))
+        except ConfigError:
+            raise
+        except Exception as e:  # the template's own raise_exception, or a Jinja error
+            raise ConfigError("data", r.source, f"the chat template cannot render this record "
+                              f"({type(e).__name__}: {e})") from None
+    return out
+
+
+def _packed_note(name: str, packed, seq_len: int) -> str:
+    cut = (f", {packed.truncated} cut to {seq_len + 1} tokens (raise --seq-len to keep them "
+           "whole)" if packed.truncated else "")
+    return (f"{packed.examples} {name} examples in {len(packed)} row(s) of {seq_len + 1} tokens, "
+            f"{packed.trained_tokens:,} trained tokens{cut}")
+
+
+def _chat(path: str, model, seq_len: int, val_fraction: float) -> Dataset:
+    from effijax.data import pack_examples, read_records, records_fingerprint, split_records
+
+    tokenizer = _tokenizer(model, chat=True)
+    if Path(path).is_dir():
+        raise ConfigError("data", path, "chat / instruction data is one .jsonl file, not a "
+                          "folder")
+    records = read_records(path)
+    train_records, val_records = split_records(records, val_fraction)
+    pad = _pad_id(tokenizer)
+    train = pack_examples(_chat_examples(tokenizer, train_records), seq_len, pad_id=pad)
+    val = pack_examples(_chat_examples(tokenizer, val_records), seq_len, pad_id=pad)
+    if not train.trained_tokens or not val.trained_tokens:
+        raise ConfigError("data", path, f"no assistant token is left in the "
+                          f"{'training' if not train.trained_tokens else 'validation'} rows "
+                          f"of {seq_len + 1} tokens; raise --seq-len")
+    tokens = train.filled + val.filled
+    note = (f"chat data: {_packed_note('training', train, seq_len)}; "
+            f"{_packed_note('validation', val, seq_len)}")
+    return Dataset(train, val, records_fingerprint(records), "chat", tokens, note)
+
+
+def _split_stream(path, tokens: np.ndarray, seq_len: int, val_fraction: float):
+    from effijax.data import split_corpus
+
+    train, val = split_corpus(tokens, val_fraction)
+    if min(len(train), len(val)) <= seq_len + 1:
+        raise ConfigError("data", path, f"{len(tokens)} tokens are too few for seq_len "
+                          f"{seq_len} ({val_fraction:.0%} is held out for validation)")
+    return train, val
+
+
+def load_dataset(path: str | None, model, *, seq_len: int | None = None,
+                 data_format: str = "auto", val_fraction: float = VAL_FRACTION) -> Dataset:
+    """The training and validation data of ``path`` for ``model`` (see the module docstring).
+
+    Args:
+      path: a text file or folder, a chat / instruction ``.jsonl`` file, or None (the standard
+        library's source).
+      model: a :class:`~effijax.models.LanguageModel`; its ``tokenizer`` (if any) tokenizes.
+      seq_len: the training window (default: the model's).
+      data_format: ``auto``, ``text`` or ``chat``.
+      val_fraction: the share held out for validation.
+
+    Raises:
+      ConfigError: ``field="data"``: a missing path, a bad record (named by file and line), a
+        chat file for a model without a chat template, too little data for ``seq_len``.
+
+    Example:
+      >>> from effijax.models import gpt_config
+      >>> data = load_dataset(None, gpt_config("tiny", seq_len=16))
+      >>> data.format, data.train.dtype.name, data.masked
+      ('bytes', 'uint8', False)
+    """
+    from effijax.data import (
+        corpus_fingerprint,
+        documents_fingerprint,
+        encode_documents,
+        load_corpus,
+        load_documents,
+    )
+
+    seq_len = model.seq_len if seq_len is None else seq_len
+    fmt = resolve_format(path, data_format)
+    try:
+        if fmt == "chat":
+            if path is None:
+                raise ConfigError("data", None, "chat data needs a .jsonl file (--data FILE)")
+            return _chat(path, model, seq_len, val_fraction)
+        tokenizer = _tokenizer(model, chat=False)
+        if tokenizer is None:
+            raw = load_corpus(path)
+            train, val = _split_stream(path, model.encode(raw.tobytes()), seq_len, val_fraction)
+            return Dataset(train, val, corpus_fingerprint(raw), "bytes", len(train) + len(val))
+        documents = load_documents(path)
+        tokens = encode_documents(tokenizer, documents)
+        train, val = _split_stream(path, tokens, seq_len, val_fraction)
+        note = (f"text data: {len(documents)} documents, {len(tokens):,} tokens (each document "
+                f"ends with {tokenizer.token(int(tokens[-1]))})")
+        return Dataset(train, val, documents_fingerprint(documents), "text", len(tokens), note)
+    except ConfigError as e:
+        if e.field in ("data", "path"):
+            raise ConfigError("data", e.value if e.field == "data" else path, e.problem) \
+                from None
+        raise
+
+
+def text_rows(tokens: np.ndarray, seq_len: int, *, pad_id: int = 0):
+    """Every token of a stream in consecutive windows of ``seq_len + 1`` that overlap by one
+    token, as :class:`~effijax.data.Packed` rows: each token after the first is a target exactly
+    once; the last row is padded (padding untrained).
+
+    Example:
+      >>> import numpy as np
+      >>> rows = text_rows(np.arange(7), 3)
+      >>> rows.tokens_NW.tolist(), int(rows.mask_NW[:, 1:].sum())
+      ([[0, 1, 2, 3], [3, 4, 5, 6]], 6)
+    """
+    from effijax.data import Packed
+
+    tokens = np.asarray(tokens).astype(np.int32)
+    if tokens.ndim != 1 or tokens.size < 2:
+        raise ConfigError("data", tokens.size, "tokens: at least 2 are needed to evaluate")
+    n = -(-(tokens.size - 1) // seq_len)
+    tokens_NW = np.full((n, seq_len + 1), pad_id, np.int32)
+    mask_NW = np.zeros((n, seq_len + 1), np.int32)
+    for i in range(n):
+        row = tokens[i * seq_len: i * seq_len + seq_len + 1]
+        tokens_NW[i, : len(row)] = row
+        mask_NW[i, 1: len(row)] = 1
+    return Packed(tokens_NW, mask_NW, examples=n, filled=int(tokens.size))
+
+
+def load_eval_data(path: str, model, *, seq_len: int | None = None,
+                   data_format: str = "auto"):
+    """All of ``path`` as :class:`~effijax.data.Packed` rows for evaluation: every record of a
+    chat file, or every token of text (:func:`text_rows`). Returns ``(rows, fingerprint,
+    format)``.
+
+    Raises:
+      ConfigError: as :func:`load_dataset`.
+    """
+    from effijax.data import (
+        corpus_fingerprint,
+        documents_fingerprint,
+        encode_documents,
+        load_corpus,
+        load_documents,
+        pack_examples,
+        read_records,
+        records_fingerprint,
+    )
+
+    seq_len = model.seq_len if seq_len is None else seq_len
+    fmt = resolve_format(path, data_format)
+    try:
+        if fmt == "chat":
+            tokenizer = _tokenizer(model, chat=True)
+            records = read_records(path)
+            rows = pack_examples(_chat_examples(tokenizer, records), seq_len,
+                                 pad_id=_pad_id(tokenizer))
+            return rows, records_fingerprint(records), "chat"
+        tokenizer = _tokenizer(model, chat=False)
+        if tokenizer is None:
+            raw = load_corpus(path)
+            return text_rows(model.encode(raw.tobytes()), seq_len), corpus_fingerprint(raw), \
+                "bytes"
+        documents = load_documents(path)
+        return (text_rows(encode_documents(tokenizer, documents), seq_len,
+                          pad_id=_pad_id(tokenizer)), documents_fingerprint(documents), "text")
+    except ConfigError as e:
+        if e.field in ("data", "path"):
+            raise ConfigError("data", e.value if e.field == "data" else path, e.problem) \
+                from None
+        raise

@@ -1,0 +1,193 @@
+"""Loss and perplexity of a model on a file, with the masking training uses.
+
+The model is any ``init_from`` a run accepts (:mod:`effijax.recipe._sources`): ``smollm2``, a
+GGUF file, a Hugging Face directory, or an earlier run's directory; a LoRA run evaluates its
+base with its adapters (``adapters.safetensors``, factored, not merged). The data is read whole
+(:func:`~effijax.recipe._data.load_eval_data`): a text file's every token in consecutive
+windows, or a chat / instruction JSONL file's every record, scored on the assistant's tokens
+only. The loss is the mean cross-entropy over the scored tokens (each batch's masked mean
+weighted by its scored tokens) and the perplexity its exponential.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from effijax.errors import ConfigError
+
+__all__ = ["EvalResult", "load_model", "evaluate_model"]
+
+
+class EvalResult(NamedTuple):
+    """What :func:`evaluate_model` measured.
+
+    Attributes:
+      loss: mean cross-entropy (nats) over the scored tokens; ``perplexity``: ``exp(loss)``.
+      tokens: scored tokens (the targets the loss counts); ``rows``: windows of
+        ``seq_len + 1`` evaluated; ``seq_len``: the window.
+      format: ``"bytes"``, ``"text"`` or ``"chat"``; ``fingerprint``: the data's.
+      model: what was evaluated, in words.
+    """
+
+    loss: float
+    perplexity: float
+    tokens: int
+    rows: int
+    seq_len: int
+    format: str
+    fingerprint: str
+    model: str
+
+    def to_dict(self) -> dict:
+        return self._asdict()
+
+
+def _from_source(ref: str, seq_len: int | None):
+    """``(model, params)`` of a pretrained model or a full run's latest checkpoint."""
+    from effijax.models import model_from_dict
+    from effijax.recipe import _sources
+
+    source = _sources.read_source(ref, seq_len)
+    if source.pretrained:
+        return source.model, source.params
+    model = model_from_dict(source.record["model_config"])
+    if seq_len is not None and seq_len != model.seq_len:
+        model = model.with_seq_len(seq_len)
+    step = _sources.latest_step(source, model)["step"]
+    return model, _sources.load_params(source, model, None, step)
+
+
+def load_model(ref: str, *, seq_len: int | None = None) -> tuple[Any, Any, Any, str]:
+    """``(model, params, lora_spec, description)`` of what ``ref`` names.
+
+    ``params`` is ``{"base": ..., "adapters": ...}`` when ``lora_spec`` is not None (a LoRA
+    run's directory). ``seq_len`` overrides the model's window (default: the run's, or the
+    pretrained model's).
+
+    Raises:
+      ConfigError: ``field="model"``: nothing evaluable at ``ref`` (an unknown name or path,
+        a run without checkpoints or adapters).
+    """
+    from effijax.recipe import TrainConfig, _sources
+
+    path = Path(ref)
+    config_file = path / "config.json"
+    try:
+        if path.is_dir() and config_file.is_file() and not _sources._is_pretrained(path):
+            values = json.loads(config_file.read_text())
+            config = TrainConfig.from_dict(values)
+            if config.lora_rank is not None:
+                return _lora_run(path, config, values, seq_len)
+        model, params = _from_source(ref, seq_len)
+        return model, params, None, f"{model.name} from {ref}"
+    except ConfigError as e:
+        if e.field == "init_from":
+            raise ConfigError("model", ref, e.problem) from None
+        raise
+    except (OSError, ValueError) as e:
+        raise ConfigError("model", ref, f"cannot read it ({e})") from None
+
+
+def _lora_run(path: Path, config, values: dict, seq_len: int | None):
+    from effijax.lora import load_adapters
+
+    if config.init_from is None:
+        raise ConfigError("model", str(path), "is a LoRA run on a random base "
+                          "(--lora-random-base): there is no base model to evaluate it with")
+    adapters_file = path / "adapters.safetensors"
+    if not adapters_file.is_file():
+        raise ConfigError("model", str(path), "is a LoRA run without adapters.safetensors (it "
+                          "has not finished); finish it by running the same command again")
+    run_seq = (values.get("run") or {}).get("model_config", {}).get("seq_len")
+    model, base = _from_source(config.init_from, seq_len or run_seq)
+    adapters, spec = load_adapters(adapters_file, base)
+    return (model, {"base": base, "adapters": adapters}, spec,
+            f"{model.name} from {config.init_from} + LoRA r={spec.rank} adapters of {path}")
+
+
+def _batches(rows, batch_size: int):
+    """Consecutive rows in batches of ``batch_size``; the last is filled with unscored rows."""
+    n = len(rows)
+    for start in range(0, n, batch_size):
+        index = np.arange(start, start + batch_size)
+        real = index < n
+        index = np.where(real, index, 0)
+        tokens_BW = rows.tokens_NW[index]
+        mask_BW = rows.mask_NW[index] * real[:, None].astype(np.int32)
+        yield {"inputs": tokens_BW[:, :-1], "targets": tokens_BW[:, 1:], "mask": mask_BW[:, 1:]}
+
+
+def evaluate_model(model: str, data: str, *, seq_len: int | None = None, batch_size: int = 8,
+                   data_format: str = "auto", max_batches: int | None = None,
+                   precision: str = "fp32") -> EvalResult:
+    """Loss and perplexity of ``model`` on the file ``data`` (see the module docstring).
+
+    Args:
+      model: ``smollm2``, a GGUF file, a Hugging Face directory, or a run directory.
+      data: a text file or folder, or a chat / instruction ``.jsonl`` file.
+      seq_len: the window (default: the model's).
+      batch_size: windows per forward pass.
+      data_format: ``auto`` (chat for ``.jsonl``), ``text`` or ``chat``.
+      max_batches: evaluate only the first this many batches (None: all).
+      precision: a precision policy (the compute dtype of the forward pass).
+
+    Raises:
+      ConfigError: a bad model, data file or record (file and line), or setting.
+
+    Example:
+      >>> import pathlib, tempfile
+      >>> from effijax.recipe import TrainConfig, train
+      >>> out = tempfile.mkdtemp()
+      >>> _ = train(TrainConfig(model="tiny", seq_len=16, steps=2, batch_size=2,
+      ...                       eval_batches=0, progress=False, out=out))  # doctest: +ELLIPSIS
+      effijax train: ...
+      >>> text = pathlib.Path(out) / "sample.txt"
+      >>> _ = text.write_text("def f(x):\\n    return x\\n" * 20)
+      >>> r = evaluate_model(out, str(text))
+      >>> r.format, r.tokens, round(r.perplexity, 2) == round(math.exp(r.loss), 2)
+      ('bytes', 459, True)
+    """
+    import jax
+
+    from effijax.precision import get_policy
+    from effijax.recipe._data import load_eval_data
+
+    for name, value in (("batch_size", batch_size), ("max_batches", max_batches)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
+            raise ConfigError(name, value, "expected an int >= 1")
+    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int)
+                                or seq_len < 2):
+        raise ConfigError("seq_len", seq_len, "expected an int >= 2")
+    if not Path(data).exists():
+        raise ConfigError("data", data, "no such file or folder")
+    policy = get_policy(precision)
+    lm, params, spec, description = load_model(model, seq_len=seq_len)
+    rows, fingerprint, fmt = load_eval_data(data, lm, data_format=data_format)
+    loss_fn = lm.loss_fn(spec)
+
+    @jax.jit
+    def scored(p, batch):
+        return loss_fn(policy.cast_to_compute(p), batch, None)[0]
+
+    total, count, evaluated = 0.0, 0, 0
+    for i, batch in enumerate(_batches(rows, batch_size)):
+        if max_batches is not None and i >= max_batches:
+            break
+        n = int(np.count_nonzero(batch["mask"]))
+        evaluated += min(batch_size, len(rows) - i * batch_size)
+        if n:
+            total += float(scored(params, batch)) * n
+            count += n
+    if not count:
+        raise ConfigError("data", data, "has no token to score (a chat file whose assistant "
+                          "turns all fall beyond seq_len?)")
+    loss = total / count
+    return EvalResult(loss=loss, perplexity=math.exp(min(loss, 700.0)), tokens=count,
+                      rows=evaluated, seq_len=lm.seq_len, format=fmt, fingerprint=fingerprint,
+                      model=description)
