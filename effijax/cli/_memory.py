@@ -283,7 +283,7 @@ def _model_shape(args: argparse.Namespace, batch_name: str) -> dict | None:
                           "--lora-fraction)")
     if args.model is None:
         return None
-    from effijax.recipe._sources import architecture
+    from effijax.recipe import architecture
 
     given = [n for n in ("layers", "hidden", "heads") if getattr(args, n) is not None]
     if given:
