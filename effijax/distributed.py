@@ -514,6 +514,8 @@ def join(
     """
     launch = plan(coordinator_address, num_processes, process_id, cluster=cluster)
     _join(launch, local_device_count)
+    if local_device_count is not None:  # forced CPU devices: no accelerator is narrowed
+        launch = launch._replace(local_device_ids=None)
     return launch
 
 
