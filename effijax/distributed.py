@@ -273,13 +273,20 @@ def _present(name: str) -> bool:
 
         if importlib.util.find_spec("mpi4py") is None:
             return False
-    return bool(_detector(name).is_env_present())
+    try:
+        detector = _detector(name)
+    except ConfigError:  # this jax cannot detect that launcher: it did not start us
+        return False
+    return bool(detector.is_env_present())
 
 
 def _detector(name: str):
-    from jax._src import clusters  # jax's launcher detection (what initialize() uses)
+    try:
+        from jax._src import clusters  # jax's launcher detection (what initialize() uses)
 
-    by_class = {cls.__name__: cls for cls in clusters.ClusterEnv._cluster_types}
+        by_class = {cls.__name__: cls for cls in clusters.ClusterEnv._cluster_types}
+    except (ImportError, AttributeError):  # a jax that moved its private detection
+        by_class = {}
     cls = by_class.get(_DETECTORS[name])
     if cls is None:
         raise ConfigError("cluster", name, f"this jax ({jax.__version__}) has no "
