@@ -51,7 +51,7 @@ LAYERS = [
     ("_lazy.py", "errors.py", "paths.py", "provenance.py"),
     ("precision", "sharding", "lora", "data", "distributed.py"),
     ("models", "interop", "memory", "train.py", "checkpoint"),
-    ("run.py",),
+    ("run.py", "observe"),
     ("recipe", "jobs.py"),
     ("cli", "__main__.py"),
 ]

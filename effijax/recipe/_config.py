@@ -26,8 +26,8 @@ from effijax.errors import ConfigError
 from effijax.memory import PRECISION_ALIASES
 from effijax.precision import PRESET_NAMES
 
-__all__ = ["TrainConfig", "PRECISIONS", "PRECISION_ALIASES", "DEFAULT_MODEL",
-           "RECORD_KEYS", "flag_of", "field_kind", "lora_fields"]
+__all__ = ["TrainConfig", "PRECISIONS", "CLUSTERS", "WANDB_MODES", "PRECISION_ALIASES",
+           "DEFAULT_MODEL", "RECORD_KEYS", "flag_of", "field_kind", "lora_fields"]
 
 # The precision vocabulary of every command (`effijax train`, `memory`, `plan`): the policy
 # presets plus "auto" (bf16 on GPU/TPU, fp32 on CPU, where bf16 matmuls are emulated and
@@ -36,6 +36,10 @@ PRECISIONS = ("auto", *PRESET_NAMES)
 FROZEN_DTYPES = ("auto", "fp32", "bf16", "fp16")
 DATA_FORMATS = ("auto", "text", "chat")
 DEFAULT_MODEL = "mini"
+# Launchers of effijax.distributed (kept here too: checking a config must not import jax; a
+# test checks that the two lists agree).
+CLUSTERS = ("auto", "none", "ompi", "slurm", "mpi4py", "gke-tpu", "gce-tpu", "k8s")
+WANDB_MODES = ("online", "offline", "disabled")
 # Keys of a run's config.json that record the run rather than configure it.
 RECORD_KEYS = ("run", "versions")
 
@@ -129,12 +133,15 @@ class TrainConfig:
     cpu_devices: int | None = _field(None, "force N CPU devices per process (runs without an "
                                      "accelerator)", metavar="N", section="parallel")
     coordinator_address: str | None = _field(
-        None, "multi-process: process 0's address (default: $EFFIJAX_COORDINATOR)",
+        None, "multi-process: process 0's address (default: $EFFIJAX_COORDINATOR, else "
+        "the launcher's)",
         flag="--coordinator", metavar="HOST:PORT", section="parallel")
     num_processes: int | None = _field(None, "multi-process: number of processes (default: "
-                                       "$EFFIJAX_NUM_PROCESSES or 1)", section="parallel")
+                                       "$EFFIJAX_NUM_PROCESSES, else the launcher's, else 1)",
+                                       section="parallel")
     process_id: int | None = _field(None, "multi-process: this process' index (default: "
-                                    "$EFFIJAX_PROCESS_ID)", section="parallel")
+                                    "$EFFIJAX_PROCESS_ID, else the launcher's)",
+                                    section="parallel")
     # Run directory and checkpoints.
     out: str = _field("runs/train", "run directory", section="output")
     checkpoints: bool = _field(True, "write checkpoints to OUT/checkpoints and resume from them",
@@ -144,6 +151,24 @@ class TrainConfig:
     keep: int = _field(3, "checkpoints to keep (the newest)", section="output")
     progress: bool = _field(True, "show a progress bar", flag="--no-progress",
                             section="output")
+    # Launchers, logging and profiling.
+    cluster: str = _field("auto", "multi-process launcher to join when --num-processes is not "
+                          "given: auto (SLURM srun, Open MPI mpirun, Cloud TPU, Kubernetes "
+                          "indexed Job, whichever started this process), none (one process "
+                          "unless the flags say more), or one of them by name",
+                          choices=CLUSTERS, section="parallel")
+    verbose: bool = _field(False, "every process prints (default: only process 0)",
+                           section="output")
+    tensorboard: bool = _field(False, "write TensorBoard event files to OUT/tensorboard",
+                               section="output")
+    wandb: str | None = _field(None, "log metrics and the config to this Weights & Biases "
+                               "project (pip install 'effijax[wandb]')", metavar="PROJECT",
+                               section="output")
+    wandb_mode: str | None = _field(None, "online, offline or disabled (default: $WANDB_MODE, "
+                                    "else online)", choices=WANDB_MODES, section="output")
+    profile_steps: str | None = _field(None, "record a jax.profiler trace of steps A to B "
+                                       "(1-based, inclusive) into OUT/profile", metavar="A:B",
+                                       section="output")
     # LoRA.
     lora_rank: int | None = _field(None, "train rank-R LoRA adapters; the base stays frozen",
                                    metavar="R", section="lora")
@@ -197,6 +222,49 @@ class TrainConfig:
                               f"num_processes={self.num_processes} (each process builds its own "
                               "rows of the global batch)")
         self._check_lora()
+        self._check_watch()
+
+    def _check_watch(self) -> None:
+        if self.cluster not in CLUSTERS:
+            raise ConfigError("cluster", self.cluster, f"choose one of {', '.join(CLUSTERS)}")
+        if self.wandb is not None and not self.wandb.strip():
+            raise ConfigError("wandb", self.wandb, "give a project name")
+        if self.wandb_mode is not None:
+            if self.wandb is None:
+                raise ConfigError("wandb_mode", self.wandb_mode, "only applies with --wandb "
+                                  "PROJECT")
+            if self.wandb_mode not in WANDB_MODES:
+                raise ConfigError("wandb_mode", self.wandb_mode,
+                                  f"choose one of {', '.join(WANDB_MODES)}")
+        if self.profile_steps is not None:
+            first, last = self.profile_range
+            if last > self.steps:
+                raise ConfigError("profile_steps", self.profile_steps, f"ends after the last "
+                                  f"step (steps={self.steps})")
+
+    @property
+    def profile_range(self) -> tuple[int, int] | None:
+        """``profile_steps`` as ``(first, last)`` 1-based inclusive step numbers, or None.
+
+        Example:
+          >>> TrainConfig(profile_steps="3:4").profile_range
+          (3, 4)
+          >>> TrainConfig(profile_steps="4:3")
+          Traceback (most recent call last):
+          ...
+          effijax.errors.ConfigError: profile_steps='4:3': expected A:B with 1 <= A <= B ...
+        """
+        if self.profile_steps is None:
+            return None
+        first, sep, last = str(self.profile_steps).partition(":")
+        try:
+            pair = (int(first), int(last)) if sep else (int(first), int(first))
+        except ValueError:
+            pair = (0, -1)
+        if not 1 <= pair[0] <= pair[1]:
+            raise ConfigError("profile_steps", self.profile_steps, "expected A:B with 1 <= A "
+                              "<= B (1-based step numbers, both traced), e.g. 10:12")
+        return pair
 
     def _check_lora(self) -> None:
         if self.lora_rank is None:

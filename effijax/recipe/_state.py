@@ -121,9 +121,10 @@ def initial_state(job, run: Run, source, is_main: bool) -> tuple[Any, Any]:
 
 
 def loop_and_finish(config: TrainConfig, job, run: Run, compiled, state, frozen, tokens,
-                    *, argv=None):
+                    *, argv=None, watch=None):
     """Trains to ``config.steps`` (checkpointing; a signal stops at a step boundary), then
-    evaluates, exports the adapters and writes the summary."""
+    evaluates, exports the adapters and writes the summary; ``watch`` (a
+    :class:`~effijax.recipe._watch.Watch`) sees every step, the profiled steps and the end."""
     import jax
 
     from effijax.recipe import _job
@@ -144,12 +145,14 @@ def loop_and_finish(config: TrainConfig, job, run: Run, compiled, state, frozen,
     with stop.installed():
         try:
             state, summary = train_loop(
-                compiled.step, state, _job.batch_fn(job, train_tokens, frozen),
+                watch.step(compiled.step) if watch else compiled.step, state,
+                _job.batch_fn(job, train_tokens, frozen),
                 num_steps=config.steps, tokens_per_step=job.tokens_per_step, run_dir=run_dir,
                 progress=config.progress, should_stop=stop,
                 checkpoint=(lambda s: _save(run, s, run_dir.is_main)) if run.ckpt else None,
                 checkpoint_every=config.checkpoint_every,
-                max_non_finite=config.max_non_finite or None, callbacks=(trained,))
+                max_non_finite=config.max_non_finite or None,
+                callbacks=(trained, *(watch.callbacks if watch else ())))
         except NonFiniteError as e:
             raise NonFiniteError(e.step, e.count, where=_last_good(run)) from None
     summary["wall_time_s"] = time.perf_counter() - t0
@@ -167,6 +170,8 @@ def loop_and_finish(config: TrainConfig, job, run: Run, compiled, state, frozen,
     if job.lora is not None:
         summary["adapters"] = _export_adapters(state.params, job, config, run_dir.is_main)
     summary.update(_report.summary_extras(job, compiled))
+    if watch:
+        watch.finish(summary)
     run_dir.finish(summary, title=_report.title(config, job))
     _report.done(config, summary, run_dir.is_main)
     return TrainResult(config.out, summary, "done", config)

@@ -75,7 +75,7 @@ def train(config: TrainConfig, *, argv: list[str] | None = None) -> TrainResult:
 
 
 def _run(config: TrainConfig, session: Session, argv) -> TrainResult:
-    from effijax.recipe import _job, _state
+    from effijax.recipe import _job, _state, _watch
 
     done_step = _state.finished_step(config)
     if done_step is not None:
@@ -101,8 +101,11 @@ def _run(config: TrainConfig, session: Session, argv) -> TrainResult:
         compiled = _job.compile_job(job)
         _report.start(config, job, compiled, source, frozen, state, session.is_main,
                       data=data.note)
-        return _state.loop_and_finish(config, job, run, compiled, state, frozen,
-                                      (data.train, data.val), argv=argv)
+        memory = _report.summary_extras(job, compiled)["memory"]
+        with _watch.watching(config, run.json, memory, run.resume_step or 0,
+                             session.is_main) as watch:
+            return _state.loop_and_finish(config, job, run, compiled, state, frozen,
+                                          (data.train, data.val), argv=argv, watch=watch)
     finally:
         run.close()
 
@@ -115,8 +118,11 @@ def start(config: TrainConfig) -> Session:
     from effijax import distributed
     from effijax.sharding import make_mesh
 
-    distributed.initialize(config.coordinator_address, config.num_processes, config.process_id,
-                           local_device_count=config.cpu_devices)
+    launch = distributed.join(config.coordinator_address, config.num_processes,
+                              config.process_id, cluster=config.cluster,
+                              local_device_count=config.cpu_devices)
+    if launch.launcher is not None and (config.verbose or launch.settings.process_id == 0):
+        print(f"effijax train: {launch.describe()}", flush=True)
     strategy = config.strategy
     processes = jax.process_count()
     if strategy is None and config.mesh is None and processes == 1:

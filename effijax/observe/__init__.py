@@ -1,0 +1,23 @@
+"""Watching a run while it trains: TensorBoard, Weights & Biases, and jax.profiler traces.
+
+The training loop hands each step's host-side record (``step``, ``loss``, ``learning_rate``,
+``loss_scale``, ``skipped``, ``grad_norm``, ``tokens_per_s``, ...) to a :class:`MetricsSink`;
+a sink turns the record's numbers into scalars (:func:`scalars`) and writes them where a
+researcher watches. :class:`TensorBoardSink` writes event files with tensorboardX;
+:class:`WandbSink` logs to a W&B run whose id lives in the run directory, so a resumed run
+continues it; :class:`Sinks` fans one record out to several. :class:`Profiler` records a
+``jax.profiler`` trace of chosen steps. Only the main process opens any of them.
+
+Resuming: a run resumes from its last checkpoint, which may be older than the last step it
+logged. Those steps run again, bit for bit, and are logged again; each sink keeps one value
+per step (TensorBoard purges the stale tail of its event stream, W&B keeps a step's first
+value), and both values are the same number.
+"""
+
+from effijax.observe._profile import Profiler
+from effijax.observe._sink import MetricsSink, Sinks, memory_markdown, scalars
+from effijax.observe._tensorboard import TensorBoardSink
+from effijax.observe._wandb import WandbSink
+
+__all__ = ["MetricsSink", "Sinks", "scalars", "memory_markdown", "TensorBoardSink",
+           "WandbSink", "Profiler"]
