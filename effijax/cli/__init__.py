@@ -1,4 +1,5 @@
-"""The ``effijax`` command line: ``effijax train``, ``effijax memory``, ``effijax plan``.
+"""The ``effijax`` command line: ``effijax train``, ``effijax memory``, ``effijax plan``,
+``effijax generate``.
 
 Each subcommand lives in its own module, parses its flags, validates them before anything is
 compiled, and calls library functions. ``python -m effijax`` is the same program.
@@ -19,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
       >>> build_parser().parse_args(["train", "--steps", "5"]).steps
       5
     """
-    from effijax.cli import _memory, _train
+    from effijax.cli import _generate, _memory, _train
 
     parser = argparse.ArgumentParser(
         prog="effijax",
@@ -36,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _train.add_parsers(sub)
     _memory.add_parsers(sub)
+    _generate.add_parsers(sub)
     return parser
 
 

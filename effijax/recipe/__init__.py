@@ -31,6 +31,7 @@ from effijax.recipe._job import (
     init_state,
     plan_job,
 )
+from effijax.recipe._sources import BUNDLED, bundled_path, load_params, read_source
 from effijax.recipe._train import TrainResult, optimizer_for, resolve, train
 
 __all__ = [
@@ -53,4 +54,8 @@ __all__ = [
     "batch_fn",
     "evaluate",
     "compile_job",
+    "BUNDLED",
+    "bundled_path",
+    "read_source",
+    "load_params",
 ]
