@@ -4,7 +4,11 @@
 over: the *prefill* program takes the prompt (padded to a multiple of :data:`PROMPT_BUCKET`
 tokens, so nearby prompt lengths share it), fills the cache and samples the first new token
 from the logits at the prompt's last real position; the *decode* program takes one token at a
-position, updates the cache in place (the cache buffer is donated) and samples the next. Both
+position, updates the cache (its buffer is donated) and samples the next. The decode program
+reads the layers' weights from one buffer per layer, split from the stacked parameters once per
+call (:func:`effijax.models.split_layers`; a transient copy of the layer stack): in a scan
+over the stack XLA:CPU copies each layer's weights before its matrix-vector products, which
+doubles the memory traffic that bounds a one-token step. Both
 are compiled ahead of time for a fixed cache of ``max_len`` positions and kept (per model,
 adapter spec, parameter shapes and sizes), so generating N tokens compiles each once, and a
 second call with the same shapes compiles nothing. Sampling (:func:`~effijax.generate.sample`)
@@ -108,8 +112,8 @@ def _compiled(model, lora, signature, batch: int, prompt_len: int, max_len: int,
         token_B = sample(logits_B1V[:, 0], jax.random.fold_in(key, 0), temperature, top_p)
         return token_B, cache
 
-    def step(params, cache, token_B, position, index, key, temperature, top_p):
-        logits_B1V, cache = decode(params, cache, token_B[:, None], position)
+    def step(params, layers, cache, token_B, position, index, key, temperature, top_p):
+        logits_B1V, cache = decode(params, cache, token_B[:, None], position, layers=layers)
         token_B = sample(logits_B1V[:, 0], jax.random.fold_in(key, index), temperature, top_p)
         return token_B, cache
 
@@ -118,14 +122,16 @@ def _compiled(model, lora, signature, batch: int, prompt_len: int, max_len: int,
     i32 = jax.ShapeDtypeStruct((), jnp.int32)
     f32 = jax.ShapeDtypeStruct((), jnp.float32)
     key = jax.eval_shape(lambda: jax.random.key(0))
+    layers = jax.eval_shape(decode.split_layers, params)
     t0 = time.perf_counter()
+    split_c = jax.jit(decode.split_layers).lower(params).compile()
     prefill_c = jax.jit(prefill, donate_argnums=1).lower(
         params, cache, jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32), i32, key, f32,
         f32).compile()
-    step_c = jax.jit(step, donate_argnums=1).lower(
-        params, cache, jax.ShapeDtypeStruct((batch,), jnp.int32), i32, i32, key, f32,
+    step_c = jax.jit(step, donate_argnums=2).lower(
+        params, layers, cache, jax.ShapeDtypeStruct((batch,), jnp.int32), i32, i32, key, f32,
         f32).compile()
-    return prefill_c, step_c, time.perf_counter() - t0
+    return split_c, prefill_c, step_c, time.perf_counter() - t0
 
 
 class _Hashable(NamedTuple):
@@ -236,7 +242,7 @@ def generate(model, params, prompt, *, max_new_tokens: int = 64, temperature: fl
     abstract = jax.tree.map(_abstract, params)
     signature = _signature(abstract)
     before = _compiled.cache_info().misses
-    prefill, step, compile_s = _compiled(model, lora, signature, batch, padded, max_len,
+    split, prefill, step, compile_s = _compiled(model, lora, signature, batch, padded, max_len,
                                          dtype.name, _Hashable(abstract, signature))
     if _compiled.cache_info().misses == before:
         compile_s = 0.0
@@ -251,6 +257,7 @@ def generate(model, params, prompt, *, max_new_tokens: int = 64, temperature: fl
     t0 = time.perf_counter()
     token_B, cache = prefill(params, cache, jnp.asarray(tokens_BP), jnp.int32(length - 1), key,
                              temperature, top_p)
+    layers = split(params)  # one buffer per layer for the decode steps (a copy of the stack)
     host_B = np.asarray(token_B)
     prefill_s = time.perf_counter() - t0
     out = [host_B]
@@ -259,7 +266,7 @@ def generate(model, params, prompt, *, max_new_tokens: int = 64, temperature: fl
     for i in range(1, max_new_tokens):
         if finished_B.all():
             break
-        token_B, cache = step(params, cache, token_B, jnp.int32(length + i - 1), jnp.int32(i),
+        token_B, cache = step(params, layers, cache, token_B, jnp.int32(length + i - 1), jnp.int32(i),
                               key, temperature, top_p)
         host_B = np.asarray(token_B)
         out.append(host_B)

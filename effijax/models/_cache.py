@@ -101,13 +101,33 @@ def cached_attend(q_BSHK: jax.Array, k_BTGK: jax.Array, v_BTGK: jax.Array,
 
 def run_layers_cached(x_BSD: jax.Array, stacked, cache: KVCache, start: jax.Array,
                       adapters=None, consts=(), *, graphdef: nnx.GraphDef,
-                      lora: LoraSpec | None, path: str) -> tuple[jax.Array, KVCache]:
-    """Scans stacked layers over new tokens, each layer reading and writing its cache slice.
+                      lora: LoraSpec | None, path: str,
+                      layers: tuple | None = None) -> tuple[jax.Array, KVCache]:
+    """Runs the layers over new tokens, each layer reading and writing its cache slice.
 
     The cached counterpart of :func:`~effijax.models._layers._run_layers`: the layer module is
     called as ``layer(x_BSD, None, hooks, *consts, cache=(k_BTGK, v_BTGK, start))`` and returns
     ``(x_BSD, (k_BTGK, v_BTGK))``. No dropout, no remat (inference).
+
+    The stacked layers are scanned. With ``layers`` (:func:`split_layers` of the stack: one
+    buffer per layer) the loop is unrolled over them instead: inside a scan XLA:CPU copies
+    each layer's slice of a stacked weight before its matmul, which for one token (a
+    matrix-vector product, bound by reading the weights) doubles the memory traffic.
     """
+    if layers is not None:
+        k_L, v_L = [], []
+        for i, layer_state in enumerate(layers):
+            layer_adapters = None if adapters is None else jax.tree.map(lambda a: a[i],
+                                                                        adapters)
+            hooks = None if layer_adapters is None else _lora_hooks(layer_adapters, lora, None,
+                                                                    path)
+            x_BSD, (k_BTGK, v_BTGK) = nnx.merge(graphdef, layer_state)(
+                x_BSD, None, hooks, *consts,
+                cache=(cache.k_LBTGK[i], cache.v_LBTGK[i], start))
+            x_BSD = _constrain(x_BSD)
+            k_L.append(k_BTGK)
+            v_L.append(v_BTGK)
+        return x_BSD, KVCache(jnp.stack(k_L), jnp.stack(v_L))
 
     def body(x_BSD, layer):
         layer_state, k_BTGK, v_BTGK, layer_adapters = layer
@@ -121,31 +141,57 @@ def run_layers_cached(x_BSD: jax.Array, stacked, cache: KVCache, start: jax.Arra
     return x_BSD, KVCache(k_LBTGK, v_LBTGK)
 
 
-def make_decode(graphdef: nnx.GraphDef, lora: LoraSpec | None = None):
-    """Returns ``decode(params, cache, tokens_BS, start, last=None) -> (logits, cache)``.
+def split_layers(stacked) -> tuple:
+    """A stacked layer tree (``params["layers"]``) as one tree per layer: separate buffers.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> [x["w"].shape for x in split_layers({"w": jnp.zeros((3, 4, 5))})]
+      [(4, 5), (4, 5), (4, 5)]
+    """
+    n = jax.tree.leaves(stacked)[0].shape[0]
+    return tuple(jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(n))
+
+
+def make_decode(graphdef: nnx.GraphDef, lora: LoraSpec | None = None, stack: str = "layers"):
+    """Returns ``decode(params, cache, tokens_BS, start, last=None, layers=None) ->
+    (logits, cache)``.
 
     ``params`` as in :func:`~effijax.models.make_apply` (with ``lora``, ``{"base": params,
     "adapters": adapters}``: the adapters are applied factored, never merged). ``tokens_BS`` are
     at positions ``start .. start + S - 1`` (an int32 scalar, traced; ``start + S`` must not
     exceed the cache's ``max_len``). The logits are ``[B, S, V]``, or with ``last`` (an int32
     index into ``S``) ``[B, 1, V]`` at that position only: a padded prompt's last real token,
-    without the output head's cost at the others. Any effijax model whose module has a
-    ``decode`` method works here.
+    without the output head's cost at the others. ``layers`` optionally holds the base
+    parameters' layer stack (``params[stack]``) split per layer (``decode.split_layers(params)``,
+    :func:`split_layers`): the same values, read in place by each layer's matmuls (faster for
+    single tokens; the program is unrolled over the layers). Any effijax model whose module has
+    a ``decode`` method works here.
     """
     if lora is not None and not isinstance(lora, LoraSpec):
         raise TypeError(f"lora: expected a LoraSpec or None, got {type(lora).__name__}")
 
-    def decode(params, cache, tokens_BS, start, last=None):
+    def decode(params, cache, tokens_BS, start, last=None, layers=None):
         if lora is None:
-            return nnx.merge(graphdef, params).decode(tokens_BS, cache, start, last=last)
-        if not (isinstance(params, dict) and set(params) == {"base", "adapters"}):
-            raise ValueError("with lora=spec, params must be {'base': params, 'adapters': "
-                             "adapters}")
-        model = nnx.merge(graphdef, params["base"])
-        return model.decode(tokens_BS, cache, start, last=last, adapters=params["adapters"],
-                            lora=lora)
+            return nnx.merge(graphdef, params).decode(tokens_BS, cache, start, last=last,
+                                                      layers=layers)
+        base, adapters = _base_and_adapters(params)
+        return nnx.merge(graphdef, base).decode(tokens_BS, cache, start, last=last,
+                                                adapters=adapters, lora=lora, layers=layers)
 
+    def split(params):
+        base = params if lora is None else _base_and_adapters(params)[0]
+        return split_layers(base[stack])
+
+    decode.split_layers = split
     return decode
+
+
+def _base_and_adapters(params):
+    if not (isinstance(params, dict) and set(params) == {"base", "adapters"}):
+        raise ValueError("with lora=spec, params must be {'base': params, 'adapters': "
+                         "adapters}")
+    return params["base"], params["adapters"]
 
 
 def select_last(x_BSD: jax.Array, last: jax.Array | None) -> jax.Array:

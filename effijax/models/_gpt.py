@@ -213,7 +213,7 @@ class GPTConfig(LanguageModel):
 
     def decode_fn(self, lora: LoraSpec | None = None):
         """See :func:`effijax.models.make_decode` (cached forward pass, no dropout)."""
-        return make_decode(_graphdef(self), lora)
+        return make_decode(_graphdef(self), lora, stack="blocks")
 
     def shape(self) -> ModelShape:
         """The numbers of the activation formula (plain multi-head attention, GELU MLP)."""
@@ -487,7 +487,8 @@ class GPT(nnx.Module):
 
     def decode(self, tokens_BS: jax.Array, cache: KVCache, start: jax.Array, *,
                last: jax.Array | None = None, adapters: dict | None = None,
-               lora: LoraSpec | None = None) -> tuple[jax.Array, KVCache]:
+               lora: LoraSpec | None = None, layers: tuple | None = None
+               ) -> tuple[jax.Array, KVCache]:
         """The cached forward pass of ``tokens_BS`` at positions ``start .. start + S - 1``:
         ``(logits, cache)``, see :func:`effijax.models.make_decode`."""
         cfg = self.config
@@ -506,7 +507,7 @@ class GPT(nnx.Module):
         x_BSD, cache = run_layers_cached(x_BSD, stacked, cache, start, block_adapters,
                                          graphdef=graphdef,
                                          lora=None if block_adapters is None else lora,
-                                         path="blocks")
+                                         path="blocks", layers=layers)
         return self._head(select_last(x_BSD, last)), cache
 
     def _head(self, x_BSD: jax.Array) -> jax.Array:

@@ -237,7 +237,7 @@ class LlamaConfig(LanguageModel):
 
     def decode_fn(self, lora: LoraSpec | None = None):
         """See :func:`effijax.models.make_decode` (cached forward pass)."""
-        return make_decode(_graphdef(self), lora)
+        return make_decode(_graphdef(self), lora, stack="layers")
 
     def shape(self) -> ModelShape:
         """The activation formula's numbers: grouped-query attention, a gated (SwiGLU) MLP."""
@@ -614,7 +614,8 @@ class Llama(nnx.Module):
 
     def decode(self, tokens_BS: jax.Array, cache: KVCache, start: jax.Array, *,
                last: jax.Array | None = None, adapters: dict | None = None,
-               lora: LoraSpec | None = None) -> tuple[jax.Array, KVCache]:
+               lora: LoraSpec | None = None, layers: tuple | None = None
+               ) -> tuple[jax.Array, KVCache]:
         """The cached forward pass of ``tokens_BS`` at positions ``start .. start + S - 1``:
         ``(logits, cache)``, see :func:`effijax.models.make_decode`."""
         cfg = self.config
@@ -633,7 +634,7 @@ class Llama(nnx.Module):
         x_BSD, cache = run_layers_cached(x_BSD, stacked, cache, start, layer_adapters,
                                          (cos_SK, sin_SK), graphdef=graphdef,
                                          lora=None if layer_adapters is None else lora,
-                                         path="layers")
+                                         path="layers", layers=layers)
         return self._head(select_last(x_BSD, last)), cache
 
     def _head(self, x_BSD: jax.Array) -> jax.Array:
