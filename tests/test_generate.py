@@ -59,7 +59,7 @@ def _random_adapters(params, spec, seed=7):
                                         for x, k in zip(leaves, keys, strict=True)])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _decode_jit(model, spec=None):
     return jax.jit(model.decode_fn(spec))
 
@@ -97,7 +97,7 @@ def test_cached_decoding_gives_the_full_forward_logits_at_every_position(model_p
     np.testing.assert_allclose(last[:, 0], full[:, 9], atol=ATOL, rtol=0)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _logits_jit(model, spec=None):
     return jax.jit(model.logits_fn(spec))
 

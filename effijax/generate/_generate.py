@@ -266,8 +266,8 @@ def generate(model, params, prompt, *, max_new_tokens: int = 64, temperature: fl
     for i in range(1, max_new_tokens):
         if finished_B.all():
             break
-        token_B, cache = step(params, layers, cache, token_B, jnp.int32(length + i - 1), jnp.int32(i),
-                              key, temperature, top_p)
+        token_B, cache = step(params, layers, cache, token_B, jnp.int32(length + i - 1),
+                              jnp.int32(i), key, temperature, top_p)
         host_B = np.asarray(token_B)
         out.append(host_B)
         finished_B |= np.isin(host_B, eos)

@@ -117,8 +117,8 @@ def run_layers_cached(x_BSD: jax.Array, stacked, cache: KVCache, start: jax.Arra
     if layers is not None:
         k_L, v_L = [], []
         for i, layer_state in enumerate(layers):
-            layer_adapters = None if adapters is None else jax.tree.map(lambda a: a[i],
-                                                                        adapters)
+            layer_adapters = None if adapters is None else jax.tree.map(
+                lambda a, i=i: a[i], adapters)
             hooks = None if layer_adapters is None else _lora_hooks(layer_adapters, lora, None,
                                                                     path)
             x_BSD, (k_BTGK, v_BTGK) = nnx.merge(graphdef, layer_state)(
