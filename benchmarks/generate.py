@@ -6,7 +6,9 @@ exactly that many), greedy, f32, batch 1, on the same CPU in one process. Each r
 whole generation per system (prompt prefill + every new token), interleaved
 (:func:`harness.time_interleaved`); tokens/s is new tokens over the median wall time. effijax's
 compile time (the prefill and decode programs, compiled once ahead of time) is reported apart
-and excluded; transformers compiles nothing (eager PyTorch). The table also splits effijax's
+and excluded; transformers compiles nothing (eager PyTorch). effijax runs with its defaults
+(the decode step scans the layer stack; ``generate(..., unroll_layers=True)`` trades a longer
+compile for a faster step). The table also splits effijax's
 time into prefill and decode, and says whether both produced the same tokens.
 
 Goal: effijax >= 1.0x transformers' tokens/s.

@@ -125,18 +125,24 @@ def test_greedy_generation_is_the_argmax_rollout_of_the_full_forward_pass(model_
     assert out.prompt_tokens == 7
 
 
-def test_adapters_without_merging_generate_what_the_merged_model_generates():
+@pytest.mark.parametrize("unroll", [False, True], ids=["scanned", "unrolled"])
+def test_adapters_without_merging_generate_what_the_merged_model_generates(unroll):
     model = MODELS["llama-gqa"]
     params = _scaled(model.init_params(jax.random.key(2)))
     spec = lora.LoraSpec(rank=4, alpha=8.0, targets=model.lora_targets)
     adapters = _random_adapters(params, spec, seed=3)
     prompt = [10, 20, 30, 40]
     factored = generate(model, {"base": params, "adapters": adapters}, prompt,
-                        max_new_tokens=10, lora=spec)
-    merged = generate(model, lora.merge(params, adapters, spec), prompt, max_new_tokens=10)
+                        max_new_tokens=10, lora=spec, unroll_layers=unroll)
+    merged = generate(model, lora.merge(params, adapters, spec), prompt, max_new_tokens=10,
+                      unroll_layers=unroll)
     base = generate(model, params, prompt, max_new_tokens=10)
     assert factored.tokens.tolist() == merged.tokens.tolist()
     assert factored.tokens.tolist() != base.tokens.tolist()  # the adapters matter
+    assert base.tokens[0].tolist() == _rollout(model, params, prompt, 10)
+    if unroll:  # the unrolled decode step over one buffer per layer: the same tokens
+        assert generate(model, params, prompt, max_new_tokens=10,
+                        unroll_layers=True).tokens.tolist() == base.tokens.tolist()
 
 
 def test_sampling_is_reproducible_and_a_tiny_top_p_is_greedy(model_params):
