@@ -52,7 +52,7 @@ LAYERS = [
     ("precision", "sharding", "lora", "data", "distributed.py"),
     ("models", "interop", "memory", "train.py", "checkpoint"),
     ("run.py", "observe"),
-    ("recipe", "jobs.py"),
+    ("recipe", "jobs.py", "generate"),
     ("cli", "__main__.py"),
 ]
 

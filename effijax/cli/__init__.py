@@ -1,5 +1,5 @@
 """The ``effijax`` command line: ``effijax train``, ``effijax memory``, ``effijax plan``,
-``effijax eval``, ``effijax data``.
+``effijax eval``, ``effijax data``, ``effijax generate``.
 
 Each subcommand lives in its own module, parses its flags, validates them before anything is
 compiled, and calls library functions. ``python -m effijax`` is the same program.
@@ -20,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
       >>> build_parser().parse_args(["train", "--steps", "5"]).steps
       5
     """
-    from effijax.cli import _data, _eval, _memory, _train
+    from effijax.cli import _data, _eval, _generate, _memory, _train
 
     parser = argparse.ArgumentParser(
         prog="effijax",
@@ -39,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     _memory.add_parsers(sub)
     _eval.add_parsers(sub)
     _data.add_parsers(sub)
+    _generate.add_parsers(sub)
     return parser
 
 

@@ -22,6 +22,7 @@ from effijax.models._attention import (
     xla_attend,
 )
 from effijax.models._blockwise import blockwise_attend
+from effijax.models._cache import KVCache, cached_attend, make_decode, split_layers
 from effijax.models._gpt import (
     GPT,
     PRESETS,
@@ -80,6 +81,10 @@ __all__ = [
     "split_params",
     "make_apply",
     "make_loss_fn",
+    "KVCache",
+    "make_decode",
+    "cached_attend",
+    "split_layers",
     "init_params",
     "abstract_params",
     "abstract_split",

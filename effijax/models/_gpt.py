@@ -34,6 +34,15 @@ from effijax.errors import ConfigError
 from effijax.lora import LoraSpec
 from effijax.models._attention import ATTENTION
 from effijax.models._blockwise import REMAT_POLICIES
+from effijax.models._cache import (
+    KVCache,
+    cached_attend,
+    init_cache,
+    make_decode,
+    run_layers_cached,
+    select_last,
+    write_cache,
+)
 from effijax.models._interface import LanguageModel, ModelShape, register_family
 from effijax.models._layers import (
     _constrain,
@@ -197,6 +206,15 @@ class GPTConfig(LanguageModel):
         apply = make_apply(_graphdef(self), lora)
         return lambda params, tokens_BS: apply(params, tokens_BS)
 
+    def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
+        """An empty :class:`~effijax.models.KVCache` (``max_len <= seq_len``: learned
+        positions)."""
+        return init_cache(self.n_layers, batch, max_len, self.n_heads, self.head_dim, dtype)
+
+    def decode_fn(self, lora: LoraSpec | None = None):
+        """See :func:`effijax.models.make_decode` (cached forward pass, no dropout)."""
+        return make_decode(_graphdef(self), lora, stack="blocks")
+
     def shape(self) -> ModelShape:
         """The numbers of the activation formula (plain multi-head attention, GELU MLP)."""
         return ModelShape(num_params=param_count(self), layers=self.n_layers,
@@ -314,7 +332,7 @@ class _Attention(nnx.Module):
         self.config = config
 
     def __call__(self, x_BSD: jax.Array, key: jax.Array | None,
-                 lora: dict | None = None) -> jax.Array:
+                 lora: dict | None = None, cache: tuple | None = None):
         cfg = self.config
         lora = lora or {}
         b, s, _ = x_BSD.shape
@@ -325,6 +343,12 @@ class _Attention(nnx.Module):
         q_BSHK = split(self.q(x_ND, lora.get("q")))
         k_BSHK = split(self.k(x_ND, lora.get("k")))
         v_BSHK = split(self.v(x_ND, lora.get("v")))
+        if cache is not None:  # decoding (effijax.models._cache): write, then attend to all
+            k_BTHK, v_BTHK, start = cache
+            k_BTHK = write_cache(k_BTHK, k_BSHK, start)
+            v_BTHK = write_cache(v_BTHK, v_BSHK, start)
+            out_BSHK = cached_attend(q_BSHK, k_BTHK, v_BTHK, start)
+            return self.o(out_BSHK.reshape(b, s, cfg.d_model), lora.get("o")), (k_BTHK, v_BTHK)
         out_BSHK = ATTENTION[cfg.attention](
             q_BSHK, k_BSHK, v_BSHK, causal=True, dropout_rate=cfg.dropout, dropout_key=key
         )
@@ -358,9 +382,15 @@ class _Block(nnx.Module):
         self.config = config
 
     def __call__(self, x_BSD: jax.Array, key: jax.Array | None,
-                 lora: dict | None = None) -> jax.Array:
+                 lora: dict | None = None, cache: tuple | None = None):
+        """The block's output; with a ``cache`` (``(k_BTHK, v_BTHK, start)``, decoding, no
+        dropout) also the cache slices with this step's keys and values written."""
         rate = self.config.dropout
         lora = lora or {}
+        if cache is not None:
+            attn_BSD, kv = self.attn(self.ln1(x_BSD), None, lora.get("attn"), cache)
+            x_BSD = x_BSD + attn_BSD
+            return x_BSD + self.mlp(self.ln2(x_BSD), lora.get("mlp")), kv
         k_attn, k_res1, k_res2 = (None,) * 3 if key is None else tuple(jax.random.split(key, 3))
         x_BSD = x_BSD + _dropout(self.attn(self.ln1(x_BSD), k_attn, lora.get("attn")), rate,
                                  k_res1)
@@ -453,9 +483,37 @@ class GPT(nnx.Module):
                             remat=REMAT[cfg.remat], lora=None if block_adapters is None else lora,
                             path="blocks")
 
+        return self._head(x_BSD)
+
+    def decode(self, tokens_BS: jax.Array, cache: KVCache, start: jax.Array, *,
+               last: jax.Array | None = None, adapters: dict | None = None,
+               lora: LoraSpec | None = None, layers: tuple | None = None
+               ) -> tuple[jax.Array, KVCache]:
+        """The cached forward pass of ``tokens_BS`` at positions ``start .. start + S - 1``:
+        ``(logits, cache)``, see :func:`effijax.models.make_decode`."""
+        cfg = self.config
+        check_call(self, tokens_BS, adapters, lora, adaptable=_ADAPTABLE,
+                   adaptable_text="the GPT's factored LoRA adapts the blocks' dense kernels only")
+        s, t = tokens_BS.shape[1], cache.max_len
+        if t > cfg.seq_len or s > t:
+            raise ValueError(f"cache of {t} positions for {s} tokens: need tokens <= cache <= "
+                             f"config.seq_len={cfg.seq_len} (learned positions)")
+        start = jnp.asarray(start, jnp.int32)
+        x_BSD = jnp.take(self.embed.embedding[...], tokens_BS, axis=0)
+        pos_SD = jax.lax.dynamic_slice_in_dim(self.pos_embed.embedding[...], start, s)
+        x_BSD = _constrain(x_BSD + pos_SD.astype(x_BSD.dtype)[None])
+        graphdef, stacked = nnx.split(self.blocks)
+        block_adapters = None if adapters is None else adapters.get("blocks")
+        x_BSD, cache = run_layers_cached(x_BSD, stacked, cache, start, block_adapters,
+                                         graphdef=graphdef,
+                                         lora=None if block_adapters is None else lora,
+                                         path="blocks", layers=layers)
+        return self._head(select_last(x_BSD, last)), cache
+
+    def _head(self, x_BSD: jax.Array) -> jax.Array:
+        """Final LayerNorm and the tied head (the token embedding, used transposed)."""
         x_BSD = self.ln_f(x_BSD)
-        # Tied head: the token embedding, used transposed.
-        logits_BSV = _dense(x_BSD, embedding_VD.T, None)
+        logits_BSV = _dense(x_BSD, self.embed.embedding[...].T, None)
         return logits_BSV.astype(self.policy.output_dtype)
 
 

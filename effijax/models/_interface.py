@@ -11,7 +11,8 @@ plugs in by implementing these methods and registering itself with :func:`regist
   :class:`~effijax.lora.LoraSpec`, of ``{"base": params, "adapters": adapters}``);
 * ``partition_rules()``, ``lora_targets``: how the strategies lay the parameters out, and which
   kernels LoRA adapts by default;
-* ``shape()``: the numbers the memory formulas need; ``encode(data)``: the tokenizer.
+* ``shape()``: the numbers the memory formulas need; ``encode(data)``: the tokenizer;
+* ``init_cache(batch, max_len)`` / ``decode_fn(lora)``: decoding with a key/value cache.
 
 A batch is ``{"inputs": int32[B, S], "targets": int32[B, S]}``, optionally with ``"mask"``
 (``[B, S]``, nonzero where the target is trained on); the loss is the mean cross-entropy over
@@ -125,6 +126,25 @@ class LanguageModel(abc.ABC):
     @abc.abstractmethod
     def from_dict(cls, fields: dict) -> LanguageModel:
         """Rebuilds the model from :meth:`to_dict`'s output (without ``family``)."""
+
+    # Decoding with a key/value cache (effijax.generate). A family without it keeps these
+    # defaults, and generation says so before anything is traced.
+
+    @property
+    def max_context(self) -> int:
+        """The most positions the model can attend over (a cache's largest ``max_len``)."""
+        return self.seq_len
+
+    def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> Any:
+        """An empty :class:`~effijax.models.KVCache` for ``batch`` rows of ``max_len``
+        positions, in ``dtype`` (the compute dtype; default f32)."""
+        raise NotImplementedError(f"{self.name}: the {self.family} family has no KV cache")
+
+    def decode_fn(self, lora: Any = None) -> Callable[..., tuple[Any, Any]]:
+        """``decode(params, cache, tokens_BS, start, last=None) -> (logits, cache)``: the
+        forward pass of new tokens at positions ``start ..`` against the cache, see
+        :func:`effijax.models.make_decode`."""
+        raise NotImplementedError(f"{self.name}: the {self.family} family has no KV cache")
 
     def partition_rules(self) -> list[tuple[str, Any]] | None:
         """Partition rules for :func:`effijax.sharding.partition_specs` (None: automatic)."""

@@ -31,6 +31,15 @@ from flax import nnx
 
 from effijax.errors import ConfigError
 from effijax.lora import LoraSpec
+from effijax.models._cache import (
+    KVCache,
+    cached_attend,
+    init_cache,
+    make_decode,
+    run_layers_cached,
+    select_last,
+    write_cache,
+)
 from effijax.models._gpt import ATTENTION, REMAT
 from effijax.models._interface import LanguageModel, ModelShape, register_family
 from effijax.models._layers import (
@@ -216,6 +225,19 @@ class LlamaConfig(LanguageModel):
         """``logits_fn(params, tokens_BS) -> logits_BSV`` in the policy's output dtype."""
         apply = make_apply(_graphdef(self), lora)
         return lambda params, tokens_BS: apply(params, tokens_BS)
+
+    @property
+    def max_context(self) -> int:
+        """Rotary positions: the context the model was built for (``max_position``)."""
+        return self.max_position
+
+    def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
+        """An empty :class:`~effijax.models.KVCache`: ``n_kv_heads`` keys per position."""
+        return init_cache(self.n_layers, batch, max_len, self.n_kv_heads, self.head_dim, dtype)
+
+    def decode_fn(self, lora: LoraSpec | None = None):
+        """See :func:`effijax.models.make_decode` (cached forward pass)."""
+        return make_decode(_graphdef(self), lora, stack="layers")
 
     def shape(self) -> ModelShape:
         """The activation formula's numbers: grouped-query attention, a gated (SwiGLU) MLP."""
@@ -448,7 +470,8 @@ class _Attention(nnx.Module):
         self.o_proj = dense(q, d)
         self.config = config
 
-    def __call__(self, x_BSD: jax.Array, cos_SK, sin_SK, lora: dict | None = None) -> jax.Array:
+    def __call__(self, x_BSD: jax.Array, cos_SK, sin_SK, lora: dict | None = None,
+                 cache: tuple | None = None):
         cfg = self.config
         lora = lora or {}
         b, s, _ = x_BSD.shape
@@ -460,8 +483,14 @@ class _Attention(nnx.Module):
         v_BSGK = self.v_proj(x_ND, lora.get("v_proj")).reshape(b, s, cfg.n_kv_heads,
                                                                cfg.head_dim)
         q_BSHK, k_BSGK = _rope(q_BSHK, cos_SK, sin_SK), _rope(k_BSGK, cos_SK, sin_SK)
-        out_BSHK = _grouped_attention(cfg.attention, q_BSHK, k_BSGK, v_BSGK)
-        return self.o_proj(out_BSHK.reshape(b, s, -1), lora.get("o_proj"))
+        if cache is None:
+            out_BSHK = _grouped_attention(cfg.attention, q_BSHK, k_BSGK, v_BSGK)
+            return self.o_proj(out_BSHK.reshape(b, s, -1), lora.get("o_proj"))
+        # Decoding (effijax.models._cache): write this step's keys and values, attend to all.
+        k_BTGK, v_BTGK, start = cache
+        k_BTGK, v_BTGK = write_cache(k_BTGK, k_BSGK, start), write_cache(v_BTGK, v_BSGK, start)
+        out_BSHK = cached_attend(q_BSHK, k_BTGK, v_BTGK, start)
+        return self.o_proj(out_BSHK.reshape(b, s, -1), lora.get("o_proj")), (k_BTGK, v_BTGK)
 
 
 class _MLP(nnx.Module):
@@ -491,11 +520,16 @@ class _Layer(nnx.Module):
         self.mlp = _MLP(config, stack=stack, rngs=rngs)
 
     def __call__(self, x_BSD: jax.Array, key: jax.Array | None, lora: dict | None,
-                 cos_SK: jax.Array, sin_SK: jax.Array) -> jax.Array:
+                 cos_SK: jax.Array, sin_SK: jax.Array, cache: tuple | None = None):
+        """The layer's output; with a ``cache`` (``(k_BTGK, v_BTGK, start)``, decoding) also
+        the cache slices with this step's keys and values written."""
         del key  # Llama has no dropout; LoRA dropout keys come in through the hooks
         lora = lora or {}
-        x_BSD = x_BSD + self.attn(self.input_norm(x_BSD), cos_SK, sin_SK, lora.get("attn"))
-        return x_BSD + self.mlp(self.post_attention_norm(x_BSD), lora.get("mlp"))
+        attn = self.attn(self.input_norm(x_BSD), cos_SK, sin_SK, lora.get("attn"), cache)
+        attn_BSD, kv = attn if cache is not None else (attn, None)
+        x_BSD = x_BSD + attn_BSD
+        x_BSD = x_BSD + self.mlp(self.post_attention_norm(x_BSD), lora.get("mlp"))
+        return x_BSD if cache is None else (x_BSD, kv)
 
 
 # The kernels the factored LoRA apply can adapt: the layers' projections.
@@ -572,8 +606,38 @@ class Llama(nnx.Module):
         x_BSD = _run_layers(x_BSD, stacked, keys_L, layer_adapters, (cos_SK, sin_SK),
                             graphdef=graphdef, remat=REMAT[cfg.remat],
                             lora=None if layer_adapters is None else lora, path="layers")
+        return self._head(x_BSD)
+
+    def decode(self, tokens_BS: jax.Array, cache: KVCache, start: jax.Array, *,
+               last: jax.Array | None = None, adapters: dict | None = None,
+               lora: LoraSpec | None = None, layers: tuple | None = None
+               ) -> tuple[jax.Array, KVCache]:
+        """The cached forward pass of ``tokens_BS`` at positions ``start .. start + S - 1``:
+        ``(logits, cache)``, see :func:`effijax.models.make_decode`."""
+        cfg = self.config
+        check_call(self, tokens_BS, adapters, lora, adaptable=_ADAPTABLE,
+                   adaptable_text="the Llama's factored LoRA adapts the layers' projections only")
+        s, t = tokens_BS.shape[1], cache.max_len
+        if t > cfg.max_position or s > t:
+            raise ValueError(f"cache of {t} positions for {s} tokens: need tokens <= cache <= "
+                             f"config.max_position={cfg.max_position}")
+        x_BSD = _constrain(jnp.take(self.embed.embedding[...], tokens_BS, axis=0))
+        start = jnp.asarray(start, jnp.int32)
+        cos_SK, sin_SK = (jax.lax.dynamic_slice_in_dim(jnp.asarray(table), start, s)
+                          for table in _rope_tables(cfg, t))
+        graphdef, stacked = nnx.split(self.layers)
+        layer_adapters = None if adapters is None else adapters.get("layers")
+        x_BSD, cache = run_layers_cached(x_BSD, stacked, cache, start, layer_adapters,
+                                         (cos_SK, sin_SK), graphdef=graphdef,
+                                         lora=None if layer_adapters is None else lora,
+                                         path="layers", layers=layers)
+        return self._head(select_last(x_BSD, last)), cache
+
+    def _head(self, x_BSD: jax.Array) -> jax.Array:
+        """Final norm and the (tied) output head: logits in the policy's output dtype."""
         x_BSD = self.norm(x_BSD)
-        head_DV = embedding_VD.T if cfg.tie_embeddings else self.lm_head.kernel[...]
+        embedding_VD = self.embed.embedding[...]
+        head_DV = embedding_VD.T if self.config.tie_embeddings else self.lm_head.kernel[...]
         logits_BSV = _dense(x_BSD, head_DV, None)
         return logits_BSV.astype(self.policy.output_dtype)
 

