@@ -14,10 +14,9 @@ import jax
 import numpy as np
 import optax
 import pytest
-
 from _llama_files import CHAT_TEMPLATE, VOCAB_SIZE, vocabulary, write_gguf
+
 from effijax.data import (
-    Packed,
     batch_at,
     encode_documents,
     eval_batches,

@@ -31,8 +31,8 @@ from effijax.data._corpus import (
     split_corpus,
     stdlib_files,
 )
-from effijax.data._examples import STDLIB_MODULES, stdlib_qa, write_jsonl
 from effijax.data._documents import documents_fingerprint, encode_documents, end_of_text_id
+from effijax.data._examples import STDLIB_MODULES, stdlib_qa, write_jsonl
 
 __all__ = [
     "load_corpus",

@@ -10,7 +10,7 @@ import os
 
 from effijax.errors import ConfigError
 from effijax.interop._gguf import gguf_config, gguf_tokenizer, load_gguf, read_metadata
-from effijax.interop._hf import config_from_hf, hf_config, load_hf
+from effijax.interop._hf import config_from_hf, hf_config, load_hf  # noqa: F401 (doctest)
 from effijax.interop._weights import TENSORS, hf_name
 from effijax.lora import LoraSpec, export_peft, pairs
 from effijax.models import LlamaConfig, Tokenizer

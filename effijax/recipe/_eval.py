@@ -11,7 +11,6 @@ weighted by its scored tokens) and the perplexity its exponential.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -47,67 +46,29 @@ class EvalResult(NamedTuple):
         return self._asdict()
 
 
-def _from_source(ref: str, seq_len: int | None):
-    """``(model, params)`` of a pretrained model or a full run's latest checkpoint."""
-    from effijax.models import model_from_dict
-    from effijax.recipe import _sources
-
-    source = _sources.read_source(ref, seq_len)
-    if source.pretrained:
-        return source.model, source.params
-    model = model_from_dict(source.record["model_config"])
-    if seq_len is not None and seq_len != model.seq_len:
-        model = model.with_seq_len(seq_len)
-    step = _sources.latest_step(source, model)["step"]
-    return model, _sources.load_params(source, model, None, step)
-
-
 def load_model(ref: str, *, seq_len: int | None = None) -> tuple[Any, Any, Any, str]:
-    """``(model, params, lora_spec, description)`` of what ``ref`` names.
+    """``(model, params, lora_spec, description)`` of what ``ref`` names: ``smollm2``, a GGUF
+    file, a Hugging Face directory, a full run (its latest checkpoint) or a finished LoRA run
+    (its base + adapters, unmerged), opened by :func:`effijax.generate.load`.
 
-    ``params`` is ``{"base": ..., "adapters": ...}`` when ``lora_spec`` is not None (a LoRA
-    run's directory). ``seq_len`` overrides the model's window (default: the run's, or the
-    pretrained model's).
+    ``params`` is ``{"base": ..., "adapters": ...}`` when ``lora_spec`` is not None. ``seq_len``
+    overrides the model's window (default: the run's, or the pretrained model's).
 
     Raises:
       ConfigError: ``field="model"``: nothing evaluable at ``ref`` (an unknown name or path,
         a run without checkpoints or adapters).
     """
-    from effijax.recipe import TrainConfig, _sources
+    from effijax.generate import load
 
-    path = Path(ref)
-    config_file = path / "config.json"
     try:
-        if path.is_dir() and config_file.is_file() and not _sources._is_pretrained(path):
-            values = json.loads(config_file.read_text())
-            config = TrainConfig.from_dict(values)
-            if config.lora_rank is not None:
-                return _lora_run(path, config, values, seq_len)
-        model, params = _from_source(ref, seq_len)
-        return model, params, None, f"{model.name} from {ref}"
+        loaded = load(ref)
     except ConfigError as e:
-        if e.field == "init_from":
-            raise ConfigError("model", ref, e.problem) from None
-        raise
+        raise ConfigError("model", ref, e.problem) from None
     except (OSError, ValueError) as e:
         raise ConfigError("model", ref, f"cannot read it ({e})") from None
-
-
-def _lora_run(path: Path, config, values: dict, seq_len: int | None):
-    from effijax.lora import load_adapters
-
-    if config.init_from is None:
-        raise ConfigError("model", str(path), "is a LoRA run on a random base "
-                          "(--lora-random-base): there is no base model to evaluate it with")
-    adapters_file = path / "adapters.safetensors"
-    if not adapters_file.is_file():
-        raise ConfigError("model", str(path), "is a LoRA run without adapters.safetensors (it "
-                          "has not finished); finish it by running the same command again")
-    run_seq = (values.get("run") or {}).get("model_config", {}).get("seq_len")
-    model, base = _from_source(config.init_from, seq_len or run_seq)
-    adapters, spec = load_adapters(adapters_file, base)
-    return (model, {"base": base, "adapters": adapters}, spec,
-            f"{model.name} from {config.init_from} + LoRA r={spec.rank} adapters of {path}")
+    model = loaded.model if seq_len is None else loaded.model.with_seq_len(seq_len)
+    adapted = "" if loaded.lora is None else f" + LoRA r={loaded.lora.rank} adapters"
+    return model, loaded.params, loaded.lora, f"{model.name} from {ref}{adapted}"
 
 
 def _batches(rows, batch_size: int):

@@ -6,7 +6,8 @@ import dataclasses
 import shlex
 import sys
 
-__all__ = ["start", "eval_start", "done", "stopped", "finished_before", "warn", "title", "summary_extras"]
+__all__ = ["start", "eval_start", "done", "stopped", "finished_before", "warn", "title",
+           "summary_extras"]
 
 
 def warn(message: str) -> None:
