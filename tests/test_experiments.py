@@ -74,3 +74,39 @@ def test_lora_smoke(tmp_path):
     assert (tmp_path / "lora.png").stat().st_size > 1000
     assert json.loads((tmp_path / "results.json").read_text())["variants"].keys() == \
         variants.keys()
+
+
+@pytest.mark.slow
+def test_finetune_smoke(tmp_path):
+    # A tiny Llama GGUF with a chat template stands in for SmolLM2 (the default preset's
+    # model): the same path through data, training, generation and scoring, in seconds.
+    import json
+
+    import jax
+    from _llama_files import VOCAB_SIZE, write_gguf
+
+    from effijax.models import llama_config
+
+    model = llama_config("llama-tiny", vocab_size=VOCAB_SIZE, seq_len=64)
+    gguf = tmp_path / "tiny.gguf"
+    write_gguf(gguf, model, jax.jit(model.init_params)(jax.random.key(0)))
+    experiment = _load("finetune")
+    cfg = dataclasses.replace(experiment.PRESETS["smoke"], out=str(tmp_path / "out"),
+                              init_from=str(gguf))
+    results = experiment.main(cfg)
+    variants = results["variants"]
+    assert list(variants) == ["LoRA r=2", "full"]
+    lora, full = variants["LoRA r=2"], variants["full"]
+    # Rank 2 on q, k, v, o (64x64, 64x32 for k and v), gate, up (64x128), down (128x64).
+    assert lora["trainable_params"] == 2 * 2 * (2 * 128 + 2 * 96 + 3 * 192)
+    assert full["trainable_params"] == model.num_params
+    assert lora["model_states_bytes"] < full["model_states_bytes"]
+    for v in variants.values():
+        assert v["eval_loss_before"] > 0 and v["eval_loss_after"] > 0
+        assert len(v["answers"]) == results["scored"] == cfg.held_out
+        assert 0.0 <= v["exact_match"] <= 1.0
+    # The same starting model and validation set for every variant.
+    assert lora["eval_loss_before"] == full["eval_loss_before"]
+    assert results["records"] > 300
+    assert (tmp_path / "out" / "finetune.png").stat().st_size > 1000
+    assert json.loads((tmp_path / "out" / "results.json").read_text())["scored"] == 2
