@@ -18,26 +18,54 @@ __all__ = ["Run", "finished_step", "open_run", "initial_state", "loop_and_finish
 
 @dataclasses.dataclass
 class Run:
-    """The run directory's side of a run: where it resumes from and its checkpointer.
+    """The run directory's side of a run: its lock, where it resumes from, its checkpointer.
 
+    Attributes:
+      config, record: the run's settings and its ``run`` record (model, data, devices).
+      resume_step: the step restored (None: a fresh run); ``restored`` holds its state until
+        :func:`initial_state` takes it.
+      original: on resume, the ``config.json`` of the run as it started (kept as written);
+        ``resumes`` lists each resume's step and what it changed.
     """
 
     config: TrainConfig
     record: dict
     resume_step: int | None
     ckpt: Any = None
+    lock: Any = None
+    restored: Any = None
+    original: dict | None = None
+    resumes: list = dataclasses.field(default_factory=list)
 
     @property
     def json(self) -> dict:
-        """``config.json``: the resolved settings and the run record."""
+        """The settings in effect and the run record (stored with every checkpoint)."""
         return {**self.config.to_dict(), "run": self.record}
 
+    @property
+    def config_json(self) -> dict:
+        """``config.json``: the run's original settings, and what each resume changed."""
+        if self.original is None:
+            return self.json
+        kept = {k: v for k, v in self.original.items() if k not in ("versions", "resumes")}
+        return {**kept, "resumes": self.resumes}
+
     def close(self) -> None:
+        """Waits for the checkpoint writes and closes the checkpointer (the lock stays)."""
         if self.ckpt is not None:
             try:
                 self.ckpt.close()
             finally:
                 self.ckpt = None
+
+    def release(self) -> None:
+        """Closes the checkpointer, then releases the run directory's lock."""
+        try:
+            self.close()
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+                self.lock = None
 
 
 def finished_step(config: TrainConfig) -> int | None:
@@ -54,17 +82,22 @@ def finished_step(config: TrainConfig) -> int | None:
 
 def open_run(config: TrainConfig, job, origin: dict | None, *, fingerprint: str,
              corpus_tokens: int) -> Run:
-    """Checks the run directory against the job (metadata only) and opens its checkpoints.
+    """Locks the run directory, restores its newest intact checkpoint (checked against the
+    job and the run's identity) and opens its checkpoints.
 
     Raises:
-      ConfigError: checkpoints of another model or optimizer, a step past ``steps``, or a run
-        that started from another ``init_from`` checkpoint.
+      ConfigError: another run holds the directory; checkpoints of another model or optimizer,
+        or of a run with other settings (each difference listed); no step restores; a
+        malformed ``config.json``.
     """
+    import datetime
+
     import jax
 
     from effijax import distributed
-    from effijax.checkpoint import open_checkpoints, validate_resume
+    from effijax.checkpoint import open_checkpoints
     from effijax.provenance import library_versions
+    from effijax.recipe import _identity, _resume
 
     record = {
         "model_config": job.model.to_dict(),
@@ -76,31 +109,47 @@ def open_run(config: TrainConfig, job, origin: dict | None, *, fingerprint: str,
         "devices": [str(d) for d in jax.devices()],
         "process_count": jax.process_count(),
     }
-    ckpt_dir = Path(config.out).resolve() / "checkpoints"
-    resume_step = validate_resume(ckpt_dir, job.state) if config.checkpoints else None
-    run = Run(config, record, resume_step)
-    # Every process has read the directory (finished_step, validate_resume) before any
-    # process creates or cleans it up: their decisions (fresh, resume at N) agree.
-    distributed.barrier("effijax:run-directory-read")
-    if config.checkpoints:
-        run.ckpt = open_checkpoints(ckpt_dir, every=config.checkpoint_every, keep=config.keep,
-                                    metadata={"config": run.json,
-                                              "versions": library_versions()})
-    if resume_step is not None:
-        saved = run.ckpt.metadata(resume_step).get("metadata", {}).get("config", {})
-        was = (saved.get("run") or {}).get("init_from_checkpoint")
-        if was != origin:
-            run.close()
-            raise ConfigError("init_from", (origin or {}).get("run"), f"{ckpt_dir} continues "
-                              f"a run that started from {was}, not from {origin}; use a fresh "
-                              "out")
+    out = Path(config.out).resolve()
+    ckpt_dir = out / "checkpoints"
+    is_main = jax.process_index() == 0
+    run = Run(config, record, None, lock=_resume.lock(out, is_main))
+    try:
+        bad = []
+        if config.checkpoints:
+            found, _ = _resume.restore(ckpt_dir, job, run.json, config.allowed_changes)
+            bad = found.bad
+            if found.step is None and bad:
+                raise _resume.no_intact_step(ckpt_dir, bad)
+            run.resume_step, run.restored = found.step, found.state
+            if found.step is not None:
+                saved = found.record["metadata"]["config"]
+                path = out / "config.json"
+                run.original = (_resume.read_run_json(path) if path.exists() else saved)
+                run.resumes = [*run.original.get("resumes", []), {
+                    "step": found.step,
+                    "at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                    "changed": _identity.changed(saved, run.json)}]
+        # Every process has read the directory (finished_step, the restore) before any
+        # process moves, creates or cleans up anything: their decisions agree.
+        distributed.barrier("effijax:run-directory-read")
+        if run.resume_step is not None and bad:
+            _resume.set_aside_bad(ckpt_dir, bad, run.resume_step, is_main)
+            distributed.barrier("effijax:damaged-steps-set-aside")
+        if config.checkpoints:
+            run.ckpt = open_checkpoints(ckpt_dir, every=config.checkpoint_every,
+                                        keep=config.keep,
+                                        metadata={"config": run.json,
+                                                  "versions": library_versions()})
+    except BaseException:
+        run.release()
+        raise
     return run
 
 
 def initial_state(job, run: Run, source, is_main: bool) -> tuple[Any, Any]:
     """``(state, frozen)``: resumed from the run's checkpoint, or fresh (adapters from the seed,
     parameters from the seed or from ``source``'s checkpoint); a LoRA run's frozen base."""
-    from effijax.checkpoint import restore_target, truncate_metrics
+    from effijax.checkpoint import truncate_metrics
     from effijax.recipe import _job, _sources
 
     base = None
@@ -109,8 +158,7 @@ def initial_state(job, run: Run, source, is_main: bool) -> tuple[Any, Any]:
                                     run.record["init_from_checkpoint"].get("step"))
     frozen = _job.init_frozen(job, base) if job.lora is not None else None
     if run.resume_step is not None:
-        state = run.ckpt.restore(run.resume_step,
-                                 target_state_abstract=restore_target(job.state, job.shardings))
+        state, run.restored = run.restored, None
         if is_main:
             truncate_metrics(Path(run.config.out) / "metrics.jsonl", run.resume_step)
             print(f"effijax train: resuming from step {run.resume_step} in "
@@ -130,7 +178,7 @@ def loop_and_finish(config: TrainConfig, job, run: Run, compiled, state, frozen,
     from effijax.recipe._train import TrainResult
     from effijax.run import NonFiniteError, RunDir, StopFlag, train_loop
 
-    run_dir = RunDir(config.out, config=run.json, append=run.resume_step is not None)
+    run_dir = RunDir(config.out, config=run.config_json, append=run.resume_step is not None)
     train_tokens, val_tokens = tokens
     evaluate = (lambda p: _job.evaluate(job, p, val_tokens, num_batches=config.eval_batches,
                                         frozen=frozen)) if config.eval_batches else None

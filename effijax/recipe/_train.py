@@ -93,7 +93,9 @@ def _run(config: TrainConfig, session: Session, argv) -> TrainResult:
                             mesh=session.mesh, strategy=config.strategy or "ddp", lora=spec,
                             seed=config.seed, frozen_dtype=None if config.frozen_dtype == "auto"
                             else config.frozen_dtype)
-    origin = None if source is None else _sources.latest_step(source, model)
+    origin = None
+    if source is not None:
+        origin, source = _sources.starting_point(source, model, session.mesh, session.is_main)
     run = _state.open_run(config, job, origin, fingerprint=fingerprint,
                           corpus_tokens=len(tokens[0]) + len(tokens[1]))
     try:
@@ -103,7 +105,7 @@ def _run(config: TrainConfig, session: Session, argv) -> TrainResult:
         return _state.loop_and_finish(config, job, run, compiled, state, frozen, tokens,
                                       argv=argv)
     finally:
-        run.close()
+        run.release()
 
 
 def start(config: TrainConfig) -> Session:
