@@ -855,7 +855,8 @@ def restore_newest(directory: str | os.PathLike, *, target_state_abstract,
                 state = _restore(manager, directory, step, target_state_abstract)
                 reason = None
             except CorruptCheckpoint as e:
-                reason = e.problem
+                reason = (e.problem if e.field == "checkpoint"
+                          else f"{e.field}={e.value!r}: {e.problem}")
             except ConfigError:
                 raise
             except Exception as e:  # orbax/tensorstore: a damaged or truncated array file
