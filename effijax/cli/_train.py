@@ -90,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
         config = config_from_args(args)
     except ConfigError as e:
         return _error(e)
+    from effijax.errors import SaveError
     from effijax.recipe import train
     from effijax.run import NonFiniteError
 
@@ -97,6 +98,9 @@ def run(args: argparse.Namespace) -> int:
         train(config, argv=getattr(args, "argv", None))
     except ConfigError as e:
         return _error(e)
+    except SaveError as e:
+        print(f"effijax train: error: {e}", file=sys.stderr, flush=True)
+        return 1
     except NonFiniteError as e:
         print(f"effijax train: error: {e}. Lower --lr, clip harder, or train with --precision "
               "fp16 --loss-scale dynamic (skips such steps)", file=sys.stderr, flush=True)

@@ -22,32 +22,43 @@ from effijax.errors import ConfigError
 from effijax.recipe import _identity
 from effijax.recipe._config import TrainConfig
 
-__all__ = ["lock", "read_run_json", "restore", "set_aside_bad", "no_intact_step"]
+__all__ = ["agree", "lock", "read_run_json", "restore", "set_aside_bad", "no_intact_step"]
+
+
+def agree(check, *args, other=None) -> Any:
+    """Runs ``check(*args)`` on every process; if it raised ConfigError on any, every process
+    raises (the others ``other()``'s error, or a note naming the failing process), so that no
+    process goes on to a collective the failed one will never join."""
+    import jax
+
+    result, error = None, None
+    try:
+        result = check(*args)
+    except ConfigError as e:
+        error = e
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        flags = np.asarray(multihost_utils.process_allgather(np.int32(error is not None)))
+        if error is None and flags.any():
+            first = int(np.argmax(flags))
+            error = other() if other is not None else ConfigError(
+                "process", first, "a pre-flight check failed there (see its output)")
+    if error is not None:
+        raise error
+    return result
 
 
 def lock(out: Path, is_main: bool):
     """Process 0 locks ``out``; every process raises the same ConfigError if it could not."""
-    import jax
-
     from effijax.checkpoint import lock_holder, lock_run_dir
 
-    held, error = None, None
-    if is_main:
-        try:
-            held = lock_run_dir(out)
-        except ConfigError as e:
-            error = e
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
+    def other():  # another process' view: name the holder from the lock file
+        return ConfigError("out", str(out), "another run is writing this directory "
+                           f"({lock_holder(out)}); wait for it to end, stop it, or choose "
+                           "another directory")
 
-        refused = bool(np.any(multihost_utils.process_allgather(np.int32(error is not None))))
-        if refused and error is None:  # another process' view: name the holder from the file
-            error = ConfigError("out", str(out), "another run is writing this directory "
-                                f"({lock_holder(out)}); wait for it to end, stop it, or choose "
-                                "another directory")
-    if error is not None:
-        raise error
-    return held
+    return agree(lambda: lock_run_dir(out) if is_main else None, other=other)
 
 
 def _field_error(path: Path, e: ConfigError, prefix: str = "") -> ConfigError:

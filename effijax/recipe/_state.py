@@ -4,6 +4,7 @@ checkpoint, evaluation, adapter export, summary)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from pathlib import Path
@@ -58,10 +59,15 @@ class Run:
             finally:
                 self.ckpt = None
 
-    def release(self) -> None:
-        """Closes the checkpointer, then releases the run directory's lock."""
+    def release(self, quiet: bool = False) -> None:
+        """Closes the checkpointer (``quiet``: ignoring its errors, when the run is already
+        failing), then releases the run directory's lock."""
         try:
-            self.close()
+            if quiet:
+                with contextlib.suppress(Exception):
+                    self.close()
+            else:
+                self.close()
         finally:
             if self.lock is not None:
                 self.lock.release()
@@ -97,7 +103,7 @@ def open_run(config: TrainConfig, job, origin: dict | None, *, fingerprint: str,
     from effijax import distributed
     from effijax.checkpoint import open_checkpoints
     from effijax.provenance import library_versions
-    from effijax.recipe import _identity, _resume
+    from effijax.recipe import _identity, _preflight, _resume
 
     record = {
         "model_config": job.model.to_dict(),
@@ -136,6 +142,8 @@ def open_run(config: TrainConfig, job, origin: dict | None, *, fingerprint: str,
             _resume.set_aside_bad(ckpt_dir, bad, run.resume_step, is_main)
             distributed.barrier("effijax:damaged-steps-set-aside")
         if config.checkpoints:
+            _resume.agree(_preflight.storage, ckpt_dir, _preflight.state_bytes(job.state),
+                          config.keep)
             run.ckpt = open_checkpoints(ckpt_dir, every=config.checkpoint_every,
                                         keep=config.keep,
                                         metadata={"config": run.json,
@@ -201,7 +209,8 @@ def loop_and_finish(config: TrainConfig, job, run: Run, compiled, state, frozen,
     summary["wall_time_s"] = time.perf_counter() - t0
     if run.ckpt is not None:
         _save(run, state, run_dir.is_main, force=True)
-        run.close()  # waits for the last write; raises if any write failed
+        with _save_errors(run, _step_of(state)):
+            run.close()  # waits for the last write; raises if any write failed
     if stop.stopped:
         _report.stopped(config, summary, stop.signal_name, run.ckpt is not None or
                         config.checkpoints, argv, run_dir.is_main)
@@ -217,8 +226,60 @@ def loop_and_finish(config: TrainConfig, job, run: Run, compiled, state, frozen,
     return TrainResult(config.out, summary, "done", config)
 
 
+def _step_of(state) -> int:
+    """The state's step without a gather (every process holds the replicated scalar)."""
+    import numpy as np
+
+    step = state.step
+    return int(np.asarray(step.addressable_data(0)) if hasattr(step, "addressable_data")
+               else step)
+
+
+def _reason(e: BaseException) -> str:
+    """The operating system's words for a failed write, found anywhere in the chain."""
+    seen, todo = set(), [e]
+    while todo:
+        x = todo.pop(0)
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.strerror:
+            return f"[Errno {x.errno}] {x.strerror}" if x.errno else x.strerror
+        todo.extend([x.__cause__, x.__context__, *getattr(x, "exceptions", ())])
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    return f"{type(e).__name__}: {lines[-1].strip()}" if lines else type(e).__name__
+
+
+@contextlib.contextmanager
+def _save_errors(run: Run, step: int):
+    """Turns a failed checkpoint write into :class:`SaveError`: one line, and the traceback
+    in ``OUT/error.log`` (``error-<process>.log`` on the other processes)."""
+    import traceback
+
+    import jax
+
+    from effijax.errors import SaveError
+
+    try:
+        yield
+    except Exception as e:
+        index = jax.process_index()
+        log = Path(run.config.out) / ("error.log" if index == 0 else f"error-{index}.log")
+        try:
+            with open(log, "a") as f:
+                f.write(f"step {step}: saving to {Path(run.config.out) / 'checkpoints'}\n")
+                f.write("".join(traceback.format_exception(e)))
+        except OSError:
+            log = None
+        directory = str(run.ckpt.directory if run.ckpt is not None
+                        else Path(run.config.out) / "checkpoints")
+        run.release(quiet=True)
+        raise SaveError(step, directory, _reason(e), None if log is None else str(log)) from e
+
+
 def _save(run: Run, state, is_main: bool, force: bool = False) -> None:
-    result = run.ckpt.save(state, force=force)
+    with _save_errors(run, _step_of(state)):
+        result = run.ckpt.save(state, force=force)
     if result.reason == "non_finite" and is_main:
         _report.warn(f"step {result.step} has non-finite parameters or optimizer state; not "
                      "checkpointed (training goes on)")

@@ -75,7 +75,7 @@ def train(config: TrainConfig, *, argv: list[str] | None = None) -> TrainResult:
 
 
 def _run(config: TrainConfig, session: Session, argv) -> TrainResult:
-    from effijax.recipe import _job, _state
+    from effijax.recipe import _job, _preflight, _resume, _state
 
     done_step = _state.finished_step(config)
     if done_step is not None:
@@ -101,9 +101,13 @@ def _run(config: TrainConfig, session: Session, argv) -> TrainResult:
     try:
         state, frozen = _state.initial_state(job, run, source, session.is_main)
         compiled = _job.compile_job(job)
+        _resume.agree(_preflight.memory, compiled.memory, job, config.device_memory)
         _report.start(config, job, compiled, source, frozen, state, session.is_main)
         return _state.loop_and_finish(config, job, run, compiled, state, frozen, tokens,
                                       argv=argv)
+    except BaseException:
+        run.release(quiet=True)  # the run's own error is the one to report
+        raise
     finally:
         run.release()
 
