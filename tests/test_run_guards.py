@@ -291,3 +291,59 @@ def test_malformed_checkpoint_metadata_is_a_damaged_step(stopped, corpus, capsys
     err = capsys.readouterr().err
     assert "metadata.config.batch_size='two': expected an integer" in err, err
     assert "moved it to 4.corrupt-1 and resuming from step 2" in err
+
+
+# Storage and memory pre-flight ---------------------------------------------------------------------
+
+def test_an_unusable_checkpoint_directory_is_refused_before_compiling(tmp_path, corpus, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "checkpoints").write_text("a file where the checkpoints go")
+    start = time.perf_counter()
+    assert main(_args(out, corpus)) == 2
+    err = capsys.readouterr().err
+    assert f"--out='{out.resolve() / 'checkpoints'}': cannot hold checkpoints" in err, err
+    assert time.perf_counter() - start < 20.0
+    assert not (out / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow  # compiles the step
+def test_a_step_over_the_memory_budget_stops_before_step_one(tmp_path, corpus, capsys):
+    out = tmp_path / "run"
+    assert main(_args(out, corpus, "--device-memory", "1MB")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("effijax train: error: --device-memory='1 MB': the compiled step "
+                             "needs "), err
+    for part in ("per device (arguments ", "temporaries ", "more than the 1 MB of "
+                 "--device-memory", "or --device-memory 0 to skip this check"):
+        assert part in err[0], (part, err[0])
+    assert not (out / "metrics.jsonl").exists()  # no step ran
+
+
+@pytest.mark.slow  # a subprocess that trains until its first checkpoint write fails
+def test_a_write_failing_mid_run_ends_in_one_line_with_the_traceback_in_a_log(tmp_path,
+                                                                              corpus):
+    # RLIMIT_FSIZE makes every write past 64 KB fail with EFBIG, as a full disk fails with
+    # ENOSPC: the first checkpoint (about 1.4 MB) fails in orbax's background writer.
+    import resource
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a kill
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
+
+    out = tmp_path / "run"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, "-m", "effijax", *_args(out, corpus)], env=env,
+                          capture_output=True, text=True, preexec_fn=limit, timeout=600)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    err = [x for x in proc.stderr.splitlines() if x.startswith("effijax train: error:")]
+    assert len(err) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert (f"saving the checkpoint of step 2 to {out.resolve() / 'checkpoints'} failed: "
+            "[Errno 27] File too large (traceback in ") in err[0], err
+    assert "Traceback (most recent call last)" in (out / "error.log").read_text()
+    # Nothing restorable was left half-written: no committed step, metrics whole.
+    assert not [p for p in (out / "checkpoints").iterdir() if p.name.isdigit()]
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] \
+        == [1, 2]
