@@ -310,6 +310,8 @@ class Checkpointer:
                                 else _jsonable(base_reference, "base_reference"))
         self._versions = library_versions()
         self._closed = False
+        self._pending: int | None = None  # the step whose asynchronous write is in flight
+        self.failed_step: int | None = None  # the step whose write raised, once one has
         try:
             self._manager = _manager(self.directory, every=every, keep=keep,
                                      async_save=self.async_save)
@@ -348,6 +350,7 @@ class Checkpointer:
             return SaveResult(step, False, "exists")
         if not _host_int(_finite_flag(_finite_part(state))):
             return SaveResult(step, False, "non_finite")
+        self._wait_pending()  # a failure here is the previous step's write
         tree, impls = _to_savable(state)
         record = {
             "format": FORMAT_VERSION,
@@ -364,9 +367,21 @@ class Checkpointer:
         try:
             self._manager.save(step, args=args, custom_metadata={_META_KEY: record}, force=True)
         except BaseException as e:
+            self.failed_step = step
             e.add_note(f"effijax: saving step {step} to {self.directory} failed")
             raise
+        self._pending = step if self.async_save else None
         return SaveResult(step, True, "saved")
+
+    def _wait_pending(self) -> None:
+        try:
+            self._manager.wait_until_finished()
+        except BaseException as e:
+            self.failed_step = self._pending
+            e.add_note(f"effijax: the asynchronous write of step {self._pending} to "
+                       f"{self.directory} failed")
+            raise
+        self._pending = None
 
     def wait(self) -> None:
         """Blocks until the asynchronous write in flight (if any) is committed.
@@ -374,11 +389,7 @@ class Checkpointer:
         Raises:
           The write's exception (with a note naming the directory), if it failed.
         """
-        try:
-            self._manager.wait_until_finished()
-        except BaseException as e:
-            e.add_note(f"effijax: an asynchronous checkpoint write to {self.directory} failed")
-            raise
+        self._wait_pending()
 
     def close(self) -> None:
         """Waits for the last write (raising its error, if any) and releases orbax's resources.

@@ -195,7 +195,7 @@ def loop_and_finish(config: TrainConfig, job, run: Run, compiled, state, frozen,
         start["eval_loss_start"] = evaluate(state.params)  # before the state is donated
     stop = StopFlag(jax.process_count())
     t0 = time.perf_counter()
-    with stop.installed():
+    with stop.installed(), _orbax_log(run.config.out):
         try:
             state, summary = train_loop(
                 compiled.step, state, _job.batch_fn(job, train_tokens, frozen),
@@ -208,9 +208,10 @@ def loop_and_finish(config: TrainConfig, job, run: Run, compiled, state, frozen,
             raise NonFiniteError(e.step, e.count, where=_last_good(run)) from None
     summary["wall_time_s"] = time.perf_counter() - t0
     if run.ckpt is not None:
-        _save(run, state, run_dir.is_main, force=True)
-        with _save_errors(run, _step_of(state)):
-            run.close()  # waits for the last write; raises if any write failed
+        with _orbax_log(run.config.out):
+            _save(run, state, run_dir.is_main, force=True)
+            with _save_errors(run, _step_of(state)):
+                run.close()  # waits for the last write; raises if any write failed
     if stop.stopped:
         _report.stopped(config, summary, stop.signal_name, run.ckpt is not None or
                         config.checkpoints, argv, run_dir.is_main)
@@ -226,6 +227,67 @@ def loop_and_finish(config: TrainConfig, job, run: Run, compiled, state, frozen,
     return TrainResult(config.out, summary, "done", config)
 
 
+@contextlib.contextmanager
+def _orbax_log(out):
+    """Sends orbax's log records (absl's logger) to ``OUT/orbax.log`` (``orbax-<process>.log``)
+    while checkpoints are written: a failed background write logs a traceback per thread,
+    hundreds of lines that the one-line :class:`SaveError` replaces on the terminal. The file
+    is created only if something is logged."""
+    import logging
+
+    import jax
+
+    index = jax.process_index()
+    handler = logging.FileHandler(Path(out) / ("orbax.log" if index == 0
+                                               else f"orbax-{index}.log"), delay=True)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    logger = logging.getLogger("absl")
+    propagate = logger.propagate
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
+        handler.close()
+
+
+@contextlib.contextmanager
+def _fd_to(fd: int, stream):
+    """File descriptor ``fd`` writes to ``stream``'s file for the block (what threads of C
+    libraries print goes there too)."""
+    import os
+    import sys
+
+    sys.__stderr__.flush()
+    saved = os.dup(fd)
+    os.dup2(stream.fileno(), fd)
+    try:
+        yield
+    finally:
+        stream.flush()
+        os.dup2(saved, fd)
+        os.close(saved)
+
+
+@contextlib.contextmanager
+def _logs_to(stream, *names):
+    """The named loggers write only to ``stream`` for the block."""
+    import logging
+
+    handler = logging.StreamHandler(stream)
+    loggers = [logging.getLogger(n) for n in names]
+    saved = [(x.handlers[:], x.propagate) for x in loggers]
+    for x in loggers:
+        x.handlers, x.propagate = [handler], False
+    try:
+        yield
+    finally:
+        for x, (handlers, propagate) in zip(loggers, saved, strict=True):
+            x.handlers, x.propagate = handlers, propagate
+
+
 def _step_of(state) -> int:
     """The state's step without a gather (every process holds the replicated scalar)."""
     import numpy as np
@@ -237,6 +299,9 @@ def _step_of(state) -> int:
 
 def _reason(e: BaseException) -> str:
     """The operating system's words for a failed write, found anywhere in the chain."""
+    import os
+    import re
+
     seen, todo = set(), [e]
     while todo:
         x = todo.pop(0)
@@ -245,6 +310,9 @@ def _reason(e: BaseException) -> str:
         seen.add(id(x))
         if isinstance(x, OSError) and x.strerror:
             return f"[Errno {x.errno}] {x.strerror}" if x.errno else x.strerror
+        code = re.search(r"os_error_code='(\d+)'", str(x))  # tensorstore's form of errno
+        if code:
+            return f"[Errno {code.group(1)}] {os.strerror(int(code.group(1)))}"
         todo.extend([x.__cause__, x.__context__, *getattr(x, "exceptions", ())])
     lines = [line for line in str(e).splitlines() if line.strip()]
     return f"{type(e).__name__}: {lines[-1].strip()}" if lines else type(e).__name__
@@ -254,6 +322,8 @@ def _reason(e: BaseException) -> str:
 def _save_errors(run: Run, step: int):
     """Turns a failed checkpoint write into :class:`SaveError`: one line, and the traceback
     in ``OUT/error.log`` (``error-<process>.log`` on the other processes)."""
+    import gc
+    import os
     import traceback
 
     import jax
@@ -267,14 +337,24 @@ def _save_errors(run: Run, step: int):
         log = Path(run.config.out) / ("error.log" if index == 0 else f"error-{index}.log")
         try:
             with open(log, "a") as f:
-                f.write(f"step {step}: saving to {Path(run.config.out) / 'checkpoints'}\n")
+                f.write(f"step {run.ckpt.failed_step if run.ckpt is not None else step}: "
+                        f"saving to {Path(run.config.out) / 'checkpoints'}\n")
                 f.write("".join(traceback.format_exception(e)))
         except OSError:
             log = None
+        if run.ckpt is not None and run.ckpt.failed_step is not None:
+            step = run.ckpt.failed_step  # an asynchronous write surfaces at a later call
         directory = str(run.ckpt.directory if run.ckpt is not None
                         else Path(run.config.out) / "checkpoints")
-        run.release(quiet=True)
-        raise SaveError(step, directory, _reason(e), None if log is None else str(log)) from e
+        # Closing a manager whose write failed lets the write's remaining callbacks meet a
+        # closed event loop, each printing a traceback: into the log, not the terminal.
+        with open(log if log is not None else os.devnull, "a") as sink, \
+                contextlib.redirect_stderr(sink), _logs_to(sink, "asyncio", "absl"), \
+                _fd_to(2, sink):
+            run.release(quiet=True)
+            time.sleep(1.0)  # the failed write's other array writes end (and print) here
+            gc.collect()  # and its tasks report themselves when collected
+        raise SaveError(step, directory, _reason(e), None if log is None else str(log)) from None
 
 
 def _save(run: Run, state, is_main: bool, force: bool = False) -> None:
