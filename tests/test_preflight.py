@@ -12,11 +12,12 @@ import pytest
 from effijax.checkpoint import truncate_metrics
 from effijax.errors import ConfigError
 from effijax.models import gpt_config
-from effijax.recipe import plan_job
+from effijax.recipe import (
+    _preflight,  # the module under test
+    plan_job,
+)
 from effijax.run import RunDir, read_metrics
 from effijax.sharding import MemoryReport
-
-from effijax.recipe import _preflight  # noqa: I001  (the module under test)
 
 
 def test_storage_refuses_a_file_where_the_checkpoints_go(tmp_path):

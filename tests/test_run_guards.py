@@ -293,7 +293,7 @@ def test_malformed_checkpoint_metadata_is_a_damaged_step(stopped, corpus, capsys
     assert "moved it to 4.corrupt-1 and resuming from step 2" in err
 
 
-# Storage and memory pre-flight ---------------------------------------------------------------------
+# Storage and memory pre-flight --------------------------------------------------------------
 
 def test_an_unusable_checkpoint_directory_is_refused_before_compiling(tmp_path, corpus, capsys):
     out = tmp_path / "run"

@@ -14,7 +14,6 @@ pretrained model.
 
 from __future__ import annotations
 
-import json
 import tempfile
 from pathlib import Path
 from typing import Any, NamedTuple

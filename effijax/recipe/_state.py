@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from effijax.errors import ConfigError
 from effijax.recipe import _report
 from effijax.recipe._config import TrainConfig
 
