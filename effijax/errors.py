@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["ConfigError"]
+__all__ = ["ConfigError", "SaveError"]
 
 
 class ConfigError(ValueError):
@@ -30,3 +30,21 @@ class ConfigError(ValueError):
           'lora_rank=0: must be >= 1'
         """
         return ConfigError(field, self.value, self.problem)
+
+
+class SaveError(RuntimeError):
+    """A checkpoint could not be written; the run stopped. One line: the step, the directory
+    and the operating system's reason; the full traceback is in ``log``.
+
+    Example:
+      >>> str(SaveError(40, "runs/x/checkpoints", "[Errno 28] No space left on device",
+      ...               "runs/x/error.log"))  # doctest: +NORMALIZE_WHITESPACE
+      'saving the checkpoint of step 40 to runs/x/checkpoints failed: [Errno 28] No space left
+       on device (traceback in runs/x/error.log)'
+    """
+
+    def __init__(self, step: int, directory: str, reason: str, log: str | None):
+        self.step, self.directory, self.reason, self.log = step, directory, reason, log
+        where = f" (traceback in {log})" if log else ""
+        super().__init__(f"saving the checkpoint of step {step} to {directory} failed: "
+                         f"{reason}{where}")

@@ -106,11 +106,26 @@ class RunDir:
         os.replace(tmp, self.path / name)
 
     def log(self, record: dict) -> None:
-        """Appends one record to ``metrics.jsonl``."""
+        """Appends one record to ``metrics.jsonl``, whole: one ``write`` of the line; a write
+        cut short (a full disk) is undone before the error is raised, so the file never holds
+        half a record."""
         if not self.is_main:
             return
-        with open(self.path / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(_jsonable(record)) + "\n")
+        line = (json.dumps(_jsonable(record)) + "\n").encode()
+        fd = os.open(self.path / "metrics.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            start = os.lseek(fd, 0, os.SEEK_END)
+            try:
+                written = os.write(fd, line)
+            except OSError:
+                os.ftruncate(fd, start)
+                raise
+            if written != len(line):
+                os.ftruncate(fd, start)
+                raise OSError(28, f"{os.strerror(28)}: wrote {written} of {len(line)} bytes of "
+                              f"a record to {self.path / 'metrics.jsonl'}")
+        finally:
+            os.close(fd)
 
     def finish(self, summary: dict, *, title: str = "") -> None:
         """Writes ``summary.json`` and ``loss.png``."""

@@ -20,6 +20,7 @@ import optax
 import pytest
 
 from effijax.checkpoint import (
+    FORMAT_VERSION,
     Checkpointer,
     SaveResult,
     base_reference,
@@ -194,7 +195,10 @@ def test_metadata_round_trip(fsdp8, tmp_path):
     with open_checkpoints(tmp_path, metadata=config) as ckpt:
         ckpt.save(state)
     record = Checkpointer(tmp_path).metadata()  # a fresh reader of the same directory
-    assert record["step"] == 3 and record["format"] == 1
+    assert record["step"] == 3 and record["format"] == FORMAT_VERSION == 2
+    assert record["state_bytes"] == sum(x.nbytes for x in jax.tree.leaves(
+        jax.tree.map(lambda x: jax.random.key_data(x) if jax.dtypes.issubdtype(
+            x.dtype, jax.dtypes.prng_key) else x, state)))
     assert record["metadata"]["nested"] == {"policy": "fp32"}
     assert record["metadata"]["lr"] == 3e-2 and record["metadata"]["steps"] == [1, 2]
     assert record["metadata"]["out"] == str(tmp_path)  # non-JSON values stored as str()

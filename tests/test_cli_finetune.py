@@ -99,7 +99,8 @@ def test_lora_run_resumes_and_checks_its_base(tmp_path, lora_run, pretrained, co
     args = ["train", "--init-from", str(pretrained), "--lora-rank", str(RANK), "--lora-alpha",
             "16", "--lr", "1e-2", "--data", corpora[1], "--checkpoint-every", "6", *TINY]
     # More steps on the same --out: resumes from the LoRA run's step 12.
-    assert main([*args, "--steps", "18", "--out", str(lora_run)]) == 0
+    assert main([*args, "--steps", "18", "--out", str(lora_run), "--allow-changes",
+                 "steps"]) == 0
     out = capsys.readouterr().out
     assert "resuming from step 12" in out
     records = [json.loads(x) for x in (lora_run / "metrics.jsonl").read_text().splitlines()]

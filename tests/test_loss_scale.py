@@ -979,3 +979,32 @@ def test_all_finite():
     assert not bool(all_finite((jnp.array(jnp.nan),)))
     result = jax.jit(all_finite)({"a": jnp.ones((2, 3)), "b": jnp.zeros(4, jnp.bfloat16)})
     assert result.dtype == jnp.bool_ and result.shape == () and bool(result)
+
+
+def test_the_two_documented_differences_from_torch_grad_scaler():
+    # 1. The default floor: twenty overflows in a row from 2^16 stop at 1.0 here; PyTorch's
+    #    GradScaler (no floor) keeps halving to 2^-4. min_scale=2^-100 removes the floor.
+    t = _steps(dynamic_loss_scale(optax.sgd(0.1)), [1] * 20)
+    assert t["scale"][15:] == [1.0] * 5 and t["scale"][14] == 2.0
+    unfloored = _steps(dynamic_loss_scale(optax.sgd(0.1), min_scale=2.0**-100), [1] * 20)
+    assert unfloored["scale"] == [2.0 ** (15 - i) for i in range(20)]
+    torch = pytest.importorskip("torch", reason="the PyTorch side of the comparison")
+    scale, tracker = torch.full((1,), 2.0**16), torch.zeros((1,), dtype=torch.int32)
+    for _ in range(20):
+        torch._amp_update_scale_(scale, tracker, torch.ones((1,)), 2.0, 0.5, 2000)
+    assert float(scale.item()) == 2.0**-4 == unfloored["scale"][-1]
+
+
+def test_finiteness_is_checked_after_unscaling_which_differs_from_torch_only_below_one():
+    # 2. The check runs on the unscaled f32 gradients; PyTorch checks the scaled ones. A finite
+    #    scaled gradient of 2^127 unscaled by 0.5 is 2^128 = inf in f32: skipped here, applied
+    #    by PyTorch. With a scale >= 1 (always, under the default floor) dividing cannot
+    #    overflow, so both checks agree.
+    big = {"w": jnp.full(2, 2.0**127, jnp.float32)}
+    params = {"w": jnp.ones(2)}
+    below = dynamic_loss_scale(optax.sgd(0.1), init_scale=0.5, min_scale=2.0**-100)
+    _, state = below.update(big, below.init(params), params)
+    assert bool(state.last_skipped)
+    at_one = dynamic_loss_scale(optax.sgd(0.1), init_scale=1.0)
+    _, state = at_one.update(big, at_one.init(params), params)
+    assert not bool(state.last_skipped)

@@ -206,8 +206,20 @@ def test_failed_save_raises_and_non_finite_is_a_warning(tmp_path, corpus, capsys
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(Checkpointer, "save", fail)
-    with pytest.raises(OSError, match="No space left"):  # the console script exits 1
-        main(["train", *flags, "--out", str(tmp_path / "b")])
+    capsys.readouterr()
+    assert main(["train", *flags, "--out", str(tmp_path / "b")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    log = tmp_path / "b" / "error.log"
+    assert err == [f"effijax train: error: saving the checkpoint of step 1 to "
+                   f"{(tmp_path / 'b' / 'checkpoints').resolve()} failed: [Errno 28] No space "
+                   f"left on device (traceback in {log})"], err
+    assert "Traceback (most recent call last)" in log.read_text()
+    assert "OSError: [Errno 28] No space left on device" in log.read_text()
+    # Every record of the steps that ran is whole, and the lock was released.
+    assert [r["step"] for r in _metrics(tmp_path / "b")] == [1]
+    from effijax.checkpoint import lock_run_dir
+
+    lock_run_dir(tmp_path / "b").release()
 
 
 def test_consecutive_non_finite_steps_stop_the_run_naming_the_last_good_checkpoint(

@@ -24,14 +24,20 @@ from effijax.checkpoint._adapters import (
     restore_adapters_checkpoint,
     save_adapters_checkpoint,
 )
+from effijax.checkpoint._lock import LOCK_FILE, RunLock, lock_holder, lock_run_dir
 from effijax.checkpoint._manager import (
     FORMAT_VERSION,
+    OLDEST_FORMAT,
     Checkpointer,
+    CorruptCheckpoint,
+    Restored,
     SaveResult,
     latest_step,
     open_checkpoints,
     read_checkpoint,
+    restore_newest,
     restore_target,
+    set_aside,
     validate_resume,
 )
 from effijax.checkpoint._metrics import truncate_metrics
@@ -50,4 +56,13 @@ __all__ = [
     "save_adapters_checkpoint",
     "restore_adapters_checkpoint",
     "FORMAT_VERSION",
+    "OLDEST_FORMAT",
+    "CorruptCheckpoint",
+    "Restored",
+    "restore_newest",
+    "set_aside",
+    "RunLock",
+    "lock_run_dir",
+    "lock_holder",
+    "LOCK_FILE",
 ]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -46,12 +47,24 @@ __all__ = [
     "open_checkpoints",
     "restore_target",
     "validate_resume",
+    "CorruptCheckpoint",
     "FORMAT_VERSION",
+    "OLDEST_FORMAT",
 ]
 
-FORMAT_VERSION = 1
+# The step record's format. 1: the first release. 2: adds ``state_bytes`` (the saved arrays'
+# total size, read by the storage pre-flight); a format-1 record gets it from orbax's array
+# metadata when read (:func:`_migrate`). A record newer than FORMAT_VERSION is refused.
+FORMAT_VERSION = 2
+OLDEST_FORMAT = 1
 _ITEM = "state"  # the orbax item name of the pytree inside a step directory
 _META_KEY = "effijax"  # the top-level key of the step's custom metadata
+
+
+class CorruptCheckpoint(ConfigError):
+    """A step directory that cannot be read: its metadata is missing or malformed, or an array
+    fails to load. A resume falls back to an older step; a model mismatch or a newer format is
+    a plain :class:`~effijax.errors.ConfigError` instead (no older step would fix it)."""
 
 
 class SaveResult(NamedTuple):
@@ -297,6 +310,8 @@ class Checkpointer:
                                 else _jsonable(base_reference, "base_reference"))
         self._versions = library_versions()
         self._closed = False
+        self._pending: int | None = None  # the step whose asynchronous write is in flight
+        self.failed_step: int | None = None  # the step whose write raised, once one has
         try:
             self._manager = _manager(self.directory, every=every, keep=keep,
                                      async_save=self.async_save)
@@ -335,10 +350,12 @@ class Checkpointer:
             return SaveResult(step, False, "exists")
         if not _host_int(_finite_flag(_finite_part(state))):
             return SaveResult(step, False, "non_finite")
+        self._wait_pending()  # a failure here is the previous step's write
         tree, impls = _to_savable(state)
         record = {
             "format": FORMAT_VERSION,
             "step": step,
+            "state_bytes": _tree_bytes(tree),
             "saved_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "versions": self._versions,
             "prng_keys": impls,
@@ -350,9 +367,21 @@ class Checkpointer:
         try:
             self._manager.save(step, args=args, custom_metadata={_META_KEY: record}, force=True)
         except BaseException as e:
+            self.failed_step = step
             e.add_note(f"effijax: saving step {step} to {self.directory} failed")
             raise
+        self._pending = step if self.async_save else None
         return SaveResult(step, True, "saved")
+
+    def _wait_pending(self) -> None:
+        try:
+            self._manager.wait_until_finished()
+        except BaseException as e:
+            self.failed_step = self._pending
+            e.add_note(f"effijax: the asynchronous write of step {self._pending} to "
+                       f"{self.directory} failed")
+            raise
+        self._pending = None
 
     def wait(self) -> None:
         """Blocks until the asynchronous write in flight (if any) is committed.
@@ -360,11 +389,7 @@ class Checkpointer:
         Raises:
           The write's exception (with a note naming the directory), if it failed.
         """
-        try:
-            self._manager.wait_until_finished()
-        except BaseException as e:
-            e.add_note(f"effijax: an asynchronous checkpoint write to {self.directory} failed")
-            raise
+        self._wait_pending()
 
     def close(self) -> None:
         """Waits for the last write (raising its error, if any) and releases orbax's resources.
@@ -459,8 +484,8 @@ def _resolve_step(manager, directory, step: int | None) -> int:
 def _restore(manager, directory, step: int | None, target_state_abstract):
     step = _resolve_step(manager, directory, step)
     _check_target(target_state_abstract)
-    _compare(_saved_leaves(manager, step), target_state_abstract, directory, step)
     record = _step_record(manager, step, directory)
+    _compare(_saved_leaves(manager, step), target_state_abstract, directory, step)
     restored = manager.restore(
         step, args=ocp.args.Composite(
             **{_ITEM: ocp.args.StandardRestore(_abstract_savable(target_state_abstract))}))
@@ -581,18 +606,76 @@ def open_checkpoints(directory: str | os.PathLike, *, every: int = 1, keep: int 
                         metadata=metadata)
 
 
+def _tree_bytes(tree) -> int:
+    return int(sum(np.prod(x.shape, dtype=np.int64) * np.dtype(x.dtype).itemsize
+                   for x in jax.tree.leaves(tree)))
+
+
+# Each record field a reader relies on, and its JSON type.
+_RECORD_TYPES = {"format": int, "step": int, "prng_keys": dict, "metadata": dict}
+
+
 def _step_record(manager, step: int, directory) -> dict:
-    custom = manager.metadata(step).custom_metadata or {}
-    record = custom.get(_META_KEY)
+    """The step's effijax record, checked and migrated to :data:`FORMAT_VERSION`.
+
+    Raises:
+      CorruptCheckpoint: the metadata file is missing, unreadable or malformed (naming it and
+        the field).
+      ConfigError: the record's format is newer than this library reads.
+    """
+    where = Path(directory) / str(step) / "_CHECKPOINT_METADATA"
+    try:
+        custom = manager.metadata(step).custom_metadata
+    except Exception as e:  # orbax reads and parses the file: any failure means unreadable
+        raise CorruptCheckpoint("checkpoint", str(where), f"step {step}'s metadata cannot be "
+                                f"read ({_last_line(e)})") from e
+    record = (custom or {}).get(_META_KEY) if isinstance(custom, Mapping) else None
     if not isinstance(record, dict):
-        raise ConfigError("checkpoint", str(directory), f"step {step} was not written by "
-                          "effijax.checkpoint (no effijax metadata)")
+        raise CorruptCheckpoint("checkpoint", str(where), f"step {step} has no effijax record "
+                                "(missing or rewritten metadata file)")
+    for field, kind in _RECORD_TYPES.items():
+        value = record.get(field)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise CorruptCheckpoint(f"{where}:{_META_KEY}.{field}", value,
+                                    f"expected {'an integer' if kind is int else 'an object'}")
+    version = record["format"]
+    if version > FORMAT_VERSION:
+        raise ConfigError("checkpoint", str(directory), f"step {step} is in checkpoint format "
+                          f"{version}, newer than this effijax reads (format {FORMAT_VERSION}); "
+                          "upgrade effijax to restore it")
+    if version < OLDEST_FORMAT:
+        raise CorruptCheckpoint(f"{where}:{_META_KEY}.format", version, f"formats "
+                                f"{OLDEST_FORMAT}..{FORMAT_VERSION} are readable")
+    if record["step"] != step:
+        raise CorruptCheckpoint(f"{where}:{_META_KEY}.step", record["step"],
+                                f"the directory is step {step}")
+    return _migrate(record, manager, step)
+
+
+def _migrate(record: dict, manager, step: int) -> dict:
+    """Lifts a supported older record to :data:`FORMAT_VERSION`, one version at a time."""
+    record = dict(record)
+    if record["format"] == 1:  # 1 -> 2: the arrays' total size, from orbax's metadata
+        record["state_bytes"] = _tree_bytes(list(_saved_leaves(manager, step).values()))
+        record["format"] = 2
     return record
+
+
+def _last_line(e: BaseException) -> str:
+    """An exception's message in one line: its last non-empty line, at most 200 characters."""
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+    text = f"{type(e).__name__}: {lines[-1]}" if lines else type(e).__name__
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def _saved_leaves(manager, step: int) -> dict[str, Any]:
     """``{path: ArrayMetadata}`` of a step, read from orbax's metadata (no array is loaded)."""
-    item = manager.item_metadata(step)[_ITEM]
+    try:
+        item = manager.item_metadata(step)[_ITEM]
+    except Exception as e:
+        raise CorruptCheckpoint("checkpoint", str(Path(manager.directory) / str(step)),
+                                f"step {step}'s array metadata cannot be read "
+                                f"({_last_line(e)})") from e
     tree = getattr(item, "tree", item)
     return dict(named_leaves(tree, is_leaf=lambda x: hasattr(x, "shape")))
 
@@ -688,7 +771,131 @@ def validate_resume(directory: str | os.PathLike, abstract_state) -> int | None:
         step = manager.latest_step()
         if step is None:
             return None
+        _step_record(manager, step, directory)
         _compare(_saved_leaves(manager, step), abstract_state, directory, step)
         return int(step)
     finally:
         manager.close()
+
+
+class Restored(NamedTuple):
+    """What :func:`restore_newest` found.
+
+    Attributes:
+      step: the step restored; None when no step restores (or there is none).
+      state: the restored state (None with ``step``).
+      record: that step's metadata record (see :meth:`Checkpointer.metadata`).
+      bad: ``(step, reason)`` of each newer step that failed to restore, newest first;
+        ``reason`` is the underlying error's last line.
+    """
+
+    step: int | None
+    state: Any
+    record: dict | None
+    bad: list[tuple[int, str]]
+
+
+def _everywhere(ok: bool) -> bool:
+    """True when ``ok`` on every process (a collective in a multi-process run: each process
+    reads only its own shards, so one may fail where another succeeds)."""
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+
+    return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
+
+
+def restore_newest(directory: str | os.PathLike, *, target_state_abstract,
+                   check=None, steps=None) -> Restored:
+    """Restores the newest step of ``directory`` that restores, changing nothing on disk.
+
+    Steps are tried newest first. A step whose metadata is missing or malformed, or whose
+    arrays fail to load (a truncated or damaged file), is skipped and reported in
+    :attr:`Restored.bad`; a step that is intact but does not fit (another model, a newer
+    format, or ``check`` refusing it) raises, since an older step would not fit either. In a
+    multi-process run every process calls it, and a step counts only where it restores on
+    every process.
+
+    Args:
+      directory: a checkpoint directory written by :class:`Checkpointer`.
+      target_state_abstract: as in :meth:`Checkpointer.restore` (:func:`restore_target`).
+      check: ``check(step, record)``, called before a step's arrays are read; raises
+        ConfigError to refuse the step (e.g. the run's settings changed).
+      steps: the candidate steps (default: every committed step).
+
+    Returns:
+      A :class:`Restored`.
+
+    Raises:
+      ConfigError: a step does not fit the target, is in a newer format, or ``check`` raised.
+
+    Example:
+      >>> import tempfile, pathlib, jax, jax.numpy as jnp, optax
+      >>> from effijax.sharding import make_mesh, replicated
+      >>> from effijax.train import init_train_state
+      >>> state = init_train_state({"w": jnp.ones(2)}, optax.sgd(0.1), 0)
+      >>> d = pathlib.Path(tempfile.mkdtemp())
+      >>> with open_checkpoints(d, keep=None) as ckpt:
+      ...     for s in (1, 2):
+      ...         _ = ckpt.save(state._replace(step=jnp.int32(s)))
+      >>> (d / "2" / "_CHECKPOINT_METADATA").unlink()  # step 2 is damaged
+      >>> target = restore_target(jax.eval_shape(lambda: state), replicated(make_mesh()))
+      >>> found = restore_newest(d, target_state_abstract=target)
+      >>> found.step, int(found.state.step), found.bad[0][0]
+      (1, 1, 2)
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        return Restored(None, None, None, [])
+    _check_target(target_state_abstract)
+    manager = _manager(directory, every=1, keep=None, async_save=False, reader=True)
+    bad: list[tuple[int, str]] = []
+    # orbax logs each unreadable file as it meets it; a damaged step is reported once, below.
+    absl_logger = logging.getLogger("absl")
+    level = absl_logger.level
+    absl_logger.setLevel(logging.ERROR)
+    try:
+        candidates = sorted(manager.all_steps() if steps is None else steps, reverse=True)
+        for step in candidates:
+            state = record = None
+            try:
+                record = _step_record(manager, step, directory)
+                _compare(_saved_leaves(manager, step), target_state_abstract, directory, step)
+                if check is not None:
+                    check(step, record)
+                state = _restore(manager, directory, step, target_state_abstract)
+                reason = None
+            except CorruptCheckpoint as e:
+                reason = (e.problem if e.field == "checkpoint"
+                          else f"{e.field}={e.value!r}: {e.problem}")
+            except ConfigError:
+                raise
+            except Exception as e:  # orbax/tensorstore: a damaged or truncated array file
+                reason = _last_line(e)
+            if _everywhere(reason is None):
+                return Restored(int(step), state, record, bad)
+            bad.append((int(step), reason or "failed on another process"))
+        return Restored(None, None, None, bad)
+    finally:
+        absl_logger.setLevel(level)
+        manager.close()
+
+
+def set_aside(directory: str | os.PathLike, step: int) -> Path:
+    """Moves step ``step`` of ``directory`` to ``<step>.corrupt-<n>`` beside it (the first
+    unused ``n``), where orbax never lists, restores or deletes it; returns the new path.
+
+    Example:
+      >>> import tempfile, pathlib
+      >>> d = pathlib.Path(tempfile.mkdtemp())
+      >>> (d / "4").mkdir()
+      >>> set_aside(d, 4).name
+      '4.corrupt-1'
+    """
+    directory = Path(directory)
+    n = 1
+    while (directory / f"{step}.corrupt-{n}").exists():
+        n += 1
+    target = directory / f"{step}.corrupt-{n}"
+    os.replace(directory / str(step), target)
+    return target

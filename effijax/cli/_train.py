@@ -84,12 +84,32 @@ def _error(e: ConfigError) -> int:
     return 2
 
 
+def _rest_of_stderr_to(log: str | None) -> None:
+    """After a failed checkpoint write, the storage library's unfinished writes report
+    themselves as the process exits (a traceback each): they go to the log, after the one
+    line already printed."""
+    import logging
+    import os
+
+    if log is None or sys.stderr is not sys.__stderr__:  # only a real terminal's stderr
+        return
+    try:
+        fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(fd, 2)
+        os.close(fd)
+    except OSError:
+        return
+    for name in ("asyncio", "absl"):
+        logging.getLogger(name).propagate = True
+
+
 def run(args: argparse.Namespace) -> int:
     """Runs ``effijax train``; returns the exit code (2: bad settings, 1: training failed)."""
     try:
         config = config_from_args(args)
     except ConfigError as e:
         return _error(e)
+    from effijax.errors import SaveError
     from effijax.recipe import train
     from effijax.run import NonFiniteError
 
@@ -97,6 +117,10 @@ def run(args: argparse.Namespace) -> int:
         train(config, argv=getattr(args, "argv", None))
     except ConfigError as e:
         return _error(e)
+    except SaveError as e:
+        print(f"effijax train: error: {e}", file=sys.stderr, flush=True)
+        _rest_of_stderr_to(e.log)
+        return 1
     except NonFiniteError as e:
         print(f"effijax train: error: {e}. Lower --lr, clip harder, or train with --precision "
               "fp16 --loss-scale dynamic (skips such steps)", file=sys.stderr, flush=True)

@@ -6,7 +6,8 @@ divides them by that same scale in f32, and makes one fused finiteness check ove
 A finite step runs the inner optimizer; a non-finite step returns exact zeros and leaves the
 inner state bitwise unchanged (so Adam's count and schedule counters do not advance). The
 dynamic variant then adjusts the scale with PyTorch ``GradScaler``'s rule (grow after
-``growth_interval`` consecutive finite steps, back off on overflow), optionally with
+``growth_interval`` consecutive finite steps, back off on overflow; floored at ``min_scale``,
+1.0 by default, where PyTorch has no floor: see :func:`dynamic_loss_scale`), optionally with
 Megatron-LM's hysteresis. Everything is ``jnp.where`` on device: no host sync, no retracing.
 
 Composition. Wrap the *whole* optimizer, clipping included, so that clipping sees unscaled
@@ -248,7 +249,12 @@ def dynamic_loss_scale(
        refill only skip the step, like Megatron-LM and DeepSpeed.
 
     With the defaults the scale first grows after the 2000th consecutive finite step, exactly
-    PyTorch's schedule (PyTorch has no ``min_scale``; pass a tiny one to match it). The factors
+    PyTorch's schedule, with two differences. PyTorch has no ``min_scale``: the default floor
+    of 1.0 stops the halving that PyTorch continues after 16 overflows in a row from 2^16
+    (pass ``min_scale=2.0**-100`` to match it; a scale below 1 shrinks the gradients it is
+    meant to protect from underflow). And step 2 checks the *unscaled* f32 gradients where
+    PyTorch checks the scaled ones; dividing a finite value by a scale >= 1 cannot overflow,
+    so the two agree whenever the scale is >= 1, hence always under the default floor. The factors
     are applied in f32; PyTorch multiplies in f64 before rounding, which agrees whenever the
     factors are exact in f32 (2, 0.5, any power of two). Wrap the whole optimizer, gradient
     clipping included, so clipping sees unscaled gradients. For gradient accumulation see the

@@ -41,7 +41,7 @@ DEFAULT_MODEL = "mini"
 CLUSTERS = ("auto", "none", "ompi", "slurm", "mpi4py", "gke-tpu", "gce-tpu", "k8s")
 WANDB_MODES = ("online", "offline", "disabled")
 # Keys of a run's config.json that record the run rather than configure it.
-RECORD_KEYS = ("run", "versions")
+RECORD_KEYS = ("run", "versions", "resumes")
 
 
 def _field(default, help: str, *, flag: str | None = None, metavar: str | None = None,
@@ -149,6 +149,15 @@ class TrainConfig:
     checkpoint_every: int = _field(100, "save a checkpoint every K steps (and at the end)",
                                    metavar="K", section="output")
     keep: int = _field(3, "checkpoints to keep (the newest)", section="output")
+    allow_changes: str | None = _field(None, "on resume, accept these changed settings "
+                                       "(comma-separated, of: lr, steps, warmup, weight_decay, "
+                                       "clip); the data, seed, batch, model, precision, "
+                                       "accumulation and LoRA spec must always match",
+                                       metavar="NAMES", section="output")
+    device_memory: str | None = _field(None, "memory per device that the compiled step must "
+                                       "fit, e.g. 8GB or 6GiB (default: the device's own; on "
+                                       "CPU the host's available memory); 0 skips the check",
+                                       metavar="SIZE", section="parallel")
     progress: bool = _field(True, "show a progress bar", flag="--no-progress",
                             section="output")
     # Launchers, logging and profiling.
@@ -223,6 +232,16 @@ class TrainConfig:
                               "rows of the global batch)")
         self._check_lora()
         self._check_watch()
+        _allowed_changes(self.allow_changes)
+        if self.device_memory is not None:
+            from effijax.memory import parse_bytes
+
+            parse_bytes(self.device_memory, field="device_memory")
+
+    @property
+    def allowed_changes(self) -> tuple[str, ...]:
+        """``allow_changes`` as a tuple of setting names."""
+        return _allowed_changes(self.allow_changes)
 
     def _check_watch(self) -> None:
         if self.cluster not in CLUSTERS:
@@ -439,6 +458,19 @@ def _check_types(cfg: TrainConfig) -> None:
             ok, want = isinstance(value, bool), "true or false"
         if not ok:
             raise ConfigError(f.name, value, f"expected {want}")
+
+
+def _allowed_changes(value: str | None) -> tuple[str, ...]:
+    from effijax.recipe._identity import CHANGEABLE
+
+    if value is None:
+        return ()
+    names = tuple(n.strip().replace("-", "_") for n in value.split(",") if n.strip())
+    for name in names:
+        if name not in CHANGEABLE:
+            raise ConfigError("allow_changes", value, f"{name!r} cannot change on resume; the "
+                              f"settings that can are {', '.join(CHANGEABLE)}")
+    return names
 
 
 def _at_least(name: str, value: int, minimum: int) -> None:

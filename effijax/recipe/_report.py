@@ -125,4 +125,4 @@ def finished_before(config, step: int, is_main: bool) -> None:
              f"at step {step}, past --steps={config.steps}")
     print(f"effijax train: {config.out} already holds this run, {where}; nothing to do (its "
           "files are untouched). Choose another --out for a new run, or raise --steps to train "
-          "it further.", flush=True)
+          "it further (with --allow-changes steps: a longer schedule).", flush=True)

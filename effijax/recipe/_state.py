@@ -4,12 +4,12 @@ checkpoint, evaluation, adapter export, summary)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from pathlib import Path
 from typing import Any
 
-from effijax.errors import ConfigError
 from effijax.recipe import _report
 from effijax.recipe._config import TrainConfig
 
@@ -18,26 +18,59 @@ __all__ = ["Run", "finished_step", "open_run", "initial_state", "loop_and_finish
 
 @dataclasses.dataclass
 class Run:
-    """The run directory's side of a run: where it resumes from and its checkpointer.
+    """The run directory's side of a run: its lock, where it resumes from, its checkpointer.
 
+    Attributes:
+      config, record: the run's settings and its ``run`` record (model, data, devices).
+      resume_step: the step restored (None: a fresh run); ``restored`` holds its state until
+        :func:`initial_state` takes it.
+      original: on resume, the ``config.json`` of the run as it started (kept as written);
+        ``resumes`` lists each resume's step and what it changed.
     """
 
     config: TrainConfig
     record: dict
     resume_step: int | None
     ckpt: Any = None
+    lock: Any = None
+    restored: Any = None
+    original: dict | None = None
+    resumes: list = dataclasses.field(default_factory=list)
 
     @property
     def json(self) -> dict:
-        """``config.json``: the resolved settings and the run record."""
+        """The settings in effect and the run record (stored with every checkpoint)."""
         return {**self.config.to_dict(), "run": self.record}
 
+    @property
+    def config_json(self) -> dict:
+        """``config.json``: the run's original settings, and what each resume changed."""
+        if self.original is None:
+            return self.json
+        kept = {k: v for k, v in self.original.items() if k not in ("versions", "resumes")}
+        return {**kept, "resumes": self.resumes}
+
     def close(self) -> None:
+        """Waits for the checkpoint writes and closes the checkpointer (the lock stays)."""
         if self.ckpt is not None:
             try:
                 self.ckpt.close()
             finally:
                 self.ckpt = None
+
+    def release(self, quiet: bool = False) -> None:
+        """Closes the checkpointer (``quiet``: ignoring its errors, when the run is already
+        failing), then releases the run directory's lock."""
+        try:
+            if quiet:
+                with contextlib.suppress(Exception):
+                    self.close()
+            else:
+                self.close()
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+                self.lock = None
 
 
 def finished_step(config: TrainConfig) -> int | None:
@@ -54,17 +87,22 @@ def finished_step(config: TrainConfig) -> int | None:
 
 def open_run(config: TrainConfig, job, origin: dict | None, *, fingerprint: str,
              corpus_tokens: int) -> Run:
-    """Checks the run directory against the job (metadata only) and opens its checkpoints.
+    """Locks the run directory, restores its newest intact checkpoint (checked against the
+    job and the run's identity) and opens its checkpoints.
 
     Raises:
-      ConfigError: checkpoints of another model or optimizer, a step past ``steps``, or a run
-        that started from another ``init_from`` checkpoint.
+      ConfigError: another run holds the directory; checkpoints of another model or optimizer,
+        or of a run with other settings (each difference listed); no step restores; a
+        malformed ``config.json``.
     """
+    import datetime
+
     import jax
 
     from effijax import distributed
-    from effijax.checkpoint import open_checkpoints, validate_resume
+    from effijax.checkpoint import open_checkpoints
     from effijax.provenance import library_versions
+    from effijax.recipe import _identity, _preflight, _resume
 
     record = {
         "model_config": job.model.to_dict(),
@@ -76,31 +114,49 @@ def open_run(config: TrainConfig, job, origin: dict | None, *, fingerprint: str,
         "devices": [str(d) for d in jax.devices()],
         "process_count": jax.process_count(),
     }
-    ckpt_dir = Path(config.out).resolve() / "checkpoints"
-    resume_step = validate_resume(ckpt_dir, job.state) if config.checkpoints else None
-    run = Run(config, record, resume_step)
-    # Every process has read the directory (finished_step, validate_resume) before any
-    # process creates or cleans it up: their decisions (fresh, resume at N) agree.
-    distributed.barrier("effijax:run-directory-read")
-    if config.checkpoints:
-        run.ckpt = open_checkpoints(ckpt_dir, every=config.checkpoint_every, keep=config.keep,
-                                    metadata={"config": run.json,
-                                              "versions": library_versions()})
-    if resume_step is not None:
-        saved = run.ckpt.metadata(resume_step).get("metadata", {}).get("config", {})
-        was = (saved.get("run") or {}).get("init_from_checkpoint")
-        if was != origin:
-            run.close()
-            raise ConfigError("init_from", (origin or {}).get("run"), f"{ckpt_dir} continues "
-                              f"a run that started from {was}, not from {origin}; use a fresh "
-                              "out")
+    out = Path(config.out).resolve()
+    ckpt_dir = out / "checkpoints"
+    is_main = jax.process_index() == 0
+    run = Run(config, record, None, lock=_resume.lock(out, is_main))
+    try:
+        bad = []
+        if config.checkpoints:
+            found, _ = _resume.restore(ckpt_dir, job, run.json, config.allowed_changes)
+            bad = found.bad
+            if found.step is None and bad:
+                raise _resume.no_intact_step(ckpt_dir, bad)
+            run.resume_step, run.restored = found.step, found.state
+            if found.step is not None:
+                saved = found.record["metadata"]["config"]
+                path = out / "config.json"
+                run.original = (_resume.read_run_json(path) if path.exists() else saved)
+                run.resumes = [*run.original.get("resumes", []), {
+                    "step": found.step,
+                    "at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                    "changed": _identity.changed(saved, run.json)}]
+        # Every process has read the directory (finished_step, the restore) before any
+        # process moves, creates or cleans up anything: their decisions agree.
+        distributed.barrier("effijax:run-directory-read")
+        if run.resume_step is not None and bad:
+            _resume.set_aside_bad(ckpt_dir, bad, run.resume_step, is_main)
+            distributed.barrier("effijax:damaged-steps-set-aside")
+        if config.checkpoints:
+            _resume.agree(_preflight.storage, ckpt_dir, _preflight.state_bytes(job.state),
+                          config.keep)
+            run.ckpt = open_checkpoints(ckpt_dir, every=config.checkpoint_every,
+                                        keep=config.keep,
+                                        metadata={"config": run.json,
+                                                  "versions": library_versions()})
+    except BaseException:
+        run.release()
+        raise
     return run
 
 
 def initial_state(job, run: Run, source, is_main: bool) -> tuple[Any, Any]:
     """``(state, frozen)``: resumed from the run's checkpoint, or fresh (adapters from the seed,
     parameters from the seed or from ``source``'s checkpoint); a LoRA run's frozen base."""
-    from effijax.checkpoint import restore_target, truncate_metrics
+    from effijax.checkpoint import truncate_metrics
     from effijax.recipe import _job, _sources
 
     base = None
@@ -109,8 +165,7 @@ def initial_state(job, run: Run, source, is_main: bool) -> tuple[Any, Any]:
                                     run.record["init_from_checkpoint"].get("step"))
     frozen = _job.init_frozen(job, base) if job.lora is not None else None
     if run.resume_step is not None:
-        state = run.ckpt.restore(run.resume_step,
-                                 target_state_abstract=restore_target(job.state, job.shardings))
+        state, run.restored = run.restored, None
         if is_main:
             truncate_metrics(Path(run.config.out) / "metrics.jsonl", run.resume_step)
             print(f"effijax train: resuming from step {run.resume_step} in "
@@ -131,7 +186,7 @@ def loop_and_finish(config: TrainConfig, job, run: Run, compiled, state, frozen,
     from effijax.recipe._train import TrainResult
     from effijax.run import NonFiniteError, RunDir, StopFlag, train_loop
 
-    run_dir = RunDir(config.out, config=run.json, append=run.resume_step is not None)
+    run_dir = RunDir(config.out, config=run.config_json, append=run.resume_step is not None)
     train_tokens, val_tokens = tokens
     evaluate = (lambda p: _job.evaluate(job, p, val_tokens, num_batches=config.eval_batches,
                                         frozen=frozen)) if config.eval_batches else None
@@ -142,7 +197,7 @@ def loop_and_finish(config: TrainConfig, job, run: Run, compiled, state, frozen,
     trained = _TrainedTokens()
     stop = StopFlag(jax.process_count())
     t0 = time.perf_counter()
-    with stop.installed():
+    with stop.installed(), _orbax_log(run.config.out):
         try:
             state, summary = train_loop(
                 watch.step(compiled.step) if watch else compiled.step, state,
@@ -157,8 +212,10 @@ def loop_and_finish(config: TrainConfig, job, run: Run, compiled, state, frozen,
             raise NonFiniteError(e.step, e.count, where=_last_good(run)) from None
     summary["wall_time_s"] = time.perf_counter() - t0
     if run.ckpt is not None:
-        _save(run, state, run_dir.is_main, force=True)
-        run.close()  # waits for the last write; raises if any write failed
+        with _orbax_log(run.config.out):
+            _save(run, state, run_dir.is_main, force=True)
+            with _save_errors(run, _step_of(state)):
+                run.close()  # waits for the last write; raises if any write failed
     if stop.stopped:
         _report.stopped(config, summary, stop.signal_name, run.ckpt is not None or
                         config.checkpoints, argv, run_dir.is_main)
@@ -201,8 +258,139 @@ class _TrainedTokens:
         return out
 
 
+@contextlib.contextmanager
+def _orbax_log(out):
+    """Sends orbax's log records (absl's logger) to ``OUT/orbax.log`` (``orbax-<process>.log``)
+    while checkpoints are written: a failed background write logs a traceback per thread,
+    hundreds of lines that the one-line :class:`SaveError` replaces on the terminal. The file
+    is created only if something is logged."""
+    import logging
+
+    import jax
+
+    index = jax.process_index()
+    handler = logging.FileHandler(Path(out) / ("orbax.log" if index == 0
+                                               else f"orbax-{index}.log"), delay=True)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    logger = logging.getLogger("absl")
+    propagate = logger.propagate
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
+        handler.close()
+
+
+@contextlib.contextmanager
+def _fd_to(fd: int, stream):
+    """File descriptor ``fd`` writes to ``stream``'s file for the block (what threads of C
+    libraries print goes there too)."""
+    import os
+    import sys
+
+    sys.__stderr__.flush()
+    saved = os.dup(fd)
+    os.dup2(stream.fileno(), fd)
+    try:
+        yield
+    finally:
+        stream.flush()
+        os.dup2(saved, fd)
+        os.close(saved)
+
+
+@contextlib.contextmanager
+def _logs_to(stream, *names):
+    """The named loggers write only to ``stream`` for the block."""
+    import logging
+
+    handler = logging.StreamHandler(stream)
+    loggers = [logging.getLogger(n) for n in names]
+    saved = [(x.handlers[:], x.propagate) for x in loggers]
+    for x in loggers:
+        x.handlers, x.propagate = [handler], False
+    try:
+        yield
+    finally:
+        for x, (handlers, propagate) in zip(loggers, saved, strict=True):
+            x.handlers, x.propagate = handlers, propagate
+
+
+def _step_of(state) -> int:
+    """The state's step without a gather (every process holds the replicated scalar)."""
+    import numpy as np
+
+    step = state.step
+    return int(np.asarray(step.addressable_data(0)) if hasattr(step, "addressable_data")
+               else step)
+
+
+def _reason(e: BaseException) -> str:
+    """The operating system's words for a failed write, found anywhere in the chain."""
+    import os
+    import re
+
+    seen, todo = set(), [e]
+    while todo:
+        x = todo.pop(0)
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.strerror:
+            return f"[Errno {x.errno}] {x.strerror}" if x.errno else x.strerror
+        code = re.search(r"os_error_code='(\d+)'", str(x))  # tensorstore's form of errno
+        if code:
+            return f"[Errno {code.group(1)}] {os.strerror(int(code.group(1)))}"
+        todo.extend([x.__cause__, x.__context__, *getattr(x, "exceptions", ())])
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    return f"{type(e).__name__}: {lines[-1].strip()}" if lines else type(e).__name__
+
+
+@contextlib.contextmanager
+def _save_errors(run: Run, step: int):
+    """Turns a failed checkpoint write into :class:`SaveError`: one line, and the traceback
+    in ``OUT/error.log`` (``error-<process>.log`` on the other processes)."""
+    import gc
+    import os
+    import traceback
+
+    import jax
+
+    from effijax.errors import SaveError
+
+    try:
+        yield
+    except Exception as e:
+        index = jax.process_index()
+        log = Path(run.config.out) / ("error.log" if index == 0 else f"error-{index}.log")
+        try:
+            with open(log, "a") as f:
+                f.write(f"step {run.ckpt.failed_step if run.ckpt is not None else step}: "
+                        f"saving to {Path(run.config.out) / 'checkpoints'}\n")
+                f.write("".join(traceback.format_exception(e)))
+        except OSError:
+            log = None
+        if run.ckpt is not None and run.ckpt.failed_step is not None:
+            step = run.ckpt.failed_step  # an asynchronous write surfaces at a later call
+        directory = str(run.ckpt.directory if run.ckpt is not None
+                        else Path(run.config.out) / "checkpoints")
+        # Closing a manager whose write failed lets the write's remaining callbacks meet a
+        # closed event loop, each printing a traceback: into the log, not the terminal.
+        with open(log if log is not None else os.devnull, "a") as sink, \
+                contextlib.redirect_stderr(sink), _logs_to(sink, "asyncio", "absl"), \
+                _fd_to(2, sink):
+            run.release(quiet=True)
+            time.sleep(1.0)  # the failed write's other array writes end (and print) here
+            gc.collect()  # and its tasks report themselves when collected
+        raise SaveError(step, directory, _reason(e), None if log is None else str(log)) from None
+
+
 def _save(run: Run, state, is_main: bool, force: bool = False) -> None:
-    result = run.ckpt.save(state, force=force)
+    with _save_errors(run, _step_of(state)):
+        result = run.ckpt.save(state, force=force)
     if result.reason == "non_finite" and is_main:
         _report.warn(f"step {result.step} has non-finite parameters or optimizer state; not "
                      "checkpointed (training goes on)")

@@ -75,7 +75,7 @@ def train(config: TrainConfig, *, argv: list[str] | None = None) -> TrainResult:
 
 
 def _run(config: TrainConfig, session: Session, argv) -> TrainResult:
-    from effijax.recipe import _job, _state, _watch
+    from effijax.recipe import _job, _preflight, _resume, _state, _watch
 
     done_step = _state.finished_step(config)
     if done_step is not None:
@@ -93,12 +93,15 @@ def _run(config: TrainConfig, session: Session, argv) -> TrainResult:
                             mesh=session.mesh, strategy=config.strategy or "ddp", lora=spec,
                             seed=config.seed, frozen_dtype=None if config.frozen_dtype == "auto"
                             else config.frozen_dtype, masked=data.masked)
-    origin = None if source is None else _sources.latest_step(source, model)
+    origin = None
+    if source is not None:
+        origin, source = _sources.starting_point(source, model, session.mesh, session.is_main)
     run = _state.open_run(config, job, origin, fingerprint=data.fingerprint,
                           corpus_tokens=data.tokens)
     try:
         state, frozen = _state.initial_state(job, run, source, session.is_main)
         compiled = _job.compile_job(job)
+        _resume.agree(_preflight.memory, compiled.memory, job, config.device_memory)
         _report.start(config, job, compiled, source, frozen, state, session.is_main,
                       data=data.note)
         memory = _report.summary_extras(job, compiled)["memory"]
@@ -106,8 +109,11 @@ def _run(config: TrainConfig, session: Session, argv) -> TrainResult:
                              session.is_main) as watch:
             return _state.loop_and_finish(config, job, run, compiled, state, frozen,
                                           (data.train, data.val), argv=argv, watch=watch)
+    except BaseException:
+        run.release(quiet=True)  # the run's own error is the one to report
+        raise
     finally:
-        run.close()
+        run.release()
 
 
 def start(config: TrainConfig) -> Session:

@@ -1,0 +1,197 @@
+"""`effijax train` interrupted through the command line, compared with an uninterrupted run.
+
+Every run goes through tests/_batch_hash_train.py (the real CLI, logging each training
+batch's SHA-256), so besides the final state and metrics a test compares *which batches* the
+interrupted run read. Processes share one JAX compilation cache, so each later process loads
+the compiled step instead of compiling it.
+
+* SIGINT stops at a step boundary and saves; the same command resumes; the end is bitwise the
+  uninterrupted run's, and so is the sequence of batches.
+* Twenty SIGKILLs at seeded random times, each while checkpoints are written every step (an
+  asynchronous write is nearly always in flight), each followed by the same command: every
+  restart resumes from the newest committed step (never a fallback), and the run ends bitwise
+  where the uninterrupted one did, having read the same batches.
+* Two fresh runs with the same seed are bitwise equal.
+"""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from effijax.checkpoint import latest_step, open_checkpoints, restore_target
+
+pytestmark = pytest.mark.slow
+
+HELPER = Path(__file__).with_name("_batch_hash_train.py")
+STEPS = 240
+TRIALS = 20
+FLAGS = ["--model", "tiny", "--seq-len", "16", "--batch-size", "2", "--eval-batches", "1",
+         "--no-progress", "--steps", str(STEPS)]
+TIMING = ("tokens_per_s", "step_time_s")
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    root = tmp_path_factory.mktemp("interrupts")
+    corpus = root / "corpus.txt"
+    corpus.write_text("".join(f"def f{i}(x):\n    return x * {i} + 1\n" for i in range(300)))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
+           "JAX_COMPILATION_CACHE_DIR": str(root / "jax-cache"),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    env.pop("XLA_FLAGS", None)
+    # The helper runs as a script: put this checkout's package first on its path.
+    repo = str(HELPER.resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([repo, *filter(None, [env.get("PYTHONPATH")])])
+    return {"root": root, "corpus": str(corpus), "env": env}
+
+
+def _spawn(env, out, log, *extra):
+    return subprocess.Popen(
+        [sys.executable, str(HELPER), "train", *FLAGS, "--data", env["corpus"], "--out",
+         str(out), *extra], env={**env["env"], "EFFIJAX_TEST_BATCH_LOG": str(log)},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc, timeout=600):
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{out}\n{err[-3000:]}"
+    return out, err
+
+
+def _hashes(log: Path) -> list[tuple[int, str]]:
+    """``(step, sha256)`` per batch built; a line cut short by a kill is left out."""
+    rows = []
+    for line in log.read_text().splitlines() if log.exists() else []:
+        parts = line.split()
+        if len(parts) == 2 and len(parts[1]) == 64:
+            rows.append((int(parts[0]), parts[1]))
+    return rows
+
+
+def _metrics(out) -> list[dict]:
+    rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+
+
+def _leaves(out):
+    directory = Path(out) / "checkpoints"
+    from effijax.models import model_from_dict
+    from effijax.recipe import TrainConfig, abstract_state, optimizer_for
+
+    with open_checkpoints(directory, every=1, keep=None) as ckpt:
+        step = ckpt.latest_step()
+        saved = ckpt.metadata(step)["metadata"]["config"]
+        config = TrainConfig.from_dict(saved)
+        abstract = abstract_state(model_from_dict(saved["run"]["model_config"]),
+                                  config.precision, optimizer_for(config), seed=config.seed)
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        state = ckpt.restore(step, target_state_abstract=restore_target(abstract, device))
+    return step, [np.asarray(jax.random.key_data(x) if jax.dtypes.issubdtype(
+        x.dtype, jax.dtypes.prng_key) else x) for x in jax.tree.leaves(state)]
+
+
+def _assert_bitwise(a, b):
+    (sa, la), (sb, lb) = a, b
+    assert sa == sb == STEPS
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb, strict=True):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.fixture(scope="module")
+def reference(env):
+    out, log = env["root"] / "straight", env["root"] / "straight.log"
+    _finish(_spawn(env, out, log, "--checkpoint-every", str(STEPS)))
+    hashes = _hashes(log)
+    assert [s for s, _ in hashes] == list(range(STEPS))
+    return {"out": out, "hashes": hashes, "metrics": _metrics(out), "leaves": _leaves(out)}
+
+
+def test_two_fresh_runs_with_the_same_seed_are_bitwise_equal(env, reference):
+    out, log = env["root"] / "again", env["root"] / "again.log"
+    _finish(_spawn(env, out, log, "--checkpoint-every", "40"))
+    assert _hashes(log) == reference["hashes"]
+    assert _metrics(out) == reference["metrics"]
+    _assert_bitwise(_leaves(out), reference["leaves"])
+
+
+def _wait_for_batches(proc, log: Path, count: int, timeout=300.0) -> None:
+    """Until this process has built ``count`` training batches (or ended)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None or len(_hashes(log)) >= count:
+            return
+        time.sleep(0.02)
+    raise AssertionError("the run made no progress")
+
+
+def test_sigint_stops_saves_and_resumes_bitwise_with_the_same_batches(env, reference):
+    out, log = env["root"] / "sigint", env["root"] / "sigint.log"
+    proc = _spawn(env, out, log, "--checkpoint-every", "4")
+    _wait_for_batches(proc, log, 12)
+    proc.send_signal(signal.SIGINT)
+    stdout, _ = _finish(proc)
+    stopped = latest_step(out / "checkpoints")
+    assert f"stopped at step {stopped} by SIGINT; saved" in stdout, stdout
+    assert 10 < stopped < STEPS
+    assert [s for s, _ in _hashes(log)] == list(range(stopped))  # no batch read past the stop
+    stdout, _ = _finish(_spawn(env, out, log, "--checkpoint-every", "4"))
+    assert f"resuming from step {stopped}" in stdout
+    assert _hashes(log) == reference["hashes"]
+    assert _metrics(out) == reference["metrics"]
+    _assert_bitwise(_leaves(out), reference["leaves"])
+
+
+def test_twenty_kills_during_checkpoint_writes_each_resume_from_the_newest_step(
+        env, reference):
+    rng = random.Random(20_261_123)
+    out, log = env["root"] / "killed", env["root"] / "killed.log"
+    flags = ("--checkpoint-every", "1", "--keep", "2")
+    read: list[tuple[int, str]] = []  # the batches that count: those before each restart
+    trials = []
+    for trial in range(TRIALS):
+        newest = latest_step(out / "checkpoints")
+        start = 0 if newest is None else newest
+        # The batches before the restart point were read by earlier processes; from it on,
+        # this process reads (again) what a killed one read past its last checkpoint.
+        read = [h for h in read if h[0] < start]
+        log.unlink(missing_ok=True)
+        proc = _spawn(env, out, log, *flags)
+        _wait_for_batches(proc, log, 2)  # training: one step dispatched, the next batch built
+        delay = rng.uniform(0.0, 0.4)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        assert proc.returncode == -signal.SIGKILL, f"trial {trial} ended on its own:\n{stdout}"
+        assert "cannot be restored" not in stderr, stderr  # never a fallback
+        if newest is not None:
+            assert f"resuming from step {newest} in" in stdout, (trial, stdout, stderr)
+        read += _hashes(log)
+        tmp = [p.name for p in (out / "checkpoints").iterdir() if "tmp" in p.name]
+        trials.append({"trial": trial, "delay_s": round(delay, 3), "resumed_from": start,
+                       "newest_after_kill": latest_step(out / "checkpoints"),
+                       "write_in_flight": bool(tmp)})
+    print(json.dumps(trials))
+    assert trials[-1]["newest_after_kill"] < STEPS, "the run finished before the last kill"
+    # Most kills land while a step is being written; each time the next process resumed
+    # from the newest committed step (asserted above).
+    assert sum(t["write_in_flight"] for t in trials) >= TRIALS // 4, trials
+    start = latest_step(out / "checkpoints")
+    read = [h for h in read if h[0] < start]
+    log.unlink(missing_ok=True)
+    stdout, _ = _finish(_spawn(env, out, log, *flags))
+    assert f"resuming from step {start} in" in stdout
+    assert read + _hashes(log) == reference["hashes"]
+    assert _metrics(out) == reference["metrics"]
+    _assert_bitwise(_leaves(out), reference["leaves"])
