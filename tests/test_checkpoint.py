@@ -382,7 +382,7 @@ def test_async_write_failure_surfaces_from_wait(fsdp8, tmp_path, failing_commit)
     assert ckpt.save(state).saved  # the write is in the background
     with pytest.raises(OSError, match="No space left") as e:
         ckpt.wait()
-    assert any("asynchronous checkpoint write" in n for n in e.value.__notes__)
+    assert any("the asynchronous write of step 3 to" in n for n in e.value.__notes__)
     assert committed(tmp_path) == []  # nothing was committed
     ckpt.close()
 

@@ -127,13 +127,14 @@ def _suggestion(job, budget: int) -> str:
 
     model = job.model
     shape = {}
-    if all(hasattr(model, a) for a in ("n_layers", "d_model", "n_heads", "seq_len")):
-        shape = dict(layers=model.n_layers, hidden=model.d_model, heads=model.n_heads,
-                     seq_len=model.seq_len, global_batch=job.batch_size)
-        if job.batch_size % job.mesh.size:
-            shape = {}
+    if not job.batch_size % job.mesh.size:
+        s = model.shape()
+        shape = dict(layers=s.layers, hidden=s.hidden, heads=s.heads, seq_len=s.seq_len,
+                     global_batch=job.batch_size, kv_heads=s.kv_heads, head_dim=s.head_dim,
+                     ffn=s.ffn, gated_mlp=s.gated_mlp, vocab=s.vocab,
+                     dropout=getattr(model, "dropout", 0) > 0)
     try:
-        p = plan(job.num_params, devices=job.mesh.size, device_memory=budget, **shape)
+        p = plan(job.num_params, devices=job.mesh.size, device_memory=f"{budget}B", **shape)
     except ConfigError:
         return "the planner has no suggestion for this model"
     if not p.fits:
