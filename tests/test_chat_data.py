@@ -297,7 +297,8 @@ def test_lora_on_chat_jsonl_counts_trained_tokens_and_resumes_exactly(gguf, tmp_
                 seq_len=SEQ, batch_size=2, eval_batches=2, progress=False, checkpoint_every=2)
     whole = train(TrainConfig(steps=4, out=str(tmp_path / "whole"), **base))
     train(TrainConfig(steps=2, out=str(tmp_path / "part"), **base))
-    resumed = train(TrainConfig(steps=4, out=str(tmp_path / "part"), **base))
+    resumed = train(TrainConfig(steps=4, out=str(tmp_path / "part"), allow_changes="steps",
+                                **base))
     assert resumed.summary["start_step"] == 2
     from effijax.lora import load_adapters
 

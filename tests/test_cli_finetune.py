@@ -142,7 +142,7 @@ def test_bad_init_from_runs_are_clear_errors(tmp_path, lora_run, pretrained, cap
     cases = [
         (tmp_path / "missing", "no such run directory"),
         (lora_run, "is a LoRA run"),
-        (tmp_path, "cannot read its config.json"),
+        (tmp_path, "has no config.json"),
     ]
     for run_dir, message in cases:
         assert main(["train", "--init-from", str(run_dir), "--out", str(tmp_path / "y")]) == 2

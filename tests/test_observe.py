@@ -92,7 +92,7 @@ def test_offline_wandb_run_holds_metrics_and_config_and_a_resume_continues_it(tm
                       out=str(out))
     train(cfg)
     run_id = (out / "wandb_run_id").read_text()
-    result = train(cfg.with_overrides(steps=6))  # the finished run, trained further
+    result = train(cfg.with_overrides(steps=6, allow_changes="steps"))  # trained further
     assert result.summary["start_step"] == 4 and (out / "wandb_run_id").read_text() == run_id
 
     runs = sorted((out / "wandb").glob(f"offline-run-*-{run_id}"))

@@ -211,3 +211,36 @@ def test_lora_from_a_gguf_file_freezes_its_weights_and_exports_hf_names(tmp_path
     with pytest.raises(ConfigError, match="init_from='nowhere.gguf': no such run directory"):
         train(TrainConfig(init_from="nowhere.gguf", lora_rank=2, out=str(tmp_path / "x"),
                           **TINY))
+
+
+def test_export_hf_writes_the_merged_model_transformers_loads(tmp_path, corpus):
+    # A LoRA run on a (tiny, saved) Hugging Face model: OUT/hf holds the adapters merged into
+    # the base, whose logits equal the base + adapters applied factored.
+    import jax
+    import numpy as np
+
+    from effijax.interop import load, save_hf
+    from effijax.lora import load_adapters
+    from effijax.models import preset
+
+    base = preset("llama-tiny")
+    save_hf(tmp_path / "base", base, base.init_params(jax.random.key(0)))
+    out = tmp_path / "run"
+    result = train(TrainConfig(steps=3, data=corpus, out=str(out), init_from=str(tmp_path / "base"),
+                               lora_rank=4, lr=1e-2, seq_len=16, batch_size=4, eval_batches=1,
+                               progress=False, export_hf=True))
+    assert result.summary["hf"] == str(out / "hf")
+    merged_model, merged = load(out / "hf")
+    _, plain = load(tmp_path / "base")
+    adapters, spec = load_adapters(out / "adapters.safetensors", plain)
+    tokens = np.arange(16, dtype=np.int32)[None] % base.vocab_size
+    want = base.logits_fn(spec)({"base": plain, "adapters": adapters}, tokens)
+    got = merged_model.logits_fn()(merged, tokens)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # The adapters moved the model: the export is not the base.
+    assert not np.allclose(merged_model.logits_fn()(plain, tokens), got, atol=1e-4)
+
+
+def test_export_hf_is_refused_for_the_gpt(tmp_path, corpus):
+    with pytest.raises(ConfigError, match="export_hf=True: writes a Hugging Face"):
+        train(TrainConfig(steps=2, data=corpus, out=str(tmp_path / "g"), export_hf=True, **TINY))

@@ -193,6 +193,10 @@ class TrainConfig:
     lora_random_base: bool = _field(False, "train adapters on a randomly initialised base (for "
                                     "experiments; LoRA normally adapts an init_from model)",
                                     flag="--lora-random-base", section="lora")
+    export_hf: bool = _field(False, "at the end, also write OUT/hf: the model (LoRA adapters "
+                             "merged into the base) as a Hugging Face directory that "
+                             "transformers' AutoModelForCausalLM loads (Llama family)",
+                             flag="--export-hf")
 
     def __post_init__(self):
         _check_types(self)

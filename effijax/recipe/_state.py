@@ -226,6 +226,8 @@ def loop_and_finish(config: TrainConfig, job, run: Run, compiled, state, frozen,
         summary["eval_loss"] = evaluate(state.params)
     if job.lora is not None:
         summary["adapters"] = _export_adapters(state.params, job, config, run_dir.is_main)
+    if config.export_hf:
+        summary["hf"] = _export_hf(state.params, frozen, job, config, run_dir.is_main)
     summary.update(_report.summary_extras(job, compiled))
     if watch:
         watch.finish(summary)
@@ -408,6 +410,27 @@ def _last_good(run: Run) -> str:
         return "no checkpoint yet"
     return (f"the last good checkpoint is step {last} in {directory}; rerun the same command "
             "to resume from it")
+
+
+def _export_hf(params, frozen, job, config: TrainConfig, is_main: bool) -> str:
+    """Writes ``OUT/hf``: the trained model (a LoRA run's adapters merged into its base, in
+    f32) as a Hugging Face directory, with the tokenizer; returns its path. Every process takes
+    part in gathering the parameters (they may be sharded over processes); process 0 writes."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    from effijax.interop import save_hf
+
+    def host(tree):
+        return (multihost_utils.process_allgather(tree, tiled=True)
+                if jax.process_count() > 1 else tree)
+
+    directory = str(Path(config.out) / "hf")
+    base, adapters = (params, None) if job.lora is None else (frozen, params)
+    base, adapters = host(base), None if adapters is None else host(adapters)
+    if is_main:
+        save_hf(directory, job.model, base, adapters=adapters, lora=job.lora)
+    return directory
 
 
 def _export_adapters(adapters, job, config: TrainConfig, is_main: bool) -> dict:

@@ -84,6 +84,9 @@ def _run(config: TrainConfig, session: Session, argv) -> TrainResult:
     source = (_sources.read_source(config.init_from, config.seq_len) if config.init_from
               else None)
     model = _sources.model_for(config, source)
+    if config.export_hf and model.family != "llama":
+        raise ConfigError("export_hf", True, f"writes a Hugging Face LlamaForCausalLM; the "
+                          f"{model.family} family has no transformers counterpart")
     config = resolve(config, session.mesh)
     data = load_data(config, model)
     optimizer = optimizer_for(config)
