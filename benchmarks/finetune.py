@@ -18,7 +18,7 @@ the mean cross-entropy of the f32 logits against the shifted tokens; the first l
 two frameworks are printed side by side (they agree to about 1e-5: the same model and batch).
 Steps are timed interleaved (the variants take turns) so that the machine's load falls on all
 of them alike. Then each variant runs alone in a child process for its peak resident memory
-(``ru_maxrss``) next to ``effijax memory``'s estimate of the same configuration.
+(``VmHWM``) next to ``effijax memory``'s estimate of the same configuration.
 
 Goals: effijax LoRA >= 1.3x the tokens/s of peft LoRA; effijax full >= 1.0x torch full;
 effijax LoRA step <= 0.75x the effijax full step.
@@ -33,7 +33,6 @@ import importlib.util
 import json
 import os
 import pathlib
-import resource
 import subprocess
 import sys
 import time
@@ -160,7 +159,10 @@ def _child(name: str, batch_size: int, seq_len: int, rank: int) -> None:
     run = _runner(name, gguf, batch, rank, {})
     for _ in range(3):
         run()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    # VmHWM, not ru_maxrss: Linux carries ru_maxrss over fork and exec, so a child of a large
+    # parent would report the parent's size.
+    with open("/proc/self/status") as f:
+        peak = next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
     print(json.dumps({"peak_mib": peak}))
 
 
