@@ -183,10 +183,8 @@ def _estimate(model, batch_size: int, seq_len: int, rank: int | None) -> int:
         fraction = lora.count_params(adapters) / shape.num_params
     states = model_states(shape.num_params, optimizer="adamw", precision="fp32",
                           lora_fraction=fraction, frozen_dtype="fp32")
-    acts = activation_bytes(layers=shape.layers, hidden=shape.hidden, heads=shape.heads,
-                            seq_len=seq_len, batch_size=batch_size, bytes_per_value=4,
-                            dropout=False, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
-                            ffn=shape.ffn, gated_mlp=True, vocab=shape.vocab)
+    acts = activation_bytes(**shape.activation_args(), seq_len=seq_len, batch_size=batch_size,
+                            bytes_per_value=4, dropout=False)
     return states.model_state_bytes + acts
 
 

@@ -301,8 +301,9 @@ def _model_shape(args: argparse.Namespace, batch_name: str) -> dict | None:
     if args.lora_rank is not None:
         args.lora_fraction = _adapter_count(model, args.lora_rank) / shape.num_params
     args.model_name = getattr(model, "name", args.model)
-    return {"kv_heads": shape.kv_heads, "head_dim": shape.head_dim, "ffn": shape.ffn,
-            "gated_mlp": shape.gated_mlp, "vocab": shape.vocab}
+    # layers, hidden and heads travel in args with the shape flags they stand for.
+    return {k: v for k, v in shape.activation_args().items()
+            if k not in ("layers", "hidden", "heads")}
 
 
 def _adapter_count(model, rank: int) -> int:

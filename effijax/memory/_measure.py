@@ -357,12 +357,9 @@ def activation_measure(
             if cfg.remat in ("none", "block"):
                 shape = cfg.shape()
                 formula = activation_bytes(
-                    layers=shape.layers, hidden=shape.hidden, heads=shape.heads, seq_len=s,
-                    batch_size=batch_size, bytes_per_value=bytes_per_value,
-                    dropout=getattr(cfg, "dropout", 0) > 0, checkpointing=cfg.remat,
-                    blockwise_attention=cfg.attention == "blockwise",
-                    kv_heads=shape.kv_heads, head_dim=shape.head_dim, ffn=shape.ffn,
-                    gated_mlp=shape.gated_mlp, vocab=shape.vocab,
+                    **shape.activation_args(), seq_len=s, batch_size=batch_size,
+                    bytes_per_value=bytes_per_value, dropout=getattr(cfg, "dropout", 0) > 0,
+                    checkpointing=cfg.remat, blockwise_attention=cfg.attention == "blockwise",
                 )
             rows = compare(states, measurement, activation_bytes=formula,
                            other_argument_bytes=tree_bytes((batch, state.step, state.rng)))

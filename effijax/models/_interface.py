@@ -63,6 +63,19 @@ class ModelShape:
     seq_len: int
     gated_mlp: bool = False
 
+    def activation_args(self) -> dict:
+        """The shape as :func:`effijax.memory.activation_bytes` and :func:`effijax.memory.plan`
+        take it (all but the sequence length and batch, which a run chooses).
+
+        Example:
+          >>> ModelShape(num_params=1, layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16,
+          ...            ffn=128, vocab=256, seq_len=32, gated_mlp=True).activation_args()["ffn"]
+          128
+        """
+        return {"layers": self.layers, "hidden": self.hidden, "heads": self.heads,
+                "kv_heads": self.kv_heads, "head_dim": self.head_dim, "ffn": self.ffn,
+                "gated_mlp": self.gated_mlp, "vocab": self.vocab}
+
 
 class LanguageModel(abc.ABC):
     """A causal language model: a frozen architecture config plus the functions of it.

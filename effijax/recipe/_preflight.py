@@ -129,9 +129,7 @@ def _suggestion(job, budget: int) -> str:
     shape = {}
     if not job.batch_size % job.mesh.size:
         s = model.shape()
-        shape = dict(layers=s.layers, hidden=s.hidden, heads=s.heads, seq_len=s.seq_len,
-                     global_batch=job.batch_size, kv_heads=s.kv_heads, head_dim=s.head_dim,
-                     ffn=s.ffn, gated_mlp=s.gated_mlp, vocab=s.vocab,
+        shape = dict(**s.activation_args(), seq_len=s.seq_len, global_batch=job.batch_size,
                      dropout=getattr(model, "dropout", 0) > 0)
     try:
         p = plan(job.num_params, devices=job.mesh.size, device_memory=f"{budget}B", **shape)
