@@ -2,9 +2,15 @@
 
 A :class:`KVCache` holds every layer's keys and values for ``T`` positions (the cache's fixed
 ``max_len``), stacked along ``L`` like the layers' parameters: ``k_LBTGK``, ``v_LBTGK``. A cached
-forward pass runs ``S`` new tokens at positions ``start .. start + S - 1``: each layer writes
+forward pass runs ``S`` new tokens at slots ``start .. start + S - 1``: each layer writes
 their keys and values into its slice at ``start`` and its queries attend to the cache's keys at
-positions ``<= `` their own (:func:`cached_attend`). The same program serves a prompt (``S`` = the
+slots ``<= `` their own (:func:`cached_attend`).
+
+Prompts of different lengths share a batch left-padded: ``pad_B`` holds each row's padding
+slots, so row ``b``'s first real token is at slot ``pad_B[b]`` and the token at slot ``t`` is at
+position ``t - pad_B[b]`` of its sequence (:func:`row_positions`: what the rotary or learned
+position embeddings see), and its queries never attend to the padding slots. A padded row thus
+computes what its prompt alone computes, and every row decodes at the same slot. The same program serves a prompt (``S`` = the
 padded prompt, the prefill) and each generated token (``S = 1``); every shape is fixed by
 ``max_len``, so decoding N tokens compiles one step. Positions past the ones written hold stale
 values; they are never attended to (a query only sees keys at positions up to its own, and each
@@ -27,14 +33,16 @@ from effijax.lora import LoraSpec
 from effijax.models._layers import _constrain, _lora_hooks
 from effijax.precision import dot, softmax
 
-__all__ = ["KVCache", "init_cache", "cached_attend", "write_cache"]
+__all__ = ["KVCache", "init_cache", "cached_attend", "write_cache", "row_positions"]
 
 
 class KVCache(NamedTuple):
-    """Keys and values of every layer for ``T`` positions: ``k_LBTGK``, ``v_LBTGK``."""
+    """Keys and values of every layer for ``T`` positions: ``k_LBTGK``, ``v_LBTGK``; and
+    ``pad_B`` (int32 ``[B]``), the left-padding slots of each row (None: no padding)."""
 
     k_LBTGK: jax.Array
     v_LBTGK: jax.Array
+    pad_B: jax.Array | None = None
 
     @property
     def max_len(self) -> int:
@@ -44,14 +52,32 @@ class KVCache(NamedTuple):
 
 def init_cache(layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int,
                dtype: Any = jnp.float32) -> KVCache:
-    """An empty (zero) cache; its dtype is the model's compute dtype.
+    """An empty (zero) cache without padding (set ``pad_B`` with ``_replace`` for
+    left-padded prompts); its dtype is the model's compute dtype.
 
     Example:
-      >>> init_cache(2, 1, 16, 2, 8).k_LBTGK.shape
-      (2, 1, 16, 2, 8)
+      >>> cache = init_cache(2, 1, 16, 2, 8)
+      >>> cache.k_LBTGK.shape, cache.pad_B.tolist()
+      ((2, 1, 16, 2, 8), [0])
     """
     shape = (layers, batch, max_len, kv_heads, head_dim)
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+                   jnp.zeros((batch,), jnp.int32))
+
+
+def row_positions(cache: KVCache, start: jax.Array, s: int) -> jax.Array:
+    """Positions ``[B, S]`` (or ``[1, S]`` without padding) of ``S`` tokens at slots ``start ..
+    start + S - 1``: each row counts from its first real token (padding slots get 0).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> cache = init_cache(1, 2, 8, 1, 4)._replace(pad_B=jnp.array([0, 3], jnp.int32))
+      >>> row_positions(cache, jnp.int32(2), 3).tolist()
+      [[2, 3, 4], [0, 0, 1]]
+    """
+    slots_S = jnp.asarray(start, jnp.int32) + jnp.arange(s, dtype=jnp.int32)
+    pad_B = jnp.zeros((1,), jnp.int32) if cache.pad_B is None else cache.pad_B
+    return jnp.maximum(slots_S[None, :] - pad_B[:, None], 0)
 
 
 def write_cache(cache_BTGK: jax.Array, new_BSGK: jax.Array, start: jax.Array) -> jax.Array:
@@ -69,13 +95,15 @@ def write_cache(cache_BTGK: jax.Array, new_BSGK: jax.Array, start: jax.Array) ->
 
 
 def cached_attend(q_BSHK: jax.Array, k_BTGK: jax.Array, v_BTGK: jax.Array,
-                  start: jax.Array) -> jax.Array:
-    """Attention of ``S`` queries at positions ``start + i`` to the cache's ``T`` keys.
+                  start: jax.Array, pad_B: jax.Array | None = None) -> jax.Array:
+    """Attention of ``S`` queries at slots ``start + i`` to the cache's ``T`` keys.
 
-    Query ``i`` sees the keys at positions ``0 .. start + i``; query head ``h`` reads key/value
-    head ``h // (H // G)``. The math of :func:`~effijax.models.attend` (queries scaled by
-    ``1/sqrt(K)``, f32 accumulation, f32 softmax with masked entries exactly 0), so a cached
-    forward pass gives the full forward pass's values.
+    Query ``i`` sees the keys at slots ``0 .. start + i``, in row ``b`` only from ``pad_B[b]``
+    on (its left padding masked out; a padding query sees itself alone, so that every softmax
+    is over some key); query head ``h`` reads key/value head ``h // (H // G)``. The math of
+    :func:`~effijax.models.attend` (queries scaled by ``1/sqrt(K)``, f32 accumulation, f32
+    softmax with masked entries exactly 0), so a cached forward pass gives the full forward
+    pass's values.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -85,6 +113,14 @@ def cached_attend(q_BSHK: jax.Array, k_BTGK: jax.Array, v_BTGK: jax.Array,
       >>> last = cached_attend(q[:, 4:], k[:, :, :2], v[:, :, :2], jnp.int32(4))
       >>> bool(jnp.allclose(last, full[:, 4:], atol=1e-6))
       True
+
+      Left-padded by one slot (``pad_B``), the rows attend as if unpadded:
+
+      >>> q, k = jax.random.normal(jax.random.key(1), (2, 2, 3, 2, 8))  # batch 2, 3 tokens
+      >>> padded = jnp.concatenate([jnp.zeros_like(k[:, :1]), k], axis=1)
+      >>> out = cached_attend(q, padded, padded, jnp.int32(1), jnp.array([1, 1]))
+      >>> bool(jnp.allclose(out, attend(q, k, k), atol=1e-6))
+      True
     """
     groups = q_BSHK.shape[2] // k_BTGK.shape[2]
     if groups > 1:
@@ -93,9 +129,13 @@ def cached_attend(q_BSHK: jax.Array, k_BTGK: jax.Array, v_BTGK: jax.Array,
     s, t = q_BSHK.shape[1], k_BTGK.shape[1]
     q_BSHK = q_BSHK * jnp.asarray(1.0 / math.sqrt(q_BSHK.shape[-1]), q_BSHK.dtype)
     scores_BHST = dot("bshk,bthk->bhst", q_BSHK, k_BTGK)
-    positions_S = jnp.asarray(start, jnp.int32) + jnp.arange(s, dtype=jnp.int32)
-    mask_ST = jnp.arange(t, dtype=jnp.int32)[None, :] <= positions_S[:, None]
-    probs_BHST = softmax(scores_BHST, axis=-1, where=mask_ST)
+    slots_S = jnp.asarray(start, jnp.int32) + jnp.arange(s, dtype=jnp.int32)
+    slots_T = jnp.arange(t, dtype=jnp.int32)
+    mask_BST = (slots_T[None, :] <= slots_S[:, None])[None]
+    if pad_B is not None:
+        real_BT = slots_T[None, :] >= pad_B[:, None]
+        mask_BST = mask_BST & (real_BT[:, None, :] | (slots_T[None, :] == slots_S[:, None]))
+    probs_BHST = softmax(scores_BHST, axis=-1, where=mask_BST[:, None])
     return dot("bhst,bthk->bshk", probs_BHST, v_BTGK)
 
 
@@ -106,7 +146,8 @@ def run_layers_cached(x_BSD: jax.Array, stacked, cache: KVCache, start: jax.Arra
     """Runs the layers over new tokens, each layer reading and writing its cache slice.
 
     The cached counterpart of :func:`~effijax.models._layers._run_layers`: the layer module is
-    called as ``layer(x_BSD, None, hooks, *consts, cache=(k_BTGK, v_BTGK, start))`` and returns
+    called as ``layer(x_BSD, None, hooks, *consts, cache=(k_BTGK, v_BTGK, start, pad_B))``
+    (``pad_B``: the cache's left padding per row, or None) and returns
     ``(x_BSD, (k_BTGK, v_BTGK))``. No dropout, no remat (inference).
 
     The stacked layers are scanned. With ``layers`` (:func:`split_layers` of the stack: one
@@ -123,22 +164,22 @@ def run_layers_cached(x_BSD: jax.Array, stacked, cache: KVCache, start: jax.Arra
                                                                     path)
             x_BSD, (k_BTGK, v_BTGK) = nnx.merge(graphdef, layer_state)(
                 x_BSD, None, hooks, *consts,
-                cache=(cache.k_LBTGK[i], cache.v_LBTGK[i], start))
+                cache=(cache.k_LBTGK[i], cache.v_LBTGK[i], start, cache.pad_B))
             x_BSD = _constrain(x_BSD)
             k_L.append(k_BTGK)
             v_L.append(v_BTGK)
-        return x_BSD, KVCache(jnp.stack(k_L), jnp.stack(v_L))
+        return x_BSD, KVCache(jnp.stack(k_L), jnp.stack(v_L), cache.pad_B)
 
     def body(x_BSD, layer):
         layer_state, k_BTGK, v_BTGK, layer_adapters = layer
         hooks = None if layer_adapters is None else _lora_hooks(layer_adapters, lora, None, path)
         x_BSD, (k_BTGK, v_BTGK) = nnx.merge(graphdef, layer_state)(
-            x_BSD, None, hooks, *consts, cache=(k_BTGK, v_BTGK, start))
+            x_BSD, None, hooks, *consts, cache=(k_BTGK, v_BTGK, start, cache.pad_B))
         return _constrain(x_BSD), (k_BTGK, v_BTGK)
 
     x_BSD, (k_LBTGK, v_LBTGK) = jax.lax.scan(
         body, x_BSD, (stacked, cache.k_LBTGK, cache.v_LBTGK, adapters))
-    return x_BSD, KVCache(k_LBTGK, v_LBTGK)
+    return x_BSD, KVCache(k_LBTGK, v_LBTGK, cache.pad_B)
 
 
 def split_layers(stacked) -> tuple:
@@ -159,8 +200,9 @@ def make_decode(graphdef: nnx.GraphDef, lora: LoraSpec | None = None, stack: str
 
     ``params`` as in :func:`~effijax.models.make_apply` (with ``lora``, ``{"base": params,
     "adapters": adapters}``: the adapters are applied factored, never merged). ``tokens_BS`` are
-    at positions ``start .. start + S - 1`` (an int32 scalar, traced; ``start + S`` must not
-    exceed the cache's ``max_len``). The logits are ``[B, S, V]``, or with ``last`` (an int32
+    at slots ``start .. start + S - 1`` of the cache (an int32 scalar, traced; ``start + S``
+    must not exceed the cache's ``max_len``); with the cache's ``pad_B`` (left-padded prompts of
+    different lengths) row ``b``'s token at slot ``t`` is at position ``t - pad_B[b]``. The logits are ``[B, S, V]``, or with ``last`` (an int32
     index into ``S``) ``[B, 1, V]`` at that position only: a padded prompt's last real token,
     without the output head's cost at the others. ``layers`` optionally holds the base
     parameters' layer stack (``params[stack]``) split per layer (``decode.split_layers(params)``,

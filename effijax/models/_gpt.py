@@ -39,6 +39,7 @@ from effijax.models._cache import (
     cached_attend,
     init_cache,
     make_decode,
+    row_positions,
     run_layers_cached,
     select_last,
     write_cache,
@@ -344,10 +345,10 @@ class _Attention(nnx.Module):
         k_BSHK = split(self.k(x_ND, lora.get("k")))
         v_BSHK = split(self.v(x_ND, lora.get("v")))
         if cache is not None:  # decoding (effijax.models._cache): write, then attend to all
-            k_BTHK, v_BTHK, start = cache
+            k_BTHK, v_BTHK, start, pad_B = cache
             k_BTHK = write_cache(k_BTHK, k_BSHK, start)
             v_BTHK = write_cache(v_BTHK, v_BSHK, start)
-            out_BSHK = cached_attend(q_BSHK, k_BTHK, v_BTHK, start)
+            out_BSHK = cached_attend(q_BSHK, k_BTHK, v_BTHK, start, pad_B)
             return self.o(out_BSHK.reshape(b, s, cfg.d_model), lora.get("o")), (k_BTHK, v_BTHK)
         out_BSHK = ATTENTION[cfg.attention](
             q_BSHK, k_BSHK, v_BSHK, causal=True, dropout_rate=cfg.dropout, dropout_key=key
@@ -383,7 +384,7 @@ class _Block(nnx.Module):
 
     def __call__(self, x_BSD: jax.Array, key: jax.Array | None,
                  lora: dict | None = None, cache: tuple | None = None):
-        """The block's output; with a ``cache`` (``(k_BTHK, v_BTHK, start)``, decoding, no
+        """The block's output; with a ``cache`` (``(k_BTHK, v_BTHK, start, pad_B)``, no
         dropout) also the cache slices with this step's keys and values written."""
         rate = self.config.dropout
         lora = lora or {}
@@ -489,7 +490,8 @@ class GPT(nnx.Module):
                last: jax.Array | None = None, adapters: dict | None = None,
                lora: LoraSpec | None = None, layers: tuple | None = None
                ) -> tuple[jax.Array, KVCache]:
-        """The cached forward pass of ``tokens_BS`` at positions ``start .. start + S - 1``:
+        """The cached forward pass of ``tokens_BS`` at slots ``start .. start + S - 1`` (each
+        row's learned positions counted from its first real token, see ``cache.pad_B``):
         ``(logits, cache)``, see :func:`effijax.models.make_decode`."""
         cfg = self.config
         check_call(self, tokens_BS, adapters, lora, adaptable=_ADAPTABLE,
@@ -500,8 +502,8 @@ class GPT(nnx.Module):
                              f"config.seq_len={cfg.seq_len} (learned positions)")
         start = jnp.asarray(start, jnp.int32)
         x_BSD = jnp.take(self.embed.embedding[...], tokens_BS, axis=0)
-        pos_SD = jax.lax.dynamic_slice_in_dim(self.pos_embed.embedding[...], start, s)
-        x_BSD = _constrain(x_BSD + pos_SD.astype(x_BSD.dtype)[None])
+        pos_BSD = jnp.take(self.pos_embed.embedding[...], row_positions(cache, start, s), axis=0)
+        x_BSD = _constrain(x_BSD + pos_BSD.astype(x_BSD.dtype))
         graphdef, stacked = nnx.split(self.blocks)
         block_adapters = None if adapters is None else adapters.get("blocks")
         x_BSD, cache = run_layers_cached(x_BSD, stacked, cache, start, block_adapters,

@@ -36,6 +36,7 @@ from effijax.models._cache import (
     cached_attend,
     init_cache,
     make_decode,
+    row_positions,
     run_layers_cached,
     select_last,
     write_cache,
@@ -403,11 +404,12 @@ def _rope_tables(config: LlamaConfig, s: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _rope(x_BSHK: jax.Array, cos_SK: jax.Array, sin_SK: jax.Array) -> jax.Array:
-    """Rotates each head's two halves: ``x cos + rotate_half(x) sin``, in f32."""
+    """Rotates each head's two halves: ``x cos + rotate_half(x) sin``, in f32 (tables ``[S, K]``
+    or, per row, ``[B, S, K]``)."""
     x = x_BSHK.astype(jnp.float32)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    out = x * cos_SK[None, :, None, :] + rotated * sin_SK[None, :, None, :]
+    out = x * cos_SK[..., None, :] + rotated * sin_SK[..., None, :]
     return out.astype(x_BSHK.dtype)
 
 
@@ -487,9 +489,9 @@ class _Attention(nnx.Module):
             out_BSHK = _grouped_attention(cfg.attention, q_BSHK, k_BSGK, v_BSGK)
             return self.o_proj(out_BSHK.reshape(b, s, -1), lora.get("o_proj"))
         # Decoding (effijax.models._cache): write this step's keys and values, attend to all.
-        k_BTGK, v_BTGK, start = cache
+        k_BTGK, v_BTGK, start, pad_B = cache
         k_BTGK, v_BTGK = write_cache(k_BTGK, k_BSGK, start), write_cache(v_BTGK, v_BSGK, start)
-        out_BSHK = cached_attend(q_BSHK, k_BTGK, v_BTGK, start)
+        out_BSHK = cached_attend(q_BSHK, k_BTGK, v_BTGK, start, pad_B)
         return self.o_proj(out_BSHK.reshape(b, s, -1), lora.get("o_proj")), (k_BTGK, v_BTGK)
 
 
@@ -521,7 +523,7 @@ class _Layer(nnx.Module):
 
     def __call__(self, x_BSD: jax.Array, key: jax.Array | None, lora: dict | None,
                  cos_SK: jax.Array, sin_SK: jax.Array, cache: tuple | None = None):
-        """The layer's output; with a ``cache`` (``(k_BTGK, v_BTGK, start)``, decoding) also
+        """The layer's output; with a ``cache`` (``(k_BTGK, v_BTGK, start, pad_B)``) also
         the cache slices with this step's keys and values written."""
         del key  # Llama has no dropout; LoRA dropout keys come in through the hooks
         lora = lora or {}
@@ -612,7 +614,8 @@ class Llama(nnx.Module):
                last: jax.Array | None = None, adapters: dict | None = None,
                lora: LoraSpec | None = None, layers: tuple | None = None
                ) -> tuple[jax.Array, KVCache]:
-        """The cached forward pass of ``tokens_BS`` at positions ``start .. start + S - 1``:
+        """The cached forward pass of ``tokens_BS`` at slots ``start .. start + S - 1`` (each
+        row's rotary positions counted from its first real token, see ``cache.pad_B``):
         ``(logits, cache)``, see :func:`effijax.models.make_decode`."""
         cfg = self.config
         check_call(self, tokens_BS, adapters, lora, adaptable=_ADAPTABLE,
@@ -623,12 +626,13 @@ class Llama(nnx.Module):
                              f"config.max_position={cfg.max_position}")
         x_BSD = _constrain(jnp.take(self.embed.embedding[...], tokens_BS, axis=0))
         start = jnp.asarray(start, jnp.int32)
-        cos_SK, sin_SK = (jax.lax.dynamic_slice_in_dim(jnp.asarray(table), start, s)
-                          for table in _rope_tables(cfg, t))
+        positions_BS = row_positions(cache, start, s)
+        cos_BSK, sin_BSK = (jnp.take(jnp.asarray(table), positions_BS, axis=0)
+                            for table in _rope_tables(cfg, t))
         graphdef, stacked = nnx.split(self.layers)
         layer_adapters = None if adapters is None else adapters.get("layers")
         x_BSD, cache = run_layers_cached(x_BSD, stacked, cache, start, layer_adapters,
-                                         (cos_SK, sin_SK), graphdef=graphdef,
+                                         (cos_BSK, sin_BSK), graphdef=graphdef,
                                          lora=None if layer_adapters is None else lora,
                                          path="layers", layers=layers)
         return self._head(select_last(x_BSD, last)), cache
