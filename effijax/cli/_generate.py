@@ -1,10 +1,12 @@
-"""``effijax generate``: continue a prompt (or answer it, ``--chat``) with a model or a run.
+"""``effijax generate``: continue prompts (or answer them, ``--chat``) with a model or a run.
 
 ``--model-from`` names a run directory (a full run's latest checkpoint, or a finished LoRA run's
 adapters on its base, applied without merging), a ``.gguf`` file, a Hugging Face directory, or
-``smollm2`` (the bundled SmolLM2-135M-Instruct). The continuation goes to standard output; the
-timings (compile, prefill, decode, tokens/s) to standard error. Flags are checked before JAX is
-imported.
+``smollm2`` (the bundled SmolLM2-135M-Instruct). The prompts (``--prompt``, repeatable, and
+``--prompts-file``) run as one batch of any lengths. One prompt's continuation goes to standard
+output as text; several go as JSON lines, ``{"prompt": ..., "completion": ...}`` in order. The
+timings (compile, prefill, decode, tokens/s) go to standard error. Flags and the prompts file
+are checked before JAX is imported.
 """
 
 from __future__ import annotations
@@ -27,16 +29,23 @@ def add_parsers(sub) -> None:
       ...                                   "Hi", "--chat", "--top-p", "0.9"])
       >>> args.chat, args.top_p, args.temperature, args.max_new_tokens
       (True, 0.9, 0.0, 64)
+      >>> build_parser().parse_args(["generate", "--model-from", "smollm2", "--prompt", "a",
+      ...                            "--prompt", "b c"]).prompt
+      ['a', 'b c']
     """
     p = sub.add_parser("generate", help="generate text with a model or a run", description=(
-        "Continue a prompt with a model, KV-cached: greedy by default, or sampled with "
-        "--temperature/--top-p and --seed. Prints the continuation on stdout and the timings "
-        "on stderr."))
+        "Continue prompts with a model, KV-cached, as one batch of any lengths: greedy by "
+        "default, or sampled with --temperature/--top-p and --seed. Prints one prompt's "
+        "continuation on stdout as text, several as JSON lines ({\"prompt\": ..., "
+        "\"completion\": ...}, in order), and the timings on stderr."))
     p.add_argument("--model-from", required=True, metavar="PATH",
                    help="a run directory (effijax train --out), a .gguf file, a Hugging Face "
                    "model directory, or smollm2 (the bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--prompt", required=True, help="the text to continue (with --chat: the "
-                   "user's message)")
+    p.add_argument("--prompt", action="append", default=None, help="a text to continue "
+                   "(with --chat: the user's message); repeat for several")
+    p.add_argument("--prompts-file", default=None, metavar="FILE", help="more prompts, after "
+                   "the --prompt ones: a text file of one prompt per line (blank lines skipped), "
+                   "or a .jsonl file of {\"prompt\": ...} records or JSON strings")
     p.add_argument("--chat", action="store_true", help="format the prompt with the model's chat "
                    "template as a user turn and generate the assistant's reply")
     p.add_argument("--system", default=None, help="with --chat: a system message")
@@ -53,12 +62,62 @@ def add_parsers(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _check(args: argparse.Namespace) -> None:
-    """Flag errors that need no model (and no JAX)."""
+def read_prompts(file: str) -> list[str]:
+    r"""The prompts of ``--prompts-file``: one per line of a text file (blank lines skipped), or
+    the records of a ``.jsonl`` file (``{"prompt": ...}`` objects or JSON strings).
+
+    Example:
+      >>> import pathlib, tempfile
+      >>> folder = pathlib.Path(tempfile.mkdtemp())
+      >>> _ = (folder / "p.jsonl").write_text('{"prompt": "two\\nlines"}\n"plain"\n')
+      >>> read_prompts(str(folder / "p.jsonl"))
+      ['two\nlines', 'plain']
+    """
+    import json
+    from pathlib import Path
+
+    path = Path(file)
+    if not path.is_file():
+        raise ConfigError("--prompts-file", file, "no such file")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise ConfigError("--prompts-file", file, "is not UTF-8 text") from None
+    if path.suffix != ".jsonl":
+        prompts = [line for line in lines if line.strip()]
+    else:
+        prompts = []
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as e:
+                raise ConfigError("--prompts-file", file, f"line {n} is not JSON ({e})") \
+                    from None
+            if isinstance(record, dict):
+                record = record.get("prompt")
+            if not isinstance(record, str):
+                raise ConfigError("--prompts-file", file, f"line {n}: expected a JSON string "
+                                  'or an object with a "prompt" string')
+            prompts.append(record)
+    if not prompts:
+        raise ConfigError("--prompts-file", file, "holds no prompts")
+    return prompts
+
+
+def _check(args: argparse.Namespace) -> list[str]:
+    """Flag errors that need no model (and no JAX); returns the prompts."""
     from pathlib import Path
 
     from effijax.recipe import BUNDLED
 
+    prompts = list(args.prompt or [])
+    if args.prompts_file is not None:
+        prompts += read_prompts(args.prompts_file)
+    if not prompts:
+        raise ConfigError("--prompt", None, "give a prompt (--prompt TEXT, repeatable) or a "
+                          "--prompts-file")
     if args.max_new_tokens < 1:
         raise ConfigError("--max-new-tokens", args.max_new_tokens, "must be >= 1")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
@@ -70,6 +129,7 @@ def _check(args: argparse.Namespace) -> None:
     if args.model_from not in BUNDLED and not Path(args.model_from).exists():
         raise ConfigError("--model-from", args.model_from, "no such run directory, GGUF file "
                           f"or Hugging Face directory (or a bundled name: {', '.join(BUNDLED)})")
+    return prompts
 
 
 def _error(e: ConfigError) -> int:
@@ -81,9 +141,10 @@ def _error(e: ConfigError) -> int:
 def run(args: argparse.Namespace) -> int:
     """Runs ``effijax generate``; returns the exit code (2: bad flags or model)."""
     try:
-        _check(args)
+        prompts = _check(args)
     except ConfigError as e:
         return _error(e)
+    import json
     import time
 
     from effijax.generate import load
@@ -92,21 +153,37 @@ def run(args: argparse.Namespace) -> int:
     try:
         loaded = load(args.model_from)
         load_s = time.perf_counter() - t0
-        out = loaded.complete(args.prompt, chat=args.chat, system=args.system,
-                              max_new_tokens=args.max_new_tokens,
-                              temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+        outs = loaded.complete_batch(prompts, chat=args.chat, system=args.system,
+                                     max_new_tokens=args.max_new_tokens,
+                                     temperature=args.temperature, top_p=args.top_p,
+                                     seed=args.seed)
     except ConfigError as e:
         return _error(e)
+    g = outs[0].generation
     if args.verbose:
-        print(f"model: {loaded.source}\nprompt ({out.generation.prompt_tokens} tokens):\n"
-              f"{out.prompt}", file=sys.stderr, flush=True)
-    print(out.text, flush=True)
-    g = out.generation
-    n = int(g.lengths[0]) + int(g.finished[0])  # tokens produced, the EOS included
-    decode_rate = (n - 1) / g.decode_s if n > 1 and g.decode_s > 0 else float("nan")
-    stop = "end of sequence" if g.finished[0] else f"--max-new-tokens {args.max_new_tokens}"
-    print(f"effijax generate: {n} tokens (stopped at {stop}); load {load_s:.2f} s, compile "
-          f"{g.compile_s:.2f} s, prefill {g.prompt_tokens} tokens {g.prefill_s * 1e3:.0f} ms, "
-          f"decode {decode_rate:.1f} tokens/s, overall {n / (g.prefill_s + g.decode_s):.1f} "
-          "tokens/s", file=sys.stderr, flush=True)
+        print(f"model: {loaded.source}", file=sys.stderr, flush=True)
+        for out in outs:
+            print(f"prompt ({g.prompt_lengths[out.row]} tokens):\n{out.prompt}", file=sys.stderr,
+                  flush=True)
+    if len(outs) == 1:
+        print(outs[0].text, flush=True)
+    else:
+        for given, out in zip(prompts, outs, strict=True):
+            print(json.dumps({"prompt": given, "completion": out.text}, ensure_ascii=False),
+                  flush=True)
+    produced_B = g.lengths + g.finished  # tokens produced per row, the EOS included
+    n = int(produced_B.sum())
+    steps = int(produced_B.max())  # the first token comes from the prefill
+    decode_rate = (n - len(outs)) / g.decode_s if steps > 1 and g.decode_s > 0 else float("nan")
+    if len(outs) == 1:
+        stop = "end of sequence" if g.finished[0] else f"--max-new-tokens {args.max_new_tokens}"
+        what = f"{n} tokens (stopped at {stop})"
+        prefill = f"{g.prompt_tokens} tokens"
+    else:
+        what = (f"{len(outs)} prompts, {n} tokens ({int(g.finished.sum())} stopped at end of "
+                "sequence)")
+        prefill = f"{int(g.prompt_lengths.sum())} tokens"
+    print(f"effijax generate: {what}; load {load_s:.2f} s, compile {g.compile_s:.2f} s, "
+          f"prefill {prefill} {g.prefill_s * 1e3:.0f} ms, decode {decode_rate:.1f} tokens/s, "
+          f"overall {n / (g.prefill_s + g.decode_s):.1f} tokens/s", file=sys.stderr, flush=True)
     return 0

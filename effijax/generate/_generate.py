@@ -1,18 +1,24 @@
 """Autoregressive generation with a key/value cache: one compiled prefill, one compiled step.
 
 :func:`generate` runs a model's cached forward pass (:meth:`LanguageModel.decode_fn`) twice
-over: the *prefill* program takes the prompt (padded to a multiple of :data:`PROMPT_BUCKET`
-tokens, so nearby prompt lengths share it), fills the cache and samples the first new token
-from the logits at the prompt's last real position; the *decode* program takes one token at a
-position, updates the cache (its buffer is donated) and samples the next. Both are compiled
+over: the *prefill* program takes the prompts, left-padded to one length (a multiple of
+:data:`PROMPT_BUCKET` tokens, so nearby prompt lengths share it), fills the cache and samples
+the first new token of every row from the logits at the last slot, where every prompt ends; the
+*decode* program takes one token per row at the next slot, updates the cache (its buffer is
+donated) and samples the next. Prompts of different lengths share the batch: the cache's
+``pad_B`` tells the model each row's padding, which its attention masks out and its positions
+skip (a row's first real token is at position 0), so each row computes what its prompt alone
+computes. Both are compiled
 ahead of time for a fixed cache of ``max_len`` positions and kept (per model,
 adapter spec, parameter shapes and sizes), so generating N tokens compiles each once, and a
 second call with the same shapes compiles nothing. Sampling (:func:`~effijax.generate.sample`)
-runs inside the programs with traced temperature and top-p; the key of step ``i`` is
-``fold_in(key(seed), i)``, so a seed reproduces a generation exactly.
+runs inside the programs with traced temperature and top-p; row ``r`` draws step ``i`` with
+``fold_in(fold_in(key(seed), r), i)``, so a seed reproduces a generation exactly and a row's
+tokens do not depend on the other rows' prompts.
 
 The host loop fetches each step's tokens (a few bytes) to stop at end-of-sequence: a row that
-produced an EOS id is finished, and the loop ends when every row is.
+produced an EOS id is finished (its later tokens are replaced by the EOS), and the loop ends
+when every row is.
 
 With a :class:`~effijax.lora.LoraSpec`, ``params`` is ``{"base": ..., "adapters": ...}`` and the
 adapters are applied factored, as in training: nothing is merged.
@@ -46,15 +52,16 @@ class Generation(NamedTuple):
     """What :func:`generate` returns.
 
     Attributes:
-      tokens: int32 ``[B, N]``, the new tokens of each row; after a row's end-of-sequence the
-        EOS id repeats (or 0 without one).
+      tokens: int32 ``[B, N]``, the new tokens of each row (row ``b`` continues prompt ``b``);
+        after a row's end-of-sequence the EOS id repeats (or 0 without one).
       lengths: int ``[B]``, new tokens of each row before its EOS (all ``N`` if none).
       finished: bool ``[B]``, whether the row stopped at an EOS.
-      prompt_tokens: tokens in each prompt.
+      prompt_tokens: tokens in the longest prompt (each prompt's: ``prompt_lengths``).
       compile_s: seconds spent compiling the two programs in this call (0 when kept from an
         earlier call with the same shapes).
       prefill_s: seconds of the prefill (prompt and the first token).
       decode_s: seconds of the decode steps (every token after the first).
+      prompt_lengths: int ``[B]``, tokens in each prompt.
     """
 
     tokens: np.ndarray
@@ -64,6 +71,12 @@ class Generation(NamedTuple):
     compile_s: float
     prefill_s: float
     decode_s: float
+    prompt_lengths: np.ndarray
+
+    @property
+    def outputs(self) -> list[np.ndarray]:
+        """Each row's new tokens up to its EOS (excluded): one int32 array per prompt."""
+        return [row[:n] for row, n in zip(self.tokens, self.lengths, strict=True)]
 
     @property
     def new_tokens(self) -> int:
@@ -103,15 +116,14 @@ def _compiled(model, lora, signature, batch: int, prompt_len: int, max_len: int,
     del signature  # part of the key only (abstract_params hashes by it too)
     decode = model.decode_fn(lora)
 
-    def prefill(params, cache, tokens_BP, last, key, temperature, top_p):
-        logits_B1V, cache = decode(params, cache, tokens_BP, jnp.int32(0), last)
-        token_B = sample(logits_B1V[:, 0], jax.random.fold_in(key, 0), temperature, top_p)
-        return token_B, cache
+    def prefill(params, cache, tokens_BP, key, temperature, top_p):
+        logits_B1V, cache = decode(params, cache, tokens_BP, jnp.int32(0),
+                                   jnp.int32(prompt_len - 1))
+        return _sample_rows(logits_B1V[:, 0], key, jnp.int32(0), temperature, top_p), cache
 
-    def step(params, layers, cache, token_B, position, index, key, temperature, top_p):
-        logits_B1V, cache = decode(params, cache, token_B[:, None], position, layers=layers)
-        token_B = sample(logits_B1V[:, 0], jax.random.fold_in(key, index), temperature, top_p)
-        return token_B, cache
+    def step(params, layers, cache, token_B, slot, index, key, temperature, top_p):
+        logits_B1V, cache = decode(params, cache, token_B[:, None], slot, layers=layers)
+        return _sample_rows(logits_B1V[:, 0], key, index, temperature, top_p), cache
 
     cache = jax.eval_shape(lambda: model.init_cache(batch, max_len, jnp.dtype(dtype_name)))
     params = abstract_params.tree
@@ -123,12 +135,23 @@ def _compiled(model, lora, signature, batch: int, prompt_len: int, max_len: int,
     t0 = time.perf_counter()
     split_c = jax.jit(split).lower(params).compile() if unroll else split
     prefill_c = jax.jit(prefill, donate_argnums=1).lower(
-        params, cache, jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32), i32, key, f32,
+        params, cache, jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32), key, f32,
         f32).compile()
     step_c = jax.jit(step, donate_argnums=2).lower(
         params, layers, cache, jax.ShapeDtypeStruct((batch,), jnp.int32), i32, i32, key, f32,
         f32).compile()
     return split_c, prefill_c, step_c, time.perf_counter() - t0
+
+
+def _sample_rows(logits_BV, key, index, temperature, top_p) -> jax.Array:
+    """The next token of each row, row ``r`` drawn with ``fold_in(fold_in(key, r), index)``:
+    its own stream, whatever the batch's other rows are."""
+
+    def row(logits_V, r):
+        row_key = jax.random.fold_in(jax.random.fold_in(key, r), index)
+        return sample(logits_V[None], row_key, temperature, top_p)[0]
+
+    return jax.vmap(row)(logits_BV, jnp.arange(logits_BV.shape[0], dtype=jnp.int32))
 
 
 class _Hashable(NamedTuple):
@@ -155,23 +178,50 @@ def _eos_ids(eos_id) -> tuple[int, ...]:
     return tuple(int(i) for i in ids)
 
 
-def _check(model, prompt, max_new_tokens, temperature, top_p, max_len) -> tuple[np.ndarray, int]:
-    """The prompt as int32 ``[B, P]`` and the cache length; every error before tracing."""
-    try:
-        prompt_BP = np.asarray(prompt)
-    except ValueError:
-        raise ConfigError("prompt", "ragged", "prompts of a batch must have the same number of "
-                          "tokens") from None
-    if prompt_BP.ndim == 1:
-        prompt_BP = prompt_BP[None]
-    if prompt_BP.ndim != 2 or prompt_BP.shape[1] == 0 or prompt_BP.shape[0] == 0 or \
-            not np.issubdtype(prompt_BP.dtype, np.integer):
-        raise ConfigError("prompt", f"{prompt_BP.dtype}{list(prompt_BP.shape)}",
-                          "expected token ids: a non-empty 1-D sequence or a 2-D [batch, tokens] "
-                          "array of ints")
-    if prompt_BP.min() < 0 or prompt_BP.max() >= model.vocab_size:
-        raise ConfigError("prompt", int(prompt_BP.max()), f"token ids must be in [0, "
-                          f"{model.vocab_size}) for {model.name}")
+def _is_id(x) -> bool:
+    return isinstance(x, int | np.integer) and not isinstance(x, bool)
+
+
+def _prompts(prompt) -> list[np.ndarray]:
+    """The prompts as 1-D integer arrays: from one sequence of ids, a 2-D ``[batch, tokens]``
+    array, or a sequence of sequences of ids (of any lengths)."""
+    expected = ("expected token ids: a non-empty sequence of ints (one prompt), a 2-D [batch, "
+                "tokens] array of them, or a list of such sequences (prompts of any lengths)")
+    if isinstance(prompt, str | bytes):
+        raise ConfigError("prompt", prompt, "expected token ids, not text: encode it first "
+                          "(effijax.generate.load(...).complete takes text)")
+    if hasattr(prompt, "ndim") and hasattr(prompt, "shape"):  # a NumPy or JAX array
+        array = np.asarray(prompt)
+        if array.ndim not in (1, 2):
+            raise ConfigError("prompt", f"{array.dtype}{list(array.shape)}", expected)
+        rows = [array] if array.ndim == 1 else list(array)
+    elif isinstance(prompt, Sequence) and len(prompt) > 0:
+        if all(_is_id(x) for x in prompt):
+            rows = [np.asarray(prompt)]
+        elif any(_is_id(x) or isinstance(x, str | bytes) for x in prompt):
+            raise ConfigError("prompt", type(prompt).__name__, expected)
+        else:
+            rows = [np.asarray(row) for row in prompt]
+    else:
+        raise ConfigError("prompt", prompt if isinstance(prompt, Sequence) else
+                          type(prompt).__name__, expected)
+    for b, row in enumerate(rows):
+        if row.ndim != 1 or row.size == 0 or not np.issubdtype(row.dtype, np.integer):
+            where = "" if len(rows) == 1 else f" (prompt {b})"
+            raise ConfigError("prompt", f"{row.dtype}{list(row.shape)}{where}", expected)
+    return rows
+
+
+def _check(model, prompt, max_new_tokens, temperature, top_p, max_len
+           ) -> tuple[list[np.ndarray], int]:
+    """The prompts as int32 arrays and the cache length; every error before tracing."""
+    prompts = _prompts(prompt)
+    for b, row in enumerate(prompts):
+        if row.min() < 0 or row.max() >= model.vocab_size:
+            bad = int(row.min()) if row.min() < 0 else int(row.max())
+            where = "" if len(prompts) == 1 else f" (prompt {b} has {bad})"
+            raise ConfigError("prompt", bad, f"token ids must be in [0, {model.vocab_size}) for "
+                              f"{model.name}{where}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or \
             max_new_tokens < 1:
         raise ConfigError("max_new_tokens", max_new_tokens, "expected an int >= 1")
@@ -182,40 +232,50 @@ def _check(model, prompt, max_new_tokens, temperature, top_p, max_len) -> tuple[
     if not isinstance(top_p, int | float) or not 0 < top_p <= 1:
         raise ConfigError("top_p", top_p, "expected a number in (0, 1]")
     context = model.max_context
-    needed = prompt_BP.shape[1] + max_new_tokens
+    longest = max(row.size for row in prompts)
+    needed = longest + max_new_tokens
     if max_len is None:
-        max_len = min(context, _round_up(needed, CACHE_BUCKET))
+        padded = _round_up(longest, PROMPT_BUCKET)
+        max_len = min(context, _round_up(padded + max_new_tokens, CACHE_BUCKET))
     elif isinstance(max_len, bool) or not isinstance(max_len, int) or max_len > context:
         raise ConfigError("max_len", max_len, f"expected an int <= {context}, the context of "
                           f"{model.name}")
     if needed > max_len:
-        raise ConfigError("max_new_tokens", max_new_tokens, f"a prompt of "
-                          f"{prompt_BP.shape[1]} tokens and {max_new_tokens} new ones need "
-                          f"{needed} positions; {model.name} attends over at most {max_len}: "
-                          "ask for fewer tokens or shorten the prompt")
-    return prompt_BP.astype(np.int32), max_len
+        prompt_text = "a prompt" if len(prompts) == 1 else "the longest prompt"
+        raise ConfigError("max_new_tokens", max_new_tokens, f"{prompt_text} of {longest} "
+                          f"tokens and {max_new_tokens} new ones need {needed} positions; "
+                          f"{model.name} attends over at most {max_len}: ask for fewer tokens "
+                          "or shorten the prompt")
+    return [row.astype(np.int32) for row in prompts], max_len
 
 
 def generate(model, params, prompt, *, max_new_tokens: int = 64, temperature: float = 0.0,
              top_p: float = 1.0, seed: int = 0, eos_id: int | Sequence[int] | None = None,
              lora=None, max_len: int | None = None, unroll_layers: bool = False
              ) -> Generation:
-    """Continues ``prompt`` with ``model`` for up to ``max_new_tokens`` tokens, KV-cached.
+    """Continues each prompt with ``model`` for up to ``max_new_tokens`` tokens, KV-cached.
+
+    Prompts of different lengths run as one batch, left-padded to the longest (rounded up to a
+    multiple of :data:`PROMPT_BUCKET`): each row gives what its prompt alone gives, and a new
+    mix of lengths with the same padded length reuses the compiled programs.
 
     Args:
       model: a :class:`~effijax.models.LanguageModel` whose family decodes with a cache (the
         Llama family and the GPT).
       params: its parameters in the dtype to compute in; with ``lora``, ``{"base": params,
         "adapters": adapters}``.
-      prompt: token ids, 1-D (one prompt) or 2-D ``[batch, tokens]`` (prompts of one length).
+      prompt: token ids: one prompt (a 1-D sequence), prompts of one length (a 2-D ``[batch,
+        tokens]`` array), or a list of prompts of any lengths (one row each, in order).
       max_new_tokens: tokens to generate at most.
       temperature: 0 for greedy decoding, else the sampling temperature.
       top_p: nucleus sampling's probability mass (1: sample from every token).
-      seed: the sampling seed (the same seed gives the same tokens).
-      eos_id: end-of-sequence id(s) (a tokenizer's ``eos_id``): a row stops after one.
+      seed: the sampling seed (the same seed gives the same tokens; each row draws from its
+        own stream, so a row's tokens do not depend on the other rows' prompts).
+      eos_id: end-of-sequence id(s) (a tokenizer's ``eos_id``): a row stops after one, and
+        generation ends when every row has stopped.
       lora: the adapters' :class:`~effijax.lora.LoraSpec`, or None.
-      max_len: the cache's positions (default: prompt + new tokens, rounded up to a multiple
-        of :data:`CACHE_BUCKET` within the model's context).
+      max_len: the cache's positions (default: the padded prompt + new tokens, rounded up to a
+        multiple of :data:`CACHE_BUCKET` within the model's context).
       unroll_layers: run the decode step's layers unrolled over one buffer per layer (split
         from the stack once per call, a transient copy of it; see
         :func:`effijax.models.split_layers`) instead of scanning the stack, inside which XLA:CPU
@@ -224,7 +284,7 @@ def generate(model, params, prompt, *, max_new_tokens: int = 64, temperature: fl
         noisy), the compile 56 s instead of 7 s; worth it for long generations only.
 
     Returns:
-      A :class:`Generation` (tokens, lengths, timings).
+      A :class:`Generation` (tokens, lengths, timings), one row per prompt.
 
     Raises:
       ConfigError: bad arguments or a prompt that does not fit the context, before compiling.
@@ -237,11 +297,22 @@ def generate(model, params, prompt, *, max_new_tokens: int = 64, temperature: fl
       >>> out = generate(model, params, [1, 2, 3], max_new_tokens=5)
       >>> out.tokens.shape, out.lengths.tolist(), out.finished.tolist()
       ((1, 5), [5], [False])
+
+      Prompts of different lengths, one row each; each row is what its prompt gives alone:
+
+      >>> batch = generate(model, params, [[1, 2, 3], [4, 5, 6, 7, 8, 9]], max_new_tokens=5)
+      >>> batch.tokens.shape, batch.prompt_lengths.tolist()
+      ((2, 5), [3, 6])
+      >>> batch.outputs[0].tolist() == out.tokens[0].tolist()
+      True
     """
-    prompt_BP, max_len = _check(model, prompt, max_new_tokens, temperature, top_p, max_len)
+    prompts, max_len = _check(model, prompt, max_new_tokens, temperature, top_p, max_len)
     eos = _eos_ids(eos_id)
-    batch, length = prompt_BP.shape
-    padded = min(_round_up(length, PROMPT_BUCKET), max_len)
+    batch = len(prompts)
+    lengths_B = np.array([row.size for row in prompts])
+    longest = int(lengths_B.max())
+    # Left padding: every prompt ends at slot ``padded - 1``, every row decodes at one slot.
+    padded = min(_round_up(longest, PROMPT_BUCKET), max_len - max_new_tokens)
     dtype = jnp.dtype(_compute_dtype(params, lora))
     abstract = jax.tree.map(_abstract, params)
     signature = _signature(abstract)
@@ -253,15 +324,16 @@ def generate(model, params, prompt, *, max_new_tokens: int = 64, temperature: fl
         compile_s = 0.0
 
     tokens_BP = np.zeros((batch, padded), np.int32)
-    tokens_BP[:, :length] = prompt_BP
+    for b, row in enumerate(prompts):
+        tokens_BP[b, padded - row.size:] = row
     key = jax.random.key(seed)
     temperature, top_p = jnp.float32(temperature), jnp.float32(top_p)
     cache = model.init_cache(batch, max_len, dtype)
+    cache = cache._replace(pad_B=jnp.asarray(padded - lengths_B, jnp.int32))
     jax.block_until_ready(cache)
 
     t0 = time.perf_counter()
-    token_B, cache = prefill(params, cache, jnp.asarray(tokens_BP), jnp.int32(length - 1), key,
-                             temperature, top_p)
+    token_B, cache = prefill(params, cache, jnp.asarray(tokens_BP), key, temperature, top_p)
     layers = split(params)  # unroll_layers: one buffer per layer (a copy of the stack)
     host_B = np.asarray(token_B)
     prefill_s = time.perf_counter() - t0
@@ -271,7 +343,7 @@ def generate(model, params, prompt, *, max_new_tokens: int = 64, temperature: fl
     for i in range(1, max_new_tokens):
         if finished_B.all():
             break
-        token_B, cache = step(params, layers, cache, token_B, jnp.int32(length + i - 1),
+        token_B, cache = step(params, layers, cache, token_B, jnp.int32(padded + i - 1),
                               jnp.int32(i), key, temperature, top_p)
         host_B = np.asarray(token_B)
         out.append(host_B)
@@ -280,8 +352,8 @@ def generate(model, params, prompt, *, max_new_tokens: int = 64, temperature: fl
 
     tokens_BN = np.stack(out, axis=1)
     is_eos_BN = np.isin(tokens_BN, eos)
-    lengths_B = np.where(is_eos_BN.any(1), is_eos_BN.argmax(1), tokens_BN.shape[1])
-    after_BN = np.arange(tokens_BN.shape[1])[None] >= lengths_B[:, None]
+    stops_B = np.where(is_eos_BN.any(1), is_eos_BN.argmax(1), tokens_BN.shape[1])
+    after_BN = np.arange(tokens_BN.shape[1])[None] >= stops_B[:, None]
     tokens_BN = np.where(after_BN, eos[0] if eos else 0, tokens_BN).astype(np.int32)
-    return Generation(tokens_BN, lengths_B, is_eos_BN.any(1), length, compile_s, prefill_s,
-                      decode_s)
+    return Generation(tokens_BN, stops_B, is_eos_BN.any(1), longest, compile_s, prefill_s,
+                      decode_s, lengths_B)

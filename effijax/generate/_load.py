@@ -10,14 +10,16 @@
 * a finished LoRA run's directory: its base (what the run started from, loaded as above) and its
   ``adapters.safetensors``, applied factored at every step (not merged).
 
-The result, a :class:`Loaded`, turns text into text with :meth:`Loaded.complete`, through the
-chat template for ``chat=True``.
+The result, a :class:`Loaded`, turns text into text with :meth:`Loaded.complete` (a list of
+texts, as one batch, with :meth:`Loaded.complete_batch`), through the chat template for
+``chat=True``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -30,11 +32,13 @@ __all__ = ["Loaded", "Completion", "load"]
 
 
 class Completion(NamedTuple):
-    """A text continuation: the prompt as the model saw it, the new text, and the run."""
+    """A text continuation: the prompt as the model saw it, the new text, and the run (shared by
+    the prompts of a batch; this one is its row ``row``)."""
 
     prompt: str
     text: str
     generation: Generation
+    row: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,13 +96,33 @@ class Loaded:
         """Generates a continuation of ``prompt`` (with ``chat``, a reply to it as a user
         message); ``kwargs`` go to :func:`~effijax.generate.generate` (``max_new_tokens``,
         ``temperature``, ``top_p``, ``seed``). Stops at the tokenizer's EOS."""
-        text = self.chat_prompt(prompt, system) if chat else prompt
-        ids = self.encode(text)
-        if ids.size == 0:
-            raise ConfigError("prompt", prompt, "encodes to no tokens; give some text")
+        if not isinstance(prompt, str):
+            raise ConfigError("prompt", type(prompt).__name__, "expected a text; for several "
+                              "use complete_batch")
+        return self.complete_batch([prompt], chat=chat, system=system, **kwargs)[0]
+
+    def complete_batch(self, prompts: Sequence[str], *, chat: bool = False,
+                       system: str | None = None, **kwargs) -> list[Completion]:
+        """Continues several prompts as one batch (of any lengths; each row gives what its
+        prompt alone gives): one :class:`Completion` per prompt, in order. Arguments as in
+        :meth:`complete`; each row stops at its EOS, and generation when all have.
+
+        Raises:
+          ConfigError: no prompts, or one that encodes to no tokens.
+        """
+        if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts or \
+                not all(isinstance(p, str) for p in prompts):
+            raise ConfigError("prompts", prompts if isinstance(prompts, str) else
+                              type(prompts).__name__, "expected a non-empty list of texts")
+        texts = [self.chat_prompt(p, system) if chat else p for p in prompts]
+        ids = [self.encode(text) for text in texts]
+        for prompt, row in zip(prompts, ids, strict=True):
+            if row.size == 0:
+                raise ConfigError("prompt", prompt, "encodes to no tokens; give some text")
         out = generate(self.model, self.params, ids, eos_id=self.eos_id, lora=self.lora,
                        **kwargs)
-        return Completion(text, self.decode(out.tokens[0, :out.lengths[0]]), out)
+        return [Completion(text, self.decode(row), out, b)
+                for b, (text, row) in enumerate(zip(texts, out.outputs, strict=True))]
 
 
 def _run_values(path: Path) -> dict | None:
