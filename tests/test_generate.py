@@ -203,6 +203,115 @@ def test_generating_n_tokens_compiles_one_prefill_and_one_decode_step(monkeypatc
     assert again.compile_s == 0.0  # same bucket and cache: nothing compiled, nothing traced
 
 
+# --------------------------------------------------------------------------------------------
+# Prompts of different lengths in one batch: left padding with per-row positions and masks.
+# --------------------------------------------------------------------------------------------
+
+RAGGED = [[3, 1, 4], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4], [9, 9, 8, 7, 6, 5, 1]]
+
+
+def _with_adapters(model, params, with_lora):
+    if not with_lora:
+        return params, None
+    spec = lora.LoraSpec(rank=4, alpha=8.0, targets=model.lora_targets)
+    return {"base": params, "adapters": _random_adapters(params, spec)}, spec
+
+
+@pytest.mark.parametrize("with_lora", [False, True], ids=["base", "lora"])
+def test_cached_logits_of_left_padded_rows_equal_the_full_forward_pass(model_params, with_lora):
+    model, params = model_params
+    params, spec = _with_adapters(model, params, with_lora)
+    extra = [[5, 6, 7, 8], [11, 3, 2, 9], [1, 1, 12, 4]]  # fed one per step after the prefill
+    lengths = [len(p) for p in RAGGED]
+    padded = 16
+    tokens = np.zeros((3, padded), np.int32)
+    for b, prompt in enumerate(RAGGED):
+        tokens[b, padded - len(prompt):] = prompt
+    decode = _decode_jit(model, spec)
+    cache = model.init_cache(3, model.seq_len)
+    cache = cache._replace(pad_B=jnp.asarray([padded - n for n in lengths], jnp.int32))
+    prefill, cache = decode(params, cache, jnp.asarray(tokens), jnp.int32(0))
+    steps = []
+    for i in range(4):
+        column = jnp.asarray([[row[i]] for row in extra], jnp.int32)
+        logits, cache = decode(params, cache, column, jnp.int32(padded + i))
+        steps.append(logits[:, 0])
+    window = np.zeros((3, model.seq_len), np.int32)  # unpadded, causal: the tail is unseen
+    for b, prompt in enumerate(RAGGED):
+        window[b, :lengths[b] + 4] = prompt + extra[b]
+    full = _logits_jit(model, spec)(params, jnp.asarray(window))
+    assert float(jnp.abs(full).max()) > 1.0
+    for b, n in enumerate(lengths):
+        cached = jnp.concatenate([prefill[b, padded - n:], jnp.stack([s[b] for s in steps])])
+        np.testing.assert_allclose(cached, full[b, :n + 4], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("with_lora", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["base", "lora"])
+def test_prompts_of_different_lengths_generate_what_each_generates_alone(model_params,
+                                                                         with_lora):
+    model, params = model_params
+    params, spec = _with_adapters(model, params, with_lora)
+    batch = generate(model, params, RAGGED, max_new_tokens=8, lora=spec)
+    assert batch.tokens.shape == (3, 8) and batch.prompt_lengths.tolist() == [3, 11, 7]
+    assert batch.prompt_tokens == 11
+    alone = [generate(model, params, prompt, max_new_tokens=8, lora=spec).tokens[0].tolist()
+             for prompt in RAGGED]
+    assert batch.tokens.tolist() == alone
+    assert [o.tolist() for o in batch.outputs] == alone
+    assert len({tuple(row) for row in alone}) == 3  # the rows differ: each kept its own prompt
+    if not with_lora:
+        assert alone[1] == _rollout(model, params, RAGGED[1], 8)
+    # A 2-D array of prompts of one length is a batch too, and a NumPy row works like a list.
+    same = generate(model, params, np.array([RAGGED[0], RAGGED[0][::-1]]), max_new_tokens=8,
+                    lora=spec)
+    assert same.tokens[0].tolist() == alone[0]
+    mixed = generate(model, params, [np.array(RAGGED[2]), RAGGED[0]], max_new_tokens=8,
+                     lora=spec)
+    assert mixed.tokens.tolist() == [alone[2], alone[0]]
+
+
+def test_each_row_stops_at_its_end_of_sequence(model_params):
+    model, params = model_params
+    free = generate(model, params, RAGGED[:2], max_new_tokens=12).tokens.tolist()
+    eos = [free[0][3], free[1][6]]
+    stops = [min((row.index(e) for e in eos if e in row), default=12) for row in free]
+    assert stops[0] <= 3 and stops[1] <= 6 and stops[0] != stops[1]
+    out = generate(model, params, RAGGED[:2], max_new_tokens=12, eos_id=eos)
+    assert out.lengths.tolist() == stops and out.finished.tolist() == [True, True]
+    assert out.tokens.shape == (2, max(stops) + 1)  # the loop ended when both rows had
+    for b, stop in enumerate(stops):
+        assert out.tokens[b, :stop].tolist() == free[b][:stop]
+        assert out.outputs[b].tolist() == free[b][:stop]
+        assert set(out.tokens[b, stop:].tolist()) == {free[b][stop]}  # its EOS, repeated
+
+
+def test_sampled_rows_are_reproducible_and_independent_of_the_other_prompts(model_params):
+    model, params = model_params
+    kw = dict(max_new_tokens=10, temperature=1.5, seed=3)
+    a = generate(model, params, [RAGGED[0], RAGGED[1]], **kw).tokens
+    b = generate(model, params, [RAGGED[0], RAGGED[2]], **kw).tokens
+    alone = generate(model, params, RAGGED[0], **kw).tokens
+    assert a[0].tolist() == b[0].tolist() == alone[0].tolist()
+    assert a.tolist() == generate(model, params, [RAGGED[0], RAGGED[1]], **kw).tokens.tolist()
+    twice = generate(model, params, [RAGGED[1], RAGGED[1]], **kw).tokens
+    assert twice[0].tolist() != twice[1].tolist()  # one prompt twice: two samples
+    greedy = generate(model, params, [RAGGED[1], RAGGED[1]], max_new_tokens=10).tokens
+    assert greedy[0].tolist() == greedy[1].tolist()
+
+
+def test_a_new_mix_of_prompt_lengths_compiles_nothing(monkeypatch):
+    model = llama_config("llama-tiny", seq_len=32, d_ff=80)  # shapes no other test compiles
+    params = model.init_params(jax.random.key(6))
+    counted = chex.assert_max_traces(model.decode_fn(), n=2)  # prefill + decode step
+    monkeypatch.setattr(LlamaConfig, "decode_fn", lambda self, spec=None: counted)
+    first = generate(model, params, [[1, 2, 3], list(range(1, 10))], max_new_tokens=20)
+    assert first.tokens.shape == (2, 20) and first.compile_s > 0
+    again = generate(model, params, [list(range(4, 16)), [7, 6, 5, 4, 3]], max_new_tokens=20,
+                     temperature=0.7)
+    assert again.compile_s == 0.0 and again.prompt_lengths.tolist() == [12, 5]
+
+
 @pytest.mark.parametrize("kwargs, field", [
     (dict(prompt=list(range(250)), max_new_tokens=10), "max_new_tokens"),
     (dict(prompt=[1, 2], top_p=0.0), "top_p"),
@@ -210,7 +319,15 @@ def test_generating_n_tokens_compiles_one_prefill_and_one_decode_step(monkeypatc
     (dict(prompt=[1, 999]), "prompt"),
     (dict(prompt=[], max_new_tokens=3), "prompt"),
     (dict(prompt=[1, 2], max_new_tokens=0), "max_new_tokens"),
-], ids=["too-long", "top-p", "temperature", "out-of-vocabulary", "empty", "no-tokens"])
+    (dict(prompt=[[1, 2], list(range(250))], max_new_tokens=10), "max_new_tokens"),
+    (dict(prompt=[[1, 2], []]), "prompt"),
+    (dict(prompt=[[1, 2], [3, 999]]), "prompt"),
+    (dict(prompt=[[1, 2], 3]), "prompt"),
+    (dict(prompt="some text"), "prompt"),
+    (dict(prompt=[[1.5, 2.0]]), "prompt"),
+], ids=["too-long", "top-p", "temperature", "out-of-vocabulary", "empty", "no-tokens",
+        "longest-too-long", "an-empty-prompt", "a-prompt-out-of-vocabulary", "ids-and-lists",
+        "text", "floats"])
 def test_bad_arguments_fail_before_compiling(kwargs, field):
     model = llama_config("llama-tiny")  # context 256
     params = jax.eval_shape(lambda: model.init_params(jax.random.key(0)))

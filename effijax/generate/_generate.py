@@ -53,7 +53,7 @@ class Generation(NamedTuple):
 
     Attributes:
       tokens: int32 ``[B, N]``, the new tokens of each row (row ``b`` continues prompt ``b``);
-        after a row's end-of-sequence the EOS id repeats (or 0 without one).
+        after a row's end-of-sequence its EOS id repeats.
       lengths: int ``[B]``, new tokens of each row before its EOS (all ``N`` if none).
       finished: bool ``[B]``, whether the row stopped at an EOS.
       prompt_tokens: tokens in the longest prompt (each prompt's: ``prompt_lengths``).
@@ -353,7 +353,8 @@ def generate(model, params, prompt, *, max_new_tokens: int = 64, temperature: fl
     tokens_BN = np.stack(out, axis=1)
     is_eos_BN = np.isin(tokens_BN, eos)
     stops_B = np.where(is_eos_BN.any(1), is_eos_BN.argmax(1), tokens_BN.shape[1])
-    after_BN = np.arange(tokens_BN.shape[1])[None] >= stops_B[:, None]
-    tokens_BN = np.where(after_BN, eos[0] if eos else 0, tokens_BN).astype(np.int32)
+    after_BN = np.arange(tokens_BN.shape[1])[None] > stops_B[:, None]
+    eos_B = tokens_BN[np.arange(batch), np.minimum(stops_B, tokens_BN.shape[1] - 1)]
+    tokens_BN = np.where(after_BN, eos_B[:, None], tokens_BN).astype(np.int32)
     return Generation(tokens_BN, stops_B, is_eos_BN.any(1), longest, compile_s, prefill_s,
                       decode_s, lengths_B)
