@@ -260,8 +260,8 @@ def test_prompts_of_different_lengths_generate_what_each_generates_alone(model_p
     assert batch.tokens.tolist() == alone
     assert [o.tolist() for o in batch.outputs] == alone
     assert len({tuple(row) for row in alone}) == 3  # the rows differ: each kept its own prompt
-    if not with_lora:
-        assert alone[1] == _rollout(model, params, RAGGED[1], 8)
+    # ... and alone, each is the full forward pass's argmax rollout of its unpadded prompt.
+    assert alone == [_rollout(model, params, prompt, 8, spec) for prompt in RAGGED]
     # A 2-D array of prompts of one length is a batch too, and a NumPy row works like a list.
     same = generate(model, params, np.array([RAGGED[0], RAGGED[0][::-1]]), max_new_tokens=8,
                     lora=spec)
