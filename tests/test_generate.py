@@ -393,7 +393,47 @@ def test_cli_generates_from_a_gguf(tiny_gguf):
                                           top_p=0.9, seed=3).text + "\n"
 
 
+def test_cli_generates_several_prompts_as_json_lines(tiny_gguf, tmp_path):
+    import json
+
+    file = tmp_path / "prompts.jsonl"
+    file.write_text('{"prompt": "the"}\n\n"thin in the thin the"\n')
+    proc = _cli("--model-from", str(tiny_gguf), "--prompt", "the thin", "--prompt",
+                "in the thin the thin in", "--prompts-file", str(file), "--max-new-tokens", "6")
+    assert proc.returncode == 0, proc.stderr
+    prompts = ["the thin", "in the thin the thin in", "the", "thin in the thin the"]
+    loaded = load(str(tiny_gguf))
+    assert len({len(loaded.encode(p)) for p in prompts}) == 4
+    records = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert records == [{"prompt": p, "completion": loaded.complete(p, max_new_tokens=6).text}
+                       for p in prompts]
+    assert "4 prompts" in proc.stderr and "tokens/s" in proc.stderr
+    text = tmp_path / "prompts.txt"  # a text file: one prompt per line
+    text.write_text("the thin\n\nin the\n")
+    from effijax.cli._generate import read_prompts
+
+    assert read_prompts(str(text)) == ["the thin", "in the"]
+
+
+@pytest.mark.parametrize("content, message", [
+    ("", "holds no prompts"),
+    ('{"prompt": "a"}\n{"text": "b"}\n', 'line 2: expected a JSON string or an object'),
+    ('"a"\nnot json\n', "line 2 is not JSON"),
+])
+def test_a_bad_prompts_file_fails_before_loading(content, message, tmp_path, capsys):
+    from effijax.cli import main
+
+    file = tmp_path / "prompts.jsonl"
+    file.write_text(content)
+    assert main(["generate", "--model-from", "smollm2", "--prompts-file", str(file)]) == 2
+    err = capsys.readouterr().err
+    assert f"--prompts-file='{file}'" in err and message in err
+
+
 @pytest.mark.parametrize("flags, message", [
+    (["--model-from", "smollm2"], "give a prompt (--prompt TEXT"),
+    (["--model-from", "smollm2", "--prompts-file", "/no/such/file"],
+     "--prompts-file='/no/such/file': no such file"),
     (["--model-from", "/no/such/run", "--prompt", "x"], "--model-from='/no/such/run': no such"),
     (["--model-from", "smollm2", "--prompt", "x", "--top-p", "0"], "--top-p=0.0: must be in"),
     (["--model-from", "smollm2", "--prompt", "x", "--max-new-tokens", "0"], "must be >= 1"),
