@@ -2,11 +2,12 @@
 
 :func:`generate` continues token ids with any model whose family decodes with a cache (the
 Llama family, the GPT): one compiled prefill, one compiled decode step, greedy or temperature /
-top-p sampling with a seed, stopping at end-of-sequence; base models and base + LoRA adapters
-(applied factored, never merged). :func:`load` opens what ``--model-from`` names (a run
-directory, a GGUF file, a Hugging Face directory, or ``smollm2``) as a :class:`Loaded` model with
-its tokenizer; :meth:`Loaded.complete` goes from text to text, through the chat template for
-chat models.
+top-p sampling with a seed, stopping at end-of-sequence; one prompt or a batch of prompts of
+different lengths (left-padded, each row computing what its prompt alone computes); base models
+and base + LoRA adapters (applied factored, never merged). :func:`load` opens what
+``--model-from`` names (a run directory, a GGUF file, a Hugging Face directory, or ``smollm2``)
+as a :class:`Loaded` model with its tokenizer; :meth:`Loaded.complete` goes from text to text
+(:meth:`Loaded.complete_batch` for several texts), through the chat template for chat models.
 
 Example:
   >>> import jax
@@ -15,6 +16,10 @@ Example:
   >>> out = generate(model, model.init_params(jax.random.key(0)), [1, 2, 3], max_new_tokens=4)
   >>> out.tokens.shape
   (1, 4)
+  >>> out = generate(model, model.init_params(jax.random.key(0)), [[1, 2, 3], [4, 5]],
+  ...                max_new_tokens=4)
+  >>> [row.shape for row in out.outputs], out.prompt_lengths.tolist()
+  ([(4,), (4,)], [3, 2])
 """
 
 from effijax.generate._generate import CACHE_BUCKET, PROMPT_BUCKET, Generation, generate
