@@ -4,17 +4,17 @@ A :class:`KVCache` holds every layer's keys and values for ``T`` positions (the 
 ``max_len``), stacked along ``L`` like the layers' parameters: ``k_LBTGK``, ``v_LBTGK``. A cached
 forward pass runs ``S`` new tokens at slots ``start .. start + S - 1``: each layer writes
 their keys and values into its slice at ``start`` and its queries attend to the cache's keys at
-slots ``<= `` their own (:func:`cached_attend`).
+slots ``<= `` their own (:func:`cached_attend`). The same program serves a prompt (``S`` = the
+padded prompt, the prefill) and each generated token (``S = 1``); every shape is fixed by
+``max_len``, so decoding N tokens compiles one step. Slots past the ones written hold stale
+values; they are never attended to (a query only sees keys at slots up to its own, and each
+slot is written before a query at it runs).
 
 Prompts of different lengths share a batch left-padded: ``pad_B`` holds each row's padding
 slots, so row ``b``'s first real token is at slot ``pad_B[b]`` and the token at slot ``t`` is at
 position ``t - pad_B[b]`` of its sequence (:func:`row_positions`: what the rotary or learned
 position embeddings see), and its queries never attend to the padding slots. A padded row thus
-computes what its prompt alone computes, and every row decodes at the same slot. The same program serves a prompt (``S`` = the
-padded prompt, the prefill) and each generated token (``S = 1``); every shape is fixed by
-``max_len``, so decoding N tokens compiles one step. Positions past the ones written hold stale
-values; they are never attended to (a query only sees keys at positions up to its own, and each
-position is written before a query at it runs).
+computes what its prompt alone computes, and every row decodes at the same slot.
 
 Shape suffixes: ``L`` layers, ``B`` batch, ``S`` new tokens, ``T`` cached positions, ``H`` query
 heads, ``G`` key/value heads, ``K`` head width.
@@ -202,9 +202,10 @@ def make_decode(graphdef: nnx.GraphDef, lora: LoraSpec | None = None, stack: str
     "adapters": adapters}``: the adapters are applied factored, never merged). ``tokens_BS`` are
     at slots ``start .. start + S - 1`` of the cache (an int32 scalar, traced; ``start + S``
     must not exceed the cache's ``max_len``); with the cache's ``pad_B`` (left-padded prompts of
-    different lengths) row ``b``'s token at slot ``t`` is at position ``t - pad_B[b]``. The logits are ``[B, S, V]``, or with ``last`` (an int32
-    index into ``S``) ``[B, 1, V]`` at that position only: a padded prompt's last real token,
-    without the output head's cost at the others. ``layers`` optionally holds the base
+    different lengths) row ``b``'s token at slot ``t`` is at position ``t - pad_B[b]``. The
+    logits are ``[B, S, V]``, or with ``last`` (an int32 index into ``S``) ``[B, 1, V]`` at that
+    slot only: a padded prompt's last real token, without the output head's cost at the
+    others. ``layers`` optionally holds the base
     parameters' layer stack (``params[stack]``) split per layer (``decode.split_layers(params)``,
     :func:`split_layers`): the same values, read in place by each layer's matmuls (faster for
     single tokens; the program is unrolled over the layers). Any effijax model whose module has
