@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from effijax.errors import ConfigError
 from effijax.data import Packed, batch_at, eval_batches, pack_examples, packed_batch
 from effijax.models import (
     ATTENTION,
@@ -287,3 +288,60 @@ def test_packed_loss_and_grads_equal_the_examples_alone(family, attention):
     diffs = jax.tree.leaves(jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), mixed,
                                          grads))
     assert max(diffs) > 1e-5
+
+
+# --------------------------------------------------------------------------------------------
+# The recipe: jobs shard and pass the segments; evaluation scores each example as if alone.
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_job_refuses_batches_without_the_arrays_it_was_planned_for():
+    import optax
+
+    from effijax.recipe import batch_fn, evaluate, plan_job
+
+    model = MODELS["gpt"]
+    job = plan_job(model, "fp32", optax.adam(1e-3), batch_size=8, masked=True)
+    assert job.segmented  # packed rows carry mask and segments
+    packed = pack_examples(_examples(), SEQ, pad_id=0)
+    unsegmented = Packed(packed.tokens_NW, packed.mask_NW)
+    with pytest.raises(ConfigError, match=r"segmented=True .*'segments'"):
+        batch_fn(job, unsegmented)(0)
+    with pytest.raises(ConfigError, match=r"segmented=True"):
+        evaluate(job, None, unsegmented, num_batches=1)
+    plain = plan_job(model, "fp32", optax.adam(1e-3), batch_size=8, masked=True,
+                     segmented=False)
+    assert set(batch_fn(plain, unsegmented)(0)) == {"inputs", "targets", "mask"}
+
+
+@pytest.mark.slow
+def test_sharded_job_trains_and_evaluates_packed_rows_as_the_examples_alone():
+    import optax
+
+    from effijax.recipe import batch_fn, evaluate, init_state, plan_job
+    from effijax.sharding import make_mesh
+
+    model = MODELS["gpt"]
+    examples = _examples(lengths=tuple(range(3, 30, 2)))
+    packed = pack_examples(examples, SEQ, pad_id=0)
+    job = plan_job(model, "fp32", optax.adam(1e-3), batch_size=8, mesh=make_mesh(),
+                   masked=True)
+    state = init_state(job)
+    params = jax.tree.map(jnp.copy, state.params)  # the step donates the state
+    batch = batch_fn(job, packed)(0)
+    assert batch["segments"].sharding == batch["inputs"].sharding
+    _, metrics = job.step(state, batch)
+    local = batch_at(packed, seed=job.seed, step=0, batch_size=8, seq_len=SEQ)
+    assert int(metrics["tokens"]) == int(local["mask"].sum())
+    # The sharded step's loss is the one-device loss of the same rows with their segments (which
+    # is the examples' alone, see above).
+    loss_fn = jax.jit(lambda p, b: model.loss_fn()(p, b)[0])
+    np.testing.assert_allclose(float(metrics["lm_loss"]), float(loss_fn(params, local)),
+                               rtol=1e-5)
+    got = evaluate(job, params, packed, num_batches=2)
+    total = count = 0.0
+    for b in eval_batches(packed, batch_size=8, seq_len=SEQ, num_batches=2):
+        n = float(b["mask"].sum())
+        total += float(loss_fn(params, b)) * n
+        count += n
+    np.testing.assert_allclose(got, total / count, rtol=1e-5)
