@@ -415,8 +415,9 @@ def _rope(x_BSHK: jax.Array, cos_SK: jax.Array, sin_SK: jax.Array) -> jax.Array:
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     if cos_SK.ndim == 2:
-        cos_SK, sin_SK = cos_SK[None], sin_SK[None]
-    out = x * cos_SK[:, :, None, :] + rotated * sin_SK[:, :, None, :]
+        out = x * cos_SK[None, :, None, :] + rotated * sin_SK[None, :, None, :]
+    else:
+        out = x * cos_SK[:, :, None, :] + rotated * sin_SK[:, :, None, :]
     return out.astype(x_BSHK.dtype)
 
 
