@@ -40,7 +40,6 @@ from effijax.models import (
 
 SEQ = 32
 MODELS = {"gpt": gpt_config("tiny", seq_len=SEQ), "llama": llama_config("llama-tiny", seq_len=SEQ)}
-CPU_ATTENTION = ("naive", "blockwise", "xla", "auto")
 
 
 def _examples(seed=0, lengths=(7, 12, 9, 20, 5, 11, 3)):
@@ -155,10 +154,11 @@ def _qkvw(b, s, h, h_kv, k=8, seed=0):
 # Segments crossing 16- and 32-wide blocks; the last row is one segment then padding, the second
 # a row of many short segments (single-token ones included).
 _SEGMENTS = np.array([
-    [1] * 13 + [2] * 40 + [3] * 30 + [0] * 17,
-    [1] * 3 + [2] * 1 + [3] * 17 + [4] * 1 + [5] * 78,
-    [1] * 64 + [0] * 36,
+    [1] * 13 + [2] * 30 + [3] * 20 + [0] * 7,
+    [1] * 3 + [2] * 1 + [3] * 17 + [4] * 1 + [5] * 48,
+    [1] * 40 + [0] * 30,
 ], np.int32)
+_SLOW = pytest.mark.slow
 
 
 @functools.cache
@@ -173,10 +173,11 @@ def _attention_grads(name, causal, h_kv):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
 
 
-@pytest.mark.parametrize("h_kv", [4, 2])
-@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize(("causal", "h_kv"), [(True, 2), (False, 4),
+                                              pytest.param(True, 4, marks=_SLOW),
+                                              pytest.param(False, 2, marks=_SLOW)])
 def test_blockwise_and_xla_with_segments_equal_naive_values_and_grads(causal, h_kv):
-    q, k, v, w = _qkvw(3, 100, 4, h_kv)  # 100 = 6 x 16 + 4 = 3 x 32 + 4: padded blocks
+    q, k, v, w = _qkvw(3, 70, 4, h_kv)  # 70 = 4 x 16 + 6 = 2 x 32 + 6: padded blocks
     seg = jnp.asarray(_SEGMENTS)
     (_, ref), ref_grads = _attention_grads("naive", causal, h_kv)(q, k, v, w, seg)
     assert bool(jnp.all(jnp.isfinite(ref)))
@@ -185,12 +186,10 @@ def test_blockwise_and_xla_with_segments_equal_naive_values_and_grads(causal, h_
         chex.assert_trees_all_close(out, ref, atol=1e-5, rtol=0)
         chex.assert_trees_all_close(grads, ref_grads, atol=1e-5, rtol=0)
     # Naive with segments is each segment attended alone (the reference's own check).
-    for r, row in enumerate(_SEGMENTS):
-        for sid in np.unique(row):
-            at = np.nonzero(row == sid)[0]
-            a, e = int(at[0]), int(at[-1]) + 1
-            alone = attend(q[r:r + 1, a:e], k[r:r + 1, a:e], v[r:r + 1, a:e], causal=causal)
-            chex.assert_trees_all_close(ref[r:r + 1, a:e], alone, atol=1e-5, rtol=0)
+    alone = jax.jit(functools.partial(attend, causal=causal))
+    for r, a, e in ((0, 13, 43), (1, 3, 4), (1, 22, 70), (2, 40, 70)):
+        chex.assert_trees_all_close(ref[r:r + 1, a:e], alone(q[r:r + 1, a:e], k[r:r + 1, a:e],
+                                                             v[r:r + 1, a:e]), atol=1e-5, rtol=0)
     # And segments change something: without them the rows differ after the first segment.
     (_, plain), _ = _attention_grads("naive", causal, h_kv)(q, k, v, w, jnp.ones_like(seg))
     assert float(jnp.max(jnp.abs(plain[0, 13:] - ref[0, 13:]))) > 1e-2
@@ -232,8 +231,11 @@ def test_auto_falls_back_from_cudnn_with_segments_once(monkeypatch):
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("attention", CPU_ATTENTION)
-@pytest.mark.parametrize("family", ["gpt", "llama"])
+@pytest.mark.parametrize(("family", "attention"), [
+    *[("gpt", a) for a in ("naive", "blockwise", "xla")], ("llama", "blockwise"),
+    # "auto" is "blockwise" on a CPU.
+    *[pytest.param(f, a, marks=_SLOW) for f, a in (("gpt", "auto"), ("llama", "naive"),
+                                                    ("llama", "xla"), ("llama", "auto"))]])
 def test_packed_logits_equal_each_example_alone(family, attention):
     examples = _examples()
     packed = pack_examples(examples, SEQ, pad_id=0)
@@ -241,7 +243,9 @@ def test_packed_logits_equal_each_example_alone(family, attention):
     model = _model(family, attention)
     logits_fn = jax.jit(model.logits_fn())
     params = _params(family)
-    batch = packed_batch(packed, np.arange(len(packed)))
+    # As many rows as the examples alone (the packed rows repeated): one compilation of the
+    # unsegmented forward pass serves both references below.
+    batch = packed_batch(packed, np.arange(len(alone)) % len(packed))
     got = logits_fn(params, batch["inputs"], batch["segments"])
     want = logits_fn(params, alone.tokens_NW[:, :-1])  # no segments: one sequence per row
     e = 0
@@ -260,8 +264,9 @@ def test_packed_logits_equal_each_example_alone(family, attention):
                                 rtol=0)
 
 
-@pytest.mark.parametrize("attention", ["naive", "blockwise"])
-@pytest.mark.parametrize("family", ["gpt", "llama"])
+@pytest.mark.parametrize(("family", "attention"), [
+    ("gpt", "naive"), ("llama", "blockwise"),
+    pytest.param("gpt", "blockwise", marks=_SLOW), pytest.param("llama", "naive", marks=_SLOW)])
 def test_packed_loss_and_grads_equal_the_examples_alone(family, attention):
     """The masked mean over a packed batch is the token-weighted mean over the examples run
     alone (the same trained tokens), so the loss and its gradient are equal."""
@@ -272,22 +277,14 @@ def test_packed_loss_and_grads_equal_the_examples_alone(family, attention):
     grad = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, b)[0]))
     params = _params(family)
     packed_b = packed_batch(packed, np.arange(len(packed)))
+    # Each example alone, in its own row (the masked mean over these rows is the mean of the
+    # examples' own losses weighted by their trained tokens).
     alone_b = _no_segments(packed_batch(alone, np.arange(len(alone))))
     assert packed_b["mask"].sum() == alone_b["mask"].sum() == packed.trained_tokens
     loss, grads = grad(params, packed_b)
     want_loss, want_grads = grad(params, alone_b)
-    # The token-weighted mean of the examples' own losses, one example at a time.
-    per_example = [(float(loss_fn(params, _no_segments(packed_batch(alone, np.array([i]))))[0]),
-                    int(alone_b["mask"][i].sum())) for i in range(len(examples))]
-    weighted = sum(v * n for v, n in per_example) / sum(n for _, n in per_example)
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
-    np.testing.assert_allclose(float(loss), weighted, rtol=1e-5)
     chex.assert_trees_all_close(grads, want_grads, atol=1e-6, rtol=1e-4)
-    # And packing without segments would train on other examples' context: another gradient.
-    _, mixed = grad(params, _no_segments(packed_b))
-    diffs = jax.tree.leaves(jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), mixed,
-                                         grads))
-    assert max(diffs) > 1e-5
 
 
 # --------------------------------------------------------------------------------------------
