@@ -5,7 +5,9 @@ ids as ``"segments"``, with which every attention implementation keeps attention
 example and the models restart positions (the GPT's learned ones, the Llama's rotary ones) at
 each example's start. The reference for "alone" is each example at the start of its own row,
 padded after its end, without segments: the models are causal, so padding after a token changes
-nothing before it.
+nothing before it. Rotary scores depend only on the distance between positions, so for the Llama
+restarting them is exact in math either way (it keeps the angles small, as each example alone
+has them); the GPT's learned positions are where a missing restart shows in the logits.
 
 Tolerances: f32 throughout. Logits of the tiny models agree within 2e-5 (observed ~1e-6: the same
 math on differently shaped arrays sums in another order); attention values and gradients
