@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from effijax.errors import ConfigError
 from effijax.data import Packed, batch_at, eval_batches, pack_examples, packed_batch
+from effijax.errors import ConfigError
 from effijax.models import (
     ATTENTION,
     AttentionFallbackWarning,
