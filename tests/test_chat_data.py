@@ -22,6 +22,7 @@ from effijax.data import (
     eval_batches,
     load_corpus,
     pack_examples,
+    packed_batch,
     read_records,
     render_chat,
     split_corpus,
@@ -192,7 +193,7 @@ def test_packed_batches_are_pure_in_seed_and_step_and_split_over_processes(files
     assert data.masked and data.format == "chat"
     kw = dict(seed=3, batch_size=4, seq_len=SEQ)
     a, b = batch_at(data.train, step=7, **kw), batch_at(data.train, step=7, **kw)
-    assert set(a) == {"inputs", "targets", "mask"}
+    assert set(a) == {"inputs", "targets", "mask", "segments"}
     for k in a:
         np.testing.assert_array_equal(a[k], b[k])
     assert not np.array_equal(a["inputs"], batch_at(data.train, step=8, **kw)["inputs"])
@@ -215,8 +216,10 @@ def _logits(model):
 
 
 def _nll(model, params, batch):
-    """Per-position cross-entropy in numpy from the model's logits."""
-    logits = np.asarray(_logits(model)(params, batch["inputs"]), np.float64)
+    """Per-position cross-entropy in numpy from the model's logits (each packed example
+    attending only to itself when the batch has segments)."""
+    logits = np.asarray(_logits(model)(params, batch["inputs"], batch.get("segments")),
+                        np.float64)
     logits -= logits.max(-1, keepdims=True)
     logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     return -np.take_along_axis(logp, batch["targets"][..., None], -1)[..., 0]
@@ -252,9 +255,9 @@ def test_evaluate_model_scores_every_assistant_token(gguf, model):
     records = read_records(files / "qa.jsonl")
     rows = pack_examples([render_chat(loaded.tokenizer, r.messages) for r in records], SEQ,
                          pad_id=IM_END)
-    batch = {"inputs": rows.tokens_NW[:, :-1], "targets": rows.tokens_NW[:, 1:]}
+    batch = packed_batch(rows, np.arange(len(rows)))
     nll = _nll(loaded, params, batch)
-    mask = rows.mask_NW[:, 1:]
+    mask = batch["mask"]
     assert result.format == "chat" and result.tokens == int(mask.sum()) == rows.trained_tokens
     assert result.rows == len(rows)
     np.testing.assert_allclose(result.loss, (nll * mask).sum() / mask.sum(), rtol=1e-5)

@@ -8,12 +8,13 @@ multi-process run takes its own rows of the same global batch.
 With a model's tokenizer, text files are documents joined by the end-of-text token
 (:func:`encode_documents`), and chat / instruction JSONL (:func:`read_records`) is rendered with
 the model's chat template (:func:`render_chat`: the mask marks the assistant's tokens) and packed
-into rows (:func:`pack_examples`) that :func:`batch_at` draws with their mask.
+into rows (:func:`pack_examples`) that :func:`batch_at` draws with their mask and their examples'
+ids (``"segments"``: packed examples do not see each other, positions restart at each one).
 :func:`stdlib_qa` builds an instruction set offline (questions about the standard library,
 answered from the interpreter).
 """
 
-from effijax.data._batches import batch_at, eval_batches
+from effijax.data._batches import batch_at, eval_batches, packed_batch
 from effijax.data._chat import (
     Packed,
     Record,
@@ -56,4 +57,5 @@ __all__ = [
     "split_corpus",
     "batch_at",
     "eval_batches",
+    "packed_batch",
 ]

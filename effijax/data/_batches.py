@@ -7,17 +7,22 @@ same global batch and keeps its own contiguous block of rows, so the concatenati
 is the single-process batch. :func:`eval_batches` returns fixed, evenly spread windows.
 
 Packed chat examples (:class:`~effijax.data.Packed`) are batched the same way with whole rows
-in place of windows, and their batches carry the loss mask as ``"mask"``.
+in place of windows, and their batches carry the loss mask as ``"mask"`` and, when the rows hold
+several examples, the inputs' example ids as ``"segments"`` (int32, 0 for padding): the models
+keep attention within an example and derive positions that restart at each example's start from
+them (the segments are the one source of truth; no separate positions are carried). The mask of a
+target that begins another example than its input is 0. Windows of a text corpus carry neither
+(documents joined by an end-of-text token, as in pretraining).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from effijax.data._chat import Packed
+from effijax.data._chat import Packed, target_mask
 from effijax.errors import ConfigError
 
-__all__ = ["batch_at", "eval_batches"]
+__all__ = ["batch_at", "eval_batches", "packed_batch"]
 
 
 def _check_int(name: str, value, *, minimum: int) -> None:
@@ -68,9 +73,29 @@ def _check_packed(data: Packed) -> Packed:
     return data
 
 
-def _rows(data: Packed, index: np.ndarray) -> dict[str, np.ndarray]:
+def packed_batch(data: Packed, index: np.ndarray, real_B: np.ndarray | None = None
+                 ) -> dict[str, np.ndarray]:
+    """The batch of rows ``index`` of ``data``: inputs, targets, mask and (when the rows have
+    them) segments; rows where ``real_B`` is False are kept but not trained (mask 0).
+
+    Example:
+      >>> import numpy as np
+      >>> from effijax.data import pack_examples
+      >>> ex = [(np.array([1, 2, 3]), np.array([0, 1, 1])), (np.array([4, 5]), np.array([0, 1]))]
+      >>> batch = packed_batch(pack_examples(ex, 4, pad_id=0), np.array([0]))
+      >>> batch["inputs"].tolist(), batch["segments"].tolist(), batch["mask"].tolist()
+      ([[1, 2, 3, 4]], [[1, 1, 1, 2]], [[1, 1, 0, 1]])
+    """
     tokens_BW, mask_BW = data.tokens_NW[index], data.mask_NW[index]
-    return {"inputs": tokens_BW[:, :-1], "targets": tokens_BW[:, 1:], "mask": mask_BW[:, 1:]}
+    segments_BW = None if data.segments_NW is None else data.segments_NW[index]
+    mask_BS = target_mask(mask_BW, segments_BW).astype(np.int32)
+    if real_B is not None:
+        mask_BS = mask_BS * real_B[:, None].astype(np.int32)
+    batch = {"inputs": tokens_BW[:, :-1], "targets": tokens_BW[:, 1:], "mask": mask_BS}
+    if segments_BW is not None:
+        batch["segments"] = segments_BW[:, :-1].astype(np.int32)
+    return batch
+
 
 
 def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
@@ -93,7 +118,8 @@ def batch_at(
     Window starts are drawn uniformly (with replacement) by
     ``np.random.Generator(np.random.Philox(key=(seed, step)))``; targets are the inputs shifted
     by one token. From :class:`~effijax.data.Packed` rows, whole rows are drawn the same way
-    (their width must be ``seq_len + 1``) and the batch adds their ``"mask"``.
+    (their width must be ``seq_len + 1``) and the batch adds their ``"mask"`` and, for packed
+    examples, ``"segments"`` (see :func:`packed_batch`).
 
     Args:
       tokens: 1-D corpus of token ids, or packed rows.
@@ -105,9 +131,10 @@ def batch_at(
       process_count: number of processes; must divide ``batch_size``.
 
     Returns:
-      ``{"inputs": int32[b, S], "targets": int32[b, S]}`` (and ``"mask": int32[b, S]`` from
-      packed rows) with ``b = batch_size // process_count``: rows ``[process_index * b,
-      (process_index + 1) * b)`` of the global batch.
+      ``{"inputs": int32[b, S], "targets": int32[b, S]}`` (and ``"mask": int32[b, S]``, with
+      ``"segments": int32[b, S]`` where the rows have them, from packed rows) with
+      ``b = batch_size // process_count``: rows ``[process_index * b, (process_index + 1) * b)``
+      of the global batch.
 
     Raises:
       ConfigError: naming the argument: a seed, step or size out of range, a ``batch_size`` that
@@ -133,7 +160,7 @@ def batch_at(
     rng = np.random.Generator(np.random.Philox(key=np.array([seed, step], dtype=np.uint64)))
     if isinstance(tokens, Packed):
         data = _check_width(_check_packed(tokens), seq_len)
-        return _rows(data, rng.integers(0, len(data), size=batch_size)[rows])
+        return packed_batch(data, rng.integers(0, len(data), size=batch_size)[rows])
     tokens = _check_tokens(tokens, seq_len)
     # Every process draws the whole global batch (cheap) so that its rows are the same rows.
     starts = rng.integers(0, tokens.size - seq_len, size=batch_size)
@@ -154,8 +181,8 @@ def eval_batches(
     The same arguments always give the same batches (no seed). Windows overlap only when the
     corpus is shorter than ``num_batches * batch_size * (seq_len + 1)`` tokens. From
     :class:`~effijax.data.Packed` rows: evenly spread rows (repeated only when there are fewer
-    than ``num_batches * batch_size``), with their ``"mask"``. ``process_index``
-    and ``process_count`` slice the rows as in :func:`batch_at`.
+    than ``num_batches * batch_size``), with their ``"mask"`` (and ``"segments"``).
+    ``process_index`` and ``process_count`` slice the rows as in :func:`batch_at`.
 
     Returns:
       A list of ``num_batches`` dicts ``{"inputs": int32[b, S], "targets": int32[b, S]}``.
@@ -179,7 +206,7 @@ def eval_batches(
         data = _check_width(_check_packed(tokens), seq_len)
         index_NB = np.linspace(0, len(data) - 1, total).round().astype(np.int64)
         index_NB = index_NB.reshape(num_batches, batch_size)
-        return [_rows(data, index_NB[i, rows]) for i in range(num_batches)]
+        return [packed_batch(data, index_NB[i, rows]) for i in range(num_batches)]
     tokens = _check_tokens(tokens, seq_len)
     starts = np.linspace(0, tokens.size - seq_len - 1, total).astype(np.int64)
     starts_NB = starts.reshape(num_batches, batch_size)

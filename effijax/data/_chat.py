@@ -16,7 +16,12 @@ trained). A token is trained when its first character lies in such a span.
 :func:`pack_examples` packs the rendered examples whole, in order, into rows of ``seq_len + 1``
 tokens (greedy next-fit: an example that does not fit in the current row starts the next one);
 the rest of a row is padding that is never trained. An example longer than a row keeps its first
-``seq_len + 1`` tokens. The training batches are rows drawn by :func:`~effijax.data.batch_at`.
+``seq_len + 1`` tokens. Each token also gets its example's id in the row (1, 2, ... in order, 0 for
+padding): the batches carry these as ``"segments"``, with which the models keep attention within
+an example and restart positions at its start, so a packed example is trained exactly as if it
+were alone in its row (as ``transformers``' flattening collator with position ids does). The
+first token of an example is never a target (nothing before it in its own context predicts
+it). The training batches are rows drawn by :func:`~effijax.data.batch_at`.
 :func:`split_records` holds out a deterministic set of records by their content.
 
 The tokenizer is any object with ``apply_chat_template(messages, add_generation_prompt=...)``
@@ -57,12 +62,16 @@ class Packed(NamedTuple):
 
     Attributes:
       tokens_NW, mask_NW: the rows.
+      segments_NW: int32 example ids within each row (1..n in order, 0 for padding), or None
+        for rows that are windows of one text stream (no segments: each row is one sequence).
+        The batches' ``"segments"`` are ``[:, :-1]`` (the inputs').
       examples: examples packed; ``truncated``: of them, cut to one row.
       filled: real tokens in the rows (padding excluded).
     """
 
     tokens_NW: np.ndarray
     mask_NW: np.ndarray
+    segments_NW: np.ndarray | None = None
     examples: int = 0
     truncated: int = 0
     filled: int = 0
@@ -73,7 +82,23 @@ class Packed(NamedTuple):
     @property
     def trained_tokens(self) -> int:
         """Target positions with a nonzero mask (the first column is never a target)."""
-        return int(np.count_nonzero(self.mask_NW[:, 1:]))
+        return int(np.count_nonzero(target_mask(self.mask_NW, self.segments_NW)))
+
+
+def target_mask(mask_NW: np.ndarray, segments_NW: np.ndarray | None) -> np.ndarray:
+    """The targets' loss mask of rows ``[N, W]``: ``mask_NW[:, 1:]``, and with segments zero
+    where a target starts another segment than its input (an example's first token, which the
+    example alone never predicts).
+
+    Example:
+      >>> import numpy as np
+      >>> target_mask(np.array([[0, 1, 1, 1]]), np.array([[1, 1, 2, 2]])).tolist()
+      [[1, 0, 1]]
+    """
+    mask_NS = mask_NW[:, 1:]
+    if segments_NW is None:
+        return mask_NS
+    return mask_NS * (segments_NW[:, 1:] == segments_NW[:, :-1]).astype(mask_NS.dtype)
 
 
 def _bad(source: str, problem: str) -> ConfigError:
@@ -247,8 +272,9 @@ def pack_examples(examples: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: in
     """Packs ``(ids, mask)`` examples whole, in order, into rows of ``seq_len + 1`` tokens.
 
     Greedy next-fit: an example that does not fit in the current row's free space starts a new
-    row; padding (``pad_id``, mask 0) fills the rest. An example longer than a row is cut to
-    its first ``seq_len + 1`` tokens (counted in ``truncated``).
+    row; padding (``pad_id``, mask 0, segment 0) fills the rest. An example longer than a row is
+    cut to its first ``seq_len + 1`` tokens (counted in ``truncated``). ``segments_NW`` numbers
+    the examples of each row 1, 2, ... in order.
 
     Raises:
       ConfigError: no example, or ``seq_len`` below 1.
@@ -259,8 +285,9 @@ def pack_examples(examples: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: in
       >>> p = pack_examples(ex, 3, pad_id=0)
       >>> p.tokens_NW.tolist(), p.mask_NW.tolist()
       ([[1, 2, 3, 0], [4, 5, 0, 0]], [[0, 1, 1, 0], [0, 1, 0, 0]])
-      >>> pack_examples(ex, 4, pad_id=0).tokens_NW.tolist()
-      [[1, 2, 3, 4, 5]]
+      >>> p = pack_examples(ex, 4, pad_id=0)
+      >>> p.tokens_NW.tolist(), p.segments_NW.tolist()
+      ([[1, 2, 3, 4, 5]], [[1, 1, 1, 2, 2]])
     """
     if isinstance(seq_len, bool) or not isinstance(seq_len, int | np.integer) or seq_len < 1:
         raise ConfigError("seq_len", seq_len, "expected an int >= 1")
@@ -281,11 +308,14 @@ def pack_examples(examples: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: in
         used += len(ids)
     tokens_NW = np.full((len(rows), width), pad_id, np.int32)
     mask_NW = np.zeros((len(rows), width), np.int32)
+    segments_NW = np.zeros((len(rows), width), np.int32)
     for r, row in enumerate(rows):
         at = 0
-        for ids, mask in row:
+        for number, (ids, mask) in enumerate(row, start=1):
             tokens_NW[r, at:at + len(ids)] = ids
             mask_NW[r, at:at + len(ids)] = mask
+            segments_NW[r, at:at + len(ids)] = number
             at += len(ids)
     filled = sum(len(ids) for row in rows for ids, _ in row)
-    return Packed(tokens_NW, mask_NW, examples=len(examples), truncated=truncated, filled=filled)
+    return Packed(tokens_NW, mask_NW, segments_NW, examples=len(examples), truncated=truncated,
+                  filled=filled)

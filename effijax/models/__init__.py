@@ -19,6 +19,7 @@ from effijax.models._attention import (
     attend,
     auto_attend,
     choose_attention,
+    segment_mask,
     xla_attend,
 )
 from effijax.models._blockwise import blockwise_attend
@@ -46,6 +47,7 @@ from effijax.models._interface import (
     preset_names,
     register_family,
 )
+from effijax.models._layers import segment_positions
 from effijax.models._llama import LLAMA_PRESETS, Llama, LlamaConfig, llama_config
 from effijax.models._tokenizer import PRE_TOKENIZERS, Tokenizer, byte_level_bpe
 
@@ -74,6 +76,8 @@ __all__ = [
     "xla_attend",
     "auto_attend",
     "choose_attention",
+    "segment_mask",
+    "segment_positions",
     "AttentionChoice",
     "AttentionFallbackWarning",
     "ATTENTION",

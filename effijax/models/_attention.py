@@ -1,8 +1,10 @@
 """Attention implementations, chosen by name (``GPTConfig.attention``), all with one signature.
 
 Every entry of :data:`ATTENTION` is ``fn(q_BSHK, k_BTHK, v_BTHK, *, causal=True,
-dropout_rate=0.0, dropout_key=None) -> out_BSHK`` with the same semantics (scaled dot product,
-f32 softmax, causal mask ``key <= query``, inverted dropout on the probabilities):
+dropout_rate=0.0, dropout_key=None, segments_BS=None) -> out_BSHK`` with the same semantics
+(scaled dot product, f32 softmax, causal mask ``key <= query``, inverted dropout on the
+probabilities, and with ``segments_BS`` (int ``[B, S]``, the ids of the examples packed into a
+row) attention only between positions of the same segment):
 
 * ``"naive"``: :func:`attend`, the reference; materialises the ``[B, H, S, T]`` scores.
 * ``"blockwise"``: :func:`~effijax.models.blockwise_attend`, flash attention in pure JAX with a
@@ -12,6 +14,10 @@ f32 softmax, causal mask ``key <= query``, inverted dropout on the probabilities
 * ``"auto"``: :func:`auto_attend`, the fused kernel where it can run, otherwise the best other
   implementation (:func:`choose_attention`; on a CPU ``"blockwise"``, measured, see
   :data:`CPU_ATTENTION`); on a GPU a fallback says why, once per reason.
+
+Segments cost nothing when absent: without them every implementation runs exactly its unsegmented
+code. Each query always sees itself, so no softmax row is empty (padding, with its own id, only
+sees padding).
 
 All accept grouped-query attention: ``k`` and ``v`` may have ``H_kv`` heads, ``H_kv`` dividing
 ``H``, query head ``h`` reading kv head ``h // (H // H_kv)`` (Hugging Face Llama's convention).
@@ -42,6 +48,7 @@ __all__ = [
     "attend",
     "auto_attend",
     "choose_attention",
+    "segment_mask",
     "xla_attend",
 ]
 
@@ -54,6 +61,7 @@ def attend(
     causal: bool = True,
     dropout_rate: float = 0.0,
     dropout_key: jax.Array | None = None,
+    segments_BS: jax.Array | None = None,
 ) -> jax.Array:
     """Naive multi-head attention: materialises the ``[B, H, S, T]`` scores.
 
@@ -67,16 +75,23 @@ def attend(
       causal: mask out keys after each query (query ``i`` sees keys ``0..i``; needs ``S == T``).
       dropout_rate: probability of dropping an attention probability.
       dropout_key: PRNG key for the dropout mask; ``None`` disables dropout.
+      segments_BS: optional int ``[B, S]`` segment ids (self-attention, ``S == T``): query
+        ``i`` sees key ``j`` only when ``segments_BS[:, i] == segments_BS[:, j]``.
 
     Returns:
       ``[B, S, H, K]`` attention outputs in the queries' dtype.
 
     Example:
-      >>> import jax.numpy as jnp
+      >>> import jax, jax.numpy as jnp
       >>> attend(jnp.ones((1, 3, 2, 4)), jnp.ones((1, 3, 2, 4)), jnp.ones((1, 3, 2, 4))).shape
       (1, 3, 2, 4)
+      >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 5, 2, 4))
+      >>> packed = attend(q, k, v, segments_BS=jnp.array([[1, 1, 2, 2, 2]]))
+      >>> bool(jnp.allclose(packed[:, 2:], attend(q[:, 2:], k[:, 2:], v[:, 2:]), atol=1e-6))
+      True
     """
-    groups = check_qkv("attend", q_BSHK, k_BTHK, v_BTHK, causal=causal)
+    groups = check_qkv("attend", q_BSHK, k_BTHK, v_BTHK, causal=causal,
+                       segments_BS=segments_BS)
     if groups > 1:  # grouped-query attention; autodiff of the repeat sums each group's gradients
         k_BTHK = jnp.repeat(k_BTHK, groups, axis=2)
         v_BTHK = jnp.repeat(v_BTHK, groups, axis=2)
@@ -86,9 +101,26 @@ def attend(
     if causal:
         s, t = q_BSHK.shape[1], k_BTHK.shape[1]
         mask_ST = jnp.tril(jnp.ones((s, t), dtype=bool))
+    if segments_BS is not None:
+        mask_ST = segment_mask(segments_BS, mask_ST)  # [B, 1, S, T]
     probs_BHST = softmax(scores_BHST, axis=-1, where=mask_ST)
     probs_BHST = _dropout(probs_BHST, dropout_rate, dropout_key)
     return dot("bhst,bthk->bshk", probs_BHST, v_BTHK)
+
+
+def segment_mask(segments_BS: jax.Array, mask_ST: jax.Array | None = None) -> jax.Array:
+    """``[B, 1, S, S]`` bool: position ``i`` may attend to ``j`` of the same segment (and where
+    ``mask_ST``, e.g. the causal mask, allows it); the ``1`` broadcasts over heads.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> segment_mask(jnp.array([[1, 1, 2]]))[0, 0].astype(int).tolist()
+      [[1, 1, 0], [1, 1, 0], [0, 0, 1]]
+    """
+    mask_BST = segments_BS[:, :, None] == segments_BS[:, None, :]
+    if mask_ST is not None:
+        mask_BST = mask_BST & mask_ST[None]
+    return mask_BST[:, None]
 
 
 def xla_attend(
@@ -99,6 +131,7 @@ def xla_attend(
     causal: bool = True,
     dropout_rate: float = 0.0,
     dropout_key: jax.Array | None = None,
+    segments_BS: jax.Array | None = None,
 ) -> jax.Array:
     """Attention by ``jax.nn.dot_product_attention``: cuDNN's fused kernel where it applies.
 
@@ -106,10 +139,12 @@ def xla_attend(
     this is ``implementation="cudnn"`` (flash attention, causal blocks skipped); everywhere else
     ``implementation="xla"`` (the scores in f32, an f32 softmax, probabilities in the inputs'
     dtype: :func:`attend`'s math, with the ``1/sqrt(K)`` scale applied to the f32 scores
-    instead of the queries). Grouped-query attention is native to both.
+    instead of the queries). Grouped-query attention is native to both. With ``segments_BS``
+    the ``"xla"`` implementation runs with the segments' boolean mask (cuDNN's path here takes
+    sequence lengths, not segments), even on a GPU.
 
     Args:
-      q_BSHK, k_BTHK, v_BTHK, causal: as in :func:`attend`.
+      q_BSHK, k_BTHK, v_BTHK, causal, segments_BS: as in :func:`attend`.
       dropout_rate, dropout_key: only for the common signature: ``jax.nn.dot_product_attention``
         has no dropout, so a positive rate with a key raises.
 
@@ -126,25 +161,28 @@ def xla_attend(
       >>> bool(jnp.allclose(out, attend(q, k[:, :, :2], v[:, :, :2]), atol=1e-5))
       True
     """
-    check_qkv("xla_attend", q_BSHK, k_BTHK, v_BTHK, causal=causal)
+    check_qkv("xla_attend", q_BSHK, k_BTHK, v_BTHK, causal=causal, segments_BS=segments_BS)
     if dropout_key is not None and dropout_rate > 0.0:
         raise ValueError(
             f"xla_attend: jax.nn.dot_product_attention has no dropout, got dropout_rate="
             f"{dropout_rate}; set GPTConfig.dropout=0, or use attention='auto' (falls back to "
             "an implementation with dropout), 'naive' or 'blockwise'"
         )
-    if cudnn_unusable_reason(q_BSHK, dropout=False) is None:
+    segmented = segments_BS is not None
+    if cudnn_unusable_reason(q_BSHK, dropout=False, segments=segmented) is None:
         return _sdpa(q_BSHK, k_BTHK, v_BTHK, causal, "cudnn")
     if q_BSHK.dtype == jnp.float32:
-        return _sdpa(q_BSHK, k_BTHK, v_BTHK, causal, "xla")
-    return _sdpa_half(q_BSHK, k_BTHK, v_BTHK, causal)
+        return _sdpa(q_BSHK, k_BTHK, v_BTHK, causal, "xla", segments_BS)
+    return _sdpa_half(q_BSHK, k_BTHK, v_BTHK, causal, segments_BS)
 
 
-def _sdpa(q_BSHK, k_BTHK, v_BTHK, causal: bool, implementation: str) -> jax.Array:
+def _sdpa(q_BSHK, k_BTHK, v_BTHK, causal: bool, implementation: str,
+          segments_BS=None) -> jax.Array:
+    mask = None if segments_BS is None else segment_mask(segments_BS)  # is_causal adds causality
     # jax's XLA path asks promote_types(bf16, f32) for its f32 scores, which strict promotion
     # refuses when tracing; the promotion is intended there (the output keeps the inputs' dtype).
     with jax.numpy_dtype_promotion("standard"):
-        return jax.nn.dot_product_attention(q_BSHK, k_BTHK, v_BTHK, is_causal=causal,
+        return jax.nn.dot_product_attention(q_BSHK, k_BTHK, v_BTHK, mask=mask, is_causal=causal,
                                             implementation=implementation)
 
 
@@ -159,19 +197,22 @@ def _sdpa(q_BSHK, k_BTHK, v_BTHK, causal: bool, implementation: str) -> jax.Arra
 # backward (whose BF16_BF16_F32 dots take their operands in bf16), and it only runs off cuDNN: on
 # a CPU (where bf16 is emulated anyway) or for a GPU head width cuDNN refuses.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _sdpa_half(q_BSHK, k_BTHK, v_BTHK, causal: bool) -> jax.Array:
-    return _sdpa(q_BSHK, k_BTHK, v_BTHK, causal, "xla")
+def _sdpa_half(q_BSHK, k_BTHK, v_BTHK, causal: bool, segments_BS=None) -> jax.Array:
+    return _sdpa(q_BSHK, k_BTHK, v_BTHK, causal, "xla", segments_BS)
 
 
-def _sdpa_half_fwd(q_BSHK, k_BTHK, v_BTHK, causal):
-    return _sdpa(q_BSHK, k_BTHK, v_BTHK, causal, "xla"), (q_BSHK, k_BTHK, v_BTHK)
+def _sdpa_half_fwd(q_BSHK, k_BTHK, v_BTHK, causal, segments_BS=None):
+    out_BSHK = _sdpa(q_BSHK, k_BTHK, v_BTHK, causal, "xla", segments_BS)
+    return out_BSHK, (q_BSHK, k_BTHK, v_BTHK, segments_BS)
 
 
 def _sdpa_half_bwd(causal, residuals, dout_BSHK):
+    *qkv, segments_BS = residuals
     f32 = lambda x: x.astype(jnp.float32)
-    _, vjp_fn = jax.vjp(lambda q, k, v: _sdpa(q, k, v, causal, "xla"), *map(f32, residuals))
-    return tuple(g.astype(x.dtype) for g, x in zip(vjp_fn(f32(dout_BSHK)), residuals,
-                                                    strict=True))
+    _, vjp_fn = jax.vjp(lambda q, k, v: _sdpa(q, k, v, causal, "xla", segments_BS),
+                        *map(f32, qkv))
+    grads = tuple(g.astype(x.dtype) for g, x in zip(vjp_fn(f32(dout_BSHK)), qkv, strict=True))
+    return (*grads, None)
 
 
 _sdpa_half.defvjp(_sdpa_half_fwd, _sdpa_half_bwd)
@@ -207,10 +248,12 @@ class AttentionChoice(NamedTuple):
     reason: str | None
 
 
-def choose_attention(q_BSHK, *, dropout: bool, backend: str | None = None) -> AttentionChoice:
+def choose_attention(q_BSHK, *, dropout: bool, backend: str | None = None,
+                     segments: bool = False) -> AttentionChoice:
     """The implementation ``"auto"`` uses for these queries on ``backend``.
 
-    A pure function of the queries' dtype and head width, whether dropout is on, and the backend
+    A pure function of the queries' dtype and head width, whether dropout is on, whether the
+    rows are packed (``segments``: cuDNN's kernel here takes no segment ids), and the backend
     (default ``jax.default_backend()``): a GPU gets cuDNN's fused kernel (through
     :func:`xla_attend`) when :func:`~effijax.models._blockwise.cudnn_unusable_reason` allows it,
     else a fallback with the reason. Other backends silently get :data:`CPU_ATTENTION` (with or
@@ -226,11 +269,13 @@ def choose_attention(q_BSHK, *, dropout: bool, backend: str | None = None) -> At
       >>> q16 = jax.ShapeDtypeStruct((2, 128, 4, 32), jnp.bfloat16)
       >>> choose_attention(q16, dropout=False, backend="gpu")
       AttentionChoice(name='xla', fused=True, reason=None)
+      >>> choose_attention(q16, dropout=False, backend="gpu", segments=True).reason
+      "attention='auto': segment ids of packed rows (cuDNN's kernel here takes none); using 'xla'"
     """
     backend = jax.default_backend() if backend is None else backend
     if backend != "gpu":
         return AttentionChoice(CPU_ATTENTION, False, None)
-    why = cudnn_unusable_reason(q_BSHK, dropout, backend)
+    why = cudnn_unusable_reason(q_BSHK, dropout, backend, segments=segments)
     if why is None:
         return AttentionChoice("xla", True, None)
     name = GPU_FALLBACK_DROPOUT if dropout else GPU_FALLBACK
@@ -248,6 +293,7 @@ def auto_attend(
     causal: bool = True,
     dropout_rate: float = 0.0,
     dropout_key: jax.Array | None = None,
+    segments_BS: jax.Array | None = None,
 ) -> jax.Array:
     """:func:`attend`'s semantics by the implementation :func:`choose_attention` picks.
 
@@ -261,12 +307,13 @@ def auto_attend(
       (1, 3, 2, 4)
     """
     dropout = dropout_key is not None and dropout_rate > 0.0
-    choice = choose_attention(q_BSHK, dropout=dropout)
+    choice = choose_attention(q_BSHK, dropout=dropout, segments=segments_BS is not None)
     if choice.reason is not None and choice.reason not in _warned:
         _warned.add(choice.reason)
         warnings.warn(choice.reason, AttentionFallbackWarning, stacklevel=2)
+    extra = {} if segments_BS is None else {"segments_BS": segments_BS}
     return ATTENTION[choice.name](q_BSHK, k_BTHK, v_BTHK, causal=causal,
-                                  dropout_rate=dropout_rate, dropout_key=dropout_key)
+                                  dropout_rate=dropout_rate, dropout_key=dropout_key, **extra)
 
 
 # Attention implementations by ``GPTConfig.attention`` name, all with ``attend``'s signature.

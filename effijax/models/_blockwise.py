@@ -24,13 +24,20 @@ Dropout (on the probabilities, as :func:`~effijax.models.attend` does) is suppor
 the backward pass regenerates it instead of storing ``s x s`` bits. The masks depend on the block
 sizes and differ from :func:`~effijax.models.attend`'s (same distribution, other draws).
 
+Packed rows: ``segments_BS`` (int ``[B, S]``, self-attention only) restricts every query to the
+keys of its own segment (``seg_q == seg_k``, on top of the causal mask): the examples packed
+into one row do not see each other. The segment mask is applied inside each tile, in the forward
+and in the recomputation of the backward pass, so the gradient is that of the masked softmax.
+Every query sees at least itself, so no row is empty. Without segments the kernel is unchanged
+(the tile mask is the ``[Q, C]`` causal one).
+
 Grouped-query attention: ``k`` and ``v`` may have fewer heads than ``q`` (``H_kv`` dividing
 ``H``; query head ``h`` reads kv head ``h // (H // H_kv)``, Hugging Face Llama's ``repeat_kv``).
 The kv heads are repeated before the kernel, so its custom VJP is the multi-head one and autodiff
 of the repeat sums each group's gradients; that costs ``O(B·T·H·K)`` extra bytes, linear in the
 sequence like the rest of the kernel's residuals.
 
-On a GPU, bf16/f16 inputs without dropout go to ``jax.nn.dot_product_attention(...,
+On a GPU, bf16/f16 inputs without dropout or segments go to ``jax.nn.dot_product_attention(...,
 implementation="cudnn")`` (cuDNN's fused flash attention, grouped heads included) unless
 ``implementation="jax"``.
 
@@ -102,6 +109,7 @@ def blockwise_attend(
     dropout_rate: float = 0.0,
     dropout_key: jax.Array | None = None,
     implementation: str | None = None,
+    segments_BS: jax.Array | None = None,
 ) -> jax.Array:
     """Multi-head attention in blocks, with the semantics of :func:`~effijax.models.attend`.
 
@@ -118,9 +126,11 @@ def blockwise_attend(
         divide are padded up to a multiple.
       dropout_rate: probability of dropping an attention probability (inverted dropout).
       dropout_key: PRNG key for the dropout masks; ``None`` disables dropout (as in ``attend``).
-      implementation: ``None`` (cuDNN flash attention on a GPU for bf16/f16 without dropout,
-        else the pure-JAX blockwise kernel), ``"jax"`` (always the pure-JAX kernel) or
-        ``"cudnn"`` (always cuDNN; raises where it does not apply).
+      implementation: ``None`` (cuDNN flash attention on a GPU for bf16/f16 without dropout
+        or segments, else the pure-JAX blockwise kernel), ``"jax"`` (always the pure-JAX
+        kernel) or ``"cudnn"`` (always cuDNN; raises where it does not apply).
+      segments_BS: optional int ``[B, S]`` segment ids of a packed row (needs ``S == T``):
+        queries attend only to keys with the same id.
 
     Returns:
       ``[B, S, H, K]`` outputs in the queries' dtype.
@@ -128,7 +138,8 @@ def blockwise_attend(
     Raises:
       ValueError: before tracing, for mismatched shapes or dtypes, ``H`` not a multiple of
         ``H_kv``, ``causal`` with ``S != T``, bad block sizes, a dropout rate outside
-        ``[0, 1)``, or an unknown ``implementation``.
+        ``[0, 1)``, an unknown ``implementation``, or segments that are not ``[B, S]``
+        integers.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -137,8 +148,13 @@ def blockwise_attend(
       >>> out = blockwise_attend(q, k, v, block_q=32, block_k=32)  # 100 = 3 x 32 + 4: padded
       >>> out.shape, bool(jnp.allclose(out, attend(q, k, v), atol=1e-5))
       ((1, 100, 2, 8), True)
+      >>> seg = jnp.array([[1] * 60 + [2] * 40])  # two examples packed in one row
+      >>> out = blockwise_attend(q, k, v, block_q=32, block_k=32, segments_BS=seg)
+      >>> bool(jnp.allclose(out[:, 60:], attend(q[:, 60:], k[:, 60:], v[:, 60:]), atol=1e-5))
+      True
     """
-    groups = check_qkv("blockwise_attend", q_BSHK, k_BTHK, v_BTHK, causal=causal)
+    groups = check_qkv("blockwise_attend", q_BSHK, k_BTHK, v_BTHK, causal=causal,
+                       segments_BS=segments_BS)
     s, t = q_BSHK.shape[1], k_BTHK.shape[1]
     block_q = min(_check_block("block_q", block_q), s)
     block_k = min(_check_block("block_k", block_k), t)
@@ -149,13 +165,16 @@ def blockwise_attend(
             f"implementation: unknown {implementation!r}; choose one of {IMPLEMENTATIONS}"
         )
     dropout = dropout_key is not None and dropout_rate > 0.0
+    segmented = segments_BS is not None
 
-    auto_cudnn = implementation is None and cudnn_unusable_reason(q_BSHK, dropout) is None
+    auto_cudnn = (implementation is None
+                  and cudnn_unusable_reason(q_BSHK, dropout, segments=segmented) is None)
     if implementation == "cudnn" or auto_cudnn:
-        if dropout:
+        if dropout or segmented:
             raise ValueError(
-                "blockwise_attend(implementation='cudnn') has no dropout; use "
-                "implementation='jax' or dropout_rate=0"
+                f"blockwise_attend(implementation='cudnn') has no "
+                f"{'dropout' if dropout else 'segment ids'}; use implementation='jax'"
+                + (" or dropout_rate=0" if dropout else "")
             )
         return jax.nn.dot_product_attention(
             q_BSHK, k_BTHK, v_BTHK, is_causal=causal, implementation="cudnn"
@@ -171,12 +190,21 @@ def blockwise_attend(
         k_BTHK = jnp.repeat(k_BTHK, groups, axis=2)
         v_BTHK = jnp.repeat(v_BTHK, groups, axis=2)
     key = dropout_key if dropout else None
-    out_BSHK = _flash(spec, q_pad, k_BTHK, v_BTHK, key)
+    if segmented:  # padded queries and keys get id -1 (padded keys are masked anyway)
+        segments_BS = segments_BS.astype(jnp.int32)
+        seg_q_BS = jnp.pad(segments_BS, ((0, 0), (0, pad_s)), constant_values=-1)
+        seg_k_BT = jnp.pad(segments_BS, ((0, 0), (0, pad_t)), constant_values=-1)
+        segments = (seg_q_BS, seg_k_BT)
+    else:
+        segments = None
+    out_BSHK = _flash(spec, q_pad, k_BTHK, v_BTHK, key, segments)
     return out_BSHK[:, :s] if pad_s else out_BSHK
 
 
-def check_qkv(name: str, q_BSHK, k_BTHK, v_BTHK, *, causal: bool) -> int:
+def check_qkv(name: str, q_BSHK, k_BTHK, v_BTHK, *, causal: bool, segments_BS=None) -> int:
     """Validates attention inputs before tracing; returns the group size ``H // H_kv``.
+
+    ``segments_BS`` (optional) must be integer ``[B, S]`` ids of a self-attention (``S == T``).
 
     Shared by every implementation of :data:`~effijax.models.ATTENTION` so that they refuse the
     same inputs with the same messages, each naming the function (``name``).
@@ -215,14 +243,24 @@ def check_qkv(name: str, q_BSHK, k_BTHK, v_BTHK, *, causal: bool) -> int:
         )
     if causal and s != t:
         raise ValueError(f"{name}(causal=True) needs S == T, got S={s}, T={t}")
+    if segments_BS is not None:
+        shape, dtype = tuple(segments_BS.shape), jnp.dtype(segments_BS.dtype)
+        if shape != (b, s) or s != t or not jnp.issubdtype(dtype, jnp.integer):
+            raise ValueError(
+                f"{name}: segments_BS must be integer ids [B={b}, S={s}] of a self-attention "
+                f"(S == T, got T={t}); got {dtype.name}{list(shape)}"
+            )
     return h // h_kv
 
 
-def cudnn_unusable_reason(q_BSHK, dropout: bool, backend: str | None = None) -> str | None:
+def cudnn_unusable_reason(q_BSHK, dropout: bool, backend: str | None = None, *,
+                          segments: bool = False) -> str | None:
     """Why cuDNN's fused attention cannot run these queries here, or None when it can.
 
     It needs a GPU, bf16/f16 inputs, a head width that is a multiple of 8 and at most 128 (the
-    limit before Hopper; cuDNN allows 256 from sm90, not relied on here) and no dropout.
+    limit before Hopper; cuDNN allows 256 from sm90, not relied on here), no dropout and no
+    segment ids (``jax.nn.dot_product_attention``'s cuDNN path takes only lengths, not the
+    segments of packed rows).
     ``q_BSHK`` may be an array or a ``jax.ShapeDtypeStruct``; ``backend`` defaults to
     ``jax.default_backend()``.
 
@@ -244,6 +282,8 @@ def cudnn_unusable_reason(q_BSHK, dropout: bool, backend: str | None = None) -> 
         return f"head width {head_dim} (cuDNN needs a multiple of 8, at most 128)"
     if dropout:
         return "attention dropout (cuDNN's kernel here has none)"
+    if segments:
+        return "segment ids of packed rows (cuDNN's kernel here takes none)"
     return None
 
 
@@ -251,14 +291,21 @@ def cudnn_unusable_reason(q_BSHK, dropout: bool, backend: str | None = None) -> 
 # The kernel: padded inputs, static spec.
 
 
-def _tile_mask(spec: _Spec, i, j) -> jax.Array:
-    """``[Q, C]`` bool: which (query, key) pairs of tile (i, j) take part."""
+def _tile_mask(spec: _Spec, i, j, segments=None) -> jax.Array:
+    """Which (query, key) pairs of tile (i, j) take part: ``[Q, C]`` bool, or with
+    ``segments`` (the padded ``(seg_q_BS, seg_k_BT)``) ``[B, 1, Q, C]``, broadcasting over
+    heads."""
     rows = i * spec.block_q + jnp.arange(spec.block_q)
     cols = j * spec.block_k + jnp.arange(spec.block_k)
     mask_QC = cols[None, :] < spec.seq_k  # padded keys never count
     if spec.causal:
         mask_QC = mask_QC & (cols[None, :] <= rows[:, None])
-    return mask_QC
+    if segments is None:
+        return mask_QC
+    seg_q_BS, seg_k_BT = segments
+    seg_BQ = _slice(seg_q_BS, i * spec.block_q, spec.block_q)
+    seg_BC = _slice(seg_k_BT, j * spec.block_k, spec.block_k)
+    return (mask_QC[None] & (seg_BQ[:, :, None] == seg_BC[:, None, :]))[:, None]
 
 
 def _keep_mask(spec: _Spec, key, i, j, num_k_blocks: int, shape) -> jax.Array:
@@ -285,7 +332,7 @@ def _slice(x, start, size, axis=1):
     return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
 
 
-def _forward(spec: _Spec, q_BSHK, k_BTHK, v_BTHK, key):
+def _forward(spec: _Spec, q_BSHK, k_BTHK, v_BTHK, key, segments=None):
     """Returns the output ``[B, S, H, K]`` (input dtype) and the row log-sum-exp ``[B, H, S]``."""
     b, s_pad, h, d = q_BSHK.shape
     nq, nk = s_pad // spec.block_q, k_BTHK.shape[1] // spec.block_k
@@ -302,7 +349,7 @@ def _forward(spec: _Spec, q_BSHK, k_BTHK, v_BTHK, key):
             k_BCHK = _slice(k_BTHK, j * bk, bk).astype(jnp.float32)
             v_BCHK = _slice(v_BTHK, j * bk, bk).astype(jnp.float32)
             s_BHQC = jnp.einsum("bqhk,bchk->bhqc", q_BQHK, k_BCHK)
-            mask_QC = _tile_mask(spec, i, j)
+            mask_QC = _tile_mask(spec, i, j, segments)  # [B, 1, Q, C] with segments
             s_BHQC = jnp.where(mask_QC, s_BHQC, _MASKED)
             m_new_BHQ = jnp.maximum(m_BHQ, jnp.max(s_BHQC, axis=-1))
             p_BHQC = jnp.where(mask_QC, jnp.exp(s_BHQC - m_new_BHQ[..., None]), 0.0)
@@ -335,7 +382,8 @@ def _forward(spec: _Spec, q_BSHK, k_BTHK, v_BTHK, key):
     return jax.lax.fori_loop(0, nq, query_block, init)
 
 
-def _backward(spec: _Spec, q_BSHK, k_BTHK, v_BTHK, key, out_BSHK, lse_BHS, dout_BSHK):
+def _backward(spec: _Spec, q_BSHK, k_BTHK, v_BTHK, key, segments, out_BSHK, lse_BHS,
+              dout_BSHK):
     """FlashAttention-2's backward: loops over key blocks, then over the query blocks that see
     them, recomputing ``P = exp(S - lse)`` per tile; returns f32 ``dq, dk, dv``."""
     b, s_pad, h, d = q_BSHK.shape
@@ -361,7 +409,7 @@ def _backward(spec: _Spec, q_BSHK, k_BTHK, v_BTHK, key, out_BSHK, lse_BHS, dout_
             lse_BHQ = _slice(lse_BHS, i * bq, bq, axis=2)
             delta_BHQ = _slice(delta_BHS, i * bq, bq, axis=2)
             s_BHQC = jnp.einsum("bqhk,bchk->bhqc", q_BQHK, k_BCHK)
-            mask_QC = _tile_mask(spec, i, j)
+            mask_QC = _tile_mask(spec, i, j, segments)
             p_BHQC = jnp.where(mask_QC, jnp.exp(s_BHQC - lse_BHQ[..., None]), 0.0)
             dp_BHQC = jnp.einsum("bqhk,bchk->bhqc", do_BQHK, v_BCHK)
             if key is not None:
@@ -396,23 +444,26 @@ def _backward(spec: _Spec, q_BSHK, k_BTHK, v_BTHK, key, out_BSHK, lse_BHS, dout_
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(spec: _Spec, q_BSHK, k_BTHK, v_BTHK, key):
-    out_BSHK, _ = _forward(spec, q_BSHK, k_BTHK, v_BTHK, key)
+def _flash(spec: _Spec, q_BSHK, k_BTHK, v_BTHK, key, segments=None):
+    out_BSHK, _ = _forward(spec, q_BSHK, k_BTHK, v_BTHK, key, segments)
     return out_BSHK
 
 
-def _flash_fwd(spec: _Spec, q_BSHK, k_BTHK, v_BTHK, key):
-    out_BSHK, lse_BHS = _forward(spec, q_BSHK, k_BTHK, v_BTHK, key)
+def _flash_fwd(spec: _Spec, q_BSHK, k_BTHK, v_BTHK, key, segments=None):
+    out_BSHK, lse_BHS = _forward(spec, q_BSHK, k_BTHK, v_BTHK, key, segments)
     # Named so that a remat policy (REMAT_POLICIES) can keep them across a checkpoint boundary.
     out_BSHK = checkpoint_name(out_BSHK, "attention_out")
     lse_BHS = checkpoint_name(lse_BHS, "attention_lse")
-    return out_BSHK, (q_BSHK, k_BTHK, v_BTHK, key, out_BSHK, lse_BHS)
+    return out_BSHK, (q_BSHK, k_BTHK, v_BTHK, key, segments, out_BSHK, lse_BHS)
 
 
 def _flash_bwd(spec: _Spec, residuals, dout_BSHK):
-    q_BSHK, k_BTHK, v_BTHK, key, out_BSHK, lse_BHS = residuals
-    dq, dk, dv = _backward(spec, q_BSHK, k_BTHK, v_BTHK, key, out_BSHK, lse_BHS, dout_BSHK)
-    return dq.astype(q_BSHK.dtype), dk.astype(k_BTHK.dtype), dv.astype(v_BTHK.dtype), None
+    q_BSHK, k_BTHK, v_BTHK, key, segments, out_BSHK, lse_BHS = residuals
+    dq, dk, dv = _backward(spec, q_BSHK, k_BTHK, v_BTHK, key, segments, out_BSHK, lse_BHS,
+                           dout_BSHK)
+    no_segments = None if segments is None else (None, None)
+    return (dq.astype(q_BSHK.dtype), dk.astype(k_BTHK.dtype), dv.astype(v_BTHK.dtype), None,
+            no_segments)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

@@ -14,6 +14,10 @@ LoRA: ``make_apply(graphdef, lora=spec)`` takes ``{"base": params, "adapters": a
 :mod:`effijax.lora`). The blocks' adapters are stacked along ``L`` like the kernels they adapt,
 so they are scanned with them; ``_dense`` adds ``s·(x a) b`` to ``x w`` and never forms ``a b``.
 
+Packed rows: with ``segments_BS`` (the ids of the examples packed into each row) attention stays
+within a segment and the learned positions restart at 0 at each segment's start
+(:func:`~effijax.models._layers.segment_positions`), so each example is computed as if alone.
+
 Shape suffixes: ``B`` batch, ``S`` query sequence, ``T`` key sequence, ``D`` model width,
 ``H`` heads, ``K`` head width, ``F`` MLP width, ``V`` vocabulary, ``L`` layers.
 """
@@ -53,6 +57,7 @@ from effijax.models._layers import (
     _Embed,
     _run_layers,
     check_call,
+    segment_positions,
     make_apply,
     make_loss_fn,
 )
@@ -203,9 +208,11 @@ class GPTConfig(LanguageModel):
         return make_loss_fn(_graphdef(self), lora)
 
     def logits_fn(self, lora: LoraSpec | None = None):
-        """``logits_fn(params, tokens_BS)``: :func:`make_apply` without dropout."""
+        """``logits_fn(params, tokens_BS, segments_BS=None)``: :func:`make_apply` without
+        dropout."""
         apply = make_apply(_graphdef(self), lora)
-        return lambda params, tokens_BS: apply(params, tokens_BS)
+        return lambda params, tokens_BS, segments_BS=None: apply(params, tokens_BS,
+                                                                 segments_BS=segments_BS)
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
         """An empty :class:`~effijax.models.KVCache` (``max_len <= seq_len``: learned
@@ -333,7 +340,8 @@ class _Attention(nnx.Module):
         self.config = config
 
     def __call__(self, x_BSD: jax.Array, key: jax.Array | None,
-                 lora: dict | None = None, cache: tuple | None = None):
+                 lora: dict | None = None, cache: tuple | None = None,
+                 segments_BS: jax.Array | None = None):
         cfg = self.config
         lora = lora or {}
         b, s, _ = x_BSD.shape
@@ -351,7 +359,8 @@ class _Attention(nnx.Module):
             out_BSHK = cached_attend(q_BSHK, k_BTHK, v_BTHK, start, pad_B)
             return self.o(out_BSHK.reshape(b, s, cfg.d_model), lora.get("o")), (k_BTHK, v_BTHK)
         out_BSHK = ATTENTION[cfg.attention](
-            q_BSHK, k_BSHK, v_BSHK, causal=True, dropout_rate=cfg.dropout, dropout_key=key
+            q_BSHK, k_BSHK, v_BSHK, causal=True, dropout_rate=cfg.dropout, dropout_key=key,
+            segments_BS=segments_BS,
         )
         return self.o(out_BSHK.reshape(b, s, cfg.d_model), lora.get("o"))
 
@@ -383,9 +392,11 @@ class _Block(nnx.Module):
         self.config = config
 
     def __call__(self, x_BSD: jax.Array, key: jax.Array | None,
-                 lora: dict | None = None, cache: tuple | None = None):
-        """The block's output; with a ``cache`` (``(k_BTHK, v_BTHK, start, pad_B)``, no
-        dropout) also the cache slices with this step's keys and values written."""
+                 lora: dict | None = None, segments_BS: jax.Array | None = None,
+                 cache: tuple | None = None):
+        """The block's output; with a ``cache`` (``(k_BTHK, v_BTHK, start, pad_B)``, decoding,
+        no dropout) also the cache slices with this step's keys and values written.
+        ``segments_BS`` (packed rows) keeps attention within each segment."""
         rate = self.config.dropout
         lora = lora or {}
         if cache is not None:
@@ -393,8 +404,8 @@ class _Block(nnx.Module):
             x_BSD = x_BSD + attn_BSD
             return x_BSD + self.mlp(self.ln2(x_BSD), lora.get("mlp")), kv
         k_attn, k_res1, k_res2 = (None,) * 3 if key is None else tuple(jax.random.split(key, 3))
-        x_BSD = x_BSD + _dropout(self.attn(self.ln1(x_BSD), k_attn, lora.get("attn")), rate,
-                                 k_res1)
+        attn_BSD = self.attn(self.ln1(x_BSD), k_attn, lora.get("attn"), segments_BS=segments_BS)
+        x_BSD = x_BSD + _dropout(attn_BSD, rate, k_res1)
         x_BSD = x_BSD + _dropout(self.mlp(self.ln2(x_BSD), lora.get("mlp")), rate, k_res2)
         return x_BSD
 
@@ -442,7 +453,8 @@ class GPT(nnx.Module):
 
     def __call__(self, tokens_BS: jax.Array, *, deterministic: bool = True,
                  rngs: nnx.Rngs | jax.Array | None = None, adapters: dict | None = None,
-                 lora: LoraSpec | None = None) -> jax.Array:
+                 lora: LoraSpec | None = None, segments_BS: jax.Array | None = None
+                 ) -> jax.Array:
         """Returns next-token logits ``[B, S, V]`` in ``policy.output_dtype``.
 
         Args:
@@ -454,11 +466,15 @@ class GPT(nnx.Module):
           adapters: LoRA adapters for this model's parameters (:func:`effijax.lora.init`), in
             the dtype to compute them in; only the blocks' dense kernels can be adapted here.
           lora: the :class:`~effijax.lora.LoraSpec` of ``adapters`` (static: scales, dropout).
+          segments_BS: packed rows' integer segment ids ``[B, S]`` (one id per example, another
+            for padding): attention stays within a segment and positions restart at each
+            segment's start. None: one sequence per row.
         """
         cfg = self.config
         check_call(self, tokens_BS, adapters, lora, adaptable=_ADAPTABLE,
                    adaptable_text="the GPT's factored LoRA adapts the blocks' dense kernels only "
-                   "(blocks/attn/{q,k,v,o}/kernel, blocks/mlp/{fc_in,fc_out}/kernel)")
+                   "(blocks/attn/{q,k,v,o}/kernel, blocks/mlp/{fc_in,fc_out}/kernel)",
+                   segments_BS=segments_BS)
         s = tokens_BS.shape[1]
         if s > cfg.seq_len:
             raise ValueError(f"tokens_BS: sequence length {s} exceeds config.seq_len={cfg.seq_len}")
@@ -474,13 +490,19 @@ class GPT(nnx.Module):
 
         embedding_VD = self.embed.embedding[...]
         x_BSD = jnp.take(embedding_VD, tokens_BS, axis=0)
-        x_BSD = x_BSD + self.pos_embed.embedding[...][:s].astype(x_BSD.dtype)[None]
+        if segments_BS is None:
+            x_BSD = x_BSD + self.pos_embed.embedding[...][:s].astype(x_BSD.dtype)[None]
+        else:
+            pos_BSD = jnp.take(self.pos_embed.embedding[...], segment_positions(segments_BS),
+                               axis=0)
+            x_BSD = x_BSD + pos_BSD.astype(x_BSD.dtype)
         x_BSD = _constrain(x_BSD)
 
         graphdef, stacked = nnx.split(self.blocks)
         keys_L = None if key is None else jax.random.split(key, cfg.n_layers)
         block_adapters = None if adapters is None else adapters.get("blocks")
-        x_BSD = _run_layers(x_BSD, stacked, keys_L, block_adapters, graphdef=graphdef,
+        consts = () if segments_BS is None else (segments_BS,)
+        x_BSD = _run_layers(x_BSD, stacked, keys_L, block_adapters, consts, graphdef=graphdef,
                             remat=REMAT[cfg.remat], lora=None if block_adapters is None else lora,
                             path="blocks")
 

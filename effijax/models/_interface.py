@@ -15,8 +15,10 @@ plugs in by implementing these methods and registering itself with :func:`regist
 * ``init_cache(batch, max_len)`` / ``decode_fn(lora)``: decoding with a key/value cache.
 
 A batch is ``{"inputs": int32[B, S], "targets": int32[B, S]}``, optionally with ``"mask"``
-(``[B, S]``, nonzero where the target is trained on); the loss is the mean cross-entropy over
-the trained positions, in f32.
+(``[B, S]``, nonzero where the target is trained on) and, for rows that pack several examples,
+``"segments"`` (int32 ``[B, S]``, the inputs' example ids, 0 for padding: attention stays
+within an example and positions restart at each example's start); the loss is the mean
+cross-entropy over the trained positions, in f32.
 """
 
 from __future__ import annotations
@@ -125,7 +127,8 @@ class LanguageModel(abc.ABC):
 
     @abc.abstractmethod
     def logits_fn(self, lora: Any = None) -> Callable[..., Any]:
-        """``logits_fn(params, tokens_BS) -> logits_BSV`` in the policy's output dtype."""
+        """``logits_fn(params, tokens_BS, segments_BS=None) -> logits_BSV`` in the policy's
+        output dtype; ``segments_BS`` as a batch's ``"segments"``."""
 
     @abc.abstractmethod
     def shape(self) -> ModelShape:

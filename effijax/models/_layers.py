@@ -8,6 +8,12 @@ scans it over the residual stream, building each layer's LoRA hooks from that la
 the adapters (:func:`_lora_hooks`), under a ``jax.checkpoint`` policy. :func:`lm_loss_fn` turns a
 logits function into the masked mean cross-entropy every family's ``loss_fn`` returns.
 
+Packed rows: a batch may carry ``"segments"`` (int32 ``[B, S]``, the inputs' example ids, 0 for
+padding). The segments are the one source of truth for a packed row: the attention masks keys of
+other segments, and each model derives its positions from them with :func:`segment_positions`
+(restarting at 0 at every segment start), so an example packed into a row is computed as it
+would be alone.
+
 Shape suffixes: ``B`` batch, ``S`` sequence, ``D`` input width, ``F`` output width, ``R`` LoRA
 rank, ``N`` flattened tokens, ``L`` layers, ``V`` vocabulary.
 """
@@ -212,12 +218,32 @@ def _split_lora_params(params) -> tuple[Any, Any]:
     return params["base"], params["adapters"]
 
 
+def segment_positions(segments_BS: jax.Array) -> jax.Array:
+    """int32 ``[B, S]`` positions that restart at 0 wherever the segment id changes.
+
+    The position of ``i`` is ``i`` minus the index of its segment's first token, the running
+    maximum (``lax.cummax``) of the indices where a segment starts.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> segment_positions(jnp.array([[1, 1, 1, 2, 2, 0, 0]])).tolist()
+      [[0, 1, 2, 0, 1, 0, 1]]
+    """
+    b, s = segments_BS.shape
+    index_BS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    starts_BS = jnp.concatenate(
+        [jnp.ones((b, 1), bool), segments_BS[:, 1:] != segments_BS[:, :-1]], axis=1)
+    return index_BS - jax.lax.cummax(jnp.where(starts_BS, index_BS, 0), axis=1)
+
+
 def lm_loss_fn(apply: Callable[..., jax.Array]) -> Callable[..., tuple[jax.Array, dict]]:
     """The language-model loss of ``apply(params, tokens_BS, *, rng, deterministic)``.
 
     Returns ``loss_fn(params, batch, rng=None) -> (loss, {"accuracy": acc})``: the mean token
     cross-entropy in f32 over the positions where ``batch["mask"]`` (optional, ``[B, S]``) is
     nonzero, and the f32 fraction of argmax hits there. Dropout runs when ``rng`` is a key.
+    A batch of packed rows carries ``batch["segments"]`` (int ``[B, S]``), passed on to
+    ``apply`` as ``segments_BS`` (not passed when absent).
 
     Example:
       >>> import jax.numpy as jnp
@@ -236,7 +262,9 @@ def lm_loss_fn(apply: Callable[..., jax.Array]) -> Callable[..., tuple[jax.Array
                 "{'inputs': int32[B, S], 'targets': int32[B, S]}"
             )
         targets_BS = batch["targets"]
-        logits_BSV = apply(params, batch["inputs"], rng=rng, deterministic=rng is None)
+        segments_BS = batch.get("segments")
+        extra = {} if segments_BS is None else {"segments_BS": segments_BS}
+        logits_BSV = apply(params, batch["inputs"], rng=rng, deterministic=rng is None, **extra)
         mask_BS = batch.get("mask")
         trained_BS = None if mask_BS is None else mask_BS != 0
         loss = cross_entropy(logits_BSV, targets_BS, where=trained_BS)
@@ -252,7 +280,8 @@ def lm_loss_fn(apply: Callable[..., jax.Array]) -> Callable[..., tuple[jax.Array
 
 def make_apply(graphdef: nnx.GraphDef, lora: LoraSpec | None = None
                ) -> Callable[..., jax.Array]:
-    """Returns ``apply(params, tokens_BS, *, rng=None, deterministic=True) -> logits_BSV``.
+    """Returns ``apply(params, tokens_BS, *, rng=None, deterministic=True, segments_BS=None)
+    -> logits_BSV``.
 
     ``params`` are used in their own dtype: cast them with ``policy.cast_to_compute`` first for
     mixed precision. Dropout runs when ``deterministic=False`` and the config's rate is positive;
@@ -262,6 +291,9 @@ def make_apply(graphdef: nnx.GraphDef, lora: LoraSpec | None = None
     "adapters": adapters}`` and the adapted kernels compute ``x w + s·(x a) b`` (factored: no
     ``d_in × d_out`` delta is formed). To train only the adapters, see
     :func:`effijax.lora.freeze_base`.
+
+    ``segments_BS`` (int ``[B, S]``, packed rows) keeps each segment's attention within itself
+    and restarts its positions (see :func:`segment_positions`).
 
     Any effijax model works here (the GPT's and the Llama's graphdef): their modules take
     ``(tokens_BS, *, deterministic, rngs, adapters, lora)``.
@@ -284,14 +316,15 @@ def make_apply(graphdef: nnx.GraphDef, lora: LoraSpec | None = None
     if lora is not None and not isinstance(lora, LoraSpec):
         raise TypeError(f"lora: expected a LoraSpec or None, got {type(lora).__name__}")
 
-    def apply(params, tokens_BS, *, rng=None, deterministic=True):
+    def apply(params, tokens_BS, *, rng=None, deterministic=True, segments_BS=None):
+        extra = {} if segments_BS is None else {"segments_BS": segments_BS}
         if lora is None:
             model = nnx.merge(graphdef, params)
-            return model(tokens_BS, deterministic=deterministic, rngs=rng)
+            return model(tokens_BS, deterministic=deterministic, rngs=rng, **extra)
         base, adapters = _split_lora_params(params)
         model = nnx.merge(graphdef, base)
         return model(tokens_BS, deterministic=deterministic, rngs=rng, adapters=adapters,
-                     lora=lora)
+                     lora=lora, **extra)
 
     return apply
 
@@ -305,7 +338,9 @@ def make_loss_fn(graphdef: nnx.GraphDef, lora: LoraSpec | None = None
     ``rng`` is a key and the config's dropout rate is positive. With ``lora``, ``params`` is
     ``{"base": ..., "adapters": ...}`` as in :func:`make_apply`; wrap the loss in
     :func:`effijax.lora.freeze_base` to differentiate only the adapters. An optional
-    ``batch["mask"]`` (``[B, S]``) restricts both to the positions where it is nonzero.
+    ``batch["mask"]`` (``[B, S]``) restricts both to the positions where it is nonzero; an
+    optional ``batch["segments"]`` (int ``[B, S]``) runs the packed examples of each row as if
+    alone (see :func:`make_apply`).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -322,11 +357,12 @@ def make_loss_fn(graphdef: nnx.GraphDef, lora: LoraSpec | None = None
 
 
 def check_call(module: nnx.Module, tokens_BS: jax.Array, adapters, lora, *, adaptable,
-               adaptable_text: str) -> None:
+               adaptable_text: str, segments_BS: jax.Array | None = None) -> None:
     """The checks a model's ``__call__`` runs before tracing: adapters and their spec come
     together, every adapter targets a kernel the factored path adapts (``adaptable``, a
     compiled regex; ``adaptable_text`` says which in the error), the adapters fit the
-    parameters, and the tokens are integer ``[batch, seq]`` ids."""
+    parameters, the tokens are integer ``[batch, seq]`` ids, and segments, when given, are
+    integer ids of the tokens' shape."""
     if (adapters is None) != (lora is None):
         raise ValueError(
             "adapters and lora go together: pass the adapter tree and its LoraSpec, or neither"
@@ -343,4 +379,10 @@ def check_call(module: nnx.Module, tokens_BS: jax.Array, adapters, lora, *, adap
         raise ValueError(
             f"tokens_BS: expected integer ids of shape [batch, seq], got "
             f"{tokens_BS.dtype}{list(tokens_BS.shape)}"
+        )
+    if segments_BS is not None and (segments_BS.shape != tokens_BS.shape
+                                    or not jnp.issubdtype(segments_BS.dtype, jnp.integer)):
+        raise ValueError(
+            f"segments_BS: expected integer segment ids of the tokens' shape "
+            f"{list(tokens_BS.shape)}, got {segments_BS.dtype}{list(segments_BS.shape)}"
         )

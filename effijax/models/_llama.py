@@ -12,6 +12,9 @@ Parameter paths use Hugging Face's module names, so LoRA targets read as in PEFT
 (Flax's (in, out) layout). Rotary embeddings follow Hugging Face's rotate-half convention
 (llama.cpp's GGUF files permute Q and K rows to theirs; :mod:`effijax.interop` undoes it).
 
+Packed rows: with ``segments_BS`` attention stays within each segment and the rotary positions
+restart at 0 at each segment's start, so each packed example is computed as if alone.
+
 Shape suffixes: ``B`` batch, ``S`` sequence, ``D`` model width, ``H`` query heads, ``G`` key/value
 heads, ``K`` head width, ``F`` MLP width, ``V`` vocabulary, ``L`` layers.
 """
@@ -52,6 +55,7 @@ from effijax.models._layers import (
     _run_layers,
     check_call,
     make_apply,
+    segment_positions,
     make_loss_fn,
 )
 from effijax.models._tokenizer import Tokenizer
@@ -223,9 +227,11 @@ class LlamaConfig(LanguageModel):
         return make_loss_fn(_graphdef(self), lora)
 
     def logits_fn(self, lora: LoraSpec | None = None):
-        """``logits_fn(params, tokens_BS) -> logits_BSV`` in the policy's output dtype."""
+        """``logits_fn(params, tokens_BS, segments_BS=None) -> logits_BSV`` in the policy's
+        output dtype."""
         apply = make_apply(_graphdef(self), lora)
-        return lambda params, tokens_BS: apply(params, tokens_BS)
+        return lambda params, tokens_BS, segments_BS=None: apply(params, tokens_BS,
+                                                                 segments_BS=segments_BS)
 
     @property
     def max_context(self) -> int:
@@ -404,8 +410,9 @@ def _rope_tables(config: LlamaConfig, s: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _rope(x_BSHK: jax.Array, cos_SK: jax.Array, sin_SK: jax.Array) -> jax.Array:
-    """Rotates each head's two halves: ``x cos + rotate_half(x) sin``, in f32 (tables ``[S, K]``
-    or, per row, ``[B, S, K]``)."""
+    """Rotates each head's two halves: ``x cos + rotate_half(x) sin``, in f32. The tables are
+    ``[S, K]`` (shared by the rows) or ``[B, S, K]`` (per-row positions: packed rows, left-padded
+    prompts)."""
     x = x_BSHK.astype(jnp.float32)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
@@ -417,14 +424,15 @@ def _rope(x_BSHK: jax.Array, cos_SK: jax.Array, sin_SK: jax.Array) -> jax.Array:
 # Layers.
 
 
-def _grouped_attention(name: str, q_BSHK, k_BSGK, v_BSGK) -> jax.Array:
-    """Causal attention with ``G`` key/value heads for ``H`` query heads.
+def _grouped_attention(name: str, q_BSHK, k_BSGK, v_BSGK, segments_BS=None) -> jax.Array:
+    """Causal attention with ``G`` key/value heads for ``H`` query heads (within each segment
+    of packed rows when ``segments_BS`` is given).
 
     Query head ``h`` reads kv head ``h // (H // G)`` (Hugging Face's ``repeat_kv``). Every
     implementation in ``ATTENTION`` takes the ``G`` heads as they are: no ``H``-head copy of the
     keys and values is made or kept for the backward pass.
     """
-    return ATTENTION[name](q_BSHK, k_BSGK, v_BSGK, causal=True)
+    return ATTENTION[name](q_BSHK, k_BSGK, v_BSGK, causal=True, segments_BS=segments_BS)
 
 
 # SwiGLU that keeps only its two inputs for the backward pass and recomputes the sigmoid there
@@ -473,7 +481,7 @@ class _Attention(nnx.Module):
         self.config = config
 
     def __call__(self, x_BSD: jax.Array, cos_SK, sin_SK, lora: dict | None = None,
-                 cache: tuple | None = None):
+                 cache: tuple | None = None, segments_BS: jax.Array | None = None):
         cfg = self.config
         lora = lora or {}
         b, s, _ = x_BSD.shape
@@ -486,7 +494,7 @@ class _Attention(nnx.Module):
                                                                cfg.head_dim)
         q_BSHK, k_BSGK = _rope(q_BSHK, cos_SK, sin_SK), _rope(k_BSGK, cos_SK, sin_SK)
         if cache is None:
-            out_BSHK = _grouped_attention(cfg.attention, q_BSHK, k_BSGK, v_BSGK)
+            out_BSHK = _grouped_attention(cfg.attention, q_BSHK, k_BSGK, v_BSGK, segments_BS)
             return self.o_proj(out_BSHK.reshape(b, s, -1), lora.get("o_proj"))
         # Decoding (effijax.models._cache): write this step's keys and values, attend to all.
         k_BTGK, v_BTGK, start, pad_B = cache
@@ -522,12 +530,15 @@ class _Layer(nnx.Module):
         self.mlp = _MLP(config, stack=stack, rngs=rngs)
 
     def __call__(self, x_BSD: jax.Array, key: jax.Array | None, lora: dict | None,
-                 cos_SK: jax.Array, sin_SK: jax.Array, cache: tuple | None = None):
-        """The layer's output; with a ``cache`` (``(k_BTGK, v_BTGK, start, pad_B)``) also
-        the cache slices with this step's keys and values written."""
+                 cos_SK: jax.Array, sin_SK: jax.Array, segments_BS: jax.Array | None = None,
+                 cache: tuple | None = None):
+        """The layer's output; with a ``cache`` (``(k_BTGK, v_BTGK, start, pad_B)``, decoding)
+        also the cache slices with this step's keys and values written. ``segments_BS`` (packed
+        rows; the rotary tables are then ``[B, S, K]``) keeps attention within each segment."""
         del key  # Llama has no dropout; LoRA dropout keys come in through the hooks
         lora = lora or {}
-        attn = self.attn(self.input_norm(x_BSD), cos_SK, sin_SK, lora.get("attn"), cache)
+        attn = self.attn(self.input_norm(x_BSD), cos_SK, sin_SK, lora.get("attn"), cache,
+                         segments_BS=segments_BS)
         attn_BSD, kv = attn if cache is not None else (attn, None)
         x_BSD = x_BSD + attn_BSD
         x_BSD = x_BSD + self.mlp(self.post_attention_norm(x_BSD), lora.get("mlp"))
@@ -575,7 +586,8 @@ class Llama(nnx.Module):
 
     def __call__(self, tokens_BS: jax.Array, *, deterministic: bool = True,
                  rngs: nnx.Rngs | jax.Array | None = None, adapters: dict | None = None,
-                 lora: LoraSpec | None = None) -> jax.Array:
+                 lora: LoraSpec | None = None, segments_BS: jax.Array | None = None
+                 ) -> jax.Array:
         """Next-token logits ``[B, S, V]`` in ``policy.output_dtype``.
 
         Args:
@@ -583,11 +595,14 @@ class Llama(nnx.Module):
           deterministic, rngs: LoRA dropout (the model itself has none) runs when
             ``deterministic=False`` and ``lora.dropout > 0``, with keys from ``rngs``.
           adapters, lora: LoRA adapters of the layers' projections and their spec, or neither.
+          segments_BS: packed rows' integer segment ids ``[B, S]``: attention stays within a
+            segment and the rotary positions restart at each segment's start.
         """
         cfg = self.config
         check_call(self, tokens_BS, adapters, lora, adaptable=_ADAPTABLE,
                    adaptable_text="the Llama's factored LoRA adapts the layers' projections only "
-                   "(layers/attn/{q,k,v,o}_proj/kernel, layers/mlp/{gate,up,down}_proj/kernel)")
+                   "(layers/attn/{q,k,v,o}_proj/kernel, layers/mlp/{gate,up,down}_proj/kernel)",
+                   segments_BS=segments_BS)
         s = tokens_BS.shape[1]
         if s > cfg.max_position:
             raise ValueError(f"tokens_BS: sequence length {s} exceeds config.max_position="
@@ -602,10 +617,15 @@ class Llama(nnx.Module):
         embedding_VD = self.embed.embedding[...]
         x_BSD = _constrain(jnp.take(embedding_VD, tokens_BS, axis=0))
         cos_SK, sin_SK = (jnp.asarray(t) for t in _rope_tables(cfg, s))
+        consts = (cos_SK, sin_SK)
+        if segments_BS is not None:  # per-row positions: the tables' rows at each position
+            positions_BS = segment_positions(segments_BS)
+            consts = (jnp.take(cos_SK, positions_BS, axis=0),
+                      jnp.take(sin_SK, positions_BS, axis=0), segments_BS)
         graphdef, stacked = nnx.split(self.layers)
         keys_L = None if key is None else jax.random.split(key, cfg.n_layers)
         layer_adapters = None if adapters is None else adapters.get("layers")
-        x_BSD = _run_layers(x_BSD, stacked, keys_L, layer_adapters, (cos_SK, sin_SK),
+        x_BSD = _run_layers(x_BSD, stacked, keys_L, layer_adapters, consts,
                             graphdef=graphdef, remat=REMAT[cfg.remat],
                             lora=None if layer_adapters is None else lora, path="layers")
         return self._head(x_BSD)

@@ -56,6 +56,11 @@ class Dataset(NamedTuple):
 
         return isinstance(self.train, Packed)
 
+    @property
+    def segmented(self) -> bool:
+        """Whether batches carry the packed examples' ids (``"segments"``, chat data)."""
+        return self.masked and self.train.segments_NW is not None
+
 
 def resolve_format(path: str | None, data_format: str = "auto") -> str:
     """``"chat"`` or ``"text"``: ``data_format``, with ``auto`` decided by the path's suffix.

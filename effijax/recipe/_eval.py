@@ -5,7 +5,8 @@ GGUF file, a Hugging Face directory, or an earlier run's directory; a LoRA run e
 base with its adapters (``adapters.safetensors``, factored, not merged). The data is read whole
 (:func:`~effijax.recipe._data.load_eval_data`): a text file's every token in consecutive
 windows, or a chat / instruction JSONL file's every record, scored on the assistant's tokens
-only. The loss is the mean cross-entropy over the scored tokens (each batch's masked mean
+only, each packed example attending only to itself with positions from its own start (as if
+alone). The loss is the mean cross-entropy over the scored tokens (each batch's masked mean
 weighted by its scored tokens) and the perplexity its exponential.
 """
 
@@ -72,15 +73,15 @@ def load_model(ref: str, *, seq_len: int | None = None) -> tuple[Any, Any, Any, 
 
 
 def _batches(rows, batch_size: int):
-    """Consecutive rows in batches of ``batch_size``; the last is filled with unscored rows."""
+    """Consecutive rows in batches of ``batch_size``; the last is filled with unscored rows.
+    Packed chat rows carry their segments (each example scored as if alone)."""
+    from effijax.data import packed_batch
+
     n = len(rows)
     for start in range(0, n, batch_size):
         index = np.arange(start, start + batch_size)
         real = index < n
-        index = np.where(real, index, 0)
-        tokens_BW = rows.tokens_NW[index]
-        mask_BW = rows.mask_NW[index] * real[:, None].astype(np.int32)
-        yield {"inputs": tokens_BW[:, :-1], "targets": tokens_BW[:, 1:], "mask": mask_BW[:, 1:]}
+        yield packed_batch(rows, np.where(real, index, 0), real)
 
 
 def evaluate_model(model: str, data: str, *, seq_len: int | None = None, batch_size: int = 8,

@@ -87,6 +87,9 @@ class Job(NamedTuple):
       seed: the seed of the parameters, adapters, dropout keys and batch order.
       masked: batches carry a loss mask (``batch["mask"]``, int32 ``[B, S]``, sharded like
         the inputs): chat data trained on the assistant's tokens.
+      segmented: batches carry the packed examples' ids (``batch["segments"]``, int32
+        ``[B, S]``, sharded like the inputs): attention stays within an example and positions
+        restart at each one.
     """
 
     model: LanguageModel
@@ -106,6 +109,7 @@ class Job(NamedTuple):
     trainable_params: int
     seed: int
     masked: bool = False
+    segmented: bool = False
 
     @property
     def shardings(self):
@@ -182,6 +186,7 @@ def plan_job(
     loss_multiplier: float = 1.0,
     allow_unscaled_fp16: bool = False,
     masked: bool = False,
+    segmented: bool | None = None,
 ) -> Job:
     """Plans a training job without allocating or compiling anything.
 
@@ -202,6 +207,9 @@ def plan_job(
       allow_unscaled_fp16: see :func:`effijax.train.make_train_step`.
       masked: batches carry ``"mask"`` (int32 ``[B, S]``, nonzero = trained), which the loss
         honours; the step's ``tokens`` metric counts the trained positions either way.
+      segmented: batches carry ``"segments"`` (int32 ``[B, S]``, the ids of the examples packed
+        into each row; :func:`~effijax.data.pack_examples`), which the model honours. None:
+        the same as ``masked`` (packed chat rows carry both).
 
     Raises:
       ConfigError: a bad strategy, mesh or rules; a batch that does not split over the data
@@ -253,7 +261,8 @@ def plan_job(
         value, aux = loss(p, batch, rng)
         return value * mult, {"lm_loss": value, "tokens": _trained_tokens(batch), **aux}
 
-    batch_sh = _batch_shardings(mesh, frozen_sh, masked)
+    segmented = bool(masked) if segmented is None else bool(segmented)
+    batch_sh = _batch_shardings(mesh, frozen_sh, masked, segmented)
     step = make_sharded_step(train_loss, optimizer, policy, mesh=mesh, strategy=strategy,
                              specs=specs, shardings=shardings, has_aux=True,
                              allow_unscaled_fp16=allow_unscaled_fp16, batch_sharding=batch_sh)
@@ -270,7 +279,7 @@ def plan_job(
                state=with_shardings(abstract_state, shardings), frozen=frozen, specs=specs,
                grads=grad_shardings(specs, mesh, strategy), step=step, eval_loss=eval_jit,
                num_params=_size(abstract), trainable_params=_size(trainable), seed=seed,
-               masked=bool(masked))
+               masked=bool(masked), segmented=segmented)
 
 
 def _trained_tokens(batch) -> jax.Array:
@@ -281,9 +290,26 @@ def _trained_tokens(batch) -> jax.Array:
     return jnp.sum(mask != 0, dtype=jnp.int32)
 
 
-def _batch_shardings(mesh, frozen_shardings, masked: bool = False) -> dict:
+def _batch_keys(masked: bool, segmented: bool) -> tuple[str, ...]:
+    """The arrays of a job's batches (all int32 ``[B, S]``, sharded by rows)."""
+    return ("inputs", "targets", *(("mask",) if masked else ()),
+            *(("segments",) if segmented else ()))
+
+
+def _check_batch_keys(job: Job, local: dict) -> None:
+    """A batch has the arrays the job was compiled for (before anything is traced)."""
+    want = set(_batch_keys(job.masked, job.segmented))
+    if set(local) != want:
+        got = "packed rows" if "mask" in local else "a corpus"
+        raise ConfigError("tokens", got, f"batches with {sorted(local)}, but the job was planned "
+                          f"with masked={job.masked}, segmented={job.segmented} "
+                          f"(batches with {sorted(want)})")
+
+
+def _batch_shardings(mesh, frozen_shardings, masked: bool = False,
+                     segmented: bool = False) -> dict:
     rows = batch_sharding(mesh)
-    out = {"inputs": rows, "targets": rows, **({"mask": rows} if masked else {})}
+    out = dict.fromkeys(_batch_keys(masked, segmented), rows)
     return out if frozen_shardings is None else {**out, "base": frozen_shardings}
 
 
@@ -381,6 +407,7 @@ def batch_fn(job: Job, tokens: np.ndarray, frozen: Any = None) -> Callable[[int]
     def batch(step_no: int) -> dict:
         local = batch_at(tokens, seed=job.seed, step=step_no, batch_size=job.batch_size,
                          seq_len=job.model.seq_len, process_index=index, process_count=count)
+        _check_batch_keys(job, local)
         out = global_batch(local, rows)
         return out if frozen is None else {**out, "base": frozen}
 
@@ -410,9 +437,7 @@ def evaluate(job: Job, params: Any, tokens: np.ndarray, *, num_batches: int,
     losses = []
     for local in eval_batches(tokens, **kw, process_index=jax.process_index(),
                               process_count=jax.process_count()):
-        if ("mask" in local) != job.masked:
-            raise ConfigError("tokens", "packed rows" if "mask" in local else "a corpus",
-                              f"the job was planned with masked={job.masked}")
+        _check_batch_keys(job, local)
         b = global_batch(local, rows)
         losses.append(float(job.eval_loss(params, b if frozen is None else {**b,
                                                                             "base": frozen})))
@@ -430,7 +455,7 @@ def compile_job(job: Job, *, census: bool = True) -> CompiledStep:
     XLA planned (read from the same compilation)."""
     seq = job.model.seq_len
     rows = batch_sharding(job.mesh)
-    keys = ("inputs", "targets", "mask") if job.masked else ("inputs", "targets")
+    keys = _batch_keys(job.masked, job.segmented)
     batch = {k: jax.ShapeDtypeStruct((job.batch_size, seq), jnp.int32, sharding=rows)
              for k in keys}
     if job.frozen is not None:

@@ -95,7 +95,8 @@ def _run(config: TrainConfig, session: Session, argv) -> TrainResult:
         job = _job.plan_job(model, config.precision, optimizer, batch_size=config.batch_size,
                             mesh=session.mesh, strategy=config.strategy or "ddp", lora=spec,
                             seed=config.seed, frozen_dtype=None if config.frozen_dtype == "auto"
-                            else config.frozen_dtype, masked=data.masked)
+                            else config.frozen_dtype, masked=data.masked,
+                            segmented=data.segmented)
     origin = None
     if source is not None:
         origin, source = _sources.starting_point(source, model, session.mesh, session.is_main)
