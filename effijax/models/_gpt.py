@@ -116,6 +116,8 @@ class GPTConfig(LanguageModel):
       attention: the attention implementation, a name in :data:`ATTENTION`: ``"naive"``,
         ``"blockwise"``, ``"xla"`` (``jax.nn.dot_product_attention``; no dropout) or ``"auto"``
         (cuDNN's fused kernel on a GPU where it applies, else the best fallback).
+      unroll_layers: unroll the loop over the blocks instead of scanning it (see
+        :class:`~effijax.models.LlamaConfig`); the same arithmetic.
 
     Example:
       >>> GPTConfig(seq_len=16, d_model=32, n_layers=2, n_heads=4).head_dim
@@ -136,6 +138,7 @@ class GPTConfig(LanguageModel):
     ln_eps: float = 1e-5
     remat: str = "none"
     attention: str = "naive"
+    unroll_layers: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "mlp_ratio"):
@@ -153,6 +156,8 @@ class GPTConfig(LanguageModel):
             raise ValueError(f"ln_eps: expected a positive float, got {self.ln_eps!r}")
         if self.remat not in REMAT:
             raise ValueError(f"remat: unknown mode {self.remat!r}; choose one of {list(REMAT)}")
+        if not isinstance(self.unroll_layers, bool):
+            raise ValueError(f"unroll_layers: expected a bool, got {self.unroll_layers!r}")
         if self.attention not in ATTENTION:
             raise ValueError(
                 f"attention: unknown implementation {self.attention!r}; "
@@ -184,7 +189,7 @@ class GPTConfig(LanguageModel):
     def name(self) -> str:
         """The preset's name when the config is one (``"mini GPT"``), else its shape."""
         for preset, config in PRESETS.items():
-            if dataclasses.replace(self, seq_len=config.seq_len) == config:
+            if dataclasses.replace(self, seq_len=config.seq_len, unroll_layers=False) == config:
                 return f"{preset} GPT"
         return f"GPT d{self.d_model} L{self.n_layers}"
 
@@ -504,7 +509,7 @@ class GPT(nnx.Module):
         consts = () if segments_BS is None else (segments_BS,)
         x_BSD = _run_layers(x_BSD, stacked, keys_L, block_adapters, consts, graphdef=graphdef,
                             remat=REMAT[cfg.remat], lora=None if block_adapters is None else lora,
-                            path="blocks")
+                            path="blocks", unroll=cfg.unroll_layers)
 
         return self._head(x_BSD)
 

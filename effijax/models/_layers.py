@@ -184,15 +184,18 @@ def _lora_hooks(adapters, spec: LoraSpec, key: jax.Array | None, path: str):
 
 # Jitted so that an eager (NNX-style) call compiles the layer stack once per shape instead of
 # retracing the scan every call; inside an outer jit it is simply inlined.
-@functools.partial(jax.jit, static_argnames=("graphdef", "remat", "lora", "path"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "remat", "lora", "path", "unroll"))
 def _run_layers(x_BSD, stacked, keys_L, adapters=None, consts=(), *, graphdef: nnx.GraphDef,
-                remat: Any, lora: LoraSpec | None = None, path: str):
+                remat: Any, lora: LoraSpec | None = None, path: str, unroll: bool = False):
     """Scans stacked layers over the residual stream, one layer's parameters per step.
 
     The layer module is called as ``layer(x_BSD, key, hooks, *consts)``. ``adapters`` (the
     subtree of a LoRA adapter tree under ``path``, stacked along ``L`` like the kernels) is
     scanned together with the layer parameters; ``consts`` (e.g. rotary tables) are the same
     for every layer. ``remat`` is a ``jax.checkpoint`` policy, or None for no checkpointing.
+    ``unroll`` unrolls the loop completely (the models' ``unroll_layers``): the compiled
+    program grows with the depth, but it no longer slices each layer's parameters and residuals
+    out of stacked buffers, nor zero-fills those buffers every step.
     """
 
     def body(x_BSD, layer):
@@ -204,7 +207,7 @@ def _run_layers(x_BSD, stacked, keys_L, adapters=None, consts=(), *, graphdef: n
 
     if remat is not None:
         body = jax.checkpoint(body, policy=remat, prevent_cse=False)
-    x_BSD, _ = jax.lax.scan(body, x_BSD, (stacked, keys_L, adapters))
+    x_BSD, _ = jax.lax.scan(body, x_BSD, (stacked, keys_L, adapters), unroll=unroll)
     return x_BSD
 
 

@@ -93,6 +93,10 @@ class TrainConfig:
     init_from: str | None = _field(None, "start from the parameters of an earlier run's latest "
                                    "checkpoint (its --out directory); the model is that run's",
                                    metavar="RUN_DIR", section="model")
+    unroll_layers: bool = _field(False, "unroll the loop over the model's layers instead of "
+                                 "scanning it: the same arithmetic, a longer compile, a faster "
+                                 "step on a CPU (no per-layer slicing of stacked buffers)",
+                                 flag="--unroll-layers", section="model")
     # Precision.
     precision: str = _field("auto", "precision policy: auto, fp32, bf16, fp16 or pure_bf16 "
                             "(aliases such as mixed, float32, half accepted); auto = bf16 on "

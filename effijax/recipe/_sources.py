@@ -14,6 +14,7 @@ pretrained model.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tempfile
 from pathlib import Path
@@ -201,7 +202,15 @@ def read_run(run_dir: str) -> Source:
 
 def model_for(config: TrainConfig, source: Source | None):
     """The run's model: the source run's (``model``/``seq_len`` may only repeat it), or the
-    preset ``config.model`` with ``config.seq_len``."""
+    preset ``config.model`` with ``config.seq_len``; its layer loop unrolled as
+    ``config.unroll_layers`` says."""
+    model = _architecture_for(config, source)
+    if model.unroll_layers != config.unroll_layers:
+        model = dataclasses.replace(model, unroll_layers=config.unroll_layers)
+    return model
+
+
+def _architecture_for(config: TrainConfig, source: Source | None):
     from effijax.models import model_from_dict, preset
 
     if source is None:
