@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,7 +29,7 @@ from effijax.errors import ConfigError
 from effijax.recipe._config import CLUSTERS
 
 TIMEOUT_S = 300
-LONG_S = 900  # the 300-step runs, on a 2-core machine that other jobs share
+LONG_S = 900  # the SIGTERM test's runs, on a 2-core machine that other jobs share
 COMMON = ["--model", "tiny", "--seq-len", "32", "--batch-size", "8", "--steps", "3",
           "--strategy", "fsdp", "--eval-batches", "1", "--no-progress"]
 LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMIX_", "EFFIJAX_", "JAX_COORDINATOR", "JAX_LOCAL",
@@ -328,21 +329,41 @@ def test_emulated_srun_two_processes_match_one_process_of_eight(
 # Open MPI 4.1's mpirun, on SIGTERM, sends SIGTERM to every rank after odls_base_sigkill_timeout
 # seconds (default 1) and SIGKILL after as many again: the ranks get that long to reach a step
 # boundary and save. (Measured here: with the default, a rank's SIGTERM handler runs and the
-# rank is killed a second later.)
-GRACE_S = 10
+# rank is killed a second later. With 10 s, a loaded machine, whose steps sometimes stall for
+# seconds, failed to reach the step where the ranks agree to stop, ten steps at most, in time.)
+GRACE_S = 20
+# The signalled run must still be training GRACE_S after mpirun got the signal. Until its ranks
+# get SIGTERM its batches take BATCH_DELAY_S each (tests/_slow_batches_train.py: a slow data
+# pipeline, same numbers), so it makes at most GRACE_S / BATCH_DELAY_S = 20 steps past its first
+# checkpoint before then, however fast the machine: a short run stays open without hundreds of
+# steps. From the signal on it runs at full speed to the step where the ranks agree to stop.
+BATCH_DELAY_S = 1.0
+SLOW_BATCHES = Path(__file__).with_name("_slow_batches_train.py")
 
 
 @needs_mpirun
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_sigterm_through_mpirun_stops_both_at_one_step_and_resumes_exactly(tmp_path, corpus):
-    steps = 300  # 200 steps after the first checkpoint: longer than GRACE_S, even unloaded
+    steps, every = 48, 8  # the signal comes at step >= 8; the ranks get it by step ~30
     args = ["--model", "tiny", "--seq-len", "32", "--batch-size", "8", "--strategy", "fsdp",
             "--eval-batches", "1", "--no-progress", "--data", corpus, "--steps", str(steps),
-            "--checkpoint-every", "100", "--cpu-devices", "4"]
+            "--checkpoint-every", str(every), "--cpu-devices", "4"]
     launcher = [*MPIRUN, "--mca", "odls_base_sigkill_timeout", str(GRACE_S)]
     run, straight = tmp_path / "run", tmp_path / "straight"
-    proc = _train([*args, "--out", str(run)], prefix=launcher)
+    # The three runs share JAX's persistent compilation cache: the later two load what the first
+    # compiled. (A cache hit skips the HLO dump the collective census reads, so their summaries
+    # list no collectives; this test compares none.)
+    cached = {"JAX_COMPILATION_CACHE_DIR": tmp_path / "jax-cache",
+              "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": 0,
+              "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": 0}
+    # The helper runs as a script: put this checkout's package first on its path.
+    repo = str(SLOW_BATCHES.resolve().parents[1])
+    slow = _env(**cached, EFFIJAX_TEST_BATCH_DELAY_S=BATCH_DELAY_S, PYTHONPATH=os.pathsep.join(
+        [repo, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    proc = subprocess.Popen([*launcher, sys.executable, str(SLOW_BATCHES), "train", *args,
+                             "--out", str(run)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=slow, start_new_session=True)
     checkpoints = run / "checkpoints"
     deadline = time.monotonic() + TIMEOUT_S
     while not (checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())):
@@ -353,15 +374,18 @@ def test_sigterm_through_mpirun_stops_both_at_one_step_and_resumes_exactly(tmp_p
     proc.send_signal(signal.SIGTERM)  # to mpirun, as a scheduler's preemption does
     out, err = proc.communicate(timeout=LONG_S)
     last = _metrics(run)[-1]["step"]
-    assert last < steps, "the run finished before the signal reached the ranks; make it longer"
+    assert every <= last < steps, f"stopped at {last}: the signal must land mid-run"
     lines = _by_rank(out)
     assert f"effijax train: stopped at step {last} by SIGTERM; saved; resume with: " \
         "effijax train" in "\n".join(lines[0]), out + err
     assert max(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) == last
 
-    (out, _), = _wait([_train([*args, "--out", str(run)], prefix=MPIRUN)], timeout=LONG_S)
+    # The resumed and the uninterrupted runs read their batches at full speed, and run the
+    # executables the signalled run compiled: the steps must still agree bit for bit.
+    (out, _), = _wait([_train([*args, "--out", str(run)], _env(**cached), MPIRUN)],
+                      timeout=LONG_S)
     assert f"resuming from step {last}" in out and f"done: {steps} steps" in out
-    _wait([_train([*args, "--out", str(straight)], prefix=MPIRUN)], timeout=LONG_S)
+    _wait([_train([*args, "--out", str(straight)], _env(**cached), MPIRUN)], timeout=LONG_S)
     resumed, reference = _metrics(run), _metrics(straight)
     assert [r["step"] for r in resumed] == list(range(1, steps + 1))
     assert [r["loss"] for r in resumed] == [r["loss"] for r in reference]

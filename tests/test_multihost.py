@@ -28,17 +28,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _env() -> dict:
+def _env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("EFFIJAX_", "JAX_COORDINATOR", "XLA_FLAGS"))}
     env["JAX_PLATFORMS"] = "cpu"
+    env.update(extra)
     return env
 
 
-def _launch(args):
+def _launch(args, env=None):
     return subprocess.Popen([sys.executable, "-m", "effijax", "train", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_env())
+                            env=env or _env())
 
 
 def _wait(procs):
@@ -99,21 +100,33 @@ def _metrics(run):
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def _pair(args, port):
+def _pair(args, port, env=None):
     return [_launch([*args, "--cpu-devices", "4", "--coordinator", f"127.0.0.1:{port}",
-                     "--num-processes", "2", "--process-id", str(i)]) for i in range(2)]
+                     "--num-processes", "2", "--process-id", str(i)], env) for i in range(2)]
+
+
+def _cached_env(directory) -> dict:
+    """Processes that share JAX's persistent compilation cache in ``directory``: the first
+    launch compiles, the later ones of the same command load its executables (most of a launch's
+    time on a small CPU machine). A cache hit skips XLA's compilation and so the HLO dump the
+    collective census reads: those runs' summaries list no collectives, which is why only the
+    tests that compare no census share one."""
+    return _env(JAX_COMPILATION_CACHE_DIR=str(directory),
+                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_sigterm_to_one_of_two_processes_stops_both_at_one_step_and_resumes_exactly(
         tmp_path, corpus):
-    steps = 40
+    steps = 30  # the processes exchange their stop flags every 10 steps: they stop at 10 or 20
     args = ["--model", "tiny", "--seq-len", "32", "--batch-size", "8", "--strategy", "fsdp",
             "--eval-batches", "1", "--no-progress", "--data", corpus, "--steps", str(steps),
             "--checkpoint-every", "2"]
     run, straight = tmp_path / "run", tmp_path / "straight"
-    procs = _pair([*args, "--out", str(run)], _free_port())
+    env = _cached_env(tmp_path / "jax-cache")
+    procs = _pair([*args, "--out", str(run)], _free_port(), env)
     checkpoints = run / "checkpoints"
     deadline = time.monotonic() + TIMEOUT_S
     while not (checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())):
@@ -129,9 +142,11 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_one_step_and_resumes_exac
     # Both processes saved that step together (orbax commits it only when all have written).
     assert max(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) == last
 
-    (out0, _), _ = _wait(_pair([*args, "--out", str(run)], _free_port()))
+    # These two load the executables the interrupted run compiled (the cache): the steps after
+    # the stop and the uninterrupted run's must still equal that run's steps bit for bit.
+    (out0, _), _ = _wait(_pair([*args, "--out", str(run)], _free_port(), env))
     assert f"resuming from step {last}" in out0 and f"done: {steps} steps" in out0
-    _wait(_pair([*args, "--out", str(straight)], _free_port()))
+    _wait(_pair([*args, "--out", str(straight)], _free_port(), env))
     resumed, reference = _metrics(run), _metrics(straight)
     assert [r["step"] for r in resumed] == list(range(1, steps + 1))
     # The same program on the same devices: bit for bit.

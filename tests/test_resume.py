@@ -95,8 +95,12 @@ def test_resume_continues_bit_for_bit(tmp_path, corpus, capsys):
     _assert_same_leaves(resumed, reference)
 
 
-def _spawn(out, corpus, steps, every):
+def _spawn(out, corpus, steps, every, cache=None):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+    if cache is not None:  # JAX's persistent compilation cache: later runs load, not compile
+        env.update(JAX_COMPILATION_CACHE_DIR=str(cache),
+                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     return subprocess.Popen(
         [sys.executable, "-m", "effijax", "train", "--steps", str(steps), "--checkpoint-every",
          str(every), "--data", corpus, "--out", str(out), *TINY],
@@ -120,7 +124,10 @@ def _wait_for_checkpoint(proc, out, timeout=240.0):
 def test_sigkill_then_resume_matches_uninterrupted(tmp_path, corpus):
     steps = 40
     killed, straight = tmp_path / "killed", tmp_path / "straight"
-    proc = _spawn(killed, corpus, steps, 4)
+    # The resumed and the uninterrupted runs load the executables the killed run compiled; the
+    # steps the killed run logged must still equal the uninterrupted run's exactly.
+    cache = tmp_path / "jax-cache"
+    proc = _spawn(killed, corpus, steps, 4, cache)
     _wait_for_checkpoint(proc, killed)
     proc.kill()
     proc.communicate()
@@ -128,11 +135,11 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path, corpus):
     logged = _metrics(killed)
     assert len(logged) < steps, "the run finished before it was killed; make it longer"
 
-    resumed = _spawn(killed, corpus, steps, 4)
+    resumed = _spawn(killed, corpus, steps, 4, cache)
     out, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err
     assert "resuming from step" in out, out
-    reference = _spawn(straight, corpus, steps, 4)
+    reference = _spawn(straight, corpus, steps, 4, cache)
     _, err = reference.communicate(timeout=300)
     assert reference.returncode == 0, err
 

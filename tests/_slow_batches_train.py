@@ -1,0 +1,44 @@
+"""`effijax train` whose data takes $EFFIJAX_TEST_BATCH_DELAY_S seconds per training batch
+until the process gets SIGTERM or SIGINT.
+
+Runs the real command line in this process; the only changes are a wait before the recipe's
+batch builder (``effijax.recipe._job.batch_at``) builds each batch, as a slow data pipeline
+would, and a note in the run's stop handler (``effijax.run.StopFlag._handle``, which it then
+calls) that ends the waits. A test that signals a run and needs it to be still training some
+seconds later (Open MPI's mpirun forwards SIGTERM to its ranks only after a grace period) holds
+a short run open this way instead of running hundreds of steps; once the signal arrives the run
+goes at full speed to the step boundary where the processes agree to stop (polled every few
+steps) and saves. The batches, and so the numbers, are the unwrapped builder's.
+"""
+
+import os
+import sys
+import time
+
+from effijax import run
+from effijax.cli import main
+from effijax.recipe import _job
+
+_real_batch_at = _job.batch_at
+_real_handle = run.StopFlag._handle
+_DELAY_S = float(os.environ.get("EFFIJAX_TEST_BATCH_DELAY_S", "0"))
+_signalled = []  # appended to by the handler: no lock (it runs between bytecodes)
+
+
+def _slow(tokens, **kwargs):
+    deadline = time.monotonic() + _DELAY_S
+    while not _signalled and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return _real_batch_at(tokens, **kwargs)
+
+
+def _handle(self, signum, frame):
+    _signalled.append(signum)
+    _real_handle(self, signum, frame)
+
+
+_job.batch_at = _slow
+run.StopFlag._handle = _handle
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
