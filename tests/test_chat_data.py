@@ -186,6 +186,20 @@ def test_make_example_writes_checkable_standard_library_records(tmp_path, capsys
     assert main(["data", "make-example", str(tmp_path / "x.jsonl"), "--modules", "nope"]) == 2
 
 
+def test_the_instruction_set_is_the_same_in_every_process():
+    """No answer shows a memory address (``shutil.move``'s default ``copy2`` would), so two
+    interpreters write the same records: the same data hash, split and learnable answers."""
+    code = "import json; from effijax.data import stdlib_qa; print(json.dumps(stdlib_qa()))"
+    root = pathlib.Path(__file__).resolve().parents[1]
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True, cwd=root).stdout for _ in range(2)]
+    assert runs[0] == runs[1]
+    records = json.loads(runs[0])
+    assert not [r for r in records if " at 0x" in r["response"]]
+    assert "What is the signature of shutil.copy?" in {r["prompt"] for r in records}
+    assert "What is the signature of shutil.move?" not in {r["prompt"] for r in records}
+
+
 # Batches -------------------------------------------------------------------------------------
 
 def test_packed_batches_are_pure_in_seed_and_step_and_split_over_processes(files, model):

@@ -9,7 +9,9 @@ introspectable signature, two records with checkable answers:
 * "In one line, what does ``textwrap.dedent`` do?" → the docstring's first line.
 
 The records come in a fixed order (module, function, kind), so the same Python version always
-writes the same file; exact match against the response is the task metric.
+writes the same file; exact match against the response is the task metric. Functions whose
+signature shows an object's memory address (a default such as ``<function copy2 at 0x7f...>``)
+are left out: their answer would change from one process to the next.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import importlib
 import inspect
 import json
 import os
+import re
 from pathlib import Path
 
 from effijax.errors import ConfigError
@@ -29,6 +32,9 @@ STDLIB_MODULES = ("base64", "bisect", "calendar", "colorsys", "difflib", "fnmatc
                   "functools", "glob", "heapq", "html", "json", "keyword", "os.path",
                   "posixpath", "random", "shlex", "shutil", "statistics", "string", "tempfile",
                   "textwrap", "uuid", "zipfile")
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 def _first_line(doc: str) -> str:
@@ -51,6 +57,8 @@ def _functions(module_name: str):
         try:
             signature = str(inspect.signature(obj))
         except (TypeError, ValueError):
+            continue
+        if _ADDRESS.search(signature):  # not the same answer in another process
             continue
         summary = _first_line(doc)
         if 8 <= len(summary) <= 160 and len(signature) <= 120:
