@@ -177,14 +177,14 @@ def plot_metrics(runs: dict[str, list[dict]], path: str | os.PathLike, *,
       >>> p.exists()
       True
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # A bare Figure renders to the file by itself: no pyplot, no global backend switch, so a
+    # notebook that trains keeps its inline plots.
+    from matplotlib.figure import Figure
 
     scales = {k: [r.get("loss_scale", 1.0) for r in v] for k, v in runs.items()}
     show_scale = any(len({_as_float(s) for s in v}) > 1 for v in scales.values())
-    fig, axes = plt.subplots(1, 2 if show_scale else 1, figsize=(11 if show_scale else 6, 4))
+    fig = Figure(figsize=(11 if show_scale else 6, 4))
+    axes = fig.subplots(1, 2 if show_scale else 1)
     axes = np.atleast_1d(axes)
     for label, records in runs.items():
         steps = [r["step"] for r in records]
@@ -205,7 +205,6 @@ def plot_metrics(runs: dict[str, list[dict]], path: str | os.PathLike, *,
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
 
 
