@@ -18,6 +18,7 @@ Gradient reductions run in the dtype of the backward matmul's output: bf16 for a
 """
 
 import doctest
+import os
 import math
 
 import jax
@@ -294,3 +295,34 @@ def test_memory_report_per_device_bytes(strategy, params_n):
 def test_docstring_examples():
     result = doctest.testmod(_census)
     assert result.failed == 0 and result.attempted > 0
+
+
+def test_the_census_is_not_emptied_by_a_persistent_compilation_cache(tmp_path):
+    """With JAX's persistent cache on, a second process finds the program cached; the census
+    still compiles it (XLA must run to dump the partitioned module) and finds its gather."""
+    import pathlib
+    import subprocess
+    import sys
+
+    code = f"""
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import jax, jax.numpy as jnp
+jax.config.update("jax_compilation_cache_dir", {str(tmp_path)!r})
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+from jax.sharding import NamedSharding, PartitionSpec as P
+from effijax.sharding import collective_census, make_mesh
+mesh = make_mesh()
+f = jax.jit(lambda w: w @ w.T, in_shardings=NamedSharding(mesh, P("fsdp")),
+            out_shardings=NamedSharding(mesh, P()))
+x = jax.ShapeDtypeStruct((64, 4), jnp.float32)
+f.lower(x).compile()  # the cached copy, as a run's jit would leave it
+print(collective_census(f, x).count("all-gather"))
+"""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    counts = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             check=True, cwd=root, env=env).stdout.split()[-1] for _ in range(2)]
+    assert any(tmp_path.iterdir()), "the persistent cache was not written"
+    assert counts[0] == counts[1] and int(counts[0]) >= 1

@@ -23,6 +23,7 @@ all-reduce (g = group size), ``bytes`` for a collective-permute.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import math
@@ -273,7 +274,8 @@ def collective_census(fn: Callable, *args, **kwargs) -> Census:
       (1, 1024)
     """
     lowered = _lower(fn, args, kwargs)
-    with tempfile.TemporaryDirectory(prefix="effijax-census-") as tmp:
+    num_devices = _num_devices(lowered)
+    with tempfile.TemporaryDirectory(prefix="effijax-census-") as tmp, _no_persistent_cache():
         lowered.compile(compiler_options={
             "xla_dump_to": tmp,
             "xla_dump_hlo_pass_re": "spmd-partitioning",
@@ -281,12 +283,37 @@ def collective_census(fn: Callable, *args, **kwargs) -> Census:
         })
         files = sorted(glob.glob(os.path.join(tmp, "*after_spmd-partitioning*.txt")))
         if not files:
+            if num_devices > 1:
+                raise RuntimeError(
+                    f"collective_census: XLA wrote no partitioned module for a program on "
+                    f"{num_devices} devices (was it loaded from a compilation cache?); the "
+                    "census needs XLA to compile it")
             # A program on one device is never partitioned: nothing is communicated.
             return Census(ops=(), hlo="")
         with open(files[-1]) as f:
             text = f.read()
-    num_devices = _num_devices(lowered)
     return Census(ops=parse_collectives(text, num_devices), hlo=text)
+
+
+@contextlib.contextmanager
+def _no_persistent_cache():
+    """JAX's persistent compilation cache off for one compilation: an executable loaded from
+    it skips XLA, so nothing would be dumped. JAX decides once per process whether the cache is
+    used (``compilation_cache.is_cache_used``, memoised), so that decision is what is held."""
+    from jax._src import compilation_cache
+
+    lock = getattr(compilation_cache, "_cache_initialized_mutex", None)
+    if lock is None or not hasattr(compilation_cache, "_cache_used"):
+        yield  # another JAX: the empty-dump check above still refuses a cached program
+        return
+    with lock:
+        saved = compilation_cache._cache_checked, compilation_cache._cache_used
+        compilation_cache._cache_checked, compilation_cache._cache_used = True, False
+    try:
+        yield
+    finally:
+        with lock:
+            compilation_cache._cache_checked, compilation_cache._cache_used = saved
 
 
 def _num_devices(lowered) -> int:
