@@ -44,8 +44,9 @@ class Config:
     samples: int = 3
     eval_batches: int = 4
     seed: int = 0
-    # The layer loop unrolled: a longer compile, a faster step on a CPU (--unroll-layers).
-    unroll_layers: bool = True
+    # --unroll-layers: measured no faster here in one process (benchmarks/finetune.py) and
+    # heavier (each layer's weight slices stay live for the backward pass), so off.
+    unroll_layers: bool = False
     out: str = "runs/finetune"
     progress: bool = True
 
