@@ -18,8 +18,8 @@ Gradient reductions run in the dtype of the backward matmul's output: bf16 for a
 """
 
 import doctest
-import os
 import math
+import os
 
 import jax
 import jax.numpy as jnp

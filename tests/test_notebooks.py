@@ -68,11 +68,11 @@ def test_the_install_cell_brings_the_widgets_and_the_quickstart_plot_has_axes():
 def test_training_leaves_the_notebook_plotting_backend_alone(tmp_path):
     """``train()`` writes loss.png with a bare Figure: a notebook's inline backend (here svg,
     as a stand-in) is still the backend afterwards, so its later plots still show."""
-    code = ("import matplotlib, pathlib; matplotlib.use('svg'); from effijax.run import "
+    code = ("import matplotlib, pathlib, sys; matplotlib.use('svg'); from effijax.run import "
             "plot_metrics; p = plot_metrics({'a': [{'step': 1, 'loss': 2.0, 'loss_scale': 1.0}, "
-            "{'step': 2, 'loss': 1.0, 'loss_scale': 2.0}]}, pathlib.Path(%r) / 'loss.png'); "
-            "print(matplotlib.get_backend(), p.read_bytes()[:4])" % str(tmp_path))
+            "{'step': 2, 'loss': 1.0, 'loss_scale': 2.0}]}, pathlib.Path(sys.argv[1]) / "
+            "'loss.png'); print(matplotlib.get_backend(), p.read_bytes()[:4])")
     root = pathlib.Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, cwd=root).stdout.split()
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                         text=True, check=True, cwd=root).stdout.split()
     assert out[0] == "svg" and "PNG" in out[1]

@@ -57,9 +57,9 @@ from effijax.models._layers import (
     _Embed,
     _run_layers,
     check_call,
-    segment_positions,
     make_apply,
     make_loss_fn,
+    segment_positions,
 )
 from effijax.precision import Policy, get_policy, layer_norm
 

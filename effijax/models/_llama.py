@@ -55,8 +55,8 @@ from effijax.models._layers import (
     _run_layers,
     check_call,
     make_apply,
-    segment_positions,
     make_loss_fn,
+    segment_positions,
 )
 from effijax.models._tokenizer import Tokenizer
 from effijax.precision import Policy, get_policy, rms_norm
