@@ -311,9 +311,9 @@ def auto_attend(
     if choice.reason is not None and choice.reason not in _warned:
         _warned.add(choice.reason)
         warnings.warn(choice.reason, AttentionFallbackWarning, stacklevel=2)
-    extra = {} if segments_BS is None else {"segments_BS": segments_BS}
     return ATTENTION[choice.name](q_BSHK, k_BTHK, v_BTHK, causal=causal,
-                                  dropout_rate=dropout_rate, dropout_key=dropout_key, **extra)
+                                  dropout_rate=dropout_rate, dropout_key=dropout_key,
+                                  segments_BS=segments_BS)
 
 
 # Attention implementations by ``GPTConfig.attention`` name, all with ``attend``'s signature.

@@ -320,14 +320,14 @@ def make_apply(graphdef: nnx.GraphDef, lora: LoraSpec | None = None
         raise TypeError(f"lora: expected a LoraSpec or None, got {type(lora).__name__}")
 
     def apply(params, tokens_BS, *, rng=None, deterministic=True, segments_BS=None):
-        extra = {} if segments_BS is None else {"segments_BS": segments_BS}
         if lora is None:
             model = nnx.merge(graphdef, params)
-            return model(tokens_BS, deterministic=deterministic, rngs=rng, **extra)
+            return model(tokens_BS, deterministic=deterministic, rngs=rng,
+                         segments_BS=segments_BS)
         base, adapters = _split_lora_params(params)
         model = nnx.merge(graphdef, base)
         return model(tokens_BS, deterministic=deterministic, rngs=rng, adapters=adapters,
-                     lora=lora, **extra)
+                     lora=lora, segments_BS=segments_BS)
 
     return apply
 

@@ -94,8 +94,9 @@ class TrainConfig:
                                    "checkpoint (its --out directory); the model is that run's",
                                    metavar="RUN_DIR", section="model")
     unroll_layers: bool = _field(False, "unroll the loop over the model's layers instead of "
-                                 "scanning it: the same arithmetic, a longer compile, a faster "
-                                 "step on a CPU (no per-layer slicing of stacked buffers)",
+                                 "scanning it: the same arithmetic, a longer compile and more "
+                                 "memory, no per-layer slicing of stacked buffers (measure "
+                                 "whether the step gets faster)",
                                  flag="--unroll-layers", section="model")
     # Precision.
     precision: str = _field("auto", "precision policy: auto, fp32, bf16, fp16 or pure_bf16 "
