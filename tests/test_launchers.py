@@ -269,9 +269,12 @@ needs_mpirun = pytest.mark.skipif(shutil.which("mpirun") is None, reason=(
 def test_mpirun_two_processes_of_four_devices_match_one_process_of_eight(
         tmp_path, corpus, reference):
     # Before anything trains: both ranks see one loopback coordinator, from mpirun alone.
+    # One write per rank: mpirun --tag-output tags each chunk it reads, so print's separate
+    # writes (under PYTHONUNBUFFERED, as in CI) interleaved the two ranks mid-line.
     probe = subprocess.run(
-        [*MPIRUN, sys.executable, "-c", "from effijax.distributed import plan; "
-         "l = plan(); print(l.launcher, *l.settings)"],
+        [*MPIRUN, sys.executable, "-c", "import os; from effijax.distributed import plan; "
+         "l = plan(); os.write(1, ' '.join(map(str, (l.launcher, *l.settings))).encode() + "
+         "b'\\n')"],
         capture_output=True, text=True, env=_env(), timeout=TIMEOUT_S)
     assert probe.returncode == 0, probe.stderr
     seen = {tuple(lines[-1].split()) for lines in _by_rank(probe.stdout).values()}

@@ -36,6 +36,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from effijax.checkpoint import _orphans
 from effijax.errors import ConfigError
 from effijax.paths import map_with_path, named_leaves
 from effijax.precision import all_finite
@@ -486,9 +487,13 @@ def _restore(manager, directory, step: int | None, target_state_abstract):
     _check_target(target_state_abstract)
     record = _step_record(manager, step, directory)
     _compare(_saved_leaves(manager, step), target_state_abstract, directory, step)
-    restored = manager.restore(
-        step, args=ocp.args.Composite(
-            **{_ITEM: ocp.args.StandardRestore(_abstract_savable(target_state_abstract))}))
+    try:
+        restored = manager.restore(
+            step, args=ocp.args.Composite(
+                **{_ITEM: ocp.args.StandardRestore(_abstract_savable(target_state_abstract))}))
+    except BaseException as e:
+        _orphans.reap(e)  # a damaged file: the other reads are left pending (see _orphans)
+        raise
     return _from_savable(restored[_ITEM], target_state_abstract, record.get("prng_keys", {}),
                          directory)
 
@@ -661,11 +666,23 @@ def _migrate(record: dict, manager, step: int) -> dict:
     return record
 
 
-def _last_line(e: BaseException) -> str:
-    """An exception's message in one line: its last non-empty line, at most 200 characters."""
+def _last_line(e: BaseException, limit: int = 200) -> str:
+    """An exception's message in one line: its last non-empty line, at most ``limit``
+    characters."""
     lines = [x.strip() for x in str(e).splitlines() if x.strip()]
     text = f"{type(e).__name__}: {lines[-1]}" if lines else type(e).__name__
-    return text if len(text) <= 200 else text[:197] + "..."
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _root_cause(e: BaseException) -> BaseException:
+    """The innermost explicit cause (``raise ... from``): for a failed read, TensorStore's
+    error naming the file and what is wrong with it, under orbax's wrapper (whose message
+    ends in a dump of the array's spec)."""
+    seen = {id(e)}
+    while e.__cause__ is not None and id(e.__cause__) not in seen:
+        e = e.__cause__
+        seen.add(id(e))
+    return e
 
 
 def _saved_leaves(manager, step: int) -> dict[str, Any]:
@@ -871,7 +888,7 @@ def restore_newest(directory: str | os.PathLike, *, target_state_abstract,
             except ConfigError:
                 raise
             except Exception as e:  # orbax/tensorstore: a damaged or truncated array file
-                reason = _last_line(e)
+                reason = _last_line(_root_cause(e), limit=400)
             if _everywhere(reason is None):
                 return Restored(int(step), state, record, bad)
             bad.append((int(step), reason or "failed on another process"))
