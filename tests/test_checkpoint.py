@@ -230,7 +230,7 @@ def test_a_damaged_step_is_skipped_quietly_naming_the_file_and_the_fault(tmp_pat
     # without effijax.checkpoint._orphans each printed "Exception ignored ..." (a coroutine
     # raising when collected, or a finished read calling the closed loop), dozens per step.
     keys = jax.random.split(jax.random.key(0), 6)
-    params = {f"w{i}": jax.random.normal(k, (128, 256)) for i, k in enumerate(keys)}
+    params = {f"w{i}": jax.random.normal(k, (16, 64)) for i, k in enumerate(keys)}
     state = init_train_state(params, optax.adam(1e-3), 0)
     with open_checkpoints(tmp_path, keep=None) as ckpt:
         for s in (1, 2):
@@ -242,8 +242,9 @@ def test_a_damaged_step_is_skipped_quietly_naming_the_file_and_the_fault(tmp_pat
     unraisable = []
     monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
     target = restore_target(abstract_of(state), replicated(make_mesh()))
-    found = restore_newest(tmp_path, target_state_abstract=target)
-    assert found.step == 1 and int(found.state.step) == 1
+    for _ in range(5):  # whether reads are still pending when one fails is a race: retry it
+        found = restore_newest(tmp_path, target_state_abstract=target)
+        assert found.step == 1 and int(found.state.step) == 1
     (step, reason), = found.bad
     # TensorStore's own error, not orbax's wrapper (whose last line ends a spec dump).
     assert step == 2 and reason.startswith("ValueError: OUT_OF_RANGE: Error reading "), reason

@@ -487,13 +487,10 @@ def _restore(manager, directory, step: int | None, target_state_abstract):
     _check_target(target_state_abstract)
     record = _step_record(manager, step, directory)
     _compare(_saved_leaves(manager, step), target_state_abstract, directory, step)
-    try:
+    with _orphans.guard():  # a damaged file leaves the other reads pending (see _orphans)
         restored = manager.restore(
             step, args=ocp.args.Composite(
                 **{_ITEM: ocp.args.StandardRestore(_abstract_savable(target_state_abstract))}))
-    except BaseException as e:
-        _orphans.reap(e)  # a damaged file: the other reads are left pending (see _orphans)
-        raise
     return _from_savable(restored[_ITEM], target_state_abstract, record.get("prng_keys", {}),
                          directory)
 
@@ -630,10 +627,11 @@ def _step_record(manager, step: int, directory) -> dict:
     """
     where = Path(directory) / str(step) / "_CHECKPOINT_METADATA"
     try:
-        custom = manager.metadata(step).custom_metadata
+        with _orphans.guard():
+            custom = manager.metadata(step).custom_metadata
     except Exception as e:  # orbax reads and parses the file: any failure means unreadable
         raise CorruptCheckpoint("checkpoint", str(where), f"step {step}'s metadata cannot be "
-                                f"read ({_last_line(e)})") from e
+                                f"read ({_last_line(_root_cause(e), limit=400)})") from e
     record = (custom or {}).get(_META_KEY) if isinstance(custom, Mapping) else None
     if not isinstance(record, dict):
         raise CorruptCheckpoint("checkpoint", str(where), f"step {step} has no effijax record "
@@ -688,11 +686,12 @@ def _root_cause(e: BaseException) -> BaseException:
 def _saved_leaves(manager, step: int) -> dict[str, Any]:
     """``{path: ArrayMetadata}`` of a step, read from orbax's metadata (no array is loaded)."""
     try:
-        item = manager.item_metadata(step)[_ITEM]
+        with _orphans.guard():  # one damaged array's metadata leaves the others' reads pending
+            item = manager.item_metadata(step)[_ITEM]
     except Exception as e:
         raise CorruptCheckpoint("checkpoint", str(Path(manager.directory) / str(step)),
                                 f"step {step}'s array metadata cannot be read "
-                                f"({_last_line(e)})") from e
+                                f"({_last_line(_root_cause(e), limit=400)})") from e
     tree = getattr(item, "tree", item)
     return dict(named_leaves(tree, is_leaf=lambda x: hasattr(x, "shape")))
 

@@ -1,8 +1,8 @@
 """The reads a failed orbax restore leaves behind, collected without noise.
 
-orbax (0.12.7 and later) runs a restore's reads as asyncio tasks on an event loop of its own
-and closes that loop as soon as the restore raises. When one array file is damaged, its read
-fails first and the other reads are left pending on the closed loop:
+orbax (0.12.7 and 0.12.8 at least) runs a restore's reads as asyncio tasks on an event loop
+of its own and closes that loop as soon as the restore raises. When one array file is damaged,
+its read fails first and the other reads are left pending on the closed loop:
 
 - each pending read's coroutine, when garbage collected, raises from its ``except
   BaseException`` handler, and Python prints "Exception ignored in: <coroutine ...>";
@@ -13,15 +13,17 @@ A resume that meets one damaged step printed dozens of such tracebacks (and unde
 ``-W error`` each is a failure), although the damaged step is handled: set aside, reported in
 one line, and the previous step restored.
 
-:func:`reap` is called with the restore's exception: it finds the closed loop in the
-traceback, closes the pending reads' coroutines at once (their errors are the damage already
-reported), and has the process's unraisable hook drop "Event loop is closed" raised by that
-loop, and only by it. Everything else goes to the hook that was there before.
+:func:`guard` wraps a restore (and orbax's metadata reads, which run the same way). If it
+raises, it finds the closed loop in the traceback and closes the pending reads' coroutines at
+once (their errors are the damage already reported). While a read runs, and afterwards for
+the loops of failed reads, the process's unraisable hook drops "Event loop is closed" raised
+by a closed loop. Everything else goes to the hook that was there before.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import threading
 import weakref
@@ -30,6 +32,30 @@ import weakref
 _DEAD_LOOPS: weakref.WeakSet = weakref.WeakSet()
 _LOCK = threading.Lock()
 _installed_hook = None
+_restoring = 0  # restores in flight: their loop may close before reap() has seen it
+
+
+@contextlib.contextmanager
+def guard():
+    """Wraps an orbax read (a restore, or a step's metadata): if it fails, the reads it left
+    pending are reaped and stay quiet.
+
+    Example:
+      >>> with guard():
+      ...     pass
+    """
+    global _restoring
+    _install_hook()
+    with _LOCK:
+        _restoring += 1
+    try:
+        yield
+    except BaseException as e:
+        reap(e)
+        raise
+    finally:
+        with _LOCK:
+            _restoring -= 1
 
 
 def reap(error: BaseException) -> int:
@@ -82,7 +108,8 @@ def _from_dead_loop(unraisable) -> bool:
     tb = unraisable.exc_traceback
     while tb is not None:
         owner = tb.tb_frame.f_locals.get("self")
-        if isinstance(owner, asyncio.AbstractEventLoop) and owner in _DEAD_LOOPS:
+        if (isinstance(owner, asyncio.AbstractEventLoop) and owner.is_closed()
+                and (_restoring or owner in _DEAD_LOOPS)):
             return True
         tb = tb.tb_next
     return False
