@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _damage import truncate_largest_array_file
 
 from effijax.checkpoint import (
     FORMAT_VERSION,
@@ -235,10 +236,7 @@ def test_a_damaged_step_is_skipped_quietly_naming_the_file_and_the_fault(tmp_pat
     with open_checkpoints(tmp_path, keep=None) as ckpt:
         for s in (1, 2):
             ckpt.save(state._replace(step=jnp.int32(s)))
-    data = [p for p in (tmp_path / "2").rglob("*") if p.is_file() and p.parent.name == "d"]
-    largest = max(data, key=lambda p: p.stat().st_size)
-    with open(largest, "r+b") as f:
-        f.truncate(largest.stat().st_size // 2)
+    truncate_largest_array_file(tmp_path / "2")
     unraisable = []
     monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
     target = restore_target(abstract_of(state), replicated(make_mesh()))

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 import pytest
 from _compiles import compiles
+from _damage import truncate_largest_array_file
 
 from effijax.checkpoint import FORMAT_VERSION, lock_run_dir, open_checkpoints, restore_target
 from effijax.cli import main
@@ -53,18 +54,6 @@ def stopped(tmp_path, finished):
     return out
 
 
-def _largest_array_file(step_dir: Path) -> Path:
-    files = [p for p in (step_dir / "state").rglob("*") if p.is_file()
-             and p.parent.name == "d"]
-    return max(files, key=lambda p: p.stat().st_size)
-
-
-def _truncate(step_dir: Path) -> None:
-    f = _largest_array_file(step_dir)
-    with open(f, "r+b") as fh:
-        fh.truncate(f.stat().st_size // 2)
-
-
 def _garble_metadata(step_dir: Path) -> None:
     f = step_dir / "state" / "_METADATA"
     data = bytearray(f.read_bytes())
@@ -97,7 +86,7 @@ def _leaves(out, step):
 
 @pytest.mark.slow  # a shared 6-step run, and a resume of a copy
 @pytest.mark.parametrize("damage, reason", [
-    (_truncate, "step 4"),
+    (truncate_largest_array_file, "step 4"),
     (_garble_metadata, "metadata cannot be read"),
     (_drop_metadata, "has no effijax record"),
 ])
@@ -139,7 +128,7 @@ def test_init_from_a_run_with_a_damaged_newest_step_starts_from_the_previous(
         tmp_path, finished, corpus, capsys):
     source = tmp_path / "source"
     shutil.copytree(finished, source)
-    _truncate(source / "checkpoints" / "6")
+    truncate_largest_array_file(source / "checkpoints" / "6")
     before = sorted(p.name for p in (source / "checkpoints").iterdir())
     out = tmp_path / "tuned"
     capsys.readouterr()

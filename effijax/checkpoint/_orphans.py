@@ -73,9 +73,8 @@ def reap(error: BaseException) -> int:
       >>> reap(ValueError("not from a restore"))
       0
     """
-    loops = _closed_loops(error)
     closed = 0
-    for loop in loops:
+    for loop in _closed_loops(error.__traceback__):
         with _LOCK:
             _DEAD_LOOPS.add(loop)
         _install_hook()
@@ -90,9 +89,9 @@ def reap(error: BaseException) -> int:
     return closed
 
 
-def _closed_loops(error: BaseException) -> list[asyncio.AbstractEventLoop]:
+def _closed_loops(tb) -> list[asyncio.AbstractEventLoop]:
+    """The closed event loops whose methods the traceback ``tb`` passes through."""
     found = []
-    tb = error.__traceback__
     while tb is not None:
         owner = tb.tb_frame.f_locals.get("self")
         if (isinstance(owner, asyncio.AbstractEventLoop) and owner.is_closed()
@@ -103,16 +102,8 @@ def _closed_loops(error: BaseException) -> list[asyncio.AbstractEventLoop]:
 
 
 def _from_dead_loop(unraisable) -> bool:
-    if not isinstance(unraisable.exc_value, RuntimeError):
-        return False
-    tb = unraisable.exc_traceback
-    while tb is not None:
-        owner = tb.tb_frame.f_locals.get("self")
-        if (isinstance(owner, asyncio.AbstractEventLoop) and owner.is_closed()
-                and (_restoring or owner in _DEAD_LOOPS)):
-            return True
-        tb = tb.tb_next
-    return False
+    return isinstance(unraisable.exc_value, RuntimeError) and any(
+        _restoring or loop in _DEAD_LOOPS for loop in _closed_loops(unraisable.exc_traceback))
 
 
 def _install_hook() -> None:
