@@ -10,6 +10,7 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_dtype_promotion", "strict")
@@ -21,11 +22,18 @@ _SLOW_LIST = os.path.join(os.path.dirname(__file__), "slow_tests.txt")
 def pytest_collection_modifyitems(config, items):
     """Marks the tests listed in slow_tests.txt (modules or node ids) as slow, so that
     ``-m "not slow"`` is the fast tier."""
-    import pytest
-
     with open(_SLOW_LIST) as f:
         listed = {line.strip() for line in f if line.strip() and not line.startswith("#")}
     for item in items:
         module = item.nodeid.split("::")[0]
         if item.nodeid in listed or module in listed:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(autouse=True)
+def _empty_working_directory(tmp_path_factory, monkeypatch):
+    """Every test starts in an empty directory of its own, never the checkout: what a user's
+    earlier command left in the current directory (``effijax train`` writes ``runs/train``
+    there) cannot change a test's outcome, and a test's relative paths cannot touch the
+    checkout. A test that needs a file of the repository finds it from its own ``__file__``."""
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))

@@ -373,7 +373,7 @@ def test_load_a_gguf_and_complete_text_and_chat(tiny_gguf):
 def _cli(*args, timeout=300):
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
-    return subprocess.run([sys.executable, "-m", "effijax", "generate", *args], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "effijax", "generate", *args],
                           env=env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import pathlib
 
 import numpy as np
 import optax
@@ -153,13 +154,76 @@ def test_a_finished_run_is_left_untouched(tmp_path, corpus, capsys):
     in_progress.mkdir()
     before = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.iterdir()
               if p.is_file()}
-    result = train(cfg.with_overrides(strategy="fsdp"))
+    # Settings that a resume may change freely (evaluation, checkpoint cadence) still find
+    # the same run.
+    result = train(cfg.with_overrides(eval_batches=2, keep=5, checkpoint_every=3))
     assert result.status == "finished_before"
     assert "already holds this run, finished at step 4" in capsys.readouterr().out
     after = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.iterdir()
              if p.is_file()}
     assert after == before
     assert in_progress.is_dir()
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, corpus):
+    """A finished 4-step run (its config), shared by the tests that only read it."""
+    cfg = TrainConfig(steps=4, data=corpus, out=str(tmp_path_factory.mktemp("runs") / "done"),
+                      **TINY)
+    assert train(cfg).status == "done"
+    return cfg
+
+
+@pytest.mark.parametrize("change, shown", [
+    (dict(model="mini", seq_len=None), "model {d_model=64, n_layers=2} -> {d_model=128, "
+     "n_layers=4} (must match"),
+    (dict(precision="bf16"), "precision 'fp32' -> 'bf16' (must match"),
+    (dict(seed=7, batch_size=4), "seed 0 -> 7 (must match the checkpointed run); batch_size "
+     "2 -> 4 (must match"),
+    (dict(lora_rank=2, lora_random_base=True), "lora None -> {lora_rank=2"),
+    (dict(steps=2), "steps 4 -> 2 (add --allow-changes steps to accept)"),
+    (dict(lr=1e-4), "lr 0.003 -> 0.0001 (add --allow-changes lr to accept)"),
+])
+def test_a_finished_run_with_other_settings_is_refused_listing_each(finished_run, change,
+                                                                    shown):
+    """Only ``steps`` used to be compared: another model, precision or seed into a finished
+    run's directory said "nothing to do" and exited 0."""
+    out = finished_run.out
+    before = sorted((p.relative_to(out), p.stat().st_mtime_ns) for p in
+                    pathlib.Path(out).rglob("*") if p.is_file())
+    with pytest.raises(ConfigError) as e:
+        train(finished_run.with_overrides(**change))
+    assert e.value.field == "out"
+    assert "holds a run finished at step 4 with other settings: " in e.value.problem
+    assert shown in e.value.problem, e.value.problem
+    after = sorted((p.relative_to(out), p.stat().st_mtime_ns) for p in
+                   pathlib.Path(out).rglob("*") if p.is_file())
+    assert after == before  # refused before anything was written
+
+
+def test_a_finished_run_past_fewer_steps_is_left_alone_when_the_change_is_allowed(
+        finished_run, capsys):
+    result = train(finished_run.with_overrides(steps=2, allow_changes="steps"))
+    assert result.status == "finished_before"
+    assert "at step 4, past --steps=2; nothing to do" in capsys.readouterr().out
+
+
+def test_more_steps_continue_a_finished_run_and_the_derived_warmup_follows(tmp_path, corpus):
+    """``--steps`` with ``--allow-changes steps`` is enough: the warm-up left to its default
+    (5% of the steps) follows the new length instead of being refused as a second change."""
+    cfg = TrainConfig(steps=40, data=corpus, out=str(tmp_path / "run"), checkpoint_every=40,
+                      **TINY)
+    assert train(cfg).config.warmup == 2
+    with pytest.raises(ConfigError, match=r"steps 40 -> 60 \(add --allow-changes steps"):
+        train(cfg.with_overrides(steps=60))
+    result = train(cfg.with_overrides(steps=60, allow_changes="steps"))
+    assert result.status == "done" and result.summary["steps"] == 60
+    assert result.config.warmup == 3
+    (resume,) = json.loads((tmp_path / "run" / "config.json").read_text())["resumes"]
+    assert resume["changed"]["steps"] == [40, 60] and resume["changed"]["warmup"] == [2, 3]
+    # A warm-up the user set is a setting of its own: changing it is named.
+    with pytest.raises(ConfigError, match=r"warmup 3 -> 5 \(add --allow-changes steps,warmup"):
+        train(cfg.with_overrides(steps=80, warmup=5, allow_changes="steps"))
 
 
 def test_bad_settings_fail_before_anything_is_written(tmp_path, corpus):

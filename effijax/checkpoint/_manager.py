@@ -822,7 +822,7 @@ def _everywhere(ok: bool) -> bool:
 
 
 def restore_newest(directory: str | os.PathLike, *, target_state_abstract,
-                   check=None, steps=None) -> Restored:
+                   check=None, steps=None, arrays: bool = True) -> Restored:
     """Restores the newest step of ``directory`` that restores, changing nothing on disk.
 
     Steps are tried newest first. A step whose metadata is missing or malformed, or whose
@@ -838,6 +838,9 @@ def restore_newest(directory: str | os.PathLike, *, target_state_abstract,
       check: ``check(step, record)``, called before a step's arrays are read; raises
         ConfigError to refuse the step (e.g. the run's settings changed).
       steps: the candidate steps (default: every committed step).
+      arrays: False to stop after the checks (metadata, shapes, ``check``): the step found
+        is the newest whose record is intact and fits, its arrays are not read, and
+        ``Restored.state`` is None (e.g. to compare a finished run's settings cheaply).
 
     Returns:
       A :class:`Restored`.
@@ -876,10 +879,11 @@ def restore_newest(directory: str | os.PathLike, *, target_state_abstract,
             state = record = None
             try:
                 record = _step_record(manager, step, directory)
-                _compare(_saved_leaves(manager, step), target_state_abstract, directory, step)
-                if check is not None:
+                if check is not None:  # first: a changed setting says more than a shape
                     check(step, record)
-                state = _restore(manager, directory, step, target_state_abstract)
+                _compare(_saved_leaves(manager, step), target_state_abstract, directory, step)
+                if arrays:
+                    state = _restore(manager, directory, step, target_state_abstract)
                 reason = None
             except CorruptCheckpoint as e:
                 reason = (e.problem if e.field == "checkpoint"

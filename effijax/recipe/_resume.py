@@ -127,9 +127,11 @@ def _saved_config(record: dict, where: str) -> dict:
     return saved
 
 
-def restore(ckpt_dir: Path, job, run_json: dict, allow: tuple[str, ...]):
+def restore(ckpt_dir: Path, job, run_json: dict, allow: tuple[str, ...], *,
+            arrays: bool = True):
     """The newest intact step of the run's own checkpoints, restored into the job's layout,
-    once its settings are checked against the resuming run's (see :mod:`_identity`).
+    once its settings are checked against the resuming run's (see :mod:`_identity`);
+    ``arrays=False`` checks without reading the arrays (``restored.state`` is None).
 
     Returns:
       ``(restored, changes)``: a :class:`effijax.checkpoint.Restored` and the allowed changes.
@@ -146,7 +148,7 @@ def restore(ckpt_dir: Path, job, run_json: dict, allow: tuple[str, ...]):
 
     found = restore_newest(ckpt_dir, target_state_abstract=restore_target(job.state,
                                                                            job.shardings),
-                           check=check)
+                           check=check, arrays=arrays)
     return found, changes
 
 

@@ -10,10 +10,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from effijax.errors import ConfigError
 from effijax.recipe import _report
 from effijax.recipe._config import TrainConfig
 
-__all__ = ["Run", "finished_step", "open_run", "initial_state", "loop_and_finish"]
+__all__ = ["Run", "open_run", "initial_state", "loop_and_finish"]
 
 
 @dataclasses.dataclass
@@ -24,6 +25,8 @@ class Run:
       config, record: the run's settings and its ``run`` record (model, data, devices).
       resume_step: the step restored (None: a fresh run); ``restored`` holds its state until
         :func:`initial_state` takes it.
+      finished: the run directory already holds this run, trained to ``config.steps`` or
+        past it (at step ``resume_step``): nothing is restored, opened or written.
       original: on resume, the ``config.json`` of the run as it started (kept as written);
         ``resumes`` lists each resume's step and what it changed.
     """
@@ -36,6 +39,7 @@ class Run:
     restored: Any = None
     original: dict | None = None
     resumes: list = dataclasses.field(default_factory=list)
+    finished: bool = False
 
     @property
     def json(self) -> dict:
@@ -73,22 +77,15 @@ class Run:
                 self.lock = None
 
 
-def finished_step(config: TrainConfig) -> int | None:
-    """The step of a finished run in ``config.out`` (its latest checkpoint is at ``steps`` or
-    later), else None. Nothing is written or validated: a finished run is left as it is,
-    whatever the new settings say."""
-    from effijax.checkpoint import latest_step
-
-    if not config.checkpoints:
-        return None
-    step = latest_step(Path(config.out).resolve() / "checkpoints")
-    return step if step is not None and step >= config.steps else None
-
-
 def open_run(config: TrainConfig, job, origin: dict | None, *, fingerprint: str,
              corpus_tokens: int) -> Run:
     """Locks the run directory, restores its newest intact checkpoint (checked against the
     job and the run's identity) and opens its checkpoints.
+
+    A directory that already holds the run trained to ``config.steps`` (or past it) is checked
+    like a resume, from the step's metadata alone: the same settings give a :class:`Run` with
+    ``finished`` set and nothing read, opened or written; other settings are refused listing
+    each difference, as a resume is.
 
     Raises:
       ConfigError: another run holds the directory; checkpoints of another model or optimizer,
@@ -117,6 +114,10 @@ def open_run(config: TrainConfig, job, origin: dict | None, *, fingerprint: str,
     out = Path(config.out).resolve()
     ckpt_dir = out / "checkpoints"
     is_main = jax.process_index() == 0
+    if config.checkpoints:
+        done = _finished_step(config, job, {**config.to_dict(), "run": record}, ckpt_dir)
+        if done is not None:  # the same run, trained this far: not even its lock is touched
+            return Run(config, record, done, finished=True)
     run = Run(config, record, None, lock=_resume.lock(out, is_main))
     try:
         bad = []
@@ -134,7 +135,7 @@ def open_run(config: TrainConfig, job, origin: dict | None, *, fingerprint: str,
                     "step": found.step,
                     "at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                     "changed": _identity.changed(saved, run.json)}]
-        # Every process has read the directory (finished_step, the restore) before any
+        # Every process has read the directory (the restore) before any
         # process moves, creates or cleans up anything: their decisions agree.
         distributed.barrier("effijax:run-directory-read")
         if run.resume_step is not None and bad:
@@ -151,6 +152,32 @@ def open_run(config: TrainConfig, job, origin: dict | None, *, fingerprint: str,
         run.release()
         raise
     return run
+
+
+def _finished_step(config: TrainConfig, job, run_json: dict, ckpt_dir: Path) -> int | None:
+    """The step of the finished run in ``ckpt_dir`` (trained to ``config.steps`` or past it)
+    when its settings match, checked like a resume from the step's metadata alone; None when
+    the run is not finished (or its newest finished step is damaged: it resumes instead).
+
+    Raises:
+      ConfigError: the finished run has other settings (each difference listed).
+    """
+    from effijax.checkpoint import latest_step
+    from effijax.recipe import _resume
+
+    newest = latest_step(ckpt_dir)  # a look only: nothing is locked, opened or written
+    if newest is None or newest < config.steps:
+        return None
+    try:
+        found, _ = _resume.restore(ckpt_dir, job, run_json, config.allowed_changes,
+                                   arrays=False)
+    except ConfigError as e:
+        if e.field != "resume":
+            raise
+        raise ConfigError("out", config.out, f"holds a run finished at step {newest} with "
+                          "other settings: "
+                          + e.problem.removeprefix("the run's settings changed: ")) from None
+    return found.step if found.step is not None and found.step >= config.steps else None
 
 
 def initial_state(job, run: Run, source, is_main: bool) -> tuple[Any, Any]:

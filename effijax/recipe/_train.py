@@ -77,10 +77,6 @@ def train(config: TrainConfig, *, argv: list[str] | None = None) -> TrainResult:
 def _run(config: TrainConfig, session: Session, argv) -> TrainResult:
     from effijax.recipe import _job, _preflight, _resume, _state, _watch
 
-    done_step = _state.finished_step(config)
-    if done_step is not None:
-        _report.finished_before(config, done_step, session.is_main)
-        return TrainResult(config.out, {}, "finished_before", config)
     source = (_sources.read_source(config.init_from, config.seq_len) if config.init_from
               else None)
     model = _sources.model_for(config, source)
@@ -102,6 +98,10 @@ def _run(config: TrainConfig, session: Session, argv) -> TrainResult:
         origin, source = _sources.starting_point(source, model, session.mesh, session.is_main)
     run = _state.open_run(config, job, origin, fingerprint=data.fingerprint,
                           corpus_tokens=data.tokens)
+    if run.finished:  # the same run, already trained this far: its files stay as they are
+        run.release()
+        _report.finished_before(config, run.resume_step, session.is_main)
+        return TrainResult(config.out, {}, "finished_before", config)
     try:
         state, frozen = _state.initial_state(job, run, source, session.is_main)
         compiled = _job.compile_job(job)
@@ -150,15 +150,22 @@ def start(config: TrainConfig) -> Session:
 
 def resolve(config: TrainConfig, mesh) -> TrainConfig:
     """Every ``auto`` decided: precision from the backend, the strategy, warm-up, loss scale
-    and the mesh's actual shape (what ``config.json`` records)."""
+    and the mesh's actual shape (what ``config.json`` records).
+
+    A warm-up left to its default follows ``steps``: when a resume may change ``steps``
+    (``allow_changes``), it may change the derived warm-up too, without a second name.
+    """
     import jax
 
     precision = config.precision
     if precision == "auto":
         precision = "fp32" if jax.default_backend() == "cpu" else "bf16"
+    allow = config.allowed_changes
+    if config.warmup is None and "steps" in allow and "warmup" not in allow:
+        allow = (*allow, "warmup")
     return dataclasses.replace(
         config, precision=precision, loss_scale=config.loss_scale_mode,
-        warmup=config.warmup_steps,
+        warmup=config.warmup_steps, allow_changes=",".join(allow) or None,
         strategy=None if mesh is None else (config.strategy or "ddp"),
         mesh=None if mesh is None else {k: int(v) for k, v in mesh.shape.items()})
 
