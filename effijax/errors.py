@@ -13,13 +13,17 @@ class ConfigError(ValueError):
     Example:
       >>> str(ConfigError("batch_size", 10, "must be divisible by the data axes (4)"))
       'batch_size=10: must be divisible by the data axes (4)'
+      >>> str(ConfigError("config.json", None, "cannot read it (Permission denied)"))
+      'config.json: cannot read it (Permission denied)'
     """
 
     def __init__(self, field: str, value, problem: str):
         self.field = field
         self.value = value
         self.problem = problem
-        super().__init__(f"{field}={value!r}: {problem}")
+        # No value (a file that cannot be read, a setting left out) says no "=None".
+        super().__init__(f"{field}: {problem}" if value is None else
+                         f"{field}={value!r}: {problem}")
 
     def renamed(self, field: str) -> ConfigError:
         """The same error reported under another name (e.g. a library argument under the

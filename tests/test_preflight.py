@@ -70,7 +70,16 @@ def test_memory_over_budget_stops_with_the_breakdown_and_a_plan(job):
     assert ("the compiled step needs 130 MB per device (arguments 50 MB + outputs 50 MB - "
             "donated 50 MB + temporaries 80 MB; of the arguments: params 12 MB, optimizer "
             "24 MB), more than the 100 MB of --device-memory") in e.problem
-    assert "effijax memory plan suggests --strategy" in e.problem, e.problem
+    # Halving the micro-batch leaves 50 + 40 + an accumulator of 12 MB: over 85% of 100 MB.
+    assert ("no --strategy or --accumulate change fits 100 MB per device: shorten --seq-len, "
+            "or use a device with more memory") in e.problem, e.problem
+    # With the temporaries dominating, fewer sequences per step (one device, batch 2) fit.
+    with pytest.raises(ConfigError) as info:
+        _preflight.memory(dataclasses.replace(m, temporaries=200_000_000), job, "200MB", 30)
+    assert ("; try --batch-size 1 --accumulate 2 --steps 60 (the same sequences per optimizer "
+            "update, in smaller micro-batches: about 162 MB per device); or --device-memory 0 "
+            "to skip this check") in info.value.problem, info.value.problem
+    assert "effijax memory plan" not in e.problem and "remat" not in e.problem
 
 
 def test_cpu_budget_is_the_hosts_available_memory_shared_by_its_devices(job):

@@ -8,6 +8,8 @@ makes a copy look like a run stopped at step 4, which the same command resumes.
 
 import json
 import os
+import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -307,6 +309,46 @@ def test_a_step_over_the_memory_budget_stops_before_step_one(tmp_path, corpus, c
                  "--device-memory", "or --device-memory 0 to skip this check"):
         assert part in err[0], (part, err[0])
     assert not (out / "metrics.jsonl").exists()  # no step ran
+
+
+@pytest.mark.slow  # compiles the step three times
+def test_the_memory_refusal_suggests_flags_that_fit_and_they_do(tmp_path, corpus, capsys):
+    """The suggestion is flags of `effijax train` (not a command that does not exist, nor a
+    setting train lacks), and the run they describe passes the same check."""
+    args = ["train", "--data", corpus, "--model", "tiny", "--seq-len", "128", "--batch-size",
+            "16", "--steps", "4", "--eval-batches", "1", "--no-progress", "--no-checkpoints"]
+    # The budget: half of what the step needs, from a first refusal at 1 MB.
+    assert main([*args, "--out", str(tmp_path / "a"), "--device-memory", "1MB"]) == 2
+    need = float(re.search(r"needs ([\d.]+) MB", capsys.readouterr().err).group(1))
+    budget = f"{need / 2:.0f}MB"
+    assert main([*args, "--out", str(tmp_path / "b"), "--device-memory", budget]) == 2
+    err = capsys.readouterr().err
+    suggested = re.search(r"; try (--[^(]+) \(", err)
+    assert suggested, err
+    flags = shlex.split(suggested.group(1))
+    assert flags[0] == "--batch-size" and "--accumulate" in flags and "--steps" in flags, flags
+    assert main([*args, "--out", str(tmp_path / "c"), "--device-memory", budget, *flags]) == 0
+
+
+def test_the_memory_refusal_without_device_memory_does_not_name_the_flag():
+    """A budget read from the device is not blamed on a --device-memory the user never gave."""
+    import optax
+
+    from effijax.errors import ConfigError
+    from effijax.models import gpt_config
+    from effijax.recipe import _preflight, plan_job
+    from effijax.sharding import MemoryReport
+
+    job = plan_job(gpt_config("tiny", seq_len=16), "fp32", optax.adam(1e-3), batch_size=2)
+    huge = MemoryReport(params=10**3, opt_state=2 * 10**3, other_state=8, grads=10**3,
+                        arguments=3 * 10**3, outputs=3 * 10**3, temporaries=10**15,
+                        aliased=3 * 10**3, peak=None)
+    with pytest.raises(ConfigError) as e:
+        _preflight.memory(huge, job, None)
+    assert e.value.field == "memory" and e.value.value is None
+    assert str(e.value).startswith("memory: the compiled step needs 1000000 GB per device"), e.value
+    assert "of the host's available memory / 1 local device(s)" in str(e.value)
+    assert "--device-memory 0 to skip this check" in str(e.value)
 
 
 @pytest.mark.slow  # a subprocess that trains until its first checkpoint write fails

@@ -121,41 +121,64 @@ def device_budget(device, setting: str | None, local_devices: int) -> tuple[int 
     return None, "unknown"
 
 
-def _suggestion(job, budget: int) -> str:
-    """The planner's cheapest configuration that fits ``budget``, in one clause."""
-    from effijax.memory import plan
-
-    model = job.model
-    shape = {}
-    if not job.batch_size % job.mesh.size:
-        s = model.shape()
-        shape = dict(**s.activation_args(), seq_len=s.seq_len, global_batch=job.batch_size,
-                     dropout=getattr(model, "dropout", 0) > 0)
-    try:
-        p = plan(job.num_params, devices=job.mesh.size, device_memory=f"{budget}B", **shape)
-    except ConfigError:
-        return "the planner has no suggestion for this model"
-    if not p.fits:
-        return (f"the planner finds no configuration that fits {_format(budget)} on "
-                f"{job.mesh.size} device(s): use more devices")
-    strategy = {0: "ddp", 1: "zero1", 2: "zero2", 3: "fsdp"}[p.zero_stage]
-    parts = [f"--strategy {strategy}"]
-    if p.checkpointing and p.checkpointing != "none":
-        parts.append(f"remat {p.checkpointing}")
-    if p.lora:
-        parts.append("LoRA (--lora-rank)")
-    if p.grad_accum_steps and p.grad_accum_steps > 1:
-        parts.append(f"--accumulate {p.grad_accum_steps}")
-    return (f"effijax memory plan suggests {', '.join(parts)} "
-            f"({_format(p.total_bytes or 0)} per device)")
+# What a refusal may suggest must be a flag of `effijax train` with values that fit this run:
+# the measured step, scaled by what each flag changes, with this margin for what the scaling
+# does not see (XLA's buffer reuse changes with the shapes).
+_MARGIN = 0.85
 
 
-def memory(compiled_memory, job, setting: str | None) -> None:
+def _fitting_flags(m, job, budget: int, already: int, steps: int) -> list[tuple[str, int]]:
+    """``[(flags, estimated bytes)]`` of the changes that fit ``budget``, best first.
+
+    * ``--strategy fsdp`` over several devices: the model states divide by the device count.
+    * Fewer sequences per step with gradient accumulation for the same optimizer batch
+      (``--batch-size B/K --accumulate K --steps S*K``): the temporaries (the activations,
+      mostly) divide by about K; the accumulator adds one copy of the trainable parameters.
+    """
+    need = step_bytes(m) - already
+    grads = m.grads or 0
+    devices = int(np.asarray(job.mesh.devices).size)
+    options = []
+    if devices > 1 and job.strategy != "fsdp":
+        states = m.params + grads + m.opt_state
+        options.append(("--strategy fsdp", need - states + states // devices))
+    for k in (2, 4, 8, 16, 32, 64):
+        micro = job.batch_size // k
+        if job.batch_size % k or micro < 1 or micro % devices:  # every device gets rows
+            continue
+        estimate = need - m.temporaries + m.temporaries // k + m.params
+        options.append((f"--batch-size {micro} --accumulate {k} --steps {steps * k}",
+                        estimate))
+    return [(flags, est) for flags, est in options if est <= _MARGIN * budget]
+
+
+def _suggestion(m, job, budget: int, already: int, steps: int) -> str:
+    """What to run instead, in one clause: flags of ``effijax train`` that fit."""
+    fits = _fitting_flags(m, job, budget, already, steps)
+    if not fits:
+        return (f"no --strategy or --accumulate change fits {_format(budget)} per device: "
+                "shorten --seq-len, or use a device with more memory")
+    flags, estimate = fits[0]
+    if flags.startswith("--batch-size"):
+        why = "the same sequences per optimizer update, in smaller micro-batches"
+    else:
+        why = "the model states sharded over the devices"
+    return f"try {flags} ({why}: about {_format(estimate)} per device)"
+
+
+def memory(compiled_memory, job, setting: str | None, steps: int = 1) -> None:
     """Stops before step 1 when the compiled step does not fit the device's memory.
 
+    Args:
+      compiled_memory: the compiled step's :class:`~effijax.memory.MemoryReport`.
+      job: the planned job.
+      setting: ``--device-memory`` (None: the device's own; ``0`` skips the check).
+      steps: the run's ``--steps`` (a suggestion of gradient accumulation scales them).
+
     Raises:
-      ConfigError: with the per-device breakdown, the budget and where it comes from, and the
-        planner's suggestion.
+      ConfigError: with the per-device breakdown, the budget and where it comes from, and
+        flags of ``effijax train`` that fit (``device_memory`` when that setting gave the
+        budget, else ``memory``).
     """
     import jax
 
@@ -172,11 +195,14 @@ def memory(compiled_memory, job, setting: str | None) -> None:
     already = m.arguments if source.startswith("the host's") else 0
     if budget is None or need - already <= budget:
         return
-    raise ConfigError("device_memory", _format(budget), (
+    field, value = ("device_memory", _format(budget)) if setting is not None else ("memory",
+                                                                                     None)
+    raise ConfigError(field, value, (
         f"the compiled step needs {_format(need)} per device"
         + (f", {_format(need - already)} beyond the state already allocated" if already else "")
         + f" (arguments {_format(m.arguments)}"
         f" + outputs {_format(m.outputs)} - donated {_format(m.aliased)} + temporaries "
         f"{_format(m.temporaries)}; of the arguments: params {_format(m.params)}, optimizer "
         f"{_format(m.opt_state)}), more than the {_format(budget)} of {source}; "
-        f"{_suggestion(job, budget)}; or --device-memory 0 to skip this check"))
+        f"{_suggestion(m, job, budget, already, steps)}; or --device-memory 0 to skip this "
+        "check"))

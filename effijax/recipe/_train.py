@@ -105,7 +105,8 @@ def _run(config: TrainConfig, session: Session, argv) -> TrainResult:
     try:
         state, frozen = _state.initial_state(job, run, source, session.is_main)
         compiled = _job.compile_job(job)
-        _resume.agree(_preflight.memory, compiled.memory, job, config.device_memory)
+        _resume.agree(_preflight.memory, compiled.memory, job, config.device_memory,
+                      config.steps)
         _report.start(config, job, compiled, source, frozen, state, session.is_main,
                       data=data.note)
         memory = _report.summary_extras(job, compiled)["memory"]
