@@ -308,3 +308,27 @@ def test_export_hf_writes_the_merged_model_transformers_loads(tmp_path, corpus):
 def test_export_hf_is_refused_for_the_gpt(tmp_path, corpus):
     with pytest.raises(ConfigError, match="export_hf=True: writes a Hugging Face"):
         train(TrainConfig(steps=2, data=corpus, out=str(tmp_path / "g"), export_hf=True, **TINY))
+
+
+def test_too_little_text_says_how_much_is_needed_and_the_longest_window_that_fits(tmp_path):
+    from effijax.recipe._data import load_dataset
+
+    small = tmp_path / "notes.txt"
+    small.write_text("x = 1\n" * 281)  # 1,686 bytes
+    model = gpt_config("tiny", seq_len=128)
+    with pytest.raises(ConfigError) as e:
+        load_dataset(str(small), model)
+    assert e.value.field == "data"
+    assert ("1,686 tokens are too few for seq_len 128: it needs at least 2,590 (5% is held "
+            "out for validation, and each part must hold a window of 130 tokens); add data, "
+            "or lower --seq-len to at most 82") in e.value.problem, e.value.problem
+    # Both suggestions work: the longest window named, and the amount of data named.
+    assert load_dataset(str(small), gpt_config("tiny", seq_len=82)).tokens == 1686
+    with pytest.raises(ConfigError, match="at most 82"):
+        load_dataset(str(small), gpt_config("tiny", seq_len=83))
+    enough = tmp_path / "enough.txt"
+    enough.write_bytes(b"x" * 2590)
+    assert load_dataset(str(enough), model).tokens == 2590
+    enough.write_bytes(b"x" * 2589)
+    with pytest.raises(ConfigError, match="needs at least 2,590"):
+        load_dataset(str(enough), model)

@@ -142,9 +142,37 @@ def _split_stream(path, tokens: np.ndarray, seq_len: int, val_fraction: float):
 
     train, val = split_corpus(tokens, val_fraction)
     if min(len(train), len(val)) <= seq_len + 1:
-        raise ConfigError("data", path, f"{len(tokens)} tokens are too few for seq_len "
-                          f"{seq_len} ({val_fraction:.0%} is held out for validation)")
+        need = _tokens_needed(seq_len, val_fraction)
+        raise ConfigError("data", path, f"{len(tokens):,} tokens are too few for seq_len "
+                          f"{seq_len}: it needs at least {need:,} ({val_fraction:.0%} is held "
+                          f"out for validation, and each part must hold a window of "
+                          f"{seq_len + 2} tokens); add data, or lower --seq-len to at most "
+                          f"{_longest_window(len(tokens), val_fraction)}")
     return train, val
+
+
+def _split_sizes(n: int, val_fraction: float) -> tuple[int, int]:
+    """The (train, validation) sizes :func:`effijax.data.split_corpus` gives ``n`` tokens."""
+    n_val = min(max(1, round(n * val_fraction)), n - 1)
+    return n - n_val, n_val
+
+
+def _tokens_needed(seq_len: int, val_fraction: float) -> int:
+    """The fewest tokens whose split leaves a window of ``seq_len + 2`` on each side.
+
+    Example:
+      >>> _tokens_needed(128, 0.05)
+      2590
+    """
+    n = max(2, int((seq_len + 1.5) / val_fraction) - 2)  # round() reaches seq_len + 2 here
+    while min(_split_sizes(n, val_fraction)) <= seq_len + 1:
+        n += 1
+    return n
+
+
+def _longest_window(n: int, val_fraction: float) -> int:
+    """The longest ``seq_len`` that ``n`` tokens can train and validate (0: none)."""
+    return max(0, min(_split_sizes(n, val_fraction)) - 2) if n >= 2 else 0
 
 
 def load_dataset(path: str | None, model, *, seq_len: int | None = None,
