@@ -246,7 +246,8 @@ def train_loop(
         checkpoint, so a checkpoint never holds what the streak produced.
 
     Returns:
-      ``(state, summary)`` with ``steps``, ``final_loss`` (mean of the last 10 losses),
+      ``(state, summary)`` with ``steps``, ``final_loss`` (mean of the last 10 losses, or of
+      fewer when fewer ran: ``final_loss_steps`` says how many),
       ``tokens_per_s`` (median over steps after the first, which includes compilation),
       ``first_step_s`` (compile + first step), ``skipped_steps``, ``final_loss_scale``.
 
@@ -339,6 +340,7 @@ def train_loop(
         "start_step": start,
         "stopped_early": stopped_early,
         "final_loss": float(np.mean(tail)) if tail else float("nan"),
+        "final_loss_steps": len(tail),
         "tokens_per_s": float(np.median(rates)) if rates else float("nan"),
         "first_step_s": first_step_s,
         "skipped_steps": skipped,

@@ -263,7 +263,15 @@ def _manager(directory, *, every: int, keep: int | None, async_save: bool,
         cleanup_tmp_directories=not reader,
         create=not reader,
     )
-    return ocp.CheckpointManager(directory, options=options, handler_registry=registry)
+    # Opening reads every step's metadata: a damaged step is reported by effijax in one line
+    # (restore_newest), not also by orbax's "Metadata file does not exist" warnings.
+    absl_logger = logging.getLogger("absl")
+    level = absl_logger.level
+    absl_logger.setLevel(logging.ERROR)
+    try:
+        return ocp.CheckpointManager(directory, options=options, handler_registry=registry)
+    finally:
+        absl_logger.setLevel(level)
 
 
 class Checkpointer:

@@ -22,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     """
     from effijax.cli import _data, _eval, _generate, _memory, _train
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="effijax",
         description="Efficient training in plain functional JAX: mixed precision, sharding, "
         "LoRA, memory accounting.",
@@ -43,11 +43,58 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse without prefix matching: ``--data`` never silently becomes
+    ``--data-format``, and a misspelt flag is an error (subcommand parsers inherit this)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        """One line (and where the flags are listed), not the whole usage: ``train``'s usage
+        is two dozen lines that would bury the error."""
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _subcommand_parser(parser: argparse.ArgumentParser, argv: list[str]):
+    """The deepest subcommand parser that ``argv`` names (``effijax data make-example``)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for word in argv:
+                if word in action.choices:
+                    return _subcommand_parser(action.choices[word], argv[argv.index(word) + 1:])
+    return parser
+
+
+def _unknown_flags_error(parser: argparse.ArgumentParser, argv: list[str], extras: list[str]):
+    """Exits 2 naming the unknown arguments, with the closest flag of the command for each
+    flag-like one (``--stpes`` -> ``--steps``)."""
+    import difflib
+
+    command = _subcommand_parser(parser, argv)
+    known = [o for a in command._actions for o in a.option_strings if o.startswith("--")]
+    hints = []
+    for word in extras:
+        flag = word.split("=", 1)[0]
+        if flag.startswith("--"):
+            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+            if close:
+                hints.append((flag, close[0]))
+    if len(hints) == 1:
+        hint = f"; did you mean {hints[0][1]}?"
+    else:
+        hint = "".join(f"; {flag}: did you mean {close}?" for flag, close in hints)
+    command.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``effijax`` console script; returns the exit code."""
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        _unknown_flags_error(parser, argv, extras)
     args.argv = argv  # what to tell a user to run again (e.g. to resume)
     return int(args.func(args) or 0)
 

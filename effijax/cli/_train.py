@@ -79,7 +79,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def _error(e: ConfigError) -> int:
-    field = e.field if e.field == "config" else flag_of(e.field)
+    field = "--config" if e.field == "config" else flag_of(e.field)
     print(f"effijax train: error: {e.renamed(field)}", file=sys.stderr, flush=True)
     return 2
 

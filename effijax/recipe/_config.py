@@ -62,9 +62,11 @@ def flag_of(field: str) -> str:
     Example:
       >>> flag_of("batch_size"), flag_of("coordinator_address"), flag_of("checkpoints")
       ('--batch-size', '--coordinator', '--no-checkpoints')
-      >>> flag_of("checkpoint")
-      'checkpoint'
+      >>> flag_of("checkpoint"), flag_of("steps.toml:lr")
+      ('checkpoint', 'steps.toml:lr')
     """
+    if ":" in field:  # a key of a file ("run.toml:steps"): named by the file, as it is
+        return field
     name = field.split(".")[0].split("=")[0]
     fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
     if name not in fields:
@@ -84,6 +86,10 @@ class TrainConfig:
       Traceback (most recent call last):
       ...
       effijax.errors.ConfigError: step=5: unknown setting; did you mean 'steps'?
+      >>> TrainConfig(lrr=0.1)
+      Traceback (most recent call last):
+      ...
+      effijax.errors.ConfigError: lrr=0.1: unknown setting; did you mean 'lr'?
     """
 
     # What to train.
@@ -383,17 +389,59 @@ class TrainConfig:
           4
         """
         path = Path(path)
+        if path.exists() and not path.is_file():
+            raise ConfigError("config", str(path), "not a file: give a .toml or .json file of "
+                              "settings")
         try:
             text = path.read_text()
         except OSError as e:
             raise ConfigError("config", str(path), f"cannot read it ({e.strerror})") from None
+        except UnicodeDecodeError:
+            raise ConfigError("config", str(path), "not a text file: give a .toml or .json "
+                              "file of settings") from None
+        values = _parse_settings(text, path.suffix.lower())
+        if isinstance(values, str):
+            raise ConfigError("config", str(path), values)
         try:
-            values = (tomllib.loads(text) if path.suffix.lower() == ".toml"
-                      else json.loads(text))
+            return cls.from_dict(values)
+        except ConfigError as e:  # a value of the file: named by the file and its key
+            if e.field == "config":
+                raise ConfigError("config", str(path), e.problem) from None
+            raise ConfigError(f"{path}:{e.field}", e.value, e.problem) from None
+
+
+def _parse_settings(text: str, suffix: str) -> dict | str:
+    """The settings of a file's text, read as its suffix says (``.toml``, ``.json``), or as
+    whichever of the two parses when the name says neither; a string says why it did not."""
+    readers = {".toml": [("TOML", tomllib.loads)], ".json": [("JSON", json.loads)]}.get(
+        suffix, [("JSON", json.loads), ("TOML", tomllib.loads)])
+    errors = []
+    for kind, read in readers:
+        try:
+            return read(text)
         except (tomllib.TOMLDecodeError, ValueError) as e:
-            kind = "TOML" if path.suffix.lower() == ".toml" else "JSON"
-            raise ConfigError("config", str(path), f"not valid {kind} ({e})") from None
-        return cls.from_dict(values)
+            errors.append(f"{kind}: {e}")
+    if len(readers) == 1:
+        return f"not valid {errors[0].replace(': ', ' (', 1)})"
+    return (f"neither JSON nor TOML ({'; '.join(errors)}); name a settings file .toml or "
+            ".json")
+
+
+def _checked_init(init):
+    """``TrainConfig(lrr=0.1)`` raises ConfigError naming the closest setting, like a config
+    file's unknown key, instead of the dataclass's bare TypeError (every field is keyword-only,
+    so the keywords are the whole call)."""
+    import functools
+
+    @functools.wraps(init)
+    def __init__(self, **values):
+        _check_keys(values)
+        init(self, **values)
+
+    return __init__
+
+
+TrainConfig.__init__ = _checked_init(TrainConfig.__init__)
 
 
 @contextlib.contextmanager

@@ -96,10 +96,15 @@ def done(config, summary: dict, is_main: bool) -> None:
     steps = (f"{summary['steps']} steps" if not summary["start_step"] else
              f"{summary['steps']} steps ({ran} after resuming at {summary['start_step']})")
     print(f"done: {steps} in {summary['wall_time_s']:.1f}s, final loss "
-          f"{summary['final_loss']:.4f} (mean of the last 10 steps){ev}, "
+          f"{summary['final_loss']:.4f} ({_mean_of(summary)}){ev}, "
           f"{summary['tokens_per_s']:.0f} tokens/s{_trained(summary)}, "
           f"{summary['skipped_steps']} skipped; "
           f"wrote {config.out}/", flush=True)
+
+
+def _mean_of(summary: dict) -> str:
+    n = summary.get("final_loss_steps", 10)
+    return "the last step's" if n == 1 else f"mean of the last {n} steps"
 
 
 def _trained(summary: dict) -> str:

@@ -179,6 +179,13 @@ def read_run(run_dir: str) -> Source:
     from effijax.recipe._resume import read_run_json
 
     run = Path(run_dir)
+    if run.is_file():  # it exists, so "no such" would mislead: say what it is not
+        with open(run, "rb") as f:
+            head = f.read(4)
+        raise ConfigError("init_from", run_dir, f"is a file but not a GGUF model (it starts "
+                          f"with {head!r}, not b'GGUF'); give a .gguf file, a Hugging Face "
+                          "directory (config.json + model*.safetensors) or an effijax run "
+                          "directory")
     if not run.is_dir():
         raise ConfigError("init_from", run_dir, "no such run directory")
     if not (run / "config.json").is_file():
