@@ -6,6 +6,8 @@ import dataclasses
 import shlex
 import sys
 
+from effijax.recipe._sources import BUNDLED
+
 __all__ = ["start", "eval_start", "done", "stopped", "finished_before", "warn", "title",
            "summary_extras"]
 
@@ -57,7 +59,7 @@ def start(config, job, compiled, source, frozen, state, is_main: bool, *,
                           for r in census_records(compiled.census) if r["bytes"] >= 1024)
         print(f"collectives per step (>= 1 KB): {kinds}")
     if source is not None:
-        print(f"effijax train: initialised from {source.path}")
+        print(f"effijax train: initialised from {_named(config.init_from, source.path)}")
     if job.lora is not None:
         from effijax.lora import trainable_report
 
@@ -67,6 +69,15 @@ def start(config, job, compiled, source, frozen, state, is_main: bool, *,
               + trainable_report(frozen, state.params))
     if data:
         print(f"effijax train: {data}", flush=True)
+
+
+def _named(init_from: str, path: str) -> str:
+    """A bundled model by its name and file: where pip put the file says nothing about the run
+    (``config.json`` records the full path and hash), and printed it ties a log to one machine."""
+    if init_from in BUNDLED:
+        package, filename = BUNDLED[init_from]
+        return f"{init_from} ({filename} from {package.replace('_', '-')})"
+    return path
 
 
 def eval_start(loss: float, is_main: bool) -> None:
