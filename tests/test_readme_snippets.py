@@ -233,9 +233,38 @@ def test_config_file_commands_run_and_reproduce(tmp_path):
     assert one["final_loss"] == two["final_loss"] and one["steps"] == two["steps"] == 2
 
 
+def _train_commands() -> list[list[str]]:
+    """Every ``effijax train`` command in the README's bash blocks (continuations joined),
+    but for the quick start's and the command summary's."""
+    body = README.split("## Quick start", 1)[1].split("\n## ", 1)[1]
+    body = body.split("## Commands", 1)[0] + "\n## " + body.split("## Commands", 1)[1].split(
+        "\n## ", 1)[1]
+    found = []
+    for block in _blocks("bash", body):
+        for line in block.replace("\\\n", " ").splitlines():
+            argv = shlex.split(line.split("#")[0])
+            if argv[:2] == ["effijax", "train"]:
+                found.append(argv)
+    return found
+
+
+def test_each_readme_training_example_writes_its_own_directory():
+    """Run one after another, no example trains into another's run directory (or into the
+    quick start's runs/train): a finished run there would refuse, or say nothing to do."""
+    outs = []
+    for argv in _train_commands():
+        if "--out" in argv:
+            outs.append(argv[argv.index("--out") + 1])
+        else:  # a config file that names its own out
+            assert "--config" in argv, argv
+    assert len(outs) >= 4 and "runs/train" not in outs
+    # The lora example continues from runs/base: the other outs are distinct.
+    assert len(set(outs)) == len(outs), outs
+
+
 @pytest.mark.slow
 def test_sharding_command_runs(tmp_path):
     line = re.search(r"^effijax train --strategy fsdp [^#\n]*", README, re.M).group(0)
-    proc = _effijax(shlex.split(line)[1:] + TINY + ["--out", "runs/fsdp"], cwd=tmp_path)
+    proc = _effijax(shlex.split(line)[1:] + TINY, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "8 devices" in proc.stdout, proc.stdout
