@@ -82,30 +82,32 @@ def test_every_process_meets_in_any_order_and_the_port_is_free_for_jax_at_once()
 def test_process_0_alone_names_the_missing_process_after_its_timeout():
     port = _free_port()
     start = time.monotonic()
-    lead = _Process(port, 2, 0, timeout_s=1.5).result()
+    lead = _Process(port, 2, 0, timeout_s=1).result()
     took = time.monotonic() - start
-    assert 1.5 <= took < 5, took
+    assert 1 <= took < 5, took
     assert lead.error.setting == "num_processes" and lead.error.missing == (1,)
-    assert lead.error.problem == f"process 1 did not join 127.0.0.1:{port} within 1.5 s"
+    assert lead.error.problem == f"process 1 did not join 127.0.0.1:{port} within 1 s"
     # It said, while waiting, what for.
     assert lead.lines and lead.lines[0].startswith(
-        f"process 0 of 2: waiting for 1 more at 127.0.0.1:{port}: process 1 (timeout 1.5 s")
+        f"process 0 of 2: waiting for 1 more at 127.0.0.1:{port}: process 1 (timeout 1 s")
 
 
 def test_a_process_alone_names_process_0():
     port = _free_port()
-    other = _Process(port, 2, 1, timeout_s=1.5).result()
+    other = _Process(port, 2, 1, timeout_s=1).result()
     assert other.error.setting == "num_processes" and other.error.missing == (0,)
-    assert other.error.problem == f"process 0 did not answer at 127.0.0.1:{port} within 1.5 s"
+    assert other.error.problem == f"process 0 did not answer at 127.0.0.1:{port} within 1 s"
     assert other.lines[0].startswith(f"process 1 of 2: waiting for process 0 at 127.0.0.1:"
-                                     f"{port} (timeout 1.5 s")
+                                     f"{port} (timeout 1 s")
 
 
 def test_processes_that_came_learn_from_process_0_who_is_missing():
     port = _free_port()
+    start = time.monotonic()
     lead, one = _Process(port, 4, 0, timeout_s=2.5), _Process(port, 4, 1, timeout_s=30)
     lead.result(), one.result()
-    for p in (lead, one):  # process 1 stops with process 0, not 27 s later
+    assert time.monotonic() - start < 10  # process 1 stopped with process 0, not at its 30 s
+    for p in (lead, one):
         assert p.error.missing == (2, 3), p.error
         assert p.error.problem.startswith("processes 2-3 did not join"), p.error
     assert any("waiting for 2 more" in x and "processes 2-3" in x and "process 0 is up" in x
@@ -114,13 +116,13 @@ def test_processes_that_came_learn_from_process_0_who_is_missing():
 
 def test_a_process_that_dies_before_everyone_came_is_named():
     port = _free_port()
-    lead = _Process(port, 3, 0, timeout_s=2)
+    lead = _Process(port, 3, 0, timeout_s=1)
     with _connect(port) as s:
         s.sendall(b"effijax-join-1 3 1\n")
         assert s.recv(64) == b"wait 2\n"
     lead.result()
     assert lead.error.missing == (1, 2)
-    assert lead.error.problem.endswith("within 2 s (process 1 joined, then hung up: see its "
+    assert lead.error.problem.endswith("within 1 s (process 1 joined, then hung up: see its "
                                        "output)")
 
 
