@@ -21,6 +21,8 @@ CASES = {
     ("train", "--precision", "fp17"): (2, "--precision"),
     ("train", "--strategy", "zero4"): (2, "--strategy='zero4': unknown strategy"),
     ("train", "--mesh", "data=2,model=4"): (2, "unknown axis 'model'"),
+    ("train", "--join-timeout", "0"): (2, "effijax train: error: --join-timeout=0: must be an "
+                                          "integer >= 1"),
     ("train", "--lora-rank", "8"): (2, "--init-from RUN_DIR"),
     ("train", "--lora-alpha", "4"): (2, "--lora-alpha=4.0: only applies to LoRA"),
     ("train", "--config", "missing.toml"): (2, "missing.toml"),

@@ -8,7 +8,9 @@ steps and writes ``runs/train/``: ``config.json``, ``metrics.jsonl``, ``summary.
 ``--strategy {ddp,zero1,zero2,fsdp}`` with ``--mesh data=2,fsdp=4`` trains data-parallel over
 every device (``--cpu-devices 8`` forces CPU devices). Several processes run the same command
 with ``--coordinator HOST:PORT --num-processes N --process-id I`` (or the ``EFFIJAX_*``
-environment); only process 0 prints and writes files. Running the same command on an ``--out``
+environment); only process 0 prints and writes files. While a process waits for the others
+to join it says whom it waits for (on stderr); after ``--join-timeout`` seconds (300) it exits 2
+with one line naming the processes that did not come. Running the same command on an ``--out``
 that holds checkpoints resumes exactly; SIGTERM or SIGINT saves at the next step boundary and
 exits 0. ``--init-from RUN_DIR`` fine-tunes an earlier run's model; with ``--lora-rank R`` only
 rank-R LoRA adapters train, and the run writes them as ``adapters.safetensors`` and in PEFT's
@@ -104,7 +106,8 @@ def _rest_of_stderr_to(log: str | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Runs ``effijax train``; returns the exit code (2: bad settings, 1: training failed)."""
+    """Runs ``effijax train``; returns the exit code (2: bad settings, including processes of
+    a multi-process run that did not join; 1: training failed)."""
     try:
         config = config_from_args(args)
     except ConfigError as e:

@@ -153,6 +153,9 @@ class TrainConfig:
     process_id: int | None = _field(None, "multi-process: this process' index (default: "
                                     "$EFFIJAX_PROCESS_ID, else the launcher's)",
                                     section="parallel")
+    join_timeout: int = _field(300, "multi-process: seconds each process waits for the others "
+                               "to join, saying whom it waits for, before it stops with an error "
+                               "naming the missing processes", metavar="S", section="parallel")
     # Run directory and checkpoints.
     out: str = _field("runs/train", "run directory", section="output")
     checkpoints: bool = _field(True, "write checkpoints to OUT/checkpoints and resume from them",
@@ -211,7 +214,8 @@ class TrainConfig:
 
     def __post_init__(self):
         _check_types(self)
-        for name in ("steps", "batch_size", "accumulate", "checkpoint_every", "keep"):
+        for name in ("steps", "batch_size", "accumulate", "checkpoint_every", "keep",
+                     "join_timeout"):
             _at_least(name, getattr(self, name), 1)
         for name in ("eval_batches", "max_non_finite", "seed"):
             _at_least(name, getattr(self, name), 0)

@@ -9,6 +9,7 @@ explicit arguments, so a stage can also be called on its own.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any, NamedTuple
 
 from effijax.errors import ConfigError
@@ -129,9 +130,11 @@ def start(config: TrainConfig) -> Session:
     from effijax import distributed
     from effijax.sharding import make_mesh
 
+    # Every process says what it waits for (stderr: the other processes' stdout stays quiet).
     launch = distributed.join(config.coordinator_address, config.num_processes,
                               config.process_id, cluster=config.cluster,
-                              local_device_count=config.cpu_devices)
+                              local_device_count=config.cpu_devices,
+                              join_timeout=config.join_timeout, print_fn=_to_stderr)
     if launch.launcher is not None and (config.verbose or launch.settings.process_id == 0):
         print(f"effijax train: {launch.describe()}", flush=True)
     strategy = config.strategy
@@ -147,6 +150,10 @@ def start(config: TrainConfig) -> Session:
         hint = ("" if config.cpu_devices else "; on CPU, --cpu-devices N forces N devices")
         raise ConfigError("mesh", e.value, e.problem + hint) from None
     return Session(mesh=mesh, is_main=jax.process_index() == 0)
+
+
+def _to_stderr(line: str) -> None:
+    print(f"effijax train: {line}", file=sys.stderr, flush=True)
 
 
 def resolve(config: TrainConfig, mesh) -> TrainConfig:
