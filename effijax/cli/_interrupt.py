@@ -48,9 +48,9 @@ class ExitOnInterrupt:
         self.fallback = fallback
 
     def __call__(self, signum, frame) -> None:
-        # A second Ctrl-C while this one is being reported would run the handler again, inside
-        # itself, and print the line twice.
-        signal.signal(signum, signal.SIG_IGN)
+        # A second Ctrl-C while this one is being reported (a look at a stalled file system)
+        # ends the process without a second line.
+        signal.signal(signum, lambda *_: os._exit(128 + signum))
         try:
             text = self.line()
         except Exception:  # a failed look at the disk must not cost the exit
