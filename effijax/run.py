@@ -204,7 +204,11 @@ def plot_metrics(runs: dict[str, list[dict]], path: str | os.PathLike, *,
         fig.suptitle(title)
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=110)
+    # Written whole or not at all, like the run's other files: the program ends at once on
+    # Ctrl-C, and a finished run is not written again.
+    tmp = path.with_name(f".{path.name}.tmp")
+    fig.savefig(tmp, dpi=110, format=path.suffix[1:] or "png")
+    os.replace(tmp, path)
     return path
 
 
@@ -351,6 +355,10 @@ def train_loop(
 
 class StopFlag:
     """Set by SIGTERM/SIGINT while installed; :func:`train_loop` polls it after each step.
+
+    Outside :meth:`installed`'s block the signals are what they were: in the ``effijax`` program,
+    Ctrl-C then ends the process at once with one line (``effijax.cli._interrupt``); in a
+    notebook, it raises ``KeyboardInterrupt``.
 
     With several processes the signal may reach only one of them (a preempted host), yet all
     must stop at the same step boundary and save the same step (a checkpoint is a collective

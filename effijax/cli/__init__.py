@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from effijax.cli import _interrupt
+
 __all__ = ["main", "build_parser"]
 
 
@@ -89,9 +91,19 @@ def _unknown_flags_error(parser: argparse.ArgumentParser, argv: list[str], extra
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``effijax`` console script; returns the exit code."""
+    """Entry point of the ``effijax`` console script; returns the exit code.
+
+    Called without ``argv``, as the program (the console script, ``python -m effijax``), it
+    owns the process: from its first line on, Ctrl-C prints one line (``effijax COMMAND:
+    interrupted``; ``effijax train`` says what its run directory holds) and exits 130 at once,
+    instead of a traceback (and, with XLA's threads at work, a segmentation fault). Called
+    with ``argv`` (a test, a notebook), Ctrl-C stays Python's ``KeyboardInterrupt``.
+    """
+    if argv is None:
+        argv = sys.argv[1:]
+        _interrupt.install(argv[0] if argv and not argv[0].startswith("-") else None)
     parser = build_parser()
-    argv = sys.argv[1:] if argv is None else list(argv)
+    argv = list(argv)
     args, extras = parser.parse_known_args(argv)
     if extras:
         _unknown_flags_error(parser, argv, extras)

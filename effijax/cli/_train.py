@@ -11,18 +11,23 @@ with ``--coordinator HOST:PORT --num-processes N --process-id I`` (or the ``EFFI
 environment); only process 0 prints and writes files. While a process waits for the others
 to join it says whom it waits for (on stderr); after ``--join-timeout`` seconds (300) it exits 2
 with one line naming the processes that did not come. Running the same command on an ``--out``
-that holds checkpoints resumes exactly; SIGTERM or SIGINT saves at the next step boundary and
-exits 0. ``--init-from RUN_DIR`` fine-tunes an earlier run's model; with ``--lora-rank R`` only
-rank-R LoRA adapters train, and the run writes them as ``adapters.safetensors`` and in PEFT's
-format (``peft/``).
+that holds checkpoints resumes exactly; SIGTERM or SIGINT during the training loop saves at the
+next step boundary and exits 0. Ctrl-C before the loop (start-up, loading, compilation) or after
+it (the final save, evaluation and export) ends the process at once with one line saying what
+the run directory holds, exit 130 (``effijax.cli._interrupt``). ``--init-from RUN_DIR``
+fine-tunes an earlier run's model; with ``--lora-rank R`` only rank-R LoRA adapters train, and
+the run writes them as ``adapters.safetensors`` and in PEFT's format (``peft/``).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
+from pathlib import Path
 
+from effijax.cli import _interrupt
 from effijax.errors import ConfigError
 from effijax.recipe import TrainConfig, field_kind, flag_of
 
@@ -105,6 +110,39 @@ def _rest_of_stderr_to(log: str | None) -> None:
         logging.getLogger(name).propagate = True
 
 
+def _interrupted(config: TrainConfig) -> str:
+    """The line for Ctrl-C outside the training loop (start-up, compilation, the final save,
+    evaluation and export): what the run directory holds now, so what the same command will do.
+
+    Said from the checkpoint folders' names alone, as the signal handler should not start
+    orbax: a committed step is a folder named by its number; a write in flight
+    (``<step>.orbax-checkpoint-tmp``, removed by the next run) and a damaged step set aside
+    (``<step>.corrupt-<n>``) are not.
+    """
+    head = "effijax train: interrupted"
+    if not config.checkpoints:
+        return f"{head}; nothing was saved (--no-checkpoints; run the same command to start again)"
+    out = Path(config.out)
+    folder = out / "checkpoints"
+    steps = ([int(p.name) for p in folder.iterdir() if p.name.isascii() and p.name.isdigit()
+              and p.is_dir()] if folder.is_dir() else [])
+    if not steps:
+        return (f"{head} before the first checkpoint; nothing was saved (run the same command "
+                "to start again)")
+    step = max(steps)
+    if step < config.steps:
+        return (f"{head}; nothing after step {step} was saved (run the same command to resume "
+                "from it)")
+    try:
+        finished = json.loads((out / "summary.json").read_text()).get("steps") == step
+    except (OSError, ValueError, AttributeError):
+        finished = False
+    if finished:
+        return f"{head}; the run had finished at step {step}"
+    return (f"{head} after the last step ({step}) was saved, before the final evaluation, "
+            "exports and summary.json were written")
+
+
 def run(args: argparse.Namespace) -> int:
     """Runs ``effijax train``; returns the exit code (2: bad settings, including processes of
     a multi-process run that did not join; 1: training failed)."""
@@ -112,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
         config = config_from_args(args)
     except ConfigError as e:
         return _error(e)
+    _interrupt.describe(lambda: _interrupted(config))
     from effijax.errors import SaveError
     from effijax.recipe import train
     from effijax.run import NonFiniteError
