@@ -332,3 +332,36 @@ def test_too_little_text_says_how_much_is_needed_and_the_longest_window_that_fit
     enough.write_bytes(b"x" * 2589)
     with pytest.raises(ConfigError, match="needs at least 2,590"):
         load_dataset(str(enough), model)
+
+
+def test_a_run_killed_after_its_last_checkpoint_completes_its_end_and_summarises_it_all(
+        tmp_path, corpus, capsys):
+    """A finished run is one whose end (evaluation, exports, summary.json) was written: a run
+    stopped after its last checkpoint is completed by the same command, and a resumed run's
+    summary describes every step, not only the steps after the resume."""
+    import shutil
+
+    cfg = TrainConfig(steps=8, data=corpus, checkpoint_every=2, keep=10, **TINY)
+    whole = train(cfg.with_overrides(out=str(tmp_path / "whole"))).summary
+    assert whole["final_loss_steps"] == 8 and whole["trained_tokens"] == 8 * 2 * 16
+    # Killed after the final checkpoint: no summary.json yet.
+    ended = tmp_path / "ended"
+    shutil.copytree(tmp_path / "whole", ended)
+    (ended / "summary.json").unlink()
+    capsys.readouterr()
+    done = train(cfg.with_overrides(out=str(ended)))
+    assert done.status == "done"
+    assert "stopped before its end was written; completing it" in capsys.readouterr().out
+    # Killed after step 4: the resumed run's summary is the uninterrupted one's.
+    part = tmp_path / "part"
+    shutil.copytree(tmp_path / "whole", part)
+    (part / "summary.json").unlink()
+    for step in ("6", "8"):
+        shutil.rmtree(part / "checkpoints" / step)
+    resumed = train(cfg.with_overrides(out=str(part))).summary
+    assert resumed["start_step"] == 4
+    for summary in (done.summary, resumed):
+        for key in ("steps", "final_loss", "final_loss_steps", "trained_tokens", "eval_loss"):
+            assert summary[key] == whole[key], (key, summary[key], whole[key])
+    assert json.loads((part / "summary.json").read_text())["final_loss"] == whole["final_loss"]
+    assert train(cfg.with_overrides(out=str(ended))).status == "finished_before"

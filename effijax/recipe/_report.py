@@ -105,7 +105,8 @@ def done(config, summary: dict, is_main: bool) -> None:
         ev += f" (from {summary['eval_loss_start']:.4f})"
     ran = summary["steps"] - summary["start_step"]
     steps = (f"{summary['steps']} steps" if not summary["start_step"] else
-             f"{summary['steps']} steps ({ran} after resuming at {summary['start_step']})")
+             f"{summary['steps']} steps ({ran} after resuming at {summary['start_step']})"
+             if ran else f"{summary['steps']} steps (the run's end completed)")
     print(f"done: {steps} in {summary['wall_time_s']:.1f}s, final loss "
           f"{summary['final_loss']:.4f} ({_mean_of(summary)}){ev}, "
           f"{summary['tokens_per_s']:.0f} tokens/s{_trained(summary)}, "

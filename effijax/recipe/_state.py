@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -177,7 +178,15 @@ def _finished_step(config: TrainConfig, job, run_json: dict, ckpt_dir: Path) -> 
         raise ConfigError("out", config.out, f"holds a run finished at step {newest} with "
                           "other settings: "
                           + e.problem.removeprefix("the run's settings changed: ")) from None
-    return found.step if found.step is not None and found.step >= config.steps else None
+    if found.step is None or found.step < config.steps:
+        return None
+    # Finished means its end was written too: a run stopped after its last checkpoint (killed,
+    # Ctrl-C in the final evaluation or export) resumes there and completes the end.
+    try:
+        summary = json.loads((Path(config.out) / "summary.json").read_text())
+        return found.step if summary.get("steps") == found.step else None
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def initial_state(job, run: Run, source, is_main: bool) -> tuple[Any, Any]:
@@ -195,8 +204,13 @@ def initial_state(job, run: Run, source, is_main: bool) -> tuple[Any, Any]:
         state, run.restored = run.restored, None
         if is_main:
             truncate_metrics(Path(run.config.out) / "metrics.jsonl", run.resume_step)
-            print(f"effijax train: resuming from step {run.resume_step} in "
-                  f"{run.ckpt.directory}", flush=True)
+            if run.resume_step >= run.config.steps:
+                print(f"effijax train: the run reached step {run.resume_step} in "
+                      f"{run.ckpt.directory} but stopped before its end was written; "
+                      "completing it (final evaluation, exports, summary.json)", flush=True)
+            else:
+                print(f"effijax train: resuming from step {run.resume_step} in "
+                      f"{run.ckpt.directory}", flush=True)
         return state, frozen
     state = _job.init_state(job, base if job.lora is None else None)
     return state, frozen
@@ -249,6 +263,7 @@ def loop_and_finish(config: TrainConfig, job, run: Run, compiled, state, frozen,
         return TrainResult(config.out, summary, "stopped", config)
     summary.update(start)
     summary.update(trained.summary(job.masked))
+    summary.update(_whole_run(Path(config.out), summary))
     if evaluate:
         summary["eval_loss"] = evaluate(state.params)
     if job.lora is not None:
@@ -261,6 +276,32 @@ def loop_and_finish(config: TrainConfig, job, run: Run, compiled, state, frozen,
     run_dir.finish(summary, title=_report.title(config, job))
     _report.done(config, summary, run_dir.is_main)
     return TrainResult(config.out, summary, "done", config)
+
+
+def _whole_run(out: Path, summary: dict) -> dict:
+    """The summary entries that describe the run from step 1, whatever its resumes, read back
+    from ``metrics.jsonl`` (one record per step): the final loss over its last 10 steps and
+    the trained tokens; a session that trained no step (it completed a run's end) takes the
+    throughput and loss scale of the steps before it too."""
+    import numpy as np
+
+    from effijax.run import read_metrics
+
+    try:
+        records = [r for r in read_metrics(out) if r.get("step", 0) <= summary["steps"]]
+    except (OSError, ValueError):
+        return {}  # another process of the run, or a file it cannot read: this session's
+    if not records:
+        return {}
+    tail = [float(r["loss"]) for r in records[-10:] if "loss" in r]
+    whole = {"final_loss": float(np.mean(tail)) if tail else float("nan"),
+             "final_loss_steps": len(tail),
+             "trained_tokens": int(sum(r.get("tokens", 0) for r in records))}
+    if summary["steps"] == summary["start_step"]:
+        rates = [float(r["tokens_per_s"]) for r in records[1:] if "tokens_per_s" in r]
+        whole["tokens_per_s"] = float(np.median(rates)) if rates else float("nan")
+        whole["final_loss_scale"] = float(records[-1].get("loss_scale", float("nan")))
+    return whole
 
 
 class _TrainedTokens:
