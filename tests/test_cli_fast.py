@@ -26,6 +26,16 @@ CASES = {
     ("train", "--lora-rank", "8"): (2, "--init-from RUN_DIR"),
     ("train", "--lora-alpha", "4"): (2, "--lora-alpha=4.0: only applies to LoRA"),
     ("train", "--config", "missing.toml"): (2, "missing.toml"),
+    # A misspelt flag names the closest; none is abbreviated (--data is not --data-format).
+    ("train", "--stpes", "5"): (2, "unrecognized arguments: --stpes 5; did you mean --steps? "
+                                   "(see effijax train --help)"),
+    ("eval", "smollm2", "--data", "notes.txt"): (2, "unrecognized arguments: --data; did you "
+                                                    "mean --data-format?"),
+    # A settings file: named otherwise than .toml it is still read, and a value it holds is
+    # reported by the file and key (not as a flag the user never typed).
+    ("train", "--config", "run.cfg"): (2, "effijax train: error: run.cfg:steps='forty': "
+                                          "expected an integer"),
+    ("train", "--config", "bad.conf"): (2, "--config='bad.conf': neither JSON nor TOML"),
     ("train", "--help"): (0, "--lora-random-base"),
     ("plan", "--params", "70B", "--devices", "8", "--device-memory", "80"):
         (2, "'80': a size needs a unit: write e.g. '80GB'"),
@@ -68,8 +78,11 @@ print(json.dumps(results))
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cwd = tmp_path_factory.mktemp("cwd")
+    (cwd / "run.cfg").write_text('model = "tiny"\nsteps = "forty"\n')
+    (cwd / "bad.conf").write_text("steps = \n")
     proc = subprocess.run([sys.executable, "-c", HARNESS, json.dumps([list(a) for a in CASES])],
-                          cwd=tmp_path_factory.mktemp("cwd"), env=env, capture_output=True,
+                          cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)

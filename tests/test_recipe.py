@@ -30,6 +30,8 @@ def corpus(tmp_path_factory):
 def test_unknown_and_mistyped_settings_are_refused_by_name():
     with pytest.raises(ConfigError, match=r"lrr=0.1: unknown setting; did you mean 'lr'\?"):
         TrainConfig.from_dict({"lrr": 0.1})
+    with pytest.raises(ConfigError, match=r"lrr=0.1: unknown setting; did you mean 'lr'\?"):
+        TrainConfig(lrr=0.1)  # in Python too, not the dataclass's bare TypeError
     with pytest.raises(ConfigError, match=r"steps='10': expected an integer"):
         TrainConfig(steps="10")
     with pytest.raises(ConfigError, match=r"checkpoints=1: expected true or false"):
@@ -310,6 +312,14 @@ def test_export_hf_is_refused_for_the_gpt(tmp_path, corpus):
         train(TrainConfig(steps=2, data=corpus, out=str(tmp_path / "g"), export_hf=True, **TINY))
 
 
+def test_a_file_that_is_not_a_model_is_named_as_such(tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a model\n")
+    with pytest.raises(ConfigError, match=r"init_from='.*notes.txt': is a file but not a GGUF "
+                       r"model \(it starts with b'not ', not b'GGUF'\)"):
+        train(TrainConfig(init_from=str(notes), out=str(tmp_path / "run"), **TINY))
+
+
 def test_too_little_text_says_how_much_is_needed_and_the_longest_window_that_fits(tmp_path):
     from effijax.recipe._data import load_dataset
 
@@ -351,7 +361,9 @@ def test_a_run_killed_after_its_last_checkpoint_completes_its_end_and_summarises
     capsys.readouterr()
     done = train(cfg.with_overrides(out=str(ended)))
     assert done.status == "done"
-    assert "stopped before its end was written; completing it" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "stopped before its end was written; completing it" in out
+    assert "(mean of the last 8 steps)" in out  # not "of the last 10" of an 8-step run
     # Killed after step 4: the resumed run's summary is the uninterrupted one's.
     part = tmp_path / "part"
     shutil.copytree(tmp_path / "whole", part)
