@@ -4,6 +4,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 
 import numpy as np
 import optax
@@ -207,25 +208,32 @@ def test_a_finished_run_past_fewer_steps_is_left_alone_when_the_change_is_allowe
         finished_run, capsys):
     result = train(finished_run.with_overrides(steps=2, allow_changes="steps"))
     assert result.status == "finished_before"
-    assert "at step 4, past --steps=2; nothing to do" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "at step 4, past --steps=2; nothing to do" in out
+    assert "or train it further with --steps 8 --allow-changes steps" in out
 
 
-def test_more_steps_continue_a_finished_run_and_the_derived_warmup_follows(tmp_path, corpus):
+def test_more_steps_continue_a_finished_run_and_the_derived_warmup_follows(tmp_path, corpus,
+                                                                           capsys):
     """``--steps`` with ``--allow-changes steps`` is enough: the warm-up left to its default
     (5% of the steps) follows the new length instead of being refused as a second change."""
     cfg = TrainConfig(steps=40, data=corpus, out=str(tmp_path / "run"), checkpoint_every=40,
                       **TINY)
     assert train(cfg).config.warmup == 2
+    # What the finished run's message suggests, as it says it, works.
+    assert train(cfg).status == "finished_before"
+    suggested = re.search(r"--steps (\d+) --allow-changes steps", capsys.readouterr().out)
+    assert suggested and suggested.group(1) == "80"
     with pytest.raises(ConfigError, match=r"steps 40 -> 60 \(add --allow-changes steps"):
         train(cfg.with_overrides(steps=60))
-    result = train(cfg.with_overrides(steps=60, allow_changes="steps"))
-    assert result.status == "done" and result.summary["steps"] == 60
-    assert result.config.warmup == 3
+    result = train(cfg.with_overrides(steps=80, allow_changes="steps"))
+    assert result.status == "done" and result.summary["steps"] == 80
+    assert result.config.warmup == 4
     (resume,) = json.loads((tmp_path / "run" / "config.json").read_text())["resumes"]
-    assert resume["changed"]["steps"] == [40, 60] and resume["changed"]["warmup"] == [2, 3]
+    assert resume["changed"]["steps"] == [40, 80] and resume["changed"]["warmup"] == [2, 4]
     # A warm-up the user set is a setting of its own: changing it is named.
-    with pytest.raises(ConfigError, match=r"warmup 3 -> 5 \(add --allow-changes steps,warmup"):
-        train(cfg.with_overrides(steps=80, warmup=5, allow_changes="steps"))
+    with pytest.raises(ConfigError, match=r"warmup 4 -> 5 \(add --allow-changes steps,warmup"):
+        train(cfg.with_overrides(steps=100, warmup=5, allow_changes="steps"))
 
 
 def test_bad_settings_fail_before_anything_is_written(tmp_path, corpus):

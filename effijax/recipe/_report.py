@@ -141,5 +141,6 @@ def finished_before(config, step: int, is_main: bool) -> None:
     where = (f"finished at step {step} of {config.steps}" if step == config.steps else
              f"at step {step}, past --steps={config.steps}")
     print(f"effijax train: {config.out} already holds this run, {where}; nothing to do (its "
-          "files are untouched). Choose another --out for a new run, or raise --steps to train "
-          "it further (with --allow-changes steps: a longer schedule).", flush=True)
+          "files are untouched). Choose another --out for a new run, or train it further with "
+          f"--steps {2 * max(step, config.steps)} --allow-changes steps (a longer schedule).",
+          flush=True)
