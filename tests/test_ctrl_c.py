@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _run_env import run_env
 
 from effijax.cli import main
 from effijax.cli._train import _interrupted
@@ -57,16 +58,7 @@ linux = pytest.mark.skipif(not sys.platform.startswith("linux"),
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ctrl_c")
-    corpus = root / "corpus.txt"
-    corpus.write_text("".join(f"def f{i}(x):\n    return x * {i} + 1\n" for i in range(300)))
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
-           "JAX_COMPILATION_CACHE_DIR": str(root / "jax-cache"),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
-    env.pop("XLA_FLAGS", None)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    return {"root": root, "corpus": str(corpus), "env": env}
+    return run_env(tmp_path_factory.mktemp("ctrl_c"))
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ the compiled step instead of compiling it.
 """
 
 import json
-import os
 import random
 import signal
 import subprocess
@@ -27,6 +26,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from _run_env import run_env
 
 from effijax.checkpoint import latest_step, open_checkpoints, restore_target
 
@@ -43,18 +43,7 @@ TIMING = ("tokens_per_s", "step_time_s")
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    root = tmp_path_factory.mktemp("interrupts")
-    corpus = root / "corpus.txt"
-    corpus.write_text("".join(f"def f{i}(x):\n    return x * {i} + 1\n" for i in range(300)))
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
-           "JAX_COMPILATION_CACHE_DIR": str(root / "jax-cache"),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
-    env.pop("XLA_FLAGS", None)
-    # The helper runs as a script: put this checkout's package first on its path.
-    repo = str(HELPER.resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join([repo, *filter(None, [env.get("PYTHONPATH")])])
-    return {"root": root, "corpus": str(corpus), "env": env}
+    return run_env(tmp_path_factory.mktemp("interrupts"))
 
 
 def _spawn(env, out, log, *extra):

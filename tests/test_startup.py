@@ -270,7 +270,8 @@ def _train(port, n, pid, tmp_path, join_timeout=JOIN_TIMEOUT_S):
         [sys.executable, "-m", "effijax", "train", "--model", "tiny", "--batch-size", "12",
          "--cpu-devices", "4", "--coordinator", ADDRESS.format(port=port), "--num-processes",
          str(n), "--process-id", str(pid), "--join-timeout", str(join_timeout), "--out",
-         str(tmp_path / "run"), "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+         str(tmp_path / "run"), "--no-progress"], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, env=env)
     proc.started = started
     return proc
 
