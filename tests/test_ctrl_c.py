@@ -253,7 +253,8 @@ def test_the_line_says_what_the_run_directory_holds(tmp_path):
     (folder / "6").mkdir()
     assert _interrupted(config) == (
         "effijax train: interrupted after the last step (6) was saved, before the final "
-        "evaluation, exports and summary.json were written")
+        "evaluation, exports and summary.json were written (run the same command to complete "
+        "them)")
     (tmp_path / "run" / "summary.json").write_text(json.dumps({"steps": 6}))
     assert _interrupted(config) == "effijax train: interrupted; the run had finished at step 6"
     assert _interrupted(TrainConfig(out=str(tmp_path / "run"), checkpoints=False)) == (

@@ -140,7 +140,7 @@ def _interrupted(config: TrainConfig) -> str:
     if finished:
         return f"{head}; the run had finished at step {step}"
     return (f"{head} after the last step ({step}) was saved, before the final evaluation, "
-            "exports and summary.json were written")
+            "exports and summary.json were written (run the same command to complete them)")
 
 
 def run(args: argparse.Namespace) -> int:
