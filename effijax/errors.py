@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "SaveError"]
+__all__ = ["ConfigError", "SaveError", "NO_VALUE"]
+
+
+class _NoValue:
+    """The value of a :class:`ConfigError` that is about no value the user gave."""
+
+    def __repr__(self) -> str:
+        return "NO_VALUE"
+
+
+NO_VALUE = _NoValue()
 
 
 class ConfigError(ValueError):
@@ -13,16 +23,16 @@ class ConfigError(ValueError):
     Example:
       >>> str(ConfigError("batch_size", 10, "must be divisible by the data axes (4)"))
       'batch_size=10: must be divisible by the data axes (4)'
-      >>> str(ConfigError("config.json", None, "cannot read it (Permission denied)"))
-      'config.json: cannot read it (Permission denied)'
+      >>> str(ConfigError("memory", NO_VALUE, "the step needs 9 GB, more than the 8 GB free"))
+      'memory: the step needs 9 GB, more than the 8 GB free'
     """
 
     def __init__(self, field: str, value, problem: str):
         self.field = field
         self.value = value
         self.problem = problem
-        # No value (a file that cannot be read, a setting left out) says no "=None".
-        super().__init__(f"{field}: {problem}" if value is None else
+        # An error about no value of the user's (a budget read from the device) says no "=".
+        super().__init__(f"{field}: {problem}" if value is NO_VALUE else
                          f"{field}={value!r}: {problem}")
 
     def renamed(self, field: str) -> ConfigError:

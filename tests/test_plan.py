@@ -130,7 +130,7 @@ def test_plan_is_immutable():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"layers": 32}, r"hidden: required with layers: .*\(missing: hidden, heads, "
+        ({"layers": 32}, r"hidden=None: required with layers: .*\(missing: hidden, heads, "
          r"seq_len, global_batch\)"),
         ({**LLAMA_7B, "seq_len": 2048, "global_batch": 12}, "global_batch=12: does not divide "
          "evenly over 8 devices; use a multiple of 8"),

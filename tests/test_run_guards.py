@@ -339,7 +339,7 @@ def test_the_memory_refusal_without_device_memory_does_not_name_the_flag():
     """A budget read from the device is not blamed on a --device-memory the user never gave."""
     import optax
 
-    from effijax.errors import ConfigError
+    from effijax.errors import NO_VALUE, ConfigError
     from effijax.models import gpt_config
     from effijax.recipe import _preflight, plan_job
     from effijax.sharding import MemoryReport
@@ -350,7 +350,7 @@ def test_the_memory_refusal_without_device_memory_does_not_name_the_flag():
                         aliased=3 * 10**3, peak=None)
     with pytest.raises(ConfigError) as e:
         _preflight.memory(huge, job, None)
-    assert e.value.field == "memory" and e.value.value is None
+    assert e.value.field == "memory" and e.value.value is NO_VALUE
     assert str(e.value).startswith("memory: the compiled step needs 1000000 GB per device"), e.value
     assert "of the host's available memory / 1 local device(s)" in str(e.value)
     assert "--device-memory 0 to skip this check" in str(e.value)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from effijax.errors import ConfigError
+from effijax.errors import NO_VALUE, ConfigError
 
 __all__ = ["state_bytes", "storage", "step_bytes", "device_budget", "memory"]
 
@@ -195,8 +195,8 @@ def memory(compiled_memory, job, setting: str | None, steps: int = 1) -> None:
     already = m.arguments if source.startswith("the host's") else 0
     if budget is None or need - already <= budget:
         return
-    field, value = ("device_memory", _format(budget)) if setting is not None else ("memory",
-                                                                                     None)
+    field, value = (("device_memory", _format(budget)) if setting is not None
+                    else ("memory", NO_VALUE))
     raise ConfigError(field, value, (
         f"the compiled step needs {_format(need)} per device"
         + (f", {_format(need - already)} beyond the state already allocated" if already else "")
