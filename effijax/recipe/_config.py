@@ -231,8 +231,9 @@ class TrainConfig:
         if self.weight_decay < 0:
             raise ConfigError("weight_decay", self.weight_decay, "must be >= 0")
         if self.steps % self.accumulate:
+            up = -(-self.steps // self.accumulate) * self.accumulate
             raise ConfigError("steps", self.steps, f"must be a multiple of accumulate="
-                              f"{self.accumulate}")
+                              f"{self.accumulate}: e.g. {up}")
         if self.warmup is not None and not 0 <= self.warmup <= self.steps:
             raise ConfigError("warmup", self.warmup, f"must be in [0, steps={self.steps}]")
         if self.data_format not in DATA_FORMATS:
