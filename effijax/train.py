@@ -26,18 +26,16 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from effijax.optimizers import make_optimizer, optax_promotion
 from effijax.precision import (
     DynamicLossScaleState,
     Policy,
     StaticLossScaleState,
-    dynamic_loss_scale,
     get_policy,
     is_floating,
     loss_scale_of,
-    static_loss_scale,
     step_skipped,
 )
-from effijax.precision import accumulate as accumulate_gradients
 from effijax.sharding import (
     DEFAULT_MIN_SHARD_SIZE,
     ReplicatedParameterWarning,
@@ -105,23 +103,6 @@ def init_train_state(params, optimizer: optax.GradientTransformation, rng) -> Tr
         opt_state=_init_optimizer(optimizer, params),
         rng=rng,
     )
-
-
-def optax_promotion():
-    """The dtype-promotion context optax calls run under (standard promotion).
-
-    optax 0.2.8 is not clean under strict promotion (Adam's bias correction raises a float to an
-    int32 count; schedules compare floats with int32 steps), so effijax runs *only* the optimizer's
-    ``init`` and ``update`` under standard promotion; the model and the loss keep the caller's
-    setting (the test suite runs them under strict promotion).
-
-    Example:
-      >>> import jax.numpy as jnp, optax
-      >>> tx, params = optax.adam(1e-3), {"w": jnp.ones(2)}
-      >>> with optax_promotion():
-      ...     updates, _ = tx.update(params, tx.init(params))
-    """
-    return jax.numpy_dtype_promotion("standard")
 
 
 def _init_optimizer(optimizer, params):
@@ -233,6 +214,7 @@ def make_train_step(
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
+      >>> from effijax.precision import dynamic_loss_scale
       >>> def loss_fn(p, b, rng):  # p arrives in the compute dtype (fp16 here)
       ...     return jnp.mean((b["x"].astype(p["w"].dtype) @ p["w"] - 1.0) ** 2)
       >>> tx = dynamic_loss_scale(optax.sgd(0.1), init_scale=2.0**10)
@@ -304,101 +286,6 @@ def make_train_step(
 def _same_dtype(before, after):
     if hasattr(before, "dtype") and before.dtype != after.dtype:
         raise TypeError(f"parameter dtype drifted from {before.dtype} to {after.dtype}")
-
-
-def make_optimizer(
-    learning_rate: float,
-    total_steps: int,
-    *,
-    warmup_steps: int = 0,
-    weight_decay: float = 0.0,
-    clip_norm: float | None = 1.0,
-    b1: float = 0.9,
-    b2: float = 0.95,
-    eps: float = 1e-8,
-    loss_scale: str | float | Callable | None = None,
-    accumulate: int = 1,
-) -> optax.GradientTransformation:
-    """AdamW with linear warm-up and cosine decay, clipping, loss scaling and accumulation.
-
-    The composition is ``accumulate(loss_scale(chain(clip, adamw)), k)`` (``accumulate`` is
-    ``optax.MultiSteps`` with an accumulator that recovers from an overflow): the clip sees
-    unscaled gradients, the schedule's counter does not advance on skipped steps, and with
-    accumulation one finiteness check decides each effective step.
-
-    Args:
-      learning_rate: peak learning rate.
-      total_steps: number of optimizer (effective) steps the schedule spans.
-      warmup_steps: linear warm-up length.
-      weight_decay: decoupled weight decay (AdamW).
-      clip_norm: global-norm clip threshold, or None for no clipping.
-      b1, b2, eps: Adam's betas and epsilon (scale ``eps`` with the loss when the objective is
-        multiplied by a small constant: Adam is scale-invariant except through ``eps``).
-      loss_scale: None (no scaling), ``"dynamic"`` (:func:`dynamic_loss_scale` with PyTorch's
-        defaults), a number (a static scale), or a wrapper such as
-        ``functools.partial(dynamic_loss_scale, init_scale=2.0**24, growth_interval=100)``.
-      accumulate: micro-steps per optimizer step (:func:`effijax.precision.accumulate`);
-        1 means none.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> tx = make_optimizer(1e-3, 100, warmup_steps=10, loss_scale="dynamic")
-      >>> float(learning_rate_of(tx.init({"w": jnp.ones(2)})))
-      0.0
-    """
-    if not (isinstance(learning_rate, int | float) and learning_rate > 0):
-        raise ValueError(f"learning_rate must be > 0, got {learning_rate!r}")
-    if not (isinstance(total_steps, int) and total_steps >= 1):
-        raise ValueError(f"total_steps must be an int >= 1, got {total_steps!r}")
-    if not (isinstance(warmup_steps, int) and 0 <= warmup_steps <= total_steps):
-        raise ValueError(f"warmup_steps must be in [0, total_steps={total_steps}], "
-                         f"got {warmup_steps!r}")
-    if clip_norm is not None and not clip_norm > 0:
-        raise ValueError(f"clip_norm must be > 0 or None, got {clip_norm!r}")
-    if not (isinstance(accumulate, int) and accumulate >= 1):
-        raise ValueError(f"accumulate must be an int >= 1, got {accumulate!r}")
-    schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
-        peak_value=learning_rate,
-        warmup_steps=warmup_steps,
-        decay_steps=max(total_steps, warmup_steps + 1),
-        end_value=learning_rate * 0.1,
-    )
-    adamw = optax.inject_hyperparams(optax.adamw)(
-        learning_rate=schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay
-    )
-    tx = adamw if clip_norm is None else optax.chain(optax.clip_by_global_norm(clip_norm), adamw)
-    if loss_scale == "dynamic":
-        tx = dynamic_loss_scale(tx)
-    elif isinstance(loss_scale, int | float) and not isinstance(loss_scale, bool):
-        tx = static_loss_scale(tx, float(loss_scale))
-    elif callable(loss_scale):
-        tx = loss_scale(tx)
-    elif loss_scale is not None:
-        raise ValueError(
-            f"loss_scale must be None, 'dynamic', a positive number or a wrapper callable, "
-            f"got {loss_scale!r}"
-        )
-    if accumulate > 1:
-        tx = accumulate_gradients(tx, accumulate)
-    return _standard_promotion(tx)
-
-
-def _standard_promotion(tx: optax.GradientTransformation) -> optax.GradientTransformation:
-    """``tx`` with its init and update run under :func:`optax_promotion`, so it can be used
-    directly under strict promotion too."""
-    tx = optax.with_extra_args_support(tx)
-
-    def init(params):
-        with optax_promotion():
-            return tx.init(params)
-
-    def update(updates, state, params=None, **extra):
-        with optax_promotion():
-            return tx.update(updates, state, params, **extra)
-
-    return optax.GradientTransformationExtraArgs(init, update)
-
 
 
 def make_sharded_step(

@@ -59,7 +59,8 @@ def test_auto_precision_is_fp32_on_cpu_and_accumulation_runs(tmp_path, corpus):
         (["--loss-scale", "lots"], "--loss-scale='lots'"),
         (["--precision", "fp16", "--loss-scale", "none"], "fp16 without loss scaling"),
         (["--data", "/no/such/file"], "--data='/no/such/file': no such file"),
-        (["--steps", "5", "--accumulate", "2"], "--steps=5: must be a multiple of accumulate=2"),
+        (["--steps", "5", "--accumulate", "2"], "--steps=5: must be a multiple of accumulate=2: "
+         "e.g. 6"),
         (["--out", "{file}/run"], "cannot write there"),
     ],
 )

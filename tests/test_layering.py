@@ -50,7 +50,7 @@ def test_lower_layers_do_not_import_upper_layers():
 LAYERS = [
     ("_lazy.py", "errors.py", "paths.py", "provenance.py"),
     ("precision", "sharding", "lora", "data", "distributed.py", "_rendezvous.py"),
-    ("models", "interop", "memory", "train.py", "checkpoint"),
+    ("models", "interop", "memory", "train.py", "optimizers.py", "checkpoint"),
     ("run.py", "observe"),
     ("recipe", "jobs.py", "generate"),
     ("cli", "__main__.py"),

@@ -34,7 +34,10 @@ def test_storage_compares_free_space_with_keep_plus_one_checkpoints(tmp_path, mo
         _preflight.storage(tmp_path / "checkpoints", 1000, keep=3)
     assert info.value.field == "out"
     assert ("3.5 KB free there, but 4 checkpoints of 1 KB (--keep 3, plus the one being "
-            "written) need 4 KB more") in info.value.problem
+            "written) need 4 KB more; lower --keep to 2, free space") in info.value.problem
+    # What it suggests fits (the call above with keep=2); with room for none: no checkpoints.
+    with pytest.raises(ConfigError, match="; train with --no-checkpoints, free space"):
+        _preflight.storage(tmp_path / "checkpoints", 2000, keep=3)
     # Steps already on disk count towards keep: two of 1000 bytes leave 2000 to find.
     for step in ("2", "4"):
         (tmp_path / "checkpoints" / step).mkdir(parents=True)

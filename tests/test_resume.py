@@ -250,6 +250,9 @@ def test_consecutive_non_finite_steps_stop_the_run_naming_the_last_good_checkpoi
     err = capsys.readouterr().err
     assert "steps 2..4: 3 consecutive steps with a non-finite loss" in err, err
     assert f"the last good checkpoint is step 1 in {out / 'checkpoints'}" in err, err
+    # The advice names flags with values for this run.
+    assert ("Lower the learning rate (--lr 1e+29), clip harder (--clip 0.25), or skip such "
+            "steps with a loss scale (--loss-scale dynamic)") in err, err
     assert [r["step"] for r in _metrics(out)] == [1, 2, 3, 4]  # stopped at the third
     with open_checkpoints(out / "checkpoints", every=1) as ckpt:
         assert ckpt.all_steps() == [1]  # the non-finite states were never written

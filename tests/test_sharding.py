@@ -508,8 +508,10 @@ def test_check_batch_names_the_size_and_the_mesh():
     check_batch(16, mesh)
     check_batch({"x": np.zeros((8, 3)), "y": np.zeros((8,))}, mesh)
     with pytest.raises(ConfigError, match=r"batch_size=12: must be divisible by data\*fsdp = 8 "
-                                          r"\(data=2, fsdp=4\)"):
+                                          r"\(data=2, fsdp=4\): e.g. 8 or 16$"):
         check_batch(12, mesh)
+    with pytest.raises(ConfigError, match=r"batch_size=2: .*: e.g. 8$"):  # the one that works
+        check_batch(2, mesh)
     with pytest.raises(ConfigError, match=r"batch\[y\] batch_size=6: .*leaf shape \(6,\)"):
         check_batch({"x": np.zeros((8, 3)), "y": np.zeros((6,))}, mesh)
     assert batch_sharding(mesh).spec == P(("data", "fsdp"))

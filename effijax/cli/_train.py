@@ -164,7 +164,8 @@ def run(args: argparse.Namespace) -> int:
         _rest_of_stderr_to(e.log)
         return 1
     except NonFiniteError as e:
-        print(f"effijax train: error: {e}. Lower --lr, clip harder, or train with --precision "
-              "fp16 --loss-scale dynamic (skips such steps)", file=sys.stderr, flush=True)
+        print(f"effijax train: error: {e}. Lower the learning rate (--lr {config.lr / 10:g}), "
+              f"clip harder (--clip {min(config.clip or 1.0, 1.0) / 4:g}), or skip such steps "
+              "with a loss scale (--loss-scale dynamic)", file=sys.stderr, flush=True)
         return 1
     return 0

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from effijax.errors import ConfigError
 from effijax.memory import PRECISION_ALIASES
+from effijax.optimizers import OPTIMIZERS, SCHEDULES, decay_mask, hyperparameters
 from effijax.precision import PRESET_NAMES
 
 __all__ = ["TrainConfig", "PRECISIONS", "CLUSTERS", "WANDB_MODES", "PRECISION_ALIASES",
@@ -118,10 +119,35 @@ class TrainConfig:
     # Optimisation.
     steps: int = _field(300, "training steps")
     batch_size: int = _field(16, "global batch (sequences per step)")
-    lr: float = _field(3e-3, "peak learning rate (AdamW, linear warm-up, cosine decay to 10%%)")
+    lr: float = _field(3e-3, "peak learning rate, reached after the linear warm-up (then "
+                       "--schedule)")
     warmup: int | None = _field(None, "warm-up steps (default: 5%% of --steps)")
-    weight_decay: float = _field(0.01, "decoupled weight decay")
+    weight_decay: float = _field(0.01, "weight decay: decoupled for adamw, lion and adafactor; "
+                                 "L2 added to the gradients for adam and sgd")
     clip: float = _field(1.0, "global-norm gradient clip; 0 disables")
+    # The optimizer (effijax.optimizers).
+    optimizer: str = _field("adamw", "the optax optimizer", choices=OPTIMIZERS,
+                            section="optimizer")
+    schedule: str = _field("cosine", "learning rate after the warm-up: constant, linear or "
+                           "cosine (to --lr-end x --lr), or wsd (constant, then a linear decay "
+                           "over the last --decay-fraction of the steps)", choices=SCHEDULES,
+                           section="optimizer")
+    lr_end: float = _field(0.1, "final learning rate of linear, cosine and wsd, as a fraction "
+                           "of --lr", section="optimizer")
+    decay_fraction: float = _field(0.2, "wsd: the share of the steps after the warm-up spent "
+                                   "decaying", section="optimizer")
+    b1: float | None = _field(None, "first-moment decay (adamw, adam: 0.9; lion: 0.9)",
+                              section="optimizer")
+    b2: float | None = _field(None, "second-moment decay (adamw, adam: 0.95; lion: 0.99)",
+                              section="optimizer")
+    eps: float | None = _field(None, "epsilon (adamw, adam: 1e-8; adafactor: 1e-30)",
+                               section="optimizer")
+    momentum: float | None = _field(None, "sgd's momentum (default 0.9)", section="optimizer")
+    no_decay: str | None = _field(None, "parameters without weight decay: any of norms, biases, "
+                                  "embeddings (comma-separated), or a regex over '/'-joined "
+                                  "parameter paths (default: every parameter decays, as runs "
+                                  "before this setting did; norms,biases is the usual choice)",
+                                  metavar="WHAT", section="optimizer")
     accumulate: int = _field(1, "micro-steps per optimizer step (optax.MultiSteps)")
     seed: int = _field(0, "seeds the parameters, adapters, dropout and batch order")
     # Data.
@@ -165,8 +191,10 @@ class TrainConfig:
     keep: int = _field(3, "checkpoints to keep (the newest)", section="output")
     allow_changes: str | None = _field(None, "on resume, accept these changed settings "
                                        "(comma-separated, of: lr, steps, warmup, weight_decay, "
-                                       "clip); the data, seed, batch, model, precision, "
-                                       "accumulation and LoRA spec must always match",
+                                       "clip, schedule, lr_end, decay_fraction, b1, b2, eps, "
+                                       "momentum, no_decay); the data, seed, batch, model, "
+                                       "precision, optimizer, accumulation and LoRA spec must "
+                                       "always match",
                                        metavar="NAMES", section="output")
     device_memory: str | None = _field(None, "memory per device that the compiled step must "
                                        "fit, e.g. 8GB or 6GiB (default: the device's own; on "
@@ -231,10 +259,12 @@ class TrainConfig:
         if self.weight_decay < 0:
             raise ConfigError("weight_decay", self.weight_decay, "must be >= 0")
         if self.steps % self.accumulate:
+            up = -(-self.steps // self.accumulate) * self.accumulate
             raise ConfigError("steps", self.steps, f"must be a multiple of accumulate="
-                              f"{self.accumulate}")
+                              f"{self.accumulate}: e.g. {up}")
         if self.warmup is not None and not 0 <= self.warmup <= self.steps:
             raise ConfigError("warmup", self.warmup, f"must be in [0, steps={self.steps}]")
+        self._check_optimizer()
         if self.data_format not in DATA_FORMATS:
             raise ConfigError("data_format", self.data_format,
                               f"choose one of {', '.join(DATA_FORMATS)}")
@@ -256,6 +286,32 @@ class TrainConfig:
             from effijax.memory import parse_bytes
 
             parse_bytes(self.device_memory, field="device_memory")
+
+    def _check_optimizer(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError("optimizer", self.optimizer,
+                              f"choose one of {', '.join(OPTIMIZERS)}")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError("schedule", self.schedule, f"choose one of {', '.join(SCHEDULES)}")
+        if not 0 <= self.lr_end <= 1:
+            raise ConfigError("lr_end", self.lr_end, "must be a fraction of --lr in [0, 1]")
+        if not 0 < self.decay_fraction <= 1:
+            raise ConfigError("decay_fraction", self.decay_fraction, "must be in (0, 1]")
+        for name in ("b1", "b2", "momentum"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < 1:
+                raise ConfigError(name, value, "must be in [0, 1)")
+        if self.eps is not None and not self.eps > 0:
+            raise ConfigError("eps", self.eps, "must be > 0")
+        hyperparameters(self.optimizer, b1=self.b1, b2=self.b2, eps=self.eps,
+                        momentum=self.momentum)
+        decay_mask(self.no_decay)  # a regex that compiles
+
+    @property
+    def hyperparameters(self) -> dict:
+        """The optimizer's hyperparameters, each unset one at its default."""
+        return hyperparameters(self.optimizer, b1=self.b1, b2=self.b2, eps=self.eps,
+                               momentum=self.momentum)
 
     @property
     def allowed_changes(self) -> tuple[str, ...]:

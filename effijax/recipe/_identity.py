@@ -4,12 +4,14 @@ A resumed run continues bit for bit only when it trains the same model on the sa
 same order with the same arithmetic. So a resume compares the new settings with those stored
 in the checkpoint it restores and refuses, listing every difference, when one of these changed:
 the data's content hash, the seed, the batch size, the sequence length, the model, the
-precision and loss scale, accumulation, the LoRA spec and what the run started from.
+precision and loss scale, the optimizer (its state has its own shape), accumulation, the LoRA
+spec and what the run started from.
 
-The optimisation settings (learning rate, schedule length, warm-up, weight decay, clipping) may
-change on purpose, e.g. to train a finished run further: each must be named in
-``allow_changes``. Everything else (mesh, strategy, devices, checkpoint cadence, evaluation,
-progress) changes freely: a resume onto another mesh is exact up to f32 summation order.
+The optimisation settings (learning rate, schedule and its length, warm-up, weight decay and
+what it spares, clipping, the optimizer's betas, epsilon and momentum) may change on purpose,
+e.g. to train a finished run further: each must be named in ``allow_changes``. Everything
+else (mesh, strategy, devices, checkpoint cadence, evaluation, progress) changes freely: a
+resume onto another mesh is exact up to f32 summation order.
 """
 
 from __future__ import annotations
@@ -18,13 +20,17 @@ from typing import Any
 
 from effijax.errors import ConfigError
 
-__all__ = ["IDENTITY", "CHANGEABLE", "identity", "differences", "check_resume", "changed"]
+__all__ = ["IDENTITY", "CHANGEABLE", "LEGACY", "identity", "differences", "check_resume", "changed"]
 
 # What a resume must repeat, with where it is read from in a config.json-shaped dict.
 IDENTITY = ("data", "seed", "batch_size", "seq_len", "model", "precision", "loss_scale",
-            "accumulate", "lora", "init_from")
+            "optimizer", "accumulate", "lora", "init_from")
 # What may change on resume when named in allow_changes.
-CHANGEABLE = ("lr", "steps", "warmup", "weight_decay", "clip")
+CHANGEABLE = ("lr", "steps", "warmup", "weight_decay", "clip", "schedule", "lr_end",
+              "decay_fraction", "b1", "b2", "eps", "momentum", "no_decay")
+# What a run recorded before a setting existed trained with (its config.json lacks the key).
+LEGACY = {"optimizer": "adamw", "schedule": "cosine", "lr_end": 0.1, "decay_fraction": 0.2,
+          "b1": 0.9, "b2": 0.95, "eps": 1e-8}
 _LORA = ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "frozen_dtype",
          "lora_random_base")
 
@@ -52,6 +58,7 @@ def identity(run_json: dict) -> dict[str, Any]:
         "model": {k: v for k, v in model.items() if k not in ("seq_len", "unroll_layers")},
         "precision": run_json.get("precision"),
         "loss_scale": run_json.get("loss_scale"),
+        "optimizer": run_json.get("optimizer", LEGACY["optimizer"]),
         "accumulate": run_json.get("accumulate"),
         "lora": lora,
         "init_from": record.get("init_from_checkpoint"),
@@ -80,8 +87,9 @@ def differences(saved: dict, new: dict) -> dict[str, tuple[Any, Any]]:
             else:
                 out[name] = (a[name], b[name])
     for name in CHANGEABLE:
-        if saved.get(name) != new.get(name):
-            out[name] = (saved.get(name), new.get(name))
+        old, now = saved.get(name, LEGACY.get(name)), new.get(name, LEGACY.get(name))
+        if old != now:
+            out[name] = (old, now)
     return out
 
 

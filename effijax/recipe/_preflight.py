@@ -74,10 +74,14 @@ def storage(ckpt_dir: Path, checkpoint_bytes: int, keep: int) -> None:
     need = max(checkpoint_bytes, (keep + 1) * checkpoint_bytes - held)
     free = shutil.disk_usage(existing).free
     if free < need:
+        # The most checkpoints that fit beside the one being written, counting those held.
+        fits = (free + held) // checkpoint_bytes - 1 if checkpoint_bytes else keep
+        fix = (f"lower --keep to {fits}, " if 1 <= fits < keep else
+               "train with --no-checkpoints, " if fits < 1 else "")
         raise ConfigError("out", str(ckpt_dir), f"{_format(free)} free there, but {keep + 1} "
                           f"checkpoints of {_format(checkpoint_bytes)} (--keep {keep}, plus the "
-                          f"one being written) need {_format(need)} more; free space, lower "
-                          "--keep, or choose another --out")
+                          f"one being written) need {_format(need)} more; {fix}free space, or "
+                          "choose another --out")
 
 
 def step_bytes(memory) -> int:

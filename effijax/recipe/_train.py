@@ -172,7 +172,7 @@ def resolve(config: TrainConfig, mesh) -> TrainConfig:
     if config.warmup is None and "steps" in allow and "warmup" not in allow:
         allow = (*allow, "warmup")
     return dataclasses.replace(
-        config, precision=precision, loss_scale=config.loss_scale_mode,
+        config, **config.hyperparameters, precision=precision, loss_scale=config.loss_scale_mode,
         warmup=config.warmup_steps, allow_changes=",".join(allow) or None,
         strategy=None if mesh is None else (config.strategy or "ddp"),
         mesh=None if mesh is None else {k: int(v) for k, v in mesh.shape.items()})
@@ -187,12 +187,15 @@ def load_data(config: TrainConfig, model):
 
 
 def optimizer_for(config: TrainConfig):
-    """AdamW with warm-up, cosine decay, clipping, loss scaling and accumulation, as the config
-    says (:func:`effijax.train.make_optimizer`)."""
-    from effijax.train import make_optimizer
+    """The optimizer the config chooses, with its warm-up and schedule, clipping, loss scaling
+    and accumulation (:func:`effijax.optimizers.make_optimizer`)."""
+    from effijax.optimizers import make_optimizer
 
     k = config.accumulate
     scale = None if config.loss_scale_mode == "none" else config.loss_scale_mode
-    return make_optimizer(config.lr, config.steps // k, warmup_steps=config.warmup_steps // k,
-                          weight_decay=config.weight_decay, clip_norm=config.clip or None,
+    return make_optimizer(config.lr, config.steps // k, optimizer=config.optimizer,
+                          schedule=config.schedule, warmup_steps=config.warmup_steps // k,
+                          lr_end=config.lr_end, decay_fraction=config.decay_fraction,
+                          weight_decay=config.weight_decay, no_decay=config.no_decay,
+                          clip_norm=config.clip or None, **config.hyperparameters,
                           loss_scale=scale, accumulate=k)

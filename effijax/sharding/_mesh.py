@@ -137,14 +137,17 @@ def check_batch(batch, mesh: Mesh) -> None:
       >>> check_batch(12, make_mesh(data=2))
       Traceback (most recent call last):
       ...
-      effijax.errors.ConfigError: batch_size=12: must be divisible by data*fsdp = 8 (data=2, fsdp=4)
+      effijax.errors.ConfigError: batch_size=12: must be divisible by data*fsdp = 8 (data=2, \
+fsdp=4): e.g. 8 or 16
     """
     _check_mesh(mesh)
     n = _batch_size_of_mesh(mesh)
     where = f"data*fsdp = {n} (data={mesh.shape['data']}, fsdp={mesh.shape['fsdp']})"
     if isinstance(batch, int) and not isinstance(batch, bool):
         if batch < 1 or batch % n:
-            raise ConfigError("batch_size", batch, f"must be divisible by {where}")
+            near = sorted({max(n, batch // n * n), (batch // n + 1) * n})
+            raise ConfigError("batch_size", batch, f"must be divisible by {where}: e.g. "
+                              + " or ".join(str(b) for b in near))
         return
     for path, leaf in named_leaves(batch):
         shape = getattr(leaf, "shape", None)
