@@ -33,6 +33,15 @@ def test_unknown_and_mistyped_settings_are_refused_by_name():
         TrainConfig.from_dict({"lrr": 0.1})
     with pytest.raises(ConfigError, match=r"lrr=0.1: unknown setting; did you mean 'lr'\?"):
         TrainConfig(lrr=0.1)  # in Python too, not the dataclass's bare TypeError
+    # inf trained NaN parameters and ended "done", exit 0; 10**12 steps overflowed int32 in jax.
+    for name in ("lr", "weight_decay", "clip", "lora_alpha", "lr_end"):
+        with pytest.raises(ConfigError, match=f"^{name}=inf: must be a finite number"):
+            TrainConfig(**{name: float("inf")})
+    with pytest.raises(ConfigError, match=r"^steps=1000000000000: must be at most 2,147,483,647"):
+        TrainConfig(steps=10**12)
+    with pytest.raises(ConfigError, match=r"^seed=\d+: must be at most 2,147,483,647"):
+        TrainConfig(seed=2**31)
+    assert TrainConfig(seed=2**31 - 1).seed == 2**31 - 1
     with pytest.raises(ConfigError, match=r"steps='10': expected an integer"):
         TrainConfig(steps="10")
     with pytest.raises(ConfigError, match=r"checkpoints=1: expected true or false"):

@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import difflib
 import json
+import math
 import re
 import tomllib
 from pathlib import Path
@@ -539,6 +540,8 @@ def _check_keys(values: dict) -> None:
 
 
 _KINDS = {"int": int, "float": float, "str": str, "bool": bool}
+# The largest integer setting: the step counter, batch shapes and seeds are int32 in jax.
+_INT_MAX = 2**31 - 1
 
 
 def field_kind(field: dataclasses.Field) -> type | None:
@@ -564,10 +567,16 @@ def _check_types(cfg: TrainConfig) -> None:
         if kind is int:
             ok = isinstance(value, int) and not isinstance(value, bool)
             want = "an integer"
+            if ok and value > _INT_MAX:
+                raise ConfigError(f.name, value, f"must be at most {_INT_MAX:,} (steps, batches "
+                                  "and seeds are 32-bit integers on the device)")
         elif kind is float:
             ok = isinstance(value, int | float) and not isinstance(value, bool)
             want = "a number"
             if ok:
+                # inf (or nan) would train NaN parameters and end "done" with exit 0.
+                if not math.isfinite(value):
+                    raise ConfigError(f.name, value, "must be a finite number")
                 object.__setattr__(cfg, f.name, float(value))
         elif kind is str:
             ok, want = isinstance(value, str), "a string"
