@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from effijax.errors import ConfigError
 from effijax.recipe import _report
 from effijax.recipe._config import TrainConfig
@@ -117,6 +119,11 @@ def open_run(config: TrainConfig, job, origin: dict | None, *, fingerprint: str,
     is_main = jax.process_index() == 0
     if config.checkpoints:
         done = _finished_step(config, job, {**config.to_dict(), "run": record}, ckpt_dir)
+        if jax.process_count() > 1:  # finished only where every process saw its end written
+            from jax.experimental import multihost_utils
+
+            seen = multihost_utils.process_allgather(np.int32(done is not None))
+            done = done if bool(np.all(np.asarray(seen))) else None
         if done is not None:  # the same run, trained this far: not even its lock is touched
             return Run(config, record, done, finished=True)
     run = Run(config, record, None, lock=_resume.lock(out, is_main))
