@@ -24,6 +24,7 @@ whatever the mesh they were saved from.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
@@ -263,13 +264,21 @@ def _manager(directory, *, every: int, keep: int | None, async_save: bool,
         cleanup_tmp_directories=not reader,
         create=not reader,
     )
-    # Opening reads every step's metadata: a damaged step is reported by effijax in one line
-    # (restore_newest), not also by orbax's "Metadata file does not exist" warnings.
+    # Opening reads every step's metadata: orbax would warn about a damaged step too.
+    with _orbax_errors_only():
+        return ocp.CheckpointManager(directory, options=options, handler_registry=registry)
+
+
+@contextlib.contextmanager
+def _orbax_errors_only():
+    """orbax logs only errors in the block: a damaged step it meets (opening a directory,
+    reading a step) is reported once, by effijax (:func:`restore_newest`), not also by orbax's
+    warnings ("Metadata file does not exist", an unreadable file)."""
     absl_logger = logging.getLogger("absl")
     level = absl_logger.level
     absl_logger.setLevel(logging.ERROR)
     try:
-        return ocp.CheckpointManager(directory, options=options, handler_registry=registry)
+        yield
     finally:
         absl_logger.setLevel(level)
 
@@ -877,11 +886,7 @@ def restore_newest(directory: str | os.PathLike, *, target_state_abstract,
     _check_target(target_state_abstract)
     manager = _manager(directory, every=1, keep=None, async_save=False, reader=True)
     bad: list[tuple[int, str]] = []
-    # orbax logs each unreadable file as it meets it; a damaged step is reported once, below.
-    absl_logger = logging.getLogger("absl")
-    level = absl_logger.level
-    absl_logger.setLevel(logging.ERROR)
-    try:
+    with _orbax_errors_only(), contextlib.closing(manager):
         candidates = sorted(manager.all_steps() if steps is None else steps, reverse=True)
         for step in candidates:
             state = record = None
@@ -904,9 +909,6 @@ def restore_newest(directory: str | os.PathLike, *, target_state_abstract,
                 return Restored(int(step), state, record, bad)
             bad.append((int(step), reason or "failed on another process"))
         return Restored(None, None, None, bad)
-    finally:
-        absl_logger.setLevel(level)
-        manager.close()
 
 
 def set_aside(directory: str | os.PathLike, step: int) -> Path:

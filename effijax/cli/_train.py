@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
 from effijax.cli import _interrupt
 from effijax.errors import ConfigError
-from effijax.recipe import TrainConfig, field_kind, flag_of
+from effijax.recipe import TrainConfig, field_kind, flag_of, summary_step
 
 __all__ = ["add_parsers", "config_from_args", "run"]
 
@@ -133,11 +132,7 @@ def _interrupted(config: TrainConfig) -> str:
     if step < config.steps:
         return (f"{head}; nothing after step {step} was saved (run the same command to resume "
                 "from it)")
-    try:
-        finished = json.loads((out / "summary.json").read_text()).get("steps") == step
-    except (OSError, ValueError, AttributeError):
-        finished = False
-    if finished:
+    if summary_step(out) == step:
         return f"{head}; the run had finished at step {step}"
     return (f"{head} after the last step ({step}) was saved, before the final evaluation, "
             "exports and summary.json were written (run the same command to complete them)")

@@ -22,6 +22,7 @@ __getattr__, __dir__, __all__ = attach(__name__, {
     "effijax.recipe._job": ("Job", "CompiledStep", "plan_job", "abstract_state", "init_state",
         "init_frozen", "batch_fn", "evaluate", "compile_job"),
     "effijax.recipe._train": ("TrainResult", "train", "resolve", "optimizer_for"),
+    "effijax.recipe._state": ("summary_step",),
     "effijax.recipe._data": ("Dataset", "load_dataset", "load_eval_data"),
     "effijax.recipe._eval": ("EvalResult", "evaluate_model", "load_model"),
     "effijax.recipe._sources": ("architecture", "BUNDLED", "bundled_path", "read_source",

@@ -17,7 +17,7 @@ from effijax.errors import ConfigError
 from effijax.recipe import _report
 from effijax.recipe._config import TrainConfig
 
-__all__ = ["Run", "open_run", "initial_state", "loop_and_finish"]
+__all__ = ["Run", "open_run", "summary_step", "initial_state", "loop_and_finish"]
 
 
 @dataclasses.dataclass
@@ -189,11 +189,28 @@ def _finished_step(config: TrainConfig, job, run_json: dict, ckpt_dir: Path) -> 
         return None
     # Finished means its end was written too: a run stopped after its last checkpoint (killed,
     # Ctrl-C in the final evaluation or export) resumes there and completes the end.
+    return found.step if summary_step(config.out) == found.step else None
+
+
+def summary_step(out) -> int | None:
+    """The step ``OUT/summary.json`` records (a run's end is written up to it), or None: no
+    summary, or one that cannot be read. Only looks (no jax, no orbax), so the Ctrl-C handler
+    of the program may call it.
+
+    Example:
+      >>> import tempfile, pathlib
+      >>> d = pathlib.Path(tempfile.mkdtemp())
+      >>> summary_step(d) is None
+      True
+      >>> _ = (d / "summary.json").write_text('{"steps": 6}')
+      >>> summary_step(d)
+      6
+    """
     try:
-        summary = json.loads((Path(config.out) / "summary.json").read_text())
-        return found.step if summary.get("steps") == found.step else None
+        step = json.loads((Path(out) / "summary.json").read_text()).get("steps")
     except (OSError, ValueError, AttributeError):
         return None
+    return step if isinstance(step, int) else None
 
 
 def initial_state(job, run: Run, source, is_main: bool) -> tuple[Any, Any]:
@@ -290,8 +307,6 @@ def _whole_run(out: Path, summary: dict) -> dict:
     from ``metrics.jsonl`` (one record per step): the final loss over its last 10 steps and
     the trained tokens; a session that trained no step (it completed a run's end) takes the
     throughput and loss scale of the steps before it too."""
-    import numpy as np
-
     from effijax.run import read_metrics
 
     try:
