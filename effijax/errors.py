@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "SaveError", "NO_VALUE"]
+__all__ = ["ConfigError", "SaveError", "NO_VALUE", "whole_number", "INT32_MAX"]
+
+INT32_MAX = 2**31 - 1  # steps, batches, seeds and sizes that reach the device are int32
 
 
 class _NoValue:
@@ -62,3 +64,41 @@ class SaveError(RuntimeError):
         where = f" (traceback in {log})" if log else ""
         super().__init__(f"saving the checkpoint of step {step} to {directory} failed: "
                          f"{reason}{where}")
+
+
+def whole_number(field: str, value, *, minimum: int = 1, maximum: int | None = INT32_MAX,
+                 none: bool = False) -> int | None:
+    """``value`` as an ``int`` when it is a whole number in ``[minimum, maximum]``, else a
+    :class:`ConfigError` naming ``field``: the one integer check behind every count, size and
+    step effijax takes (``True`` is not 1, ``2.0`` is not 2).
+
+    Args:
+      field: the parameter's name, as the user wrote it (``"batch_size"``, ``"--steps"``).
+      value: what was given.
+      minimum: the smallest allowed value (``0`` for "none is fine", ``1`` for counts).
+      maximum: the largest, ``INT32_MAX`` by default; ``None`` for no bound.
+      none: ``None`` is allowed (and returned).
+
+    Example:
+      >>> whole_number("batch_size", 8)
+      8
+      >>> whole_number("warmup", None, minimum=0, none=True) is None
+      True
+      >>> whole_number("batch_size", 0)
+      Traceback (most recent call last):
+      ...
+      effijax.errors.ConfigError: batch_size=0: must be a whole number from 1 to 2,147,483,647
+      >>> whole_number("steps", 10**12)
+      Traceback (most recent call last):
+      ...
+      effijax.errors.ConfigError: steps=1000000000000: must be a whole number from 1 to 2,147,483,647
+    """
+    if value is None and none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(field, value, "must be a whole number" +
+                          (" or None" if none else ""))
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f">= {minimum:,}" if maximum is None else f"from {minimum:,} to {maximum:,}"
+        raise ConfigError(field, value, f"must be a whole number {bound}")
+    return value

@@ -31,7 +31,7 @@ from flax import nnx
 
 from effijax.errors import ConfigError
 from effijax.lora import LoraSpec, pairs, validate
-from effijax.precision import cross_entropy, dot
+from effijax.precision import cross_entropy, dot, masked_mean
 from effijax.sharding import constrain_batch
 
 INIT_STD = 0.02  # GPT-2's and Hugging Face's ``initializer_range``
@@ -271,12 +271,8 @@ def lm_loss_fn(apply: Callable[..., jax.Array]) -> Callable[..., tuple[jax.Array
         mask_BS = batch.get("mask")
         trained_BS = None if mask_BS is None else mask_BS != 0
         loss = cross_entropy(logits_BSV, targets_BS, where=trained_BS)
-        hits_BS = (jnp.argmax(logits_BSV, axis=-1) == targets_BS).astype(jnp.float32)
-        if trained_BS is None:
-            return loss, {"accuracy": jnp.mean(hits_BS)}
-        weight_BS = trained_BS.astype(jnp.float32)
-        accuracy = jnp.sum(hits_BS * weight_BS) / jnp.maximum(jnp.sum(weight_BS), 1.0)
-        return loss, {"accuracy": accuracy}
+        hits_BS = jnp.argmax(logits_BSV, axis=-1) == targets_BS
+        return loss, {"accuracy": masked_mean(hits_BS, trained_BS)}
 
     return loss_fn
 

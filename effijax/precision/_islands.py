@@ -7,7 +7,7 @@ compute-dtype inputs, does its reduction in f32, and returns the dtype a caller 
 * :func:`dot` multiplies in the inputs' dtype, accumulates in f32 (``preferred_element_type``)
   and emits the inputs' dtype;
 * :func:`softmax` returns the input dtype (for attention probabilities), computed in f32;
-* :func:`log_softmax`, :func:`cross_entropy` return f32;
+* :func:`log_softmax`, :func:`cross_entropy`, :func:`masked_mean` return f32;
 * :func:`layer_norm` computes mean and variance in f32 and returns the input dtype;
 * :func:`rms_norm` computes the mean square in f32 and returns the input dtype.
 """
@@ -17,7 +17,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["dot", "softmax", "log_softmax", "cross_entropy", "layer_norm", "rms_norm"]
+__all__ = ["dot", "softmax", "log_softmax", "cross_entropy", "masked_mean", "layer_norm",
+           "rms_norm"]
 
 
 def dot(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
@@ -93,10 +94,25 @@ def cross_entropy(
         )
     logp = log_softmax(logits)
     nll = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
+    return masked_mean(nll, where)
+
+
+def masked_mean(x: jax.Array, where: jax.Array | None = None) -> jax.Array:
+    """The f32 mean of ``x`` over the positions ``where`` marks (all when ``None``): the one
+    masked mean behind the loss and the token accuracy. An empty mask gives 0, not NaN.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> float(masked_mean(jnp.array([1.0, 2.0, 6.0]), jnp.array([True, False, True])))
+      3.5
+      >>> float(masked_mean(jnp.array([1.0, 2.0]), jnp.array([False, False])))
+      0.0
+    """
+    x = x.astype(jnp.float32)
     if where is None:
-        return jnp.mean(nll)
+        return jnp.mean(x)
     w = where.astype(jnp.float32)
-    return jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1.0)
+    return jnp.sum(x * w) / jnp.maximum(jnp.sum(w), 1.0)
 
 
 def layer_norm(
