@@ -14,48 +14,16 @@ ids (``"segments"``: packed examples do not see each other, positions restart at
 answered from the interpreter).
 """
 
-from effijax.data._batches import batch_at, eval_batches, packed_batch
-from effijax.data._chat import (
-    Packed,
-    Record,
-    pack_examples,
-    read_records,
-    records_fingerprint,
-    render_chat,
-    split_records,
-)
-from effijax.data._corpus import (
-    DEFAULT_MAX_BYTES,
-    corpus_fingerprint,
-    load_corpus,
-    load_documents,
-    split_corpus,
-    stdlib_files,
-)
-from effijax.data._documents import documents_fingerprint, encode_documents, end_of_text_id
-from effijax.data._examples import STDLIB_MODULES, stdlib_qa, write_jsonl
+from effijax._lazy import attach
 
-__all__ = [
-    "load_corpus",
-    "load_documents",
-    "encode_documents",
-    "end_of_text_id",
-    "documents_fingerprint",
-    "Record",
-    "Packed",
-    "read_records",
-    "render_chat",
-    "pack_examples",
-    "split_records",
-    "records_fingerprint",
-    "stdlib_qa",
-    "STDLIB_MODULES",
-    "write_jsonl",
-    "stdlib_files",
-    "DEFAULT_MAX_BYTES",
-    "corpus_fingerprint",
-    "split_corpus",
-    "batch_at",
-    "eval_batches",
-    "packed_batch",
-]
+# Each name is imported from its module on first use (the package convention, see
+# effijax/_lazy.py): importing the package costs only what is used.
+__getattr__, __dir__, __all__ = attach(__name__, {
+    "effijax.data._batches": ("batch_at", "eval_batches", "packed_batch"),
+    "effijax.data._chat": ("Packed", "Record", "pack_examples", "read_records",
+        "records_fingerprint", "render_chat", "split_records"),
+    "effijax.data._corpus": ("DEFAULT_MAX_BYTES", "corpus_fingerprint", "load_corpus",
+        "load_documents", "split_corpus", "stdlib_files"),
+    "effijax.data._documents": ("documents_fingerprint", "encode_documents", "end_of_text_id"),
+    "effijax.data._examples": ("STDLIB_MODULES", "stdlib_qa", "write_jsonl"),
+})

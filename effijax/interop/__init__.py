@@ -25,35 +25,15 @@ Example:
   (True, True)
 """
 
-from effijax.interop._gguf import gguf_config, gguf_tokenizer, load_gguf, permute, unpermute
-from effijax.interop._hf import config_from_hf, hf_config, load_hf, save_hf
-from effijax.interop._io import (
-    export_adapters,
-    load,
-    load_tokenizer,
-    peft_module,
-    read_config,
-    save_peft,
-)
-from effijax.interop._weights import TENSORS, gguf_name, hf_name
+from effijax._lazy import attach
 
-__all__ = [
-    "load",
-    "load_gguf",
-    "read_config",
-    "gguf_config",
-    "load_hf",
-    "load_tokenizer",
-    "save_hf",
-    "save_peft",
-    "export_adapters",
-    "config_from_hf",
-    "hf_config",
-    "gguf_tokenizer",
-    "peft_module",
-    "hf_name",
-    "gguf_name",
-    "TENSORS",
-    "permute",
-    "unpermute",
-]
+# Each name is imported from its module on first use (the package convention, see
+# effijax/_lazy.py): importing the package costs only what is used.
+__getattr__, __dir__, __all__ = attach(__name__, {
+    "effijax.interop._gguf": ("gguf_config", "gguf_tokenizer", "load_gguf", "permute",
+        "unpermute"),
+    "effijax.interop._hf": ("config_from_hf", "hf_config", "load_hf", "save_hf"),
+    "effijax.interop._io": ("export_adapters", "load", "load_tokenizer", "peft_module",
+        "read_config", "save_peft"),
+    "effijax.interop._weights": ("TENSORS", "gguf_name", "hf_name"),
+})

@@ -19,37 +19,14 @@ Example:
   'trainable params: 1,024 || all params: 9,216 || trainable%: 11.1111'
 """
 
-from effijax.lora._adapters import (
-    count_params,
-    freeze_base,
-    init,
-    merge,
-    merge_error,
-    pairs,
-    select,
-    trainable_report,
-    unmerge,
-    validate,
-)
-from effijax.lora._peft import export_peft, load_adapters, peft_module_name, save_adapters
-from effijax.lora._sharding import adapter_rules
-from effijax.lora._spec import LoraSpec
+from effijax._lazy import attach
 
-__all__ = [
-    "LoraSpec",
-    "select",
-    "init",
-    "validate",
-    "pairs",
-    "merge",
-    "unmerge",
-    "merge_error",
-    "count_params",
-    "trainable_report",
-    "freeze_base",
-    "adapter_rules",
-    "save_adapters",
-    "load_adapters",
-    "export_peft",
-    "peft_module_name",
-]
+# Each name is imported from its module on first use (the package convention, see
+# effijax/_lazy.py): importing the package costs only what is used.
+__getattr__, __dir__, __all__ = attach(__name__, {
+    "effijax.lora._adapters": ("count_params", "freeze_base", "init", "merge", "merge_error",
+        "pairs", "select", "trainable_report", "unmerge", "validate"),
+    "effijax.lora._peft": ("export_peft", "load_adapters", "peft_module_name", "save_adapters"),
+    "effijax.lora._sharding": ("adapter_rules",),
+    "effijax.lora._spec": ("LoraSpec",),
+})

@@ -14,10 +14,13 @@ per step (TensorBoard purges the stale tail of its event stream, W&B keeps a ste
 value), and both values are the same number.
 """
 
-from effijax.observe._profile import Profiler
-from effijax.observe._sink import MetricsSink, Sinks, memory_markdown, scalars
-from effijax.observe._tensorboard import TensorBoardSink
-from effijax.observe._wandb import WandbSink
+from effijax._lazy import attach
 
-__all__ = ["MetricsSink", "Sinks", "scalars", "memory_markdown", "TensorBoardSink",
-           "WandbSink", "Profiler"]
+# Each name is imported from its module on first use (the package convention, see
+# effijax/_lazy.py): importing the package costs only what is used.
+__getattr__, __dir__, __all__ = attach(__name__, {
+    "effijax.observe._profile": ("Profiler",),
+    "effijax.observe._sink": ("MetricsSink", "Sinks", "memory_markdown", "scalars"),
+    "effijax.observe._tensorboard": ("TensorBoardSink",),
+    "effijax.observe._wandb": ("WandbSink",),
+})
