@@ -48,7 +48,7 @@ from typing import NamedTuple
 import jax
 
 from effijax import _rendezvous
-from effijax.errors import ConfigError
+from effijax.errors import ConfigError, whole_number
 
 __all__ = ["initialize", "join", "plan", "resolve", "Launch", "ProcessSettings", "CLUSTERS",
            "is_main", "barrier", "shutdown", "global_batch", "parse_address", "ENV_COORDINATOR",
@@ -78,9 +78,7 @@ def _int_setting(field: str, value, minimum: int) -> int | None:
             value = int(value.strip())
         except ValueError:
             raise ConfigError(field, value, "must be an integer") from None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(field, value, f"must be an integer >= {minimum}")
-    return value
+    return whole_number(field, value, minimum=minimum)
 
 
 def parse_address(address: str, field: str = "coordinator_address") -> tuple[str, int]:

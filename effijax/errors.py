@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 __all__ = ["ConfigError", "SaveError", "NO_VALUE", "whole_number", "INT32_MAX"]
 
 INT32_MAX = 2**31 - 1  # steps, batches, seeds and sizes that reach the device are int32
@@ -70,7 +72,7 @@ def whole_number(field: str, value, *, minimum: int = 1, maximum: int | None = I
                  none: bool = False) -> int | None:
     """``value`` as an ``int`` when it is a whole number in ``[minimum, maximum]``, else a
     :class:`ConfigError` naming ``field``: the one integer check behind every count, size and
-    step effijax takes (``True`` is not 1, ``2.0`` is not 2).
+    step effijax takes (``True`` is not 1, ``2.0`` is not 2; NumPy integers are whole numbers).
 
     Args:
       field: the parameter's name, as the user wrote it (``"batch_size"``, ``"--steps"``).
@@ -87,18 +89,18 @@ def whole_number(field: str, value, *, minimum: int = 1, maximum: int | None = I
       >>> whole_number("batch_size", 0)
       Traceback (most recent call last):
       ...
-      effijax.errors.ConfigError: batch_size=0: must be a whole number from 1 to 2,147,483,647
+      effijax.errors.ConfigError: batch_size=0: must be an integer >= 1
       >>> whole_number("steps", 10**12)
       Traceback (most recent call last):
       ...
-      effijax.errors.ConfigError: steps=1000000000000: must be a whole number from 1 to 2,147,483,647
+      effijax.errors.ConfigError: steps=1000000000000: must be an integer from 1 to 2,147,483,647
     """
     if value is None and none:
         return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(field, value, "must be a whole number" +
-                          (" or None" if none else ""))
-    if value < minimum or (maximum is not None and value > maximum):
-        bound = f">= {minimum:,}" if maximum is None else f"from {minimum:,} to {maximum:,}"
-        raise ConfigError(field, value, f"must be a whole number {bound}")
-    return value
+    whole = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if not whole or value < minimum:
+        raise ConfigError(field, value, f"must be an integer >= {minimum:,}" +
+                          (" (or None)" if none else ""))
+    if maximum is not None and value > maximum:
+        raise ConfigError(field, value, f"must be an integer from {minimum:,} to {maximum:,}")
+    return int(value)

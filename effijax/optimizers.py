@@ -27,7 +27,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from effijax.errors import ConfigError
+from effijax.errors import ConfigError, whole_number
 
 # jax, optax and the precision transforms are imported where an optimizer is built: checking a
 # config's choice (OPTIMIZERS, hyperparameters, decay_mask's regex) must not start jax, so
@@ -252,15 +252,13 @@ def make_optimizer(
 
     if not (isinstance(learning_rate, int | float) and learning_rate > 0):
         raise ValueError(f"learning_rate must be > 0, got {learning_rate!r}")
-    if not (isinstance(total_steps, int) and total_steps >= 1):
-        raise ValueError(f"total_steps must be an int >= 1, got {total_steps!r}")
-    if not (isinstance(warmup_steps, int) and 0 <= warmup_steps <= total_steps):
+    whole_number("total_steps", total_steps)
+    if not (whole_number("warmup_steps", warmup_steps, minimum=0) <= total_steps):
         raise ValueError(f"warmup_steps must be in [0, total_steps={total_steps}], "
                          f"got {warmup_steps!r}")
     if clip_norm is not None and not clip_norm > 0:
         raise ValueError(f"clip_norm must be > 0 or None, got {clip_norm!r}")
-    if not (isinstance(accumulate, int) and accumulate >= 1):
-        raise ValueError(f"accumulate must be an int >= 1, got {accumulate!r}")
+    whole_number("accumulate", accumulate)
     hyper = hyperparameters(optimizer, b1=b1, b2=b2, eps=eps, momentum=momentum)
     lr = make_schedule(schedule, learning_rate, total_steps, warmup_steps=warmup_steps,
                        lr_end=lr_end, decay_fraction=decay_fraction)

@@ -73,6 +73,6 @@ def test_plain_multisteps_is_poisoned_where_accumulate_is_not():
 
 def test_every_k_validation():
     for bad in (0, -2, 2.0, True):
-        with pytest.raises(ConfigError, match=f"^every_k={bad!r}: must be an int >= 1") as e:
+        with pytest.raises(ConfigError, match=f"^every_k={bad!r}: must be an integer >= 1") as e:
             accumulate(optax.sgd(0.1), bad)
         assert (e.value.field, e.value.value) == ("every_k", bad)

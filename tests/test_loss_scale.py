@@ -705,11 +705,11 @@ def test_jitted_update_does_not_retrace():
         (dict(max_scale=-1.0), r"max_scale=-1\.0: must be a positive finite float"),
         (dict(min_scale=8.0, init_scale=4.0), r"min_scale=8\.0: must be <= init_scale=4\.0"),
         (dict(init_scale=8.0, max_scale=4.0), r"init_scale=8\.0: must be <= max_scale=4\.0"),
-        (dict(growth_interval=0), r"growth_interval=0: must be an int >= 1"),
-        (dict(growth_interval=2.5), r"growth_interval=2\.5: must be an int >= 1"),
-        (dict(growth_interval=True), r"growth_interval=True: must be an int >= 1"),
-        (dict(hysteresis=0), r"hysteresis=0: must be an int >= 1"),
-        (dict(hysteresis=-3), r"hysteresis=-3: must be an int >= 1"),
+        (dict(growth_interval=0), r"growth_interval=0: must be an integer >= 1"),
+        (dict(growth_interval=2.5), r"growth_interval=2\.5: must be an integer >= 1"),
+        (dict(growth_interval=True), r"growth_interval=True: must be an integer >= 1"),
+        (dict(hysteresis=0), r"hysteresis=0: must be an integer >= 1"),
+        (dict(hysteresis=-3), r"hysteresis=-3: must be an integer >= 1"),
     ],
 )
 def test_dynamic_construction_errors(kwargs, match):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import jax
 
-from effijax.errors import ConfigError
+from effijax.errors import ConfigError, whole_number
 
 __all__ = ["Profiler"]
 
@@ -48,7 +48,7 @@ class Profiler:
 
     def __init__(self, directory: str | os.PathLike, first: int, last: int, *,
                  start_step: int = 0, perfetto: bool = True):
-        if not (isinstance(first, int) and isinstance(last, int) and 1 <= first <= last):
+        if not (whole_number("profile_steps", first) <= whole_number("profile_steps", last)):
             raise ConfigError("profile_steps", f"{first}:{last}", "expected 1 <= first <= last")
         self.directory = Path(directory)
         self.first, self.last, self.perfetto = first, last, perfetto

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from effijax.errors import ConfigError
+from effijax.errors import whole_number
 
 __all__ = ["accumulate"]
 
@@ -53,9 +53,7 @@ def accumulate(inner: optax.GradientTransformation, every_k: int
       >>> float(u["w"][0])
       -2.0
     """
-    if isinstance(every_k, bool) or not (isinstance(every_k, int) and every_k >= 1):
-        raise ConfigError("every_k", every_k, "must be an int >= 1 (micro-steps per effective "
-                          "step; 1 applies every step)")
+    every_k = whole_number("every_k", every_k)  # micro-steps per step; 1 applies every step
     multi = optax.MultiSteps(inner, every_k_schedule=every_k)
 
     # optax's MultiSteps mixes f32 with int32 and int32 with bool, which strict dtype promotion

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from effijax.errors import ConfigError
+from effijax.errors import ConfigError, whole_number
 
 __all__ = [
     "DynamicLossScaleState",
@@ -198,14 +198,6 @@ def _check_scale(name: str, value: Any) -> float:
     return v
 
 
-def _check_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise ConfigError(name, value, "must be an int >= 1")
-    if not 1 <= int(value) <= np.iinfo(np.int32).max:
-        raise ConfigError(name, value, "must be an int >= 1 (and fit in int32)")
-    return int(value)
-
-
 def _check_factor(name: str, value: Any, accepted: str, ok) -> float:
     try:
         v = float(value)
@@ -301,8 +293,8 @@ def dynamic_loss_scale(
     backoff_factor = _check_factor(
         "backoff_factor", backoff_factor, "a float in (0, 1), e.g. 0.5", lambda v: 0.0 < v < 1.0
     )
-    growth_interval = _check_int("growth_interval", growth_interval)
-    hysteresis = _check_int("hysteresis", hysteresis)
+    growth_interval = whole_number("growth_interval", growth_interval)
+    hysteresis = whole_number("hysteresis", hysteresis)
     if min_scale > init_scale:
         raise ConfigError("min_scale", min_scale, f"must be <= init_scale={init_scale!r}; "
                           "lower min_scale or raise init_scale")

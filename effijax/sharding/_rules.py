@@ -31,7 +31,7 @@ import jax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from effijax.errors import ConfigError
+from effijax.errors import ConfigError, whole_number
 from effijax.paths import compile_pattern, named_leaves
 from effijax.sharding._mesh import _check_mesh
 
@@ -176,9 +176,7 @@ def partition_specs(
     """
     mesh = _check_mesh(mesh)
     table = dict(LOGICAL_AXES if logical_axes is None else logical_axes)
-    if isinstance(min_shard_size, bool) or not isinstance(min_shard_size, int) \
-            or min_shard_size < 0:
-        raise ConfigError("min_shard_size", min_shard_size, "must be an int >= 0 (elements)")
+    whole_number("min_shard_size", min_shard_size, minimum=0, maximum=None)  # elements
     compiled = []
     for i, rule in enumerate(rules or ()):
         if not (isinstance(rule, tuple | list) and len(rule) == 2):
