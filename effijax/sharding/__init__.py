@@ -15,9 +15,9 @@ from effijax._lazy import attach
 # flag checks, a config's validation) does not import JAX. __all__ lists every name.
 __getattr__, __dir__, __all__ = attach(__name__, {
     "effijax.sharding._census": ("Collective", "Census", "collective_census",
-        "parse_collectives", "MemoryReport", "memory_report"),
-    "effijax.sharding._job": ("grad_shardings", "DeviceBytes", "device_bytes", "with_shardings",
-        "census_records", "compile_with_census"),
+        "parse_collectives", "MemoryReport", "memory_report", "census_records",
+        "compile_with_census"),
+    "effijax.sharding._device_bytes": ("DeviceBytes", "device_bytes"),
     "effijax.sharding._names": ("AXES", "BATCH_AXES", "parse_mesh", "Strategy", "STRATEGIES",
         "get_strategy"),
     "effijax.sharding._mesh": ("make_mesh", "replicated", "batch_sharding", "check_batch",
@@ -26,5 +26,5 @@ __getattr__, __dir__, __all__ = attach(__name__, {
         "ReplicatedParameterWarning", "partition_specs"),
     "effijax.sharding._strategy": ("param_shardings", "state_shardings",
         "assert_sharded_like_params", "init_sharded", "constraints", "jit_sharded",
-        "ShardedStep"),
+        "ShardedStep", "grad_shardings", "with_shardings"),
 })

@@ -38,7 +38,7 @@ import jax
 from effijax.paths import named_leaves
 
 __all__ = ["Collective", "Census", "collective_census", "parse_collectives", "MemoryReport",
-           "memory_report"]
+           "memory_report", "census_records", "compile_with_census"]
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 _VIEW_OPS = {"bitcast", "copy", "transpose", "reshape", "convert"}
@@ -410,3 +410,85 @@ def memory_report(compiled, state, *, grad_shardings=None) -> MemoryReport:
         aliased=int(ma.alias_size_in_bytes),
         peak=int(peak) if peak else None,
     )
+
+
+def census_records(census: Census) -> list[dict]:
+    """The census grouped by ``(kind, dtype)``: ``count``, ``bytes``, ``wire_bytes`` per device.
+
+    Bytes follow :class:`~effijax.sharding.Collective`: ``bytes`` is the full tensor each
+    collective works on, ``wire_bytes`` what a ring sends per device.
+
+    Example:
+      >>> from effijax.sharding import Census, Collective
+      >>> c = Census(ops=(Collective("all-gather", "bf16", (64, 32), 4096, 8, 3584.0,
+      ...                            "all-gather", "ag"),) * 2)
+      >>> census_records(c)
+      [{'kind': 'all-gather', 'dtype': 'bf16', 'count': 2, 'bytes': 8192, 'wire_bytes': 7168.0}]
+    """
+    groups: dict[tuple[str, str], dict] = {}
+    for c in census.ops:
+        row = groups.setdefault((c.kind, c.dtype), {"kind": c.kind, "dtype": c.dtype,
+                                                     "count": 0, "bytes": 0,
+                                                     "wire_bytes": 0.0})
+        row["count"] += 1
+        row["bytes"] += c.bytes
+        row["wire_bytes"] += c.wire_bytes
+    return list(groups.values())
+
+
+class _Keep:
+    """Stands in for a jitted function: :func:`collective_census` lowers through ``.lower`` and
+    compiles the lowering (with its dump options); this keeps the executable it compiles."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.compiled = None
+
+    def lower(self, *args, **kwargs):
+        return _KeptLowering(self, self.fn.lower(*args, **kwargs))
+
+
+class _KeptLowering:
+    def __init__(self, keep: _Keep, lowered):
+        self._keep = keep
+        self._lowered = lowered
+
+    def compile(self, *args, **kwargs):
+        self._keep.compiled = self._lowered.compile(*args, **kwargs)
+        return self._keep.compiled
+
+    def __getattr__(self, name):  # as_text and the rest: the real lowering's
+        return getattr(self._lowered, name)
+
+
+def compile_with_census(fn, *args, **kwargs):
+    """Compiles ``fn(*args)`` once and returns ``(compiled, census)``.
+
+    :func:`~effijax.sharding.collective_census` compiles the program a second time (with XLA
+    dumping the partitioned module) next to the one ``jit`` runs; here the census' compilation
+    is the executable: call ``compiled(*args)`` to run the step (donation and shardings as
+    lowered; no mesh context needed). XLA's dump options change what is written to disk, not
+    the program.
+
+    Args:
+      fn: a ``jax.jit`` function or :class:`~effijax.sharding.ShardedStep` (anything with
+        ``.lower``).
+      *args, **kwargs: arrays or ``jax.ShapeDtypeStruct`` s with shardings.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> from effijax.sharding import make_mesh
+      >>> rows = NamedSharding(make_mesh(), P("fsdp"))
+      >>> total = jax.jit(lambda w: w.sum(0), in_shardings=rows)  # a sum across the devices
+      >>> compiled, census = compile_with_census(total,
+      ...                                        jax.ShapeDtypeStruct((64, 4), jnp.float32))
+      >>> census.count("all-reduce"), float(compiled(jnp.ones((64, 4)))[0])
+      (1, 64.0)
+    """
+    if not hasattr(fn, "lower"):
+        raise TypeError(f"fn must be jitted (have .lower), got {type(fn).__name__}")
+    keep = _Keep(fn)
+    census = collective_census(keep, *args, **kwargs)
+    return keep.compiled, census
+

@@ -51,6 +51,8 @@ __all__ = [
     "constraints",
     "jit_sharded",
     "ShardedStep",
+    "grad_shardings",
+    "with_shardings",
 ]
 
 
@@ -418,3 +420,47 @@ def jit_sharded(step: Callable, mesh: Mesh, shardings, *, batch=None,
         donate_argnums=(0,) if donate else (),
     )
     return ShardedStep(jitted, mesh)
+
+
+def grad_shardings(specs, mesh: Mesh, strategy: str | Strategy):
+    """Where the gradients live under ``strategy``: sharded for zero2/fsdp, else replicated.
+
+    Args:
+      specs: the parameters' sharded specs (:func:`~effijax.sharding.partition_specs`).
+      mesh: the mesh.
+      strategy: a strategy name or :class:`~effijax.sharding.Strategy`.
+
+    Returns:
+      A tree of ``NamedSharding`` shaped like the parameters (what
+      :func:`~effijax.sharding.memory_report` takes as ``grad_shardings``).
+
+    Example:
+      >>> from jax.sharding import PartitionSpec as P
+      >>> from effijax.sharding import make_mesh
+      >>> mesh = make_mesh()
+      >>> grad_shardings({"w": P("fsdp")}, mesh, "zero2")["w"].spec
+      P('fsdp',)
+      >>> grad_shardings({"w": P("fsdp")}, mesh, "zero1")["w"].spec
+      P()
+    """
+    strategy = get_strategy(strategy)
+    _check_mesh(mesh)
+    rep = replicated(mesh)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s) if strategy.shard_grads else rep,
+                        specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def with_shardings(tree, shardings):
+    """``jax.ShapeDtypeStruct`` s of ``tree``'s leaves carrying ``shardings`` (for ``lower``,
+    :func:`device_bytes`, :func:`~effijax.sharding.memory_report`); touches no buffer, so it
+    works on donated arrays too.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from effijax.sharding import make_mesh, replicated
+      >>> with_shardings({"w": jnp.zeros(3)}, {"w": replicated(make_mesh())})["w"].shape
+      (3,)
+    """
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        tree, shardings)
+
