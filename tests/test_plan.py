@@ -136,7 +136,7 @@ def test_plan_is_immutable():
          "evenly over 8 devices; use a multiple of 8"),
         ({"headroom": 1.0}, r"headroom=1\.0: must be a fraction in \[0, 1\)"),
         ({"optimizer": "adafactor"}, "optimizer='adafactor': unknown optimizer; accepted"),
-        ({"devices": 0}, "devices=0: must be >= 1"),
+        ({"devices": 0}, "devices=0: must be a whole number >= 1"),
         ({"device_memory": "80 gigs"}, "device_memory='80 gigs': unknown unit 'gigs'"),
         ({"device_memory": "0GB"}, "device_memory='0GB': must be positive"),
         ({"lora_fraction": 2}, r"lora_fraction=2: must be a number in \(0, 1\]"),
