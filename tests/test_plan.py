@@ -161,9 +161,9 @@ def _request(num_params="7B", *, shape=None, allow_lora=True, vocab=None, **kwar
     args = {"devices": 8, "device_memory": "80GB", "optimizer": "adam", "headroom": 0.1,
             "lora_fraction": 0.01, **kwargs}
     layer_options = {k: args.pop(k, v) for k, v in LAYER_DEFAULTS.items()}
-    workload = {"shape": {**NO_SHAPE, **(shape or {})}, "layer_options": layer_options,
-                "vocab": vocab}
-    return _plan._check_request(num_params, allow_lora=allow_lora, workload=workload, **args)
+    return _plan._check_request(num_params, allow_lora=allow_lora,
+                                shape={**NO_SHAPE, **(shape or {})},
+                                layer_options=layer_options, vocab=vocab, **args)
 
 
 def test_check_request_converts_the_arguments():

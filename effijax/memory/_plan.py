@@ -242,10 +242,11 @@ def _check_workload(shape: dict[str, Any], layer_options: dict[str, Any], vocab:
 
 
 def _check_request(num_params, *, devices, device_memory, optimizer, headroom, allow_lora,
-                   lora_fraction, workload: dict[str, Any]) -> _Request:
+                   lora_fraction, shape: dict[str, Any], layer_options: dict[str, Any],
+                   vocab) -> _Request:
     """Pass 1: plan()'s arguments checked, in plan()'s order, and converted.
 
-    ``workload`` holds :func:`_check_workload`'s keyword arguments but ``devices``.
+    ``shape``, ``layer_options`` and ``vocab`` are :func:`_check_workload`'s.
 
     Raises:
       ConfigError: naming the first bad argument.
@@ -270,7 +271,7 @@ def _check_request(num_params, *, devices, device_memory, optimizer, headroom, a
         headroom=headroom,
         optimizer=optimizer,
         lora_fraction=lora_fraction if allow_lora else None,
-        workload=_check_workload(**workload, devices=devices),
+        workload=_check_workload(shape, layer_options, vocab, devices),
     )
 
 
@@ -534,14 +535,12 @@ def plan(
     request = _check_request(
         num_params, devices=devices, device_memory=device_memory, optimizer=optimizer,
         headroom=headroom, allow_lora=allow_lora, lora_fraction=lora_fraction,
-        workload={
-            "shape": {"layers": layers, "hidden": hidden, "heads": heads, "seq_len": seq_len,
-                      "global_batch": global_batch},
-            "layer_options": {"dropout": dropout, "blockwise_attention": blockwise_attention,
-                              "kv_heads": kv_heads, "head_dim": head_dim, "ffn": ffn,
-                              "gated_mlp": gated_mlp},
-            "vocab": vocab,
-        },
+        shape={"layers": layers, "hidden": hidden, "heads": heads, "seq_len": seq_len,
+               "global_batch": global_batch},
+        layer_options={"dropout": dropout, "blockwise_attention": blockwise_attention,
+                       "kv_heads": kv_heads, "head_dim": head_dim, "ffn": ffn,
+                       "gated_mlp": gated_mlp},
+        vocab=vocab,
     )
     steps, why_not = list(_preamble(request)), []
     for method in _methods(request):
