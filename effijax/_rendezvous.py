@@ -161,124 +161,166 @@ def _read_error(rest: str) -> JoinError:
                      int(value) if value.isdigit() else None)
 
 
-def _lead(address: str, bind: tuple[str, int], n: int, clock: _Clock,
-          print_fn: Callable[[str], None]) -> None:
+def _open_port(bind: tuple[str, int], n: int) -> socket.socket:
+    """Process 0's listening socket on ``bind``, or a :class:`JoinError` naming the port."""
     try:
-        server = _listen(bind, backlog=min(n, 4096))
+        return _listen(bind, backlog=min(n, 4096))
     except OSError as e:
         where = f"[{bind[0]}]:{bind[1]}" if ":" in bind[0] else f"{bind[0] or '*'}:{bind[1]}"
         raise JoinError("coordinator_address", f"process 0 cannot listen on {where} ("
                         f"{e.strerror or e}): another program, or another process 0, holds that "
                         "port; choose a free port for the coordinator") from None
-    selector = selectors.DefaultSelector()
-    selector.register(server, selectors.EVENT_READ)
-    peers: dict[int, socket.socket] = {}  # process id -> its connection
-    unnamed: dict[socket.socket, bytes] = {}  # connections whose hello has not ended yet
-    left: set[int] = set()  # processes that joined and then hung up
 
-    def drop(sock):
-        selector.unregister(sock)
-        sock.close()
 
-    def abort(error: JoinError):
-        for sock in peers.values():
-            _send(sock, _error_line(error))
+class _Lobby:
+    """Process 0's side of the meeting: its port and the connections to it so far."""
+
+    def __init__(self, server: socket.socket, n: int):
+        self.server, self.n = server, n
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(server, selectors.EVENT_READ)
+        self.peers: dict[int, socket.socket] = {}  # process id -> its connection
+        self.unnamed: dict[socket.socket, bytes] = {}  # connections whose hello has not ended
+        self.left: set[int] = set()  # processes that joined and then hung up
+
+    def missing(self) -> list[int]:
+        return [i for i in range(1, self.n) if i not in self.peers]
+
+    def tell(self, line: str) -> None:
+        """Sends ``line`` to every process that has joined."""
+        for sock in self.peers.values():
+            _send(sock, line)
+
+    def abort(self, error: JoinError) -> JoinError:
+        """Tells every joined process of ``error``, and returns it to raise."""
+        self.tell(_error_line(error))
         return error
 
-    try:
-        while missing := [i for i in range(1, n) if i not in peers]:
-            if clock.left() <= 0:
-                gone = [i for i in missing if i in left]
-                whose = "its" if len(gone) == 1 else "their"
-                also = f" ({ids(gone)} joined, then hung up: see {whose} output)" if gone else ""
-                raise abort(JoinError("num_processes", f"{ids(missing)} did not join "
-                                      f"{address} within {clock.timeout_s:g} s{also}", missing))
-            if clock.due():
-                print_fn(f"process 0 of {n}: waiting for {len(missing)} more at {address}: "
-                         f"{ids(missing)} ({clock.status()})")
-            changed = False
-            for key, _ in selector.select(clock.until_event()):
-                sock = key.fileobj
-                if sock is server:
-                    try:
-                        conn, _ = server.accept()
-                    except OSError:  # it gave up between connecting and being accepted
-                        continue
-                    conn.settimeout(_GOODBYE_S)  # sends only: reads happen when readable
-                    selector.register(conn, selectors.EVENT_READ)
-                    unnamed[conn] = b""
-                    continue
-                try:
-                    data = sock.recv(4096)
-                except OSError:
-                    data = b""
-                if sock not in unnamed:  # a process that had joined: it says nothing more
-                    if data:
-                        continue
-                    pid = next(i for i, s in peers.items() if s is sock)
-                    del peers[pid]  # it hung up: it died, or gave up waiting
-                    left.add(pid)
-                    drop(sock)
-                    changed = True
-                    continue
-                if not data:
-                    del unnamed[sock]
-                    drop(sock)
-                    continue
-                unnamed[sock] += data
-                if b"\n" not in unnamed[sock]:
-                    if len(unnamed[sock]) > 256:  # not one of ours
-                        del unnamed[sock]
-                        drop(sock)
-                    continue
-                hello = unnamed.pop(sock).split(b"\n", 1)[0].decode("ascii", "replace").split()
-                if len(hello) != 3 or hello[0] != _HELLO or not all(
-                        x.isdigit() for x in hello[1:]):
-                    drop(sock)  # a stranger (a port scan, a health check): not our business
-                    continue
-                count, pid = int(hello[1]), int(hello[2])
-                error = None
-                if count != n:
-                    error = JoinError("num_processes", f"process {pid} was started with "
-                                      f"{count} processes and process 0 with {n}: start every "
-                                      "process with the same process count")
-                elif pid in peers:
-                    error = JoinError("process_id", f"two processes were started as process "
-                                      f"{pid} of {n}: each needs its own id in [0, {n})",
-                                      value=pid)
-                elif not 0 < pid < n:  # no effijax process says that
-                    drop(sock)
-                    continue
-                if error is not None:
-                    _send(sock, _error_line(error))
-                    drop(sock)
-                    raise abort(error)
-                peers[pid] = sock
-                changed = True
-            if changed and len(peers) < n - 1:
-                still = ",".join(str(i) for i in range(1, n) if i not in peers)
-                for sock in peers.values():
-                    _send(sock, f"wait {still}")
-        for sock in peers.values():
-            _send(sock, "go")
-        # The port is jax's from here. The others hang up first, so the connections' TIME_WAIT
-        # lingers on their side, not on the port jax binds.
-        selector.unregister(server)
-        server.close()
-        end = time.monotonic() + _GOODBYE_S
-        for sock in peers.values():
-            try:
-                sock.settimeout(max(0.01, end - time.monotonic()))
-                while sock.recv(4096):
-                    pass
-            except OSError:
-                pass
-    finally:
-        for sock in (*peers.values(), *unnamed):
+    def drop(self, sock: socket.socket) -> None:
+        self.selector.unregister(sock)
+        sock.close()
+
+    def accept(self) -> None:
+        try:
+            conn, _ = self.server.accept()
+        except OSError:  # it gave up between connecting and being accepted
+            return
+        conn.settimeout(_GOODBYE_S)  # sends only: reads happen when readable
+        self.selector.register(conn, selectors.EVENT_READ)
+        self.unnamed[conn] = b""
+
+    def read(self, sock: socket.socket) -> bool:
+        """Reads what ``sock`` sent; returns whether the set of joined processes changed."""
+        try:
+            data = sock.recv(4096)
+        except OSError:
+            data = b""
+        if sock in self.unnamed:
+            return self._hear_hello(sock, data)
+        if data:  # a process that had joined: it says nothing more
+            return False
+        pid = next(i for i, s in self.peers.items() if s is sock)
+        del self.peers[pid]  # it hung up: it died, or gave up waiting
+        self.left.add(pid)
+        self.drop(sock)
+        return True
+
+    def _hear_hello(self, sock: socket.socket, data: bytes) -> bool:
+        """Adds ``data`` to ``sock``'s hello; once the hello is whole, admits its process."""
+        if not data:
+            del self.unnamed[sock]
+            self.drop(sock)
+            return False
+        self.unnamed[sock] += data
+        if b"\n" not in self.unnamed[sock]:
+            if len(self.unnamed[sock]) > 256:  # not one of ours
+                del self.unnamed[sock]
+                self.drop(sock)
+            return False
+        hello = self.unnamed.pop(sock).split(b"\n", 1)[0].decode("ascii", "replace").split()
+        if len(hello) != 3 or hello[0] != _HELLO or not all(x.isdigit() for x in hello[1:]):
+            self.drop(sock)  # a stranger (a port scan, a health check): not our business
+            return False
+        return self._admit(sock, int(hello[1]), int(hello[2]))
+
+    def _admit(self, sock: socket.socket, count: int, pid: int) -> bool:
+        """Makes process ``pid`` (started for ``count`` processes) a peer, or stops the run."""
+        n = self.n
+        error = None
+        if count != n:
+            error = JoinError("num_processes", f"process {pid} was started with {count} "
+                              f"processes and process 0 with {n}: start every process with the "
+                              "same process count")
+        elif pid in self.peers:
+            error = JoinError("process_id", f"two processes were started as process {pid} of "
+                              f"{n}: each needs its own id in [0, {n})", value=pid)
+        elif not 0 < pid < n:  # no effijax process says that
+            self.drop(sock)
+            return False
+        if error is not None:
+            _send(sock, _error_line(error))
+            self.drop(sock)
+            raise self.abort(error)
+        self.peers[pid] = sock
+        return True
+
+    def close(self) -> None:
+        for sock in (*self.peers.values(), *self.unnamed):
             sock.close()
-        if server.fileno() != -1:
-            server.close()
-        selector.close()
+        if self.server.fileno() != -1:
+            self.server.close()
+        self.selector.close()
+
+
+def _gather(lobby: _Lobby, address: str, clock: _Clock,
+            print_fn: Callable[[str], None]) -> None:
+    """Returns once every process has joined; keeps the joined told who is still missing."""
+    n = lobby.n
+    while missing := lobby.missing():
+        if clock.left() <= 0:
+            gone = [i for i in missing if i in lobby.left]
+            whose = "its" if len(gone) == 1 else "their"
+            also = f" ({ids(gone)} joined, then hung up: see {whose} output)" if gone else ""
+            raise lobby.abort(JoinError("num_processes", f"{ids(missing)} did not join "
+                                        f"{address} within {clock.timeout_s:g} s{also}", missing))
+        if clock.due():
+            print_fn(f"process 0 of {n}: waiting for {len(missing)} more at {address}: "
+                     f"{ids(missing)} ({clock.status()})")
+        changed = False
+        for key, _ in lobby.selector.select(clock.until_event()):
+            if key.fileobj is lobby.server:
+                lobby.accept()
+            elif lobby.read(key.fileobj):
+                changed = True
+        if changed and len(lobby.peers) < n - 1:
+            lobby.tell("wait " + ",".join(map(str, lobby.missing())))
+
+
+def _release(lobby: _Lobby) -> None:
+    """Says ``go`` to every process, gives the port up for jax, and waits for the goodbyes."""
+    lobby.tell("go")
+    # The port is jax's from here. The others hang up first, so the connections' TIME_WAIT
+    # lingers on their side, not on the port jax binds.
+    lobby.selector.unregister(lobby.server)
+    lobby.server.close()
+    end = time.monotonic() + _GOODBYE_S
+    for sock in lobby.peers.values():
+        try:
+            sock.settimeout(max(0.01, end - time.monotonic()))
+            while sock.recv(4096):
+                pass
+        except OSError:
+            pass
+
+
+def _lead(address: str, bind: tuple[str, int], n: int, clock: _Clock,
+          print_fn: Callable[[str], None]) -> None:
+    lobby = _Lobby(_open_port(bind, n), n)
+    try:
+        _gather(lobby, address, clock, print_fn)
+        _release(lobby)
+    finally:
+        lobby.close()
 
 
 def _follow(address: str, n: int, pid: int, clock: _Clock,

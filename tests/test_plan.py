@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from effijax.errors import ConfigError
-from effijax.memory import GB, Plan, activation_bytes, model_states, plan
+from effijax.memory import GB, Plan, _plan, activation_bytes, format_bytes, model_states, plan
 
 LLAMA_7B = {"layers": 32, "hidden": 4096, "heads": 32}
 
@@ -136,7 +136,7 @@ def test_plan_is_immutable():
          "evenly over 8 devices; use a multiple of 8"),
         ({"headroom": 1.0}, r"headroom=1\.0: must be a fraction in \[0, 1\)"),
         ({"optimizer": "adafactor"}, "optimizer='adafactor': unknown optimizer; accepted"),
-        ({"devices": 0}, "devices=0: must be >= 1"),
+        ({"devices": 0}, "devices=0: must be a whole number >= 1"),
         ({"device_memory": "80 gigs"}, "device_memory='80 gigs': unknown unit 'gigs'"),
         ({"device_memory": "0GB"}, "device_memory='0GB': must be positive"),
         ({"lora_fraction": 2}, r"lora_fraction=2: must be a number in \(0, 1\]"),
@@ -147,3 +147,112 @@ def test_plan_validation(kwargs, match):
     with pytest.raises(ConfigError, match=f"^{match}") as e:
         plan("7B", **args)
     assert e.value.field == match.split("=")[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# The passes plan() runs, one at a time.
+# ---------------------------------------------------------------------------------------------
+NO_SHAPE = dict.fromkeys(("layers", "hidden", "heads", "seq_len", "global_batch"))
+LAYER_DEFAULTS = {"dropout": True, "blockwise_attention": False, "kv_heads": None,
+                  "head_dim": None, "ffn": None, "gated_mlp": False}
+
+
+def _request(num_params="7B", *, shape=None, allow_lora=True, vocab=None, **kwargs):
+    args = {"devices": 8, "device_memory": "80GB", "optimizer": "adam", "headroom": 0.1,
+            "lora_fraction": 0.01, **kwargs}
+    layer_options = {k: args.pop(k, v) for k, v in LAYER_DEFAULTS.items()}
+    return _plan._check_request(num_params, allow_lora=allow_lora,
+                                shape={**NO_SHAPE, **(shape or {})},
+                                layer_options=layer_options, vocab=vocab, **args)
+
+
+def test_check_request_converts_the_arguments():
+    r = _request("70B")
+    assert (r.num_params, r.devices, r.device_memory, r.usable) == (70 * 10**9, 8, 80 * GB,
+                                                                     72 * GB)
+    assert (r.optimizer, r.lora_fraction, r.workload) == ("adam", 0.01, None)
+    assert _request(allow_lora=False).lora_fraction is None
+
+
+def test_check_request_builds_the_workload_at_the_per_device_batch():
+    w = _request(shape={**LLAMA_7B, "seq_len": 2048, "global_batch": 64}, vocab=32000).workload
+    assert (w.layers, w.global_batch, w.per_device_batch, w.vocab) == (32, 64, 8, 32000)
+    assert (w.layer.batch_size, w.layer.bytes_per_value, w.layer.hidden) == (8, 2, 4096)
+
+
+def test_check_request_checks_the_layer_options_before_any_estimate():
+    # 405B never fits here, so no activation is ever estimated: the check cannot wait for one.
+    shape = {**LLAMA_7B, "seq_len": 2048, "global_batch": 64}
+    with pytest.raises(ConfigError, match=r"^kv_heads=5: must divide heads=32"):
+        _request("405B", shape=shape, allow_lora=False, kv_heads=5)
+    with pytest.raises(ConfigError, match=r"^vocab=0: must be a whole number >= 1"):
+        plan("7B", devices=8, device_memory="80GB", **shape, vocab=0)
+
+
+def test_methods_try_full_fine_tuning_first_and_lora_only_if_allowed():
+    assert _plan._methods(_request()) == (
+        ("full fine-tuning", None), ("LoRA (0.01 adapters, bf16 frozen base)", 0.01))
+    assert _plan._methods(_request(allow_lora=False)) == (("full fine-tuning", None),)
+
+
+def test_stage_states_are_model_states_at_each_zero_stage():
+    request, lora = _request(), _plan._Method("LoRA", 0.01)
+    states = _plan._stage_states(request, lora)
+    assert states == tuple(model_states("7B", zero_stage=stage, devices=8, lora_fraction=0.01)
+                           for stage in range(4))
+
+
+def test_activations_are_the_formula_and_say_how_they_add_up():
+    w = _request(shape={**LLAMA_7B, "seq_len": 2048, "global_batch": 64}).workload
+    acts = _plan._activations(w, 4, "block")
+    assert acts.bytes == activation_bytes(**LLAMA_7B, seq_len=2048, batch_size=4,
+                                          checkpointing="block")
+    assert acts.text.startswith(f"activations {format_bytes(acts.bytes)} (checkpointing: 32 x ")
+    assert acts.text.endswith("for the block being recomputed, micro-batch 4)")
+
+
+def test_fit_whole_batch_stops_at_the_first_stage_that_fits():
+    request = _request()
+    full = _plan._Method("full fine-tuning", None)
+    outcome = _plan._fit_whole_batch(request, full, _plan._stage_states(request, full))
+    assert (outcome.choice.stage, outcome.choice.checkpointing, outcome.choice.micro_batch) == (
+        1, "none", None)
+    assert len(outcome.steps) == 2 and outcome.steps[0].endswith("> 72 GB usable")
+
+
+def test_fit_whole_batch_says_why_no_stage_fits():
+    request = _request("70B")
+    full = _plan._Method("full fine-tuning", None)
+    outcome = _plan._fit_whole_batch(request, full, _plan._stage_states(request, full))
+    assert (outcome.choice, outcome.fitting) == (None, ())
+    assert "model states alone need at least 16 such devices" in outcome.why_not
+    assert outcome.steps[-1] == "full fine-tuning: model states do not fit at any ZeRO stage"
+
+
+def test_fit_whole_batch_hands_the_stages_that_fit_to_checkpointing():
+    request = _request(shape={**LLAMA_7B, "seq_len": 8192, "global_batch": 64})
+    full = _plan._Method("full fine-tuning", None)
+    states = _plan._stage_states(request, full)
+    whole = _plan._fit_whole_batch(request, full, states)
+    assert (whole.choice, whole.fitting) == (None, (1, 2, 3))  # DDP's 112 GB never fits
+    smaller = _plan._fit_checkpointed(request, full, states, whole.fitting)
+    assert (smaller.choice.stage, smaller.choice.micro_batch) == (3, 4)
+    assert len(smaller.steps) == 2  # micro-batch 8 (no stage fits), then 4
+
+
+def test_result_of_no_fit_has_no_settings():
+    request = _request("405B", allow_lora=False)
+    p = _plan._result(request, ["-> does not fit: ..."], None)
+    assert not p.fits and p.steps == ("-> does not fit: ...",)
+    assert all(getattr(p, name) is None for name in ("zero_stage", "lora_fraction",
+               "checkpointing", "micro_batch", "grad_accum_steps", "states", "total_bytes"))
+    assert (p.usable_bytes, p.optimizer, p.precision) == (72 * GB, "adam", "bf16")
+
+
+def test_conclusion_counts_the_accumulation_steps():
+    request = _request(shape={**LLAMA_7B, "seq_len": 8192, "global_batch": 64})
+    states = model_states("7B", zero_stage=3, devices=8)
+    choice = _plan._Choice(_plan._Method("full fine-tuning", None), 3, states, "block", 4, 10)
+    assert _plan._conclusion(request, choice) == (
+        "-> plan: full fine-tuning, mixed precision, ZeRO-3/FSDP, checkpointing=block, "
+        "micro-batch 4 x 2 accumulation steps: 14 GB of 72 GB usable per device")

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from effijax.errors import ConfigError
-from effijax.memory._estimate import _check_choice, _check_int
+from effijax.errors import ConfigError, whole_number
+from effijax.memory._estimate import _check_choice
 
 __all__ = ["CHECKPOINTING", "activation_bytes"]
 
@@ -50,36 +50,71 @@ class _LayerTerms:
         return self.linear + self.masks + self.scores + self.score_mask + self.softmax_stats
 
 
-def _layer_terms(
-    *, hidden, heads, seq_len, batch_size, bytes_per_value, dropout, blockwise_attention,
-    kv_heads=None, head_dim=None, ffn=None, gated_mlp=False,
-) -> _LayerTerms:
-    p, s, b, h, a = bytes_per_value, seq_len, batch_size, hidden, heads
-    sbh = s * b * h
-    d_head = h // a if head_dim is None else head_dim
-    q, k = a * d_head, (a if kv_heads is None else kv_heads) * d_head
-    f = 4 * h if ffn is None else ffn
-    width = (h + 2 * q + 2 * k) + (h + (3 if gated_mlp else 2) * f) + 2 * h
-    return _LayerTerms(
-        linear=p * s * b * width,
-        masks=2 * sbh if dropout else 0,
-        scores=0 if blockwise_attention else 2 * p * a * s * s * b,
-        score_mask=a * s * s * b if dropout and not blockwise_attention else 0,
-        softmax_stats=2 * 4 * a * s * b if blockwise_attention else 0,
-    )
+@dataclasses.dataclass(frozen=True)
+class _Layer:
+    """One transformer layer at one micro-batch: everything its activations depend on, checked.
+
+    The planner keeps one and changes ``batch_size`` with ``dataclasses.replace`` as it tries
+    smaller micro-batches; :func:`activation_bytes` builds one from its arguments.
+    """
+
+    hidden: int
+    heads: int
+    seq_len: int
+    batch_size: int
+    bytes_per_value: int
+    dropout: bool
+    blockwise_attention: bool
+    kv_heads: int | None = None
+    head_dim: int | None = None
+    ffn: int | None = None
+    gated_mlp: bool = False
+
+    def terms(self) -> _LayerTerms:
+        p, s, b, h, a = self.bytes_per_value, self.seq_len, self.batch_size, self.hidden, self.heads
+        sbh = s * b * h
+        d_head = h // a if self.head_dim is None else self.head_dim
+        q, k = a * d_head, (a if self.kv_heads is None else self.kv_heads) * d_head
+        f = 4 * h if self.ffn is None else self.ffn
+        width = (h + 2 * q + 2 * k) + (h + (3 if self.gated_mlp else 2) * f) + 2 * h
+        dropout, blockwise = self.dropout, self.blockwise_attention
+        return _LayerTerms(
+            linear=p * s * b * width,
+            masks=2 * sbh if dropout else 0,
+            scores=0 if blockwise else 2 * p * a * s * s * b,
+            score_mask=a * s * s * b if dropout and not blockwise else 0,
+            softmax_stats=2 * 4 * a * s * b if blockwise else 0,
+        )
+
+    def input_bytes(self) -> int:
+        """A block's input, p·s·b·h: what block checkpointing keeps of each layer."""
+        return self.bytes_per_value * self.seq_len * self.batch_size * self.hidden
+
+    def logits_bytes(self, vocab: int | None) -> int:
+        """The f32 logits, 4·s·b·V (0 when ``vocab`` is None: not counted)."""
+        return 0 if vocab is None else 4 * self.seq_len * self.batch_size * vocab
 
 
-def _validate(layers, hidden, heads, seq_len, batch_size, bytes_per_value, checkpointing):
-    for name, value in (
-        ("layers", layers),
-        ("hidden", hidden),
-        ("heads", heads),
-        ("seq_len", seq_len),
-        ("batch_size", batch_size),
-        ("bytes_per_value", bytes_per_value),
-    ):
-        _check_int(name, value, 1)
-    return _check_choice("checkpointing", checkpointing, CHECKPOINTING)
+def _check_layer_options(heads: int, kv_heads, head_dim, ffn, vocab) -> None:
+    """The optional widths, whole and positive; ``kv_heads`` groups ``heads`` evenly.
+
+    Sizes here only enter Python's exact arithmetic, never a device: no int32 bound.
+    """
+    for name, value in (("kv_heads", kv_heads), ("head_dim", head_dim), ("ffn", ffn),
+                        ("vocab", vocab)):
+        whole_number(name, value, maximum=None, none=True)
+    if kv_heads is not None and heads % kv_heads:
+        raise ConfigError("kv_heads", kv_heads, f"must divide heads={heads} (each key/value "
+                          "head serves a whole group of query heads)")
+
+
+def _stack_bytes(layer: _Layer, layers: int, checkpointing: str, vocab: int | None) -> int:
+    """Bytes kept by ``layers`` copies of ``layer`` (and the logits) under ``checkpointing``."""
+    kept = layers * layer.terms().total
+    if checkpointing == "block":
+        # Every block's input, and one block's full activations while it is recomputed.
+        kept = layers * layer.input_bytes() + layer.terms().total
+    return kept + layer.logits_bytes(vocab)
 
 
 def activation_bytes(
@@ -149,30 +184,12 @@ def activation_bytes(
       ...                  dropout=False, kv_heads=8, ffn=28672, gated_mlp=True)
       433523261440
     """
-    checkpointing = _validate(
-        layers, hidden, heads, seq_len, batch_size, bytes_per_value, checkpointing
-    )
-    for name, value in (("kv_heads", kv_heads), ("head_dim", head_dim), ("ffn", ffn),
-                        ("vocab", vocab)):
-        if value is not None:
-            _check_int(name, value, 1)
-    if kv_heads is not None and heads % kv_heads:
-        raise ConfigError("kv_heads", kv_heads, f"must divide heads={heads} (each key/value "
-                          "head serves a whole group of query heads)")
-    per_layer = _layer_terms(
-        hidden=hidden,
-        heads=heads,
-        seq_len=seq_len,
-        batch_size=batch_size,
-        bytes_per_value=bytes_per_value,
-        dropout=dropout,
-        blockwise_attention=blockwise_attention,
-        kv_heads=kv_heads,
-        head_dim=head_dim,
-        ffn=ffn,
-        gated_mlp=gated_mlp,
-    ).total
-    logits = 0 if vocab is None else 4 * seq_len * batch_size * vocab
-    if checkpointing == "none":
-        return layers * per_layer + logits
-    return layers * bytes_per_value * seq_len * batch_size * hidden + per_layer + logits
+    for name, value in (("layers", layers), ("hidden", hidden), ("heads", heads),
+                        ("seq_len", seq_len), ("batch_size", batch_size),
+                        ("bytes_per_value", bytes_per_value)):
+        whole_number(name, value, maximum=None)
+    checkpointing = _check_choice("checkpointing", checkpointing, CHECKPOINTING)
+    _check_layer_options(heads, kv_heads, head_dim, ffn, vocab)
+    layer = _Layer(hidden, heads, seq_len, batch_size, bytes_per_value, dropout,
+                   blockwise_attention, kv_heads, head_dim, ffn, gated_mlp)
+    return _stack_bytes(layer, layers, checkpointing, vocab)

@@ -23,7 +23,7 @@ import re
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from effijax.errors import ConfigError
+from effijax.errors import ConfigError, whole_number
 from effijax.precision import PRESET_ALIASES
 
 __all__ = [
@@ -302,13 +302,12 @@ def _check_precision(value: Any) -> str:
     return key
 
 
-def _check_int(name: str, value: Any, low: int, high: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ConfigError(name, value, "expected an int")
-    if value < low or (high is not None and value > high):
-        bounds = f"in {low}..{high}" if high is not None else f">= {low}"
-        raise ConfigError(name, value, f"must be {bounds}")
-    return int(value)
+def _check_num_params(value: Any) -> int:
+    """Ψ, a parameter count such as ``"7B"`` or ``7_000_000_000``, at least 1."""
+    count = parse_count(value, field="num_params")
+    if count < 1:
+        raise ConfigError("num_params", value, "must be >= 1")
+    return count
 
 
 def _check_fraction(value: Any) -> float:
@@ -387,16 +386,14 @@ def model_states(
       1.89
       >>> model_states("7B", zero_stage=4)
       Traceback (most recent call last):
-      effijax.errors.ConfigError: zero_stage=4: must be in 0..3
+      effijax.errors.ConfigError: zero_stage=4: must be a whole number from 0 to 3
     """
-    count = parse_count(num_params, field="num_params")
-    if count < 1:
-        raise ConfigError("num_params", num_params, "must be >= 1")
-    num_params = count
+    num_params = _check_num_params(num_params)
     optimizer = _check_choice("optimizer", optimizer, OPTIMIZERS)
     precision = _check_precision(precision)
-    zero_stage = _check_int("zero_stage", zero_stage, 0, 3)
-    devices = _check_int("devices", devices, 1)
+    zero_stage = whole_number("zero_stage", zero_stage, minimum=0, maximum=3)
+    # Plain arithmetic, never sent to a device: no int32 bound (N_d -> infinity is a question).
+    devices = whole_number("devices", devices, maximum=None)
     per = PRECISIONS[precision]
     moments = OPTIMIZERS[optimizer]
 

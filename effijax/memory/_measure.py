@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from effijax.errors import ConfigError
+from effijax.errors import ConfigError, whole_number
 from effijax.memory._activations import activation_bytes
 from effijax.memory._estimate import ModelStateBytes, format_bytes
 from effijax.memory._tree import estimate_tree
@@ -279,6 +279,18 @@ class ActivationPoint:
         return None if not self.formula_bytes else self.activation_bytes / self.formula_bytes
 
 
+def _check_seq_lens(seq_lens: Sequence[int]) -> tuple[int, ...]:
+    """``seq_lens`` as a tuple of whole, positive lengths, or one error about the sequence."""
+    seq_lens = tuple(seq_lens)
+    try:
+        if seq_lens:
+            return tuple(whole_number("seq_lens", s) for s in seq_lens)
+    except ConfigError:
+        pass  # reported below, about the whole sequence: the argument the caller gave
+    raise ConfigError("seq_lens", seq_lens, "expected a non-empty sequence of positive ints, "
+                      "e.g. (256, 512, 1024)")
+
+
 def activation_measure(
     config: Any,
     seq_lens: Sequence[int],
@@ -323,11 +335,7 @@ def activation_measure(
     from effijax.precision import get_policy
     from effijax.train import init_train_state, make_train_step
 
-    seq_lens = tuple(seq_lens)
-    if not seq_lens or any(isinstance(s, bool) or not isinstance(s, int) or s < 1
-                           for s in seq_lens):
-        raise ConfigError("seq_lens", seq_lens, "expected a non-empty sequence of positive ints, "
-                          "e.g. (256, 512, 1024)")
+    seq_lens = _check_seq_lens(seq_lens)
     variants = dict(ACTIVATION_VARIANTS if variants is None else variants)
     policy = get_policy(policy)
     optimizer = optax.adam(1e-3) if optimizer is None else optimizer

@@ -20,9 +20,10 @@ import dataclasses
 import math
 import numbers
 from decimal import Decimal
+from typing import Any, NamedTuple
 
-from effijax.errors import ConfigError
-from effijax.memory._activations import _layer_terms, activation_bytes
+from effijax.errors import ConfigError, whole_number
+from effijax.memory._activations import _check_layer_options, _Layer, _stack_bytes
 from effijax.memory._estimate import (
     FROZEN_DTYPES,
     OPTIMIZERS,
@@ -30,11 +31,10 @@ from effijax.memory._estimate import (
     ModelStateBytes,
     _check_choice,
     _check_fraction,
-    _check_int,
+    _check_num_params,
     format_bytes,
     model_states,
     parse_bytes,
-    parse_count,
 )
 
 __all__ = ["HEADROOM", "Plan", "plan"]
@@ -140,27 +140,353 @@ def _divisors_desc(n: int) -> list[int]:
     return sorted((d for d in range(1, n + 1) if n % d == 0), reverse=True)
 
 
+
+# The passes, in the order plan() runs them: 1. check the arguments (_check_request);
+# 2. list the methods to try (_methods); 3. estimate model states and activations
+# (_stage_states, _activations); 4. find the first configuration that fits (_fit_whole_batch,
+# then _fit_checkpointed); 5. write the explanation and the Plan (_preamble, _conclusion,
+# _result). Each takes and returns the small records below.
+
+
+class _Workload(NamedTuple):
+    """The model's shape and the batch, checked: what activations are counted from."""
+
+    layers: int
+    global_batch: int
+    per_device_batch: int
+    layer: _Layer  # one layer at the whole per-device batch, in 2-byte (bf16) values
+    vocab: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Request:
+    """plan()'s arguments, checked, in the units the passes use."""
+
+    num_params: int
+    devices: int
+    device_memory: int  # bytes
+    usable: int  # bytes: device_memory less the headroom
+    headroom: float  # as given: the explanation prints it
+    optimizer: str
+    lora_fraction: float | None  # None where LoRA is not allowed
+    workload: _Workload | None  # None: planning on model states only
+
+
+class _Method(NamedTuple):
+    """Full fine-tuning (``lora_fraction`` None) or LoRA with that adapter fraction."""
+
+    label: str
+    lora_fraction: float | None
+
+
+class _Acts(NamedTuple):
+    """Activation bytes of one micro-batch size and checkpointing, and how they add up."""
+
+    bytes: int
+    text: str
+
+
+class _Choice(NamedTuple):
+    """A configuration that fits."""
+
+    method: _Method
+    stage: int
+    states: ModelStateBytes
+    checkpointing: str
+    micro_batch: int | None  # None without a workload
+    activation_bytes: int | None  # None without a workload
+
+    @property
+    def total_bytes(self) -> int:
+        return self.states.model_state_bytes + (self.activation_bytes or 0)
+
+
+class _Outcome(NamedTuple):
+    """What trying one method found: its explanation lines, and a choice or why none fits."""
+
+    steps: tuple[str, ...]
+    choice: _Choice | None = None
+    fitting: tuple[int, ...] = ()  # ZeRO stages whose model states fit (activations aside)
+    why_not: str | None = None
+
+
+def _check_workload(shape: dict[str, Any], layer_options: dict[str, Any], vocab: int | None,
+                    devices: int) -> _Workload | None:
+    """The model shape and global batch (``shape``: all five or none), checked.
+
+    Returns None when ``shape`` is all None: the plan then counts model states only, and
+    ``layer_options`` and ``vocab`` are not used.
+    """
+    given = [k for k, v in shape.items() if v is not None]
+    if not given:
+        return None
+    if len(given) < len(shape):
+        missing = [k for k in shape if k not in given]
+        raise ConfigError(
+            missing[0], None, f"required with {', '.join(given)}: activations need all of "
+            f"{', '.join(shape)} or none (missing: {', '.join(missing)})"
+        )
+    for name in given:
+        whole_number(name, shape[name], maximum=None)
+    if shape["global_batch"] % devices:
+        raise ConfigError(
+            "global_batch", shape["global_batch"], f"does not divide evenly over {devices} "
+            f"devices; use a multiple of {devices}"
+        )
+    _check_layer_options(shape["heads"], layer_options["kv_heads"], layer_options["head_dim"],
+                         layer_options["ffn"], vocab)
+    per_device = shape["global_batch"] // devices
+    layer = _Layer(hidden=shape["hidden"], heads=shape["heads"], seq_len=shape["seq_len"],
+                   batch_size=per_device, bytes_per_value=2, **layer_options)
+    return _Workload(shape["layers"], shape["global_batch"], per_device, layer, vocab)
+
+
+def _check_request(num_params, *, devices, device_memory, optimizer, headroom, allow_lora,
+                   lora_fraction, shape: dict[str, Any], layer_options: dict[str, Any],
+                   vocab) -> _Request:
+    """Pass 1: plan()'s arguments checked, in plan()'s order, and converted.
+
+    ``shape``, ``layer_options`` and ``vocab`` are :func:`_check_workload`'s.
+
+    Raises:
+      ConfigError: naming the first bad argument.
+    """
+    num_params = _check_num_params(num_params)
+    devices = whole_number("devices", devices, maximum=None)
+    memory = parse_bytes(device_memory, field="device_memory")
+    if memory < 1:
+        raise ConfigError("device_memory", device_memory, "must be positive, e.g. '80GB'")
+    optimizer = _check_choice("optimizer", optimizer, OPTIMIZERS)
+    if (isinstance(headroom, bool) or not isinstance(headroom, numbers.Real)
+            or not 0 <= headroom < 1):
+        raise ConfigError("headroom", headroom, "must be a fraction in [0, 1) of device_memory "
+                          "kept free, e.g. 0.1")
+    lora_fraction = _check_fraction(lora_fraction)
+    return _Request(
+        num_params=num_params,
+        devices=devices,
+        device_memory=memory,
+        # Decimal of the float's repr: 0.1 headroom of 80 GB leaves exactly 72 GB.
+        usable=int(Decimal(memory) * (1 - Decimal(repr(float(headroom))))),
+        headroom=headroom,
+        optimizer=optimizer,
+        lora_fraction=lora_fraction if allow_lora else None,
+        workload=_check_workload(shape, layer_options, vocab, devices),
+    )
+
+
+def _methods(request: _Request) -> tuple[_Method, ...]:
+    """Pass 2: the methods to try, cheapest first: full fine-tuning, then LoRA if allowed."""
+    full = _Method("full fine-tuning", None)
+    fraction = request.lora_fraction
+    if fraction is None:
+        return (full,)
+    return full, _Method(f"LoRA ({_num(fraction)} adapters, bf16 frozen base)", fraction)
+
+
+def _stage_states(request: _Request, method: _Method) -> tuple[ModelStateBytes, ...]:
+    """Pass 3a: the method's per-device model states at ZeRO stages 0 to 3 (by index)."""
+    return tuple(
+        model_states(
+            request.num_params,
+            optimizer=request.optimizer,
+            precision=_PRECISION,
+            zero_stage=stage,
+            devices=request.devices,
+            lora_fraction=method.lora_fraction,
+        )
+        for stage in range(4)
+    )
+
+
+def _activations(workload: _Workload, micro: int, checkpointing: str) -> _Acts:
+    """Pass 3b: activation bytes of ``micro`` sequences per micro-batch, and their sum as text."""
+    layer = dataclasses.replace(workload.layer, batch_size=micro)
+    total = _stack_bytes(layer, workload.layers, checkpointing, workload.vocab)
+    per_layer = format_bytes(layer.terms().total)
+    if checkpointing == "none":
+        how = f"{workload.layers} layers x {per_layer}, no checkpointing"
+    else:
+        how = (
+            f"checkpointing: {workload.layers} x {format_bytes(layer.input_bytes())} block "
+            f"inputs + {per_layer} for the block being recomputed"
+        )
+    if workload.vocab is not None:
+        how += f" + {format_bytes(layer.logits_bytes(workload.vocab))} f32 logits"
+    return _Acts(total, f"activations {format_bytes(total)} ({how}, micro-batch {micro})")
+
+
+def _against(total: int, usable: int) -> str:
+    """``<= 72 GB usable`` or ``> 72 GB usable``: the verdict that ends a line of the search."""
+    return f"{'<=' if total <= usable else '>'} {format_bytes(usable)} usable"
+
+
+def _fit_whole_batch(request: _Request, method: _Method,
+                     states: tuple[ModelStateBytes, ...]) -> _Outcome:
+    """Pass 4a: each ZeRO stage in turn, without checkpointing, the whole per-device batch at
+    once; the first stage that fits wins.
+
+    Without a choice, the outcome lists the stages whose model states fit (for pass 4b), or,
+    when none does, says why not.
+    """
+    workload, usable = request.workload, request.usable
+    acts = None if workload is None else _activations(workload, workload.per_device_batch, "none")
+    steps, fitting = [], []
+    for stage, st in enumerate(states):
+        formula = _state_formula(request.optimizer, stage, request.devices, method.lora_fraction,
+                                 "bf16")
+        head = (
+            f"{method.label}, {_STAGE_NAMES[stage]}: model states {formula} B/param x "
+            f"{_fmt_count(request.num_params)} = {format_bytes(st.model_state_bytes)}"
+        )
+        if st.model_state_bytes > usable or acts is None:
+            steps.append(f"{head} {_against(st.model_state_bytes, usable)}")
+            if st.model_state_bytes > usable:
+                continue
+            return _Outcome(tuple(steps), _Choice(method, stage, st, "none", None, None))
+        fitting.append(stage)
+        total = st.model_state_bytes + acts.bytes
+        steps.append(f"{head} + {acts.text} = {format_bytes(total)} {_against(total, usable)}")
+        if total <= usable:
+            choice = _Choice(method, stage, st, "none", workload.per_device_batch, acts.bytes)
+            return _Outcome(tuple(steps), choice)
+    if fitting:
+        return _Outcome(tuple(steps), fitting=tuple(fitting))
+    steps.append(f"{method.label}: model states do not fit at any ZeRO stage")
+    # DDP shards nothing: its model states are the whole model's.
+    need = math.ceil(states[0].model_state_bytes / usable)
+    why_not = (
+        f"{method.label}: model states exceed {format_bytes(usable)} at every ZeRO stage "
+        f"(ZeRO-3: {format_bytes(states[3].model_state_bytes)}); model states alone need at "
+        f"least {need} such devices"
+    )
+    return _Outcome(tuple(steps), why_not=why_not)
+
+
+def _fit_checkpointed(request: _Request, method: _Method, states: tuple[ModelStateBytes, ...],
+                      fitting: tuple[int, ...]) -> _Outcome:
+    """Pass 4b: block checkpointing, then ever smaller micro-batches (accumulated back to the
+    same global batch), at the stages in ``fitting``; the first that fits wins.
+
+    Each micro-batch size adds one line: the first stage that fits, or else the most sharded
+    one's shortfall.
+    """
+    workload, usable = request.workload, request.usable
+    steps = []
+    for micro in _divisors_desc(workload.per_device_batch):
+        acts = _activations(workload, micro, "block")
+        stage = next((s for s in fitting if states[s].model_state_bytes + acts.bytes <= usable),
+                     fitting[-1])
+        total = states[stage].model_state_bytes + acts.bytes
+        steps.append(
+            f"{method.label}, {_STAGE_NAMES[stage]}: model states "
+            f"{format_bytes(states[stage].model_state_bytes)} + {acts.text} = "
+            f"{format_bytes(total)} {_against(total, usable)}"
+        )
+        if total <= usable:
+            choice = _Choice(method, stage, states[stage], "block", micro, acts.bytes)
+            return _Outcome(tuple(steps), choice)
+    why_not = (
+        f"{method.label}: activations do not fit even with checkpointing and micro-batch 1 "
+        "(shorten seq_len, use blockwise attention, or add tensor/sequence parallelism)"
+    )
+    return _Outcome(tuple(steps), why_not=why_not)
+
+
+def _try_method(request: _Request, method: _Method) -> _Outcome:
+    """Passes 3 and 4 for one method: its first configuration that fits, if any."""
+    states = _stage_states(request, method)
+    whole = _fit_whole_batch(request, method, states)
+    if whole.choice is not None or not whole.fitting:
+        return whole
+    smaller = _fit_checkpointed(request, method, states, whole.fitting)
+    return smaller._replace(steps=whole.steps + smaller.steps)
+
+
+def _preamble(request: _Request) -> tuple[str, ...]:
+    """Pass 5a: the explanation's first lines: usable memory, precision, batch."""
+    workload = request.workload
+    if workload is None:
+        batch = ("activations: not estimated (give layers, hidden, heads, seq_len and "
+                 "global_batch); planning on model states only")
+    else:
+        batch = (f"batch: global {workload.global_batch} / {request.devices} devices = "
+                 f"{workload.per_device_batch} sequences per device")
+    return (
+        f"usable memory: {format_bytes(request.device_memory)} x (1 - {_num(request.headroom)} "
+        f"headroom) = {format_bytes(request.usable)} per device",
+        f"precision: {_PRECISION} (16-bit params and grads, f32 master and {request.optimizer} "
+        "state)",
+        batch,
+    )
+
+
+def _accumulation(request: _Request, choice: _Choice) -> int | None:
+    """Micro-batches accumulated per step (None without a workload)."""
+    if choice.micro_batch is None:
+        return None
+    return request.workload.per_device_batch // choice.micro_batch
+
+
+def _conclusion(request: _Request, choice: _Choice) -> str:
+    """Pass 5b: the explanation's last line when ``choice`` fits."""
+    batch = ""
+    accum = _accumulation(request, choice)
+    if accum is not None:
+        batch = (
+            f", checkpointing={choice.checkpointing}, micro-batch {choice.micro_batch} x "
+            f"{accum} accumulation step{'s' if accum > 1 else ''}"
+        )
+    return (
+        f"-> plan: {choice.method.label}, mixed precision, {_STAGE_NAMES[choice.stage]}{batch}: "
+        f"{format_bytes(choice.total_bytes)} of {format_bytes(request.usable)} usable per device"
+    )
+
+
+def _result(request: _Request, steps: list[str], choice: _Choice | None) -> Plan:
+    """Pass 5c: the :class:`Plan` of ``choice``, or of no fit where ``choice`` is None."""
+    chosen = dict.fromkeys(("zero_stage", "lora_fraction", "checkpointing", "micro_batch",
+                            "grad_accum_steps", "states", "activation_bytes", "total_bytes"))
+    if choice is not None:
+        chosen = {
+            "zero_stage": choice.stage,
+            "lora_fraction": choice.method.lora_fraction,
+            "checkpointing": choice.checkpointing,
+            "micro_batch": choice.micro_batch,
+            "grad_accum_steps": _accumulation(request, choice),
+            "states": choice.states,
+            "activation_bytes": choice.activation_bytes,
+            "total_bytes": choice.total_bytes,
+        }
+    return Plan(
+        fits=choice is not None,
+        num_params=request.num_params,
+        devices=request.devices,
+        device_memory=request.device_memory,
+        usable_bytes=request.usable,
+        optimizer=request.optimizer,
+        precision=_PRECISION,
+        steps=tuple(steps),
+        **chosen,
+    )
+
+
 def plan(
     num_params: int | str,
     *,
     devices: int,
     device_memory: str,
-    layers: int | None = None,
-    hidden: int | None = None,
-    heads: int | None = None,
-    seq_len: int | None = None,
-    global_batch: int | None = None,
+    # Grouped as the docstring's Args group them.
+    layers: int | None = None, hidden: int | None = None, heads: int | None = None,
+    seq_len: int | None = None, global_batch: int | None = None,
     optimizer: str = "adam",
     allow_lora: bool = True,
     headroom: float = HEADROOM,
     lora_fraction: float = 0.01,
     dropout: bool = True,
     blockwise_attention: bool = False,
-    kv_heads: int | None = None,
-    head_dim: int | None = None,
-    ffn: int | None = None,
-    gated_mlp: bool = False,
-    vocab: int | None = None,
+    kv_heads: int | None = None, head_dim: int | None = None, ffn: int | None = None,
+    gated_mlp: bool = False, vocab: int | None = None,
 ) -> Plan:
     """Recommends the cheapest configuration whose model states (and activations) fit.
 
@@ -206,218 +532,24 @@ def plan(
       LoRA (0.01 adapters, bf16 frozen base), ZeRO-3/FSDP: model states
       (2 + 16 x 0.01)/8 B/param x 70e9 = 18.9 GB <= 72 GB usable
     """
-    count = parse_count(num_params, field="num_params")
-    if count < 1:
-        raise ConfigError("num_params", num_params, "must be >= 1")
-    num_params = count
-    devices = _check_int("devices", devices, 1)
-    memory = parse_bytes(device_memory, field="device_memory")
-    if memory < 1:
-        raise ConfigError("device_memory", device_memory, "must be positive, e.g. '80GB'")
-    device_memory = memory
-    optimizer = _check_choice("optimizer", optimizer, OPTIMIZERS)
-    if (isinstance(headroom, bool) or not isinstance(headroom, numbers.Real)
-            or not 0 <= headroom < 1):
-        raise ConfigError("headroom", headroom, "must be a fraction in [0, 1) of device_memory "
-                          "kept free, e.g. 0.1")
-    lora_fraction = _check_fraction(lora_fraction)
-    shape = {
-        "layers": layers,
-        "hidden": hidden,
-        "heads": heads,
-        "seq_len": seq_len,
-        "global_batch": global_batch,
-    }
-    given = [k for k, v in shape.items() if v is not None]
-    if given and len(given) < len(shape):
-        missing = [k for k in shape if k not in given]
-        raise ConfigError(
-            missing[0], None, f"required with {', '.join(given)}: activations need all of "
-            f"{', '.join(shape)} or none (missing: {', '.join(missing)})"
-        )
-    for name in given:
-        _check_int(name, shape[name], 1)
-    if given and global_batch % devices:
-        raise ConfigError(
-            "global_batch", global_batch, f"does not divide evenly over {devices} devices; use "
-            f"a multiple of {devices}"
-        )
-
-    usable = int(Decimal(device_memory) * (1 - Decimal(repr(float(headroom)))))
-    fmt_usable = format_bytes(usable)
-    steps = [
-        f"usable memory: {format_bytes(device_memory)} x (1 - {_num(headroom)} headroom) = "
-        f"{fmt_usable} per device",
-        f"precision: {_PRECISION} (16-bit params and grads, f32 master and {optimizer} state)",
-    ]
-    per_device_batch = global_batch // devices if given else None
-    if given:
-        steps.append(
-            f"batch: global {global_batch} / {devices} devices = {per_device_batch} sequences "
-            "per device"
-        )
-    else:
-        steps.append(
-            "activations: not estimated (give layers, hidden, heads, seq_len and global_batch); "
-            "planning on model states only"
-        )
-
-    def activations(micro: int, checkpointing: str) -> tuple[int, str]:
-        shape_args = {
-            "hidden": hidden,
-            "heads": heads,
-            "seq_len": seq_len,
-            "batch_size": micro,
-            "bytes_per_value": 2,
-            "dropout": dropout,
-            "blockwise_attention": blockwise_attention,
-            "kv_heads": kv_heads,
-            "head_dim": head_dim,
-            "ffn": ffn,
-            "gated_mlp": gated_mlp,
-        }
-        total = activation_bytes(layers=layers, checkpointing=checkpointing, vocab=vocab,
-                                 **shape_args)
-        per_layer = format_bytes(_layer_terms(**shape_args).total)
-        if checkpointing == "none":
-            how = f"{layers} layers x {per_layer}, no checkpointing"
-        else:
-            block_input = format_bytes(2 * seq_len * micro * hidden)
-            how = (
-                f"checkpointing: {layers} x {block_input} block inputs + "
-                f"{per_layer} for the block being recomputed"
-            )
-        if vocab is not None:
-            how += f" + {format_bytes(4 * seq_len * micro * vocab)} f32 logits"
-        text = f"activations {format_bytes(total)} ({how}, micro-batch {micro})"
-        return total, text
-
-    methods: list[tuple[str, float | None]] = [("full fine-tuning", None)]
-    if allow_lora:
-        methods.append((f"LoRA ({_num(lora_fraction)} adapters, bf16 frozen base)", lora_fraction))
-
-    def result(label, fraction, stage, states, checkpointing, micro, acts):
-        total = states.model_state_bytes + (acts or 0)
-        batch = ""
-        if micro is not None:
-            accum = per_device_batch // micro
-            batch = (
-                f", checkpointing={checkpointing}, micro-batch {micro} x {accum} accumulation "
-                f"step{'s' if accum > 1 else ''}"
-            )
-        steps.append(
-            f"-> plan: {label}, mixed precision, {_STAGE_NAMES[stage]}{batch}: "
-            f"{format_bytes(total)} of {fmt_usable} usable per device"
-        )
-        return Plan(
-            fits=True,
-            num_params=num_params,
-            devices=devices,
-            device_memory=device_memory,
-            usable_bytes=usable,
-            optimizer=optimizer,
-            precision=_PRECISION,
-            zero_stage=stage,
-            lora_fraction=fraction,
-            checkpointing=checkpointing,
-            micro_batch=micro,
-            grad_accum_steps=None if micro is None else per_device_batch // micro,
-            states=states,
-            activation_bytes=acts,
-            total_bytes=total,
-            steps=tuple(steps),
-        )
-
-    why_not = []
-    for label, fraction in methods:
-        states = {
-            stage: model_states(
-                num_params,
-                optimizer=optimizer,
-                precision=_PRECISION,
-                zero_stage=stage,
-                devices=devices,
-                lora_fraction=fraction,
-            )
-            for stage in range(4)
-        }
-        # 1. ZeRO stages, no checkpointing, the whole per-device batch at once.
-        fitting = []
-        for stage in range(4):
-            st = states[stage]
-            head = (
-                f"{label}, {_STAGE_NAMES[stage]}: model states "
-                f"{_state_formula(optimizer, stage, devices, fraction, 'bf16')} B/param x "
-                f"{_fmt_count(num_params)} = {format_bytes(st.model_state_bytes)}"
-            )
-            if st.model_state_bytes > usable:
-                steps.append(f"{head} > {fmt_usable} usable")
-                continue
-            fitting.append(stage)
-            if not given:
-                steps.append(f"{head} <= {fmt_usable} usable")
-                return result(label, fraction, stage, st, "none", None, None)
-            acts, acts_text = activations(per_device_batch, "none")
-            total = st.model_state_bytes + acts
-            fits = total <= usable
-            steps.append(
-                f"{head} + {acts_text} = {format_bytes(total)} "
-                f"{'<=' if fits else '>'} {fmt_usable} usable"
-            )
-            if fits:
-                return result(label, fraction, stage, st, "none", per_device_batch, acts)
-        if not fitting:
-            smallest = states[3].model_state_bytes
-            unsharded = model_states(
-                num_params, optimizer=optimizer, precision=_PRECISION, lora_fraction=fraction
-            ).model_state_bytes
-            need = math.ceil(unsharded / usable)
-            why_not.append(
-                f"{label}: model states exceed {fmt_usable} at every ZeRO stage (ZeRO-3: "
-                f"{format_bytes(smallest)}); model states alone need at least {need} such devices"
-            )
-            steps.append(f"{label}: model states do not fit at any ZeRO stage")
-            continue
-        # 2. Activation checkpointing, then 3. smaller micro-batches with accumulation.
-        for micro in _divisors_desc(per_device_batch):
-            acts, acts_text = activations(micro, "block")
-            for stage in fitting:
-                total = states[stage].model_state_bytes + acts
-                if total <= usable:
-                    steps.append(
-                        f"{label}, {_STAGE_NAMES[stage]}: model states "
-                        f"{format_bytes(states[stage].model_state_bytes)} + {acts_text} = "
-                        f"{format_bytes(total)} <= {fmt_usable} usable"
-                    )
-                    return result(label, fraction, stage, states[stage], "block", micro, acts)
-            best = fitting[-1]
-            steps.append(
-                f"{label}, {_STAGE_NAMES[best]}: model states "
-                f"{format_bytes(states[best].model_state_bytes)} + {acts_text} = "
-                f"{format_bytes(states[best].model_state_bytes + acts)} > {fmt_usable} usable"
-            )
-        why_not.append(
-            f"{label}: activations do not fit even with checkpointing and micro-batch 1 "
-            "(shorten seq_len, use blockwise attention, or add tensor/sequence parallelism)"
-        )
-    if not allow_lora:
+    request = _check_request(
+        num_params, devices=devices, device_memory=device_memory, optimizer=optimizer,
+        headroom=headroom, allow_lora=allow_lora, lora_fraction=lora_fraction,
+        shape={"layers": layers, "hidden": hidden, "heads": heads, "seq_len": seq_len,
+               "global_batch": global_batch},
+        layer_options={"dropout": dropout, "blockwise_attention": blockwise_attention,
+                       "kv_heads": kv_heads, "head_dim": head_dim, "ffn": ffn,
+                       "gated_mlp": gated_mlp},
+        vocab=vocab,
+    )
+    steps, why_not = list(_preamble(request)), []
+    for method in _methods(request):
+        outcome = _try_method(request, method)
+        steps += outcome.steps
+        if outcome.choice is not None:
+            return _result(request, [*steps, _conclusion(request, outcome.choice)], outcome.choice)
+        why_not.append(outcome.why_not)
+    if request.lora_fraction is None:
         why_not.append("LoRA not tried (allow_lora=False)")
     steps.append("-> does not fit: " + "; ".join(why_not))
-    return Plan(
-        fits=False,
-        num_params=num_params,
-        devices=devices,
-        device_memory=device_memory,
-        usable_bytes=usable,
-        optimizer=optimizer,
-        precision=_PRECISION,
-        zero_stage=None,
-        lora_fraction=None,
-        checkpointing=None,
-        micro_batch=None,
-        grad_accum_steps=None,
-        states=None,
-        activation_bytes=None,
-        total_bytes=None,
-        steps=tuple(steps),
-    )
+    return _result(request, steps, None)

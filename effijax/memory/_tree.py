@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from effijax.errors import ConfigError
-from effijax.memory._estimate import ModelStateBytes, _check_int
+from effijax.errors import ConfigError, whole_number
+from effijax.memory._estimate import ModelStateBytes
 from effijax.paths import path_of
 
 __all__ = ["estimate_tree"]
@@ -124,9 +124,9 @@ def estimate_tree(
       >>> est.params_bytes, est.grads_bytes, est.optimizer_bytes - 8 * 2**20
       (4194304, 4194304, 4)
     """
-    zero_stage = _check_int("zero_stage", zero_stage, 0, 3)
-    devices = _check_int("devices", devices, 1)
-    min_shard_size = _check_int("min_shard_size", min_shard_size, 0)
+    zero_stage = whole_number("zero_stage", zero_stage, minimum=0, maximum=3)
+    devices = whole_number("devices", devices, maximum=None)
+    min_shard_size = whole_number("min_shard_size", min_shard_size, minimum=0, maximum=None)
     param_dtype = _to_dtype(param_dtype, "param_dtype")
     compute_dtype = _to_dtype(compute_dtype, "compute_dtype")
 
