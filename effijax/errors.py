@@ -98,9 +98,11 @@ def whole_number(field: str, value, *, minimum: int = 1, maximum: int | None = I
     if value is None and none:
         return None
     whole = isinstance(value, numbers.Integral) and not isinstance(value, bool)
-    if not whole or value < minimum:
-        raise ConfigError(field, value, f"must be an integer >= {minimum:,}" +
+    in_range = whole and minimum <= value and (maximum is None or value <= maximum)
+    if not in_range:
+        # The int32 ceiling is said only to a value above it; a real range is always said.
+        wide = maximum is None or (maximum == INT32_MAX and not (whole and value > maximum))
+        bound = f">= {minimum:,}" if wide else f"from {minimum:,} to {maximum:,}"
+        raise ConfigError(field, value, f"must be an integer {bound}" +
                           (" (or None)" if none else ""))
-    if maximum is not None and value > maximum:
-        raise ConfigError(field, value, f"must be an integer from {minimum:,} to {maximum:,}")
     return int(value)

@@ -230,10 +230,10 @@ def test_model_state_bytes_is_frozen_and_total():
         ({"optimizer": ["adam"]}, r"optimizer=\['adam'\]: unknown optimizer"),
         ({"precision": "fp8"}, r"precision='fp8': unknown precision; accepted: fp32, bf16, fp16, "
          r"pure_bf16 \(aliases: mixed, "),
-        ({"zero_stage": 4}, r"zero_stage=4: must be a whole number from 0 to 3"),
-        ({"zero_stage": -1}, r"zero_stage=-1: must be a whole number from 0 to 3"),
-        ({"devices": 0}, r"devices=0: must be a whole number >= 1"),
-        ({"devices": 2.0}, r"devices=2\.0: must be a whole number"),
+        ({"zero_stage": 4}, r"zero_stage=4: must be an integer from 0 to 3"),
+        ({"zero_stage": -1}, r"zero_stage=-1: must be an integer from 0 to 3"),
+        ({"devices": 0}, r"devices=0: must be an integer >= 1"),
+        ({"devices": 2.0}, r"devices=2\.0: must be an integer"),
         ({"lora_fraction": 0.0}, r"lora_fraction=0\.0: must be a number in \(0, 1\]"),
         ({"lora_fraction": 1.5}, r"lora_fraction=1\.5: must be a number in \(0, 1\]"),
         ({"lora_fraction": 0.1, "frozen_dtype": "int3"}, r"frozen_dtype='int3': unknown "
@@ -454,10 +454,10 @@ def test_activations_scale_linearly_in_batch_and_layers():
     [
         ({"checkpointing": "selective"}, r"checkpointing='selective': unknown checkpointing; "
          "accepted: none, block"),
-        ({"layers": 0}, "layers=0: must be a whole number >= 1"),
-        ({"heads": -2}, "heads=-2: must be a whole number >= 1"),
-        ({"seq_len": 2.5}, r"seq_len=2\.5: must be a whole number"),
-        ({"bytes_per_value": 0}, "bytes_per_value=0: must be a whole number >= 1"),
+        ({"layers": 0}, "layers=0: must be an integer >= 1"),
+        ({"heads": -2}, "heads=-2: must be an integer >= 1"),
+        ({"seq_len": 2.5}, r"seq_len=2\.5: must be an integer"),
+        ({"bytes_per_value": 0}, "bytes_per_value=0: must be an integer >= 1"),
     ],
 )
 def test_activation_validation(kwargs, match):
@@ -610,8 +610,8 @@ def test_estimate_tree_lora_mask_matches_closed_form():
         ({"trainable": {"emb": True, "w1": 1, "w2": True}}, r"trainable='w1': leaf is 1; "
          "expected True"),
         ({"param_dtype": "float99"}, "param_dtype='float99': not a dtype"),
-        ({"zero_stage": 5}, r"zero_stage=5: must be a whole number from 0 to 3"),
-        ({"devices": 0}, "devices=0: must be a whole number >= 1"),
+        ({"zero_stage": 5}, r"zero_stage=5: must be an integer from 0 to 3"),
+        ({"devices": 0}, "devices=0: must be an integer >= 1"),
     ],
 )
 def test_estimate_tree_validation(kwargs, match):

@@ -136,7 +136,7 @@ def test_plan_is_immutable():
          "evenly over 8 devices; use a multiple of 8"),
         ({"headroom": 1.0}, r"headroom=1\.0: must be a fraction in \[0, 1\)"),
         ({"optimizer": "adafactor"}, "optimizer='adafactor': unknown optimizer; accepted"),
-        ({"devices": 0}, "devices=0: must be a whole number >= 1"),
+        ({"devices": 0}, "devices=0: must be an integer >= 1"),
         ({"device_memory": "80 gigs"}, "device_memory='80 gigs': unknown unit 'gigs'"),
         ({"device_memory": "0GB"}, "device_memory='0GB': must be positive"),
         ({"lora_fraction": 2}, r"lora_fraction=2: must be a number in \(0, 1\]"),
@@ -185,7 +185,7 @@ def test_check_request_checks_the_layer_options_before_any_estimate():
     shape = {**LLAMA_7B, "seq_len": 2048, "global_batch": 64}
     with pytest.raises(ConfigError, match=r"^kv_heads=5: must divide heads=32"):
         _request("405B", shape=shape, allow_lora=False, kv_heads=5)
-    with pytest.raises(ConfigError, match=r"^vocab=0: must be a whole number >= 1"):
+    with pytest.raises(ConfigError, match=r"^vocab=0: must be an integer >= 1"):
         plan("7B", devices=8, device_memory="80GB", **shape, vocab=0)
 
 

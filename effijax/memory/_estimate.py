@@ -386,7 +386,7 @@ def model_states(
       1.89
       >>> model_states("7B", zero_stage=4)
       Traceback (most recent call last):
-      effijax.errors.ConfigError: zero_stage=4: must be a whole number from 0 to 3
+      effijax.errors.ConfigError: zero_stage=4: must be an integer from 0 to 3
     """
     num_params = _check_num_params(num_params)
     optimizer = _check_choice("optimizer", optimizer, OPTIMIZERS)
