@@ -40,7 +40,7 @@ GOAL = 8.0
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--seq-lens", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=2)

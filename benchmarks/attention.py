@@ -63,7 +63,7 @@ def _op_variant(fn, shape, dtype):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--models", default="mini,small")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--precision", default="fp32", help="policy preset (fp32, bf16, ...)")

@@ -145,7 +145,7 @@ def bench_loop(steps: int, every: int, batch_size: int, rounds: int, root: Path)
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--models", nargs="+", default=["mini", "base"])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--loop-steps", type=int, default=20)

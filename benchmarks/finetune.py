@@ -5,7 +5,7 @@ is loaded once by each framework from the same file; every variant trains it on 
 (``--batch-size`` x ``--seq-len`` tokens of the Python standard library's source through the
 model's tokenizer), with the same optimizer (AdamW, lr 1e-4, weight decay 0.01) in f32:
 
-* ``effijax LoRA``: the step ``effijax train --init-from smollm2 --lora-rank R`` runs
+* ``effijax LoRA``: the step ``effijax train --from smollm2 --lora-rank R`` runs
   (``effijax.recipe.plan_job`` with a :class:`~effijax.lora.LoraSpec` of rank R, alpha 2R, on
   the seven projections ``q/k/v/o/gate/up/down_proj``; the frozen base in f32);
 * ``effijax full``: the same job without LoRA (every parameter trained);
@@ -197,7 +197,7 @@ def _estimate(model, batch_size: int, seq_len: int, rank: int | None) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--batch-size", type=int, default=4, help="sequences per step")
     ap.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
     ap.add_argument("--rank", type=int, default=8, help="LoRA rank (alpha = 2 x rank)")

@@ -83,7 +83,7 @@ def _gguf() -> pathlib.Path:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     add_write_flag(ap)
     args = ap.parse_args(argv)
     gguf = _gguf()

@@ -173,7 +173,7 @@ def measure_point(model, config: str, min_shard_size: int) -> dict:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--groups", nargs="+", default=list(GROUPS), choices=list(GROUPS))
     add_write_flag(ap)
     args = ap.parse_args(argv)

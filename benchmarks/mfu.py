@@ -333,7 +333,7 @@ def profile(model: str = "mini", precision: str = "fp32", batch_size: int = 16,
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--models", default="tiny,mini,small", help="GPT presets, comma-separated")
     ap.add_argument("--base", action="store_true", help="add the base preset (~100M parameters)")
     ap.add_argument("--precisions", default="fp32,bf16", help="policy presets, comma-separated")

@@ -73,7 +73,7 @@ def collective_bytes(census, n_layers: int) -> dict[tuple[str, str], float]:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps-per-round", type=int, default=4)
     ap.add_argument("--batch-size", type=int, default=8)

@@ -14,7 +14,7 @@ questions (records the training never saw) greedily with the KV cache:
 
 Run: ``python experiments/finetune.py [--preset smoke|default] [--out DIR]``. Writes
 ``results.json`` and ``finetune.png`` to ``--out``. The default preset takes about 20 minutes
-on 2 CPU cores; ``smoke`` (CI) takes ``--init-from`` any small Llama-family GGUF.
+on 2 CPU cores; ``smoke`` (CI) takes ``--from`` any small Llama-family GGUF.
 """
 
 from __future__ import annotations
@@ -166,11 +166,12 @@ def _plot(results: dict, path: Path) -> None:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--preset", choices=PRESETS, default="default",
                     help="default (about 20 min on 2 cores) or smoke (CI)")
     ap.add_argument("--out", help="output directory (default: the preset's)")
-    ap.add_argument("--init-from", help="the pretrained model (default: smollm2)")
+    ap.add_argument("--from", dest="init_from", help="the pretrained model, as effijax train "
+                    "--from takes it (default: smollm2)")
     args = ap.parse_args()
     cfg = PRESETS[args.preset]
     overrides = {k: v for k, v in (("out", args.out), ("init_from", args.init_from)) if v}

@@ -198,7 +198,7 @@ def main(cfg: Config) -> dict:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--preset", default="default", choices=sorted(PRESETS))
     ap.add_argument("--out", default=None)
     a = ap.parse_args()

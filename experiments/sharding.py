@@ -190,7 +190,7 @@ def _plot(path: Path, cfg: Config, rows: list[dict]) -> None:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--preset", default="default", choices=sorted(PRESETS))
     ap.add_argument("--out", default=None)
     ap.add_argument("--cpu-devices", type=int, default=8,

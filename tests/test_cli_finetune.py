@@ -1,4 +1,4 @@
-"""`effijax train --init-from RUN_DIR [--lora-rank R ...]`: fine-tuning an earlier run's model.
+"""`effijax train --from RUN_DIR [--lora-rank R ...]`: fine-tuning an earlier run's model.
 
 One tiny pretraining run (corpus A) is shared; the fine-tunes train on corpus B from it, with
 relative paths (orbax wants absolute ones: the library resolves them).
@@ -48,7 +48,7 @@ def lora_run(tmp_path_factory, pretrained, corpora):
     root = tmp_path_factory.mktemp("ft")
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(root)  # a relative --out
-        assert main(["train", "--init-from", str(pretrained), "--lora-rank", str(RANK),
+        assert main(["train", "--from", str(pretrained), "--lora-rank", str(RANK),
                      "--lora-alpha", "16", "--steps", "12", "--lr", "1e-2", "--data", corpora[1],
                      "--out", "lora", "--checkpoint-every", "6", *TINY]) == 0
     return root / "lora"
@@ -83,10 +83,16 @@ def test_lora_run_trains_only_the_adapters_of_the_pretrained_model(lora_run, pre
     assert json.loads((lora_run / "peft" / "adapter_config.json").read_text())["r"] == RANK
 
 
-def test_full_fine_tune_starts_from_the_same_model(tmp_path, lora_run, pretrained, corpora):
+def test_full_fine_tune_starts_from_the_same_model(tmp_path, lora_run, pretrained, corpora,
+                                                  capsys):
     out = tmp_path / "full"
+    # The spelling of the release before: it still works, noted once.
     assert main(["train", "--init-from", str(pretrained), "--steps", "6", "--lr", "1e-3",
                  "--data", corpora[1], "--out", str(out), "--no-checkpoints", *TINY]) == 0
+    assert capsys.readouterr().err.count("effijax train: note: --init-from is deprecated; use "
+                                         "--from\n") == 1
+    config, _ = _read(out)
+    assert config["init_from"] == str(pretrained)
     _, full = _read(out)
     _, low_rank = _read(lora_run)
     # Both evaluate the pretrained parameters on corpus B before training (b = 0: LoRA adds an
@@ -96,7 +102,7 @@ def test_full_fine_tune_starts_from_the_same_model(tmp_path, lora_run, pretraine
 
 
 def test_lora_run_resumes_and_checks_its_base(tmp_path, lora_run, pretrained, corpora, capsys):
-    args = ["train", "--init-from", str(pretrained), "--lora-rank", str(RANK), "--lora-alpha",
+    args = ["train", "--from", str(pretrained), "--lora-rank", str(RANK), "--lora-alpha",
             "16", "--lr", "1e-2", "--data", corpora[1], "--checkpoint-every", "6", *TINY]
     # More steps on the same --out: resumes from the LoRA run's step 12.
     assert main([*args, "--steps", "18", "--out", str(lora_run), "--allow-changes",
@@ -110,7 +116,7 @@ def test_lora_run_resumes_and_checks_its_base(tmp_path, lora_run, pretrained, co
     assert main(["train", "--model", "tiny", "--seq-len", "32", "--steps", "2", "--data",
                  corpora[0], "--out", str(other), "--checkpoint-every", "2", *TINY]) == 0
     capsys.readouterr()
-    assert main([*args, "--steps", "24", "--init-from", str(other), "--out",
+    assert main([*args, "--steps", "24", "--from", str(other), "--out",
                  str(lora_run)]) == 2
     assert "continues a run that started from" in capsys.readouterr().err
 
@@ -132,7 +138,7 @@ def test_lora_run_resumes_and_checks_its_base(tmp_path, lora_run, pretrained, co
 )
 def test_bad_fine_tune_flags_are_clear_errors(tmp_path, pretrained, corpora, capsys, flags,
                                               message):
-    assert main(["train", "--init-from", str(pretrained), "--data", corpora[1], "--out",
+    assert main(["train", "--from", str(pretrained), "--data", corpora[1], "--out",
                  str(tmp_path / "x"), *TINY, *flags]) == 2
     err = capsys.readouterr().err
     assert message in err, err
@@ -145,7 +151,29 @@ def test_bad_init_from_runs_are_clear_errors(tmp_path, lora_run, pretrained, cap
         (tmp_path, "has no config.json"),
     ]
     for run_dir, message in cases:
-        assert main(["train", "--init-from", str(run_dir), "--out", str(tmp_path / "y")]) == 2
-        assert message in capsys.readouterr().err, run_dir
-    assert main(["train", "--init-from", str(pretrained), "--out", str(pretrained)]) == 2
+        assert main(["train", "--from", str(run_dir), "--out", str(tmp_path / "y")]) == 2
+        err = capsys.readouterr().err
+        assert f"effijax train: error: --from='{run_dir}': " in err and message in err, err
+    assert main(["train", "--from", str(pretrained), "--out", str(pretrained)]) == 2
     assert "is the init_from run itself" in capsys.readouterr().err
+
+
+def test_eval_and_generate_take_the_run_with_from_or_the_old_spellings(pretrained, corpora,
+                                                                       capsys):
+    evaluate = [corpora[1], "--seq-len", "32", "--max-batches", "2", "--json"]
+    assert main(["eval", "--from", str(pretrained), *evaluate]) == 0
+    new = capsys.readouterr()
+    assert main(["eval", str(pretrained), *evaluate]) == 0  # eval MODEL DATA, the old spelling
+    old = capsys.readouterr()
+    assert json.loads(old.out) == json.loads(new.out)
+    assert new.err == ""
+    assert old.err == "effijax eval: note: MODEL before DATA is deprecated; use --from MODEL\n"
+    generate = ["--prompt", "def", "--max-new-tokens", "4"]
+    assert main(["generate", "--from", str(pretrained), *generate]) == 0
+    new = capsys.readouterr()
+    assert main(["generate", "--model-from", str(pretrained), *generate]) == 0
+    old = capsys.readouterr()
+    assert old.out == new.out
+    notes = [line for line in old.err.splitlines() if ": note: " in line]
+    assert notes == ["effijax generate: note: --model-from is deprecated; use --from"]
+    assert ": note: " not in new.err

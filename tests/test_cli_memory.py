@@ -1,19 +1,16 @@
-"""``effijax memory`` and ``effijax plan`` through a parser built in-process with add_parsers."""
+"""``effijax memory`` and ``effijax plan`` through the program's parser, built in-process."""
 
-import argparse
 import doctest
 import json
 
 import pytest
 
-from effijax.cli import _memory
+from effijax.cli import _memory, build_parser
 
 
 def run(argv):
     """Parses ``argv`` like the ``effijax`` program does and calls the handler."""
-    parser = argparse.ArgumentParser(prog="effijax")
-    _memory.add_parsers(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     return args.func(args)
 
 
@@ -94,7 +91,10 @@ def test_plan_that_does_not_fit_exits_1(capsys):
         (["memory", "--params=-7B"], ["argument --params: '-7B': must be non-negative"]),
         (["memory", "--params", "7B", "--optimizer", "adagrad"], ["invalid choice", "lion"]),
         (["memory", "--params", "7B", "--zero", "4"], ["argument --zero", "invalid choice"]),
-        (["memory", "--params", "7B", "--devices", "0"], ["argument --devices", "positive"]),
+        (["memory", "--params", "7B", "--devices", "0"],
+         ["argument --devices: '0': must be a whole number from 1"]),
+        (["memory", "--params", "7B", "--devices", "two"],
+         ["argument --devices: invalid int value: 'two'"]),
         (["memory", "--params", "7B", "--lora-fraction", "2"], ["--lora-fraction", "(0, 1]"]),
         (
             ["plan", "--params", "7B", "--devices", "8", "--device-memory", "80 gigs"],
@@ -200,7 +200,7 @@ def test_memory_of_a_hugging_face_config_counts_the_loaded_tree(tmp_path, capsys
     _, params = load(tmp_path)
     loaded = sum(x.size for x in jax.tree.leaves(params))
     for where in (tmp_path, tmp_path / "config.json"):
-        out = run_json(["memory", "--model", str(where), "--precision", "fp32"], capsys)
+        out = run_json(["memory", "--from", str(where), "--precision", "fp32"], capsys)
         assert out["params_bytes"] == 4 * loaded
 
 
@@ -221,7 +221,10 @@ def test_plan_of_a_real_model_counts_its_logits(capsys):
 @pytest.mark.parametrize("argv, expected", [
     (["memory", "--model", "nope"], "--model='nope': not a preset"),
     (["memory", "--model", "llama-2-7b", "--layers", "3"], "--layers=3: the --model gives"),
-    (["memory", "--params", "7B", "--lora-rank", "8"], "--lora-rank=8: needs --model"),
+    (["memory", "--params", "7B", "--lora-rank", "8"], "--lora-rank=8: needs --model or --from"),
+    (["plan", "--from", "/no/such/run", "--devices", "8", "--device-memory", "80GB"],
+     "effijax plan: error: --from='/no/such/run': no such run directory"),
+    (["memory", "--from", "tiny"], "--from='tiny': is a preset; give --model tiny"),
 ])
 def test_bad_model_flags_exit_2(argv, expected, capsys):
     assert run(argv) == 2
@@ -241,10 +244,33 @@ def test_memory_of_the_bundled_model_matches_its_gguf_tensors(capsys):
 
     reader = gguf.GGUFReader(bundled_path("smollm2"))
     in_file = sum(int(t.n_elements) for t in reader.tensors)
-    out = run_json(["memory", "--model", "smollm2", "--precision", "fp32"], capsys)
+    out = run_json(["memory", "--from", "smollm2", "--precision", "fp32"], capsys)
     assert out["params_bytes"] == 4 * in_file == 4 * 134_515_008
+    # --model smollm2, the spelling of the release before, is the same with a note.
+    assert run_json(["memory", "--model", "smollm2", "--precision", "fp32"], capsys) == out
 
 
 def test_docstring_examples():
     result = doctest.testmod(_memory)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_from_takes_a_run_directory_and_the_old_model_path_spelling_still_works(tmp_path,
+                                                                              capsys):
+    """``--from`` reads a run's model from its config.json; ``--model PATH`` (the spelling of
+    the release before) means the same, with one note."""
+    from effijax.models import preset
+
+    model = preset("llama-tiny")
+    (tmp_path / "config.json").write_text(json.dumps({"run": {"model_config": model.to_dict()}}))
+    new = run_json(["plan", "--from", str(tmp_path), "--devices", "2", "--device-memory",
+                    "1GB"], capsys)
+    assert new["fits"] and capsys.readouterr().err == ""
+    assert run(["plan", "--model", str(tmp_path), "--devices", "2", "--device-memory", "1GB",
+                "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out) == new
+    assert captured.err == ("effijax plan: note: --model with a file, a directory or smollm2 is "
+                            "deprecated; use --from (--model names a preset)\n")
+    assert run_json(["memory", "--from", str(tmp_path)], capsys)["params_bytes"] == \
+        2 * model.num_params

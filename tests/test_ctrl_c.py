@@ -230,8 +230,8 @@ def test_after_the_first_line(env, finished, spawn):
 @pytest.mark.slow
 @pytest.mark.parametrize("command", ["eval", "generate"])
 def test_other_commands_say_one_line(env, finished, spawn, command):
-    argv = {"eval": ["eval", str(finished), env["corpus"], "--seq-len", "32"],
-            "generate": ["generate", "--model-from", str(finished), "--prompt", "def"]}[command]
+    argv = {"eval": ["eval", "--from", str(finished), env["corpus"], "--seq-len", "32"],
+            "generate": ["generate", "--from", str(finished), "--prompt", "def"]}[command]
     proc = spawn(argv)
     proc.wait_until(lambda: proc.maps(JAXLIB))
     _assert_one_line(*proc.interrupt(), f"effijax {command}: interrupted")

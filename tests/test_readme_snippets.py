@@ -133,7 +133,7 @@ def test_the_readme_shows_memory_and_plan_runs():
 
 @pytest.mark.parametrize(("program", "argv", "lines"), _SHOWN,
                          ids=[f"{argv[0]}-{argv[argv.index(f) + 1]}" for _, argv, _ in _SHOWN
-                              for f in ("--model", "--params") if f in argv])
+                              for f in ("--model", "--from", "--params") if f in argv])
 def test_memory_and_plan_print_what_the_readme_shows(program, argv, lines):
     if _needs(argv):
         pytest.skip(_needs(argv))

@@ -152,7 +152,7 @@ def test_init_from_a_run_with_a_damaged_newest_step_starts_from_the_previous(
     assert main(["train", "--init-from", str(source), "--steps", "2", "--data", corpus,
                  "--out", str(tmp_path / "never"), *TINY[4:]]) == 2
     err = capsys.readouterr().err
-    assert "--init-from=" in err and "no checkpoint step restores (step 6:" in err, err
+    assert "--from=" in err and "no checkpoint step restores (step 6:" in err, err
 
 
 @pytest.mark.slow  # a shared 6-step run, and a resume of a copy

@@ -1,115 +1,21 @@
 """The ``effijax`` command line: ``effijax train``, ``effijax memory``, ``effijax plan``,
 ``effijax eval``, ``effijax data``, ``effijax generate``.
 
-Each subcommand lives in its own module, parses its flags, validates them before anything is
-compiled, and calls library functions. ``python -m effijax`` is the same program.
+Each subcommand lives in its own module (``_train``, ``_memory``, ``_eval``, ``_data``,
+``_generate``), parses its flags, validates them before anything is compiled, and calls library
+functions; ``_main`` builds the parser and runs the program. ``--from SOURCE`` names the model a
+command starts from in every command (``_from``). ``python -m effijax`` is the same program.
+
+Example:
+  >>> from effijax.cli import build_parser
+  >>> build_parser().parse_args(["generate", "--from", "smollm2", "--prompt", "Hi"]).init_from
+  'smollm2'
 """
 
-from __future__ import annotations
+from effijax._lazy import attach
 
-import argparse
-import sys
-
-from effijax.cli import _interrupt
-
-__all__ = ["main", "build_parser"]
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The top-level parser with every subcommand registered.
-
-    Example:
-      >>> build_parser().parse_args(["train", "--steps", "5"]).steps
-      5
-    """
-    from effijax.cli import _data, _eval, _generate, _memory, _train
-
-    parser = _Parser(
-        prog="effijax",
-        description="Efficient training in plain functional JAX: mixed precision, sharding, "
-        "LoRA, memory accounting.",
-    )
-    from importlib import metadata
-
-    try:
-        version = metadata.version("effijax")
-    except metadata.PackageNotFoundError:  # a source tree that was not installed
-        version = "unknown (not installed)"
-    parser.add_argument("--version", action="version", version=f"effijax {version}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    _train.add_parsers(sub)
-    _memory.add_parsers(sub)
-    _eval.add_parsers(sub)
-    _data.add_parsers(sub)
-    _generate.add_parsers(sub)
-    return parser
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse without prefix matching: ``--data`` never silently becomes
-    ``--data-format``, and a misspelt flag is an error (subcommand parsers inherit this)."""
-
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("allow_abbrev", False)
-        super().__init__(*args, **kwargs)
-
-    def error(self, message: str):
-        """One line (and where the flags are listed), not the whole usage: ``train``'s usage
-        is two dozen lines that would bury the error."""
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def _subcommand_parser(parser: argparse.ArgumentParser, argv: list[str]):
-    """The deepest subcommand parser that ``argv`` names (``effijax data make-example``)."""
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for word in argv:
-                if word in action.choices:
-                    return _subcommand_parser(action.choices[word], argv[argv.index(word) + 1:])
-    return parser
-
-
-def _unknown_flags_error(parser: argparse.ArgumentParser, argv: list[str], extras: list[str]):
-    """Exits 2 naming the unknown arguments, with the closest flag of the command for each
-    flag-like one (``--stpes`` -> ``--steps``)."""
-    import difflib
-
-    command = _subcommand_parser(parser, argv)
-    known = [o for a in command._actions for o in a.option_strings if o.startswith("--")]
-    hints = []
-    for word in extras:
-        flag = word.split("=", 1)[0]
-        if flag.startswith("--"):
-            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
-            if close:
-                hints.append((flag, close[0]))
-    if len(hints) == 1:
-        hint = f"; did you mean {hints[0][1]}?"
-    else:
-        hint = "".join(f"; {flag}: did you mean {close}?" for flag, close in hints)
-    command.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``effijax`` console script; returns the exit code.
-
-    Called without ``argv``, as the program (the console script, ``python -m effijax``), it
-    owns the process: from its first line on, Ctrl-C prints one line (``effijax COMMAND:
-    interrupted``; ``effijax train`` says what its run directory holds) and exits 130 at once,
-    instead of a traceback (and, with XLA's threads at work, a segmentation fault). Called
-    with ``argv`` (a test, a notebook), Ctrl-C stays Python's ``KeyboardInterrupt``.
-    """
-    if argv is None:
-        argv = sys.argv[1:]
-        _interrupt.install(argv[0] if argv and not argv[0].startswith("-") else None)
-    parser = build_parser()
-    argv = list(argv)
-    args, extras = parser.parse_known_args(argv)
-    if extras:
-        _unknown_flags_error(parser, argv, extras)
-    args.argv = argv  # what to tell a user to run again (e.g. to resume)
-    return int(args.func(args) or 0)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+# Building the parser imports every subcommand's module; the console script's `main` is served
+# from `_main` on first use (PEP 562), so `import effijax.cli` itself costs nothing.
+__getattr__, __dir__, __all__ = attach(__name__, {
+    "effijax.cli._main": ("main", "build_parser"),
+})

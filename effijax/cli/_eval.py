@@ -1,6 +1,6 @@
-"""``effijax eval MODEL DATA``: loss and perplexity of a model on a text or chat JSONL file.
+"""``effijax eval --from MODEL DATA``: loss and perplexity of a model on a text or chat JSONL file.
 
-``MODEL`` is ``smollm2``, a GGUF file, a Hugging Face directory or a run directory (a LoRA run
+``--from`` is ``smollm2``, a GGUF file, a Hugging Face directory or a run directory (a LoRA run
 evaluates its base with its adapters); ``DATA`` a text file or folder, or a ``.jsonl`` file of
 ``{"messages": [...]}`` or ``{"prompt": ..., "response": ...}`` records, scored on the
 assistant's tokens as training does (:func:`effijax.recipe.evaluate_model`).
@@ -12,7 +12,8 @@ import argparse
 import json
 import sys
 
-from effijax.errors import ConfigError
+from effijax.cli import _from
+from effijax.errors import ConfigError, whole_number
 
 __all__ = ["add_parsers", "run"]
 
@@ -22,16 +23,16 @@ def add_parsers(sub) -> None:
 
     Example:
       >>> from effijax.cli import build_parser
-      >>> args = build_parser().parse_args(["eval", "smollm2", "qa.jsonl", "--seq-len", "256"])
-      >>> args.model, args.data, args.seq_len, args.batch_size
+      >>> args = build_parser().parse_args(["eval", "--from", "smollm2", "qa.jsonl",
+      ...                                   "--seq-len", "256"])
+      >>> args.init_from, args.data, args.seq_len, args.batch_size
       ('smollm2', 'qa.jsonl', 256, 8)
     """
     p = sub.add_parser("eval", help="loss and perplexity of a model on a file", description=(
         "Loss and perplexity of a model (smollm2, a GGUF file, a Hugging Face directory, or a "
         "run directory: a LoRA run is its base plus adapters) on a text file or folder or a chat "
         "/ instruction .jsonl file (scored on the assistant's tokens, as training is)."))
-    p.add_argument("model", help="smollm2, a .gguf file, a Hugging Face directory or a run "
-                   "directory")
+    _from.add_flag(p, "the model to evaluate (a LoRA run: its base with its adapters)")
     p.add_argument("data", help="a text file or folder, or a .jsonl file of chat / instruction "
                    "records")
     p.add_argument("--seq-len", type=int, default=None, help="window length (default: the "
@@ -49,12 +50,18 @@ def add_parsers(sub) -> None:
 
 
 def _check(args) -> None:
-    for name in ("batch_size", "max_batches"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise ConfigError(name, value, "must be >= 1")
-    if args.seq_len is not None and args.seq_len < 2:
-        raise ConfigError("seq_len", args.seq_len, "must be >= 2")
+    """Flag errors that need no model (and no JAX)."""
+    whole_number("--batch-size", args.batch_size)
+    whole_number("--max-batches", args.max_batches, none=True)
+    whole_number("--seq-len", args.seq_len, minimum=2, none=True)  # a token read, one predicted
+    _from.check_exists(args.init_from)
+
+
+def _flag(field: str) -> str:
+    """The flag behind a field of :func:`~effijax.recipe.evaluate_model`'s errors."""
+    if field == "model":
+        return _from.FLAG
+    return field if field == "data" or field.startswith("--") else "--" + field.replace("_", "-")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,12 +70,11 @@ def run(args: argparse.Namespace) -> int:
         _check(args)
         from effijax.recipe import evaluate_model
 
-        result = evaluate_model(args.model, args.data, seq_len=args.seq_len,
+        result = evaluate_model(args.init_from, args.data, seq_len=args.seq_len,
                                 batch_size=args.batch_size, data_format=args.data_format,
                                 max_batches=args.max_batches, precision=args.precision)
     except ConfigError as e:
-        field = e.field if e.field in ("model", "data") else "--" + e.field.replace("_", "-")
-        print(f"effijax eval: error: {e.renamed(field)}", file=sys.stderr, flush=True)
+        print(f"effijax eval: error: {e.renamed(_flag(e.field))}", file=sys.stderr, flush=True)
         return 2
     if args.json:
         print(json.dumps(result.to_dict()))

@@ -1,6 +1,6 @@
 """``effijax generate``: continue prompts (or answer them, ``--chat``) with a model or a run.
 
-``--model-from`` names a run directory (a full run's latest checkpoint, or a finished LoRA run's
+``--from`` names a run directory (a full run's latest checkpoint, or a finished LoRA run's
 adapters on its base, applied without merging), a ``.gguf`` file, a Hugging Face directory, or
 ``smollm2`` (the bundled SmolLM2-135M-Instruct). The prompts (``--prompt``, repeatable, and
 ``--prompts-file``) run as one batch of any lengths. One prompt's continuation goes to standard
@@ -15,7 +15,8 @@ import argparse
 import math
 import sys
 
-from effijax.errors import ConfigError
+from effijax.cli import _from
+from effijax.errors import ConfigError, whole_number
 
 __all__ = ["add_parsers", "run"]
 
@@ -25,11 +26,11 @@ def add_parsers(sub) -> None:
 
     Example:
       >>> from effijax.cli import build_parser
-      >>> args = build_parser().parse_args(["generate", "--model-from", "smollm2", "--prompt",
-      ...                                   "Hi", "--chat", "--top-p", "0.9"])
+      >>> args = build_parser().parse_args(["generate", "--from", "smollm2", "--prompt", "Hi",
+      ...                                   "--chat", "--top-p", "0.9"])
       >>> args.chat, args.top_p, args.temperature, args.max_new_tokens
       (True, 0.9, 0.0, 64)
-      >>> build_parser().parse_args(["generate", "--model-from", "smollm2", "--prompt", "a",
+      >>> build_parser().parse_args(["generate", "--from", "smollm2", "--prompt", "a",
       ...                            "--prompt", "b c"]).prompt
       ['a', 'b c']
     """
@@ -38,9 +39,7 @@ def add_parsers(sub) -> None:
         "default, or sampled with --temperature/--top-p and --seed. Prints one prompt's "
         "continuation on stdout as text, several as JSON lines ({\"prompt\": ..., "
         "\"completion\": ...}, in order), and the timings on stderr."))
-    p.add_argument("--model-from", required=True, metavar="PATH",
-                   help="a run directory (effijax train --out), a .gguf file, a Hugging Face "
-                   "model directory, or smollm2 (the bundled SmolLM2-135M-Instruct)")
+    _from.add_flag(p, "the model (a LoRA run: its adapters on its base, unmerged)")
     p.add_argument("--prompt", action="append", default=None, help="a text to continue "
                    "(with --chat: the user's message); repeat for several")
     p.add_argument("--prompts-file", default=None, metavar="FILE", help="more prompts, after "
@@ -108,32 +107,29 @@ def read_prompts(file: str) -> list[str]:
 
 def _check(args: argparse.Namespace) -> list[str]:
     """Flag errors that need no model (and no JAX); returns the prompts."""
-    from pathlib import Path
-
-    from effijax.recipe import BUNDLED
-
     prompts = list(args.prompt or [])
     if args.prompts_file is not None:
         prompts += read_prompts(args.prompts_file)
     if not prompts:
         raise ConfigError("--prompt", None, "give a prompt (--prompt TEXT, repeatable) or a "
                           "--prompts-file")
-    if args.max_new_tokens < 1:
-        raise ConfigError("--max-new-tokens", args.max_new_tokens, "must be >= 1")
+    whole_number("--max-new-tokens", args.max_new_tokens)
+    whole_number("--seed", args.seed, minimum=0)  # as TrainConfig's seed
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise ConfigError("--temperature", args.temperature, "must be >= 0 (0: greedy)")
     if not 0 < args.top_p <= 1:
         raise ConfigError("--top-p", args.top_p, "must be in (0, 1]")
     if args.system is not None and not args.chat:
         raise ConfigError("--system", args.system, "only applies with --chat")
-    if args.model_from not in BUNDLED and not Path(args.model_from).exists():
-        raise ConfigError("--model-from", args.model_from, "no such run directory, GGUF file "
-                          f"or Hugging Face directory (or a bundled name: {', '.join(BUNDLED)})")
+    _from.check_exists(args.init_from)
     return prompts
 
 
 def _error(e: ConfigError) -> int:
-    field = e.field if e.field.startswith("--") else "--" + e.field.replace("_", "-")
+    if e.field == "model_from":  # effijax.generate.load's name for what --from gives
+        field = _from.FLAG
+    else:
+        field = e.field if e.field.startswith("--") else "--" + e.field.replace("_", "-")
     print(f"effijax generate: error: {e.renamed(field)}", file=sys.stderr, flush=True)
     return 2
 
@@ -151,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     try:
-        loaded = load(args.model_from)
+        loaded = load(args.init_from)
         load_s = time.perf_counter() - t0
         outs = loaded.complete_batch(prompts, chat=args.chat, system=args.system,
                                      max_new_tokens=args.max_new_tokens,

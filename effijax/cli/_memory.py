@@ -14,7 +14,8 @@ import dataclasses
 import json
 import sys
 
-from effijax.errors import ConfigError
+from effijax.cli import _from
+from effijax.errors import NO_VALUE, ConfigError, whole_number
 from effijax.memory import (
     CHECKPOINTING,
     FROZEN_DTYPES,
@@ -52,34 +53,27 @@ def _size(text: str) -> str:
     return text
 
 
-def _positive_int(text: str) -> int:
+# A count: not a number is argparse's "invalid int value"; 0, a negative or more than int32 is
+# whole_number's message.
+_count = _argtype(lambda text: whole_number("count", int(text)), "int")
+
+
+def _number(text: str, inside, interval: str) -> float:
     try:
-        value = int(text)
+        value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not inside(value):
+        raise argparse.ArgumentTypeError(f"must be in {interval}, got {text}")
     return value
 
 
 def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
+    return _number(text, lambda value: 0 < value <= 1, "(0, 1]")
 
 
 def _headroom(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
-    return value
+    return _number(text, lambda value: 0 <= value < 1, "[0, 1)")
 
 
 def _precision(text: str) -> str:
@@ -111,11 +105,11 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
 
 def _add_shape_flags(p: argparse.ArgumentParser, batch_flag: str, batch_help: str) -> None:
     g = p.add_argument_group("model shape (for activations; give all or none)")
-    g.add_argument("--layers", type=_positive_int, help="transformer blocks L")
-    g.add_argument("--hidden", type=_positive_int, help="hidden size h")
-    g.add_argument("--heads", type=_positive_int, help="attention heads a")
-    g.add_argument("--seq-len", type=_positive_int, help="sequence length s")
-    g.add_argument(batch_flag, type=_positive_int, help=batch_help)
+    g.add_argument("--layers", type=_count, help="transformer blocks L")
+    g.add_argument("--hidden", type=_count, help="hidden size h")
+    g.add_argument("--heads", type=_count, help="attention heads a")
+    g.add_argument("--seq-len", type=_count, help="sequence length s")
+    g.add_argument(batch_flag, type=_count, help=batch_help)
     g.add_argument(
         "--no-dropout",
         dest="dropout",
@@ -129,21 +123,19 @@ def _add_shape_flags(p: argparse.ArgumentParser, batch_flag: str, batch_help: st
     )
 
 
-_MODEL_HELP = ("a real model instead of --params: a preset (llama-2-7b, llama-2-70b, "
-               "llama-3.1-405b, smollm2-135m, tiny, ...), smollm2 (the bundled GGUF), a .gguf "
-               "file, a Hugging Face config.json or its directory, or an effijax run directory; "
-               "its parameter count and shape (grouped-query attention, SwiGLU, logits) are "
-               "used")
-
-
 def _add_model_flags(p: argparse.ArgumentParser, params_help: str) -> None:
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--params", type=_argtype(parse_count, "count"), metavar="COUNT",
                        help=params_help)
-    which.add_argument("--model", metavar="NAME_OR_PATH", help=_MODEL_HELP)
-    p.add_argument("--lora-rank", type=_positive_int, default=None,
-                   help="with --model: LoRA of this rank on the model's default targets (all "
-                   "attention and MLP projections); the adapter count is exact")
+    which.add_argument("--model", metavar="PRESET", help="a preset architecture instead of "
+                       "--params (llama-2-7b, llama-2-70b, llama-3.1-405b, smollm2-135m, tiny, "
+                       "...): its parameter count and shape (grouped-query attention, SwiGLU, "
+                       "logits) are used")
+    _from.add_flag(which, "a real model instead of --params, its count and shape used as "
+                   "--model's", required=False)
+    p.add_argument("--lora-rank", type=_count, default=None,
+                   help="with --model or --from: LoRA of this rank on the model's default "
+                   "targets (all attention and MLP projections); the adapter count is exact")
 
 
 def add_parsers(sub) -> None:
@@ -176,7 +168,7 @@ def add_parsers(sub) -> None:
     m.add_argument(
         "--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (0 = DDP, 3 = FSDP)"
     )
-    m.add_argument("--devices", type=_positive_int, default=1, help="data-parallel devices")
+    m.add_argument("--devices", type=_count, default=1, help="data-parallel devices")
     m.add_argument(
         "--lora-fraction",
         type=_fraction,
@@ -205,7 +197,7 @@ def add_parsers(sub) -> None:
         formatter_class=_Help,
     )
     _add_model_flags(p, "parameter count, e.g. 70B")
-    p.add_argument("--devices", type=_positive_int, required=True, help="data-parallel devices")
+    p.add_argument("--devices", type=_count, required=True, help="data-parallel devices")
     p.add_argument(
         "--device-memory",
         required=True,
@@ -251,45 +243,69 @@ _FLAGS = {
 }
 
 
-def _error(command: str, problem: ConfigError | str) -> int:
+def _error(command: str, problem: ConfigError) -> int:
     """Prints the error, naming the flag instead of the library argument; returns exit code 2."""
-    if isinstance(problem, ConfigError):
-        problem = ConfigError(_FLAGS.get(problem.field, problem.field), problem.value,
-                              problem.problem)
-    print(f"effijax {command}: error: {problem}", file=sys.stderr)
+    named = problem.renamed(_FLAGS.get(problem.field, problem.field))
+    print(f"effijax {command}: error: {named}", file=sys.stderr)
     return 2
 
 
-def _shape_error(args, batch_name: str) -> str | None:
+def _check_shape(args, batch_name: str) -> None:
+    """The model-shape flags come all together or not at all."""
     names = (*_SHAPE_FLAGS, batch_name)
     given = [n for n in names if getattr(args, n) is not None]
     if given and len(given) < len(names):
         missing = [n for n in names if n not in given]
         flags = ", ".join("--" + n.replace("_", "-") for n in missing)
-        return f"{flags}: required with the other model-shape flags (give all of them or none)"
-    return None
+        raise ConfigError(flags, NO_VALUE, "required with the other model-shape flags (give "
+                          "all of them or none)")
 
 
-def _model_shape(args: argparse.Namespace, batch_name: str) -> dict | None:
-    """With ``--model``: fills ``args.params`` and the shape flags from the model (a given
-    ``--seq-len`` wins; the batch defaults to 1) and returns the extra shape arguments of
-    :func:`effijax.memory.activation_bytes`; None without it.
+def _architecture(args: argparse.Namespace):
+    """The model that ``--model`` (a preset) or ``--from`` (a source) names.
+
+    Raises:
+      ConfigError: naming the flag: not a preset, a preset given as a source, or a source
+        that cannot be read.
+    """
+    source = args.init_from
+    if source is not None and _from.names_a_source(source):
+        _from.check_exists(source)  # a path that names nothing is said before JAX is imported
+    # Imported here: the presets are the models' (JAX), which --params never needs.
+    from effijax.models import preset_names
+    from effijax.recipe import architecture
+
+    if args.model is not None:
+        if args.model not in preset_names():
+            raise ConfigError("--model", args.model, f"not a preset ({', '.join(preset_names())})"
+                              f"; a run directory, a .gguf file, a Hugging Face directory or "
+                              f"smollm2 goes in {_from.FLAG}")
+        return architecture(args.model, seq_len=args.seq_len, field="--model")
+    if source in preset_names():  # architecture() would take it: say where it goes
+        raise ConfigError(_from.FLAG, source, f"is a preset; give --model {source}")
+    _from.check_exists(source)
+    return architecture(source, seq_len=args.seq_len, field=_from.FLAG)
+
+
+def _model_shape(args: argparse.Namespace, batch_name: str) -> dict:
+    """With ``--model`` or ``--from``: fills ``args.params`` and the shape flags from the model
+    (a given ``--seq-len`` wins; the batch defaults to 1) and returns the extra shape arguments
+    of :func:`effijax.memory.activation_bytes`; without them, ``{}``.
 
     Raises:
       ConfigError: the model cannot be read, or a shape flag contradicts it.
     """
-    if args.lora_rank is not None and args.model is None:
-        raise ConfigError("--lora-rank", args.lora_rank, "needs --model (with --params, give "
-                          "--lora-fraction)")
-    if args.model is None:
-        return None
-    from effijax.recipe import architecture
-
+    which = "--model" if args.model is not None else _from.FLAG
+    if args.lora_rank is not None and args.params is not None:
+        raise ConfigError("--lora-rank", args.lora_rank, f"needs --model or {_from.FLAG} (with "
+                          "--params, give --lora-fraction)")
+    if args.params is not None:
+        return {}
     given = [n for n in ("layers", "hidden", "heads") if getattr(args, n) is not None]
     if given:
-        raise ConfigError("--" + given[0], getattr(args, given[0]), "the --model gives the "
+        raise ConfigError("--" + given[0], getattr(args, given[0]), f"the {which} gives the "
                           "shape; drop it (only --seq-len and the batch may be set)")
-    model = architecture(args.model, seq_len=args.seq_len, field="--model")
+    model = _architecture(args)
     shape = model.shape()
     args.params = shape.num_params
     args.layers, args.hidden, args.heads = shape.layers, shape.hidden, shape.heads
@@ -300,7 +316,7 @@ def _model_shape(args: argparse.Namespace, batch_name: str) -> dict | None:
     args.dropout = args.dropout and getattr(model, "dropout", 0) > 0
     if args.lora_rank is not None:
         args.lora_fraction = _adapter_count(model, args.lora_rank) / shape.num_params
-    args.model_name = getattr(model, "name", args.model)
+    args.model_name = getattr(model, "name", args.model or args.init_from)
     # layers, hidden and heads travel in args with the shape flags they stand for.
     return {k: v for k, v in shape.activation_args().items()
             if k not in ("layers", "hidden", "heads")}
@@ -319,42 +335,27 @@ def _adapter_count(model, rank: int) -> int:
                                             jax.random.key(0)))
 
 
+def _shape(args: argparse.Namespace, batch_name: str) -> dict:
+    """The model shape's arguments, as :func:`~effijax.memory.activation_bytes` and
+    :func:`~effijax.memory.plan` both take them (after :func:`_model_shape`)."""
+    extra = _model_shape(args, batch_name)
+    _check_shape(args, batch_name)
+    names = (*_SHAPE_FLAGS, batch_name, "dropout", "blockwise_attention")
+    return {**{name: getattr(args, name) for name in names}, **extra}
+
+
 def memory_command(args: argparse.Namespace) -> int:
     """Handler of ``effijax memory``; returns the exit code."""
     try:
-        extra = _model_shape(args, "batch_size")
+        shape = _shape(args, "batch_size")  # with --model or --from, it sets args.params
+        states = model_states(args.params, optimizer=args.optimizer, precision=args.precision,
+                              zero_stage=args.zero, devices=args.devices,
+                              lora_fraction=args.lora_fraction, frozen_dtype=args.frozen_dtype)
+        acts = None if args.layers is None else activation_bytes(
+            **shape, bytes_per_value=4 if args.precision == "fp32" else 2,
+            checkpointing=args.checkpointing)
     except ConfigError as e:
         return _error("memory", e)
-    problem = _shape_error(args, "batch_size")
-    if problem:
-        return _error("memory", problem)
-    try:
-        states = model_states(
-            args.params,
-            optimizer=args.optimizer,
-            precision=args.precision,
-            zero_stage=args.zero,
-            devices=args.devices,
-            lora_fraction=args.lora_fraction,
-            frozen_dtype=args.frozen_dtype,
-        )
-        acts = None
-        if args.layers is not None:
-            acts = activation_bytes(
-                layers=args.layers,
-                hidden=args.hidden,
-                heads=args.heads,
-                seq_len=args.seq_len,
-                batch_size=args.batch_size,
-                bytes_per_value=4 if args.precision == "fp32" else 2,
-                dropout=args.dropout,
-                checkpointing=args.checkpointing,
-                blockwise_attention=args.blockwise_attention,
-                **(extra or {}),
-            )
-    except ConfigError as e:
-        return _error("memory", e)
-
     total = states.model_state_bytes + (acts or 0)
     if args.json:
         out = dataclasses.asdict(states)
@@ -362,8 +363,14 @@ def memory_command(args: argparse.Namespace) -> int:
             out["activation_bytes"] = acts
         out["total_bytes"] = total
         print(json.dumps(out, indent=2))
-        return 0
+    else:
+        print(_memory_text(args, shape, states, acts, total))
+    return 0
 
+
+def _memory_text(args: argparse.Namespace, shape: dict, states, acts: int | None,
+                 total: int) -> str:
+    """``effijax memory``'s table: the model and setting, then bytes per device."""
     if args.lora_fraction is None:
         lora = ""
     elif args.lora_rank is not None:
@@ -371,15 +378,13 @@ def memory_command(args: argparse.Namespace) -> int:
                 f"{args.frozen_dtype} frozen base)")
     else:
         lora = f", LoRA {args.lora_fraction:g} ({args.frozen_dtype} frozen base)"
-    model = "" if extra is None else (
+    model = "" if "vocab" not in shape else (
         f"{args.model_name}: {args.layers} layers, width {args.hidden}, {args.heads} heads "
-        f"({extra['kv_heads']} key/value), {'SwiGLU ' if extra['gated_mlp'] else 'MLP '}"
-        f"{extra['ffn']}, vocabulary {extra['vocab']:,}; seq_len {args.seq_len}, batch "
+        f"({shape['kv_heads']} key/value), {'SwiGLU ' if shape['gated_mlp'] else 'MLP '}"
+        f"{shape['ffn']}, vocabulary {shape['vocab']:,}; seq_len {args.seq_len}, batch "
         f"{args.batch_size}\n")
-    print(
-        f"{model}{args.params:,} params, {args.optimizer}, {args.precision}{lora}, ZeRO-{args.zero}"
-        f" on {args.devices} device(s); bytes per device (GB = 1e9 bytes)"
-    )
+    lines = [f"{model}{args.params:,} params, {args.optimizer}, {args.precision}{lora}, "
+             f"ZeRO-{args.zero} on {args.devices} device(s); bytes per device (GB = 1e9 bytes)"]
     rows = [
         ("params", states.params_bytes),
         ("grads", states.grads_bytes),
@@ -388,43 +393,20 @@ def memory_command(args: argparse.Namespace) -> int:
         ("model states", states.model_state_bytes),
     ]
     if acts is not None:
-        rows.append(("activations", acts))
-        rows.append(("total", total))
-    for name, value in rows:
-        print(f"  {name:<22}{format_bytes(value):>12}  {value:>18,}")
-    return 0
+        rows += [("activations", acts), ("total", total)]
+    lines += [f"  {name:<22}{format_bytes(value):>12}  {value:>18,}" for name, value in rows]
+    return "\n".join(lines)
 
 
 def plan_command(args: argparse.Namespace) -> int:
     """Handler of ``effijax plan``; returns 0 if a configuration fits, 1 if none does."""
     try:
-        extra = _model_shape(args, "global_batch")
+        shape = _shape(args, "global_batch")  # with --model or --from, it sets args.params
+        result = plan(args.params, devices=args.devices, device_memory=args.device_memory,
+                      optimizer=args.optimizer, allow_lora=args.allow_lora,
+                      headroom=args.headroom, lora_fraction=args.lora_fraction, **shape)
     except ConfigError as e:
         return _error("plan", e)
-    problem = _shape_error(args, "global_batch")
-    if problem:
-        return _error("plan", problem)
-    try:
-        result = plan(
-            args.params,
-            devices=args.devices,
-            device_memory=args.device_memory,
-            layers=args.layers,
-            hidden=args.hidden,
-            heads=args.heads,
-            seq_len=args.seq_len,
-            global_batch=args.global_batch,
-            optimizer=args.optimizer,
-            allow_lora=args.allow_lora,
-            headroom=args.headroom,
-            lora_fraction=args.lora_fraction,
-            dropout=args.dropout,
-            blockwise_attention=args.blockwise_attention,
-            **(extra or {}),
-        )
-    except ConfigError as e:
-        return _error("plan", e)
-
     if args.json:
         out = {
             field.name: getattr(result, field.name)

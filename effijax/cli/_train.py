@@ -14,9 +14,10 @@ with one line naming the processes that did not come. Running the same command o
 that holds checkpoints resumes exactly; SIGTERM or SIGINT during the training loop saves at the
 next step boundary and exits 0. Ctrl-C before the loop (start-up, loading, compilation) or after
 it (the final save, evaluation and export) ends the process at once with one line saying what
-the run directory holds, exit 130 (``effijax.cli._interrupt``). ``--init-from RUN_DIR``
-fine-tunes an earlier run's model; with ``--lora-rank R`` only rank-R LoRA adapters train, and
-the run writes them as ``adapters.safetensors`` and in PEFT's format (``peft/``).
+the run directory holds, exit 130 (``effijax.cli._interrupt``). ``--from SOURCE``
+fine-tunes a model (an earlier run's, a ``.gguf`` file, a Hugging Face directory or the bundled
+``smollm2``); with ``--lora-rank R`` only rank-R LoRA adapters train, and the run writes them as
+``adapters.safetensors`` and in PEFT's format (``peft/``).
 """
 
 from __future__ import annotations

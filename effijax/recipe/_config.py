@@ -102,9 +102,12 @@ class TrainConfig:
     model: str = _field(DEFAULT_MODEL, "model preset (tiny, mini, small, base); an --init-from "
                         "run's model is used when --init-from is given", section="model")
     seq_len: int | None = _field(None, "sequence length (default: the model's)", section="model")
-    init_from: str | None = _field(None, "start from the parameters of an earlier run's latest "
-                                   "checkpoint (its --out directory); the model is that run's",
-                                   metavar="RUN_DIR", section="model")
+    init_from: str | None = _field(None, "the model to start from (its architecture and "
+                                   "parameters): an earlier full (non-LoRA) run's directory "
+                                   "(its --out; its latest checkpoint), a .gguf file, a Hugging "
+                                   "Face directory (config.json + model*.safetensors), or "
+                                   "smollm2 (the bundled SmolLM2-135M-Instruct)",
+                                   flag="--from", metavar="SOURCE", section="model")
     unroll_layers: bool = _field(False, "unroll the loop over the model's layers instead of "
                                  "scanning it: the same arithmetic, a longer compile and more "
                                  "memory, no per-layer slicing of stacked buffers (measure "
