@@ -37,11 +37,11 @@ CASES = {
                                                          "'/no/such/run': no such run directory"),
     ("eval", "notes.txt"): (2, "the following arguments are required: --from"),
     ("eval", "--from", "smollm2", "notes.txt", "--batch-size", "0"):
-        (2, "effijax eval: error: --batch-size=0: must be a whole number from 1"),
+        (2, "effijax eval: error: --batch-size=0: must be an integer >= 1"),
     ("generate", "--from", "/no/such/run", "--prompt", "x"):
         (2, "effijax generate: error: --from='/no/such/run': no such run directory"),
     ("generate", "--from", "smollm2", "--prompt", "x", "--max-new-tokens", "0"):
-        (2, "effijax generate: error: --max-new-tokens=0: must be a whole number from 1"),
+        (2, "effijax generate: error: --max-new-tokens=0: must be an integer >= 1"),
     ("memory", "--from", "/no/such/run"): (2, "effijax memory: error: --from='/no/such/run': "
                                               "no such run directory"),
     ("plan", "--from", "/no/such/run", "--devices", "8", "--device-memory", "80GB"):

@@ -92,7 +92,7 @@ def test_plan_that_does_not_fit_exits_1(capsys):
         (["memory", "--params", "7B", "--optimizer", "adagrad"], ["invalid choice", "lion"]),
         (["memory", "--params", "7B", "--zero", "4"], ["argument --zero", "invalid choice"]),
         (["memory", "--params", "7B", "--devices", "0"],
-         ["argument --devices: '0': must be a whole number from 1"]),
+         ["argument --devices: '0': must be an integer >= 1"]),
         (["memory", "--params", "7B", "--devices", "two"],
          ["argument --devices: invalid int value: 'two'"]),
         (["memory", "--params", "7B", "--lora-fraction", "2"], ["--lora-fraction", "(0, 1]"]),

@@ -437,7 +437,7 @@ def test_a_bad_prompts_file_fails_before_loading(content, message, tmp_path, cap
     (["--model-from", "/no/such/run", "--prompt", "x"], "--from='/no/such/run': no such"),
     (["--model-from", "smollm2", "--prompt", "x", "--top-p", "0"], "--top-p=0.0: must be in"),
     (["--model-from", "smollm2", "--prompt", "x", "--max-new-tokens", "0"],
-     "--max-new-tokens=0: must be a whole number from 1"),
+     "--max-new-tokens=0: must be an integer >= 1"),
     (["--model-from", "smollm2", "--prompt", "x", "--system", "s"], "only applies with --chat"),
 ])
 def test_cli_bad_flags_fail_before_loading(flags, message, capsys):
