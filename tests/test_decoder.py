@@ -11,15 +11,29 @@ intended, and say so in the commit).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from effijax import lora
-from effijax.models import gpt_config, llama_config
+from effijax.errors import ConfigError
+from effijax.models import GPT, ModelShape, abstract_split, gpt_config, llama_config, make_apply
+from effijax.models._decoder import (
+    AttentionSpec,
+    Decoder,
+    DecoderConfig,
+    PreNormBlock,
+    WeightNames,
+)
+from effijax.models._gpt import _MLP as _GeluMLP
+from effijax.models._gpt import _LayerNorm as _GPTLayerNorm
+from effijax.models._rotary import RotaryAttention, rope_tables
 from effijax.precision import get_policy
 
 
@@ -173,6 +187,116 @@ EXPECTED = {
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_bit_identical_to_the_recorded_run(name):
     assert run(CASES[name]) == EXPECTED[name]
+
+
+# --------------------------------------------------------------------------------------------
+# The skeleton's contract: one error type, and a family is its hooks.
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model, field", [(_GPT, "seq_len"), (_LLAMA, "max_position")])
+def test_inputs_are_checked_before_tracing_with_config_errors(model, field):
+    graphdef, params = abstract_split(model)
+    apply = make_apply(graphdef)
+    too_long = jnp.zeros((1, model.max_context + 1), jnp.int32)
+    with pytest.raises(ConfigError, match=f"exceeds config.{field}={model.max_context}"):
+        jax.eval_shape(apply, params, too_long)
+    with pytest.raises(ConfigError, match="^tokens_BS: expected integer ids"):
+        jax.eval_shape(apply, params, jnp.zeros((1, 4)))
+    spec = lora.LoraSpec(dropout=0.1, targets=model.lora_targets)
+    adapters = jax.eval_shape(lambda p: lora.init(jax.random.key(1), p, spec), params)
+    with pytest.raises(ConfigError, match="^rngs: dropout is on .* no rngs"):
+        jax.eval_shape(functools.partial(make_apply(graphdef, spec), deterministic=False),
+                       {"base": params, "adapters": adapters}, jnp.zeros((1, 4), jnp.int32))
+    cache = model.init_cache(1, model.max_context)
+    with pytest.raises(ConfigError, match=f"^cache: .* need tokens <= cache <= config.{field}"):
+        jax.eval_shape(model.decode_fn(), params, cache,
+                       jnp.zeros((1, model.max_context + 1), jnp.int32), jnp.int32(0))
+
+
+def test_a_module_refuses_another_familys_config():
+    with pytest.raises(TypeError, match="expected the config of a GPT, got LlamaConfig"):
+        GPT(_LLAMA, rngs=nnx.Rngs(0))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _BiasedConfig(DecoderConfig):
+    """A third family for the test: the Llama with Qwen2's q/k/v biases and a GELU MLP."""
+
+    vocab_size: int = 256
+    d_model: int = 32
+    n_layers: int = 2
+    n_heads: int = 4
+    d_ff: int = 64
+    seq_len: int = 16
+    remat: str = "none"
+    attention: str = "naive"
+    unroll_layers: bool = False
+
+    family: ClassVar[str] = "biased"
+    lora_targets: ClassVar[str] = r"attn/[qkvo]_proj/kernel"
+
+    @property
+    def name(self) -> str:
+        return "biased"
+
+    def shape(self) -> ModelShape:
+        return ModelShape(num_params=0, layers=self.n_layers, hidden=self.d_model,
+                          heads=self.n_heads, kv_heads=self.n_heads // 2,
+                          head_dim=self.d_model // self.n_heads, ffn=self.d_ff,
+                          vocab=self.vocab_size, seq_len=self.seq_len)
+
+
+def _layers_norm(d: int, stack: tuple[int, ...]):
+    return _GPTLayerNorm(d, eps=1e-6, stack=stack)
+
+
+class _BiasedLayer(PreNormBlock):
+    norm_names = ("pre_attn", "pre_mlp")
+    norm = staticmethod(lambda config, *, stack: _layers_norm(config.d_model, stack))
+
+    def __init__(self, config, *, stack, rngs):
+        spec = AttentionSpec(config.d_model, config.n_heads, config.n_heads // 2,
+                             config.d_model // config.n_heads, config.attention,
+                             names=("q_proj", "k_proj", "v_proj", "o_proj"),
+                             bias=(True, True, True, False))
+        self.build_norms(config, stack)
+        self.attn = RotaryAttention(spec, std=0.02, out_std=0.01, stack=stack, rngs=rngs)
+        self.mlp = _GeluMLP(config, out_std=0.01, stack=stack, rngs=rngs)
+
+
+class _Biased(Decoder):
+    layer_type = _BiasedLayer
+    names = WeightNames("layers", "final", r"layers/attn/[qkvo]_proj/kernel", "the projections")
+
+    def embed_positions(self, x_BSD, positions_BS, length):
+        shape = self.config.shape()
+        tables = tuple(jnp.asarray(t) for t in rope_tables(shape.head_dim, 1e4, None, length))
+        if positions_BS is None:
+            return x_BSD, tables
+        return x_BSD, tuple(jnp.take(t, positions_BS, axis=0) for t in tables)
+
+
+_BiasedConfig.decoder = _Biased
+
+
+def test_a_new_family_is_its_hooks():
+    model = _BiasedConfig()
+    params = model.init_params(jax.random.key(0))
+    assert params["layers"]["attn"]["q_proj"]["bias"].shape == (2, 32)
+    assert "bias" not in params["layers"]["attn"]["o_proj"] and "lm_head" not in params
+    assert params["layers"]["attn"]["k_proj"]["kernel"].shape == (2, 32, 16)  # 2 kv heads
+    batch = _batch(model, packed=True)
+    (loss, _), grads = jax.value_and_grad(model.loss_fn(), has_aux=True)(params, batch)
+    assert np.isfinite(loss) and float(jnp.abs(grads["layers"]["attn"]["q_proj"]["bias"]).sum())
+    # The cached decode of a prompt, then of one token, gives the full pass's logits.
+    tokens = batch["inputs"][:, :9]
+    full = model.logits_fn()(params, tokens)
+    decode = model.decode_fn()
+    prefill, cache = decode(params, model.init_cache(4, 16), tokens[:, :8], jnp.int32(0))
+    step, _ = decode(params, cache, tokens[:, 8:], jnp.int32(8))
+    np.testing.assert_allclose(prefill, full[:, :8], atol=1e-5)
+    np.testing.assert_allclose(step, full[:, 8:], atol=1e-5)
 
 
 if __name__ == "__main__":
