@@ -23,17 +23,22 @@ from flax import nnx
 
 from effijax import lora
 from effijax.errors import ConfigError
-from effijax.models import GPT, ModelShape, abstract_split, gpt_config, llama_config, make_apply
+from effijax.models import (
+    GPT,
+    Llama,
+    LlamaConfig,
+    abstract_split,
+    gpt_config,
+    llama_config,
+    make_apply,
+)
 from effijax.models._decoder import (
     AttentionSpec,
-    Decoder,
-    DecoderConfig,
     PreNormBlock,
-    WeightNames,
 )
 from effijax.models._gpt import _MLP as _GeluMLP
 from effijax.models._gpt import _LayerNorm as _GPTLayerNorm
-from effijax.models._rotary import RotaryAttention, rope_tables
+from effijax.models._rotary import RotaryAttention
 from effijax.precision import get_policy
 
 
@@ -220,71 +225,42 @@ def test_a_module_refuses_another_familys_config():
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class _BiasedConfig(DecoderConfig):
-    """A third family for the test: the Llama with Qwen2's q/k/v biases and a GELU MLP."""
-
-    vocab_size: int = 256
-    d_model: int = 32
-    n_layers: int = 2
-    n_heads: int = 4
-    d_ff: int = 64
-    seq_len: int = 16
-    remat: str = "none"
-    attention: str = "naive"
-    unroll_layers: bool = False
+class _BiasedConfig(LlamaConfig):
+    """A third family for the test: the Llama's config and module with a layer of its own
+    (Qwen2's q/k/v biases, the GPT's LayerNorm and GELU MLP)."""
 
     family: ClassVar[str] = "biased"
-    lora_targets: ClassVar[str] = r"attn/[qkvo]_proj/kernel"
-
-    @property
-    def name(self) -> str:
-        return "biased"
-
-    def shape(self) -> ModelShape:
-        return ModelShape(num_params=0, layers=self.n_layers, hidden=self.d_model,
-                          heads=self.n_heads, kv_heads=self.n_heads // 2,
-                          head_dim=self.d_model // self.n_heads, ffn=self.d_ff,
-                          vocab=self.vocab_size, seq_len=self.seq_len)
-
-
-def _layers_norm(d: int, stack: tuple[int, ...]):
-    return _GPTLayerNorm(d, eps=1e-6, stack=stack)
 
 
 class _BiasedLayer(PreNormBlock):
     norm_names = ("pre_attn", "pre_mlp")
-    norm = staticmethod(lambda config, *, stack: _layers_norm(config.d_model, stack))
+
+    @staticmethod
+    def norm(config, *, stack):
+        return _GPTLayerNorm(config.d_model, eps=config.rms_eps, stack=stack)
 
     def __init__(self, config, *, stack, rngs):
-        spec = AttentionSpec(config.d_model, config.n_heads, config.n_heads // 2,
-                             config.d_model // config.n_heads, config.attention,
-                             names=("q_proj", "k_proj", "v_proj", "o_proj"),
+        spec = AttentionSpec(config.d_model, config.n_heads, config.n_kv_heads, config.head_dim,
+                             config.attention, names=("q_proj", "k_proj", "v_proj", "o_proj"),
                              bias=(True, True, True, False))
         self.build_norms(config, stack)
         self.attn = RotaryAttention(spec, std=0.02, out_std=0.01, stack=stack, rngs=rngs)
         self.mlp = _GeluMLP(config, out_std=0.01, stack=stack, rngs=rngs)
 
 
-class _Biased(Decoder):
+class _Biased(Llama):
     layer_type = _BiasedLayer
-    names = WeightNames("layers", "final", r"layers/attn/[qkvo]_proj/kernel", "the projections")
-
-    def embed_positions(self, x_BSD, positions_BS, length):
-        shape = self.config.shape()
-        tables = tuple(jnp.asarray(t) for t in rope_tables(shape.head_dim, 1e4, None, length))
-        if positions_BS is None:
-            return x_BSD, tables
-        return x_BSD, tuple(jnp.take(t, positions_BS, axis=0) for t in tables)
 
 
 _BiasedConfig.decoder = _Biased
 
 
 def test_a_new_family_is_its_hooks():
-    model = _BiasedConfig()
+    model = _BiasedConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, seq_len=16)
     params = model.init_params(jax.random.key(0))
     assert params["layers"]["attn"]["q_proj"]["bias"].shape == (2, 32)
-    assert "bias" not in params["layers"]["attn"]["o_proj"] and "lm_head" not in params
+    assert "bias" not in params["layers"]["attn"]["o_proj"]
+    assert params["layers"]["pre_mlp"]["bias"].shape == (2, 32)  # a LayerNorm
     assert params["layers"]["attn"]["k_proj"]["kernel"].shape == (2, 32, 16)  # 2 kv heads
     batch = _batch(model, packed=True)
     (loss, _), grads = jax.value_and_grad(model.loss_fn(), has_aux=True)(params, batch)

@@ -188,7 +188,13 @@ class DecoderConfig(LanguageModel):
 
     def abstract_params(self, policy: Policy | str | None = None) -> dict:
         """The parameter tree as ``jax.ShapeDtypeStruct`` leaves, in the policy's param dtypes
-        (nothing allocated)."""
+        (nothing allocated).
+
+        Example:
+          >>> from effijax.models import llama_config
+          >>> llama_config("smollm2-135m").abstract_params()["layers"]["attn"]["k_proj"]
+          {'kernel': ShapeDtypeStruct(shape=(30, 576, 192), dtype=float32)}
+        """
         return abstract_split(self, policy)[1]
 
     def init_params(self, key: jax.Array, policy: Policy | str | None = None) -> dict:

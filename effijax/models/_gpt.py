@@ -300,7 +300,7 @@ class GPT(Decoder):
       >>> model = GPT(gpt_config("tiny"), policy="pure_bf16", rngs=nnx.Rngs(0))
       >>> logits = model(jnp.zeros((2, 8), jnp.int32))
       >>> logits.shape, logits.dtype, model.pos_embed.embedding.shape
-      ((2, 8, 256), dtype(bfloat16), (64, 64))
+      ((2, 8, 256), dtype('float32'), (64, 64))
     """
 
     layer_type = _Block
