@@ -1,4 +1,4 @@
-"""Attention implementations, chosen by name (``GPTConfig.attention``), all with one signature.
+"""Attention implementations, chosen by name (a config's ``attention``), all with one signature.
 
 Every entry of :data:`ATTENTION` is ``fn(q_BSHK, k_BTHK, v_BTHK, *, causal=True,
 dropout_rate=0.0, dropout_key=None, segments_BS=None) -> out_BSHK`` with the same semantics
@@ -295,7 +295,7 @@ def auto_attend(q_BSHK: jax.Array, k_BTHK: jax.Array, v_BTHK: jax.Array, *, caus
                                   segments_BS=segments_BS)
 
 
-# Attention implementations by ``GPTConfig.attention`` name, all with ``attend``'s signature.
+# Attention implementations by a config's ``attention`` name, all with ``attend``'s signature.
 ATTENTION: dict[str, Callable[..., jax.Array]] = {
     "naive": attend,
     "blockwise": blockwise_attend,

@@ -4,6 +4,9 @@ The model is GPT-2 shaped: token and learned position embeddings, ``n_layers`` p
 blocks (causal multi-head self-attention, then a GELU MLP), a final LayerNorm, and an output head
 tied to the token embedding. The blocks' parameters are stacked along a leading layer axis and
 the forward pass runs ``jax.lax.scan`` over them, so compile time does not grow with depth.
+This file holds what is the GPT's own (config, learned positions, LayerNorm, GELU MLP, the block);
+the passes, the attention and the config plumbing are the decoder skeleton's
+(:mod:`effijax.models._decoder`).
 
 The model computes in its parameters' own dtype: a train step casts the master parameters with
 ``Policy.cast_to_compute`` and merges them (see :func:`make_apply`); only the logits are cast, to

@@ -57,7 +57,7 @@ def _dense(x_BSD: jax.Array, kernel_DF: jax.Array, bias_F: jax.Array | None,
 
     Every parameter matmul goes through here (the tied head too, with the embedding transposed),
     so LoRA hooks in here. A hook must reach tracing through the parameters or the static
-    graphdef, not through a module global: ``_run_blocks`` is jitted and reuses its traces.
+    graphdef, not through a module global: ``_run_layers`` is jitted and reuses its traces.
 
     With a LoRA hook the result is ``x @ kernel + (scale · x @ a) @ b + bias``: thin matmuls
     only (``d_in × r``, ``r × d_out``), no ``d_in × d_out`` delta, and since ``kernel`` is not

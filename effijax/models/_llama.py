@@ -5,7 +5,9 @@ layers (RMSNorm, grouped-query self-attention with rotary position embeddings, R
 MLP), a final RMSNorm and an output head (optionally tied to the embedding); no biases. As in
 the GPT, the layers' parameters are stacked along a leading ``L`` axis and scanned, every matmul
 goes through ``_dense`` (f32 accumulation, factored LoRA), and norm statistics, softmax, logits
-and loss are f32 islands; the model computes in its parameters' dtype.
+and loss are f32 islands; the model computes in its parameters' dtype. This file holds what is
+the Llama's own (config, rotary positions, RMSNorm, SwiGLU MLP, the layer); the passes, the
+attention and the config plumbing are the decoder skeleton's (:mod:`effijax.models._decoder`).
 
 Parameter paths use Hugging Face's module names, so LoRA targets read as in PEFT:
 ``layers/attn/q_proj/kernel`` is ``model.layers.{i}.self_attn.q_proj.weight`` transposed
