@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from effijax.errors import ConfigError
 from effijax.models import (
     ATTENTION,
     AttentionChoice,
@@ -110,10 +111,10 @@ def test_xla_refuses_dropout_and_the_config_names_the_field():
     q = jnp.ones((1, 8, 2, 8))
     with pytest.raises(ValueError, match="xla_attend: .* no dropout.*GPTConfig.dropout"):
         xla_attend(q, q, q, dropout_rate=0.1, dropout_key=jax.random.key(0))
-    with pytest.raises(ValueError, match=r"^attention: 'xla' .* no attention dropout"):
+    with pytest.raises(ConfigError, match=r"^attention='xla': .* no attention dropout"):
         GPTConfig(seq_len=8, d_model=16, n_layers=1, n_heads=2, attention="xla", dropout=0.1)
-    with pytest.raises(ValueError, match=r"^attention: unknown .*'naive', 'blockwise', 'xla', "
-                                         r"'auto'"):
+    with pytest.raises(ConfigError, match=r"^attention='flash': unknown .*'naive', 'blockwise', "
+                                          r"'xla', 'auto'"):
         GPTConfig(seq_len=8, d_model=16, n_layers=1, n_heads=2, attention="flash")
 
 

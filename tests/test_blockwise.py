@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from effijax.models import _gpt, abstract_split, attend, gpt_config, init_params, make_loss_fn
+from effijax.models import ATTENTION, abstract_split, attend, gpt_config, init_params, make_loss_fn
 from effijax.models._blockwise import REMAT_POLICIES, _keep_mask, _Spec, blockwise_attend
 
 
@@ -122,7 +122,7 @@ def test_dropout_matches_dense_reference_with_the_same_masks():
     [
         ({"k_len": 24}, r"causal=True\) needs S == T, got S=32, T=24"),
         ({"dtype_k": jnp.bfloat16}, "dtypes differ"),
-        ({"block_q": 0}, "block_q: expected a positive int"),
+        ({"block_q": 0}, "block_q=0: must be a whole number from 1"),
         ({"dropout_rate": 1.0}, r"dropout_rate: expected a rate in \[0, 1\)"),
         ({"implementation": "triton"}, "implementation: unknown 'triton'"),
         ({"implementation": "cudnn", "dropout_rate": 0.1, "dropout_key": jax.random.key(0)},
@@ -159,7 +159,7 @@ def test_memory_is_linear_in_sequence_length():
 
 
 def test_gpt_with_blockwise_attention_matches_naive(monkeypatch):
-    monkeypatch.setitem(_gpt.ATTENTION, "blockwise",
+    monkeypatch.setitem(ATTENTION, "blockwise",
                         lambda *a, **kw: blockwise_attend(*a, block_q=16, block_k=32, **kw))
     batch = {"inputs": jax.random.randint(jax.random.key(1), (2, 40), 0, 256),
              "targets": jax.random.randint(jax.random.key(2), (2, 40), 0, 256)}

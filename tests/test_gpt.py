@@ -14,6 +14,7 @@ import optax
 import pytest
 from flax import nnx
 
+from effijax.errors import ConfigError
 from effijax.models import (
     GPT,
     GPTConfig,
@@ -352,11 +353,12 @@ def test_config_validation_names_the_field():
         (dict(attention="flash"), "attention"),
     ]
     for override, field in cases:
-        with pytest.raises(ValueError, match=f"^{field}:"):
+        with pytest.raises(ConfigError, match=f"^{field}=") as e:
             GPTConfig(**{**base, **override})
-    with pytest.raises(ValueError, match="presets: tiny, mini, small, base"):
+        assert e.value.field == field
+    with pytest.raises(ConfigError, match="presets: tiny, mini, small, base"):
         gpt_config("huge")
-    with pytest.raises(ValueError, match="GPTConfig fields"):
+    with pytest.raises(ConfigError, match="GPTConfig fields"):
         gpt_config("tiny", width=3)
     assert gpt_config("tiny", n_layers=3).n_layers == 3
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -6,8 +6,12 @@ architecture config and registers with :func:`register_family`. The GPT is the f
 ``gpt_config("mini")`` is a model, ``model.init_params(key, policy)`` its parameters and
 ``model.loss_fn()(params, batch, rng)`` its loss. The Llama family (``llama_config("llama-tiny")``,
 ``"smollm2-135m"``, ...) is the second; its pretrained weights and :class:`Tokenizer` come from
-GGUF files and Hugging Face directories through :mod:`effijax.interop`. The functional GPT API
-(``abstract_split``, ``make_loss_fn``, ...) stays for code that works with a graphdef directly.
+GGUF files and Hugging Face directories through :mod:`effijax.interop`. Both are built on one
+decoder skeleton (``effijax.models._decoder``: the config plumbing, the module's forward and
+decode passes, self-attention, the pre-norm block; its docstring says how to add a family), so
+a family file holds only its layer, norm, MLP, attention variant, positions and weight names.
+The functional API (``abstract_split``, ``make_loss_fn``, ...) stays for code that works with a
+graphdef directly.
 Parameters are plain nested dicts whose '/'-joined paths (``blocks/attn/q/kernel``) are what
 precision overrides, sharding rules and LoRA targets match.
 """

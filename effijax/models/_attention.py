@@ -1,4 +1,4 @@
-"""Attention implementations, chosen by name (``GPTConfig.attention``), all with one signature.
+"""Attention implementations, chosen by name (a config's ``attention``), all with one signature.
 
 Every entry of :data:`ATTENTION` is ``fn(q_BSHK, k_BTHK, v_BTHK, *, causal=True,
 dropout_rate=0.0, dropout_key=None, segments_BS=None) -> out_BSHK`` with the same semantics
@@ -53,16 +53,9 @@ __all__ = [
 ]
 
 
-def attend(
-    q_BSHK: jax.Array,
-    k_BTHK: jax.Array,
-    v_BTHK: jax.Array,
-    *,
-    causal: bool = True,
-    dropout_rate: float = 0.0,
-    dropout_key: jax.Array | None = None,
-    segments_BS: jax.Array | None = None,
-) -> jax.Array:
+def attend(q_BSHK: jax.Array, k_BTHK: jax.Array, v_BTHK: jax.Array, *, causal: bool = True,
+           dropout_rate: float = 0.0, dropout_key: jax.Array | None = None,
+           segments_BS: jax.Array | None = None) -> jax.Array:
     """Naive multi-head attention: materialises the ``[B, H, S, T]`` scores.
 
     Scores and the weighted sum use :func:`dot` (f32 accumulation); the softmax runs in f32 and
@@ -123,16 +116,9 @@ def segment_mask(segments_BS: jax.Array, mask_ST: jax.Array | None = None) -> ja
     return mask_BST[:, None]
 
 
-def xla_attend(
-    q_BSHK: jax.Array,
-    k_BTHK: jax.Array,
-    v_BTHK: jax.Array,
-    *,
-    causal: bool = True,
-    dropout_rate: float = 0.0,
-    dropout_key: jax.Array | None = None,
-    segments_BS: jax.Array | None = None,
-) -> jax.Array:
+def xla_attend(q_BSHK: jax.Array, k_BTHK: jax.Array, v_BTHK: jax.Array, *, causal: bool = True,
+               dropout_rate: float = 0.0, dropout_key: jax.Array | None = None,
+               segments_BS: jax.Array | None = None) -> jax.Array:
     """Attention by ``jax.nn.dot_product_attention``: cuDNN's fused kernel where it applies.
 
     On a GPU with bf16/f16 inputs, a head width that is a multiple of 8 up to 128 and no dropout
@@ -285,16 +271,9 @@ def choose_attention(q_BSHK, *, dropout: bool, backend: str | None = None,
 _warned: set[str] = set()
 
 
-def auto_attend(
-    q_BSHK: jax.Array,
-    k_BTHK: jax.Array,
-    v_BTHK: jax.Array,
-    *,
-    causal: bool = True,
-    dropout_rate: float = 0.0,
-    dropout_key: jax.Array | None = None,
-    segments_BS: jax.Array | None = None,
-) -> jax.Array:
+def auto_attend(q_BSHK: jax.Array, k_BTHK: jax.Array, v_BTHK: jax.Array, *, causal: bool = True,
+                dropout_rate: float = 0.0, dropout_key: jax.Array | None = None,
+                segments_BS: jax.Array | None = None) -> jax.Array:
     """:func:`attend`'s semantics by the implementation :func:`choose_attention` picks.
 
     The choice is made when tracing, from static facts (dtype, head width, dropout, backend).
@@ -316,7 +295,7 @@ def auto_attend(
                                   segments_BS=segments_BS)
 
 
-# Attention implementations by ``GPTConfig.attention`` name, all with ``attend``'s signature.
+# Attention implementations by a config's ``attention`` name, all with ``attend``'s signature.
 ATTENTION: dict[str, Callable[..., jax.Array]] = {
     "naive": attend,
     "blockwise": blockwise_attend,

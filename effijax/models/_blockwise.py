@@ -55,6 +55,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from effijax.errors import whole_number
+
 __all__ = ["IMPLEMENTATIONS", "REMAT_POLICIES", "blockwise_attend", "check_qkv",
            "cudnn_unusable_reason"]
 
@@ -92,25 +94,11 @@ class _Spec(NamedTuple):
     dropout_rate: float
 
 
-def _check_block(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")
-    return value
-
-
-def blockwise_attend(
-    q_BSHK: jax.Array,
-    k_BTHK: jax.Array,
-    v_BTHK: jax.Array,
-    *,
-    causal: bool = True,
-    block_q: int = 128,
-    block_k: int = 128,
-    dropout_rate: float = 0.0,
-    dropout_key: jax.Array | None = None,
-    implementation: str | None = None,
-    segments_BS: jax.Array | None = None,
-) -> jax.Array:
+def blockwise_attend(q_BSHK: jax.Array, k_BTHK: jax.Array, v_BTHK: jax.Array, *,
+                     causal: bool = True, block_q: int = 128, block_k: int = 128,
+                     dropout_rate: float = 0.0, dropout_key: jax.Array | None = None,
+                     implementation: str | None = None,
+                     segments_BS: jax.Array | None = None) -> jax.Array:
     """Multi-head attention in blocks, with the semantics of :func:`~effijax.models.attend`.
 
     Memory is ``O(B·H·(S + T)·K)``: no ``[S, T]`` scores are kept for the backward pass (a
@@ -156,8 +144,8 @@ def blockwise_attend(
     groups = check_qkv("blockwise_attend", q_BSHK, k_BTHK, v_BTHK, causal=causal,
                        segments_BS=segments_BS)
     s, t = q_BSHK.shape[1], k_BTHK.shape[1]
-    block_q = min(_check_block("block_q", block_q), s)
-    block_k = min(_check_block("block_k", block_k), t)
+    block_q = min(whole_number("block_q", block_q), s)
+    block_k = min(whole_number("block_k", block_k), t)
     if not isinstance(dropout_rate, int | float) or not 0.0 <= dropout_rate < 1.0:
         raise ValueError(f"dropout_rate: expected a rate in [0, 1), got {dropout_rate!r}")
     if implementation not in IMPLEMENTATIONS:

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from effijax.lora import LoraSpec
-from effijax.models._layers import _constrain, _lora_hooks
+from effijax.models._layers import _constrain, _lora_hooks, _split_lora_params
 from effijax.precision import dot, softmax
 
 __all__ = ["KVCache", "init_cache", "cached_attend", "write_cache", "row_positions"]
@@ -218,23 +218,16 @@ def make_decode(graphdef: nnx.GraphDef, lora: LoraSpec | None = None, stack: str
         if lora is None:
             return nnx.merge(graphdef, params).decode(tokens_BS, cache, start, last=last,
                                                       layers=layers)
-        base, adapters = _base_and_adapters(params)
+        base, adapters = _split_lora_params(params)
         return nnx.merge(graphdef, base).decode(tokens_BS, cache, start, last=last,
                                                 adapters=adapters, lora=lora, layers=layers)
 
     def split(params):
-        base = params if lora is None else _base_and_adapters(params)[0]
+        base = params if lora is None else _split_lora_params(params)[0]
         return split_layers(base[stack])
 
     decode.split_layers = split
     return decode
-
-
-def _base_and_adapters(params):
-    if not (isinstance(params, dict) and set(params) == {"base", "adapters"}):
-        raise ValueError("with lora=spec, params must be {'base': params, 'adapters': "
-                         "adapters}")
-    return params["base"], params["adapters"]
 
 
 def select_last(x_BSD: jax.Array, last: jax.Array | None) -> jax.Array:

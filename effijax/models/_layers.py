@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from effijax.errors import ConfigError
+from effijax.errors import NO_VALUE, ConfigError
 from effijax.lora import LoraSpec, pairs, validate
 from effijax.precision import cross_entropy, dot, masked_mean
 from effijax.sharding import constrain_batch
@@ -57,7 +57,7 @@ def _dense(x_BSD: jax.Array, kernel_DF: jax.Array, bias_F: jax.Array | None,
 
     Every parameter matmul goes through here (the tied head too, with the embedding transposed),
     so LoRA hooks in here. A hook must reach tracing through the parameters or the static
-    graphdef, not through a module global: ``_run_blocks`` is jitted and reuses its traces.
+    graphdef, not through a module global: ``_run_layers`` is jitted and reuses its traces.
 
     With a LoRA hook the result is ``x @ kernel + (scale · x @ a) @ b + bias``: thin matmuls
     only (``d_in × r``, ``r × d_out``), no ``d_in × d_out`` delta, and since ``kernel`` is not
@@ -212,12 +212,12 @@ def _run_layers(x_BSD, stacked, keys_L, adapters=None, consts=(), *, graphdef: n
 
 
 def _split_lora_params(params) -> tuple[Any, Any]:
+    """``(base, adapters)`` of the ``{"base": ..., "adapters": ...}`` a LoRA pass takes."""
     if not (isinstance(params, dict) and set(params) == {"base", "adapters"}):
         got = sorted(params) if isinstance(params, dict) else type(params).__name__
-        raise ValueError(
-            "with lora=spec, params must be {'base': params, 'adapters': adapters} (the adapters "
-            f"from effijax.lora.init); got {got}"
-        )
+        raise ConfigError("params", NO_VALUE, "with lora=spec, params must be {'base': params, "
+                          "'adapters': adapters} (the adapters from effijax.lora.init); "
+                          f"got {got}")
     return params["base"], params["adapters"]
 
 
@@ -363,9 +363,8 @@ def check_call(module: nnx.Module, tokens_BS: jax.Array, adapters, lora, *, adap
     parameters, the tokens are integer ``[batch, seq]`` ids, and segments, when given, are
     integer ids of the tokens' shape."""
     if (adapters is None) != (lora is None):
-        raise ValueError(
-            "adapters and lora go together: pass the adapter tree and its LoraSpec, or neither"
-        )
+        raise ConfigError("adapters", NO_VALUE, "adapters and lora go together: pass the "
+                          "adapter tree and its LoraSpec, or neither")
     if lora is not None:
         if not isinstance(lora, LoraSpec):
             raise TypeError(f"lora: expected a LoraSpec, got {type(lora).__name__}")
@@ -375,13 +374,10 @@ def check_call(module: nnx.Module, tokens_BS: jax.Array, adapters, lora, *, adap
                                   "with effijax.lora.merge")
         validate(nnx.to_pure_dict(nnx.state(module, nnx.Param)), adapters, lora)
     if tokens_BS.ndim != 2 or not jnp.issubdtype(tokens_BS.dtype, jnp.integer):
-        raise ValueError(
-            f"tokens_BS: expected integer ids of shape [batch, seq], got "
-            f"{tokens_BS.dtype}{list(tokens_BS.shape)}"
-        )
+        raise ConfigError("tokens_BS", NO_VALUE, "expected integer ids of shape [batch, seq], "
+                          f"got {tokens_BS.dtype}{list(tokens_BS.shape)}")
     if segments_BS is not None and (segments_BS.shape != tokens_BS.shape
                                     or not jnp.issubdtype(segments_BS.dtype, jnp.integer)):
-        raise ValueError(
-            f"segments_BS: expected integer segment ids of the tokens' shape "
-            f"{list(tokens_BS.shape)}, got {segments_BS.dtype}{list(segments_BS.shape)}"
-        )
+        raise ConfigError("segments_BS", NO_VALUE, "expected integer segment ids of the tokens' "
+                          f"shape {list(tokens_BS.shape)}, got "
+                          f"{segments_BS.dtype}{list(segments_BS.shape)}")

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from effijax.errors import ConfigError
+from effijax.errors import ConfigError, whole_number
 
 __all__ = ["Tokenizer", "byte_level_bpe", "PRE_TOKENIZERS"]
 
@@ -135,10 +135,7 @@ class Tokenizer:
             raise ConfigError("spec", type(self.spec).__name__,
                               "expected the tokenizers JSON as a str (tokenizer.json's text)")
         for name in ("bos_id", "eos_id", "unk_id", "pad_id"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 0):
-                raise ConfigError(name, value, "expected a token id (int >= 0) or None")
+            whole_number(name, getattr(self, name), minimum=0, none=True)  # a token id
 
     @functools.cached_property
     def backend(self):
