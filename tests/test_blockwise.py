@@ -122,7 +122,7 @@ def test_dropout_matches_dense_reference_with_the_same_masks():
     [
         ({"k_len": 24}, r"causal=True\) needs S == T, got S=32, T=24"),
         ({"dtype_k": jnp.bfloat16}, "dtypes differ"),
-        ({"block_q": 0}, "block_q=0: must be a whole number from 1"),
+        ({"block_q": 0}, "block_q=0: must be an integer >= 1"),
         ({"dropout_rate": 1.0}, r"dropout_rate: expected a rate in \[0, 1\)"),
         ({"implementation": "triton"}, "implementation: unknown 'triton'"),
         ({"implementation": "cudnn", "dropout_rate": 0.1, "dropout_key": jax.random.key(0)},

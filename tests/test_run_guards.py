@@ -239,9 +239,9 @@ def test_a_resume_with_other_settings_is_refused_listing_each(stopped, corpus, t
 
 @pytest.mark.slow  # a shared 6-step run, and a resume of a copy
 @pytest.mark.parametrize("change, field, problem", [
-    ({"n_layers": "2"}, "run.model_config.n_layers", "'2': must be a whole number"),
+    ({"n_layers": "2"}, "run.model_config.n_layers", "'2': must be an integer"),
     ({"bogus": 1}, "run.model_config.bogus", "not a GPTConfig field"),
-    ({"seq_len": -5}, "run.model_config.seq_len", "-5: must be a whole number from 1"),
+    ({"seq_len": -5}, "run.model_config.seq_len", "-5: must be an integer >= 1"),
 ])
 def test_a_malformed_init_from_config_names_the_file_and_field(
         tmp_path, finished, corpus, capsys, change, field, problem):
