@@ -208,6 +208,7 @@ def machine() -> str:
 MACHINE = "AMD EPYC avx512f jax 0.10.2"  # where EXPECTED was recorded
 
 
+@pytest.mark.slow  # 9 models compiled three ways each: ~2 min on 2 cores
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_bit_identical_to_the_recorded_run(name):
     if machine() != MACHINE:
@@ -278,6 +279,7 @@ class _Biased(Llama):
 _BiasedConfig.decoder = _Biased
 
 
+@pytest.mark.slow  # a model of its own, trained and decoded: ~10 s
 def test_a_new_family_is_its_hooks():
     model = _BiasedConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, seq_len=16)
     params = model.init_params(jax.random.key(0))
