@@ -244,7 +244,7 @@ def _tokenizer_gguf(path, **fields):
     ({"token_type": ([1, 2], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32)},
      "has 2 entries; expected one per token"),
     ({"bos_token_id": (10**6, gguf.GGUFValueType.UINT32, None)},
-     "tokenizer.ggml.bos_token_id: 1000000; expected a token id from 0 to"),
+     "tokenizer.ggml.bos_token_id=1000000: must be an integer from 0 to 263"),
     ({"pre": ("no-such-split", gguf.GGUFValueType.STRING, None)}, "unknown pre-tokenizer"),
     ({"merges": (["x y"], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING)},
      "the tokenizers library refuses"),  # a merge of tokens not in the vocabulary
@@ -386,6 +386,23 @@ def test_shard_indexes_stay_inside_the_model_directory(files, tmp_path, target, 
     else:
         assert e.value.path == str(directory / "model.safetensors.index.json"), message
         assert expected in message and "weight_map['model.norm.weight']" in message
+
+
+def test_the_hugging_face_cache_layout_loads(files, tmp_path):
+    """A snapshot of the Hugging Face cache links each file to ``../../blobs/<hash>``: outside
+    the snapshot, but the cache's own layout, so the links are followed."""
+    directory, weight_map = _sharded(files, tmp_path)
+    repo = tmp_path / "models--x--tiny"
+    snapshot = repo / "snapshots" / "abc123"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for file in directory.iterdir():
+        shutil.copy(file, repo / "blobs" / file.name)
+        os.symlink(f"../../blobs/{file.name}", snapshot / file.name)
+    (repo / "blobs" / "index").write_text(json.dumps({"weight_map": weight_map}))
+    os.symlink("../../blobs/index", snapshot / "model.safetensors.index.json")
+    config, _ = load(snapshot)
+    assert config.n_layers == TINY.n_layers
 
 
 @pytest.mark.parametrize("index", ["[]", "{}", '{"weight_map": []}', '{"weight_map": {}}', "{",

@@ -103,6 +103,12 @@ class SafetensorsTensor(NamedTuple):
     shape: tuple[int, ...]
 
 
+def _whole(n, minimum: int = 0) -> bool:
+    """A JSON whole number (not a bool, not 2.0) of at least ``minimum`` (for checks over many
+    values; :func:`~effijax.errors.whole_number` is the one that raises)."""
+    return isinstance(n, int) and not isinstance(n, bool) and n >= minimum
+
+
 def _header_tensor(path: str, name: str, entry, data_size: int) -> tuple[int, int]:
     """Checks one header entry; returns its ``(begin, end)`` in the data section."""
     if not isinstance(entry, dict):
@@ -113,11 +119,11 @@ def _header_tensor(path: str, name: str, entry, data_size: int) -> tuple[int, in
         raise FileError(path, f"tensor {name!r}", f"dtype {dtype!r}; expected one of "
                         f"{', '.join(DTYPE_BYTES)}")
     if not isinstance(shape, list) or not all(
-            isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 2**53 for n in shape):
+            _whole(n) and n < 2**53 for n in shape):
         raise FileError(path, f"tensor {name!r}", f"shape {shape!r}; expected a list of "
                         "whole numbers >= 0")
     if (not isinstance(offsets, list) or len(offsets) != 2
-            or not all(isinstance(n, int) and not isinstance(n, bool) for n in offsets)
+            or not all(_whole(n) for n in offsets)
             or not 0 <= offsets[0] <= offsets[1] <= data_size):
         raise FileError(path, f"tensor {name!r}", f"data_offsets {offsets!r}; expected "
                         f"[begin, end] with 0 <= begin <= end <= {data_size:,} (the data "
@@ -179,7 +185,18 @@ def safetensors_header(path: str | os.PathLike) -> dict[str, SafetensorsTensor]:
             for name, entry in header.items()}
 
 
-def _inside(directory: str, index: str, name: str, file) -> str:
+def _roots(directory: str) -> list[str]:
+    """Where a model directory's files may really be: inside it, and for a snapshot of the
+    Hugging Face cache (``<repo>/snapshots/<revision>``), whose files are links to
+    ``<repo>/blobs/<hash>``, in that ``blobs`` folder too."""
+    root = os.path.realpath(directory)
+    parent = os.path.dirname(os.path.abspath(directory))
+    if os.path.basename(parent) == "snapshots":
+        return [root, os.path.realpath(os.path.join(parent, os.pardir, "blobs"))]
+    return [root]
+
+
+def _inside(directory: str, roots: list[str], index: str, name: str, file) -> str:
     """The path of a shard ``file`` the index names, which must stay inside ``directory``."""
     if not isinstance(file, str) or not file:
         raise FileError(index, f"weight_map[{name!r}]", f"{file!r}; expected a file name")
@@ -187,8 +204,8 @@ def _inside(directory: str, index: str, name: str, file) -> str:
         raise FileError(index, f"weight_map[{name!r}]", f"{file!r} leaves the model "
                         "directory; expected a file name inside it")
     path = os.path.join(directory, file)
-    real, root = os.path.realpath(path), os.path.realpath(directory)
-    if os.path.commonpath([real, root]) != root:
+    real = os.path.realpath(path)
+    if not any(os.path.commonpath([real, root]) == root for root in roots):
         raise FileError(index, f"weight_map[{name!r}]", f"{file!r} is a link out of the model "
                         "directory; expected a file inside it")
     if not os.path.isfile(path):
@@ -214,7 +231,9 @@ def shard_files(directory: str, index: str) -> dict[str, str]:
     weight_map = read_json(index, limit=MAX_CONFIG_BYTES).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise FileError(index, "weight_map", "expected an object of tensor name -> file name")
-    return {name: _inside(directory, index, name, file) for name, file in weight_map.items()}
+    roots = _roots(directory)
+    return {name: _inside(directory, roots, index, name, file)
+            for name, file in weight_map.items()}
 
 
 def whole_field(fields: Mapping[str, Any], key: str, limit: str, path: str, default=None) -> int:
@@ -301,8 +320,7 @@ def _check_tokenizer_json(path: str) -> None:
     vocab, merges = model.get("vocab"), model.get("merges", [])
     if vocab is not None and not (
             isinstance(vocab, list) or isinstance(vocab, dict) and all(
-                isinstance(i, int) and not isinstance(i, bool) and i >= 0
-                for i in vocab.values())):
+                _whole(i) for i in vocab.values())):
         raise FileError(path, "model.vocab", "expected an object of token -> id (ids >= 0) "
                         "or a list")
     if not isinstance(merges, list) or not all(
@@ -312,8 +330,7 @@ def _check_tokenizer_json(path: str) -> None:
     added = spec.get("added_tokens", [])
     if not isinstance(added, list) or not all(
             isinstance(t, dict) and isinstance(t.get("content"), str)
-            and isinstance(t.get("id"), int) and not isinstance(t.get("id"), bool)
-            and t["id"] >= 0 for t in added):
+            and _whole(t.get("id")) for t in added):
         raise FileError(path, "added_tokens", "expected a list of {content: str, id: int >= 0}")
 
 

@@ -21,7 +21,7 @@ import warnings
 
 import numpy as np
 
-from effijax.errors import ConfigError, FileError
+from effijax.errors import ConfigError, FileError, whole_number
 from effijax.interop._files import LIMITS, check_finite, check_size, number_field, whole_field
 from effijax.interop._gguf_check import check_gguf
 from effijax.interop._hf import DEFAULT_SEQ_LEN
@@ -121,11 +121,10 @@ def _check_tokenizer(metadata: dict, source: str) -> None:
     _token_list(metadata, "tokenizer.ggml.token_type", source, int, len(tokens))
     for name in ("bos", "eos", "unknown", "padding"):
         key = f"tokenizer.ggml.{name}_token_id"
-        value = metadata.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or not 0 <= value < len(tokens)):
-            raise FileError(source, key, f"{value!r}; expected a token id from 0 to "
-                            f"{len(tokens) - 1}")
+        try:  # a token id: a whole number below the vocabulary's size
+            whole_number(key, metadata.get(key), minimum=0, maximum=len(tokens) - 1, none=True)
+        except ConfigError as e:
+            raise FileError.of(source, e) from None
     for key in ("tokenizer.ggml.pre", "tokenizer.chat_template"):
         if metadata.get(key) is not None and not isinstance(metadata[key], str):
             raise FileError(source, key, f"{metadata[key]!r}; expected a string")

@@ -76,6 +76,9 @@ def load_tokenizer(path: str | os.PathLike, *, pre: str | None = None) -> Tokeni
     """The tokenizer of a GGUF file (its metadata) or of a directory (``tokenizer.json``).
 
     ``pre`` overrides a GGUF's pre-tokenizer name (see :func:`~effijax.interop.gguf_tokenizer`).
+
+    Raises:
+      FileError: no tokenizer, or a malformed tokenizer file (naming it and the field).
     """
     path = os.fspath(path)
     if _is_gguf(path):
@@ -86,9 +89,8 @@ def load_tokenizer(path: str | os.PathLike, *, pre: str | None = None) -> Tokeni
         return tokenizer
     tokenizer = hf_tokenizer(path)
     if tokenizer is None:
-        raise FileNotFoundError(f"no tokenizer.json in {path!r}; effijax reads fast-tokenizer "
-                                "files only (convert a slow tokenizer with transformers' "
-                                "save_pretrained)")
+        raise FileError(path, "tokenizer.json", "missing; effijax reads fast-tokenizer files "
+                        "only (convert a slow tokenizer with transformers' save_pretrained)")
     return tokenizer
 
 
