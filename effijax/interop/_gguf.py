@@ -4,7 +4,11 @@
 ...) into a :class:`~effijax.models.LlamaConfig`, the tokenizer from ``tokenizer.ggml.*`` (see
 :func:`effijax.models.byte_level_bpe`), and the tensors, dequantized with
 ``gguf.quants.dequantize`` (Q4_1, Q8_0, F16, ... to f32, then the parameter dtype). The file is
-memory-mapped, so a tensor is read when its parameter is assembled.
+memory-mapped, so a tensor is read when its parameter is assembled. Nothing in the file is
+trusted before it is checked: the layout by :func:`~effijax.interop._gguf_check.check_gguf`
+(counts, lengths and offsets against the file's size), the hyperparameters and tokenizer fields
+here (types, ranges, a model-size bound), the tensors' types and finiteness as they are read;
+each failure is one :class:`~effijax.errors.FileError` naming the file.
 
 Two conventions differ from Hugging Face's. GGUF lists shapes in ggml order (``(in, out)``), but
 the dequantized arrays are row-major ``(out, in)``, torch's layout. And llama.cpp's converter
