@@ -300,9 +300,10 @@ def _join_safetensors(header, body: bytes, length=None) -> bytes:
     return struct.pack("<Q", len(text) if length is None else length) + text + body
 
 
-_BAD_SHAPES = [[-1], [2.5], ["8"], [2**40, 2**40], None, "64", [True], [1, 2, 3, 4, 5, 6, 7]]
+_BAD_SHAPES = [[-1], [2.5], ["8"], [2**40, 2**40], None, "64", [True], [1, 2, 3, 4, 5, 6, 7],
+               [[64]], {}]
 _BAD_OFFSETS = [[0], [5, 2], [-8, 0], [0, 2**62], None, [0.0, 4.0], ["0", "4"], [True, 4]]
-_BAD_DTYPES = ["F33", "f32", "", None, 7, "I64", "BOOL", "F16"]
+_BAD_DTYPES = ["F33", "f32", "", None, 7, "I64", "BOOL", "F16", [], {"F32": 1}]
 
 
 def _safetensors_cases(valid: bytes, seed, n):
@@ -520,6 +521,8 @@ def test_config_json_fields_are_checked(files, tmp_path, edit, expected):
     ("tokenizer.json", lambda t: t["model"].update(type="Nope"), "tokenizers library cannot"),
     ("tokenizer_config.json", lambda t: t.update(bos_token=5), "bos_token: 5; expected"),
     ("tokenizer_config.json", lambda t: t.update(chat_template=7), "chat_template: expected"),
+    ("tokenizer_config.json", lambda t: t.update(chat_template=[{"name": [], "template": ""}]),
+     "chat_template: expected"),
     ("tokenizer_config.json", lambda t: t.update(add_bos_token="yes"), "add_bos_token: 'yes'"),
 ])
 def test_tokenizer_files_are_checked(files, tmp_path, file, edit, expected):

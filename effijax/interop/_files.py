@@ -115,11 +115,10 @@ def _header_tensor(path: str, name: str, entry, data_size: int) -> tuple[int, in
         raise FileError(path, f"tensor {name!r}", "expected an object with dtype, shape and "
                         "data_offsets")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in DTYPE_BYTES:
+    if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
         raise FileError(path, f"tensor {name!r}", f"dtype {dtype!r}; expected one of "
                         f"{', '.join(DTYPE_BYTES)}")
-    if not isinstance(shape, list) or not all(
-            _whole(n) and n < 2**53 for n in shape):
+    if not isinstance(shape, list) or not all(_whole(n) and n < 2**53 for n in shape):
         raise FileError(path, f"tensor {name!r}", f"shape {shape!r}; expected a list of "
                         "whole numbers >= 0")
     if (not isinstance(offsets, list) or len(offsets) != 2
@@ -338,7 +337,8 @@ def _check_tokenizer_config(path: str) -> None:
     config = read_json(path)
     template = config.get("chat_template")
     if not (template is None or isinstance(template, str) or isinstance(template, list) and all(
-            isinstance(t, dict) and isinstance(t.get("template"), str) for t in template)):
+            isinstance(t, dict) and isinstance(t.get("template"), str)
+            and isinstance(t.get("name", ""), str) for t in template)):
         raise FileError(path, "chat_template", "expected a string, or a list of {name, "
                         "template} objects")
     for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
@@ -348,7 +348,7 @@ def _check_tokenizer_config(path: str) -> None:
             raise FileError(path, name, f"{token!r}; expected a token string or "
                             "{content: str}")
     for name in ("add_bos_token", "add_eos_token"):
-        if not isinstance(config.get(name, False), bool):
+        if config.get(name) is not None and not isinstance(config[name], bool):
             raise FileError(path, name, f"{config[name]!r}; expected true or false")
 
 
