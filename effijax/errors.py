@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numbers
 
-__all__ = ["ConfigError", "SaveError", "NO_VALUE", "whole_number", "INT32_MAX"]
+__all__ = ["ConfigError", "FileError", "SaveError", "NO_VALUE", "whole_number", "INT32_MAX"]
 
 INT32_MAX = 2**31 - 1  # steps, batches, seeds and sizes that reach the device are int32
 
@@ -48,6 +48,58 @@ class ConfigError(ValueError):
           'lora_rank=0: must be >= 1'
         """
         return ConfigError(field, self.value, self.problem)
+
+
+def _one_line(text: str, limit: int) -> str:
+    """``text`` printable on one line (control characters escaped) and at most ``limit``
+    characters: a forged file's names and values are the attacker's text."""
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text)[:2 * limit])
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+class FileError(ConfigError):
+    """A file effijax reads (a GGUF, a safetensors file, ``config.json``, a tokenizer file, a
+    shard index) is malformed, or says something effijax refuses to trust. One line: the file,
+    where in it (a field, a tensor, a byte offset) and what was expected.
+
+    It is a :class:`ConfigError`, so every command reports it as one line and exits 2; unlike
+    one, it keeps its words when a caller renames it after a flag (the file is the culprit,
+    not the flag that named it).
+
+    Example:
+      >>> e = FileError("m.gguf", "tensor_count", "16777216 tensors cannot fit in 4,096 bytes")
+      >>> str(e)
+      'm.gguf: tensor_count: 16777216 tensors cannot fit in 4,096 bytes'
+      >>> str(e.renamed("--from")) == str(e)
+      True
+      >>> long = str(FileError("m.gguf", "key 'a\\nb'", "x" * 2000))  # one line, bounded
+      >>> len(long.splitlines()), len(long) < 1300
+      (1, True)
+    """
+
+    def __init__(self, path, where: str, problem: str):
+        self.path, self.where = str(path), _one_line(where, 200)
+        ValueError.__init__(self, f"{self.path}: {self.where}: {_one_line(problem, 1000)}")
+        self.field, self.value, self.problem = where, self.path, problem
+
+    def renamed(self, field: str) -> FileError:
+        """Itself: the message already names the file (see the class)."""
+        return self
+
+    @classmethod
+    def of(cls, path, error: ConfigError) -> FileError:
+        """A :class:`ConfigError` about a value read from ``path``, as an error about the file.
+
+        Example:
+          >>> str(FileError.of("config.json", ConfigError("hidden_size", 64.7, "not whole")))
+          'config.json: hidden_size=64.7: not whole'
+        """
+        if isinstance(error, FileError):
+            return error
+        where = error.field if error.value is NO_VALUE else f"{error.field}={error.value!r}"
+        out = cls(path, where, error.problem)
+        out.field, out.value = error.field, error.value  # the field in the file, its value
+        return out
 
 
 class SaveError(RuntimeError):

@@ -21,7 +21,7 @@ import pytest
 import safetensors.numpy
 from _llama_files import CHAT_TEMPLATE, VOCAB_SIZE, write_gguf
 
-from effijax.errors import ConfigError
+from effijax.errors import FileError
 from effijax.interop import load, load_gguf, load_hf, load_tokenizer, save_hf
 from effijax.models import Tokenizer, llama_config
 from effijax.paths import named_leaves
@@ -131,8 +131,9 @@ def test_hf_missing_extra_and_misshaped_tensors_are_all_named(tmp_path, params):
         tensors["model.norm.weight"] = np.zeros((65,), np.float32)
 
     _rewrite(tmp_path, edit)
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(FileError) as e:
         load_hf(tmp_path)
+    assert e.value.path == str(tmp_path)
     message = str(e.value)
     assert "1 tensor(s) missing: model.layers.1.mlp.up_proj.weight" in message
     assert "1 unexpected: model.layers.2.mlp.up_proj.weight" in message
@@ -143,8 +144,9 @@ def test_tied_checkpoint_with_a_different_head_is_refused(tmp_path):
     params = _random(TIED)
     save_hf(tmp_path, TIED, params)
     _rewrite(tmp_path, lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"] + 1}))
-    with pytest.raises(ConfigError, match="differs from model.embed_tokens"):
+    with pytest.raises(FileError, match="differs from model.embed_tokens") as e:
         load_hf(tmp_path)
+    assert e.value.path == str(tmp_path / "model.safetensors")
 
 
 @pytest.mark.parametrize("field, value", [("model_type", "mistral"), ("hidden_act", "gelu"),
@@ -157,9 +159,9 @@ def test_unsupported_architectures_name_the_field(tmp_path, params, field, value
     if field == "rope_scaling":
         del config["rope_parameters"]
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(FileError) as e:
         load_hf(tmp_path)
-    assert e.value.field == field
+    assert e.value.field == field and e.value.path == str(tmp_path / "config.json")
 
 
 # --------------------------------------------------------------------------------------------
@@ -206,8 +208,9 @@ def test_gguf_missing_extra_and_misshaped_tensors_are_all_named(tmp_path, params
     write_gguf(file, TINY, params, drop=("blk.0.ffn_gate.weight", "output_norm.weight"),
                extra={"blk.9.attn_q.weight": np.zeros((4, 4))},
                reshape={"blk.1.attn_v.weight": (16, 64)})
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(FileError) as e:
         load_gguf(file)
+    assert e.value.path == str(file)
     message = str(e.value)
     assert "2 tensor(s) missing: blk.0.ffn_gate.weight, output_norm.weight" in message
     assert "1 unexpected: blk.9.attn_q.weight" in message
@@ -217,7 +220,7 @@ def test_gguf_missing_extra_and_misshaped_tensors_are_all_named(tmp_path, params
 def test_gguf_of_another_architecture_is_refused(tmp_path, params):
     file = tmp_path / "gemma.gguf"
     write_gguf(file, TINY, params, architecture="gemma")
-    with pytest.raises(ConfigError, match="general.architecture='gemma'"):
+    with pytest.raises(FileError, match="gemma.gguf: general.architecture='gemma'"):
         load_gguf(file)
 
 

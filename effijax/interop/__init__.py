@@ -9,6 +9,9 @@ and exports that Hugging Face loads.
   (weights, ``config.json``, tokenizer files with the chat template), LoRA adapters merged in if
   given; :func:`save_peft` writes the adapters alone for ``peft.PeftModel.from_pretrained``.
 
+Every file is checked before it is trusted (GGUF layouts, safetensors headers, ``config.json``,
+tokenizer files, shard indexes that must stay inside the model directory); a bad one is one
+:class:`effijax.errors.FileError` naming the file, the field or offset and what was expected.
 ``gguf``, ``tokenizers`` and ``safetensors`` are imported when a function needs them.
 
 Example:

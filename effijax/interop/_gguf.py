@@ -4,7 +4,11 @@
 ...) into a :class:`~effijax.models.LlamaConfig`, the tokenizer from ``tokenizer.ggml.*`` (see
 :func:`effijax.models.byte_level_bpe`), and the tensors, dequantized with
 ``gguf.quants.dequantize`` (Q4_1, Q8_0, F16, ... to f32, then the parameter dtype). The file is
-memory-mapped, so a tensor is read when its parameter is assembled.
+memory-mapped, so a tensor is read when its parameter is assembled. Nothing in the file is
+trusted before it is checked: the layout by :func:`~effijax.interop._gguf_check.check_gguf`
+(counts, lengths and offsets against the file's size), the hyperparameters and tokenizer fields
+here (types, ranges, a model-size bound), the tensors' types and finiteness as they are read;
+each failure is one :class:`~effijax.errors.FileError` naming the file.
 
 Two conventions differ from Hugging Face's. GGUF lists shapes in ggml order (``(in, out)``), but
 the dequantized arrays are row-major ``(out, in)``, torch's layout. And llama.cpp's converter
@@ -21,14 +25,25 @@ import warnings
 
 import numpy as np
 
-from effijax.errors import ConfigError
+from effijax.errors import ConfigError, FileError, whole_number
+from effijax.interop._files import LIMITS, check_finite, check_size, number_field, whole_field
+from effijax.interop._gguf_check import check_gguf
 from effijax.interop._hf import DEFAULT_SEQ_LEN
 from effijax.interop._weights import TENSORS, assemble, check_tensors, expected_hf_shapes
 from effijax.models import LlamaConfig, Tokenizer, byte_level_bpe
 
-__all__ = ["load_gguf", "gguf_tokenizer", "permute", "unpermute", "read_metadata"]
+__all__ = ["load_gguf", "gguf_config", "gguf_tokenizer", "open_gguf", "permute", "unpermute",
+           "read_metadata"]
 
 _Q, _K = "self_attn.q_proj.weight", "self_attn.k_proj.weight"
+
+
+def _dequantized() -> frozenset:
+    """The ggml types ``gguf.quants.dequantize`` turns into floats."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import _type_traits
+
+    return frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, *_type_traits})
 
 
 def permute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -62,18 +77,75 @@ def read_metadata(reader) -> dict:
             if not name.startswith("GGUF.")}
 
 
+def open_gguf(source: str):
+    """A ``gguf.GGUFReader`` of a file whose layout :func:`check_gguf` has checked first."""
+    import gguf
+
+    if not os.path.isfile(source):
+        raise FileNotFoundError(f"no GGUF file at {source!r}")
+    check_gguf(source)
+    try:
+        return gguf.GGUFReader(source)
+    # The layout is checked, so this is a backstop for what the check does not look at.
+    except (ValueError, KeyError, IndexError, TypeError, OverflowError) as e:
+        raise FileError(source, "file", f"the gguf reader refuses it ({e})") from None
+
+
 def _f32(value) -> float:
     """A float stored as f32, as the shortest decimal that rounds to it (1e-05, not 9.99e-06)."""
     return float(str(np.float32(value)))
 
 
-def gguf_tokenizer(metadata: dict, *, pre: str | None = None) -> Tokenizer | None:
+def _token_list(metadata: dict, key: str, source: str, item: type, size: int | None):
+    """``metadata[key]``: None, or a list of ``item`` (of ``size`` entries when given)."""
+    value = metadata.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(v, item) and not isinstance(v, bool)
+                                              for v in value):
+        raise FileError(source, key, f"expected a list of {item.__name__}")
+    if size is not None and len(value) != size:
+        raise FileError(source, key, f"has {len(value):,} entries; expected one per token "
+                        f"({size:,})")
+    return value
+
+
+def _check_tokenizer(metadata: dict, source: str) -> None:
+    """The ``tokenizer.ggml.*`` fields :func:`byte_level_bpe` reads, checked for type and
+    range (it would fail on them with whatever the tokenizers library says)."""
+    tokens = _token_list(metadata, "tokenizer.ggml.tokens", source, str, None)
+    if not tokens or len(tokens) > LIMITS["vocab_size"]:
+        raise FileError(source, "tokenizer.ggml.tokens", f"expected 1 to "
+                        f"{LIMITS['vocab_size']:,} tokens")
+    merges = _token_list(metadata, "tokenizer.ggml.merges", source, str, None) or []
+    bad = next((m for m in merges if len(m.split(" ", 1)) != 2), None)
+    if bad is not None:
+        raise FileError(source, "tokenizer.ggml.merges", f"{bad!r} is not a pair; expected "
+                        "'left right'")
+    _token_list(metadata, "tokenizer.ggml.token_type", source, int, len(tokens))
+    for name in ("bos", "eos", "unknown", "padding"):
+        key = f"tokenizer.ggml.{name}_token_id"
+        try:  # a token id: a whole number below the vocabulary's size
+            whole_number(key, metadata.get(key), minimum=0, maximum=len(tokens) - 1, none=True)
+        except ConfigError as e:
+            raise FileError.of(source, e) from None
+    for key in ("tokenizer.ggml.pre", "tokenizer.chat_template"):
+        if metadata.get(key) is not None and not isinstance(metadata[key], str):
+            raise FileError(source, key, f"{metadata[key]!r}; expected a string")
+
+
+def gguf_tokenizer(metadata: dict, *, pre: str | None = None,
+                   source: str = "GGUF") -> Tokenizer | None:
     """The tokenizer a GGUF's ``tokenizer.*`` metadata describes (byte-level BPE), or None.
 
     Args:
       metadata: from :func:`read_metadata`.
       pre: override ``tokenizer.ggml.pre`` (e.g. ``"gpt2"``: the split ``transformers`` uses
         for every byte-level GGUF, which differs from SmolLM's on whitespace before digits).
+      source: the file, for the errors.
+
+    Raises:
+      FileError: the tokenizer metadata is malformed (naming ``source`` and the key).
 
     Warns:
       UserWarning: a tokenizer model other than ``gpt2`` (e.g. SentencePiece ``llama``), which
@@ -86,54 +158,69 @@ def gguf_tokenizer(metadata: dict, *, pre: str | None = None) -> Tokenizer | Non
         warnings.warn(f"GGUF tokenizer.ggml.model={kind!r} is not supported (byte-level BPE "
                       "'gpt2' only); the model is loaded without a tokenizer", stacklevel=3)
         return None
+    _check_tokenizer(metadata, source)
     get = metadata.get
-    return byte_level_bpe(
-        get("tokenizer.ggml.tokens"), get("tokenizer.ggml.merges") or [],
-        pre=pre or get("tokenizer.ggml.pre") or "default",
-        token_types=get("tokenizer.ggml.token_type"),
-        bos_id=get("tokenizer.ggml.bos_token_id"), eos_id=get("tokenizer.ggml.eos_token_id"),
-        unk_id=get("tokenizer.ggml.unknown_token_id"),
-        pad_id=get("tokenizer.ggml.padding_token_id"),
-        add_bos=bool(get("tokenizer.ggml.add_bos_token", False)),
-        add_eos=bool(get("tokenizer.ggml.add_eos_token", False)),
-        chat_template=get("tokenizer.chat_template"))
+    try:
+        return byte_level_bpe(
+            get("tokenizer.ggml.tokens"), get("tokenizer.ggml.merges") or [],
+            pre=pre or get("tokenizer.ggml.pre") or "default",
+            token_types=get("tokenizer.ggml.token_type"),
+            bos_id=get("tokenizer.ggml.bos_token_id"), eos_id=get("tokenizer.ggml.eos_token_id"),
+            unk_id=get("tokenizer.ggml.unknown_token_id"),
+            pad_id=get("tokenizer.ggml.padding_token_id"),
+            add_bos=bool(get("tokenizer.ggml.add_bos_token", False)),
+            add_eos=bool(get("tokenizer.ggml.add_eos_token", False)),
+            chat_template=get("tokenizer.chat_template"))
+    except ConfigError as e:
+        raise FileError.of(source, e) from None
+    except Exception as e:  # noqa: BLE001 (the tokenizers library raises plain Exception)
+        raise FileError(source, "tokenizer.ggml.*", "the tokenizers library refuses the "
+                        f"vocabulary ({str(e).splitlines()[0] if str(e) else e!r})") from None
 
 
 def _config(metadata: dict, tensors: dict, *, seq_len, tokenizer, source) -> LlamaConfig:
+    """The architecture; every field checked (naming the file and the key) before it is used."""
+    try:
+        config = _llama_config(metadata, tensors, seq_len=seq_len, tokenizer=tokenizer,
+                               source=source)
+    except ConfigError as e:
+        raise FileError.of(source, e) from None
+    check_size(config, source)
+    return config
+
+
+def _llama_config(metadata: dict, tensors: dict, *, seq_len, tokenizer, source) -> LlamaConfig:
     arch = metadata.get("general.architecture")
     if arch != "llama":
         raise ConfigError("general.architecture", arch,
-                          f"{source}: effijax loads Llama-family GGUFs ('llama') only")
+                          "effijax loads Llama-family GGUFs ('llama') only")
 
-    def need(key):
-        if f"llama.{key}" not in metadata:
-            raise ConfigError(f"llama.{key}", None, f"{source}: missing from the metadata")
-        return metadata[f"llama.{key}"]
+    def whole(key, limit, default=None):
+        return whole_field(metadata, f"llama.{key}", limit, source, default)
 
     if metadata.get("llama.rope.scaling.type", "none") not in ("none", None) or \
             "rope_freqs.weight" in tensors:
         raise ConfigError("llama.rope.scaling.type", metadata.get("llama.rope.scaling.type",
                                                                   "rope_freqs.weight"),
-                          f"{source}: rotary scaling from GGUF is not supported; load the "
+                          "rotary scaling from GGUF is not supported; load the "
                           "Hugging Face checkpoint instead")
-    d, heads = int(need("embedding_length")), int(need("attention.head_count"))
-    head_dim = int(metadata.get("llama.attention.key_length", d // heads))
-    rope_dim = int(metadata.get("llama.rope.dimension_count", head_dim))
+    d, heads = whole("embedding_length", "d_model"), whole("attention.head_count", "n_heads")
+    head_dim = whole("attention.key_length", "head_dim", max(d // heads, 1))
+    rope_dim = whole("rope.dimension_count", "head_dim", head_dim)
     if rope_dim != head_dim:
         raise ConfigError("llama.rope.dimension_count", rope_dim,
-                          f"{source}: partial rotary embeddings (head_dim {head_dim}) are not "
-                          "supported")
-    vocab = metadata.get("llama.vocab_size")
-    if vocab is None:  # older files: the embedding's rows
-        vocab = tensors["token_embd.weight"][0] if "token_embd.weight" in tensors else \
-            len(metadata.get("tokenizer.ggml.tokens", ()))
-    max_position = int(metadata.get("llama.context_length", 2048))
+                          f"partial rotary embeddings (head_dim {head_dim}) are not supported")
+    # Older files have no vocab_size: the embedding's rows, or the tokenizer's size.
+    vocab = (tensors["token_embd.weight"][0] if "token_embd.weight" in tensors else
+             len(metadata.get("tokenizer.ggml.tokens") or ()))
+    max_position = whole("context_length", "max_position", 2048)
     return LlamaConfig(
-        vocab_size=int(vocab), d_model=d, n_layers=int(need("block_count")), n_heads=heads,
-        n_kv_heads=int(metadata.get("llama.attention.head_count_kv", heads)), head_dim=head_dim,
-        d_ff=int(need("feed_forward_length")),
-        rope_theta=_f32(metadata.get("llama.rope.freq_base", 10000.0)),
-        rms_eps=_f32(need("attention.layer_norm_rms_epsilon")),
+        vocab_size=whole("vocab_size", "vocab_size", vocab), d_model=d,
+        n_layers=whole("block_count", "n_layers"), n_heads=heads,
+        n_kv_heads=whole("attention.head_count_kv", "n_kv_heads", heads), head_dim=head_dim,
+        d_ff=whole("feed_forward_length", "d_ff"),
+        rope_theta=_f32(number_field(metadata, "llama.rope.freq_base", source, 10000.0)),
+        rms_eps=_f32(number_field(metadata, "llama.attention.layer_norm_rms_epsilon", source)),
         tie_embeddings="output.weight" not in tensors,
         seq_len=min(max_position, DEFAULT_SEQ_LEN) if seq_len is None else seq_len,
         max_position=max_position, tokenizer=tokenizer)
@@ -141,13 +228,13 @@ def _config(metadata: dict, tensors: dict, *, seq_len, tokenizer, source) -> Lla
 
 def gguf_config(path: str | os.PathLike, *, seq_len: int | None = None) -> LlamaConfig:
     """The architecture a GGUF file describes, from its metadata and tensor shapes alone (no
-    tensor is read, no tokenizer built): what :func:`effijax.memory` needs of a model."""
-    import gguf
+    tensor is read, no tokenizer built): what :func:`effijax.memory` needs of a model.
 
+    Raises:
+      FileError: the file is malformed or describes an unsupported or implausible model.
+    """
     source = os.fspath(path)
-    if not os.path.isfile(source):
-        raise FileNotFoundError(f"no GGUF file at {source!r}")
-    reader = gguf.GGUFReader(source)
+    reader = open_gguf(source)
     shapes = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
     return _config(read_metadata(reader), shapes, seq_len=seq_len, tokenizer=None,
                    source=source)
@@ -169,22 +256,21 @@ def load_gguf(path: str | os.PathLike, *, policy=None, shardings=None,
       ``(config, params)``, ``params`` matching ``config.abstract_params(policy)``.
 
     Raises:
-      ConfigError: another architecture, unsupported features, or tensors missing, unexpected
-        or misshaped (all named at once).
+      FileNotFoundError: no such file.
+      FileError: a malformed file (its layout is checked before anything is read), another
+        architecture, unsupported features, tensors missing, unexpected or misshaped (all
+        named at once), or of a type that is not dequantized.
     """
-    import gguf
     from gguf.quants import dequantize
 
     source = os.fspath(path)
-    if not os.path.isfile(source):
-        raise FileNotFoundError(f"no GGUF file at {source!r}")
-    reader = gguf.GGUFReader(source)
+    reader = open_gguf(source)
     metadata = read_metadata(reader)
     tensors = {t.name: t for t in reader.tensors}  # views into the memory-mapped file
     # ggml lists dimensions fastest-first: reversed, they are torch's (out, in).
     shapes = {name: tuple(int(n) for n in reversed(t.shape)) for name, t in tensors.items()}
     config = _config(metadata, shapes, seq_len=seq_len,
-                     tokenizer=gguf_tokenizer(metadata, pre=pre), source=source)
+                     tokenizer=gguf_tokenizer(metadata, pre=pre, source=source), source=source)
     # The reader's parsed fields (a numpy array per vocabulary string: ~200 MB for SmolLM2's
     # 49152 tokens and 48900 merges) are not needed past this point; the tensors keep the map.
     del reader, metadata
@@ -194,10 +280,18 @@ def load_gguf(path: str | os.PathLike, *, policy=None, shardings=None,
             to_gguf[hf.format(i=layer)] = gg.format(i=layer)
     expected = {to_gguf[name]: shape for name, (_, _, shape) in expected_hf_shapes(config).items()}
     check_tensors(expected, shapes, source=source)
+    dequantized = _dequantized()
+    for name in expected:
+        if tensors[name].tensor_type not in dequantized:
+            raise FileError(source, f"tensor {name!r}", f"type "
+                            f"{tensors[name].tensor_type.name} is not a weight type effijax "
+                            f"dequantizes ({', '.join(sorted(t.name for t in dequantized))})")
 
     def read(hf_name: str) -> np.ndarray:
         t = tensors[to_gguf[hf_name]]
-        w = dequantize(t.data, t.tensor_type).reshape(shapes[t.name])
+        with np.errstate(all="ignore"):  # a forged scale overflows: said just below
+            w = dequantize(t.data, t.tensor_type).reshape(shapes[t.name])
+        check_finite(source, t.name, w)
         if hf_name.endswith(_Q):
             w = unpermute(w, config.n_heads)
         elif hf_name.endswith(_K):

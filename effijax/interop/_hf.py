@@ -17,7 +17,19 @@ from typing import Any
 
 import numpy as np
 
-from effijax.errors import ConfigError
+from effijax.errors import ConfigError, FileError
+from effijax.interop._files import (
+    MAX_CONFIG_BYTES,
+    SafetensorsTensor,
+    check_finite,
+    check_size,
+    check_tokenizer_files,
+    number_field,
+    read_json,
+    safetensors_header,
+    shard_files,
+    whole_field,
+)
 from effijax.interop._weights import (
     TENSORS,
     assemble,
@@ -30,7 +42,7 @@ from effijax.interop._weights import (
 from effijax.models import LlamaConfig, Tokenizer
 from effijax.paths import named_leaves
 
-__all__ = ["config_from_hf", "hf_config", "load_hf", "save_hf", "DEFAULT_SEQ_LEN"]
+__all__ = ["config_from_hf", "hf_config", "load_hf", "save_hf", "hf_tokenizer", "DEFAULT_SEQ_LEN"]
 
 #: The training window of a loaded model when none is asked for (capped by its context).
 DEFAULT_SEQ_LEN = 2048
@@ -39,35 +51,57 @@ _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
 
 
-def _rope_from_hf(fields: dict) -> tuple[float, tuple | None]:
+def _rope_from_hf(fields: dict, source: str) -> tuple[float, tuple | None]:
     """``(rope_theta, rope_scaling)`` from a config in either transformers 4's or 5's spelling."""
+    for key in ("rope_parameters", "rope_scaling"):
+        if fields.get(key) is not None and not isinstance(fields[key], dict):
+            raise FileError(source, key, f"{fields[key]!r}; expected an object or null")
     params = fields.get("rope_parameters") or {}
     legacy = fields.get("rope_scaling") or {}
-    theta = params.get("rope_theta", fields.get("rope_theta", 10000.0))
+    theta = number_field(params if params.get("rope_theta") is not None else fields,
+                         "rope_theta", source, 10000.0)
     scaling = {**legacy, **params}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind in (None, "default"):
-        return float(theta), None
+        return theta, None
     if kind == "llama3":
-        return float(theta), (float(scaling["factor"]), float(scaling["low_freq_factor"]),
-                              float(scaling["high_freq_factor"]),
-                              int(scaling["original_max_position_embeddings"]))
+        return theta, (*(number_field(scaling, key, source) for key in
+                         ("factor", "low_freq_factor", "high_freq_factor")),
+                       whole_field(scaling, "original_max_position_embeddings", "max_position",
+                                   source))
     raise ConfigError("rope_scaling", kind, "effijax's Llama implements the default rotary "
                       "embedding and Llama 3's ('llama3') scaling only")
 
 
+#: config.json's integer fields, and the :class:`LlamaConfig` field whose limit bounds each.
+_INT_FIELDS = {"vocab_size": "vocab_size", "hidden_size": "d_model",
+               "intermediate_size": "d_ff", "num_hidden_layers": "n_layers",
+               "num_attention_heads": "n_heads", "num_key_value_heads": "n_kv_heads",
+               "head_dim": "head_dim", "max_position_embeddings": "max_position"}
+#: Optional ones, with their defaults (0: the value another field gives).
+_INT_DEFAULTS = {"num_key_value_heads": 0, "head_dim": 0, "max_position_embeddings": 2048}
+
+
 def config_from_hf(fields: dict, *, seq_len: int | None = None,
-                   tokenizer: Tokenizer | None = None) -> LlamaConfig:
+                   tokenizer: Tokenizer | None = None,
+                   source: str = "config.json") -> LlamaConfig:
     """A :class:`LlamaConfig` from a Hugging Face ``config.json`` dict.
+
+    Every field is checked before it is used: integers are whole numbers within
+    :data:`~effijax.interop._files.LIMITS` (``hidden_size 64.7`` is refused, not truncated),
+    required keys are present, and the model is at most
+    :data:`~effijax.interop._files.MAX_PARAMS` parameters.
 
     Args:
       fields: the parsed ``config.json`` (``model_type`` "llama").
       seq_len: the training window; default ``min(max_position_embeddings, 2048)``.
       tokenizer: attached to the config.
+      source: the file ``fields`` came from, for the errors.
 
     Raises:
-      ConfigError: not a Llama, or a feature effijax's Llama lacks (biases, another
-        activation, another rotary scaling), naming the field.
+      FileError: naming ``source`` and the field: not a Llama, a feature effijax's Llama
+        lacks (biases, another activation, another rotary scaling), a missing key, a value of
+        the wrong type or out of range.
 
     Example:
       >>> import dataclasses
@@ -78,24 +112,38 @@ def config_from_hf(fields: dict, *, seq_len: int | None = None,
       >>> config == dataclasses.replace(llama_config("llama-tiny"), rms_eps=1e-6, seq_len=256)
       True
     """
+    try:
+        config = _config_from_hf(fields, seq_len=seq_len, tokenizer=tokenizer, source=source)
+    except ConfigError as e:
+        raise FileError.of(source, e) from None
+    check_size(config, source)
+    return config
+
+
+def _config_from_hf(fields: dict, *, seq_len, tokenizer, source) -> LlamaConfig:
     if fields.get("model_type") != "llama":
         raise ConfigError("model_type", fields.get("model_type"),
                           "effijax loads Llama-family models (model_type 'llama') only")
     for name, allowed in (("hidden_act", ("silu", None)), ("attention_bias", (False, None)),
                           ("mlp_bias", (False, None)), ("pretraining_tp", (1, None))):
-        if fields.get(name) not in allowed:
+        if fields.get(name) not in allowed or fields.get(name) is True:  # True == 1
             raise ConfigError(name, fields.get(name), f"effijax's Llama supports {allowed[0]!r} "
                               "only")
-    theta, scaling = _rope_from_hf(fields)
-    max_position = int(fields.get("max_position_embeddings", 2048))
-    heads = int(fields["num_attention_heads"])
+    if not isinstance(fields.get("tie_word_embeddings", False), bool):
+        raise ConfigError("tie_word_embeddings", fields["tie_word_embeddings"],
+                          "expected true or false")
+    ints = {key: whole_field(fields, key, limit, source, _INT_DEFAULTS.get(key))
+            for key, limit in _INT_FIELDS.items()}
+    theta, scaling = _rope_from_hf(fields, source)
+    max_position = ints["max_position_embeddings"]
     return LlamaConfig(
-        vocab_size=int(fields["vocab_size"]), d_model=int(fields["hidden_size"]),
-        n_layers=int(fields["num_hidden_layers"]), n_heads=heads,
-        n_kv_heads=int(fields.get("num_key_value_heads") or heads),
-        head_dim=fields.get("head_dim"), d_ff=int(fields["intermediate_size"]),
-        rope_theta=theta, rope_scaling=scaling, rms_eps=float(fields.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(fields.get("tie_word_embeddings", False)),
+        vocab_size=ints["vocab_size"], d_model=ints["hidden_size"],
+        n_layers=ints["num_hidden_layers"], n_heads=ints["num_attention_heads"],
+        n_kv_heads=ints["num_key_value_heads"] or ints["num_attention_heads"],
+        head_dim=ints["head_dim"] or None, d_ff=ints["intermediate_size"],
+        rope_theta=theta, rope_scaling=scaling,
+        rms_eps=number_field(fields, "rms_norm_eps", source, 1e-6),
+        tie_embeddings=fields.get("tie_word_embeddings", False),
         seq_len=min(max_position, DEFAULT_SEQ_LEN) if seq_len is None else seq_len,
         max_position=max_position, tokenizer=tokenizer)
 
@@ -150,22 +198,56 @@ def hf_config(model: LlamaConfig, *, dtype: str = "float32") -> dict:
     }
 
 
-def _weight_files(directory: str) -> dict[str, str]:
-    """``{tensor name: file}`` from the index, or every name of ``model.safetensors``."""
-    import safetensors
+#: The dtypes a weight may be stored in (an integer or boolean tensor is not a weight).
+_FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 
+
+def _weight_files(directory: str) -> dict[str, str]:
+    """``{tensor name: file}`` from the index (every file inside ``directory``), or every name
+    of ``model.safetensors``."""
     index = os.path.join(directory, _INDEX)
-    if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        return {name: os.path.join(directory, file) for name, file in weight_map.items()}
+    if os.path.exists(index):
+        return shard_files(directory, index)
     single = os.path.join(directory, _SINGLE)
     if not os.path.isfile(single):
-        raise FileNotFoundError(
-            f"no {_SINGLE} or {_INDEX} in {directory!r}; effijax reads safetensors only "
-            "(convert pytorch_model.bin with transformers' save_pretrained)")
-    with safetensors.safe_open(single, framework="numpy") as f:
-        return {name: single for name in f.keys()}
+        raise FileError(directory, _SINGLE, f"missing, and no {_INDEX}; effijax reads "
+                        "safetensors only (convert pytorch_model.bin with transformers' "
+                        "save_pretrained)")
+    return {name: single for name in safetensors_header(single)}
+
+
+def _found_tensors(directory: str, files: dict[str, str]) -> dict[str, SafetensorsTensor]:
+    """Each tensor the directory offers, checked to be where the index says."""
+    headers = {file: safetensors_header(file) for file in sorted(set(files.values()))}
+    for name, file in files.items():
+        if name not in headers[file]:
+            raise FileError(os.path.join(directory, _INDEX), f"weight_map[{name!r}]",
+                            f"{os.path.basename(file)} holds no tensor {name!r}")
+    return {name: headers[file][name] for name, file in files.items()}
+
+
+def hf_tokenizer(directory: str) -> Tokenizer | None:
+    """The tokenizer of a model directory (``tokenizer.json`` and ``tokenizer_config.json``),
+    its files checked and parsed now; None when there is no ``tokenizer.json``.
+
+    Raises:
+      FileError: a tokenizer file is malformed, naming it and the field.
+    """
+    path = os.path.join(directory, "tokenizer.json")
+    if not os.path.exists(path):
+        return None
+    check_tokenizer_files(directory)
+    try:
+        tokenizer = Tokenizer.load(directory)
+    except ConfigError as e:
+        raise FileError.of(os.path.join(directory, "tokenizer_config.json"), e) from None
+    try:
+        _ = tokenizer.backend  # parsed here, so that a spec the library refuses is named now
+    except Exception as e:  # noqa: BLE001 (the tokenizers library raises plain Exception)
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise FileError(path, "file", f"the tokenizers library cannot read it ({first})") \
+            from None
+    return tokenizer
 
 
 def _ignored(name: str) -> bool:
@@ -176,6 +258,9 @@ def _ignored(name: str) -> bool:
 def load_hf(directory: str | os.PathLike, *, policy=None, shardings=None,
             seq_len: int | None = None) -> tuple[LlamaConfig, dict]:
     """Loads a Hugging Face ``LlamaForCausalLM`` directory.
+
+    Every file is checked before it is trusted (see :mod:`effijax.interop._files`): the
+    config's fields, the tokenizer files, each safetensors header and the shard index.
 
     Args:
       directory: holds ``config.json`` and ``model.safetensors`` (or sharded safetensors with
@@ -190,39 +275,36 @@ def load_hf(directory: str | os.PathLike, *, policy=None, shardings=None,
       ``(config, params)`` with ``params`` matching ``config.abstract_params(policy)``.
 
     Raises:
-      FileNotFoundError: no config or weights.
-      ConfigError: an unsupported architecture, or tensors missing, unexpected or misshaped
-        (all named at once).
+      FileNotFoundError: no config.json.
+      FileError: a file is malformed or missing, the architecture is unsupported, or tensors
+        are missing, unexpected or misshaped (all named at once).
     """
-    import safetensors
-
     directory = os.fspath(directory)
     config_path = os.path.join(directory, "config.json")
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"no config.json in {directory!r}")
-    with open(config_path) as f:
-        fields = json.load(f)
-    tokenizer = None
-    if os.path.isfile(os.path.join(directory, "tokenizer.json")):
-        tokenizer = Tokenizer.load(directory)
-    config = config_from_hf(fields, seq_len=seq_len, tokenizer=tokenizer)
+    fields = read_json(config_path, limit=MAX_CONFIG_BYTES)
+    config = config_from_hf(fields, seq_len=seq_len, tokenizer=hf_tokenizer(directory),
+                            source=config_path)
     files = _weight_files(directory)
-    found = {}
-    for file in sorted(set(files.values())):
-        with safetensors.safe_open(file, framework="numpy") as f:
-            for name in f.keys():
-                found[name] = tuple(f.get_slice(name).get_shape())
+    tensors = _found_tensors(directory, files)
+    found = {name: t.shape for name, t in tensors.items()}
     expected = expected_hf_shapes(config)
     if config.tie_embeddings and "lm_head.weight" in found:
         # Some exporters write the tied head too; it must be the embedding.
         expected["lm_head.weight"] = ("", None, found["lm_head.weight"])
     check_tensors({n: shape for n, (_, _, shape) in expected.items()}, found,
                   source=directory, ignored=_ignored)
+    for name in expected:
+        if tensors[name].dtype not in _FLOAT_DTYPES:
+            raise FileError(files[name], f"tensor {name!r}", f"dtype {tensors[name].dtype}; "
+                            f"expected a floating-point one ({', '.join(_FLOAT_DTYPES)})")
     if config.tie_embeddings and "lm_head.weight" in found:
         head, emb = (_read(files, n) for n in ("lm_head.weight", "model.embed_tokens.weight"))
         if not np.array_equal(head, emb):
-            raise ConfigError("tie_word_embeddings", True, f"{directory!r} has an lm_head.weight "
-                              "that differs from model.embed_tokens.weight")
+            raise FileError(files["lm_head.weight"], "lm_head.weight", "differs from "
+                            "model.embed_tokens.weight, but config.json ties them "
+                            "(tie_word_embeddings true)")
     params = assemble(config, lambda name: _read(files, name), policy=policy,
                       shardings=shardings)
     return config, params
@@ -231,8 +313,11 @@ def load_hf(directory: str | os.PathLike, *, policy=None, shardings=None,
 def _read(files: dict[str, str], name: str) -> np.ndarray:
     import safetensors
 
-    with safetensors.safe_open(files[name], framework="numpy") as f:
-        return f.get_tensor(name)
+    try:
+        with safetensors.safe_open(files[name], framework="numpy") as f:
+            return check_finite(files[name], name, f.get_tensor(name))
+    except safetensors.SafetensorError as e:  # what the header check cannot see
+        raise FileError(files[name], f"tensor {name!r}", f"cannot be read ({e})") from None
 
 
 def _merged_leaf(path: str, leaf, adapters, lora):

@@ -5,12 +5,17 @@ Llama module names (the merged model goes out through :func:`~effijax.interop.sa
 
 from __future__ import annotations
 
-import json
 import os
 
-from effijax.errors import ConfigError
-from effijax.interop._gguf import gguf_config, gguf_tokenizer, load_gguf, read_metadata
-from effijax.interop._hf import config_from_hf, hf_config, load_hf  # noqa: F401 (doctest)
+from effijax.errors import ConfigError, FileError
+from effijax.interop._files import MAX_CONFIG_BYTES, read_json
+from effijax.interop._gguf import gguf_config, gguf_tokenizer, load_gguf, open_gguf, read_metadata
+from effijax.interop._hf import (  # noqa: F401 (hf_config, load_hf: the doctests)
+    config_from_hf,
+    hf_config,
+    hf_tokenizer,
+    load_hf,
+)
 from effijax.interop._weights import TENSORS, hf_name
 from effijax.lora import LoraSpec, export_peft, pairs
 from effijax.models import LlamaConfig, Tokenizer
@@ -63,28 +68,30 @@ def read_config(path: str | os.PathLike, *, seq_len: int | None = None) -> Llama
     if not os.path.isfile(config_file):
         raise FileNotFoundError(f"{path!r} is neither a GGUF file, a Hugging Face config.json "
                                 "nor a directory holding one")
-    try:
-        with open(config_file) as f:
-            fields = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError("config", config_file, f"not a readable JSON file ({e})") from None
-    return config_from_hf(fields, seq_len=seq_len)
+    return config_from_hf(read_json(config_file, limit=MAX_CONFIG_BYTES), seq_len=seq_len,
+                          source=config_file)
 
 
 def load_tokenizer(path: str | os.PathLike, *, pre: str | None = None) -> Tokenizer:
     """The tokenizer of a GGUF file (its metadata) or of a directory (``tokenizer.json``).
 
     ``pre`` overrides a GGUF's pre-tokenizer name (see :func:`~effijax.interop.gguf_tokenizer`).
-    """
-    import gguf
 
+    Raises:
+      FileError: no tokenizer, or a malformed tokenizer file (naming it and the field).
+    """
     path = os.fspath(path)
     if _is_gguf(path):
-        tokenizer = gguf_tokenizer(read_metadata(gguf.GGUFReader(path)), pre=pre)
+        tokenizer = gguf_tokenizer(read_metadata(open_gguf(path)), pre=pre, source=path)
         if tokenizer is None:
-            raise ConfigError("path", path, "the GGUF file describes no supported tokenizer")
+            raise FileError(path, "tokenizer.ggml.model", "the GGUF file describes no "
+                            "supported tokenizer")
         return tokenizer
-    return Tokenizer.load(path)
+    tokenizer = hf_tokenizer(path)
+    if tokenizer is None:
+        raise FileError(path, "tokenizer.json", "missing; effijax reads fast-tokenizer files "
+                        "only (convert a slow tokenizer with transformers' save_pretrained)")
+    return tokenizer
 
 
 _HF_MODULES = {path: hf.rsplit(".weight", 1)[0] for path, (hf, _) in TENSORS.items()

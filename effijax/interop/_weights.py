@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from effijax.errors import ConfigError
+from effijax.errors import ConfigError, FileError
 from effijax.models import LlamaConfig
 from effijax.paths import named_leaves
 
@@ -111,7 +111,8 @@ def _listing(names) -> str:
 
 def check_tensors(expected: Mapping[str, tuple], found: Mapping[str, tuple], *, source: str,
                   ignored: Callable[[str], bool] = lambda name: False) -> None:
-    """Raises one :class:`ConfigError` naming every missing, unexpected and misshaped tensor.
+    """Raises one :class:`~effijax.errors.FileError` naming every missing, unexpected and
+    misshaped tensor.
 
     Args:
       expected: ``{name: shape}`` the model needs.
@@ -123,7 +124,7 @@ def check_tensors(expected: Mapping[str, tuple], found: Mapping[str, tuple], *, 
       >>> check_tensors({"a": (2,), "b": (3,)}, {"a": (2,), "c": (1,)}, source="x")
       Traceback (most recent call last):
       ...
-      effijax.errors.ConfigError: source='x': 1 tensor(s) missing: b; 1 unexpected: c
+      effijax.errors.FileError: x: tensors: 1 tensor(s) missing: b; 1 unexpected: c
     """
     missing = [n for n in expected if n not in found]
     unexpected = [n for n in found if n not in expected and not ignored(n)]
@@ -137,7 +138,7 @@ def check_tensors(expected: Mapping[str, tuple], found: Mapping[str, tuple], *, 
     if misshaped:
         problems.append(f"{len(misshaped)} misshaped: {_listing(misshaped)}")
     if problems:
-        raise ConfigError("source", source, "; ".join(problems))
+        raise FileError(source, "tensors", "; ".join(problems))
 
 
 def _leaf_shardings(shardings, abstract) -> dict[str, Any]:

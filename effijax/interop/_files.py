@@ -1,0 +1,371 @@
+"""The files of a Hugging Face model directory, checked before anything trusts them.
+
+A model directory is read by several parsers (JSON, safetensors, the tokenizers library), each
+of which fails in its own way on a damaged file, or believes a forged number: a safetensors
+header may declare 2^62 bytes, an index may point at ``../../etc/passwd``, a ``config.json``
+may ask for 10^9 layers. Here every file is checked first, bounded by its own size and by sane
+limits, and any failure is one :class:`~effijax.errors.FileError` naming the file, the field
+(or tensor, or byte) and what was expected:
+
+* :func:`read_json`: a regular file, not too large, UTF-8 JSON, an object.
+* :func:`safetensors_header`: the header's length within the file and 100 MB, each tensor's
+  dtype known, shape a list of whole numbers, bytes inside the data and apart from the others.
+* :func:`shard_files`: ``model.safetensors.index.json``'s ``weight_map`` names files inside the
+  model directory (no ``..``, no absolute path, no link out of it).
+* :func:`check_size`: an architecture's sizes within :data:`LIMITS` before anything is built.
+* :func:`check_tokenizer_files`: ``tokenizer.json`` and ``tokenizer_config.json``'s fields.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import stat
+import struct
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+from effijax.errors import ConfigError, FileError, whole_number
+
+__all__ = ["LIMITS", "MAX_PARAMS", "MAX_CONFIG_BYTES", "read_json", "SafetensorsTensor",
+           "safetensors_header", "shard_files", "check_finite", "check_size", "whole_field",
+           "number_field", "check_tokenizer_files", "DTYPE_BYTES"]
+
+#: The largest size of each architecture field effijax believes a file about (far above any
+#: released model: Llama 3.1 405B has 126 layers, a 128,256 vocabulary and 16,384 wide layers).
+LIMITS: dict[str, int] = {
+    "vocab_size": 10_000_000, "d_model": 2**17, "n_layers": 1000, "n_heads": 2**12,
+    "n_kv_heads": 2**12, "head_dim": 2**12, "d_ff": 2**20, "max_position": 2**24,
+}
+#: The most parameters a model read from a file may have (checked before anything is built).
+MAX_PARAMS = 10**13
+
+#: The largest config.json or shard index read (a real one is a few KB).
+MAX_CONFIG_BYTES = 16 * 2**20
+_MAX_HEADER = 100 * 2**20  # a safetensors JSON header (a real one is a few hundred KB)
+_MAX_JSON = 256 * 2**20  # a tokenizer.json is tens of MB at most
+
+#: safetensors' dtypes and their sizes in bytes.
+DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2,
+               "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
+def _regular_size(path: str) -> int:
+    """The size of ``path``, which must be a regular file (a FIFO or a device never ends)."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise FileError(path, "file", f"cannot be read ({e.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise FileError(path, "file", "is not a regular file (a FIFO, device or directory)")
+    return st.st_size
+
+
+def read_json(path: str, *, limit: int = _MAX_JSON) -> dict:
+    """A JSON object from a regular file of at most ``limit`` bytes.
+
+    Example:
+      >>> import tempfile, os
+      >>> path = os.path.join(tempfile.mkdtemp(), "config.json")
+      >>> with open(path, "w") as f:
+      ...     _ = f.write('[1, 2]')
+      >>> read_json(path)  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ...
+      effijax.errors.FileError: .../config.json: top level: is a list; expected a JSON object
+    """
+    size = _regular_size(path)
+    if size > limit:
+        raise FileError(path, "file", f"is {size:,} bytes; expected at most {limit:,}")
+    try:
+        with open(path, "rb") as f:
+            value = json.loads(f.read().decode("utf-8"))
+    except OSError as e:
+        raise FileError(path, "file", f"cannot be read ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise FileError(path, f"byte {e.start:,}", "is not UTF-8 text") from None
+    except json.JSONDecodeError as e:
+        raise FileError(path, f"line {e.lineno} column {e.colno}", f"not JSON ({e.msg})") \
+            from None
+    except RecursionError:
+        raise FileError(path, "file", "nests too deep to be a JSON configuration") from None
+    if not isinstance(value, dict):
+        raise FileError(path, "top level", f"is a {type(value).__name__}; expected a JSON "
+                        "object")
+    return value
+
+
+class SafetensorsTensor(NamedTuple):
+    """One tensor of a safetensors file: its dtype name (``"F32"``) and shape."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def _whole(n, minimum: int = 0) -> bool:
+    """A JSON whole number (not a bool, not 2.0) of at least ``minimum`` (for checks over many
+    values; :func:`~effijax.errors.whole_number` is the one that raises)."""
+    return isinstance(n, int) and not isinstance(n, bool) and n >= minimum
+
+
+def _header_tensor(path: str, name: str, entry, data_size: int) -> tuple[int, int]:
+    """Checks one header entry; returns its ``(begin, end)`` in the data section."""
+    if not isinstance(entry, dict):
+        raise FileError(path, f"tensor {name!r}", "expected an object with dtype, shape and "
+                        "data_offsets")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
+        raise FileError(path, f"tensor {name!r}", f"dtype {dtype!r}; expected one of "
+                        f"{', '.join(DTYPE_BYTES)}")
+    if not isinstance(shape, list) or not all(_whole(n) and n < 2**53 for n in shape):
+        raise FileError(path, f"tensor {name!r}", f"shape {shape!r}; expected a list of "
+                        "whole numbers >= 0")
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(_whole(n) for n in offsets)
+            or not 0 <= offsets[0] <= offsets[1] <= data_size):
+        raise FileError(path, f"tensor {name!r}", f"data_offsets {offsets!r}; expected "
+                        f"[begin, end] with 0 <= begin <= end <= {data_size:,} (the data "
+                        "section's size)")
+    nbytes = math.prod(shape) * DTYPE_BYTES[dtype]
+    if offsets[1] - offsets[0] != nbytes:
+        raise FileError(path, f"tensor {name!r}", f"data_offsets {offsets} span "
+                        f"{offsets[1] - offsets[0]:,} bytes; its shape {shape} of {dtype} "
+                        f"needs {nbytes:,}")
+    return offsets[0], offsets[1]
+
+
+def _header_json(path: str, f, size: int) -> dict:
+    """The JSON header of an open safetensors file of ``size`` bytes."""
+    if size < 8:
+        raise FileError(path, "byte 0", f"the file has {size} bytes; a safetensors file starts "
+                        "with an 8-byte header length")
+    (length,) = struct.unpack("<Q", f.read(8))
+    if length > min(size - 8, _MAX_HEADER):
+        raise FileError(path, "header length", f"{length:,} bytes; expected at most "
+                        f"{min(size - 8, _MAX_HEADER):,} (the file's size, and 100 MB)")
+    raw = f.read(length)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise FileError(path, "header", f"is not a JSON object ({e})") from None
+    if not isinstance(header, dict):
+        raise FileError(path, "header", f"is a {type(header).__name__}; expected a JSON object")
+    meta = header.pop("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise FileError(path, "__metadata__", "expected an object of strings")
+    return header
+
+
+def safetensors_header(path: str | os.PathLike) -> dict[str, SafetensorsTensor]:
+    """The tensors a safetensors file declares, each checked against the file (see the module
+    docstring), without reading any tensor.
+
+    Example:
+      >>> import tempfile, os
+      >>> import numpy as np, safetensors.numpy
+      >>> path = os.path.join(tempfile.mkdtemp(), "model.safetensors")
+      >>> safetensors.numpy.save_file({"w": np.zeros((2, 3), np.float32)}, path)
+      >>> safetensors_header(path)
+      {'w': SafetensorsTensor(dtype='F32', shape=(2, 3))}
+    """
+    path = os.fspath(path)
+    size = _regular_size(path)
+    with open(path, "rb") as f:
+        header = _header_json(path, f, size)
+        data_size = size - f.tell()  # what follows the header
+    spans = sorted((_header_tensor(path, name, entry, data_size), name)
+                   for name, entry in header.items())
+    for (a, first), (b, second) in zip(spans, spans[1:], strict=False):
+        if a[1] > b[0]:
+            raise FileError(path, f"tensor {second!r}", f"its bytes {list(b)} overlap tensor "
+                            f"{first!r}'s {list(a)}")
+    return {name: SafetensorsTensor(entry["dtype"], tuple(entry["shape"]))
+            for name, entry in header.items()}
+
+
+def _roots(directory: str) -> list[str]:
+    """Where a model directory's files may really be: inside it, and for a snapshot of the
+    Hugging Face cache (``<repo>/snapshots/<revision>``), whose files are links to
+    ``<repo>/blobs/<hash>``, in that ``blobs`` folder too."""
+    root = os.path.realpath(directory)
+    parent = os.path.dirname(os.path.abspath(directory))
+    if os.path.basename(parent) == "snapshots":
+        return [root, os.path.realpath(os.path.join(parent, os.pardir, "blobs"))]
+    return [root]
+
+
+def _inside(directory: str, roots: list[str], index: str, name: str, file) -> str:
+    """The path of a shard ``file`` the index names, which must stay inside ``directory``."""
+    if not isinstance(file, str) or not file:
+        raise FileError(index, f"weight_map[{name!r}]", f"{file!r}; expected a file name")
+    if os.path.isabs(file) or ".." in file.replace("\\", "/").split("/"):
+        raise FileError(index, f"weight_map[{name!r}]", f"{file!r} leaves the model "
+                        "directory; expected a file name inside it")
+    path = os.path.join(directory, file)
+    real = os.path.realpath(path)
+    if not any(os.path.commonpath([real, root]) == root for root in roots):
+        raise FileError(index, f"weight_map[{name!r}]", f"{file!r} is a link out of the model "
+                        "directory; expected a file inside it")
+    if not os.path.isfile(path):
+        raise FileError(index, f"weight_map[{name!r}]", f"{file!r} does not exist in the model "
+                        "directory")
+    return path
+
+
+def shard_files(directory: str, index: str) -> dict[str, str]:
+    """``{tensor name: shard path}`` from a ``model.safetensors.index.json``, every shard
+    inside ``directory``.
+
+    Example:
+      >>> import tempfile, os, json
+      >>> d = tempfile.mkdtemp()
+      >>> with open(os.path.join(d, "index.json"), "w") as f:
+      ...     json.dump({"weight_map": {"w": "../../etc/passwd"}}, f)
+      >>> shard_files(d, os.path.join(d, "index.json"))  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ...
+      effijax.errors.FileError: .../index.json: weight_map['w']: '../../etc/passwd' leaves ...
+    """
+    weight_map = read_json(index, limit=MAX_CONFIG_BYTES).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise FileError(index, "weight_map", "expected an object of tensor name -> file name")
+    roots = _roots(directory)
+    return {name: _inside(directory, roots, index, name, file)
+            for name, file in weight_map.items()}
+
+
+def whole_field(fields: Mapping[str, Any], key: str, limit: str, path: str, default=None) -> int:
+    """``fields[key]`` as a whole number from 1 to ``LIMITS[limit]`` (``default`` when absent
+    or None), else a :class:`FileError` naming ``path`` and ``key``: ``64.7`` is refused, not
+    truncated.
+
+    Example:
+      >>> whole_field({"hidden_size": 64.7}, "hidden_size", "d_model", "config.json")
+      Traceback (most recent call last):
+      ...
+      effijax.errors.FileError: config.json: hidden_size=64.7: must be an integer from 1 to 131,072
+    """
+    value = fields.get(key)
+    if value is None:
+        if default is None:
+            raise FileError(path, key, "missing; expected a whole number")
+        return default
+    try:
+        return whole_number(key, value, maximum=LIMITS[limit])
+    except ConfigError as e:
+        raise FileError.of(path, e) from None
+
+
+def number_field(fields: Mapping[str, Any], key: str, path: str,
+                 default: float | None = None) -> float:
+    """``fields[key]`` as a positive finite float (``default`` when absent or None; required
+    when ``default`` is None), else a :class:`FileError` naming ``path`` and ``key``.
+
+    Example:
+      >>> number_field({"rope_theta": "1e4"}, "rope_theta", "config.json", 1.0)
+      Traceback (most recent call last):
+      ...
+      effijax.errors.FileError: config.json: rope_theta='1e4': expected a positive finite number
+    """
+    value = fields.get(key)
+    if value is None:
+        if default is None:
+            raise FileError(path, key, "missing; expected a positive number")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
+            or value <= 0:
+        raise FileError(path, f"{key}={value!r}", "expected a positive finite number")
+    return float(value)
+
+
+def check_finite(path: str, name: str, w):
+    """``w``, a tensor read from ``path``, when every entry is finite; else a
+    :class:`FileError` (a damaged or forged file decodes to NaN or infinity, which no released
+    weight holds).
+
+    Example:
+      >>> import numpy as np
+      >>> check_finite("m.gguf", "w", np.array([1.0, np.inf]))
+      Traceback (most recent call last):
+      ...
+      effijax.errors.FileError: m.gguf: tensor 'w': holds 1 NaN or infinite value(s)
+    """
+    import numpy as np
+
+    bad = int(w.size - np.count_nonzero(np.isfinite(w)))
+    if bad:
+        raise FileError(path, f"tensor {name!r}", f"holds {bad:,} NaN or infinite value(s)")
+    return w
+
+
+def check_size(model, path: str) -> None:
+    """Refuses an architecture above :data:`MAX_PARAMS` parameters, before anything is built.
+
+    Example:
+      >>> from effijax.models import llama_config
+      >>> check_size(llama_config("llama-2-70b"), "config.json")  # well under the bound
+    """
+    if model.num_params > MAX_PARAMS:
+        raise FileError(path, "architecture", f"describes {model.num_params:,} parameters; "
+                        f"expected at most {MAX_PARAMS:,}")
+
+
+def _check_tokenizer_json(path: str) -> None:
+    spec = read_json(path)
+    model = spec.get("model")
+    if not isinstance(model, dict):
+        raise FileError(path, "model", "expected an object (the tokenizer model)")
+    vocab, merges = model.get("vocab"), model.get("merges", [])
+    if vocab is not None and not (
+            isinstance(vocab, list) or isinstance(vocab, dict) and all(
+                _whole(i) for i in vocab.values())):
+        raise FileError(path, "model.vocab", "expected an object of token -> id (ids >= 0) "
+                        "or a list")
+    if not isinstance(merges, list) or not all(
+            isinstance(m, str) and len(m.split(" ")) == 2 or isinstance(m, list) and len(m) == 2
+            and all(isinstance(p, str) for p in m) for m in merges):
+        raise FileError(path, "model.merges", "expected a list of pairs ('a b' or ['a', 'b'])")
+    added = spec.get("added_tokens", [])
+    if not isinstance(added, list) or not all(
+            isinstance(t, dict) and isinstance(t.get("content"), str)
+            and _whole(t.get("id")) for t in added):
+        raise FileError(path, "added_tokens", "expected a list of {content: str, id: int >= 0}")
+
+
+def _check_tokenizer_config(path: str) -> None:
+    config = read_json(path)
+    template = config.get("chat_template")
+    if not (template is None or isinstance(template, str) or isinstance(template, list) and all(
+            isinstance(t, dict) and isinstance(t.get("template"), str)
+            and isinstance(t.get("name", ""), str) for t in template)):
+        raise FileError(path, "chat_template", "expected a string, or a list of {name, "
+                        "template} objects")
+    for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        token = config.get(name)
+        if not (token is None or isinstance(token, str)
+                or isinstance(token, dict) and isinstance(token.get("content"), str)):
+            raise FileError(path, name, f"{token!r}; expected a token string or "
+                            "{content: str}")
+    for name in ("add_bos_token", "add_eos_token"):
+        if config.get(name) is not None and not isinstance(config[name], bool):
+            raise FileError(path, name, f"{config[name]!r}; expected true or false")
+
+
+def check_tokenizer_files(directory: str) -> None:
+    """Checks ``tokenizer.json`` and, when present, ``tokenizer_config.json`` and
+    ``chat_template.jinja`` of a model directory: the fields the tokenizer reads have the
+    types it expects."""
+    _check_tokenizer_json(os.path.join(directory, "tokenizer.json"))
+    config = os.path.join(directory, "tokenizer_config.json")
+    if os.path.exists(config):
+        _check_tokenizer_config(config)
+    template = os.path.join(directory, "chat_template.jinja")
+    if os.path.exists(template):
+        if _regular_size(template) > _MAX_JSON:
+            raise FileError(template, "file", f"is larger than {_MAX_JSON:,} bytes")
+        try:
+            with open(template, encoding="utf-8") as f:
+                f.read()
+        except UnicodeDecodeError as e:
+            raise FileError(template, f"byte {e.start:,}", "is not UTF-8 text") from None

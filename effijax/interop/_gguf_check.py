@@ -1,0 +1,243 @@
+"""A GGUF file's layout, checked before anything trusts it.
+
+A GGUF file is a header (magic, version, tensor and key/value counts), the key/value metadata,
+one record per tensor (name, dimensions, type, offset) and, aligned, the tensor data. Every
+count, length and offset in it is a number a damaged or forged file can set to anything; a
+reader that believes them loops or allocates without bound (a 437 KB file declaring 10^9 of
+something). :func:`check_gguf` walks the layout with each number bounded by the bytes that are
+actually left and by sane limits, and checks that every tensor's bytes lie inside the file,
+aligned and apart from the others, before ``gguf.GGUFReader`` (or anything) reads it. A failure
+is one :class:`~effijax.errors.FileError` naming the file, the field or byte offset and what was
+expected.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import struct
+from collections import Counter
+from typing import NamedTuple
+
+from effijax.errors import FileError
+
+__all__ = ["check_gguf", "GgufTensor", "MAX_STRING", "MAX_ITEMS", "MAX_TENSORS"]
+
+#: The longest string a GGUF may hold (a chat template is tens of KB; a key far less).
+MAX_STRING = 16 * 2**20
+#: The most entries of one metadata array (vocabularies are < 10^6 tokens).
+MAX_ITEMS = 2**24
+#: The most tensors and key/value pairs in one file.
+MAX_TENSORS = 2**20
+_MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
+_MAX_DEPTH = 2  # an array of arrays at most
+
+# GGUF's value types: struct format of the fixed-size ones; 8 is a string, 9 an array.
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
+            12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+class GgufTensor(NamedTuple):
+    """One tensor record: ``shape`` in ggml order (fastest dimension first), ``start`` and
+    ``nbytes`` of its data, absolute in the file."""
+
+    name: str
+    shape: tuple[int, ...]
+    type: int
+    start: int
+    nbytes: int
+
+
+class _Cursor:
+    """Reads little- or big-endian numbers and strings from a buffer, each bounded by what is
+    left of it; every failure names the file and what was being read."""
+
+    def __init__(self, buffer, path: str, endian: str):
+        self.buffer, self.path, self.endian, self.at = buffer, path, endian, 0
+
+    def fail(self, where: str, problem: str):
+        raise FileError(self.path, where, problem)
+
+    def need(self, n: int, what: str) -> None:
+        left = len(self.buffer) - self.at
+        if n > left:
+            self.fail(f"byte {self.at:,}", f"{what} needs {n:,} bytes but only {left:,} are "
+                      "left (the file is truncated or the field is forged)")
+
+    def number(self, fmt: str, what: str):
+        size = struct.calcsize(fmt)
+        self.need(size, what)
+        value = struct.unpack_from(self.endian + fmt, self.buffer, self.at)[0]
+        self.at += size
+        return value
+
+    def count(self, what: str, minimum_size: int, maximum: int) -> int:
+        """A uint64 count of items of at least ``minimum_size`` bytes each, which must fit in
+        what is left of the file and stay under ``maximum``."""
+        at = self.at
+        n = self.number("Q", what)
+        fits = (len(self.buffer) - self.at) // max(minimum_size, 1)
+        if n > min(maximum, fits):
+            self.fail(f"byte {at:,}", f"{what} is {n:,}; expected at most "
+                      f"{min(maximum, fits):,} (the limit is {maximum:,}, and the "
+                      f"{len(self.buffer) - self.at:,} bytes left hold at most {fits:,})")
+        return n
+
+    def string(self, what: str) -> str:
+        at = self.at
+        n = self.count(f"the length of {what}", 1, MAX_STRING)
+        raw = bytes(self.buffer[self.at:self.at + n])
+        self.at += n
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            self.fail(f"byte {at:,}", f"{what} is not UTF-8 text")
+
+    def skip_value(self, kind: int, what: str, depth: int = 0) -> None:
+        """Steps over one metadata value of GGUF type ``kind``."""
+        if kind in _SCALARS:
+            self.need(struct.calcsize(_SCALARS[kind]), what)
+            self.at += struct.calcsize(_SCALARS[kind])
+        elif kind == _STRING:
+            self.string(what)
+        elif kind == _ARRAY and depth < _MAX_DEPTH:
+            item = self.number("I", f"the item type of {what}")
+            if item not in _SCALARS and item not in (_STRING, _ARRAY):
+                self.fail(what, f"unknown array item type {item}; expected one of 0-12")
+            size = struct.calcsize(_SCALARS[item]) if item in _SCALARS else 8
+            n = self.count(f"the length of {what}", size, MAX_ITEMS)
+            if item in _SCALARS:
+                self.need(n * size, what)
+                self.at += n * size
+            else:
+                for k in range(n):
+                    self.skip_value(item, f"{what}[{k}]", depth + 1)
+        else:
+            self.fail(what, f"unknown value type {kind}; expected one of 0-12 (arrays nested "
+                      f"at most {_MAX_DEPTH} deep)")
+
+
+def _tensor_bytes(path: str, name: str, shape: tuple[int, ...], kind: int) -> int:
+    """The bytes of a tensor of ggml type ``kind``: its type must be known and its first
+    dimension a whole number of the type's blocks."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+    except (ValueError, KeyError):
+        known = sorted(t.value for t in GGML_QUANT_SIZES)
+        raise FileError(path, f"tensor {name!r}", f"unknown ggml type {kind}; expected one of "
+                        f"the {len(known)} types from {known[0]} (F32) to {known[-1]}") from None
+    if shape[0] % block:
+        raise FileError(path, f"tensor {name!r}", f"first dimension {shape[0]} is not a "
+                        f"multiple of the {GGMLQuantizationType(kind).name} block ({block})")
+    return math.prod(shape) // block * size
+
+
+def _tensor(cursor: _Cursor, k: int) -> tuple[str, tuple[int, ...], int, int]:
+    """One tensor record: ``(name, shape in ggml order, type, offset)``."""
+    name = cursor.string(f"the name of tensor {k}")
+    n_dims = cursor.number("I", f"the dimension count of tensor {name!r}")
+    if not 1 <= n_dims <= _MAX_DIMS:
+        cursor.fail(f"tensor {name!r}", f"{n_dims} dimensions; expected 1 to {_MAX_DIMS}")
+    shape = tuple(cursor.number("Q", f"a dimension of tensor {name!r}") for _ in range(n_dims))
+    if not all(1 <= n <= 2**40 for n in shape):
+        cursor.fail(f"tensor {name!r}", f"shape {list(shape)}; expected dimensions from 1 "
+                    "to 2^40")
+    kind = cursor.number("I", f"the type of tensor {name!r}")
+    offset = cursor.number("Q", f"the offset of tensor {name!r}")
+    return name, shape, kind, offset
+
+
+def _header(cursor: _Cursor) -> tuple[int, int]:
+    """The endianness (set on ``cursor``) and ``(tensor count, key/value count)``."""
+    cursor.need(4, "the magic")
+    if bytes(cursor.buffer[:4]) != b"GGUF":
+        cursor.fail("byte 0", f"starts with {bytes(cursor.buffer[:4])!r}; expected b'GGUF'")
+    cursor.at = 4
+    version = cursor.number("I", "the version")
+    if version & 0xFFFF == 0:  # written on a big-endian machine: the bytes are swapped
+        cursor.endian, version = ">", struct.unpack(">I", struct.pack("<I", version))[0]
+    if version not in (2, 3):
+        cursor.fail("version", f"{version}; effijax reads GGUF versions 2 and 3")
+    # A tensor record is at least 32 bytes, a key/value pair at least 13.
+    tensors = cursor.count("tensor_count", 32, MAX_TENSORS)
+    kvs = cursor.count("kv_count", 13, MAX_TENSORS)
+    return tensors, kvs
+
+
+def _metadata(cursor: _Cursor, kvs: int) -> int:
+    """Walks the key/value pairs; returns ``general.alignment`` (32 when absent)."""
+    keys, alignment = set(), 32
+    for k in range(kvs):
+        key = cursor.string(f"the key of metadata entry {k}")
+        if key in keys:
+            cursor.fail(key, "appears twice in the metadata")
+        keys.add(key)
+        kind = cursor.number("I", f"the type of {key}")
+        if key == "general.alignment":
+            if kind != 4:
+                cursor.fail(key, f"has value type {kind}; expected 4 (uint32)")
+            alignment = cursor.number("I", key)
+            if alignment < 1 or alignment & (alignment - 1) or alignment > 2**16:
+                cursor.fail(key, f"{alignment}; expected a power of two up to 65536")
+        else:
+            cursor.skip_value(kind, key)
+    return alignment
+
+
+def _check_data(cursor: _Cursor, records, alignment: int) -> list[GgufTensor]:
+    """Each tensor's bytes inside the file, aligned, and apart from every other's."""
+    start = -(-cursor.at // alignment) * alignment
+    size = len(cursor.buffer)
+    out = []
+    for name, shape, kind, offset in records:
+        nbytes = _tensor_bytes(cursor.path, name, shape, kind)
+        if offset % alignment:
+            cursor.fail(f"tensor {name!r}", f"offset {offset:,} is not a multiple of the "
+                        f"alignment ({alignment})")
+        if start + offset + nbytes > size:
+            cursor.fail(f"tensor {name!r}", f"its {nbytes:,} bytes at {start + offset:,} end "
+                        f"past the end of the file ({size:,} bytes)")
+        out.append(GgufTensor(name, shape, kind, start + offset, nbytes))
+    ordered = sorted(out, key=lambda t: t.start)
+    for a, b in zip(ordered, ordered[1:], strict=False):
+        if a.start + a.nbytes > b.start:
+            cursor.fail(f"tensor {b.name!r}", f"its data at {b.start:,} overlaps tensor "
+                        f"{a.name!r} ({a.start:,} to {a.start + a.nbytes:,})")
+    return out
+
+
+def check_gguf(path: str | os.PathLike) -> list[GgufTensor]:
+    """Checks a GGUF file's layout (see the module docstring); returns its tensor records.
+
+    Raises:
+      FileError: the first thing wrong, naming the file, the field or byte offset, and what
+        was expected.
+
+    Example:
+      >>> import tempfile, os
+      >>> path = os.path.join(tempfile.mkdtemp(), "x.gguf")
+      >>> with open(path, "wb") as f:  # a header declaring 2^40 tensors in 24 bytes
+      ...     _ = f.write(b"GGUF" + (3).to_bytes(4, "little") + (2**40).to_bytes(8, "little")
+      ...                 + bytes(8))
+      >>> check_gguf(path)  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ...
+      effijax.errors.FileError: .../x.gguf: byte 8: tensor_count is 1,099,511,627,776; expected...
+    """
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            raise FileError(path, "byte 0", "the file is empty; expected a GGUF header")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
+            cursor = _Cursor(buffer, path, "<")
+            tensors, kvs = _header(cursor)
+            alignment = _metadata(cursor, kvs)
+            records = [_tensor(cursor, k) for k in range(tensors)]
+            twice = [n for n, seen in Counter(r[0] for r in records).items() if seen > 1]
+            if twice:
+                raise FileError(path, f"tensor {twice[0]!r}", "appears twice")
+            return _check_data(cursor, records, alignment)
