@@ -21,6 +21,9 @@ def _modules():
 @pytest.mark.parametrize("name", _modules())
 def test_docstring_examples(name):
     module = importlib.import_module(name)
+    # A package re-exports lazily (effijax._lazy.attach): its examples see every name it
+    # exports, as a user's `from effijax.interop import *` would, whatever ran before.
+    exported = {n: getattr(module, n) for n in getattr(module, "__all__", ())}
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE,
-                             verbose=False)
+                             extraglobs=exported, verbose=False)
     assert result.failed == 0, f"{result.failed} docstring example(s) failed in {name}"
