@@ -11,7 +11,7 @@ import optax
 import pytest
 
 from effijax.data import split_corpus
-from effijax.jobs import build_lm_job
+from effijax.recipe import build_lm_job
 from effijax.models import gpt_config
 from effijax.precision import dynamic_loss_scale, get_policy
 from effijax.train import (
