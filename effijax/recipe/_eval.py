@@ -16,9 +16,13 @@ import math
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 
+from effijax.data import packed_batch
 from effijax.errors import ConfigError, whole_number
+from effijax.precision import get_policy
+from effijax.recipe._data import load_eval_data
 from effijax.recipe._open import open_model
 
 __all__ = ["EvalResult", "load_model", "evaluate_model"]
@@ -74,8 +78,6 @@ def load_model(ref: str, *, seq_len: int | None = None) -> tuple[Any, Any, Any, 
 def _batches(rows, batch_size: int):
     """Consecutive rows in batches of ``batch_size``; the last is filled with unscored rows.
     Packed chat rows carry their segments (each example scored as if alone)."""
-    from effijax.data import packed_batch
-
     n = len(rows)
     for start in range(0, n, batch_size):
         index = np.arange(start, start + batch_size)
@@ -113,11 +115,6 @@ def evaluate_model(model: str, data: str, *, seq_len: int | None = None, batch_s
       >>> r.format, r.tokens, round(r.perplexity, 2) == round(math.exp(r.loss), 2)
       ('bytes', 459, True)
     """
-    import jax
-
-    from effijax.precision import get_policy
-    from effijax.recipe._data import load_eval_data
-
     whole_number("batch_size", batch_size)
     whole_number("max_batches", max_batches, none=True)
     whole_number("seq_len", seq_len, minimum=2, none=True)

@@ -23,7 +23,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+from effijax.checkpoint import latest_step
 from effijax.errors import ConfigError
+from effijax.interop import load_tokenizer
+from effijax.lora import load_adapters
+from effijax.models import model_from_dict
 from effijax.recipe._config import BUNDLED
 from effijax.recipe._sources import bundled_path, load_params, read_source
 
@@ -68,8 +72,6 @@ def _origin(values: dict) -> dict | None:
 
 def _tokenizer_of_run(values: dict):
     """The tokenizer of the pretrained model a run (or the run it started from) came from."""
-    from effijax.interop import load_tokenizer
-
     origin = _origin(values)
     if not origin:
         return None
@@ -80,9 +82,6 @@ def _tokenizer_of_run(values: dict):
 
 
 def _full_run(path: Path, values: dict, step: int | None) -> Opened:
-    from effijax.checkpoint import latest_step
-    from effijax.models import model_from_dict
-
     source = read_source(str(path), None)
     model = model_from_dict(values["run"]["model_config"])
     if step is None:
@@ -94,8 +93,6 @@ def _full_run(path: Path, values: dict, step: int | None) -> Opened:
 
 
 def _lora_run(path: Path, values: dict) -> Opened:
-    from effijax.lora import load_adapters
-
     file = path / "adapters.safetensors"
     if not file.is_file():
         raise ConfigError("model_from", str(path), "is a LoRA run without adapters."

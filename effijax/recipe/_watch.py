@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from effijax import distributed
+from effijax.observe import Profiler, Sinks, TensorBoardSink, WandbSink, memory_markdown
 from effijax.recipe._config import TrainConfig
 
 __all__ = ["Watch", "watching"]
@@ -46,8 +47,6 @@ def watching(config: TrainConfig, run_json: dict, memory: dict,
     """Opens what ``config`` asks for (``tensorboard``, ``wandb``, ``profile_steps``) on the main
     process, writes the config and the memory report as text, and closes them all at the end
     (also when training fails)."""
-    from effijax.observe import Profiler, Sinks, TensorBoardSink, WandbSink, memory_markdown
-
     out = Path(config.out)
     is_main = distributed.is_main()
     sinks, profiler = [], None
