@@ -96,16 +96,18 @@ def open_run(config: TrainConfig, job, record: dict) -> RunStart:
     try:
         start = _restored(config, job, run_dir, run_json, out / "checkpoints")
         if config.checkpoints:
-            _resume.agree(_preflight.storage, out / "checkpoints",
-                          _preflight.state_bytes(job.state), config.keep)
-            run_dir.ckpt = open_checkpoints(out / "checkpoints", every=config.checkpoint_every,
-                                            keep=config.keep,
-                                            metadata={"config": run_json,
-                                                      "versions": library_versions()})
+            run_dir.ckpt = _checkpointer(config, job, run_json, out / "checkpoints")
     except BaseException:
         run_dir.release()
         raise
     return start
+
+
+def _checkpointer(config: TrainConfig, job, run_json: dict, ckpt_dir: Path):
+    """The run's checkpointer, once every process found room for ``config.keep`` states."""
+    _resume.agree(_preflight.storage, ckpt_dir, _preflight.state_bytes(job.state), config.keep)
+    return open_checkpoints(ckpt_dir, every=config.checkpoint_every, keep=config.keep,
+                            metadata={"config": run_json, "versions": library_versions()})
 
 
 def _restored(config: TrainConfig, job, run_dir: RunDir, run_json: dict,
