@@ -41,7 +41,7 @@ import jax.numpy as jnp  # noqa: E402
 from harness import add_write_flag, command_line, device_description, markdown_table, publish  # noqa: E402
 
 from effijax import lora  # noqa: E402
-from effijax.jobs import abstract_lm_state  # noqa: E402
+from effijax.recipe import abstract_lm_state  # noqa: E402
 from effijax.memory import (  # noqa: E402
     activation_bytes,
     compare,

@@ -71,12 +71,16 @@ def _jsonable(value: Any) -> Any:
 
 
 class RunDir:
-    """The files of one run. Only the main process (``jax.process_index() == 0``) writes.
+    """The files of one run, and while the recipe trains in it, its lock and its checkpointer.
+    Only the main process (``jax.process_index() == 0``) writes.
 
     Args:
       path: the directory (created if missing).
-      config: the run's settings, written to ``config.json`` with library versions.
+      config: the run's settings, written to ``config.json`` with library versions (None: the
+        files are written later, by :meth:`begin`, once the run knows what it resumes).
       append: keep an existing ``metrics.jsonl`` (a resumed run) instead of starting it anew.
+      lock: the directory's :class:`~effijax.checkpoint.RunLock` (None: not locked here).
+      ckpt: the run's :class:`~effijax.checkpoint.Checkpointer` (None: no checkpoints).
 
     Example:
       >>> import tempfile
@@ -84,11 +88,20 @@ class RunDir:
       >>> d.log({"step": 1, "loss": 2.5})
       >>> read_metrics(d.path)[0]["loss"]
       2.5
+      >>> d.release()  # nothing held: nothing to do
     """
 
-    def __init__(self, path: str | os.PathLike, *, config: dict, append: bool = False):
+    def __init__(self, path: str | os.PathLike, *, config: dict | None = None,
+                 append: bool = False, lock: Any = None, ckpt: Any = None):
         self.path = Path(path)
         self.is_main = jax.process_index() == 0
+        self.lock, self.ckpt = lock, ckpt
+        if config is not None:
+            self.begin(config, append=append)
+
+    def begin(self, config: dict, *, append: bool = False) -> None:
+        """Creates the directory, writes ``config.json`` (with library versions) and starts
+        ``metrics.jsonl`` anew unless ``append``."""
         if not self.is_main:
             return
         self.path.mkdir(parents=True, exist_ok=True)
@@ -96,6 +109,36 @@ class RunDir:
         metrics = self.path / "metrics.jsonl"
         if not append and metrics.exists():
             metrics.unlink()
+
+    def __enter__(self) -> RunDir:
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        """Releases the lock and the checkpointer; when the block failed, quietly (its own
+        error is the one to report)."""
+        self.release(quiet=error is not None)
+
+    def close(self) -> None:
+        """Waits for the checkpoint writes and closes the checkpointer (the lock stays)."""
+        if self.ckpt is not None:
+            try:
+                self.ckpt.close()
+            finally:
+                self.ckpt = None
+
+    def release(self, quiet: bool = False) -> None:
+        """Closes the checkpointer (``quiet``: ignoring its errors, when the run is already
+        failing), then releases the directory's lock."""
+        try:
+            if quiet:
+                with contextlib.suppress(Exception):
+                    self.close()
+            else:
+                self.close()
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+                self.lock = None
 
     def write_json(self, name: str, obj: dict) -> None:
         """Writes ``name`` atomically (temp file + rename), so a killed run never leaves half."""

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from effijax.data import load_corpus, split_corpus
-from effijax.jobs import build_lm_job
+from effijax.recipe import build_lm_job
 from effijax.models import gpt_config
 from effijax.precision import dynamic_loss_scale
 from effijax.run import RunDir, read_metrics, train_loop

@@ -52,7 +52,10 @@ LAYERS = [
     ("precision", "sharding", "lora", "data", "distributed.py", "_rendezvous.py"),
     ("models", "interop", "memory", "train.py", "optimizers.py", "checkpoint"),
     ("run.py", "observe"),
-    ("recipe", "jobs.py", "generate"),
+    ("recipe", "jobs.py"),
+    # Generation opens a trained model through the recipe (effijax.recipe.open_model), which
+    # knows a run directory's layout; evaluation stays with the recipe, below it.
+    ("generate",),
     ("cli", "__main__.py"),
 ]
 
@@ -113,3 +116,115 @@ def test_only_distributed_module_calls_jax_distributed():
 def test_models_do_not_import_interop():
     # File formats sit above the models: a model never needs to know where weights come from.
     assert not _offenders(_modules("models"), ("effijax.interop",))
+
+
+# Import cycles ------------------------------------------------------------------------------------
+# Every import counts, a function-local one too (it hides a cycle from Python, not from the
+# reader), and so does a lazy re-export table (``attach(__name__, {"effijax.x._y": ...})``).
+
+
+def _module_of(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _targets(path: pathlib.Path, module: str, modules: set[str]) -> set[str]:
+    """The effijax modules ``path`` imports: ``from pkg import x`` is an edge to ``pkg.x`` when
+    that is a submodule, else to ``pkg``; relative imports are resolved."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            found.update(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                         for a in node.names)
+        elif (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "attach"
+              and len(node.args) == 2 and isinstance(node.args[1], ast.Dict)):
+            found.update(k.value for k in node.args[1].keys if isinstance(k, ast.Constant))
+    return found & modules
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the effijax modules it imports. Importing ``a.b.c`` from outside package
+    ``a.b`` runs ``a.b``'s ``__init__`` first, so it is an edge to ``a.b`` too (the root
+    package ``effijax`` only re-exports lazily and is left out)."""
+    paths = {_module_of(p): p for p in PKG.rglob("*.py")}
+    graph = {}
+    for module, path in paths.items():
+        edges = set()
+        for target in _targets(path, module, set(paths)):
+            edges.add(target)
+            parent = target.rpartition(".")[0]
+            while parent not in ("", "effijax"):
+                if module != parent and not module.startswith(parent + "."):
+                    edges.add(parent)
+                parent = parent.rpartition(".")[0]
+        graph[module] = edges - {module, "effijax"}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan, iteratively)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_two_modules_import_each_other():
+    graph = _import_graph()
+    assert not _cycles(graph), {
+        " <-> ".join(c): {m: sorted(graph[m] & set(c)) for m in c} for c in _cycles(graph)}
+
+
+def test_no_two_top_level_units_import_each_other():
+    # effijax.recipe, effijax.generate, effijax.run, ...: a package is one unit with its modules.
+    def unit(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+
+    units: dict[str, set[str]] = {}
+    for module, edges in _import_graph().items():
+        if module != "effijax":
+            units.setdefault(unit(module), set()).update(unit(e) for e in edges)
+    units = {u: e - {u} for u, e in units.items()}
+    assert not _cycles(units), _cycles(units)
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []

@@ -15,7 +15,8 @@ state to :meth:`Checkpointer.save`, which writes when the step is due::
 
 Exact resume needs nothing else: batches and per-step keys are functions of ``state.step``.
 LoRA runs save only the adapters and their optimizer state, with the base referenced by a
-fingerprint (:func:`save_adapters_checkpoint`).
+fingerprint (:func:`save_adapters_checkpoint`). A failed write is one line,
+:class:`~effijax.errors.SaveError`, with the rest in the run's logs (:func:`save_errors`).
 """
 
 from effijax.checkpoint._adapters import (
@@ -23,6 +24,15 @@ from effijax.checkpoint._adapters import (
     base_reference,
     restore_adapters_checkpoint,
     save_adapters_checkpoint,
+)
+from effijax.checkpoint._failures import (
+    failure_reason,
+    last_good,
+    orbax_log,
+    rest_of_stderr_to,
+    save,
+    save_errors,
+    step_of,
 )
 from effijax.checkpoint._lock import LOCK_FILE, RunLock, lock_holder, lock_run_dir
 from effijax.checkpoint._manager import (
@@ -65,4 +75,11 @@ __all__ = [
     "lock_run_dir",
     "lock_holder",
     "LOCK_FILE",
+    "orbax_log",
+    "save",
+    "save_errors",
+    "step_of",
+    "failure_reason",
+    "last_good",
+    "rest_of_stderr_to",
 ]

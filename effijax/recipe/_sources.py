@@ -23,6 +23,9 @@ from typing import Any, NamedTuple
 from effijax.errors import ConfigError
 from effijax.recipe._config import BUNDLED, DEFAULT_MODEL, TrainConfig
 
+# JAX, orbax and the file formats are imported inside the functions that use them:
+# ``effijax memory --model`` reads an architecture (:func:`architecture`) without them.
+
 __all__ = ["Source", "BUNDLED", "bundled_path", "check_paths", "read_source", "read_run",
            "model_for", "latest_step", "starting_point", "load_params",
            "architecture"]
@@ -238,7 +241,7 @@ def _architecture_for(config: TrainConfig, source: Source | None):
 
 def _abstract(source: Source, model):
     from effijax.recipe._job import abstract_state
-    from effijax.recipe._train import optimizer_for
+    from effijax.recipe._optimizer import optimizer_for
 
     return abstract_state(model, source.config.precision, optimizer_for(source.config),
                           seed=source.config.seed)
@@ -282,7 +285,7 @@ def _source_target(source: Source, model, mesh):
     return restore_target(abstract, shardings)
 
 
-def starting_point(source: Source, model, mesh, is_main: bool) -> tuple[dict, Source]:
+def starting_point(source: Source, model, mesh) -> tuple[dict, Source]:
     """``(origin, source)``: what the run starts from (``{"run": path, "step": N}``, or a
     pretrained model's path and hash) and the source with its parameters loaded.
 
@@ -294,6 +297,7 @@ def starting_point(source: Source, model, mesh, is_main: bool) -> tuple[dict, So
     """
     if source.pretrained:
         return source.record, source
+    from effijax import distributed
     from effijax.checkpoint import restore_newest
     from effijax.recipe import _report
     from effijax.recipe._resume import no_intact_step
@@ -308,7 +312,7 @@ def starting_point(source: Source, model, mesh, is_main: bool) -> tuple[dict, So
         if found.bad:
             raise no_intact_step(directory, found.bad, field="init_from")
         raise ConfigError("init_from", source.path, f"{directory} holds no committed checkpoint")
-    if is_main:
+    if distributed.is_main():
         for step, reason in found.bad:
             _report.warn(f"--init-from: step {step} in {directory} cannot be restored "
                          f"({reason}); starting from step {found.step} (that run's directory "

@@ -1,22 +1,34 @@
 """``train(config)``: the one training recipe, readable top to bottom.
 
-start (processes, devices, mesh) → model → data → optimizer → plan (abstract state, shardings,
-step) → state (fresh, ``init_from``, or resumed) → compile → loop → evaluate → export. The CLI,
-the experiments and the notebooks all train through it; each stage is a small function of
-explicit arguments, so a stage can also be called on its own.
+Every stage of a run is one call in :func:`train`: start (processes, devices, mesh) → source →
+model → data → optimizer → plan (abstract state, shardings, step) → run directory (lock,
+resume) → state (fresh, ``init_from``, or resumed) → compile → loop → evaluate → export →
+summary. The CLI, the experiments and the notebooks all train through it; each stage is a
+small function with a typed input and output (its own module when it is more than a few
+lines), so a stage can also be called on its own.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
+import jax
+
+from effijax import distributed
 from effijax.errors import ConfigError
-from effijax.recipe import _report, _sources
+from effijax.recipe import _finish, _job, _preflight, _report, _resume, _sources, _watch
 from effijax.recipe._config import TrainConfig, lora_fields
+from effijax.recipe._data import Dataset, load_dataset
+from effijax.recipe._loop import loop
+from effijax.recipe._optimizer import optimizer_for
+from effijax.recipe._rundir import open_run, run_record
+from effijax.recipe._state import Initial, initial_state
+from effijax.sharding import make_mesh
 
-__all__ = ["train", "TrainResult", "Session", "start", "resolve", "load_data", "optimizer_for"]
+__all__ = ["train", "TrainResult", "start", "model_for", "resolve", "load_data", "plan",
+           "compile_run"]
 
 
 class TrainResult(NamedTuple):
@@ -37,13 +49,6 @@ class TrainResult(NamedTuple):
     config: TrainConfig
 
 
-class Session(NamedTuple):
-    """The running processes and devices: ``mesh`` (None: one device), ``is_main``."""
-
-    mesh: Any
-    is_main: bool
-
-
 def train(config: TrainConfig, *, argv: list[str] | None = None) -> TrainResult:
     """Trains as ``config`` says; see the module docstring for the stages.
 
@@ -55,6 +60,8 @@ def train(config: TrainConfig, *, argv: list[str] | None = None) -> TrainResult:
       ConfigError: a bad setting, found before anything is compiled.
       effijax.run.NonFiniteError: too many consecutive non-finite steps (the message says
         which checkpoint is the last good one).
+      effijax.errors.SaveError: a checkpoint could not be written (one line; the details in
+        the run directory's ``error.log``).
 
     Example:
       >>> import tempfile
@@ -65,71 +72,52 @@ def train(config: TrainConfig, *, argv: list[str] | None = None) -> TrainResult:
       >>> result.status, result.summary["steps"]
       ('done', 4)
     """
-    from effijax import distributed
-
-    _sources.check_paths(config)
-    session = start(config)
+    _sources.check_paths(config)  # before any process joins or anything is created
+    mesh = start(config)
     try:
-        return _run(config, session, argv)
+        source = _sources.read_source(config.init_from, config.seq_len) \
+            if config.init_from else None
+        model = model_for(config, source)
+        config = resolve(config, mesh)
+        data = load_data(config, model)
+        optimizer = optimizer_for(config)
+        job = plan(config, model, optimizer, data, mesh)
+        origin = None
+        if source is not None:  # its checkpoint checked against the plan, its params loaded
+            origin, source = _sources.starting_point(source, model, mesh)
+        run = open_run(config, job, run_record(job, origin, data))
+        if run.finished:  # the same run, already trained this far: its files stay as they are
+            _report.finished_before(config, run.resume_step)
+            return TrainResult(config.out, {}, "finished_before", config)
+        with run.dir:  # its lock and checkpointer, released however the run ends
+            initial = initial_state(config, job, run, source)
+            compiled = compile_run(config, job, initial, source, data)
+            memory = _report.summary_extras(job, compiled)["memory"]
+            with _watch.watching(config, run.run_json, memory, run.resume_step or 0) as watch:
+                run.dir.begin(run.config_json, append=run.resume_step is not None)
+                before = {} if run.resume_step is not None else \
+                    _finish.evaluate_start(config, job, initial, data.val)  # before donation
+                trained = loop(config, job, run, compiled, initial, data.train, watch)
+                if trained.signal is not None:
+                    _report.stopped(config, trained.summary, trained.signal,
+                                    config.checkpoints, argv)
+                    return TrainResult(config.out, trained.summary, "stopped", config)
+                evaluation = _finish.evaluate(config, job, trained.state.params, data.val,
+                                              initial.frozen)
+                exports = _finish.export(config, job, trained.state.params, initial.frozen)
+                summary = _finish.summarize(job, compiled, trained.summary, config.out,
+                                            {**before, **evaluation, **exports})
+                watch.finish(summary)
+                run.dir.finish(summary, title=_report.title(config, job))
+                _report.done(config, summary)
+                return TrainResult(config.out, summary, "done", config)
     finally:
         distributed.shutdown()
 
 
-def _run(config: TrainConfig, session: Session, argv) -> TrainResult:
-    from effijax.recipe import _job, _preflight, _resume, _state, _watch
-
-    source = (_sources.read_source(config.init_from, config.seq_len) if config.init_from
-              else None)
-    model = _sources.model_for(config, source)
-    if config.export_hf and model.family != "llama":
-        raise ConfigError("export_hf", True, f"writes a Hugging Face LlamaForCausalLM; the "
-                          f"{model.family} family has no transformers counterpart")
-    config = resolve(config, session.mesh)
-    data = load_data(config, model)
-    optimizer = optimizer_for(config)
-    spec = config.lora_spec(model.lora_targets)
-    with lora_fields():  # the spec's checks against the model: rank, targets
-        job = _job.plan_job(model, config.precision, optimizer, batch_size=config.batch_size,
-                            mesh=session.mesh, strategy=config.strategy or "ddp", lora=spec,
-                            seed=config.seed, frozen_dtype=None if config.frozen_dtype == "auto"
-                            else config.frozen_dtype, masked=data.masked,
-                            segmented=data.segmented)
-    origin = None
-    if source is not None:
-        origin, source = _sources.starting_point(source, model, session.mesh, session.is_main)
-    run = _state.open_run(config, job, origin, fingerprint=data.fingerprint,
-                          corpus_tokens=data.tokens)
-    if run.finished:  # the same run, already trained this far: its files stay as they are
-        run.release()
-        _report.finished_before(config, run.resume_step, session.is_main)
-        return TrainResult(config.out, {}, "finished_before", config)
-    try:
-        state, frozen = _state.initial_state(job, run, source, session.is_main)
-        compiled = _job.compile_job(job)
-        _resume.agree(_preflight.memory, compiled.memory, job, config.device_memory,
-                      config.steps)
-        _report.start(config, job, compiled, source, frozen, state, session.is_main,
-                      data=data.note)
-        memory = _report.summary_extras(job, compiled)["memory"]
-        with _watch.watching(config, run.json, memory, run.resume_step or 0,
-                             session.is_main) as watch:
-            return _state.loop_and_finish(config, job, run, compiled, state, frozen,
-                                          (data.train, data.val), argv=argv, watch=watch)
-    except BaseException:
-        run.release(quiet=True)  # the run's own error is the one to report
-        raise
-    finally:
-        run.release()
-
-
-def start(config: TrainConfig) -> Session:
+def start(config: TrainConfig):
     """Joins the multi-process run (if any), forces CPU devices, builds the mesh against the
-    devices found: the last checks before anything is compiled."""
-    import jax
-
-    from effijax import distributed
-    from effijax.sharding import make_mesh
-
+    devices found (None: one device): the last checks before anything is compiled."""
     # Every process says what it waits for (stderr: the other processes' stdout stays quiet).
     launch = distributed.join(config.coordinator_address, config.num_processes,
                               config.process_id, cluster=config.cluster,
@@ -137,23 +125,30 @@ def start(config: TrainConfig) -> Session:
                               join_timeout=config.join_timeout, print_fn=_to_stderr)
     if launch.launcher is not None and (config.verbose or launch.settings.process_id == 0):
         print(f"effijax train: {launch.describe()}", flush=True)
-    strategy = config.strategy
-    processes = jax.process_count()
-    if strategy is None and config.mesh is None and processes == 1:
+    if config.strategy is None and config.mesh is None and jax.process_count() == 1:
         if config.cpu_devices and config.cpu_devices > 1 and jax.process_index() == 0:
             print(f"effijax train: note: {config.cpu_devices} CPU devices but no --strategy or "
                   "--mesh: training on 1 device (add --strategy ddp or fsdp to use them all)")
-        return Session(mesh=None, is_main=True)
+        return None
     try:
-        mesh = make_mesh(**(config.mesh or {"fsdp": -1}))
+        return make_mesh(**(config.mesh or {"fsdp": -1}))
     except ConfigError as e:
         hint = ("" if config.cpu_devices else "; on CPU, --cpu-devices N forces N devices")
         raise ConfigError("mesh", e.value, e.problem + hint) from None
-    return Session(mesh=mesh, is_main=jax.process_index() == 0)
 
 
 def _to_stderr(line: str) -> None:
     print(f"effijax train: {line}", file=sys.stderr, flush=True)
+
+
+def model_for(config: TrainConfig, source):
+    """The run's model (:func:`effijax.recipe._sources.model_for`), checked against what the
+    run exports."""
+    model = _sources.model_for(config, source)
+    if config.export_hf and model.family != "llama":
+        raise ConfigError("export_hf", True, f"writes a Hugging Face LlamaForCausalLM; the "
+                          f"{model.family} family has no transformers counterpart")
+    return model
 
 
 def resolve(config: TrainConfig, mesh) -> TrainConfig:
@@ -163,8 +158,6 @@ def resolve(config: TrainConfig, mesh) -> TrainConfig:
     A warm-up left to its default follows ``steps``: when a resume may change ``steps``
     (``allow_changes``), it may change the derived warm-up too, without a second name.
     """
-    import jax
-
     precision = config.precision
     if precision == "auto":
         precision = "fp32" if jax.default_backend() == "cpu" else "bf16"
@@ -178,24 +171,28 @@ def resolve(config: TrainConfig, mesh) -> TrainConfig:
         mesh=None if mesh is None else {k: int(v) for k, v in mesh.shape.items()})
 
 
-def load_data(config: TrainConfig, model):
+def load_data(config: TrainConfig, model) -> Dataset:
     """The run's :class:`~effijax.recipe.Dataset`: ``config.data`` through the model's
     tokenizer, read as ``config.data_format`` says, 5% held out for validation."""
-    from effijax.recipe._data import load_dataset
-
     return load_dataset(config.data, model, data_format=config.data_format)
 
 
-def optimizer_for(config: TrainConfig):
-    """The optimizer the config chooses, with its warm-up and schedule, clipping, loss scaling
-    and accumulation (:func:`effijax.optimizers.make_optimizer`)."""
-    from effijax.optimizers import make_optimizer
+def plan(config: TrainConfig, model, optimizer, data: Dataset, mesh) -> _job.Job:
+    """The run's :class:`~effijax.recipe.Job` (:func:`~effijax.recipe.plan_job`): abstract
+    state, shardings and step for the config's precision, strategy, LoRA and batch."""
+    spec = config.lora_spec(model.lora_targets)
+    with lora_fields():  # the spec's checks against the model: rank, targets
+        return _job.plan_job(model, config.precision, optimizer, batch_size=config.batch_size,
+                             mesh=mesh, strategy=config.strategy or "ddp", lora=spec,
+                             seed=config.seed, frozen_dtype=None if config.frozen_dtype == "auto"
+                             else config.frozen_dtype, masked=data.masked,
+                             segmented=data.segmented)
 
-    k = config.accumulate
-    scale = None if config.loss_scale_mode == "none" else config.loss_scale_mode
-    return make_optimizer(config.lr, config.steps // k, optimizer=config.optimizer,
-                          schedule=config.schedule, warmup_steps=config.warmup_steps // k,
-                          lr_end=config.lr_end, decay_fraction=config.decay_fraction,
-                          weight_decay=config.weight_decay, no_decay=config.no_decay,
-                          clip_norm=config.clip or None, **config.hyperparameters,
-                          loss_scale=scale, accumulate=k)
+
+def compile_run(config: TrainConfig, job, initial: Initial, source, data: Dataset):
+    """Compiles the step (a :class:`~effijax.recipe.CompiledStep`), checks its memory against
+    every process' devices and prints the start-up lines."""
+    compiled = _job.compile_job(job)
+    _resume.agree(_preflight.memory, compiled.memory, job, config.device_memory, config.steps)
+    _report.start(config, job, compiled, source, initial.frozen, initial.state, data=data.note)
+    return compiled

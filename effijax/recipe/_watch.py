@@ -9,6 +9,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
+from effijax import distributed
+from effijax.observe import Profiler, Sinks, TensorBoardSink, WandbSink, memory_markdown
 from effijax.recipe._config import TrainConfig
 
 __all__ = ["Watch", "watching"]
@@ -40,14 +42,13 @@ class Watch(NamedTuple):
 
 
 @contextlib.contextmanager
-def watching(config: TrainConfig, run_json: dict, memory: dict, start_step: int,
-             is_main: bool) -> Iterator[Watch]:
+def watching(config: TrainConfig, run_json: dict, memory: dict,
+             start_step: int) -> Iterator[Watch]:
     """Opens what ``config`` asks for (``tensorboard``, ``wandb``, ``profile_steps``) on the main
     process, writes the config and the memory report as text, and closes them all at the end
     (also when training fails)."""
-    from effijax.observe import Profiler, Sinks, TensorBoardSink, WandbSink, memory_markdown
-
     out = Path(config.out)
+    is_main = distributed.is_main()
     sinks, profiler = [], None
     try:
         if is_main and config.tensorboard:

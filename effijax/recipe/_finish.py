@@ -1,0 +1,119 @@
+"""The stages after the loop: evaluate, export, summary.
+
+:func:`evaluate` gives the validation loss (also of the starting parameters, before a
+fine-tune's first step); :func:`export` writes a LoRA run's adapters and, when asked, a Hugging
+Face directory; :func:`summarize` gathers ``summary.json``: this session's numbers, those that
+describe the whole run from step 1 (read back from ``metrics.jsonl``, whatever its resumes),
+the evaluation, the exports, and the job's size, memory and collectives.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from effijax import distributed
+from effijax.interop import export_adapters, save_hf
+from effijax.lora import save_adapters
+from effijax.recipe import _job, _report
+from effijax.recipe._config import TrainConfig
+from effijax.run import read_metrics
+
+__all__ = ["evaluate", "evaluate_start", "export", "summarize"]
+
+
+def evaluate(config: TrainConfig, job, params, tokens, frozen=None, *,
+             key: str = "eval_loss") -> dict:
+    """``{key: loss}``: the mean loss of ``params`` over ``config.eval_batches`` validation
+    batches of ``tokens`` (empty when ``eval_batches`` is 0)."""
+    if not config.eval_batches:
+        return {}
+    return {key: _job.evaluate(job, params, tokens, num_batches=config.eval_batches,
+                               frozen=frozen)}
+
+
+def evaluate_start(config: TrainConfig, job, initial, tokens) -> dict:
+    """``{"eval_loss_start": loss}`` of a fine-tune's starting parameters (``init_from`` or
+    LoRA; printed), empty for a run from the seed. Call it before the loop donates the
+    state."""
+    if not (config.init_from or job.lora is not None):
+        return {}
+    before = evaluate(config, job, initial.state.params, tokens, initial.frozen,
+                      key="eval_loss_start")
+    if before:
+        _report.eval_start(before["eval_loss_start"])
+    return before
+
+
+def export(config: TrainConfig, job, params, frozen=None) -> dict:
+    """The files the run exports: ``adapters`` (a LoRA run's ``adapters.safetensors`` and
+    ``peft/``) and ``hf`` (``export_hf``); their summary entries."""
+    files = {}
+    if job.lora is not None:
+        files["adapters"] = _export_adapters(params, job, config)
+    if config.export_hf:
+        files["hf"] = _export_hf(params, frozen, job, config)
+    return files
+
+
+def summarize(job, compiled, summary: dict, out, entries: dict) -> dict:
+    """``summary.json``: the loop's ``summary``, ``entries`` (the evaluation, the exports),
+    the whole run's numbers read back from ``out``'s ``metrics.jsonl`` and the job's size,
+    memory and collectives."""
+    return {**summary, **entries, **_whole_run(Path(out), summary),
+            **_report.summary_extras(job, compiled)}
+
+
+def _whole_run(out: Path, summary: dict) -> dict:
+    """The summary entries that describe the run from step 1, whatever its resumes, read back
+    from ``metrics.jsonl`` (one record per step): the final loss over its last 10 steps and
+    the trained tokens; a session that trained no step (it completed a run's end) takes the
+    throughput and loss scale of the steps before it too."""
+    try:
+        records = [r for r in read_metrics(out) if r.get("step", 0) <= summary["steps"]]
+    except (OSError, ValueError):
+        return {}  # another process of the run, or a file it cannot read: this session's
+    if not records:
+        return {}
+    tail = [float(r["loss"]) for r in records[-10:] if "loss" in r]
+    whole = {"final_loss": float(np.mean(tail)) if tail else float("nan"),
+             "final_loss_steps": len(tail),
+             "trained_tokens": int(sum(r.get("tokens", 0) for r in records))}
+    if summary["steps"] == summary["start_step"]:
+        rates = [float(r["tokens_per_s"]) for r in records[1:] if "tokens_per_s" in r]
+        whole["tokens_per_s"] = float(np.median(rates)) if rates else float("nan")
+        whole["final_loss_scale"] = float(records[-1].get("loss_scale", float("nan")))
+    return whole
+
+
+def _export_hf(params, frozen, job, config: TrainConfig) -> str:
+    """Writes ``OUT/hf``: the trained model (a LoRA run's adapters merged into its base, in
+    f32) as a Hugging Face directory, with the tokenizer; returns its path. Every process takes
+    part in gathering the parameters (they may be sharded over processes); process 0 writes."""
+    def host(tree):
+        return (multihost_utils.process_allgather(tree, tiled=True)
+                if jax.process_count() > 1 else tree)
+
+    directory = str(Path(config.out) / "hf")
+    base, adapters = (params, None) if job.lora is None else (frozen, params)
+    base, adapters = host(base), None if adapters is None else host(adapters)
+    if distributed.is_main():
+        save_hf(directory, job.model, base, adapters=adapters, lora=job.lora)
+    return directory
+
+
+def _export_adapters(adapters, job, config: TrainConfig) -> dict:
+    """Writes ``OUT/adapters.safetensors`` and ``OUT/peft/`` (PEFT's format, with the model
+    family's module names); returns their paths. Every process gathers the (small) adapters;
+    process 0 writes."""
+    host = multihost_utils.process_allgather(adapters, tiled=True)
+    files = {"adapters": str(Path(config.out) / "adapters.safetensors"),
+             "peft": str(Path(config.out) / "peft")}
+    if distributed.is_main():
+        save_adapters(files["adapters"], host, job.lora)
+        export_adapters(files["peft"], job.model, host, job.lora,
+                        base_model=config.init_from or job.model.name)
+    return files

@@ -1,0 +1,108 @@
+"""The loop stage: trains to ``config.steps``, checkpointing, and saves the last state.
+
+A signal (SIGTERM, SIGINT) stops the loop at a step boundary; the state is saved either way. A
+failed checkpoint write is one line (:class:`~effijax.errors.SaveError`,
+:mod:`effijax.checkpoint`), and a run that goes non-finite says which checkpoint is the last
+good one.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from effijax import checkpoint
+from effijax.recipe import _job, _report
+from effijax.recipe._config import TrainConfig
+from effijax.recipe._rundir import RunStart
+from effijax.recipe._state import Initial
+from effijax.recipe._watch import Watch
+from effijax.run import NonFiniteError, StopFlag, train_loop
+
+__all__ = ["Trained", "loop"]
+
+
+class Trained(NamedTuple):
+    """What the loop produced.
+
+    Attributes:
+      state: the last state (saved when the run checkpoints).
+      summary: :func:`~effijax.run.train_loop`'s summary, with ``wall_time_s``, and this
+        session's ``trained_tokens`` (``trained_tokens_per_s`` for masked data).
+      signal: the signal that stopped the loop early (None: it ran to ``config.steps``).
+    """
+
+    state: Any
+    summary: dict
+    signal: str | None = None
+
+
+def loop(config: TrainConfig, job, run: RunStart, compiled, initial: Initial, tokens,
+         watch: Watch) -> Trained:
+    """Trains ``initial.state`` on ``tokens`` to ``config.steps`` (checkpointing into
+    ``run.dir``), then saves and closes the checkpoints; ``watch`` sees every step."""
+    run_dir = run.dir
+    trained = _TrainedTokens()
+    stop = StopFlag(jax.process_count())
+    t0 = time.perf_counter()
+    with stop.installed(), checkpoint.orbax_log(config.out):
+        try:
+            state, summary = train_loop(
+                watch.step(compiled.step), initial.state,
+                _job.batch_fn(job, tokens, initial.frozen),
+                num_steps=config.steps, tokens_per_step=job.tokens_per_step, run_dir=run_dir,
+                progress=config.progress, should_stop=stop,
+                checkpoint=(lambda s: _save(run_dir, s)) if run_dir.ckpt else None,
+                checkpoint_every=config.checkpoint_every,
+                max_non_finite=config.max_non_finite or None,
+                callbacks=(trained, *watch.callbacks))
+        except NonFiniteError as e:
+            where = checkpoint.last_good(run_dir.ckpt, run_dir.close)
+            raise NonFiniteError(e.step, e.count, where=where) from None
+    summary["wall_time_s"] = time.perf_counter() - t0
+    if run_dir.ckpt is not None:
+        with checkpoint.orbax_log(config.out):
+            _save(run_dir, state, force=True)
+            with checkpoint.save_errors(config.out, run_dir.ckpt,
+                                        checkpoint.step_of(state), _release_quietly(run_dir)):
+                run_dir.close()  # waits for the last write; raises if any write failed
+    if stop.stopped:
+        return Trained(state, summary, stop.signal_name)
+    return Trained(state, {**summary, **trained.summary(job.masked)})
+
+
+def _release_quietly(run_dir):
+    return lambda: run_dir.release(quiet=True)
+
+
+def _save(run_dir, state, force: bool = False) -> None:
+    result = checkpoint.save(run_dir.ckpt, state, out=run_dir.path,
+                             release=_release_quietly(run_dir), force=force)
+    if result.reason == "non_finite" and run_dir.is_main:
+        _report.warn(f"step {result.step} has non-finite parameters or optimizer state; not "
+                     "checkpointed (training goes on)")
+
+
+class _TrainedTokens:
+    """Sums the steps' ``tokens`` metric (trained target positions) and their rate."""
+
+    def __init__(self):
+        self.total, self.rates = 0, []
+
+    def __call__(self, record: dict) -> None:
+        tokens = int(record.get("tokens", 0))
+        self.total += tokens
+        dt = record.get("step_time_s")
+        self.rates.append(tokens / dt if dt else float("nan"))
+
+    def summary(self, masked: bool) -> dict:
+        """``trained_tokens`` (this session's steps) and, for masked data,
+        ``trained_tokens_per_s`` (median over the steps after the first, like ``tokens_per_s``)."""
+        out = {"trained_tokens": self.total}
+        if masked:
+            rates = self.rates[1:]
+            out["trained_tokens_per_s"] = float(np.median(rates)) if rates else float("nan")
+        return out

