@@ -41,7 +41,6 @@ import jax.numpy as jnp  # noqa: E402
 from harness import add_write_flag, command_line, device_description, markdown_table, publish  # noqa: E402
 
 from effijax import lora  # noqa: E402
-from effijax.recipe import abstract_lm_state  # noqa: E402
 from effijax.memory import (  # noqa: E402
     activation_bytes,
     compare,
@@ -58,6 +57,7 @@ from effijax.models import (  # noqa: E402
     param_count,
 )
 from effijax.precision import get_policy  # noqa: E402
+from effijax.recipe import abstract_lm_state  # noqa: E402
 from effijax.sharding import (  # noqa: E402
     DEFAULT_MIN_SHARD_SIZE,
     batch_sharding,

@@ -45,10 +45,10 @@ from harness import (  # noqa: E402
 )
 
 from effijax.data import load_corpus, split_corpus  # noqa: E402
-from effijax.recipe import build_lm_job  # noqa: E402
 from effijax.memory import estimate_tree, model_states  # noqa: E402
 from effijax.models import abstract_params, gpt_config  # noqa: E402
 from effijax.precision import get_policy  # noqa: E402
+from effijax.recipe import build_lm_job  # noqa: E402
 from effijax.sharding import (  # noqa: E402
     device_bytes,
     grad_shardings,

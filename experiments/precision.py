@@ -25,9 +25,9 @@ from pathlib import Path
 import numpy as np
 
 from effijax.data import load_corpus, split_corpus
-from effijax.recipe import build_lm_job
 from effijax.models import gpt_config
 from effijax.precision import dynamic_loss_scale
+from effijax.recipe import build_lm_job
 from effijax.run import RunDir, read_metrics, train_loop
 from effijax.train import make_optimizer
 
