@@ -34,7 +34,7 @@ from harness import (
 
 from effijax.memory import ACTIVATION_VARIANTS, activation_measure, format_bytes
 from effijax.models import gpt_config, init_params
-from effijax.train import init_train_state
+from effijax.step import init_train_state
 
 GOAL = 8.0
 

@@ -29,7 +29,7 @@ from harness import (
 
 from effijax.data import batch_at, load_corpus
 from effijax.models import ATTENTION, choose_attention, gpt_config
-from effijax.train import init_train_state, make_optimizer, make_train_step
+from effijax.step import init_train_state, make_optimizer, make_train_step
 
 IMPLEMENTATIONS = ("naive", "blockwise", "xla")
 

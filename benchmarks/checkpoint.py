@@ -38,7 +38,7 @@ from effijax.checkpoint import open_checkpoints, restore_target
 from effijax.models import abstract_split, gpt_config, init_params, make_loss_fn, param_count
 from effijax.paths import map_with_path
 from effijax.sharding import make_mesh, replicated
-from effijax.train import init_train_state, make_optimizer, make_train_step
+from effijax.step import init_train_state, make_optimizer, make_train_step
 
 
 def make_state(name: str):

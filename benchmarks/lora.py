@@ -44,7 +44,7 @@ from harness import (
 from effijax import lora
 from effijax.data import batch_at, load_corpus
 from effijax.models import abstract_split, gpt_config, init_params, make_loss_fn
-from effijax.train import init_train_state, make_train_step
+from effijax.step import init_train_state, make_train_step
 
 TARGETS = r"(attn/(q|k|v|o)|mlp/(fc_in|fc_out))/kernel"
 

@@ -57,7 +57,7 @@ from effijax.models import (  # noqa: E402
     param_count,
 )
 from effijax.precision import get_policy  # noqa: E402
-from effijax.recipe import abstract_lm_state  # noqa: E402
+from effijax.recipe import abstract_state  # noqa: E402
 from effijax.sharding import (  # noqa: E402
     DEFAULT_MIN_SHARD_SIZE,
     batch_sharding,
@@ -67,7 +67,7 @@ from effijax.sharding import (  # noqa: E402
     state_shardings,
     with_shardings,
 )
-from effijax.train import init_train_state, make_optimizer, make_sharded_step  # noqa: E402
+from effijax.step import init_train_state, make_optimizer, make_sharded_step  # noqa: E402
 
 BATCH = 8
 STAGES = {"ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3}
@@ -105,7 +105,7 @@ def measure_point(model, config: str, min_shard_size: int) -> dict:
     base = None
     if base_dtype is None:
         loss_fn = make_loss_fn(graphdef)
-        state = abstract_lm_state(model, policy, optimizer)
+        state = abstract_state(model, policy, optimizer)
         tree, trainable = abstract, None
     else:
         loss_fn = lora.freeze_base(make_loss_fn(graphdef, lora=SPEC))

@@ -56,7 +56,7 @@ from harness import (
 
 from effijax.models import gpt_config, param_count
 from effijax.precision import get_policy
-from effijax.train import init_train_state, make_optimizer, make_train_step
+from effijax.step import init_train_state, make_optimizer, make_train_step
 
 FORMULA = ("model FLOPs/token = 6·N + 12·L·H·K·S (PaLM appendix B; N = parameters that multiply "
            "activations: all but the position embedding, the tied embedding counted once as the "

@@ -56,7 +56,7 @@ from effijax.sharding import (  # noqa: E402
     partition_specs,
     with_shardings,
 )
-from effijax.train import make_optimizer  # noqa: E402
+from effijax.step import make_optimizer  # noqa: E402
 
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
 ZERO_STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3}

@@ -40,7 +40,7 @@ from effijax.models import abstract_split, gpt_config, init_params, make_loss_fn
 from effijax.precision import dynamic_loss_scale, get_policy
 from effijax.recipe import init_state, plan_job
 from effijax.sharding import batch_sharding
-from effijax.train import init_train_state, make_train_step
+from effijax.step import init_train_state, make_train_step
 
 
 def main(argv=None):

@@ -7,7 +7,7 @@
   offline byte corpora.
 * :mod:`effijax.interop`: pretrained models in and out (GGUF files, Hugging Face directories,
   tokenizers, PEFT adapters).
-* :mod:`effijax.train`: ``TrainState`` and the functional, jittable train step.
+* :mod:`effijax.step`: ``TrainState`` and the functional, jittable train step.
 
 Subpackages and the names below are imported on first use (``effijax.models``,
 ``effijax.get_policy``), so ``import effijax`` stays light and does not import JAX.
@@ -18,9 +18,9 @@ from effijax._lazy import attach
 # Each name is imported from its module on first use: importing the package (the CLI's
 # flag checks, a config's validation) does not import JAX. __all__ lists every name.
 __getattr__, __dir__, _lazy_names = attach(__name__, {
-    "effijax.errors": ("ConfigError",),
+    "effijax.errors": ("ConfigError", "FileError"),
     "effijax.precision": ("Policy", "get_policy", "dynamic_loss_scale", "static_loss_scale"),
-    "effijax.train": ("TrainState", "init_train_state", "make_train_step", "make_optimizer"),
+    "effijax.step": ("TrainState", "init_train_state", "make_train_step", "make_optimizer"),
 })
 
 __version__ = "0.1.0"

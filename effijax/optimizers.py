@@ -235,7 +235,7 @@ def make_optimizer(
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from effijax.train import learning_rate_of
+      >>> from effijax.step import learning_rate_of
       >>> tx = make_optimizer(1e-3, 100, warmup_steps=10, loss_scale="dynamic")
       >>> float(learning_rate_of(tx.init({"w": jnp.ones(2)})))
       0.0

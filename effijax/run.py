@@ -274,7 +274,7 @@ def train_loop(
 
     Args:
       step_fn: a jitted ``(state, batch) -> (state, metrics)``; the state may be donated.
-      state: a :class:`~effijax.train.TrainState` (its ``step`` says where to start).
+      state: a :class:`~effijax.step.TrainState` (its ``step`` says where to start).
       batch_fn: ``step -> batch`` (a deterministic function of the step, so resuming is exact).
       num_steps: the step number to stop at.
       tokens_per_step: tokens in one global batch, for throughput.
@@ -303,7 +303,7 @@ def train_loop(
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
-      >>> from effijax.train import init_train_state, make_train_step
+      >>> from effijax.step import init_train_state, make_train_step
       >>> loss_fn = lambda p, b, rng: jnp.mean((p["w"] - b) ** 2)
       >>> tx = optax.sgd(0.5)
       >>> step = jax.jit(make_train_step(loss_fn, tx))

@@ -46,7 +46,7 @@ from effijax.models import GPTConfig, gpt_config
 from effijax.recipe import batch_fn, compile_job, init_frozen, init_state, plan_job
 from effijax.recipe import evaluate as recipe_evaluate
 from effijax.run import RunDir, read_metrics, train_loop
-from effijax.train import make_optimizer
+from effijax.step import make_optimizer
 
 # Every dense kernel of the blocks: attention (q, k, v, o) and MLP (fc_in, fc_out).
 TARGETS = GPTConfig.lora_targets

@@ -29,7 +29,7 @@ from effijax.models import gpt_config
 from effijax.precision import dynamic_loss_scale
 from effijax.recipe import build_lm_job
 from effijax.run import RunDir, read_metrics, train_loop
-from effijax.train import make_optimizer
+from effijax.step import make_optimizer
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,7 +48,7 @@ from effijax.sharding import (
     state_shardings,
     with_shardings,
 )
-from effijax.train import init_train_state, make_optimizer, make_sharded_step
+from effijax.step import init_train_state, make_optimizer, make_sharded_step
 
 ZERO_STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3}
 

@@ -40,7 +40,7 @@ from effijax.checkpoint import (  # noqa: E402
 )
 from effijax.run import RunDir  # noqa: E402
 from effijax.sharding import make_mesh, replicated  # noqa: E402
-from effijax.train import init_train_state, make_optimizer, make_train_step  # noqa: E402
+from effijax.step import init_train_state, make_optimizer, make_train_step  # noqa: E402
 
 SEED = 0
 STEPS = 16

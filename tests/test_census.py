@@ -41,7 +41,7 @@ from effijax.sharding import (
     partition_specs,
     state_shardings,
 )
-from effijax.train import init_train_state, make_train_step
+from effijax.step import init_train_state, make_train_step
 
 SHAPES = {"w1": (16, 64), "b1": (64,), "w2": (64, 32), "b2": (32,), "w3": (32, 8)}
 N_ELEMENTS = sum(math.prod(s) for s in SHAPES.values())  # 3424

@@ -344,7 +344,7 @@ def test_train_cli_fine_tunes_on_jsonl_and_prints_validation_loss_before_and_aft
                                                                                   tmp_path):
     files = gguf
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "effijax", "train", "--init-from", str(files / "tiny.gguf"),
+    cmd = [sys.executable, "-m", "effijax", "train", "--from", str(files / "tiny.gguf"),
            "--data", str(files / "qa.jsonl"), "--lora-rank", "2", "--seq-len", str(SEQ),
            "--steps", "4", "--batch-size", "2", "--eval-batches", "1", "--no-progress",
            "--out", str(out)]

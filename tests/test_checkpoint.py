@@ -3,7 +3,7 @@ onto other meshes and strategies, resume pre-flight, failed saves, adapter check
 metrics truncation of exact resume.
 
 All on the 8 CPU devices forced by conftest. The model is a hand-written 3-layer MLP (as in
-tests/test_sharding.py) trained with effijax.train.make_optimizer: AdamW with clipping, a cosine
+tests/test_sharding.py) trained with effijax.step.make_optimizer: AdamW with clipping, a cosine
 schedule and dynamic loss scaling, so the state holds f32, int32 and bool leaves and a typed key.
 """
 
@@ -49,7 +49,7 @@ from effijax.sharding import (
     replicated,
     state_shardings,
 )
-from effijax.train import init_train_state, make_optimizer, make_train_step
+from effijax.step import init_train_state, make_optimizer, make_train_step
 
 RTOL, ATOL = 1e-5, 1e-6  # one step on another mesh reorders reductions (see test_sharding)
 

@@ -23,7 +23,7 @@ CASES = {
     ("train", "--mesh", "data=2,model=4"): (2, "unknown axis 'model'"),
     ("train", "--join-timeout", "0"): (2, "effijax train: error: --join-timeout=0: must be an "
                                           "integer >= 1"),
-    ("train", "--lora-rank", "8"): (2, "--init-from RUN_DIR"),
+    ("train", "--lora-rank", "8"): (2, "--from SOURCE"),
     ("train", "--lora-alpha", "4"): (2, "--lora-alpha=4.0: only applies to LoRA"),
     ("train", "--config", "missing.toml"): (2, "missing.toml"),
     # A misspelt flag names the closest; none is abbreviated (--data is not --data-format).

@@ -379,14 +379,14 @@ def _cli(*args, timeout=300):
 
 def test_cli_generates_from_a_gguf(tiny_gguf):
     pytest.importorskip("jinja2", reason="chat templates need jinja2")
-    proc = _cli("--model-from", str(tiny_gguf), "--prompt", "the thin", "--max-new-tokens", "6",
+    proc = _cli("--from", str(tiny_gguf), "--prompt", "the thin", "--max-new-tokens", "6",
                 "--verbose")
     assert proc.returncode == 0, proc.stderr
     loaded = load(str(tiny_gguf))
     expected = loaded.complete("the thin", max_new_tokens=6).text
     assert proc.stdout == expected + "\n"
     assert "tokens/s" in proc.stderr and "compile" in proc.stderr and "prefill" in proc.stderr
-    chat = _cli("--model-from", str(tiny_gguf), "--prompt", "hi", "--chat",
+    chat = _cli("--from", str(tiny_gguf), "--prompt", "hi", "--chat",
                 "--max-new-tokens", "4", "--temperature", "0.8", "--top-p", "0.9", "--seed", "3")
     assert chat.returncode == 0, chat.stderr
     assert chat.stdout == loaded.complete("hi", chat=True, max_new_tokens=4, temperature=0.8,
@@ -398,7 +398,7 @@ def test_cli_generates_several_prompts_as_json_lines(tiny_gguf, tmp_path):
 
     file = tmp_path / "prompts.jsonl"
     file.write_text('{"prompt": "the"}\n\n"thin in the thin the"\n')
-    proc = _cli("--model-from", str(tiny_gguf), "--prompt", "the thin", "--prompt",
+    proc = _cli("--from", str(tiny_gguf), "--prompt", "the thin", "--prompt",
                 "in the thin the thin in", "--prompts-file", str(file), "--max-new-tokens", "6")
     assert proc.returncode == 0, proc.stderr
     prompts = ["the thin", "in the thin the thin in", "the", "thin in the thin the"]
@@ -425,20 +425,20 @@ def test_a_bad_prompts_file_fails_before_loading(content, message, tmp_path, cap
 
     file = tmp_path / "prompts.jsonl"
     file.write_text(content)
-    assert main(["generate", "--model-from", "smollm2", "--prompts-file", str(file)]) == 2
+    assert main(["generate", "--from", "smollm2", "--prompts-file", str(file)]) == 2
     err = capsys.readouterr().err
     assert f"--prompts-file='{file}'" in err and message in err
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--model-from", "smollm2"], "give a prompt (--prompt TEXT"),
-    (["--model-from", "smollm2", "--prompts-file", "/no/such/file"],
+    (["--from", "smollm2"], "give a prompt (--prompt TEXT"),
+    (["--from", "smollm2", "--prompts-file", "/no/such/file"],
      "--prompts-file='/no/such/file': no such file"),
-    (["--model-from", "/no/such/run", "--prompt", "x"], "--from='/no/such/run': no such"),
-    (["--model-from", "smollm2", "--prompt", "x", "--top-p", "0"], "--top-p=0.0: must be in"),
-    (["--model-from", "smollm2", "--prompt", "x", "--max-new-tokens", "0"],
+    (["--from", "/no/such/run", "--prompt", "x"], "--from='/no/such/run': no such"),
+    (["--from", "smollm2", "--prompt", "x", "--top-p", "0"], "--top-p=0.0: must be in"),
+    (["--from", "smollm2", "--prompt", "x", "--max-new-tokens", "0"],
      "--max-new-tokens=0: must be an integer >= 1"),
-    (["--model-from", "smollm2", "--prompt", "x", "--system", "s"], "only applies with --chat"),
+    (["--from", "smollm2", "--prompt", "x", "--system", "s"], "only applies with --chat"),
 ])
 def test_cli_bad_flags_fail_before_loading(flags, message, capsys):
     from effijax.cli import main
@@ -485,7 +485,7 @@ def test_runs_load_with_their_tokenizer_and_adapters(runs, tiny_gguf):
                         lora=adapted.lora)
     assert factored.tokens.tolist() == generate(adapted.model, merged, prompt,
                                                 max_new_tokens=6).tokens.tolist()
-    proc = _cli("--model-from", str(lora_run), "--prompt", "the thin", "--max-new-tokens", "6")
+    proc = _cli("--from", str(lora_run), "--prompt", "the thin", "--max-new-tokens", "6")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == adapted.complete("the thin", max_new_tokens=6).text + "\n"
 

@@ -28,7 +28,7 @@ from effijax.models import (
 )
 from effijax.paths import named_leaves
 from effijax.sharding import make_mesh
-from effijax.train import init_train_state, make_sharded_training, make_train_step
+from effijax.step import init_train_state, make_sharded_training, make_train_step
 
 TINY = llama_config("llama-tiny", seq_len=16)
 

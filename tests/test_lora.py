@@ -28,7 +28,7 @@ from effijax.models import (
     make_loss_fn,
 )
 from effijax.paths import named_leaves
-from effijax.train import init_train_state, make_optimizer, make_train_step
+from effijax.step import init_train_state, make_optimizer, make_train_step
 
 TINY = gpt_config("tiny")  # d=64, L=2, F=256, V=256
 L, D, F = TINY.n_layers, TINY.d_model, TINY.d_ff
@@ -593,5 +593,5 @@ def test_lora_imports_neither_precision_nor_sharding():
             elif isinstance(node, ast.ImportFrom):
                 names = [node.module or ""]
             for n in names:
-                assert not n.startswith(("effijax.precision", "effijax.sharding", "effijax.train",
+                assert not n.startswith(("effijax.precision", "effijax.sharding", "effijax.step",
                                          "effijax.models", "flax")), (f.name, n)

@@ -39,7 +39,7 @@ from effijax.sharding import (
     param_shardings,
     partition_specs,
 )
-from effijax.train import init_train_state, make_optimizer, make_train_step
+from effijax.step import init_train_state, make_optimizer, make_train_step
 
 TINY = gpt_config("tiny", seq_len=32)  # d=64, F=256, L=2
 SPEC = lora.LoraSpec(rank=4, alpha=8.0, targets=r"attn/(q|v)/kernel|mlp/fc_(in|out)/kernel")

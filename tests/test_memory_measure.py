@@ -44,7 +44,7 @@ from effijax.memory import (
 )
 from effijax.models import ATTENTION, blockwise_attend, gpt_config
 from effijax.sharding import make_mesh
-from effijax.train import optax_promotion
+from effijax.step import optax_promotion
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 S = 256

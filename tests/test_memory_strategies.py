@@ -44,7 +44,6 @@ import jax.numpy as jnp
 import pytest
 
 from effijax import lora
-from effijax.jobs import abstract_lm_state
 from effijax.memory import (
     Measurement,
     ModelStateBytes,
@@ -57,6 +56,7 @@ from effijax.memory import (
 )
 from effijax.models import abstract_params, abstract_split, gpt_config, make_loss_fn
 from effijax.precision import get_policy
+from effijax.recipe import abstract_state
 from effijax.sharding import (
     DEFAULT_MIN_SHARD_SIZE,
     batch_sharding,
@@ -66,7 +66,7 @@ from effijax.sharding import (
     state_shardings,
     with_shardings,
 )
-from effijax.train import init_train_state, make_optimizer, make_sharded_step
+from effijax.step import init_train_state, make_optimizer, make_sharded_step
 
 MODEL = gpt_config("tiny", seq_len=32)  # d 64, L 2, 4 heads, vocab 256
 BATCH = 8  # one sequence per device
@@ -125,7 +125,7 @@ def _build(name: str) -> Point:
               for k in ("inputs", "targets")}
     if base_dtype is None:
         loss_fn = make_loss_fn(graphdef)
-        state = abstract_lm_state(MODEL, policy, optimizer)
+        state = abstract_state(MODEL, policy, optimizer)
         batch, batch_sh, tree, trainable = tokens, tokens_sh, abstract, None
     else:
         loss_fn = lora.freeze_base(make_loss_fn(graphdef, lora=SPEC))
@@ -230,7 +230,7 @@ def test_estimate_with_min_shard_size_matches_the_default_rule_exactly(strategy)
     # same floor the estimate counts exactly what the shardings put on each device.
     mesh = make_mesh()
     optimizer = make_optimizer(1e-3, 100)
-    state = abstract_lm_state(MODEL, "fp32", optimizer)
+    state = abstract_state(MODEL, "fp32", optimizer)
     held = with_shardings(state, state_shardings(state, mesh, strategy))
     est = estimate_tree(abstract_params(MODEL), optimizer, param_dtype=jnp.float32,
                         compute_dtype=jnp.float32, zero_stage=STAGES[strategy], devices=8,

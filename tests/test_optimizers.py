@@ -16,7 +16,7 @@ from effijax.optimizers import DEFAULTS, OPTIMIZERS, decay_mask, make_optimizer,
 from effijax.paths import named_leaves
 from effijax.recipe import TrainConfig, train
 from effijax.recipe._identity import check_resume
-from effijax.train import optax_promotion
+from effijax.step import optax_promotion
 
 PARAMS = {"ln1": {"scale": jnp.ones(3), "bias": jnp.full(3, 0.5)},
           "q": {"kernel": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4), "bias": jnp.ones(4)},

@@ -53,7 +53,7 @@ def test_unknown_and_mistyped_settings_are_refused_by_name():
     with pytest.raises(ConfigError, match=r"warmup=400: must be in \[0, steps=300\]"):
         TrainConfig(warmup=400)
     with pytest.raises(ConfigError, match=r"lora_rank=4: LoRA adapts a trained model: give "
-                       r"--init-from RUN_DIR, or --lora-random-base"):
+                       r"--from SOURCE, or --lora-random-base"):
         TrainConfig(lora_rank=4)
     assert TrainConfig(lora_rank=4, lora_random_base=True).lora_rank == 4
 

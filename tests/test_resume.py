@@ -20,7 +20,7 @@ from _compiles import compiles
 from effijax.checkpoint import open_checkpoints, restore_target
 from effijax.cli import main
 from effijax.run import NonFiniteError, train_loop
-from effijax.train import init_train_state
+from effijax.step import init_train_state
 
 TINY = ["--model", "tiny", "--seq-len", "32", "--batch-size", "2", "--eval-batches", "1",
         "--no-progress"]

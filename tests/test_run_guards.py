@@ -139,17 +139,17 @@ def test_init_from_a_run_with_a_damaged_newest_step_starts_from_the_previous(
     before = sorted(p.name for p in (source / "checkpoints").iterdir())
     out = tmp_path / "tuned"
     capsys.readouterr()
-    assert main(["train", "--init-from", str(source), "--steps", "2", "--data", corpus,
+    assert main(["train", "--from", str(source), "--steps", "2", "--data", corpus,
                  "--out", str(out), *TINY[4:]]) == 0
     err = capsys.readouterr().err
-    assert f"--init-from: step 6 in {source / 'checkpoints'} cannot be restored" in err, err
+    assert f"--from: step 6 in {source / 'checkpoints'} cannot be restored" in err, err
     assert "starting from step 4" in err
     record = json.loads((out / "config.json").read_text())["run"]
     assert record["init_from_checkpoint"] == {"run": str(source.resolve()), "step": 4}
     assert sorted(p.name for p in (source / "checkpoints").iterdir()) == before  # untouched
     for step in ("2", "4"):
         _drop_metadata(source / "checkpoints" / step)
-    assert main(["train", "--init-from", str(source), "--steps", "2", "--data", corpus,
+    assert main(["train", "--from", str(source), "--steps", "2", "--data", corpus,
                  "--out", str(tmp_path / "never"), *TINY[4:]]) == 2
     err = capsys.readouterr().err
     assert "--from=" in err and "no checkpoint step restores (step 6:" in err, err
@@ -252,7 +252,7 @@ def test_a_malformed_init_from_config_names_the_file_and_field(
     values["run"]["model_config"].update(change)
     (source / "config.json").write_text(json.dumps(values))
     capsys.readouterr()
-    assert main(["train", "--init-from", str(source), "--steps", "2", "--data", corpus,
+    assert main(["train", "--from", str(source), "--steps", "2", "--data", corpus,
                  "--out", str(tmp_path / "x"), *TINY[4:]]) == 2
     err = capsys.readouterr().err
     assert f"{source / 'config.json'}:{field}" in err and problem in err, err

@@ -28,7 +28,6 @@ from effijax import distributed
 from effijax.cli import main
 from effijax.data import load_corpus, split_corpus
 from effijax.errors import ConfigError
-from effijax.jobs import build_lm_job
 from effijax.models import (
     abstract_params,
     abstract_split,
@@ -38,6 +37,7 @@ from effijax.models import (
 )
 from effijax.paths import named_leaves
 from effijax.precision import dynamic_loss_scale, get_policy, skipped_steps_of
+from effijax.recipe import build_lm_job
 from effijax.sharding import (
     batch_sharding,
     collective_census,
@@ -46,7 +46,7 @@ from effijax.sharding import (
     state_shardings,
     with_shardings,
 )
-from effijax.train import init_train_state, make_optimizer, make_sharded_step
+from effijax.step import init_train_state, make_optimizer, make_sharded_step
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 N_STEPS = 4

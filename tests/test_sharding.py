@@ -41,7 +41,7 @@ from effijax.sharding import (
     partition_specs,
     state_shardings,
 )
-from effijax.train import init_train_state, make_train_step
+from effijax.step import init_train_state, make_train_step
 
 N_STEPS = 5
 BAD_STEP = 2  # this step's batch holds an inf: the update must be skipped
@@ -122,7 +122,7 @@ def run_reference():
 
 def build_sharded(strategy, mesh, *, min_shard_size=0, policy="fp32", rules=None):
     """init_sharded + constraints + make_train_step + jit_sharded: the composition train.py
-    will provide (the sharding package sits below effijax.train, so it cannot import it)."""
+    will provide (the sharding package sits below effijax.step, so it cannot import it)."""
     kw = {"rules": rules, "min_shard_size": min_shard_size}
     state, sh = init_sharded(init_state, jax.random.key(0), mesh=mesh, strategy=strategy, **kw)
     cp, cg = constraints(mesh, strategy, partition_specs(state.params, mesh, **kw))
@@ -544,7 +544,7 @@ def test_sharding_does_not_import_precision_or_lora():
             elif isinstance(node, ast.ImportFrom):
                 names = [node.module or ""]
             for n in names:
-                assert not n.startswith(("effijax.precision", "effijax.lora", "effijax.train",
+                assert not n.startswith(("effijax.precision", "effijax.lora", "effijax.step",
                                          "effijax.models")), (f.name, n)
 
 

@@ -96,7 +96,7 @@ def save_adapters_checkpoint(directory: str | os.PathLike, step: int, adapters_s
 
     Example:
       >>> import tempfile, jax, jax.numpy as jnp, optax
-      >>> from effijax.train import init_train_state
+      >>> from effijax.step import init_train_state
       >>> base = {"w": jnp.ones((4, 4))}
       >>> adapters = {"w": {"a": jnp.ones((4, 1)), "b": jnp.zeros((1, 4))}}
       >>> state = init_train_state(adapters, optax.adam(1e-3), 0)

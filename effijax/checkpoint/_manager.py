@@ -162,7 +162,7 @@ def restore_target(abstract_state, shardings):
     Example:
       >>> import jax, jax.numpy as jnp, optax
       >>> from effijax.sharding import make_mesh, state_shardings
-      >>> from effijax.train import init_train_state
+      >>> from effijax.step import init_train_state
       >>> init = lambda key: init_train_state({"w": jnp.zeros((64, 32))}, optax.adam(1e-3), key)
       >>> abstract = jax.eval_shape(init, jax.random.key(0))
       >>> target = restore_target(abstract, state_shardings(abstract, make_mesh(), "fsdp"))
@@ -301,7 +301,7 @@ class Checkpointer:
     Example:
       >>> import tempfile, jax, jax.numpy as jnp, optax
       >>> from effijax.sharding import make_mesh, replicated
-      >>> from effijax.train import init_train_state
+      >>> from effijax.step import init_train_state
       >>> state = init_train_state({"w": jnp.ones(4)}, optax.sgd(0.1), 0)
       >>> with open_checkpoints(tempfile.mkdtemp(), every=10, keep=2) as ckpt:
       ...     print(ckpt.save(state))
@@ -514,7 +514,7 @@ def read_checkpoint(directory: str | os.PathLike, *, target_state_abstract,
                     step: int | None = None) -> tuple[Any, dict]:
     """Restores a step of another run's checkpoints without changing anything on disk.
 
-    What ``effijax train --init-from`` uses: unlike :func:`open_checkpoints` it creates no
+    What ``effijax train --from`` uses: unlike :func:`open_checkpoints` it creates no
     directory and cleans up nothing (the other run may still be writing).
 
     Args:
@@ -532,7 +532,7 @@ def read_checkpoint(directory: str | os.PathLike, *, target_state_abstract,
 
     Example:
       >>> import tempfile, jax, jax.numpy as jnp, optax
-      >>> from effijax.train import init_train_state
+      >>> from effijax.step import init_train_state
       >>> state = init_train_state({"w": jnp.ones(2)}, optax.sgd(0.1), 0)
       >>> d = tempfile.mkdtemp()
       >>> with open_checkpoints(d) as ckpt:
@@ -565,7 +565,7 @@ def latest_step(directory: str | os.PathLike) -> int | None:
 
     Example:
       >>> import tempfile, jax.numpy as jnp, optax
-      >>> from effijax.train import init_train_state
+      >>> from effijax.step import init_train_state
       >>> d = tempfile.mkdtemp()
       >>> latest_step(d) is None
       True
@@ -608,7 +608,7 @@ def open_checkpoints(directory: str | os.PathLike, *, every: int = 1, keep: int 
 
     Example:
       >>> import tempfile, jax.numpy as jnp, optax
-      >>> from effijax.train import init_train_state
+      >>> from effijax.step import init_train_state
       >>> state = init_train_state({"w": jnp.ones(2)}, optax.sgd(0.1), 0)
       >>> with open_checkpoints(tempfile.mkdtemp(), every=5, metadata={"lr": 0.1}) as ckpt:
       ...     ckpt.save(state._replace(step=jnp.int32(3))).reason
@@ -777,7 +777,7 @@ def validate_resume(directory: str | os.PathLike, abstract_state) -> int | None:
 
     Example:
       >>> import tempfile, jax, jax.numpy as jnp, optax
-      >>> from effijax.train import init_train_state
+      >>> from effijax.step import init_train_state
       >>> init = lambda n: init_train_state({"w": jnp.ones(n)}, optax.sgd(0.1), 0)
       >>> d = tempfile.mkdtemp()
       >>> validate_resume(d, jax.eval_shape(lambda: init(2))) is None
@@ -866,7 +866,7 @@ def restore_newest(directory: str | os.PathLike, *, target_state_abstract,
     Example:
       >>> import tempfile, pathlib, jax, jax.numpy as jnp, optax
       >>> from effijax.sharding import make_mesh, replicated
-      >>> from effijax.train import init_train_state
+      >>> from effijax.step import init_train_state
       >>> state = init_train_state({"w": jnp.ones(2)}, optax.sgd(0.1), 0)
       >>> d = pathlib.Path(tempfile.mkdtemp())
       >>> with open_checkpoints(d, keep=None) as ckpt:

@@ -5,7 +5,7 @@ Llama family, the GPT): one compiled prefill, one compiled decode step, greedy o
 top-p sampling with a seed, stopping at end-of-sequence; one prompt or a batch of prompts of
 different lengths (left-padded, each row computing what its prompt alone computes); base models
 and base + LoRA adapters (applied factored, never merged). :func:`load` opens what
-``--model-from`` names (a run directory, a GGUF file, a Hugging Face directory, or ``smollm2``)
+``--from`` names (a run directory, a GGUF file, a Hugging Face directory, or ``smollm2``)
 as a :class:`Loaded` model with its tokenizer; :meth:`Loaded.complete` goes from text to text
 (:meth:`Loaded.complete_batch` for several texts), through the chat template for chat models.
 

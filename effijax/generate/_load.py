@@ -1,4 +1,4 @@
-"""What ``--model-from`` names, opened for generation: a model, its parameters, its tokenizer.
+"""What ``--from`` names, opened for generation: a model, its parameters, its tokenizer.
 
 :func:`load` takes (through :func:`effijax.recipe.open_model`)
 

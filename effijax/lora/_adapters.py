@@ -371,7 +371,7 @@ def freeze_base(loss_fn: Callable[..., Any], *, key: str = "base") -> Callable[.
     ``loss_fn(params, batch, rng)`` takes ``params = {"base": base, "adapters": adapters}`` (as
     ``effijax.models.make_loss_fn(graphdef, lora=spec)`` does). The returned
     ``loss(adapters, batch, rng)`` reads the base from ``batch[key]``, so under
-    ``effijax.train.make_train_step`` the adapters are the train state's params: gradients and
+    ``effijax.step.make_train_step`` the adapters are the train state's params: gradients and
     optimizer state exist for them only, and the base is an input of the compiled step (not a
     constant folded into the program), which may be bf16 and sharded like any batch entry. The
     step's policy casts only the adapters; store the base in the compute dtype yourself.

@@ -333,7 +333,7 @@ def activation_measure(
     import optax
 
     from effijax.precision import get_policy
-    from effijax.train import init_train_state, make_train_step
+    from effijax.step import init_train_state, make_train_step
 
     seq_lens = _check_seq_lens(seq_lens)
     variants = dict(ACTIVATION_VARIANTS if variants is None else variants)

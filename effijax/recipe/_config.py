@@ -99,8 +99,8 @@ class TrainConfig:
     """
 
     # What to train.
-    model: str = _field(DEFAULT_MODEL, "model preset (tiny, mini, small, base); an --init-from "
-                        "run's model is used when --init-from is given", section="model")
+    model: str = _field(DEFAULT_MODEL, "model preset (tiny, mini, small, base); with --from, the "
+                        "model is the one --from names", section="model")
     seq_len: int | None = _field(None, "sequence length (default: the model's)", section="model")
     init_from: str | None = _field(None, "the model to start from (its architecture and "
                                    "parameters): an earlier full (non-LoRA) run's directory "
@@ -379,7 +379,7 @@ class TrainConfig:
             return
         if self.init_from is None and not self.lora_random_base:
             raise ConfigError("lora_rank", self.lora_rank, "LoRA adapts a trained model: give "
-                              "--init-from RUN_DIR, or --lora-random-base to train adapters on "
+                              "--from SOURCE, or --lora-random-base to train adapters on "
                               "a random base on purpose")
         if self.frozen_dtype not in FROZEN_DTYPES:
             raise ConfigError("frozen_dtype", self.frozen_dtype,

@@ -93,7 +93,7 @@ def _tokenizer(model, *, chat: bool):
     if chat and (tokenizer is None or tokenizer.chat_template is None):
         raise ConfigError("data", "chat", f"{model.name} has no "
                           f"{'tokenizer' if tokenizer is None else 'chat template'}; chat / "
-                          "instruction JSONL needs a model that has both (e.g. --init-from "
+                          "instruction JSONL needs a model that has both (e.g. --from "
                           "smollm2), or read the file as plain text with --data-format text")
     return tokenizer
 

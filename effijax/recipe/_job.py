@@ -52,11 +52,10 @@ from effijax.sharding import (
     state_shardings,
     with_shardings,
 )
-from effijax.train import TrainState, init_train_state, make_sharded_step
+from effijax.step import TrainState, init_train_state, make_sharded_step
 
 __all__ = ["Job", "CompiledStep", "plan_job", "abstract_state", "init_state", "init_frozen",
-           "batch_fn", "evaluate", "compile_job", "adapter_key", "LMJob", "build_lm_job",
-           "abstract_lm_state"]
+           "batch_fn", "evaluate", "compile_job", "adapter_key", "LMJob", "build_lm_job"]
 
 
 class CompiledStep(NamedTuple):
@@ -196,7 +195,7 @@ def plan_job(
     Args:
       model: any :class:`~effijax.models.LanguageModel` (its ``seq_len`` is the window).
       policy: precision policy or preset name.
-      optimizer: any optax transformation (see :func:`effijax.train.make_optimizer`).
+      optimizer: any optax transformation (see :func:`effijax.step.make_optimizer`).
       batch_size: global batch (sequences per step).
       mesh: a mesh from :func:`effijax.sharding.make_mesh` (every process' devices in a
         multi-process run); None: this process' first device.
@@ -207,7 +206,7 @@ def plan_job(
       seed: seeds the parameters, the adapters, the dropout keys and the batch order.
       loss_multiplier: multiplies the training objective (the metric ``lm_loss`` keeps the
         unmultiplied loss); values far below 1 push gradients below fp16's range.
-      allow_unscaled_fp16: see :func:`effijax.train.make_train_step`.
+      allow_unscaled_fp16: see :func:`effijax.step.make_train_step`.
       masked: batches carry ``"mask"`` (int32 ``[B, S]``, nonzero = trained), which the loss
         honours; the step's ``tokens`` metric counts the trained positions either way.
       segmented: batches carry ``"segments"`` (int32 ``[B, S]``, the ids of the examples packed
@@ -474,7 +473,6 @@ def compile_job(job: Job, *, census: bool = True) -> CompiledStep:
 # For experiments and notebooks that drive effijax.run.train_loop themselves: the job planned,
 # its state and frozen base created, the batches and the evaluation bound to token arrays.
 
-abstract_lm_state = abstract_state  # the name effijax.jobs gave it first
 
 
 class LMJob(NamedTuple):

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from effijax.errors import ConfigError
+from effijax.errors import ConfigError, FileError
 from effijax.recipe._config import BUNDLED, DEFAULT_MODEL, TrainConfig
 
 # JAX, orbax and the file formats are imported inside the functions that use them:
@@ -144,6 +144,8 @@ def architecture(spec: str, *, seq_len: int | None = None, field: str = "model")
         return read_config(path, seq_len=seq_len)
     except FileNotFoundError as e:
         raise ConfigError(field, spec, str(e)) from None
+    except FileError:  # names the file, the field or offset: said as it is
+        raise
     except ConfigError as e:
         raise ConfigError(field, spec, f"{e.field}={e.value!r}: {e.problem}") from None
 
@@ -163,6 +165,8 @@ def read_source(init_from: str, seq_len: int | None) -> Source:
 
     try:
         model, params = load(path, seq_len=seq_len)
+    except FileError:  # names the file, the field or offset: said as it is
+        raise
     except ConfigError as e:
         raise ConfigError("init_from", init_from, f"{e.field}={e.value!r}: {e.problem}") from None
     files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
@@ -314,7 +318,7 @@ def starting_point(source: Source, model, mesh) -> tuple[dict, Source]:
         raise ConfigError("init_from", source.path, f"{directory} holds no committed checkpoint")
     if distributed.is_main():
         for step, reason in found.bad:
-            _report.warn(f"--init-from: step {step} in {directory} cannot be restored "
+            _report.warn(f"--from: step {step} in {directory} cannot be restored "
                          f"({reason}); starting from step {found.step} (that run's directory "
                          "is left as it is)")
     return {"run": source.path, "step": found.step}, source._replace(params=found.state.params)

@@ -23,7 +23,7 @@ and PRNG keys an explicit replicated sharding), :func:`init_sharded` creates the
 sharded, and :func:`assert_sharded_like_params` catches the jax pitfall of a replicated
 optimizer state (``jax.jit(optimizer.init)`` can return one).
 
-This module sits below ``effijax.train``: it provides the pieces (:func:`constraints`,
+This module sits below ``effijax.step``: it provides the pieces (:func:`constraints`,
 :func:`jit_sharded`) that the train step composes; see :func:`jit_sharded`'s example.
 """
 
@@ -290,7 +290,7 @@ def init_sharded(
 
 def constraints(mesh: Mesh, strategy: str | Strategy, specs) -> tuple[Callable | None,
                                                                       Callable | None]:
-    """The ``(constrain_params, constrain_grads)`` hooks of ``effijax.train.make_train_step``.
+    """The ``(constrain_params, constrain_grads)`` hooks of ``effijax.step.make_train_step``.
 
     * ``constrain_params`` (fsdp only, else None): pins the *compute-dtype* parameters to their
       sharded spec right after the policy's cast, so the all-gather happens where a matmul uses
@@ -380,7 +380,7 @@ def jit_sharded(step: Callable, mesh: Mesh, shardings, *, batch=None,
     replicated), ``donate_argnums=0`` (the old state's buffers are reused).
 
     Args:
-      step: e.g. ``effijax.train.make_train_step(loss_fn, tx, policy,
+      step: e.g. ``effijax.step.make_train_step(loss_fn, tx, policy,
         constrain_params=cp, constrain_grads=cg)`` with ``cp, cg`` from :func:`constraints`.
       mesh: the mesh.
       shardings: the state's shardings (from :func:`init_sharded` / :func:`state_shardings`).
@@ -395,7 +395,7 @@ def jit_sharded(step: Callable, mesh: Mesh, shardings, *, batch=None,
     Example:
       >>> import jax, jax.numpy as jnp, optax
       >>> from effijax.sharding import make_mesh, partition_specs, check_batch, init_sharded
-      >>> from effijax.train import init_train_state, make_train_step
+      >>> from effijax.step import init_train_state, make_train_step
       >>> mesh, tx = make_mesh(), optax.sgd(0.1)
       >>> loss_fn = lambda p, b, rng: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
       >>> init = lambda key: init_train_state({"w": jnp.zeros((64, 32))}, tx, key)

@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 from effijax import lora  # noqa: E402
 from effijax.checkpoint import FORMAT_VERSION, open_checkpoints  # noqa: E402
 from effijax.paths import named_leaves  # noqa: E402
-from effijax.train import init_train_state, make_optimizer, make_train_step  # noqa: E402
+from effijax.step import init_train_state, make_optimizer, make_train_step  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 SPEC = lora.LoraSpec(rank=2, alpha=4.0, targets=r"kernel$")

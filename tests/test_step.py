@@ -14,7 +14,7 @@ from effijax.data import split_corpus
 from effijax.models import gpt_config
 from effijax.precision import dynamic_loss_scale, get_policy
 from effijax.recipe import build_lm_job
-from effijax.train import (
+from effijax.step import (
     global_norm_f32,
     has_loss_scale,
     init_train_state,
