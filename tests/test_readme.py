@@ -26,3 +26,14 @@ def test_ci_runs_the_readme_test_command():
     test_command = _quick_start_commands()[1]
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert test_command in [line.strip() for line in ci]
+
+
+def test_how_effijax_is_built_names_every_package_and_module():
+    section = (ROOT / "README.md").read_text().split("## How effijax is built", 1)[1]
+    section = section.split("\n## ", 1)[0]
+    named = set(re.findall(r"`(\w+)(?:/|\.py)`", section))
+    pkg = ROOT / "effijax"
+    tops = {p.stem for p in pkg.iterdir()
+            if (p.suffix == ".py" and p.name not in ("__init__.py", "__main__.py"))
+            or (p.is_dir() and (p / "__init__.py").exists())}
+    assert tops <= named, sorted(tops - named)

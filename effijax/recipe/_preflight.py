@@ -17,6 +17,7 @@ import numpy as np
 
 from effijax.errors import NO_VALUE, ConfigError
 from effijax.memory import format_bytes, parse_bytes
+from effijax.recipe._sources import checkpoint_folder
 
 __all__ = ["state_bytes", "storage", "step_bytes", "device_budget", "memory"]
 
@@ -57,10 +58,7 @@ def storage(ckpt_dir: Path, checkpoint_bytes: int, keep: int) -> None:
       ...
       effijax.errors.ConfigError: out=...: ... free there, but 4 checkpoints of ... more; ...
     """
-    existing = next((p for p in (ckpt_dir, *ckpt_dir.parents) if p.exists()), None)
-    if existing is None or not existing.is_dir():
-        raise ConfigError("out", str(ckpt_dir), f"cannot hold checkpoints: {existing} is not a "
-                          "directory")
+    existing = checkpoint_folder(ckpt_dir)
     try:
         with tempfile.NamedTemporaryFile(dir=existing, prefix=".effijax-write-test-"):
             pass

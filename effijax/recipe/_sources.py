@@ -49,8 +49,8 @@ class Source(NamedTuple):
 
 
 def check_paths(config: TrainConfig) -> None:
-    """The data exists, ``out`` can be written (nothing is created yet), ``init_from`` is
-    another directory."""
+    """The data exists, ``out`` can be written and hold checkpoints (nothing is created yet),
+    ``init_from`` is another directory."""
     if config.data is not None and not Path(config.data).exists():
         raise ConfigError("data", config.data, "no such file or folder")
     out = Path(config.out).resolve()
@@ -64,6 +64,8 @@ def check_paths(config: TrainConfig) -> None:
     except OSError as e:
         raise ConfigError("out", config.out, f"cannot write there ({e.strerror}); choose a "
                           "writable directory") from None
+    if config.checkpoints:
+        checkpoint_folder(out / "checkpoints")
     if (config.init_from is not None and config.init_from not in BUNDLED
             and not Path(config.init_from).exists()):
         raise ConfigError("init_from", config.init_from, "no such run directory, GGUF file or "
@@ -71,6 +73,23 @@ def check_paths(config: TrainConfig) -> None:
     if config.init_from is not None and Path(config.init_from).resolve() == out:
         raise ConfigError("out", config.out, "is the init_from run itself; write the new run to "
                           "another directory")
+
+
+def checkpoint_folder(ckpt_dir: Path) -> Path:
+    """The nearest existing folder at or above ``ckpt_dir``: where the checkpoints will be
+    created. A file in their way is refused (a path check, made before anything is planned).
+
+    Example:
+      >>> import tempfile, pathlib
+      >>> root = pathlib.Path(tempfile.mkdtemp())
+      >>> checkpoint_folder(root / "run" / "checkpoints") == root
+      True
+    """
+    existing = next((p for p in (ckpt_dir, *ckpt_dir.parents) if p.exists()), None)
+    if existing is None or not existing.is_dir():
+        raise ConfigError("out", str(ckpt_dir), f"cannot hold checkpoints: {existing} is not a "
+                          "directory")
+    return existing
 
 
 def bundled_path(name: str) -> str:
