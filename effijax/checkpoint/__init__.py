@@ -19,67 +19,18 @@ fingerprint (:func:`save_adapters_checkpoint`). A failed write is one line,
 :class:`~effijax.errors.SaveError`, with the rest in the run's logs (:func:`save_errors`).
 """
 
-from effijax.checkpoint._adapters import (
-    base_fingerprint,
-    base_reference,
-    restore_adapters_checkpoint,
-    save_adapters_checkpoint,
-)
-from effijax.checkpoint._failures import (
-    failure_reason,
-    last_good,
-    orbax_log,
-    rest_of_stderr_to,
-    save,
-    save_errors,
-    step_of,
-)
-from effijax.checkpoint._lock import LOCK_FILE, RunLock, lock_holder, lock_run_dir
-from effijax.checkpoint._manager import (
-    FORMAT_VERSION,
-    OLDEST_FORMAT,
-    Checkpointer,
-    CorruptCheckpoint,
-    Restored,
-    SaveResult,
-    latest_step,
-    open_checkpoints,
-    read_checkpoint,
-    restore_newest,
-    restore_target,
-    set_aside,
-    validate_resume,
-)
-from effijax.checkpoint._metrics import truncate_metrics
+from effijax._lazy import attach
 
-__all__ = [
-    "Checkpointer",
-    "SaveResult",
-    "latest_step",
-    "open_checkpoints",
-    "read_checkpoint",
-    "restore_target",
-    "validate_resume",
-    "truncate_metrics",
-    "base_fingerprint",
-    "base_reference",
-    "save_adapters_checkpoint",
-    "restore_adapters_checkpoint",
-    "FORMAT_VERSION",
-    "OLDEST_FORMAT",
-    "CorruptCheckpoint",
-    "Restored",
-    "restore_newest",
-    "set_aside",
-    "RunLock",
-    "lock_run_dir",
-    "lock_holder",
-    "LOCK_FILE",
-    "orbax_log",
-    "save",
-    "save_errors",
-    "step_of",
-    "failure_reason",
-    "last_good",
-    "rest_of_stderr_to",
-]
+# Each name is imported from its module on first use (the package convention, see
+# effijax/_lazy.py): importing the package costs only what is used.
+__getattr__, __dir__, __all__ = attach(__name__, {
+    "effijax.checkpoint._adapters": ("base_fingerprint", "base_reference",
+        "restore_adapters_checkpoint", "save_adapters_checkpoint"),
+    "effijax.checkpoint._failures": ("failure_reason", "last_good", "orbax_log",
+        "rest_of_stderr_to", "save", "save_errors", "step_of"),
+    "effijax.checkpoint._lock": ("LOCK_FILE", "RunLock", "lock_holder", "lock_run_dir"),
+    "effijax.checkpoint._manager": ("FORMAT_VERSION", "OLDEST_FORMAT", "Checkpointer",
+        "CorruptCheckpoint", "Restored", "SaveResult", "latest_step", "open_checkpoints",
+        "read_checkpoint", "restore_newest", "restore_target", "set_aside", "validate_resume"),
+    "effijax.checkpoint._metrics": ("truncate_metrics",),
+})

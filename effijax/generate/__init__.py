@@ -22,18 +22,12 @@ Example:
   ([(4,), (4,)], [3, 2])
 """
 
-from effijax.generate._generate import CACHE_BUCKET, PROMPT_BUCKET, Generation, generate
-from effijax.generate._load import Completion, Loaded, load
-from effijax.generate._sample import sample, top_p_mask
+from effijax._lazy import attach
 
-__all__ = [
-    "generate",
-    "Generation",
-    "load",
-    "Loaded",
-    "Completion",
-    "sample",
-    "top_p_mask",
-    "PROMPT_BUCKET",
-    "CACHE_BUCKET",
-]
+# Each name is imported from its module on first use (the package convention, see
+# effijax/_lazy.py): importing the package costs only what is used.
+__getattr__, __dir__, __all__ = attach(__name__, {
+    "effijax.generate._generate": ("CACHE_BUCKET", "PROMPT_BUCKET", "Generation", "generate"),
+    "effijax.generate._load": ("Completion", "Loaded", "load"),
+    "effijax.generate._sample": ("sample", "top_p_mask"),
+})

@@ -16,6 +16,9 @@ Parameters are plain nested dicts whose '/'-joined paths (``blocks/attn/q/kernel
 precision overrides, sharding rules and LoRA targets match.
 """
 
+# The one package that imports its modules at once, against the lazy convention of the others
+# (effijax/_lazy.py): each family registers itself in FAMILIES when its module is imported, and
+# model_from_dict / preset must find every family whichever name was imported first.
 from effijax.models._attention import (
     ATTENTION,
     AttentionChoice,
