@@ -52,7 +52,7 @@ from effijax.errors import ConfigError, whole_number
 
 __all__ = ["initialize", "join", "plan", "resolve", "Launch", "ProcessSettings", "CLUSTERS",
            "is_main", "barrier", "shutdown", "global_batch", "parse_address", "ENV_COORDINATOR",
-           "ENV_NUM_PROCESSES", "ENV_PROCESS_ID"]
+           "ENV_NUM_PROCESSES", "ENV_PROCESS_ID", "MAX_CPU_DEVICES"]
 
 ENV_COORDINATOR = "EFFIJAX_COORDINATOR"
 ENV_NUM_PROCESSES = "EFFIJAX_NUM_PROCESSES"
@@ -68,6 +68,10 @@ _JAX_BIND = "JAX_COORDINATOR_BIND_ADDRESS"
 # seconds between attempts while process 0's service starts, so a short join_timeout (a test's)
 # must not become jax's, whose expiry aborts the interpreter.
 _JAX_CONNECT_S = 60
+# The most CPU devices one process may force. XLA starts every one up front (a client, a
+# thread pool and buffers each), so 100,000 take the machine for minutes before one line is
+# printed; 1,024 is far above any mesh a host simulates (a TPU pod slice's is 256 or 512).
+MAX_CPU_DEVICES = 1024
 
 
 def _int_setting(field: str, value, minimum: int) -> int | None:
@@ -561,6 +565,8 @@ def _join(launch: Launch, local_device_count: int | None, join_timeout: int,
           print_fn: Callable[[str], None] | None) -> bool:
     settings = launch.settings
     local = _int_setting("local_device_count", local_device_count, 1)
+    if local is not None:
+        whole_number("local_device_count", local, maximum=MAX_CPU_DEVICES)
     timeout = _int_setting("join_timeout", join_timeout, 1)
     if timeout is None:
         raise ConfigError("join_timeout", join_timeout, "must be an integer >= 1")

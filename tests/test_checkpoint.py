@@ -502,7 +502,10 @@ def test_truncate_metrics(tmp_path):
     RunDir(tmp_path, config={}, append=True).log({"step": 5, "loss": 0.2})
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4, 5]
     assert truncate_metrics(tmp_path / "nothing", 3) == 0
+    # A damaged line elsewhere is said and dropped: the log is rebuilt up to the step.
     (tmp_path / "bad.jsonl").write_text('{"step": 1}\nnot json\n{"step": 2}\n')
-    with pytest.raises(ValueError, match="line 2"):
-        truncate_metrics(tmp_path / "bad.jsonl", 1)
+    said = []
+    assert truncate_metrics(tmp_path / "bad.jsonl", 1, report=said.append) == 2
+    assert len(said) == 1 and "line 2 is not a metrics record" in said[0], said
+    assert read_metrics(tmp_path / "bad.jsonl") == [{"step": 1}]
     assert os.path.exists(tmp_path / "bad.jsonl")

@@ -65,7 +65,7 @@ def test_load_errors(tmp_path):
     (tmp_path / "bin" / "x").write_bytes(b"\x00")
     fails(r"^path='.*bin': the folder holds no readable text files", tmp_path / "bin")
     for bad in (0, -1, "5", True):
-        e = fails(f"^max_bytes={bad!r}: expected a positive int, or None",
+        e = fails(f"^max_bytes={bad!r}: must be an integer >= 1 \\(or None\\): None reads 8 MiB",
                   tmp_path / "short.txt", max_bytes=bad)
         assert (e.field, e.value) == ("max_bytes", bad)
 
@@ -151,11 +151,12 @@ def test_batch_errors():
         batch_at(CORPUS[:16], batch_size=8, **kw)
     with pytest.raises(ConfigError, match=r"^tokens=\(2, 1024\): expected a 1-D corpus"):
         batch_at(CORPUS.reshape(2, -1), batch_size=8, **kw)
-    with pytest.raises(ConfigError, match="^step=-1: expected an int >= 0"):
+    with pytest.raises(ConfigError, match="^step=-1: must be an integer >= 0"):
         batch_at(CORPUS, seed=0, step=-1, batch_size=8, seq_len=16)
-    with pytest.raises(ConfigError, match=r"^seed=18446744073709551616: expected an int < 2\*\*64"):
+    with pytest.raises(ConfigError, match=r"^seed=18446744073709551616: must be an integer "
+                       "from 0 to 18,446,744,073,709,551,615"):
         batch_at(CORPUS, seed=2**64, step=0, batch_size=8, seq_len=16)
-    with pytest.raises(ConfigError, match="^batch_size=0: expected an int >= 1"):
+    with pytest.raises(ConfigError, match="^batch_size=0: must be an integer >= 1"):
         batch_at(CORPUS, batch_size=0, **kw)
 
 
@@ -179,7 +180,7 @@ def test_eval_batches_are_fixed_and_sliced():
             np.concatenate([halves[0][j]["inputs"], halves[1][j]["inputs"]]),
             batches[j]["inputs"],
         )
-    with pytest.raises(ConfigError, match="^num_batches=0: expected an int >= 1"):
+    with pytest.raises(ConfigError, match="^num_batches=0: must be an integer >= 1"):
         eval_batches(CORPUS, batch_size=4, seq_len=16, num_batches=0)
 
 

@@ -8,30 +8,44 @@ after the last checkpoint (the killed run logged them, the resumed run will log 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 __all__ = ["truncate_metrics"]
 
 
-def truncate_metrics(metrics_path: str | os.PathLike, step: int) -> int:
+def _record_step(line: bytes) -> int | None:
+    """The ``"step"`` of a metrics record, or None for a damaged line (not UTF-8 JSON, not an
+    object, no whole-number step)."""
+    try:
+        step = json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError, IndexError, RecursionError):
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def truncate_metrics(metrics_path: str | os.PathLike, step: int, *,
+                     report: Callable[[str], None] | None = None) -> int:
     """Drops the records with ``"step" > step`` from a ``metrics.jsonl``, atomically.
 
     Records are those of :class:`effijax.run.RunDir` (``"step"`` = steps completed). Kept lines
     are copied verbatim; the file is rewritten through a temporary file and ``os.replace``, so
-    a crash leaves either the old or the new file. A last line cut short by a kill (not valid
-    JSON) is dropped too; an invalid line elsewhere is an error.
+    a crash leaves either the old or the new file. A damaged line (not a JSON object with a
+    whole-number ``"step"``: a last line cut short by a kill, or a line edited or corrupted
+    anywhere) is dropped too, and said in one line to ``report`` unless it is the last: the
+    log is rebuilt from the records up to the checkpoint's step, and a resume never stops on it.
 
     Args:
       metrics_path: the ``metrics.jsonl`` file, or the run directory holding it.
       step: the restored step.
+      report: where a dropped damaged line is said (default: standard error).
 
     Returns:
-      How many records (or broken last lines) were dropped; 0 when the file does not exist.
-
-    Raises:
-      ValueError: a line other than the last is not a JSON object with a ``"step"``.
+      How many records (or damaged lines) were dropped; 0 when the file does not exist.
 
     Example:
       >>> import tempfile, pathlib
@@ -41,32 +55,37 @@ def truncate_metrics(metrics_path: str | os.PathLike, step: int) -> int:
       2
       >>> [line[:10] for line in p.read_text().splitlines()]
       ['{"step": 1', '{"step": 2', '{"step": 3']
+      >>> _ = p.write_text('{"step": 1}\\nnot json\\n{"step": 2}\\n')
+      >>> truncate_metrics(p, 2, report=print)  # doctest: +ELLIPSIS
+      effijax: .../metrics.jsonl: line 2 is not a metrics record ('not json'); dropped it
+      1
     """
     path = Path(metrics_path)
     if path.is_dir():
         path = path / "metrics.jsonl"
     if not path.exists():
         return 0
-    lines = path.read_text().splitlines(keepends=True)
+    report = report or (lambda line: print(line, file=sys.stderr, flush=True))
+    lines = path.read_bytes().splitlines(keepends=True)
     kept, dropped = [], 0
     for i, line in enumerate(lines):
         if not line.strip():
             continue
-        try:
-            record = json.loads(line)
-            record_step = record["step"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            if i == len(lines) - 1:  # a write cut short by the kill
-                dropped += 1
-                continue
-            raise ValueError(f"{path}: line {i + 1} is not a metrics record ({e}): "
-                             f"{line[:80]!r}") from e
-        if record_step > step:
+        record_step = _record_step(line)
+        if record_step is None and i < len(lines) - 1:  # the last: a write cut short by a kill
+            shown = line.decode("utf-8", "replace").strip()[:80]
+            report(f"effijax: {path}: line {i + 1} is not a metrics record ({shown!r}); "
+                   "dropped it")
+        if record_step is None or record_step > step:
             dropped += 1
         else:
-            kept.append(line if line.endswith("\n") else line + "\n")
+            kept.append(line if line.endswith(b"\n") else line + b"\n")
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
+    # A link planted at the temporary name is removed, never followed (O_EXCL, O_NOFOLLOW).
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    with os.fdopen(os.open(tmp, flags, 0o644), "wb") as f:
         f.writelines(kept)
         f.flush()
         os.fsync(f.fileno())

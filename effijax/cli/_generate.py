@@ -12,11 +12,14 @@ are checked before JAX is imported.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 
 from effijax.cli import _from
+from effijax.data import bounded_lines, regular_path
 from effijax.errors import ConfigError, whole_number
+from effijax.generate._limits import check_prompt_count
 
 __all__ = ["add_parsers", "run"]
 
@@ -63,7 +66,9 @@ def add_parsers(sub) -> None:
 
 def read_prompts(file: str) -> list[str]:
     r"""The prompts of ``--prompts-file``: one per line of a text file (blank lines skipped), or
-    the records of a ``.jsonl`` file (``{"prompt": ...}`` objects or JSON strings).
+    the records of a ``.jsonl`` file (``{"prompt": ...}`` objects or JSON strings); at most
+    :data:`~effijax.generate.MAX_PROMPTS` of them, each line at most
+    :data:`~effijax.data.MAX_RECORD_BYTES`.
 
     Example:
       >>> import pathlib, tempfile
@@ -72,37 +77,31 @@ def read_prompts(file: str) -> list[str]:
       >>> read_prompts(str(folder / "p.jsonl"))
       ['two\nlines', 'plain']
     """
-    import json
-    from pathlib import Path
-
-    path = Path(file)
+    path = regular_path(file, "--prompts-file")
     if not path.is_file():
         raise ConfigError("--prompts-file", file, "no such file")
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError:
-        raise ConfigError("--prompts-file", file, "is not UTF-8 text") from None
-    if path.suffix != ".jsonl":
-        prompts = [line for line in lines if line.strip()]
-    else:
-        prompts = []
-        for n, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError as e:
-                raise ConfigError("--prompts-file", file, f"line {n} is not JSON ({e})") \
-                    from None
-            if isinstance(record, dict):
-                record = record.get("prompt")
-            if not isinstance(record, str):
-                raise ConfigError("--prompts-file", file, f"line {n}: expected a JSON string "
-                                  'or an object with a "prompt" string')
-            prompts.append(record)
+    jsonl = path.suffix == ".jsonl"
+    prompts = []
+    for n, line in bounded_lines(path, "--prompts-file"):
+        if line.strip():
+            prompts.append(_json_prompt(line, n, file) if jsonl else line.rstrip("\r\n"))
+            check_prompt_count(len(prompts), "--prompts-file")  # before reading them all
     if not prompts:
         raise ConfigError("--prompts-file", file, "holds no prompts")
     return prompts
+
+
+def _json_prompt(line: str, n: int, file: str) -> str:
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError) as e:
+        raise ConfigError("--prompts-file", file, f"line {n} is not JSON ({e})") from None
+    if isinstance(record, dict):
+        record = record.get("prompt")
+    if not isinstance(record, str):
+        raise ConfigError("--prompts-file", file, f"line {n}: expected a JSON string "
+                          'or an object with a "prompt" string')
+    return record
 
 
 def _check(args: argparse.Namespace) -> list[str]:
@@ -110,6 +109,7 @@ def _check(args: argparse.Namespace) -> list[str]:
     prompts = list(args.prompt or [])
     if args.prompts_file is not None:
         prompts += read_prompts(args.prompts_file)
+    check_prompt_count(len(prompts), "--prompts-file" if args.prompts_file else "--prompt")
     if not prompts:
         raise ConfigError("--prompt", None, "give a prompt (--prompt TEXT, repeatable) or a "
                           "--prompts-file")
@@ -128,6 +128,8 @@ def _check(args: argparse.Namespace) -> list[str]:
 def _error(e: ConfigError) -> int:
     if e.field == "model_from":  # effijax.generate.load's name for what --from gives
         field = _from.FLAG
+    elif e.field == "chat_template":  # the template --chat renders with
+        field = "--chat"
     else:
         field = e.field if e.field.startswith("--") else "--" + e.field.replace("_", "-")
     print(f"effijax generate: error: {e.renamed(field)}", file=sys.stderr, flush=True)
@@ -140,7 +142,6 @@ def run(args: argparse.Namespace) -> int:
         prompts = _check(args)
     except ConfigError as e:
         return _error(e)
-    import json
     import time
 
     from effijax.generate import load

@@ -17,17 +17,20 @@ target that begins another example than its input is 0. Windows of a text corpus
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
+
 import numpy as np
 
 from effijax.data._chat import Packed, target_mask
-from effijax.errors import ConfigError
+from effijax.errors import ConfigError, whole_number
 
-__all__ = ["batch_at", "eval_batches", "packed_batch"]
+__all__ = ["batch_at", "eval_batches", "packed_batch", "EvalBatches"]
 
 
 def _check_int(name: str, value, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
-        raise ConfigError(name, value, f"expected an int >= {minimum}")
+    # No int32 ceiling here: seeds reach 2**64 and steps may, on the host, exceed it.
+    whole_number(name, value, minimum=minimum, maximum=None)
 
 
 def _check_tokens(tokens, seq_len: int) -> np.ndarray:
@@ -150,12 +153,10 @@ def batch_at(
       >>> bool((batch["targets"][:, :-1] == batch["inputs"][:, 1:]).all())
       True
     """
-    _check_int("seed", seed, minimum=0)
+    whole_number("seed", seed, minimum=0, maximum=2**64 - 1)  # Philox's key word
     _check_int("step", step, minimum=0)
     _check_int("batch_size", batch_size, minimum=1)
     _check_int("seq_len", seq_len, minimum=1)
-    if seed >= 2**64:
-        raise ConfigError("seed", seed, "expected an int < 2**64")
     rows = _process_rows(batch_size, process_index, process_count)
     rng = np.random.Generator(np.random.Philox(key=np.array([seed, step], dtype=np.uint64)))
     if isinstance(tokens, Packed):
@@ -167,6 +168,50 @@ def batch_at(
     return _windows(tokens, starts[rows], seq_len)
 
 
+def _spread(stop: int, total: int, lo: int, hi: int) -> np.ndarray:
+    """``np.linspace(0, stop, total)[lo:hi]``, bit for bit, without the other ``total``
+    values: numpy computes item ``i`` as ``i * (stop / (total - 1))`` and sets the last to
+    ``stop`` (``0`` for every item when ``total`` is 1 or ``stop`` is 0).
+
+    Example:
+      >>> import numpy as np
+      >>> bool((_spread(997, 60, 7, 60) == np.linspace(0, 997, 60)[7:60]).all())
+      True
+    """
+    if total == 1 or stop == 0:
+        return np.zeros(hi - lo)
+    values = np.arange(lo, hi, dtype=np.float64) * (stop / (total - 1))
+    if hi == total:
+        values[-1] = stop
+    return values
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalBatches(Sequence):
+    """The fixed evaluation batches of :func:`eval_batches`, each built when it is read: a
+    thousand batches cost nothing until they are evaluated, one at a time."""
+
+    tokens: np.ndarray | Packed
+    batch_size: int
+    seq_len: int
+    num_batches: int
+    rows: slice
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self.num_batches))]
+        i = range(self.num_batches)[i]  # an int in range (negative ones count from the end)
+        total, lo = self.num_batches * self.batch_size, i * self.batch_size
+        if isinstance(self.tokens, Packed):
+            index = _spread(len(self.tokens) - 1, total, lo, lo + self.batch_size)
+            return packed_batch(self.tokens, index.round().astype(np.int64)[self.rows])
+        starts = _spread(self.tokens.size - self.seq_len - 1, total, lo, lo + self.batch_size)
+        return _windows(self.tokens, starts.astype(np.int64)[self.rows], self.seq_len)
+
+
 def eval_batches(
     tokens: np.ndarray | Packed,
     *,
@@ -175,7 +220,7 @@ def eval_batches(
     num_batches: int,
     process_index: int = 0,
     process_count: int = 1,
-) -> list[dict[str, np.ndarray]]:
+) -> EvalBatches:
     """Fixed evaluation batches: ``num_batches * batch_size`` windows spread evenly over the corpus.
 
     The same arguments always give the same batches (no seed). Windows overlap only when the
@@ -185,7 +230,8 @@ def eval_batches(
     ``process_index`` and ``process_count`` slice the rows as in :func:`batch_at`.
 
     Returns:
-      A list of ``num_batches`` dicts ``{"inputs": int32[b, S], "targets": int32[b, S]}``.
+      A sequence of ``num_batches`` dicts ``{"inputs": int32[b, S], "targets": int32[b, S]}``
+      (:class:`EvalBatches`), each built when read: asking for 10^9 batches allocates nothing.
 
     Raises:
       ConfigError: naming the argument, as :func:`batch_at`.
@@ -196,18 +242,16 @@ def eval_batches(
       ...                        num_batches=3)
       >>> len(batches), batches[0]["inputs"].tolist()
       (3, [[0, 1, 2, 3], [39, 40, 41, 42]])
+      >>> len(eval_batches(np.arange(200, dtype=np.uint8), batch_size=2, seq_len=4,
+      ...                  num_batches=10**9))
+      1000000000
     """
     _check_int("batch_size", batch_size, minimum=1)
     _check_int("seq_len", seq_len, minimum=1)
     _check_int("num_batches", num_batches, minimum=1)
     rows = _process_rows(batch_size, process_index, process_count)
-    total = num_batches * batch_size
     if isinstance(tokens, Packed):
-        data = _check_width(_check_packed(tokens), seq_len)
-        index_NB = np.linspace(0, len(data) - 1, total).round().astype(np.int64)
-        index_NB = index_NB.reshape(num_batches, batch_size)
-        return [packed_batch(data, index_NB[i, rows]) for i in range(num_batches)]
-    tokens = _check_tokens(tokens, seq_len)
-    starts = np.linspace(0, tokens.size - seq_len - 1, total).astype(np.int64)
-    starts_NB = starts.reshape(num_batches, batch_size)
-    return [_windows(tokens, starts_NB[i, rows], seq_len) for i in range(num_batches)]
+        tokens = _check_width(_check_packed(tokens), seq_len)
+    else:
+        tokens = _check_tokens(tokens, seq_len)
+    return EvalBatches(tokens, batch_size, seq_len, num_batches, rows)

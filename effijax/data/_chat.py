@@ -39,7 +39,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from effijax.errors import ConfigError
+from effijax.data._files import bounded_lines
+from effijax.errors import ConfigError, whole_number
 
 __all__ = ["Record", "Packed", "read_records", "render_chat", "pack_examples", "split_records",
            "records_fingerprint"]
@@ -137,9 +138,10 @@ def read_records(path: str | os.PathLike) -> list[Record]:
     """Reads and checks a chat / instruction JSONL file (blank lines are skipped).
 
     Raises:
-      ConfigError: ``field="data"``, value ``"file:line"`` of the first bad record (not JSON,
+      ConfigError: ``field="data"``, value ``"file:line"`` of the first bad record (not UTF-8,
+        longer than :data:`~effijax.data.MAX_RECORD_BYTES`, not JSON or nested too deeply,
         unknown keys, a message that is not ``{"role": str, "content": str}``, no assistant
-        message), or the file has no record.
+        message), the file has no record, or is not a regular file (a pipe, a device).
 
     Example:
       >>> import pathlib, tempfile
@@ -151,16 +153,17 @@ def read_records(path: str | os.PathLike) -> list[Record]:
     """
     path = Path(path)
     records = []
-    with open(path, encoding="utf-8", errors="strict") as f:
-        for number, line in enumerate(f, start=1):
-            source = f"{path}:{number}"
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise _bad(source, f"not JSON ({e.msg} at column {e.colno})") from None
-            records.append(Record(_record(obj, source), source, line.strip()))
+    for number, line in bounded_lines(path, "data"):
+        source = f"{path}:{number}"
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise _bad(source, f"not JSON ({e.msg} at column {e.colno})") from None
+        except RecursionError:  # Python's JSON reader recurses once per level
+            raise _bad(source, "nested too deeply to read") from None
+        records.append(Record(_record(obj, source), source, line.strip()))
     if not records:
         raise ConfigError("data", str(path), "holds no record (one JSON object per line)")
     return records
@@ -289,8 +292,7 @@ def pack_examples(examples: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: in
       >>> p.tokens_NW.tolist(), p.segments_NW.tolist()
       ([[1, 2, 3, 4, 5]], [[1, 1, 1, 2, 2]])
     """
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int | np.integer) or seq_len < 1:
-        raise ConfigError("seq_len", seq_len, "expected an int >= 1")
+    whole_number("seq_len", seq_len)
     if not examples:
         raise ConfigError("data", 0, "examples: nothing to pack")
     width = seq_len + 1

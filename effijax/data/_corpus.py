@@ -16,7 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from effijax.errors import ConfigError
+from effijax.data._files import is_regular_file, regular_path
+from effijax.errors import ConfigError, whole_number
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -67,7 +68,9 @@ def _folder_files(root: Path) -> list[Path]:
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "__pycache__"]
-        found += [Path(dirpath, f) for f in filenames if not f.startswith(".")]
+        # Pipes, sockets and devices in a folder are skipped: reading one may never end.
+        found += [Path(dirpath, f) for f in filenames
+                  if not f.startswith(".") and is_regular_file(Path(dirpath, f))]
     return sorted(found, key=lambda p: p.relative_to(root).as_posix())
 
 
@@ -110,15 +113,16 @@ def load_documents(
       >>> sum(map(len, docs)), all(isinstance(d, bytes) for d in docs)
       (1000, True)
     """
-    if max_bytes is not None and (isinstance(max_bytes, bool)
-                                  or not isinstance(max_bytes, int | np.integer) or max_bytes <= 0):
-        raise ConfigError("max_bytes", max_bytes, "expected a positive int, or None (8 MiB of "
-                          "the standard library, the whole of a given path)")
+    try:
+        whole_number("max_bytes", max_bytes, maximum=None, none=True)
+    except ConfigError as e:
+        raise ConfigError("max_bytes", max_bytes, f"{e.problem}: None reads 8 MiB of the "
+                          "standard library, or the whole of a given path") from None
     if path is None:
         files = stdlib_files()
         max_bytes = DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
     else:
-        p = Path(path)
+        p = regular_path(path, "path")
         if not p.exists():
             raise ConfigError("path", str(p), "does not exist; pass a text file, a folder of "
                               "text files, or None for the standard library")
@@ -143,8 +147,9 @@ def load_corpus(
     Args:
       path: ``None`` for the standard library's ``.py`` files (:func:`stdlib_files`); a file
         (read whole); or a folder, of which every non-hidden file is read recursively in sorted
-        order of relative paths, skipping ``__pycache__`` and binary files (a NUL byte in the first
-        8 KiB). Files are concatenated without separators.
+        order of relative paths, skipping ``__pycache__``, binary files (a NUL byte in the first
+        8 KiB) and whatever is not a regular file (pipes, sockets, devices). Files are
+        concatenated without separators.
       max_bytes: keep at most this many bytes. ``None`` means :data:`DEFAULT_MAX_BYTES` (8 MiB)
         for the default corpus and no cap for a given ``path``.
       min_bytes: raise if the corpus has fewer bytes (pass ``seq_len + 1`` for training).
@@ -153,7 +158,8 @@ def load_corpus(
       A 1-D ``np.uint8`` array.
 
     Raises:
-      ConfigError: with ``field="path"``: the path does not exist, a folder holds no text file,
+      ConfigError: with ``field="path"``: the path does not exist or is a pipe or a device
+        (:func:`~effijax.data.regular_path`), a folder holds no text file,
         the corpus is empty or shorter than ``min_bytes``; with ``field="max_bytes"``: it is not
         a positive int or None.
 

@@ -38,7 +38,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from effijax.errors import ConfigError, whole_number
+from effijax.generate._limits import check_prompt_count
 from effijax.generate._sample import sample
+from effijax.memory import format_bytes, tree_bytes
+from effijax.recipe._preflight import program
 
 __all__ = ["Generation", "generate", "PROMPT_BUCKET", "CACHE_BUCKET"]
 
@@ -216,6 +219,7 @@ def _check(model, prompt, max_new_tokens, temperature, top_p, max_len
            ) -> tuple[list[np.ndarray], int]:
     """The prompts as int32 arrays and the cache length; every error before tracing."""
     prompts = _prompts(prompt)
+    check_prompt_count(len(prompts))
     for b, row in enumerate(prompts):
         if row.min() < 0 or row.max() >= model.vocab_size:
             bad = int(row.min()) if row.min() < 0 else int(row.max())
@@ -245,6 +249,17 @@ def _check(model, prompt, max_new_tokens, temperature, top_p, max_len
                           f"{model.name} attends over at most {max_len}: ask for fewer tokens "
                           "or shorten the prompt")
     return [row.astype(np.int32) for row in prompts], max_len
+
+
+def _fits(model, abstract_params, batch: int, max_len: int, dtype) -> None:
+    """Refuses, before compiling, a batch whose cache (with the parameters and a row of f32
+    logits per prompt) does not fit the device (:func:`effijax.recipe._preflight.program`)."""
+    cache = tree_bytes(jax.eval_shape(lambda: model.init_cache(batch, max_len, dtype)))
+    held = tree_bytes(abstract_params)
+    program(held + cache + batch * model.vocab_size * 4, held,
+            what=f"generating {batch:,} prompt(s) of up to {max_len:,} positions (a key/value "
+            f"cache of {format_bytes(cache)})",
+            fix="give fewer prompts per call, or fewer new tokens")
 
 
 def generate(model, params, prompt, *, max_new_tokens: int = 64, temperature: float = 0.0,
@@ -285,7 +300,9 @@ def generate(model, params, prompt, *, max_new_tokens: int = 64, temperature: fl
       A :class:`Generation` (tokens, lengths, timings), one row per prompt.
 
     Raises:
-      ConfigError: bad arguments or a prompt that does not fit the context, before compiling.
+      ConfigError: bad arguments, more than :data:`~effijax.generate.MAX_PROMPTS` prompts, a
+        prompt that does not fit the context, or a cache that does not fit in memory
+        (``field="memory"``), before compiling.
 
     Example:
       >>> import jax
@@ -313,6 +330,7 @@ def generate(model, params, prompt, *, max_new_tokens: int = 64, temperature: fl
     padded = min(_round_up(longest, PROMPT_BUCKET), max_len - max_new_tokens)
     dtype = jnp.dtype(_compute_dtype(params, lora))
     abstract = jax.tree.map(_abstract, params)
+    _fits(model, abstract, batch, max_len, dtype)
     signature = _signature(abstract)
     before = _compiled.cache_info().misses
     split, prefill, step, compile_s = _compiled(model, lora, signature, batch, padded, max_len,

@@ -22,7 +22,7 @@ import numbers
 from decimal import Decimal
 from typing import Any, NamedTuple
 
-from effijax.errors import ConfigError, whole_number
+from effijax.errors import INT32_MAX, ConfigError, whole_number
 from effijax.memory._activations import _check_layer_options, _Layer, _stack_bytes
 from effijax.memory._estimate import (
     FROZEN_DTYPES,
@@ -137,7 +137,15 @@ def _state_formula(optimizer: str, stage: int, devices: int, lora_fraction, froz
 
 
 def _divisors_desc(n: int) -> list[int]:
-    return sorted((d for d in range(1, n + 1) if n % d == 0), reverse=True)
+    """The divisors of ``n``, largest first, found in pairs up to its square root (the batch
+    is at most INT32_MAX: 46,341 trials at most).
+
+    Example:
+      >>> _divisors_desc(12)
+      [12, 6, 4, 3, 2, 1]
+    """
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)}, reverse=True)
 
 
 
@@ -227,7 +235,9 @@ def _check_workload(shape: dict[str, Any], layer_options: dict[str, Any], vocab:
             f"{', '.join(shape)} or none (missing: {', '.join(missing)})"
         )
     for name in given:
-        whole_number(name, shape[name], maximum=None)
+        # The global batch has train's --batch-size ceiling (INT32_MAX): the search tries
+        # the per-device batch's divisors, and nothing larger is a batch one step takes.
+        whole_number(name, shape[name], maximum=INT32_MAX if name == "global_batch" else None)
     if shape["global_batch"] % devices:
         raise ConfigError(
             "global_batch", shape["global_batch"], f"does not divide evenly over {devices} "

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from effijax.data import compile_template
 from effijax.errors import ConfigError, whole_number
 
 __all__ = ["Tokenizer", "byte_level_bpe", "PRE_TOKENIZERS"]
@@ -209,6 +210,10 @@ class Tokenizer:
         Uses Jinja in a sandbox the way ``transformers`` does (``trim_blocks``,
         ``lstrip_blocks``, ``bos_token``/``eos_token`` in scope); the template is compiled on
         first use.
+
+        Raises:
+          ConfigError: ``field="chat_template"``: the template failed or ran over its bounds
+            of time and size (:mod:`effijax.data._template`).
         """
         if self.chat_template is None:
             raise ConfigError("chat_template", None, "this tokenizer has no chat template")
@@ -218,15 +223,9 @@ class Tokenizer:
 
     @functools.cached_property
     def _compiled_chat_template(self):
-        """The chat template compiled once (rendering a dataset renders it per record)."""
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message):
-            raise ValueError(message)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        return env.from_string(self.chat_template)
+        """The chat template compiled once (rendering a dataset renders it per record), in
+        a sandbox that bounds its time and output (:func:`effijax.data.compile_template`)."""
+        return compile_template(self.chat_template)
 
     # Files ------------------------------------------------------------------------------------
 

@@ -24,13 +24,17 @@ import re
 import tomllib
 from pathlib import Path
 
-from effijax.errors import ConfigError
+from effijax.errors import ConfigError, whole_number
 from effijax.memory import PRECISION_ALIASES
 from effijax.optimizers import OPTIMIZERS, SCHEDULES, decay_mask, hyperparameters
 from effijax.precision import PRESET_NAMES
 
 __all__ = ["TrainConfig", "PRECISIONS", "CLUSTERS", "WANDB_MODES", "PRECISION_ALIASES",
            "DEFAULT_MODEL", "RECORD_KEYS", "flag_of", "field_kind", "lora_fields"]
+
+# A settings file is a few hundred bytes; 1 MiB leaves room for comments and refuses a data
+# file given as --config by mistake before it is read whole.
+MAX_CONFIG_BYTES = 2**20
 
 # The precision vocabulary of every command (`effijax train`, `memory`, `plan`): the policy
 # presets plus "auto" (bf16 on GPU/TPU, fp32 on CPU, where bf16 matmuls are emulated and
@@ -255,9 +259,15 @@ class TrainConfig:
             _at_least(name, getattr(self, name), 1)
         for name in ("eval_batches", "max_non_finite", "seed"):
             _at_least(name, getattr(self, name), 0)
-        for name in ("seq_len", "cpu_devices", "num_processes", "lora_rank"):
+        for name in ("seq_len", "num_processes", "lora_rank"):
             if getattr(self, name) is not None:
                 _at_least(name, getattr(self, name), 2 if name == "seq_len" else 1)
+        if self.cpu_devices is not None:
+            # Imported only when set: the bound lives with the code that forces the devices
+            # (and imports jax, which a config without devices to force does not need).
+            from effijax.distributed import MAX_CPU_DEVICES
+
+            whole_number("cpu_devices", self.cpu_devices, maximum=MAX_CPU_DEVICES)
         if self.process_id is not None:
             _at_least("process_id", self.process_id, 0)
         if not self.lr > 0:
@@ -457,9 +467,13 @@ class TrainConfig:
           4
         """
         path = Path(path)
-        if path.exists() and not path.is_file():
+        if path.exists() and not path.is_file():  # a folder, a pipe, a device: never read
             raise ConfigError("config", str(path), "not a file: give a .toml or .json file of "
                               "settings")
+        if path.is_file() and path.stat().st_size > MAX_CONFIG_BYTES:
+            raise ConfigError("config", str(path), f"holds {path.stat().st_size:,} bytes, more "
+                              f"than the {MAX_CONFIG_BYTES:,} a file of settings may; give the "
+                              "settings file itself")
         try:
             text = path.read_text()
         except OSError as e:
@@ -608,8 +622,7 @@ def _allowed_changes(value: str | None) -> tuple[str, ...]:
 
 
 def _at_least(name: str, value: int, minimum: int) -> None:
-    if value < minimum:
-        raise ConfigError(name, value, f"must be an integer >= {minimum}")
+    whole_number(name, value, minimum=minimum)
 
 
 def _precision(value: str) -> str:

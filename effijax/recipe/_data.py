@@ -110,11 +110,11 @@ def _chat_examples(tokenizer, records) -> list[tuple[np.ndarray, np.ndarray]]:
     for r in records:
         try:
             out.append(render_chat(tokenizer, r.messages))
-        except ConfigError:
-            raise
-        except Exception as e:  # the template's own raise_exception, or a Jinja error
-            raise ConfigError("data", r.source, f"the chat template cannot render this record "
-                              f"({type(e).__name__}: {e})") from None
+        except ConfigError as e:
+            if e.field != "chat_template":
+                raise
+            # The template's error (its own, or a bound it ran over) with the record it met.
+            raise ConfigError("data", r.source, e.problem) from None
     return out
 
 

@@ -21,9 +21,11 @@ import numpy as np
 
 from effijax.data import packed_batch
 from effijax.errors import ConfigError, whole_number
+from effijax.memory import measure, tree_bytes
 from effijax.precision import get_policy
 from effijax.recipe._data import load_eval_data
 from effijax.recipe._open import open_model
+from effijax.recipe._preflight import program
 
 __all__ = ["EvalResult", "load_model", "evaluate_model"]
 
@@ -85,6 +87,22 @@ def _batches(rows, batch_size: int):
         yield packed_batch(rows, np.where(real, index, 0), real)
 
 
+def _scorer(loss_fn, policy, params, rows, batch_size: int):
+    """The loss of one batch, compiled ahead of time from the batch's shapes (no batch is
+    built yet) and refused before it runs when it does not fit in memory."""
+
+    def scored(p, batch):
+        return loss_fn(policy.cast_to_compute(p), batch, None)[0]
+
+    one = packed_batch(rows, np.zeros(1, np.int64), np.ones(1, bool))
+    batch = {k: jax.ShapeDtypeStruct((batch_size, *v.shape[1:]), v.dtype) for k, v in one.items()}
+    compiled = jax.jit(scored).lower(params, batch).compile()
+    program(measure(compiled).total_bytes, tree_bytes(params),
+            what=f"evaluating batches of {batch_size:,} rows of {rows.tokens_NW.shape[1] - 1:,} "
+            "tokens", fix="lower --batch-size")
+    return compiled
+
+
 def evaluate_model(model: str, data: str, *, seq_len: int | None = None, batch_size: int = 8,
                    data_format: str = "auto", max_batches: int | None = None,
                    precision: str = "fp32") -> EvalResult:
@@ -100,7 +118,9 @@ def evaluate_model(model: str, data: str, *, seq_len: int | None = None, batch_s
       precision: a precision policy (the compute dtype of the forward pass).
 
     Raises:
-      ConfigError: a bad model, data file or record (file and line), or setting.
+      ConfigError: a bad model, data file or record (file and line), or setting; a batch
+        whose compiled forward pass does not fit in memory (``field="memory"``), before it
+        runs.
 
     Example:
       >>> import pathlib, tempfile
@@ -123,12 +143,7 @@ def evaluate_model(model: str, data: str, *, seq_len: int | None = None, batch_s
     policy = get_policy(precision)
     lm, params, spec, description = load_model(model, seq_len=seq_len)
     rows, fingerprint, fmt = load_eval_data(data, lm, data_format=data_format)
-    loss_fn = lm.loss_fn(spec)
-
-    @jax.jit
-    def scored(p, batch):
-        return loss_fn(policy.cast_to_compute(p), batch, None)[0]
-
+    scored = _scorer(lm.loss_fn(spec), policy, params, rows, batch_size)
     total, count, evaluated = 0.0, 0, 0
     for i, batch in enumerate(_batches(rows, batch_size)):
         if max_batches is not None and i >= max_batches:

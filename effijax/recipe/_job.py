@@ -431,8 +431,7 @@ def evaluate(job: Job, params: Any, tokens: np.ndarray, *, num_batches: int,
       >>> evaluate(job, init_state(job).params, toks, num_batches=2) > 4.0
       True
     """
-    if num_batches < 1:
-        raise ConfigError("num_batches", num_batches, "must be >= 1")
+    whole_number("num_batches", num_batches)
     rows = batch_sharding(job.mesh)
     kw = {"batch_size": job.batch_size, "seq_len": job.model.seq_len, "num_batches": num_batches}
     losses = []

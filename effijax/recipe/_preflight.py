@@ -19,7 +19,7 @@ from effijax.errors import NO_VALUE, ConfigError
 from effijax.memory import format_bytes, parse_bytes
 from effijax.recipe._sources import checkpoint_folder
 
-__all__ = ["state_bytes", "storage", "step_bytes", "device_budget", "memory"]
+__all__ = ["state_bytes", "storage", "step_bytes", "device_budget", "memory", "program"]
 
 
 def state_bytes(abstract_state) -> int:
@@ -201,3 +201,38 @@ def memory(compiled_memory, job, setting: str | None, steps: int = 1) -> None:
         f"{_format(m.opt_state)}), more than the {_format(budget)} of {source}; "
         f"{_suggestion(m, job, budget, already, steps)}; or --device-memory 0 to skip this "
         "check"))
+
+
+def program(need: int, held: int, *, what: str, fix: str, device=None) -> None:
+    """Stops a generation or an evaluation before it runs when it cannot fit in memory: the
+    check :func:`memory` makes of the train step, for the programs that run a model without
+    training it (they have no ``--device-memory``: the budget is the device's own, or on CPU
+    the host's available memory).
+
+    Args:
+      need: bytes the program holds at once (parameters, cache or batch, temporaries).
+      held: of them, the bytes already allocated (the parameters): the host's available
+        memory is read with them in it.
+      what: the program, in words (``"generating 300,000 prompts"``).
+      fix: what to do instead, in words.
+      device: the device it runs on (default: the first local one).
+
+    Raises:
+      ConfigError: ``field="memory"``, with the numbers, where the budget comes from and
+        ``fix``.
+
+    Example:
+      >>> program(10**6, 0, what="evaluating", fix="lower --batch-size")
+      >>> program(10**18, 0, what="evaluating", fix="lower --batch-size")  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      effijax.errors.ConfigError: memory: evaluating needs 1000000000 GB, more than the ...
+    """
+    device = jax.local_devices()[0] if device is None else device
+    # One device runs it: on CPU the host's whole available memory is its budget.
+    budget, source = device_budget(device, None, 1)
+    already = held if source.startswith("the host's") else 0
+    if budget is None or need - already <= budget:
+        return
+    beyond = f" ({_format(need - already)} beyond what is already loaded)" if already else ""
+    raise ConfigError("memory", NO_VALUE, f"{what} needs {_format(need)}{beyond}, more than "
+                      f"the {_format(budget)} of {source}; {fix}")
