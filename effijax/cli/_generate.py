@@ -19,7 +19,7 @@ import sys
 from effijax.cli import _from
 from effijax.data import bounded_lines, regular_path
 from effijax.errors import ConfigError, whole_number
-from effijax.generate._limits import check_prompt_count
+from effijax.generate import check_prompt_count
 
 __all__ = ["add_parsers", "run"]
 

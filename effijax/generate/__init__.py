@@ -28,7 +28,7 @@ from effijax._lazy import attach
 # effijax/_lazy.py): importing the package costs only what is used.
 __getattr__, __dir__, __all__ = attach(__name__, {
     "effijax.generate._generate": ("CACHE_BUCKET", "PROMPT_BUCKET", "Generation", "generate"),
-    "effijax.generate._limits": ("MAX_PROMPTS",),
+    "effijax.generate._limits": ("MAX_PROMPTS", "check_prompt_count"),
     "effijax.generate._load": ("Completion", "Loaded", "load"),
     "effijax.generate._sample": ("sample", "top_p_mask"),
 })

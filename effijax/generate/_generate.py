@@ -41,7 +41,7 @@ from effijax.errors import ConfigError, whole_number
 from effijax.generate._limits import check_prompt_count
 from effijax.generate._sample import sample
 from effijax.memory import format_bytes, tree_bytes
-from effijax.recipe._preflight import program
+from effijax.recipe import check_memory
 
 __all__ = ["Generation", "generate", "PROMPT_BUCKET", "CACHE_BUCKET"]
 
@@ -253,10 +253,10 @@ def _check(model, prompt, max_new_tokens, temperature, top_p, max_len
 
 def _fits(model, abstract_params, batch: int, max_len: int, dtype) -> None:
     """Refuses, before compiling, a batch whose cache (with the parameters and a row of f32
-    logits per prompt) does not fit the device (:func:`effijax.recipe._preflight.program`)."""
+    logits per prompt) does not fit the device (:func:`effijax.recipe.check_memory`)."""
     cache = tree_bytes(jax.eval_shape(lambda: model.init_cache(batch, max_len, dtype)))
     held = tree_bytes(abstract_params)
-    program(held + cache + batch * model.vocab_size * 4, held,
+    check_memory(held + cache + batch * model.vocab_size * 4, held,
             what=f"generating {batch:,} prompt(s) of up to {max_len:,} positions (a key/value "
             f"cache of {format_bytes(cache)})",
             fix="give fewer prompts per call, or fewer new tokens")

@@ -30,6 +30,7 @@ __getattr__, __dir__, __all__ = attach(__name__, {
     "effijax.recipe._data": ("Dataset", "load_dataset", "load_eval_data"),
     "effijax.recipe._eval": ("EvalResult", "evaluate_model", "load_model"),
     "effijax.recipe._open": ("Opened", "open_model"),
+    "effijax.recipe._preflight": ("check_memory",),
     "effijax.recipe._sources": ("architecture", "bundled_path", "read_source",
         "load_params"),
 })

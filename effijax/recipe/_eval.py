@@ -25,7 +25,7 @@ from effijax.memory import measure, tree_bytes
 from effijax.precision import get_policy
 from effijax.recipe._data import load_eval_data
 from effijax.recipe._open import open_model
-from effijax.recipe._preflight import program
+from effijax.recipe._preflight import check_memory
 
 __all__ = ["EvalResult", "load_model", "evaluate_model"]
 
@@ -97,7 +97,7 @@ def _scorer(loss_fn, policy, params, rows, batch_size: int):
     one = packed_batch(rows, np.zeros(1, np.int64), np.ones(1, bool))
     batch = {k: jax.ShapeDtypeStruct((batch_size, *v.shape[1:]), v.dtype) for k, v in one.items()}
     compiled = jax.jit(scored).lower(params, batch).compile()
-    program(measure(compiled).total_bytes, tree_bytes(params),
+    check_memory(measure(compiled).total_bytes, tree_bytes(params),
             what=f"evaluating batches of {batch_size:,} rows of {rows.tokens_NW.shape[1] - 1:,} "
             "tokens", fix="lower --batch-size")
     return compiled

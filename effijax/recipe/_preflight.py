@@ -19,7 +19,7 @@ from effijax.errors import NO_VALUE, ConfigError
 from effijax.memory import format_bytes, parse_bytes
 from effijax.recipe._sources import checkpoint_folder
 
-__all__ = ["state_bytes", "storage", "step_bytes", "device_budget", "memory", "program"]
+__all__ = ["state_bytes", "storage", "step_bytes", "device_budget", "memory", "check_memory"]
 
 
 def state_bytes(abstract_state) -> int:
@@ -203,7 +203,7 @@ def memory(compiled_memory, job, setting: str | None, steps: int = 1) -> None:
         "check"))
 
 
-def program(need: int, held: int, *, what: str, fix: str, device=None) -> None:
+def check_memory(need: int, held: int, *, what: str, fix: str, device=None) -> None:
     """Stops a generation or an evaluation before it runs when it cannot fit in memory: the
     check :func:`memory` makes of the train step, for the programs that run a model without
     training it (they have no ``--device-memory``: the budget is the device's own, or on CPU
@@ -222,8 +222,8 @@ def program(need: int, held: int, *, what: str, fix: str, device=None) -> None:
         ``fix``.
 
     Example:
-      >>> program(10**6, 0, what="evaluating", fix="lower --batch-size")
-      >>> program(10**18, 0, what="evaluating", fix="lower --batch-size")  # doctest: +ELLIPSIS
+      >>> check_memory(10**6, 0, what="evaluating", fix="lower --batch-size")
+      >>> check_memory(10**18, 0, what="evaluating", fix="lower --batch-size")  # doctest: +ELLIPSIS
       Traceback (most recent call last):
       effijax.errors.ConfigError: memory: evaluating needs 1000000000 GB, more than the ...
     """
