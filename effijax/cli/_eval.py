@@ -61,7 +61,10 @@ def _flag(field: str) -> str:
     """The flag behind a field of :func:`~effijax.recipe.evaluate_model`'s errors."""
     if field == "model":
         return _from.FLAG
-    return field if field == "data" or field.startswith("--") else "--" + field.replace("_", "-")
+    # data and memory name no flag of their own: the file, the device's memory.
+    if field in ("data", "memory") or field.startswith("--"):
+        return field
+    return "--" + field.replace("_", "-")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -130,6 +130,8 @@ def _error(e: ConfigError) -> int:
         field = _from.FLAG
     elif e.field == "chat_template":  # the template --chat renders with
         field = "--chat"
+    elif e.field == "memory":  # the device's, not a flag's
+        field = "memory"
     else:
         field = e.field if e.field.startswith("--") else "--" + e.field.replace("_", "-")
     print(f"effijax generate: error: {e.renamed(field)}", file=sys.stderr, flush=True)

@@ -12,6 +12,11 @@ into rows (:func:`pack_examples`) that :func:`batch_at` draws with their mask an
 ids (``"segments"``: packed examples do not see each other, positions restart at each one).
 :func:`stdlib_qa` builds an instruction set offline (questions about the standard library,
 answered from the interpreter).
+
+Everything read is bounded: data must be regular files or folders (a pipe or a device is
+refused, :func:`regular_path`), a JSONL record is one line of at most :data:`MAX_RECORD_BYTES`,
+and a chat template renders within :data:`RENDER_SECONDS` and :data:`MAX_RENDERED_CHARS`
+(:func:`compile_template`).
 """
 
 from effijax._lazy import attach

@@ -233,6 +233,6 @@ def check_memory(need: int, held: int, *, what: str, fix: str, device=None) -> N
     already = held if source.startswith("the host's") else 0
     if budget is None or need - already <= budget:
         return
-    beyond = f" ({_format(need - already)} beyond what is already loaded)" if already else ""
+    beyond = f" (of which {_format(already)} already loaded)" if already else ""
     raise ConfigError("memory", NO_VALUE, f"{what} needs {_format(need)}{beyond}, more than "
                       f"the {_format(budget)} of {source}; {fix}")
