@@ -68,7 +68,14 @@ def _cli(capsys, *argv: str) -> str:
     "{% for i in range(99999) %}{% for j in range(99999) %}xxxxxxxxxx{% endfor %}{% endfor %}",
     "{{ 'x' * 10**10 }}",
     "{{ 10 ** 99999999 }}",
-], ids=["nested-range", "nested-string", "recursion", "endless-output", "repeat", "power"])
+    # Widths that would allocate a gigabyte in one step.
+    "{{ '%0999999999d' % 1 }}",
+    "{{ '{:>999999999}'.format(1) }}",
+    "{{ '{:>{}}'.format(1, 10**9) }}",
+    "{{ 'x'|center(10**9) }}",
+    "{{ '%0999999999d'|format(1) }}",
+], ids=["nested-range", "nested-string", "recursion", "endless-output", "repeat", "power",
+        "percent", "str-format", "str-format-arg", "center", "format-filter"])
 def test_a_runaway_chat_template_ends_in_one_line_within_seconds(template):
     e = _refused(render_chat, _tokenizer(template), CHAT)
     assert e.field == "chat_template"
@@ -95,9 +102,12 @@ def test_a_template_error_in_training_data_names_the_record(tmp_path):
     assert (e.field, e.value) == ("data", f"{f}:1") and "bad role" in str(e)
 
 
-def test_loops_still_see_the_loop_variables():
-    template = "{% for m in messages %}{{ loop.index }}/{{ loop.length }}{% endfor %}"
-    assert compile_template(template).render(messages=["a", "b"]) == "1/22/2"
+def test_bounded_templates_render_as_before():
+    template = ("{% for m in messages %}{{ loop.index }}/{{ loop.length }}{% endfor %}|"
+                "{{ '%s-%d' % ('a', 3) }}|{{ '{}:{}'.format(1, 2) }}|{{ 'ab'|center(6) }}|"
+                "{{ 'a b c'|wordwrap(2) }}|{{ '%s'|format(7) }}")
+    assert compile_template(template).render(messages=["a", "b"]) == (
+        "1/22/2|a-3|1:2|  ab  |a\nb\nc|7")
 
 
 # Records, lines and special files ------------------------------------------------------------
@@ -139,6 +149,25 @@ def test_special_files_as_data_or_config_on_the_command_line(capsys, fifo, tmp_p
         err = _cli(capsys, "train", "--model", "tiny", "--steps", "2", "--out",
                    str(tmp_path / "run"), *flags)
         assert flags[0] in err, err
+
+
+@pytest.mark.parametrize("name, text", [("deep.json", "[" * 200_000 + "]" * 200_000),
+                                        ("deep.toml", "a = " + "[" * 200_000 + "]" * 200_000)])
+def test_a_deeply_nested_config_file_is_one_line(tmp_path, name, text):
+    (tmp_path / name).write_text(text)
+    assert "nested too deeply" in str(_refused(TrainConfig.from_file, tmp_path / name))
+
+
+def test_template_and_memory_errors_name_what_the_user_can_change(capsys):
+    from effijax.cli._eval import _flag
+    from effijax.cli._generate import _error
+    from effijax.errors import NO_VALUE
+
+    assert _flag("memory") == "memory"
+    assert _error(ConfigError("chat_template", NO_VALUE, "the template failed")) == 2
+    assert capsys.readouterr().err == "effijax generate: error: --chat: the template failed\n"
+    _error(ConfigError("memory", NO_VALUE, "needs 9 GB"))
+    assert capsys.readouterr().err == "effijax generate: error: memory: needs 9 GB\n"
 
 
 def test_a_huge_config_file_is_refused_unread(tmp_path):

@@ -4,8 +4,9 @@ A chat template is code from a model's files (Jinja, as ``transformers`` renders
 sandbox already stops it from reaching Python objects, but not from running for ever (two nested
 ``range(100000)`` loops are 10^10 iterations) or from writing gigabytes. :func:`compile_template`
 compiles it in a sandbox that also counts: every loop iteration and every call checks a deadline
-of :data:`RENDER_SECONDS` per render, repeating a string or list (``*``) or raising to a power
-(``**``) is checked before it allocates, and the rendered text is cut off at
+of :data:`RENDER_SECONDS` per render; repeating a string or list (``*``), raising to a power
+(``**``), and widths (``%`` and ``str.format`` specs, ``center``, ``indent``, ``wordwrap``,
+``truncate``, ``format``) are checked before they allocate; and the rendered text is cut off at
 :data:`MAX_RENDERED_CHARS`. Each failure, and every error of the template itself (bad syntax,
 an undefined name, its own ``raise_exception``), is one :class:`~effijax.errors.ConfigError`
 naming ``chat_template``.
@@ -14,7 +15,9 @@ naming ``chat_template``.
 from __future__ import annotations
 
 import contextvars
+import functools
 import math
+import re
 import time
 
 from effijax.errors import NO_VALUE, ConfigError
@@ -31,6 +34,10 @@ MAX_RENDERED_CHARS = 16 * 2**20
 _CHECK_EVERY = 64
 # The internal filter every for loop's iterable passes through (see _BoundedSandbox._parse).
 _BOUNDED = "_effijax_bounded"
+# Builtin filters that write as many characters as an argument says: checked before they run.
+_WIDTH_FILTERS = ("center", "indent", "wordwrap", "truncate", "format")
+# In a format string, a number of 9 digits: a width or precision of 100 million characters.
+_WIDE = re.compile(r"\d{9,}")
 
 _deadline: contextvars.ContextVar[float] = contextvars.ContextVar("_deadline", default=math.inf)
 
@@ -56,9 +63,34 @@ def _size(value) -> int | None:
     return len(value) if isinstance(value, str | bytes | list | tuple) else None
 
 
+def _check_widths(text, args) -> None:
+    """Refuses a width, a precision or a count that would write more than the cap at once:
+    an int argument over :data:`MAX_RENDERED_CHARS`, or a number of 9 digits or more in a
+    format string (``"%0999999999d"``, ``"{:>999999999}"``)."""
+    for value in args:
+        if isinstance(value, int) and not isinstance(value, bool) and value > MAX_RENDERED_CHARS:
+            raise _Exceeded(f"a width or count of {value:,} goes over {MAX_RENDERED_CHARS:,}")
+    if isinstance(text, str) and _WIDE.search(text):
+        raise _Exceeded(f"the format {text[:40]!r} asks for a width over {MAX_RENDERED_CHARS:,}")
+
+
+def _sized(name: str, filter_):
+    """``filter_`` (a builtin filter with a width, such as ``center``) checking its widths
+    first; the format filter's value is its format string."""
+
+    @functools.wraps(filter_)  # keeps Jinja's pass_environment mark
+    def checked(*args, **kwargs):
+        _check_widths(args[0] if name == "format" else None, [*args[1:], *kwargs.values()])
+        return filter_(*args, **kwargs)
+
+    return checked
+
+
 def _check_binop(operator: str, left, right) -> None:
-    """Refuses ``*`` and ``**`` whose result would be too large, before computing it."""
-    if operator == "*":
+    """Refuses ``*``, ``**`` and ``%`` whose result would be too large, before computing it."""
+    if operator == "%" and isinstance(left, str):
+        _check_widths(left, right if isinstance(right, tuple) else [right])
+    elif operator == "*":
         size, times = (_size(left), right) if _size(left) is not None else (_size(right), left)
         if size is not None and isinstance(times, int) and size * times > MAX_RENDERED_CHARS:
             raise _Exceeded(f"repeating a sequence of {size:,} items {times:,} times goes over "
@@ -76,7 +108,7 @@ def _sandbox():
     class _BoundedSandbox(ImmutableSandboxedEnvironment):
         """Jinja's immutable sandbox, with a clock on loops and calls and checked ``*``/``**``."""
 
-        intercepted_binops = frozenset({"*", "**"})
+        intercepted_binops = frozenset({"*", "**", "%"})
 
         def _parse(self, source, name, filename):
             # Every for loop iterates through _bounded, which looks at the clock: the one
@@ -95,11 +127,24 @@ def _sandbox():
             _check_binop(operator, left, right)
             return super().call_binop(context, operator, left, right)
 
+        def wrap_str_format(self, value):
+            wrapped = super().wrap_str_format(value)
+            if wrapped is None:
+                return None
+
+            def checked(*args, **kwargs):  # str.format and format_map: the widths first
+                _check_widths(value.__self__, [*args, *kwargs.values()])
+                return wrapped(*args, **kwargs)
+
+            return checked
+
     def raise_exception(message):
         raise ValueError(message)
 
     env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True)
     env.filters[_BOUNDED] = _bounded
+    for name in _WIDTH_FILTERS:
+        env.filters[name] = _sized(name, env.filters[name])
     env.globals["raise_exception"] = raise_exception
     return env
 

@@ -505,6 +505,8 @@ def _parse_settings(text: str, path: Path):
             return read(text)
         except (tomllib.TOMLDecodeError, ValueError) as e:
             errors.append(f"{kind}: {e}")
+        except RecursionError:  # both readers recurse once per level of nesting
+            errors.append(f"{kind}: nested too deeply to read")
     problem = (f"not valid {errors[0].replace(': ', ' (', 1)})" if len(readers) == 1 else
                f"neither JSON nor TOML ({'; '.join(errors)}); name a settings file .toml or "
                ".json")
