@@ -12,6 +12,8 @@ import json
 import os
 from pathlib import Path
 
+from effijax import atomic
+
 __all__ = ["truncate_metrics"]
 
 
@@ -65,10 +67,5 @@ def truncate_metrics(metrics_path: str | os.PathLike, step: int) -> int:
             dropped += 1
         else:
             kept.append(line if line.endswith("\n") else line + "\n")
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.writelines(kept)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic.write_text(path, "".join(kept))  # never through a link planted at its temp name
     return dropped
