@@ -91,9 +91,11 @@ def write_bytes(path: str | os.PathLike, data: bytes, *, mode: int = 0o644) -> P
         finally:
             os.close(fd)
         os.replace(tmp, path)  # replaces a link at ``path`` itself, never its target
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(OSError):
             tmp.unlink()
+        if isinstance(e, OSError) and e.filename is None:  # say which file could not be written
+            raise OSError(e.errno, e.strerror, os.fspath(path)) from e
         raise
     _sync_dir(path.parent)
     return path

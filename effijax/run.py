@@ -113,8 +113,7 @@ class RunDir:
         if not self.is_main:
             return
         self.path.mkdir(parents=True, exist_ok=True)
-        with self.writing():
-            keep_room(self.path)  # so that a full disk later still gets its traceback logged
+        keep_room(self.path)  # so that a full disk later still gets its traceback logged
         self.write_json("config.json", {**config, "versions": library_versions()})
         metrics = self.path / "metrics.jsonl"
         if not append and (metrics.exists() or metrics.is_symlink()):

@@ -142,14 +142,16 @@ def failure_reason(e: BaseException) -> str:
 
 
 ROOM_FILE = ".error-log-room"
-_ROOM_BYTES = 256 * 1024  # a few tracebacks
+_ROOM_BYTES = 32 * 1024  # a few tracebacks
 
 
 def keep_room(out) -> None:
     """Sets aside room on the run directory's disk for ``error.log``: a file of zeros that
     is removed before a failure is logged, so a full disk still gets its traceback written.
-    :func:`free_room` removes it when the run ends."""
-    atomic.write_bytes(_room(out), bytes(_ROOM_BYTES))
+    :func:`free_room` removes it when the run ends. Best effort: without room for it, the run
+    goes on (and a failure may find no room for its traceback)."""
+    with contextlib.suppress(OSError):
+        atomic.write_bytes(_room(out), bytes(_ROOM_BYTES))
 
 
 def free_room(out) -> None:
