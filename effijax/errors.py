@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numbers
 
-__all__ = ["ConfigError", "FileError", "SaveError", "NO_VALUE", "whole_number", "INT32_MAX"]
+__all__ = ["ConfigError", "FileError", "SaveError", "WriteError", "NO_VALUE", "whole_number",
+           "INT32_MAX"]
 
 INT32_MAX = 2**31 - 1  # steps, batches, seeds and sizes that reach the device are int32
 
@@ -118,6 +119,23 @@ class SaveError(RuntimeError):
         where = f" (traceback in {log})" if log else ""
         super().__init__(f"saving the checkpoint of step {step} to {directory} failed: "
                          f"{reason}{where}")
+
+
+class WriteError(RuntimeError):
+    """A file of the run directory (metrics, a log, an export, the summary) could not be
+    written; the run stopped, the file as it was before. One line, like :class:`SaveError`.
+
+    Example:
+      >>> str(WriteError("runs/x/metrics.jsonl", "[Errno 28] No space left on device",
+      ...                "runs/x/error.log"))  # doctest: +NORMALIZE_WHITESPACE
+      'writing runs/x/metrics.jsonl failed: [Errno 28] No space left on device (traceback in
+       runs/x/error.log)'
+    """
+
+    def __init__(self, path: str, reason: str, log: str | None):
+        self.path, self.reason, self.log = path, reason, log
+        where = f" (traceback in {log})" if log else " (no room for its traceback either)"
+        super().__init__(f"writing {path} failed: {reason}{where}")
 
 
 def whole_number(field: str, value, *, minimum: int = 1, maximum: int | None = INT32_MAX,

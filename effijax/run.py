@@ -8,6 +8,11 @@ A run directory holds what a researcher looks at after a run:
 * ``summary.json``: final numbers (loss, evaluation loss, throughput, skipped steps);
 * ``loss.png``: the loss curve, with the loss scale when it moved.
 
+Every file is written whole or not at all and never through a link (:mod:`effijax.atomic`);
+``summary.json`` is written last, so a run whose summary records its last step has its end
+written. A write that fails (a full disk) is :class:`~effijax.errors.WriteError`: one line
+naming the file, the traceback in ``error.log``.
+
 :func:`train_loop` drives a jitted step: it dispatches step ``k+1`` before reading step ``k``'s
 metrics, so logging does not stall the device, and only the main process writes files.
 """
@@ -15,6 +20,7 @@ metrics, so logging does not stall the device, and only the main process writes 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import math
 import os
@@ -28,6 +34,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from effijax import atomic
+from effijax.checkpoint import free_room, keep_room, write_errors
 from effijax.provenance import library_versions
 
 __all__ = ["RunDir", "train_loop", "NonFiniteError", "StopFlag", "read_metrics", "plot_metrics"]
@@ -105,10 +113,18 @@ class RunDir:
         if not self.is_main:
             return
         self.path.mkdir(parents=True, exist_ok=True)
+        keep_room(self.path)  # so that a full disk later still gets its traceback logged
         self.write_json("config.json", {**config, "versions": library_versions()})
         metrics = self.path / "metrics.jsonl"
-        if not append and metrics.exists():
-            metrics.unlink()
+        if not append and (metrics.exists() or metrics.is_symlink()):
+            metrics.unlink()  # a link itself, never its target
+
+    def writing(self):
+        """A block whose failed writes (``OSError``: a full disk) end the run in one line,
+        :class:`~effijax.errors.WriteError`: the traceback goes to ``error.log``, and the
+        checkpointer and the lock are released quietly first (their writes in flight fail on
+        the same disk, each printing a traceback)."""
+        return write_errors(self.path, release=lambda: self.release(quiet=True))
 
     def __enter__(self) -> RunDir:
         return self
@@ -137,47 +153,41 @@ class RunDir:
                 self.close()
         finally:
             if self.lock is not None:
+                if self.is_main:
+                    with contextlib.suppress(OSError):
+                        free_room(self.path)
                 self.lock.release()
                 self.lock = None
 
     def write_json(self, name: str, obj: dict) -> None:
-        """Writes ``name`` atomically (temp file + rename), so a killed run never leaves half."""
+        """Writes ``name`` atomically (temp file, fsync, rename; never through a link), so a
+        killed run never leaves half; a failed write is :class:`~effijax.errors.WriteError`."""
         if not self.is_main:
             return
-        tmp = self.path / f".{name}.tmp"
-        tmp.write_text(json.dumps(_jsonable(obj), indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, self.path / name)
+        with self.writing():
+            atomic.write_text(self.path / name,
+                              json.dumps(_jsonable(obj), indent=2, sort_keys=True) + "\n")
 
     def log(self, record: dict) -> None:
         """Appends one record to ``metrics.jsonl``, whole: one ``write`` of the line; a write
-        cut short (a full disk) is undone before the error is raised, so the file never holds
-        half a record."""
+        cut short (a full disk) is undone, so the file never holds half a record, and the run
+        ends with :class:`~effijax.errors.WriteError`."""
         if not self.is_main:
             return
-        line = (json.dumps(_jsonable(record)) + "\n").encode()
-        fd = os.open(self.path / "metrics.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            start = os.lseek(fd, 0, os.SEEK_END)
-            try:
-                written = os.write(fd, line)
-            except OSError:
-                os.ftruncate(fd, start)
-                raise
-            if written != len(line):
-                os.ftruncate(fd, start)
-                raise OSError(28, f"{os.strerror(28)}: wrote {written} of {len(line)} bytes of "
-                              f"a record to {self.path / 'metrics.jsonl'}")
-        finally:
-            os.close(fd)
+        with self.writing():
+            atomic.append(self.path / "metrics.jsonl",
+                          (json.dumps(_jsonable(record)) + "\n").encode())
 
     def finish(self, summary: dict, *, title: str = "") -> None:
-        """Writes ``summary.json`` and ``loss.png``."""
+        """Writes ``loss.png``, then ``summary.json``: last, as it marks the run's end
+        written."""
         if not self.is_main:
             return
-        self.write_json("summary.json", summary)
         records = read_metrics(self.path)
         if records:
-            plot_metrics({title or self.path.name: records}, self.path / "loss.png")
+            with self.writing():
+                plot_metrics({title or self.path.name: records}, self.path / "loss.png")
+        self.write_json("summary.json", summary)
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
@@ -249,10 +259,9 @@ def plot_metrics(runs: dict[str, list[dict]], path: str | os.PathLike, *,
     path = Path(path)
     # Written whole or not at all, like the run's other files: the program ends at once on
     # Ctrl-C, and a finished run is not written again.
-    tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, dpi=110, format=path.suffix[1:] or "png")
-    os.replace(tmp, path)
-    return path
+    image = io.BytesIO()
+    fig.savefig(image, dpi=110, format=path.suffix[1:] or "png")
+    return atomic.write_bytes(path, image.getvalue())
 
 
 def train_loop(

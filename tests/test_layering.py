@@ -52,7 +52,7 @@ def test_lower_layers_do_not_import_upper_layers():
 # The layers above the core, bottom to top. A module may import its own layer and those below,
 # never one above: the library never reaches up into the recipe, the recipe never into the CLI.
 LAYERS = [
-    ("_lazy.py", "errors.py", "paths.py", "provenance.py"),
+    ("_lazy.py", "errors.py", "paths.py", "provenance.py", "atomic.py"),
     ("precision", "sharding", "lora", "data", "distributed.py", "_rendezvous.py"),
     # train.py and jobs.py: deprecated re-exports of step.py and the recipe's job, one release.
     ("models", "interop", "memory", "step.py", "train.py", "optimizers.py", "checkpoint"),

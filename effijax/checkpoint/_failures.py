@@ -9,6 +9,8 @@ else to ``OUT/orbax.log`` and ``OUT/error.log``:
 
 * :func:`orbax_log` routes orbax's log records to a file while checkpoints are written;
 * :func:`save_errors` turns a failed write (or close) into :class:`SaveError`;
+* :func:`write_errors` turns a failed write of any other file of the run directory (metrics,
+  exports, the summary) into :class:`~effijax.errors.WriteError`, the same way;
 * :func:`save` offers a state to the checkpointer under :func:`save_errors`;
 * :func:`last_good` says where a run that went non-finite can resume from;
 * :func:`rest_of_stderr_to` sends what the unfinished writes print at exit to the log.
@@ -30,10 +32,11 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from effijax.errors import SaveError
+from effijax import atomic
+from effijax.errors import SaveError, WriteError
 
-__all__ = ["orbax_log", "save_errors", "save", "step_of", "failure_reason", "last_good",
-           "rest_of_stderr_to"]
+__all__ = ["orbax_log", "save_errors", "write_errors", "save", "step_of", "failure_reason",
+           "last_good", "rest_of_stderr_to", "keep_room", "free_room", "ROOM_FILE"]
 
 
 def _per_process(out, stem: str) -> Path:
@@ -42,13 +45,25 @@ def _per_process(out, stem: str) -> Path:
     return Path(out) / (f"{stem}.log" if index == 0 else f"{stem}-{index}.log")
 
 
+class _QuietFileHandler(logging.FileHandler):
+    """A log file that is opened without following a link, and that stays silent when it
+    cannot be written (a full disk): logging's default prints a traceback per record, and the
+    failed write itself is reported in one line."""
+
+    def _open(self):
+        return atomic.open_append(self.baseFilename)
+
+    def handleError(self, record) -> None:
+        pass
+
+
 @contextlib.contextmanager
 def orbax_log(out) -> Iterator[None]:
     """Sends orbax's log records (absl's logger) to ``OUT/orbax.log`` (``orbax-<process>.log``)
     while checkpoints are written: a failed background write logs a traceback per thread,
     hundreds of lines that the one-line :class:`SaveError` replaces on the terminal. The file
     is created only if something is logged."""
-    handler = logging.FileHandler(_per_process(out, "orbax"), delay=True)
+    handler = _QuietFileHandler(_per_process(out, "orbax"), delay=True)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
     logger = logging.getLogger("absl")
     propagate = logger.propagate
@@ -126,16 +141,55 @@ def failure_reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[-1].strip()}" if lines else type(e).__name__
 
 
-def _write_log(out, step: int, e: BaseException) -> Path | None:
-    """Appends the failure's traceback to ``OUT/error.log``; None if that cannot be written."""
+ROOM_FILE = ".error-log-room"
+_ROOM_BYTES = 32 * 1024  # a few tracebacks
+
+
+def keep_room(out) -> None:
+    """Sets aside room on the run directory's disk for ``error.log``: a file of zeros that
+    is removed before a failure is logged, so a full disk still gets its traceback written.
+    :func:`free_room` removes it when the run ends. Best effort: without room for it, the run
+    goes on (and a failure may find no room for its traceback)."""
+    with contextlib.suppress(OSError):
+        atomic.write_bytes(_room(out), bytes(_ROOM_BYTES))
+
+
+def free_room(out) -> None:
+    """Removes what :func:`keep_room` set aside (nothing if there is nothing)."""
+    room = _room(out)
+    if room.is_file() and not room.is_symlink():
+        room.unlink()
+
+
+def _room(out) -> Path:
+    index = jax.process_index()
+    return Path(out) / (ROOM_FILE if index == 0 else f"{ROOM_FILE}-{index}")
+
+
+def _write_log(out, what: str, e: BaseException) -> Path | None:
+    """Appends what failed and its traceback to ``OUT/error.log`` (never through a link);
+    None if that cannot be written (the disk is full for the log too)."""
     log = _per_process(out, "error")
+    with contextlib.suppress(OSError):
+        free_room(out)
     try:
-        with open(log, "a") as f:
-            f.write(f"step {step}: saving to {Path(out) / 'checkpoints'}\n")
-            f.write("".join(traceback.format_exception(e)))
+        with atomic.open_append(log) as f:
+            f.write(f"{what}\n{''.join(traceback.format_exception(e))}")
     except OSError:
         return None
     return log
+
+
+def _release_into(log: Path | None, release: Callable[[], None]) -> None:
+    """Calls ``release`` with everything it prints going to ``log``."""
+    # Closing a manager whose write failed lets the write's remaining callbacks meet a
+    # closed event loop, each printing a traceback: into the log, not the terminal.
+    with (atomic.open_append(log) if log is not None else open(os.devnull, "a")) as sink, \
+            contextlib.redirect_stderr(sink), _logs_to(sink, "asyncio", "absl"), \
+            _fd_to(2, sink):
+        release()
+        time.sleep(1.0)  # the failed write's other array writes end (and print) here
+        gc.collect()  # and its tasks report themselves when collected
 
 
 @contextlib.contextmanager
@@ -155,19 +209,44 @@ def save_errors(out, ckpt, step: int, release: Callable[[], None]) -> Iterator[N
         yield
     except Exception as e:
         failed = ckpt.failed_step if ckpt is not None else None
-        log = _write_log(out, failed if failed is not None else step, e)
         step = failed if failed is not None else step
         directory = str(ckpt.directory if ckpt is not None else Path(out) / "checkpoints")
-        # Closing a manager whose write failed lets the write's remaining callbacks meet a
-        # closed event loop, each printing a traceback: into the log, not the terminal.
-        with open(log if log is not None else os.devnull, "a") as sink, \
-                contextlib.redirect_stderr(sink), _logs_to(sink, "asyncio", "absl"), \
-                _fd_to(2, sink):
-            release()
-            time.sleep(1.0)  # the failed write's other array writes end (and print) here
-            gc.collect()  # and its tasks report themselves when collected
+        log = _write_log(out, f"step {step}: saving to {directory}", e)
+        _release_into(log, release)
         raise SaveError(step, directory, failure_reason(e),
                         None if log is None else str(log)) from None
+
+
+@contextlib.contextmanager
+def write_errors(out, release: Callable[[], None] | None = None) -> Iterator[None]:
+    """Turns a failed write of a run directory's file (an ``OSError``: a full disk, a link
+    refused) into :class:`~effijax.errors.WriteError`: one line naming the file, the traceback
+    in ``OUT/error.log``. :class:`SaveError` and other errors pass through as they are.
+
+    Args:
+      out: the run directory.
+      release: called (its output into the log) before the error is raised: closes the
+        checkpointer, whose writes in flight fail on the same full disk, and the directory.
+
+    Example:
+      >>> import tempfile
+      >>> out = tempfile.mkdtemp()
+      >>> try:
+      ...     with write_errors(out):
+      ...         raise OSError(28, "No space left on device", out + "/metrics.jsonl")
+      ... except WriteError as e:
+      ...     print(e.reason, os.path.basename(e.path), os.path.basename(e.log))
+      [Errno 28] No space left on device metrics.jsonl error.log
+    """
+    try:
+        yield
+    except OSError as e:
+        path = e.filename if e.filename is not None else out
+        log = _write_log(out, f"writing {path}", e)
+        if release is not None:
+            _release_into(log, release)
+        raise WriteError(os.fspath(path), failure_reason(e),
+                         None if log is None else str(log)) from None
 
 
 def save(ckpt, state, *, out, release: Callable[[], None], force: bool = False):
@@ -199,7 +278,7 @@ def rest_of_stderr_to(log: str | None) -> None:
     if log is None or sys.stderr is not sys.__stderr__:
         return
     try:
-        fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         os.dup2(fd, 2)
         os.close(fd)
     except OSError:

@@ -93,8 +93,14 @@ def lock_run_dir(directory: str | os.PathLike, field: str = "out") -> RunLock:
     directory = Path(directory)
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        # Never through a link: the holder's details are written into the file, and a link
+        # planted there would have them overwrite a file outside the run directory.
+        fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError as e:
+        if (directory / LOCK_FILE).is_symlink():
+            raise ConfigError(field, str(directory), f"its lock file {LOCK_FILE} is a symbolic "
+                              f"link (to {os.readlink(directory / LOCK_FILE)}); effijax never "
+                              "writes through links in a run directory: remove it") from None
         raise ConfigError(field, str(directory), f"cannot create its lock file "
                           f"({e.strerror}); choose a writable directory") from None
     try:

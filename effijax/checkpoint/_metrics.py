@@ -8,12 +8,13 @@ after the last checkpoint (the killed run logged them, the resumed run will log 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+
+from effijax import atomic
 
 __all__ = ["truncate_metrics"]
 
@@ -80,14 +81,5 @@ def truncate_metrics(metrics_path: str | os.PathLike, step: int, *,
             dropped += 1
         else:
             kept.append(line if line.endswith(b"\n") else line + b"\n")
-    tmp = path.with_name(f".{path.name}.tmp")
-    # A link planted at the temporary name is removed, never followed (O_EXCL, O_NOFOLLOW).
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-    with os.fdopen(os.open(tmp, flags, 0o644), "wb") as f:
-        f.writelines(kept)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic.write_bytes(path, b"".join(kept))  # never through a link planted at its temp name
     return dropped

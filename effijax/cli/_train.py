@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         return _error(e)
     _interrupt.describe(lambda: _interrupted(config))
     from effijax.checkpoint import rest_of_stderr_to
-    from effijax.errors import SaveError
+    from effijax.errors import SaveError, WriteError
     from effijax.recipe import train
     from effijax.run import NonFiniteError
 
@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
         train(config, argv=getattr(args, "argv", None))
     except ConfigError as e:
         return _error(e)
-    except SaveError as e:
+    except (SaveError, WriteError) as e:  # a full disk: one line, the traceback in a log
         print(f"effijax train: error: {e}", file=sys.stderr, flush=True)
         rest_of_stderr_to(e.log)
         return 1

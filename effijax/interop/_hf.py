@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from effijax import atomic
 from effijax.errors import ConfigError, FileError
 from effijax.interop._files import (
     MAX_CONFIG_BYTES,
@@ -347,7 +348,9 @@ def save_hf(directory: str | os.PathLike, model: LlamaConfig, params, *, adapter
     ``model-0000k-of-0000n.safetensors`` shards of at most ``max_shard_bytes`` with their
     index) and, when the model has a tokenizer, ``tokenizer.json``, ``tokenizer_config.json``
     (with the chat template) and ``special_tokens_map.json``. Parameters are fetched and written
-    one at a time.
+    one at a time, each file whole or not at all (:mod:`effijax.atomic`); to make the directory
+    itself appear complete or not at all, write into :func:`effijax.atomic.fresh_dir` and
+    :func:`~effijax.atomic.replace_dir` it into place (as ``effijax train`` does).
 
     Args:
       directory: created if missing.
@@ -408,28 +411,27 @@ def save_hf(directory: str | os.PathLike, model: LlamaConfig, params, *, adapter
             tensors[hf_name(path, layer)] = to_hf(path, w if layer is None else w[layer])
             weight_map[hf_name(path, layer)] = file
             total += nbytes
-        # Bytes written as any other output file (0644 under the usual umask): safetensors'
-        # save_file creates its files 0600.
+        # Bytes written whole (atomic) and as any other output file (0644 under the usual
+        # umask): safetensors' save_file creates its files 0600.
         data = safetensors.numpy.save(tensors, metadata={"format": "pt"})
-        with open(os.path.join(directory, file), "wb") as f:
-            f.write(data)
+        atomic.write_bytes(os.path.join(directory, file), data)
         del data
         del tensors
     host.clear()
     written = list(names)
     if len(names) > 1:
-        with open(os.path.join(directory, _INDEX), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        atomic.write_text(os.path.join(directory, _INDEX), json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
         written.append(_INDEX)
     stored = (out_dtype or jnp.dtype(next(iter(leaves.values())).dtype)).name
-    with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(hf_config(model, dtype=stored), f, indent=2)
+    atomic.write_text(os.path.join(directory, "config.json"),
+                      json.dumps(hf_config(model, dtype=stored), indent=2))
     tok = model.tokenizer
     generation = {"bos_token_id": None if tok is None else tok.bos_id,
                   "eos_token_id": None if tok is None else tok.eos_id,
                   "pad_token_id": None if tok is None else tok.pad_id}
-    with open(os.path.join(directory, "generation_config.json"), "w") as f:
-        json.dump({k: v for k, v in generation.items() if v is not None}, f, indent=2)
+    atomic.write_text(os.path.join(directory, "generation_config.json"),
+                      json.dumps({k: v for k, v in generation.items() if v is not None}, indent=2))
     written += ["config.json", "generation_config.json"]
     if tok is not None:
         written += tok.save(directory)

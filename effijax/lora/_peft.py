@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import struct
 from collections.abc import Callable, Sequence
 
 import jax.numpy as jnp
@@ -21,6 +22,7 @@ import numpy as np
 import safetensors
 import safetensors.flax
 
+from effijax import atomic
 from effijax.errors import ConfigError
 from effijax.lora._adapters import _nest, pairs, validate
 from effijax.lora._spec import LoraSpec
@@ -57,11 +59,18 @@ def _spec_from_json(text: str, path) -> LoraSpec:
         raise ConfigError("path", str(path), f"the stored LoRA spec is invalid: {e}") from e
 
 
-def _write(path: str | os.PathLike, data: bytes) -> None:
-    # Written as any other output file (0644 under the usual umask); safetensors' save_file
-    # creates its files 0600.
-    with open(path, "wb") as f:
-        f.write(data)
+def _sorted_metadata(data: bytes) -> bytes:
+    """``data`` (a safetensors file) with its metadata's keys in sorted order: safetensors keeps
+    them in a hash map whose order changes from call to call, and the same adapters must give
+    the same bytes (a completed run's end equals an uninterrupted one's). The header keeps its
+    length (padded with spaces, which the format allows), so the offsets stay valid."""
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + length])
+    header["__metadata__"] = dict(sorted(header.get("__metadata__", {}).items()))
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    if len(text) > length:  # another escaping than safetensors': keep its bytes
+        return data
+    return data[:8] + text.ljust(length) + data[8 + length:]
 
 
 def save_adapters(path: str | os.PathLike, adapters, spec: LoraSpec) -> None:
@@ -94,7 +103,9 @@ def save_adapters(path: str | os.PathLike, adapters, spec: LoraSpec) -> None:
         tensors[f"{name}/b"] = jnp.asarray(b)
     metadata = {"format": _FORMAT, "version": _FORMAT_VERSION,
                 "spec": _spec_to_json(spec, list(flat))}
-    _write(path, safetensors.flax.save(tensors, metadata=metadata))
+    # Whole or not at all (a killed export leaves no truncated file that looks complete), and
+    # 0644 like any output file: safetensors' save_file creates its files 0600.
+    atomic.write_bytes(path, _sorted_metadata(safetensors.flax.save(tensors, metadata=metadata)))
 
 
 def load_adapters(path: str | os.PathLike, params=None) -> tuple[dict, LoraSpec]:
@@ -118,6 +129,25 @@ def load_adapters(path: str | os.PathLike, params=None) -> tuple[dict, LoraSpec]
             f"load_adapters: no adapter file at {os.fspath(path)!r} (write one with "
             "effijax.lora.save_adapters)"
         )
+    try:
+        metadata, flat = _read(path)
+    except safetensors.SafetensorError as e:
+        # A file cut short (a run killed while an older effijax exported it) or damaged.
+        raise ConfigError("path", os.fspath(path), f"is not a whole safetensors file ({e}); "
+                          "write it again (the train command that made it completes its run's "
+                          "end)") from None
+    spec = _spec_from_json(metadata["spec"], path)
+    for kernel_path, pair in flat.items():
+        if set(pair) != {"a", "b"}:
+            raise ConfigError("path", os.fspath(path), f"{kernel_path!r} lacks its a or b tensor")
+    adapters = _nest(flat)
+    if params is not None:
+        validate(params, adapters, spec)
+    return adapters, spec
+
+
+def _read(path) -> tuple[dict, dict]:
+    """An adapter file's metadata and its ``{kernel path: {"a"|"b": array}}``."""
     with safetensors.safe_open(path, framework="flax") as f:
         metadata = f.metadata() or {}
         if metadata.get("format") != _FORMAT or "spec" not in metadata:
@@ -132,14 +162,7 @@ def load_adapters(path: str | os.PathLike, params=None) -> tuple[dict, LoraSpec]
             if which not in ("a", "b") or not kernel_path:
                 raise ConfigError("path", os.fspath(path), f"unexpected tensor {name!r}")
             flat.setdefault(kernel_path, {})[which] = f.get_tensor(name)
-    spec = _spec_from_json(metadata["spec"], path)
-    for kernel_path, pair in flat.items():
-        if set(pair) != {"a", "b"}:
-            raise ConfigError("path", os.fspath(path), f"{kernel_path!r} lacks its a or b tensor")
-    adapters = _nest(flat)
-    if params is not None:
-        validate(params, adapters, spec)
-    return adapters, spec
+    return metadata, flat
 
 
 def peft_module_name(path: str, layer: int | None = None) -> str:
@@ -247,8 +270,8 @@ def export_peft(directory: str | os.PathLike, adapters, spec: LoraSpec, *,
         "modules_to_save": None,
     }
     os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, "adapter_config.json"), "w") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
-    _write(os.path.join(directory, "adapter_model.safetensors"),
-           safetensors.flax.save(tensors, metadata={"format": "pt"}))
+    atomic.write_text(os.path.join(directory, "adapter_config.json"),
+                      json.dumps(config, indent=2, sort_keys=True))
+    atomic.write_bytes(os.path.join(directory, "adapter_model.safetensors"),
+                       safetensors.flax.save(tensors, metadata={"format": "pt"}))
     return {name: tuple(t.shape) for name, t in tensors.items()}

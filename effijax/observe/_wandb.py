@@ -8,6 +8,7 @@ import secrets
 from collections.abc import Mapping
 from pathlib import Path
 
+from effijax import atomic
 from effijax.errors import ConfigError
 from effijax.observe._sink import scalars
 
@@ -60,9 +61,7 @@ class WandbSink:
         run_id = id_file.read_text().strip() if id_file.exists() else ""
         if not re.fullmatch(r"[A-Za-z0-9_-]+", run_id):
             run_id = secrets.token_hex(6)  # W&B ids: letters, digits, - and _
-            tmp = directory / f".{_ID_FILE}.tmp"
-            tmp.write_text(run_id)
-            os.replace(tmp, id_file)
+            atomic.write_text(id_file, run_id)
         self.run_id = run_id
         self._run = wandb.init(project=project, id=run_id, resume="allow", dir=str(directory),
                                config=dict(config), mode=mode, name=name or directory.name,

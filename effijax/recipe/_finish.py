@@ -5,6 +5,13 @@ fine-tune's first step); :func:`export` writes a LoRA run's adapters and, when a
 Face directory; :func:`summarize` gathers ``summary.json``: this session's numbers, those that
 describe the whole run from step 1 (read back from ``metrics.jsonl``, whatever its resumes),
 the evaluation, the exports, and the job's size, memory and collectives.
+
+The end of a run is complete or visibly not: each export file is written whole
+(:mod:`effijax.atomic`), a directory export (``peft/``, ``hf/``) is written under a temporary
+name and renamed into place, and ``summary.json`` comes last. A run stopped anywhere here has
+no summary of its last step (or misses an export :func:`missing_exports` names), so the same
+command resumes from the final checkpoint and writes the end again, byte for byte. A write
+that fails (a full disk) is one line, :class:`~effijax.errors.WriteError`.
 """
 
 from __future__ import annotations
@@ -15,14 +22,16 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from effijax import distributed
+from effijax import atomic, distributed
+from effijax.checkpoint import write_errors
 from effijax.interop import export_adapters, save_hf
 from effijax.lora import save_adapters
 from effijax.recipe import _job, _report
 from effijax.recipe._config import TrainConfig
 from effijax.run import read_metrics
 
-__all__ = ["evaluate", "evaluate_start", "export", "summarize"]
+__all__ = ["evaluate", "evaluate_start", "export", "summarize", "export_paths",
+           "missing_exports"]
 
 
 def evaluate(config: TrainConfig, job, params, tokens, frozen=None, *,
@@ -48,14 +57,46 @@ def evaluate_start(config: TrainConfig, job, initial, tokens) -> dict:
     return before
 
 
+def export_paths(config: TrainConfig, lora: bool) -> dict[str, Path]:
+    """What the run exports, by name: ``adapters`` (``adapters.safetensors``) and ``peft``
+    (``peft/``) for a LoRA run, ``hf`` (``hf/``) with ``export_hf``.
+
+    Example:
+      >>> sorted(export_paths(TrainConfig(out="runs/x", export_hf=True), lora=True))
+      ['adapters', 'hf', 'peft']
+    """
+    out = Path(config.out)
+    paths = {"adapters": out / "adapters.safetensors", "peft": out / "peft"} if lora else {}
+    return {**paths, **({"hf": out / "hf"} if config.export_hf else {})}
+
+
+def missing_exports(config: TrainConfig, lora: bool) -> list[str]:
+    """The exports the config asks for that are not in place (each is renamed into place only
+    once whole, so one that is present is complete).
+
+    Example:
+      >>> import tempfile
+      >>> missing_exports(TrainConfig(out=tempfile.mkdtemp()), lora=True)
+      ['adapters', 'peft']
+    """
+    return [name for name, path in export_paths(config, lora).items()
+            if path.is_symlink() or not path.exists()]
+
+
 def export(config: TrainConfig, job, params, frozen=None) -> dict:
     """The files the run exports: ``adapters`` (a LoRA run's ``adapters.safetensors`` and
-    ``peft/``) and ``hf`` (``export_hf``); their summary entries."""
+    ``peft/``) and ``hf`` (``export_hf``); their summary entries.
+
+    Raises:
+      effijax.errors.WriteError: an export could not be written (one line; nothing half
+        written is left in place).
+    """
     files = {}
-    if job.lora is not None:
-        files["adapters"] = _export_adapters(params, job, config)
-    if config.export_hf:
-        files["hf"] = _export_hf(params, frozen, job, config)
+    with write_errors(config.out):
+        if job.lora is not None:
+            files["adapters"] = _export_adapters(params, job, config)
+        if config.export_hf:
+            files["hf"] = _export_hf(params, frozen, job, config)
     return files
 
 
@@ -97,12 +138,14 @@ def _export_hf(params, frozen, job, config: TrainConfig) -> str:
         return (multihost_utils.process_allgather(tree, tiled=True)
                 if jax.process_count() > 1 else tree)
 
-    directory = str(Path(config.out) / "hf")
+    directory = export_paths(config, job.lora is not None)["hf"]
     base, adapters = (params, None) if job.lora is None else (frozen, params)
     base, adapters = host(base), None if adapters is None else host(adapters)
     if distributed.is_main():
-        save_hf(directory, job.model, base, adapters=adapters, lora=job.lora)
-    return directory
+        tmp = atomic.fresh_dir(directory)
+        save_hf(tmp, job.model, base, adapters=adapters, lora=job.lora)
+        atomic.replace_dir(tmp, directory)
+    return str(directory)
 
 
 def _export_adapters(adapters, job, config: TrainConfig) -> dict:
@@ -110,10 +153,11 @@ def _export_adapters(adapters, job, config: TrainConfig) -> dict:
     family's module names); returns their paths. Every process gathers the (small) adapters;
     process 0 writes."""
     host = multihost_utils.process_allgather(adapters, tiled=True)
-    files = {"adapters": str(Path(config.out) / "adapters.safetensors"),
-             "peft": str(Path(config.out) / "peft")}
+    paths = export_paths(config, lora=True)
     if distributed.is_main():
-        save_adapters(files["adapters"], host, job.lora)
-        export_adapters(files["peft"], job.model, host, job.lora,
+        save_adapters(paths["adapters"], host, job.lora)
+        tmp = atomic.fresh_dir(paths["peft"])
+        export_adapters(tmp, job.model, host, job.lora,
                         base_model=config.init_from or job.model.name)
-    return files
+        atomic.replace_dir(tmp, paths["peft"])
+    return {"adapters": str(paths["adapters"]), "peft": str(paths["peft"])}

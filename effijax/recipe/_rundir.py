@@ -11,6 +11,7 @@ holding the :class:`~effijax.run.RunDir` (its lock and checkpointer).
 from __future__ import annotations
 
 import datetime
+import os
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -18,16 +19,17 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from effijax import distributed
-from effijax.checkpoint import latest_step, open_checkpoints
+from effijax import atomic, distributed
+from effijax.checkpoint import LOCK_FILE, ROOM_FILE, latest_step, open_checkpoints
 from effijax.errors import ConfigError
 from effijax.provenance import library_versions
 from effijax.recipe import _identity, _preflight, _resume
 from effijax.recipe._config import TrainConfig
+from effijax.recipe._finish import missing_exports
 from effijax.recipe._report import summary_step
 from effijax.run import RunDir
 
-__all__ = ["RunStart", "run_record", "open_run"]
+__all__ = ["RunStart", "run_record", "open_run", "refuse_links"]
 
 
 class RunStart(NamedTuple):
@@ -92,6 +94,7 @@ def open_run(config: TrainConfig, job, record: dict) -> RunStart:
     done = _finished(config, job, run_json, out / "checkpoints")
     if done is not None:  # the same run, trained this far: not even its lock is touched
         return RunStart(RunDir(config.out), run_json, done, finished=True)
+    _resume.agree(refuse_links, out)  # before the lock file is opened
     run_dir = RunDir(config.out, lock=_resume.lock(out))
     try:
         start = _restored(config, job, run_dir, run_json, out / "checkpoints")
@@ -182,5 +185,41 @@ def _finished_step(config: TrainConfig, job, run_json: dict, ckpt_dir: Path) -> 
     if found.step is None or found.step < config.steps:
         return None
     # Finished means its end was written too: a run stopped after its last checkpoint (killed,
-    # Ctrl-C in the final evaluation or export) resumes there and completes the end.
+    # Ctrl-C in the final evaluation or export) resumes there and completes the end, and so
+    # does a run asked now for an export it lacks.
+    if missing_exports(config, job.lora is not None):
+        return None
     return found.step if summary_step(config.out) == found.step else None
+
+
+# The files a run writes in place (appends, the lock) or through a temporary name: a link at
+# any of them is refused, as it could only have been planted (effijax never writes one).
+_OWN_FILES = (LOCK_FILE, "metrics.jsonl", "error.log", "orbax.log", ROOM_FILE,
+              *(f".{name}.tmp" for name in ("config.json", "summary.json", "loss.png",
+                                            "metrics.jsonl", "adapters.safetensors", "peft",
+                                            "hf")))
+
+
+def refuse_links(out: Path) -> None:
+    """Refuses a run directory holding a symbolic link where effijax writes (its lock, its
+    logs, its temporary files): writing there would overwrite a file elsewhere.
+
+    Raises:
+      ConfigError: naming each link and where it points.
+
+    Example:
+      >>> import os, tempfile, pathlib
+      >>> d = pathlib.Path(tempfile.mkdtemp())
+      >>> os.symlink("/etc/hostname", d / ".config.json.tmp")
+      >>> try:
+      ...     refuse_links(d)
+      ... except ConfigError as e:
+      ...     print(e.problem.split("; ")[0])
+      holds symbolic links where effijax writes (.config.json.tmp -> /etc/hostname)
+    """
+    found = atomic.links(out, _OWN_FILES)
+    if found:
+        shown = ", ".join(f"{n} -> {os.readlink(out / n)}" for n in found)
+        raise ConfigError("out", str(out), f"holds symbolic links where effijax writes "
+                          f"({shown}); effijax never writes through links in a run "
+                          "directory: remove them")
