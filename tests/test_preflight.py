@@ -10,7 +10,7 @@ import optax
 import pytest
 
 from effijax.checkpoint import truncate_metrics
-from effijax.errors import ConfigError
+from effijax.errors import ConfigError, WriteError
 from effijax.models import gpt_config
 from effijax.recipe import (
     _preflight,  # the module under test
@@ -103,8 +103,11 @@ def test_a_short_metrics_write_is_undone_and_raised(tmp_path, monkeypatch):
         return real(fd, data[: len(data) // 2])
 
     monkeypatch.setattr(os, "write", half)
-    with pytest.raises(OSError, match="wrote 1[0-9] of 2[0-9] bytes of a record"):
+    # One line naming the file and how much of the record went down; the traceback in a log.
+    with pytest.raises(WriteError, match=r"metrics\.jsonl failed: .*wrote 1[0-9] of 2[0-9] "
+                                         r"bytes\) \(traceback in .*error\.log\)"):
         run.log({"step": 2, "loss": 1.0})
+    assert (tmp_path / "error.log").read_text()
     monkeypatch.setattr(os, "write", real)
     run.log({"step": 3, "loss": 0.5})
     assert read_metrics(tmp_path) == [{"step": 1, "loss": 2.0}, {"step": 3, "loss": 0.5}]
