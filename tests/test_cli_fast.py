@@ -158,3 +158,14 @@ def test_the_harness_would_see_jax():
     proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(ROOT)),
                           capture_output=True, text=True, timeout=120)
     assert proc.stdout.strip() == "True", proc.stderr
+
+
+def test_a_no_flag_says_what_it_turns_off():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "effijax", "train", "--help"], capture_output=True,
+                         text=True, check=True).stdout
+    flat = " ".join(out.split())
+    assert "--no-checkpoints do not write checkpoints" in flat, flat
+    assert "--no-progress do not show a progress bar" in flat, flat

@@ -57,8 +57,10 @@ def add_parsers(sub) -> None:
             section, p if section == "training" else p.add_argument_group(section))
         flag = flag_of(f.name)
         if isinstance(f.default, bool):
+            # A setting that is on by default has a --no- flag: its help says what it turns off.
+            help_text = f"do not {meta['help']}" if f.default else meta["help"]
             group.add_argument(flag, dest=f.name, action="store_const", const=not f.default,
-                               default=argparse.SUPPRESS, help=meta["help"])
+                               default=argparse.SUPPRESS, help=help_text)
             continue
         default = f.default if f.default is not None else "see above"
         help_text = meta["help"] if f.default is None else f"{meta['help']} (default: {default})"

@@ -37,7 +37,7 @@ from effijax.data import (
     split_corpus,
     split_records,
 )
-from effijax.errors import ConfigError
+from effijax.errors import NO_VALUE, ConfigError
 
 __all__ = ["Dataset", "resolve_format", "load_dataset", "load_eval_data", "text_rows"]
 
@@ -147,7 +147,7 @@ def _read(path: str | None, model, data_format: str) -> _Content:
     try:
         if fmt == "chat":
             if path is None:
-                raise ConfigError("data", None, "chat data needs a .jsonl file (--data FILE)")
+                raise ConfigError("data", NO_VALUE, "chat data needs a .jsonl file (--data FILE)")
             tokenizer = _tokenizer(model, chat=True)
             if Path(path).is_dir():
                 raise ConfigError("data", path, "chat / instruction data is one .jsonl file, "

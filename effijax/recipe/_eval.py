@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from effijax.data import packed_batch
-from effijax.errors import ConfigError, whole_number
+from effijax.errors import ConfigError, FileError, whole_number
 from effijax.memory import measure, tree_bytes
 from effijax.precision import get_policy
 from effijax.recipe._data import load_eval_data
@@ -68,6 +68,8 @@ def load_model(ref: str, *, seq_len: int | None = None) -> tuple[Any, Any, Any, 
     """
     try:
         loaded = open_model(ref)
+    except FileError:  # names the file, the field or byte: said as it is
+        raise
     except ConfigError as e:
         raise ConfigError("model", ref, e.problem) from None
     except (OSError, ValueError) as e:

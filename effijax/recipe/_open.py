@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from effijax.checkpoint import latest_step
-from effijax.errors import ConfigError
+from effijax.errors import ConfigError, FileError
 from effijax.interop import load_tokenizer
 from effijax.lora import load_adapters
 from effijax.models import model_from_dict
@@ -148,6 +148,8 @@ def open_model(model_from: str) -> Opened:
                           f"Face directory (or a bundled name: {', '.join(BUNDLED)})")
     try:
         return _load_path(path)
+    except FileError:  # names the file, the field or byte: said as it is
+        raise
     except ConfigError as e:
         if e.field == "model_from":
             raise
