@@ -22,13 +22,24 @@ from collections.abc import Iterable
 from pathlib import Path
 
 __all__ = ["write_bytes", "write_text", "append", "open_append", "fresh_dir", "replace_dir",
-           "links"]
+           "links", "temporary_name"]
 
 _FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+_APPEND = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+
+
+def temporary_name(name: str) -> str:
+    """The name a file or directory ``name`` is written under before its rename into place.
+
+    Example:
+      >>> temporary_name("summary.json")
+      '.summary.json.tmp'
+    """
+    return f".{name}.tmp"
 
 
 def _tmp(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp")
+    return path.with_name(temporary_name(path.name))
 
 
 def _remove(path: Path) -> None:
@@ -125,8 +136,7 @@ def append(path: str | os.PathLike, data: bytes) -> None:
       >>> p.read_text().count("step")
       2
     """
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0),
-                 0o644)
+    fd = os.open(path, _APPEND, 0o644)
     try:
         start = os.lseek(fd, 0, os.SEEK_END)
         try:
@@ -153,9 +163,7 @@ def open_append(path: str | os.PathLike):
       >>> p.read_text()
       'one line\\n'
     """
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0),
-                 0o644)
-    return os.fdopen(fd, "a")
+    return os.fdopen(os.open(path, _APPEND, 0o644), "a")
 
 
 def fresh_dir(path: str | os.PathLike) -> Path:

@@ -278,9 +278,8 @@ def rest_of_stderr_to(log: str | None) -> None:
     if log is None or sys.stderr is not sys.__stderr__:
         return
     try:
-        fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-        os.dup2(fd, 2)
-        os.close(fd)
+        with atomic.open_append(log) as f:  # never through a link; fd 2 keeps its own copy
+            os.dup2(f.fileno(), 2)
     except OSError:
         return
     for name in ("asyncio", "absl"):

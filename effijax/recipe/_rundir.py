@@ -195,9 +195,9 @@ def _finished_step(config: TrainConfig, job, run_json: dict, ckpt_dir: Path) -> 
 # The files a run writes in place (appends, the lock) or through a temporary name: a link at
 # any of them is refused, as it could only have been planted (effijax never writes one).
 _OWN_FILES = (LOCK_FILE, "metrics.jsonl", "error.log", "orbax.log", ROOM_FILE,
-              *(f".{name}.tmp" for name in ("config.json", "summary.json", "loss.png",
-                                            "metrics.jsonl", "adapters.safetensors", "peft",
-                                            "hf")))
+              *(atomic.temporary_name(name) for name in (
+                  "config.json", "summary.json", "loss.png", "metrics.jsonl",
+                  "adapters.safetensors", "peft", "hf")))
 
 
 def refuse_links(out: Path) -> None:
