@@ -50,6 +50,16 @@ class ConfigError(ValueError):
         """
         return ConfigError(field, self.value, self.problem)
 
+    def within(self, field: str, value) -> ConfigError:
+        """This error said as part of another setting's (``field=value``): a value read from
+        the file or model that setting names.
+
+        Example:
+          >>> str(ConfigError("hidden_size", 64.7, "not whole").within("init_from", "m.gguf"))
+          "init_from='m.gguf': hidden_size=64.7: not whole"
+        """
+        return ConfigError(field, value, f"{self.field}={self.value!r}: {self.problem}")
+
 
 def _one_line(text: str, limit: int) -> str:
     """``text`` printable on one line (control characters escaped) and at most ``limit``
@@ -85,6 +95,10 @@ class FileError(ConfigError):
 
     def renamed(self, field: str) -> FileError:
         """Itself: the message already names the file (see the class)."""
+        return self
+
+    def within(self, field: str, value) -> FileError:
+        """Itself: the file, the field or byte, and what was expected say it all."""
         return self
 
     @classmethod

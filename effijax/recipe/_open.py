@@ -29,7 +29,7 @@ from effijax.interop import load_tokenizer
 from effijax.lora import load_adapters
 from effijax.models import model_from_dict
 from effijax.recipe._config import BUNDLED
-from effijax.recipe._sources import bundled_path, load_params, read_source
+from effijax.recipe._sources import bundled_path, load_params, missing_source, read_source
 
 __all__ = ["Opened", "open_model"]
 
@@ -144,16 +144,12 @@ def open_model(model_from: str) -> Opened:
             raise ConfigError("model_from", model_from, e.problem) from None
     path = Path(model_from)
     if not path.exists():
-        raise ConfigError("model_from", model_from, "no such run directory, GGUF file or Hugging "
-                          f"Face directory (or a bundled name: {', '.join(BUNDLED)})")
+        raise missing_source("model_from", model_from)
     try:
         return _load_path(path)
-    except FileError:  # names the file, the field or byte: said as it is
-        raise
     except ConfigError as e:
-        if e.field == "model_from":
+        if e.field == "model_from" or isinstance(e, FileError):
             raise
         if e.value == model_from:  # about the same path: said once
             raise ConfigError("model_from", model_from, e.problem) from None
-        raise ConfigError("model_from", model_from, f"{e.field}={e.value!r}: {e.problem}") \
-            from None
+        raise e.within("model_from", model_from) from None

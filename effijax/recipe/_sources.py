@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from effijax.errors import ConfigError, FileError
+from effijax.errors import ConfigError
 from effijax.recipe._config import BUNDLED, DEFAULT_MODEL, TrainConfig
 
 # JAX, orbax and the file formats are imported inside the functions that use them:
@@ -68,8 +68,7 @@ def check_paths(config: TrainConfig) -> None:
         checkpoint_folder(out / "checkpoints")
     if (config.init_from is not None and config.init_from not in BUNDLED
             and not Path(config.init_from).exists()):
-        raise ConfigError("init_from", config.init_from, "no such run directory, GGUF file or "
-                          "Hugging Face directory")
+        raise missing_source("init_from", config.init_from)
     if config.init_from is not None and Path(config.init_from).resolve() == out:
         raise ConfigError("out", config.out, "is the init_from run itself; write the new run to "
                           "another directory")
@@ -90,6 +89,17 @@ def checkpoint_folder(ckpt_dir: Path) -> Path:
         raise ConfigError("out", str(ckpt_dir), f"cannot hold checkpoints: {existing} is not a "
                           "directory")
     return existing
+
+
+def missing_source(field: str, spec: str) -> ConfigError:
+    """The error for a model source (``--from``) that names nothing: what it may name instead.
+
+    Example:
+      >>> str(missing_source("init_from", "runs/nope"))  # doctest: +ELLIPSIS
+      "init_from='runs/nope': no such run directory, GGUF file or Hugging Face directory (or ..."
+    """
+    return ConfigError(field, spec, "no such run directory, GGUF file or Hugging Face directory "
+                       f"(or a bundled name: {', '.join(BUNDLED)})")
 
 
 def bundled_path(name: str) -> str:
@@ -163,10 +173,8 @@ def architecture(spec: str, *, seq_len: int | None = None, field: str = "model")
         return read_config(path, seq_len=seq_len)
     except FileNotFoundError as e:
         raise ConfigError(field, spec, str(e)) from None
-    except FileError:  # names the file, the field or offset: said as it is
-        raise
     except ConfigError as e:
-        raise ConfigError(field, spec, f"{e.field}={e.value!r}: {e.problem}") from None
+        raise e.within(field, spec) from None
 
 
 def read_source(init_from: str, seq_len: int | None) -> Source:
@@ -174,8 +182,7 @@ def read_source(init_from: str, seq_len: int | None) -> Source:
     (loaded now: architecture, tokenizer, weights on the host), or an earlier run."""
     path = Path(bundled_path(init_from) if init_from in BUNDLED else init_from)
     if not path.exists():
-        raise ConfigError("init_from", init_from, "no such run directory, GGUF file or Hugging "
-                          f"Face directory (or a bundled name: {', '.join(BUNDLED)})")
+        raise missing_source("init_from", init_from)
     if not _is_pretrained(path):
         return read_run(str(path))
     import hashlib
@@ -184,10 +191,8 @@ def read_source(init_from: str, seq_len: int | None) -> Source:
 
     try:
         model, params = load(path, seq_len=seq_len)
-    except FileError:  # names the file, the field or offset: said as it is
-        raise
     except ConfigError as e:
-        raise ConfigError("init_from", init_from, f"{e.field}={e.value!r}: {e.problem}") from None
+        raise e.within("init_from", init_from) from None
     files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
     digest = hashlib.sha256()
     for file in files:
