@@ -19,8 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-from effijax.errors import ConfigError
-from effijax.recipe import BUNDLED
+from effijax.recipe import BUNDLED, missing_source
 
 __all__ = ["FLAG", "DEST", "SOURCES", "Deprecated", "DEPRECATED", "add_flag", "check_exists",
            "names_a_source", "rewrite"]
@@ -89,8 +88,7 @@ def check_exists(value: str) -> None:
       effijax.errors.ConfigError: --from='/no/such/run': no such run directory, GGUF file or ...
     """
     if value not in BUNDLED and not Path(value).exists():
-        raise ConfigError(FLAG, value, "no such run directory, GGUF file or Hugging Face "
-                          f"directory (or a bundled name: {', '.join(BUNDLED)})")
+        raise missing_source(FLAG, value)
 
 
 def _given(words: Sequence[str], flag: str) -> bool:
