@@ -76,7 +76,7 @@ def test_one_reader_gives_training_and_evaluation_data_the_same_content(corpus, 
     rows, fingerprint, fmt = load_eval_data(corpus, job.model)
     assert (fingerprint, fmt) == (train.fingerprint, train.format) == (data.fingerprint, "bytes")
     assert rows.filled == train.tokens  # every token of the file, in consecutive windows
-    with pytest.raises(ConfigError, match=r"^data=None: chat data needs a .jsonl file"):
+    with pytest.raises(ConfigError, match=r"^data: chat data needs a .jsonl file"):
         load_dataset(None, job.model, data_format="chat")
 
 
