@@ -243,3 +243,25 @@ def test_write_error_names_the_file(tmp_path):
     with pytest.raises(WriteError, match="writing .*metrics.jsonl failed: .*No space"):
         with write_errors(tmp_path):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "metrics.jsonl"))
+
+
+def test_truncating_metrics_on_a_full_disk_is_a_write_error_naming_the_file(
+        tmp_path, monkeypatch):
+    from effijax.checkpoint import truncate_metrics
+
+    metrics = tmp_path / "metrics.jsonl"
+    before = "".join(f'{{"step": {i}, "loss": 1.0}}\n' for i in (1, 2, 3))
+    metrics.write_text(before)
+
+    def full(fd, data):
+        os.write(fd, data[:5])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(atomic, "_write_all", full)
+    with pytest.raises(WriteError) as caught:
+        truncate_metrics(metrics, 1)
+    assert str(caught.value) == (f"writing {metrics} failed: [Errno 28] No space left on device "
+                                 f"(traceback in {tmp_path / 'error.log'})")
+    assert metrics.read_text() == before  # the file as it was
+    assert "Traceback (most recent call last)" in (tmp_path / "error.log").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["error.log", "metrics.jsonl"]

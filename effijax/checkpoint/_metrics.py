@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from effijax import atomic
+from effijax.checkpoint._failures import write_errors
 
 __all__ = ["truncate_metrics"]
 
@@ -47,6 +48,10 @@ def truncate_metrics(metrics_path: str | os.PathLike, step: int, *,
 
     Returns:
       How many records (or damaged lines) were dropped; 0 when the file does not exist.
+
+    Raises:
+      effijax.errors.WriteError: the file could not be rewritten (a full disk): one line naming
+        it, the traceback in the folder's ``error.log``; the file keeps what it held.
 
     Example:
       >>> import tempfile, pathlib
@@ -81,5 +86,6 @@ def truncate_metrics(metrics_path: str | os.PathLike, step: int, *,
             dropped += 1
         else:
             kept.append(line if line.endswith(b"\n") else line + b"\n")
-    atomic.write_bytes(path, b"".join(kept))  # never through a link planted at its temp name
+    with write_errors(path.parent):
+        atomic.write_bytes(path, b"".join(kept))  # never through a link planted at its temp name
     return dropped
