@@ -1,17 +1,22 @@
 """Watching a run: TensorBoard events, an offline W&B run and a profiler trace, each read back
 with the reader of the library that wrote it, across a resume."""
 
+import errno
 import gzip
 import json
+import os
 import shutil
+import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import jax
 import pytest
 
-from effijax.errors import ConfigError
-from effijax.observe import Profiler, Sinks, scalars
+from effijax.errors import ConfigError, WriteError
+from effijax.observe import Profiler, Sinks, TensorBoardSink, scalars
 from effijax.recipe import TrainConfig, train
 from effijax.run import read_metrics
 
@@ -194,3 +199,119 @@ def test_sinks_get_the_numbers_of_each_record_and_all_close():
     with pytest.raises(OSError, match="disk full"):
         sinks.close()
     assert calls == [("a", "closed"), ("b", "closed")]  # b is closed although a failed
+
+
+# The run directory is ours: no write through a planted link, a full disk in one line ----------
+
+def _full_disk_for(monkeypatch, part: str, after: int = 0) -> None:
+    """Opening a file whose name holds ``part`` for writing fails with ENOSPC after ``after``
+    such opens (as a full disk would, at the next write)."""
+    real_open, calls = os.open, {"n": 0}
+
+    def full_open(path, flags, *args, **kw):
+        if part in Path(path).name and flags & os.O_WRONLY:
+            calls["n"] += 1
+            if calls["n"] > after:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(path))
+        return real_open(path, flags, *args, **kw)
+
+    monkeypatch.setattr(os, "open", full_open)
+
+
+@pytest.fixture(scope="module")
+def tensorboardx():
+    """tensorboardX, imported once (it imports torch when installed: seconds)."""
+    pytest.importorskip("tensorboard", reason="tensorboard (the reader) is not installed")
+    return pytest.importorskip("tensorboardX", reason="the tensorboard extra is not installed")
+
+
+def test_a_link_planted_at_the_tensorboard_folder_is_refused(tmp_path, tensorboardx):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (tmp_path / "run").mkdir()
+    os.symlink(outside, tmp_path / "run" / "tensorboard")
+    with pytest.raises(ConfigError, match=r"^out='.*/run': holds a symbolic link where effijax "
+                       rf"writes \(tensorboard -> {outside}\); .*: remove it$"):
+        TensorBoardSink(tmp_path / "run" / "tensorboard")
+    assert list(outside.iterdir()) == []
+
+
+def test_an_event_file_is_never_opened_through_a_link(tmp_path, tensorboardx):
+    logdir, outside = tmp_path / "run" / "tensorboard", tmp_path / "outside"
+    logdir.mkdir(parents=True)
+    outside.write_bytes(b"precious")
+    now = int(time.time())  # links at every name the sink may pick in the next seconds
+    for t in range(now - 1, now + 30):
+        os.symlink(outside, logdir / f"events.out.tfevents.{t}.{socket.gethostname()}")
+    sink = TensorBoardSink(logdir)
+    sink.log({"step": 1, "loss": 2.5})
+    sink.close()
+    assert outside.read_bytes() == b"precious"
+    assert not sink.path.is_symlink() and sink.path.name.endswith(".1")
+    assert [(e.step, e.value) for e in _scalars(sink.path).Scalars("train/loss")] == [(1, 2.5)]
+
+
+def test_a_full_disk_under_tensorboard_is_one_write_error(tmp_path, monkeypatch, capfd,
+                                                         tensorboardx):
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    out = tmp_path / "run"
+    _full_disk_for(monkeypatch, "tfevents", after=2)  # its creation and first write go through
+    sink = TensorBoardSink(out / "tensorboard")
+    sink.log({"step": 1, "loss": 2.5})
+    with pytest.raises(WriteError) as caught:
+        sink.close()
+    assert str(caught.value) == (f"writing {sink.path} failed: [Errno 28] No space left on "
+                                 f"device (traceback in {out / 'error.log'})")
+    assert "Traceback (most recent call last)" in (out / "error.log").read_text()
+    sink.close()  # nothing more is written, nothing more raised
+    monkeypatch.undo()
+    assert [e.file_version for e in EventFileLoader(str(sink.path)).Load()] == ["brain.Event:2"]
+    assert capfd.readouterr() == ("", "")
+
+
+@pytest.mark.parametrize("link", ["profile", "profile/plugins",
+                                  "profile/plugins/profile/2026_01_01_00_00_00"])
+def test_a_link_planted_where_the_profiler_writes_is_refused(tmp_path, link):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (tmp_path / "run" / link).parent.mkdir(parents=True, exist_ok=True)
+    os.symlink(outside, tmp_path / "run" / link)
+    prof = Profiler(tmp_path / "run" / "profile", 1, 1)
+    step = prof.wrap(lambda x: x + 1)
+    with pytest.raises(ConfigError, match=rf"holds a symbolic link where effijax writes "
+                       rf"\({link} -> {outside}\)"):
+        step(1)
+    assert not prof.tracing and list(outside.iterdir()) == []
+
+
+def test_a_full_disk_while_the_profile_is_written_is_one_write_error(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    prof = Profiler(out / "profile", 1, 1)
+    step = prof.wrap(jax.jit(lambda x: x + 1))
+    _full_disk_for(monkeypatch, "perfetto_trace.json.gz")
+    with pytest.raises(WriteError, match=r"^writing .*/\.?perfetto_trace\.json\.gz(\.tmp)? "
+                       r"failed: \[Errno "
+                       rf"28\] No space left on device \(traceback in {out / 'error.log'}\)$"):
+        step(1)
+    monkeypatch.undo()
+    assert len(prof.trace_files()) == 1 and not prof.tracing  # the trace itself was written
+    assert not list(out.glob("profile/plugins/profile/*/*perfetto*"))  # nothing half-written
+
+
+@pytest.mark.slow  # a run (about 12 s on 2 shared cores)
+def test_a_full_disk_under_tensorboard_ends_the_run_in_one_line(tmp_path, monkeypatch, capfd,
+                                                                 tensorboardx):
+    from effijax.cli import main
+
+    out = tmp_path / "run"
+    (tmp_path / "corpus.txt").write_text("def f(x):\n    return x + 1\n" * 200)
+    _full_disk_for(monkeypatch, "tfevents", after=1)  # the event file is created, not written
+    assert main(["train", "--model", "tiny", "--seq-len", "16", "--batch-size", "2",
+                 "--eval-batches", "1", "--no-progress", "--steps", "3", "--no-checkpoints",
+                 "--tensorboard", "--data", str(tmp_path / "corpus.txt"),
+                 "--out", str(out)]) == 1
+    err = capfd.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("effijax train: error: writing "), err
+    assert "tfevents" in err[0] and "[Errno 28] No space left on device (traceback in " in err[0]
+    assert "Traceback (most recent call last)" in (out / "error.log").read_text()
