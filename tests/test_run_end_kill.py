@@ -83,6 +83,9 @@ def test_a_run_killed_in_its_end_is_completed_by_the_same_command(
     # What the kill left: no summary, and each export in place is whole (the reference's).
     left = _files(out)
     assert "summary.json" not in left and "checkpoints" in {p.name for p in out.iterdir()}
+    if point.endswith((".safetensors", ".json")):  # killed in the middle of that very write
+        (partial,) = out.rglob(f".{point}.tmp")
+        assert (partial.stat().st_size > 0) == (point != "summary.json"), partial
     for name in ("adapters.safetensors", "peft/adapter_model.safetensors",
                  "hf/model.safetensors"):
         if name in left:
