@@ -105,12 +105,15 @@ def test_lora_run_resumes_and_checks_its_base(tmp_path, lora_run, pretrained, co
     args = ["train", "--from", str(pretrained), "--lora-rank", str(RANK), "--lora-alpha",
             "16", "--lr", "1e-2", "--data", corpora[1], "--checkpoint-every", "6", *TINY]
     # More steps on the same --out: resumes from the LoRA run's step 12.
+    start = json.loads((lora_run / "summary.json").read_text())["eval_loss_start"]
     assert main([*args, "--steps", "18", "--out", str(lora_run), "--allow-changes",
                  "steps"]) == 0
     out = capsys.readouterr().out
     assert "resuming from step 12" in out
     records = [json.loads(x) for x in (lora_run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 19))
+    # The summary describes the whole run: its start's loss is kept, not measured again.
+    assert json.loads((lora_run / "summary.json").read_text())["eval_loss_start"] == start
     # Another base under the same --out is refused before anything trains.
     other = tmp_path / "other-base"
     assert main(["train", "--model", "tiny", "--seq-len", "32", "--steps", "2", "--data",

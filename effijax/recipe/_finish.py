@@ -30,7 +30,7 @@ from effijax.recipe import _job, _report
 from effijax.recipe._config import TrainConfig
 from effijax.run import read_metrics
 
-__all__ = ["evaluate", "evaluate_start", "export", "summarize", "export_paths",
+__all__ = ["evaluate", "evaluate_start", "with_start", "export", "summarize", "export_paths",
            "missing_exports"]
 
 
@@ -44,10 +44,17 @@ def evaluate(config: TrainConfig, job, params, tokens, frozen=None, *,
                                frozen=frozen)}
 
 
-def evaluate_start(config: TrainConfig, job, initial, tokens) -> dict:
+def evaluate_start(config: TrainConfig, job, initial, tokens, record: dict | None = None) -> dict:
     """``{"eval_loss_start": loss}`` of a fine-tune's starting parameters (``init_from`` or
     LoRA; printed), empty for a run from the seed. Call it before the loop donates the
-    state."""
+    state.
+
+    A resumed run does not evaluate its start again: pass its ``record`` (the run record of
+    its ``config.json``, where the first session kept the loss, see :func:`with_start`) and
+    the loss is read back from it, so the summary describes the whole run.
+    """
+    if record is not None:
+        return {k: record[k] for k in ("eval_loss_start",) if k in record}
     if not (config.init_from or job.lora is not None):
         return {}
     before = evaluate(config, job, initial.state.params, tokens, initial.frozen,
@@ -55,6 +62,18 @@ def evaluate_start(config: TrainConfig, job, initial, tokens) -> dict:
     if before:
         _report.eval_start(before["eval_loss_start"])
     return before
+
+
+def with_start(config_json: dict, before: dict) -> dict:
+    """``config_json`` with the start evaluation (``before``) kept in its run record, for a
+    resume to read back.
+
+    Example:
+      >>> with_start({"seed": 0, "run": {"corpus_tokens": 9}}, {"eval_loss_start": 2.5})
+      {'seed': 0, 'run': {'corpus_tokens': 9, 'eval_loss_start': 2.5}}
+    """
+    return {**config_json, "run": {**config_json.get("run", {}), **before}} if before \
+        else config_json
 
 
 def export_paths(config: TrainConfig, lora: bool) -> dict[str, Path]:

@@ -94,9 +94,10 @@ def train(config: TrainConfig, *, argv: list[str] | None = None) -> TrainResult:
             compiled = compile_run(config, job, initial, source, data)
             memory = _report.summary_extras(job, compiled)["memory"]
             with _watch.watching(config, run.run_json, memory, run.resume_step or 0) as watch:
-                run.dir.begin(run.config_json, append=run.resume_step is not None)
-                before = {} if run.resume_step is not None else \
-                    _finish.evaluate_start(config, job, initial, data.val)  # before donation
+                resumed = run.resume_step is not None
+                before = _finish.evaluate_start(  # before the loop donates the state
+                    config, job, initial, data.val, run.config_json["run"] if resumed else None)
+                run.dir.begin(_finish.with_start(run.config_json, before), append=resumed)
                 trained = loop(config, job, run, compiled, initial, data.train, watch)
                 if trained.signal is not None:
                     _report.stopped(config, trained.summary, trained.signal,

@@ -38,7 +38,7 @@ class Watch(NamedTuple):
                   "perf/median_tokens_per_s": summary.get("tokens_per_s")}
         self.sinks.values(summary["steps"], {k: v for k, v in values.items() if v is not None})
         if "eval_loss_start" in summary:
-            self.sinks.values(summary["start_step"], {"eval/loss": summary["eval_loss_start"]})
+            self.sinks.values(0, {"eval/loss": summary["eval_loss_start"]})  # the run's start
 
 
 @contextlib.contextmanager
