@@ -29,7 +29,7 @@ from effijax.models._attention import (
     segment_mask,
     xla_attend,
 )
-from effijax.models._blockwise import blockwise_attend
+from effijax.models._blockwise import attention_backend, blockwise_attend, target_backend
 from effijax.models._cache import KVCache, cached_attend, make_decode, split_layers
 from effijax.models._gpt import (
     GPT,
@@ -83,6 +83,8 @@ __all__ = [
     "xla_attend",
     "auto_attend",
     "choose_attention",
+    "attention_backend",
+    "target_backend",
     "segment_mask",
     "segment_positions",
     "AttentionChoice",

@@ -15,6 +15,11 @@ row) attention only between positions of the same segment):
   implementation (:func:`choose_attention`; on a CPU ``"blockwise"``, measured, see
   :data:`CPU_ATTENTION`); on a GPU a fallback says why, once per reason.
 
+The choices that depend on the device (``"auto"``, and cuDNN's kernel in ``"xla"`` and
+``"blockwise"``) are made when tracing, for ``jax.default_backend()``; a step traced here for
+another platform (``jax.export`` for cuda on a CPU host) is traced inside
+:func:`~effijax.models.attention_backend`, which makes them for that platform.
+
 Segments cost nothing when absent: without them every implementation runs exactly its unsegmented
 code. Each query always sees itself, so no softmax row is empty (padding, with its own id, only
 sees padding).
@@ -36,7 +41,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from effijax.models._blockwise import blockwise_attend, check_qkv, cudnn_unusable_reason
+from effijax.models._blockwise import (
+    blockwise_attend,
+    check_qkv,
+    cudnn_unusable_reason,
+    target_backend,
+)
 from effijax.models._layers import _dropout
 from effijax.precision import dot, softmax
 
@@ -240,9 +250,11 @@ def choose_attention(q_BSHK, *, dropout: bool, backend: str | None = None,
 
     A pure function of the queries' dtype and head width, whether dropout is on, whether the
     rows are packed (``segments``: cuDNN's kernel here takes no segment ids), and the backend
-    (default ``jax.default_backend()``): a GPU gets cuDNN's fused kernel (through
-    :func:`xla_attend`) when :func:`~effijax.models._blockwise.cudnn_unusable_reason` allows it,
-    else a fallback with the reason. Other backends silently get :data:`CPU_ATTENTION` (with or
+    (default :func:`~effijax.models.target_backend`: ``jax.default_backend()``, or the one
+    an :func:`~effijax.models.attention_backend` block names): a GPU gets cuDNN's fused kernel
+    (through :func:`xla_attend`) when
+    :func:`~effijax.models._blockwise.cudnn_unusable_reason` allows it, else a fallback with
+    the reason. Other backends silently get :data:`CPU_ATTENTION` (with or
     without dropout): there is no fused kernel to fall back from.
 
     Example:
@@ -258,7 +270,7 @@ def choose_attention(q_BSHK, *, dropout: bool, backend: str | None = None,
       >>> choose_attention(q16, dropout=False, backend="gpu", segments=True).reason
       "attention='auto': segment ids of packed rows (cuDNN's kernel here takes none); using 'xla'"
     """
-    backend = jax.default_backend() if backend is None else backend
+    backend = target_backend() if backend is None else backend
     if backend != "gpu":
         return AttentionChoice(CPU_ATTENTION, False, None)
     why = cudnn_unusable_reason(q_BSHK, dropout, backend, segments=segments)

@@ -47,18 +47,20 @@ Shape suffixes: ``B`` batch, ``S`` queries, ``T`` keys, ``H`` heads, ``K`` head 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from effijax.errors import whole_number
+from effijax.errors import ConfigError, whole_number
 
-__all__ = ["IMPLEMENTATIONS", "REMAT_POLICIES", "blockwise_attend", "check_qkv",
-           "cudnn_unusable_reason"]
+__all__ = ["IMPLEMENTATIONS", "REMAT_POLICIES", "attention_backend", "blockwise_attend",
+           "check_qkv", "cudnn_unusable_reason", "target_backend"]
 
 # ``implementation=`` values: None picks cuDNN where it applies, else the pure-JAX kernel.
 IMPLEMENTATIONS = (None, "jax", "cudnn")
@@ -241,6 +243,63 @@ def check_qkv(name: str, q_BSHK, k_BTHK, v_BTHK, *, causal: bool, segments_BS=No
     return h // h_kv
 
 
+# The backend whose attention choices a trace makes, when it is not this process' own: set only
+# by attention_backend, for the length of a with-block. A jax user context, not a plain
+# variable: jax keys its trace, lowering and compilation caches on it, so a function traced
+# outside the block is traced again inside instead of reusing the other backend's choice.
+_TARGET_BACKEND = jax.make_user_context(None)
+# jax.export's platform names and the jax.default_backend() name of each.
+_BACKEND_OF_PLATFORM = {"cpu": "cpu", "cuda": "gpu", "rocm": "gpu", "gpu": "gpu", "tpu": "tpu"}
+@contextlib.contextmanager
+def attention_backend(platform: str) -> Iterator[str]:
+    """Inside the block, attention is chosen for ``platform``, not for this process' backend.
+
+    The implementations pick what runs when they are traced, from ``jax.default_backend()``:
+    cuDNN's fused kernel or a fallback on a GPU, the pure-JAX kernels elsewhere. A step traced
+    here for another platform (``jax.export.export(step, platforms=["cuda"])`` on a CPU host)
+    needs that platform's choice instead, or its module is the CPU program under a cuda label.
+    Traces made inside the block choose for ``platform`` (jax's trace caches tell the block's
+    traces from the others, so a step traced outside is traced again inside).
+
+    Args:
+      platform: a ``jax.export`` platform (``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"``) or a
+        ``jax.default_backend()`` name (``"gpu"``).
+
+    Yields:
+      The backend name the choices use (``"gpu"`` for ``"cuda"``).
+
+    Raises:
+      ConfigError: an unknown platform, before anything is traced.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> q = jax.ShapeDtypeStruct((1, 8, 2, 64), jnp.float32)
+      >>> with attention_backend("cuda") as backend:
+      ...     backend, cudnn_unusable_reason(q, dropout=False)
+      ('gpu', 'float32 inputs (cuDNN needs bf16 or f16)')
+      >>> target_backend()  # outside the block: this process' backend again
+      'cpu'
+    """
+    if platform not in _BACKEND_OF_PLATFORM:
+        raise ConfigError("platform", platform, f"unknown; choose one of "
+                          f"{', '.join(_BACKEND_OF_PLATFORM)}")
+    backend = _BACKEND_OF_PLATFORM[platform]
+    with _TARGET_BACKEND(backend):
+        yield backend
+
+
+def target_backend() -> str:
+    """The backend attention is chosen for: :func:`attention_backend`'s inside its block, else
+    ``jax.default_backend()``.
+
+    Example:
+      >>> target_backend() == jax.default_backend()
+      True
+    """
+    backend = _TARGET_BACKEND.value
+    return jax.default_backend() if backend is None else backend
+
+
 def cudnn_unusable_reason(q_BSHK, dropout: bool, backend: str | None = None, *,
                           segments: bool = False) -> str | None:
     """Why cuDNN's fused attention cannot run these queries here, or None when it can.
@@ -250,7 +309,7 @@ def cudnn_unusable_reason(q_BSHK, dropout: bool, backend: str | None = None, *,
     segment ids (``jax.nn.dot_product_attention``'s cuDNN path takes only lengths, not the
     segments of packed rows).
     ``q_BSHK`` may be an array or a ``jax.ShapeDtypeStruct``; ``backend`` defaults to
-    ``jax.default_backend()``.
+    :func:`target_backend` (``jax.default_backend()`` outside :func:`attention_backend`).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -260,7 +319,7 @@ def cudnn_unusable_reason(q_BSHK, dropout: bool, backend: str | None = None, *,
       >>> cudnn_unusable_reason(q, dropout=False, backend="cpu")
       'no GPU (backend cpu)'
     """
-    backend = jax.default_backend() if backend is None else backend
+    backend = target_backend() if backend is None else backend
     head_dim = q_BSHK.shape[-1]
     if backend != "gpu":
         return f"no GPU (backend {backend})"

@@ -22,8 +22,9 @@ from effijax._lazy import attach
 __getattr__, __dir__, __all__ = attach(__name__, {
     "effijax.recipe._config": ("TrainConfig", "flag_of", "field_kind", "DEFAULT_MODEL",
         "PRECISIONS", "PRECISION_ALIASES", "BUNDLED"),
-    "effijax.recipe._job": ("Job", "CompiledStep", "plan_job", "abstract_state", "init_state",
-        "init_frozen", "batch_fn", "evaluate", "compile_job", "LMJob", "build_lm_job"),
+    "effijax.recipe._job": ("Job", "CompiledStep", "plan_job", "abstract_state",
+        "abstract_batch", "init_state", "init_frozen", "batch_fn", "evaluate", "compile_job",
+        "LMJob", "build_lm_job"),
     "effijax.recipe._train": ("TrainResult", "train", "resolve"),
     "effijax.recipe._optimizer": ("optimizer_for",),
     "effijax.recipe._report": ("summary_step",),

@@ -54,8 +54,9 @@ from effijax.sharding import (
 )
 from effijax.step import TrainState, init_train_state, make_sharded_step
 
-__all__ = ["Job", "CompiledStep", "plan_job", "abstract_state", "init_state", "init_frozen",
-           "batch_fn", "evaluate", "compile_job", "adapter_key", "LMJob", "build_lm_job"]
+__all__ = ["Job", "CompiledStep", "plan_job", "abstract_state", "abstract_batch", "init_state",
+           "init_frozen", "batch_fn", "evaluate", "compile_job", "adapter_key", "LMJob",
+           "build_lm_job"]
 
 
 class CompiledStep(NamedTuple):
@@ -166,7 +167,7 @@ def _abstract_state(abstract_params, optimizer, seed: int, lora) -> TrainState:
     if lora is not None:
         if not isinstance(lora, lora_lib.LoraSpec):
             raise ConfigError("lora", type(lora).__name__, "expected an effijax.lora.LoraSpec")
-        lora_lib.init(adapter_key(seed), abstract_params, lora)  # errors read better untraced
+        lora_lib.select(abstract_params, lora)  # its errors, before anything is traced
         trainable = jax.eval_shape(lambda k: lora_lib.init(k, abstract_params, lora),
                                    adapter_key(seed))
     return jax.eval_shape(lambda p, k: init_train_state(p, optimizer, k), trainable,
@@ -449,17 +450,34 @@ def evaluate(job: Job, params: Any, tokens: np.ndarray, *, num_batches: int,
                  / max(sum(counts), 1))
 
 
+def abstract_batch(job: Job) -> dict:
+    """The global batch the job's step takes, as ``jax.ShapeDtypeStruct`` s with shardings.
+
+    What :func:`compile_job` compiles the step for, and what ``jax.export`` lowers it for: the
+    int32 ``[batch_size, seq_len]`` arrays split by rows (``mask`` and ``segments`` when the job
+    was planned with them) and, with LoRA, the frozen base as ``"base"``.
+
+    Example:
+      >>> import optax
+      >>> from effijax.models import gpt_config
+      >>> job = plan_job(gpt_config("tiny", seq_len=16), "fp32", optax.adam(1e-3), batch_size=2)
+      >>> {k: v.shape for k, v in abstract_batch(job).items()}
+      {'inputs': (2, 16), 'targets': (2, 16)}
+    """
+    rows = batch_sharding(job.mesh)
+    batch = {k: jax.ShapeDtypeStruct((job.batch_size, job.model.seq_len), jnp.int32,
+                                     sharding=rows)
+             for k in _batch_keys(job.masked, job.segmented)}
+    if job.frozen is not None:
+        batch["base"] = job.frozen
+    return batch
+
+
 def compile_job(job: Job, *, census: bool = True) -> CompiledStep:
     """Compiles the step from the job's abstract state (nothing is allocated): the
     executable, its per-device memory and, with ``census`` on several devices, the collectives
     XLA planned (read from the same compilation)."""
-    seq = job.model.seq_len
-    rows = batch_sharding(job.mesh)
-    keys = _batch_keys(job.masked, job.segmented)
-    batch = {k: jax.ShapeDtypeStruct((job.batch_size, seq), jnp.int32, sharding=rows)
-             for k in keys}
-    if job.frozen is not None:
-        batch["base"] = job.frozen
+    batch = abstract_batch(job)
     if census and job.mesh.size > 1:
         compiled, found = compile_with_census(job.step, job.state, batch)
     else:
