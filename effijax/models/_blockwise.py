@@ -250,6 +250,8 @@ def check_qkv(name: str, q_BSHK, k_BTHK, v_BTHK, *, causal: bool, segments_BS=No
 _TARGET_BACKEND = jax.make_user_context(None)
 # jax.export's platform names and the jax.default_backend() name of each.
 _BACKEND_OF_PLATFORM = {"cpu": "cpu", "cuda": "gpu", "rocm": "gpu", "gpu": "gpu", "tpu": "tpu"}
+
+
 @contextlib.contextmanager
 def attention_backend(platform: str) -> Iterator[str]:
     """Inside the block, attention is chosen for ``platform``, not for this process' backend.
