@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import os
 from collections.abc import Sequence
@@ -197,6 +198,36 @@ class Tokenizer:
             return False
 
         return bool(parts) and all(safe(part) for part in parts)
+
+    def fingerprint(self, *, chat_template: bool = True) -> str:
+        """The SHA-256 of what this tokenizer computes: the tokenizer as the ``tokenizers``
+        library loaded it (vocabulary, merges, added tokens, normalizer, pre-tokenizer,
+        post-processor), its special token ids and flags, and with ``chat_template`` its chat
+        template.
+
+        The tokenizer is taken as the library serialises what it loaded (its own order, no
+        spacing), so the same ``tokenizer.json`` saved with other indentation or key order has
+        the same fingerprint; the template is taken as written (its whitespace renders).
+
+        Example:
+          >>> import dataclasses, json
+          >>> tok = byte_level_bpe(["a", "b", "ab"], ["a b"], chat_template="{{ messages }}")
+          >>> edited = dataclasses.replace(tok, chat_template="{{ messages }}!")
+          >>> tok.fingerprint() == edited.fingerprint(), len(tok.fingerprint())
+          (False, 64)
+          >>> tok.fingerprint(chat_template=False) == edited.fingerprint(chat_template=False)
+          True
+          >>> spaced = dataclasses.replace(tok, spec=json.dumps(json.loads(tok.spec), indent=4))
+          >>> spaced.fingerprint() == tok.fingerprint()
+          True
+        """
+        digest = hashlib.sha256(self.backend.to_str().encode("utf-8"))
+        rest = {**{f"{name}_id": getattr(self, f"{name}_id") for name in ("bos", "eos", "unk",
+                                                                          "pad")},
+                "add_bos": self.add_bos, "add_eos": self.add_eos,
+                "chat_template": self.chat_template if chat_template else None}
+        digest.update(json.dumps(rest, sort_keys=True).encode("utf-8"))
+        return digest.hexdigest()
 
     def decode(self, ids, *, skip_special_tokens: bool = False) -> str:
         """The text of ``ids``; for byte-level BPE, ``decode(encode(text)) == text``."""
