@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from _llama_files import CHAT_TEMPLATE, VOCAB_SIZE, vocabulary
 
-from effijax.errors import ConfigError
+from effijax.errors import ConfigError, FileError
 from effijax.interop import save_hf
 from effijax.models import Tokenizer, byte_level_bpe, gpt_config, llama_config
 from effijax.recipe import TrainConfig, _identity, _rundir, _train, train
@@ -213,3 +213,21 @@ def test_a_byte_model_records_no_tokenizer_and_no_weights():
     data = Dataset(np.zeros(64, np.uint8), np.zeros(64, np.uint8), "64:ab", "bytes", 128)
     record = _rundir.run_record(job, None, data)
     assert (record["tokenizer_sha256"], record["weights"]) == (None, None)
+
+
+@pytest.mark.parametrize("file, content, expected", [
+    ("tokenizer_config.json", {"chat_template": 5},
+     "tokenizer_config.json: chat_template: expected a string, or a list of {name, template}"),
+    ("tokenizer.json", {"model": {"vocab": {"a": 0}, "merges": ["a b c"]}},
+     "tokenizer.json: model.merges: expected a list of pairs"),
+    ("tokenizer.json", {"model": {"type": "BPE", "vocab": {"a": 0}, "merges": ["a b"]}},
+     "tokenizer.json: file: the tokenizers library cannot read it"),
+])
+def test_tokenizer_load_checks_its_files_in_one_line(trained, tmp_path, file, content, expected):
+    root, _ = trained
+    directory = Path(shutil.copytree(root / "hf", tmp_path / "tok"))
+    (directory / file).write_text(json.dumps(content))
+    with pytest.raises(FileError) as e:
+        Tokenizer.load(directory)
+    assert str(e.value).startswith(str(directory / file) + ": ") and "\n" not in str(e.value)
+    assert expected in str(e.value)

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import os
 
+from effijax.data import read_json
 from effijax.errors import ConfigError, FileError
-from effijax.interop._files import MAX_CONFIG_BYTES, read_json
+from effijax.interop._files import MAX_CONFIG_BYTES
 from effijax.interop._gguf import gguf_config, gguf_tokenizer, load_gguf, open_gguf, read_metadata
 from effijax.interop._hf import _weight_files as _hf_weight_files
 from effijax.interop._hf import (  # noqa: F401 (hf_config, load_hf: the doctests)
