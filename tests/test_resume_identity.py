@@ -42,7 +42,7 @@ def trained(tmp_path_factory):
     with open(root / "qa.jsonl", "w") as f:
         for i in range(40):
             f.write(json.dumps({"prompt": f"{i}+1", "response": f"{i + 1}"}) + "\n")
-    settings = dict(data=str(root / "qa.jsonl"), seq_len=SEQ, batch_size=2, eval_batches=1,
+    settings = dict(data=str(root / "qa.jsonl"), seq_len=SEQ, batch_size=2, eval_batches=0,
                     progress=False, checkpoint_every=STEPS, out=str(root / "run"))
     assert train(TrainConfig(init_from=str(root / "hf"), steps=STEPS, **settings)).status == "done"
     return root, settings
@@ -223,9 +223,11 @@ def test_a_byte_model_records_no_tokenizer_and_no_weights():
     ("tokenizer.json", {"model": {"type": "BPE", "vocab": {"a": 0}, "merges": ["a b"]}},
      "tokenizer.json: file: the tokenizers library cannot read it"),
 ])
-def test_tokenizer_load_checks_its_files_in_one_line(trained, tmp_path, file, content, expected):
-    root, _ = trained
-    directory = Path(shutil.copytree(root / "hf", tmp_path / "tok"))
+def test_tokenizer_load_checks_its_files_in_one_line(tmp_path, file, content, expected):
+    directory = tmp_path / "tok"
+    byte_level_bpe(["a", "b", "ab"], ["a b"], eos_id=2, chat_template="{{ messages }}").save(
+        directory)
+    assert Tokenizer.load(directory).encode("ab").tolist() == [2]  # as saved, it loads
     (directory / file).write_text(json.dumps(content))
     with pytest.raises(FileError) as e:
         Tokenizer.load(directory)
