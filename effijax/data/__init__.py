@@ -30,7 +30,8 @@ __getattr__, __dir__, __all__ = attach(__name__, {
     "effijax.data._corpus": ("DEFAULT_MAX_BYTES", "corpus_fingerprint", "load_corpus",
         "load_documents", "split_corpus", "stdlib_files"),
     "effijax.data._documents": ("documents_fingerprint", "encode_documents", "end_of_text_id"),
-    "effijax.data._files": ("MAX_RECORD_BYTES", "bounded_lines", "regular_path"),
+    "effijax.data._files": ("MAX_JSON_BYTES", "MAX_RECORD_BYTES", "bounded_lines", "read_json",
+        "regular_path", "regular_size"),
     "effijax.data._examples": ("STDLIB_MODULES", "stdlib_qa", "write_jsonl"),
     "effijax.data._template": ("MAX_RENDERED_CHARS", "RENDER_SECONDS", "compile_template"),
 })

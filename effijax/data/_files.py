@@ -4,18 +4,26 @@ A FIFO, a socket or a device (``/dev/zero``) given as ``--data`` or ``--config``
 for ever or block; :func:`regular_path` refuses them before anything is opened. A JSONL record
 is one line of at most :data:`MAX_RECORD_BYTES` (:func:`bounded_lines`), so one forged line
 cannot take the memory of the machine: its rendering and tokenization cost many times its size.
+A JSON settings file (a model's ``config.json``, its tokenizer files) is read whole only when it
+is a regular file of bounded size (:func:`read_json`); what is wrong with it is one
+:class:`~effijax.errors.FileError` naming the file and where.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from collections.abc import Iterator
 from pathlib import Path
 
-from effijax.errors import ConfigError
+from effijax.errors import ConfigError, FileError
 
-__all__ = ["MAX_RECORD_BYTES", "regular_path", "bounded_lines"]
+__all__ = ["MAX_RECORD_BYTES", "MAX_JSON_BYTES", "regular_path", "bounded_lines", "regular_size",
+           "read_json"]
+
+#: The largest JSON file read whole (a tokenizer.json is tens of MB at most).
+MAX_JSON_BYTES = 256 * 2**20
 
 # 4 MiB: about a million tokens, far beyond any sequence effijax trains (longer examples are
 # cut to one row anyway). A line over it is refused, naming its number.
@@ -90,3 +98,55 @@ def bounded_lines(path: str | os.PathLike, field: str, *,
             except UnicodeDecodeError as e:
                 raise ConfigError(field, f"{path}:{number}", f"not UTF-8 (byte {e.start + 1} of "
                                   "the line); save the file as UTF-8") from None
+
+
+def regular_size(path: str | os.PathLike) -> int:
+    """The size of ``path``, which must be a regular file (a FIFO or a device never ends).
+
+    Example:
+      >>> regular_size("/dev/zero")
+      Traceback (most recent call last):
+      ...
+      effijax.errors.FileError: /dev/zero: file: is not a regular file (a FIFO, device or directory)
+    """
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise FileError(path, "file", f"cannot be read ({e.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise FileError(path, "file", "is not a regular file (a FIFO, device or directory)")
+    return st.st_size
+
+
+def read_json(path: str | os.PathLike, *, limit: int = MAX_JSON_BYTES) -> dict:
+    """A JSON object from a regular file of at most ``limit`` bytes.
+
+    Example:
+      >>> import tempfile, os
+      >>> path = os.path.join(tempfile.mkdtemp(), "config.json")
+      >>> with open(path, "w") as f:
+      ...     _ = f.write('[1, 2]')
+      >>> read_json(path)  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ...
+      effijax.errors.FileError: .../config.json: top level: is a list; expected a JSON object
+    """
+    size = regular_size(path)
+    if size > limit:
+        raise FileError(path, "file", f"is {size:,} bytes; expected at most {limit:,}")
+    try:
+        with open(path, "rb") as f:
+            value = json.loads(f.read().decode("utf-8"))
+    except OSError as e:
+        raise FileError(path, "file", f"cannot be read ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise FileError(path, f"byte {e.start:,}", "is not UTF-8 text") from None
+    except json.JSONDecodeError as e:
+        raise FileError(path, f"line {e.lineno} column {e.colno}", f"not JSON ({e.msg})") \
+            from None
+    except RecursionError:
+        raise FileError(path, "file", "nests too deep to be a JSON configuration") from None
+    if not isinstance(value, dict):
+        raise FileError(path, "top level", f"is a {type(value).__name__}; expected a JSON "
+                        "object")
+    return value

@@ -37,6 +37,6 @@ __getattr__, __dir__, __all__ = attach(__name__, {
         "unpermute"),
     "effijax.interop._hf": ("config_from_hf", "hf_config", "load_hf", "save_hf"),
     "effijax.interop._io": ("export_adapters", "load", "load_tokenizer", "peft_module",
-        "read_config", "save_peft"),
+        "read_config", "save_peft", "weight_files"),
     "effijax.interop._weights": ("TENSORS", "gguf_name", "hf_name"),
 })

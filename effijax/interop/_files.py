@@ -7,13 +7,14 @@ may ask for 10^9 layers. Here every file is checked first, bounded by its own si
 limits, and any failure is one :class:`~effijax.errors.FileError` naming the file, the field
 (or tensor, or byte) and what was expected:
 
-* :func:`read_json`: a regular file, not too large, UTF-8 JSON, an object.
+* :func:`~effijax.data.read_json`: a regular file, not too large, UTF-8 JSON, an object.
 * :func:`safetensors_header`: the header's length within the file and 100 MB, each tensor's
   dtype known, shape a list of whole numbers, bytes inside the data and apart from the others.
 * :func:`shard_files`: ``model.safetensors.index.json``'s ``weight_map`` names files inside the
   model directory (no ``..``, no absolute path, no link out of it).
 * :func:`check_size`: an architecture's sizes within :data:`LIMITS` before anything is built.
-* :func:`check_tokenizer_files`: ``tokenizer.json`` and ``tokenizer_config.json``'s fields.
+* the tokenizer files' fields are checked where they are read
+  (:meth:`effijax.models.Tokenizer.load`).
 """
 
 from __future__ import annotations
@@ -21,16 +22,16 @@ from __future__ import annotations
 import json
 import math
 import os
-import stat
 import struct
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+from effijax.data import read_json, regular_size
 from effijax.errors import ConfigError, FileError, whole_number
 
-__all__ = ["LIMITS", "MAX_PARAMS", "MAX_CONFIG_BYTES", "read_json", "SafetensorsTensor",
+__all__ = ["LIMITS", "MAX_PARAMS", "MAX_CONFIG_BYTES", "SafetensorsTensor",
            "safetensors_header", "shard_files", "check_finite", "check_size", "whole_field",
-           "number_field", "check_tokenizer_files", "DTYPE_BYTES"]
+           "number_field", "DTYPE_BYTES"]
 
 #: The largest size of each architecture field effijax believes a file about (far above any
 #: released model: Llama 3.1 405B has 126 layers, a 128,256 vocabulary and 16,384 wide layers).
@@ -44,56 +45,10 @@ MAX_PARAMS = 10**13
 #: The largest config.json or shard index read (a real one is a few KB).
 MAX_CONFIG_BYTES = 16 * 2**20
 _MAX_HEADER = 100 * 2**20  # a safetensors JSON header (a real one is a few hundred KB)
-_MAX_JSON = 256 * 2**20  # a tokenizer.json is tens of MB at most
 
 #: safetensors' dtypes and their sizes in bytes.
 DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2,
                "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
-
-
-def _regular_size(path: str) -> int:
-    """The size of ``path``, which must be a regular file (a FIFO or a device never ends)."""
-    try:
-        st = os.stat(path)
-    except OSError as e:
-        raise FileError(path, "file", f"cannot be read ({e.strerror})") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise FileError(path, "file", "is not a regular file (a FIFO, device or directory)")
-    return st.st_size
-
-
-def read_json(path: str, *, limit: int = _MAX_JSON) -> dict:
-    """A JSON object from a regular file of at most ``limit`` bytes.
-
-    Example:
-      >>> import tempfile, os
-      >>> path = os.path.join(tempfile.mkdtemp(), "config.json")
-      >>> with open(path, "w") as f:
-      ...     _ = f.write('[1, 2]')
-      >>> read_json(path)  # doctest: +ELLIPSIS
-      Traceback (most recent call last):
-      ...
-      effijax.errors.FileError: .../config.json: top level: is a list; expected a JSON object
-    """
-    size = _regular_size(path)
-    if size > limit:
-        raise FileError(path, "file", f"is {size:,} bytes; expected at most {limit:,}")
-    try:
-        with open(path, "rb") as f:
-            value = json.loads(f.read().decode("utf-8"))
-    except OSError as e:
-        raise FileError(path, "file", f"cannot be read ({e.strerror})") from None
-    except UnicodeDecodeError as e:
-        raise FileError(path, f"byte {e.start:,}", "is not UTF-8 text") from None
-    except json.JSONDecodeError as e:
-        raise FileError(path, f"line {e.lineno} column {e.colno}", f"not JSON ({e.msg})") \
-            from None
-    except RecursionError:
-        raise FileError(path, "file", "nests too deep to be a JSON configuration") from None
-    if not isinstance(value, dict):
-        raise FileError(path, "top level", f"is a {type(value).__name__}; expected a JSON "
-                        "object")
-    return value
 
 
 class SafetensorsTensor(NamedTuple):
@@ -170,7 +125,7 @@ def safetensors_header(path: str | os.PathLike) -> dict[str, SafetensorsTensor]:
       {'w': SafetensorsTensor(dtype='F32', shape=(2, 3))}
     """
     path = os.fspath(path)
-    size = _regular_size(path)
+    size = regular_size(path)
     with open(path, "rb") as f:
         header = _header_json(path, f, size)
         data_size = size - f.tell()  # what follows the header
@@ -309,63 +264,3 @@ def check_size(model, path: str) -> None:
     if model.num_params > MAX_PARAMS:
         raise FileError(path, "architecture", f"describes {model.num_params:,} parameters; "
                         f"expected at most {MAX_PARAMS:,}")
-
-
-def _check_tokenizer_json(path: str) -> None:
-    spec = read_json(path)
-    model = spec.get("model")
-    if not isinstance(model, dict):
-        raise FileError(path, "model", "expected an object (the tokenizer model)")
-    vocab, merges = model.get("vocab"), model.get("merges", [])
-    if vocab is not None and not (
-            isinstance(vocab, list) or isinstance(vocab, dict) and all(
-                _whole(i) for i in vocab.values())):
-        raise FileError(path, "model.vocab", "expected an object of token -> id (ids >= 0) "
-                        "or a list")
-    if not isinstance(merges, list) or not all(
-            isinstance(m, str) and len(m.split(" ")) == 2 or isinstance(m, list) and len(m) == 2
-            and all(isinstance(p, str) for p in m) for m in merges):
-        raise FileError(path, "model.merges", "expected a list of pairs ('a b' or ['a', 'b'])")
-    added = spec.get("added_tokens", [])
-    if not isinstance(added, list) or not all(
-            isinstance(t, dict) and isinstance(t.get("content"), str)
-            and _whole(t.get("id")) for t in added):
-        raise FileError(path, "added_tokens", "expected a list of {content: str, id: int >= 0}")
-
-
-def _check_tokenizer_config(path: str) -> None:
-    config = read_json(path)
-    template = config.get("chat_template")
-    if not (template is None or isinstance(template, str) or isinstance(template, list) and all(
-            isinstance(t, dict) and isinstance(t.get("template"), str)
-            and isinstance(t.get("name", ""), str) for t in template)):
-        raise FileError(path, "chat_template", "expected a string, or a list of {name, "
-                        "template} objects")
-    for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
-        token = config.get(name)
-        if not (token is None or isinstance(token, str)
-                or isinstance(token, dict) and isinstance(token.get("content"), str)):
-            raise FileError(path, name, f"{token!r}; expected a token string or "
-                            "{content: str}")
-    for name in ("add_bos_token", "add_eos_token"):
-        if config.get(name) is not None and not isinstance(config[name], bool):
-            raise FileError(path, name, f"{config[name]!r}; expected true or false")
-
-
-def check_tokenizer_files(directory: str) -> None:
-    """Checks ``tokenizer.json`` and, when present, ``tokenizer_config.json`` and
-    ``chat_template.jinja`` of a model directory: the fields the tokenizer reads have the
-    types it expects."""
-    _check_tokenizer_json(os.path.join(directory, "tokenizer.json"))
-    config = os.path.join(directory, "tokenizer_config.json")
-    if os.path.exists(config):
-        _check_tokenizer_config(config)
-    template = os.path.join(directory, "chat_template.jinja")
-    if os.path.exists(template):
-        if _regular_size(template) > _MAX_JSON:
-            raise FileError(template, "file", f"is larger than {_MAX_JSON:,} bytes")
-        try:
-            with open(template, encoding="utf-8") as f:
-                f.read()
-        except UnicodeDecodeError as e:
-            raise FileError(template, f"byte {e.start:,}", "is not UTF-8 text") from None

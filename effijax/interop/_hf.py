@@ -18,15 +18,14 @@ from typing import Any
 import numpy as np
 
 from effijax import atomic
+from effijax.data import read_json
 from effijax.errors import ConfigError, FileError
 from effijax.interop._files import (
     MAX_CONFIG_BYTES,
     SafetensorsTensor,
     check_finite,
     check_size,
-    check_tokenizer_files,
     number_field,
-    read_json,
     safetensors_header,
     shard_files,
     whole_field,
@@ -229,26 +228,15 @@ def _found_tensors(directory: str, files: dict[str, str]) -> dict[str, Safetenso
 
 def hf_tokenizer(directory: str) -> Tokenizer | None:
     """The tokenizer of a model directory (``tokenizer.json`` and ``tokenizer_config.json``),
-    its files checked and parsed now; None when there is no ``tokenizer.json``.
+    its files checked and parsed now (:meth:`~effijax.models.Tokenizer.load`); None when there
+    is no ``tokenizer.json``.
 
     Raises:
       FileError: a tokenizer file is malformed, naming it and the field.
     """
-    path = os.path.join(directory, "tokenizer.json")
-    if not os.path.exists(path):
+    if not os.path.exists(os.path.join(directory, "tokenizer.json")):
         return None
-    check_tokenizer_files(directory)
-    try:
-        tokenizer = Tokenizer.load(directory)
-    except ConfigError as e:
-        raise FileError.of(os.path.join(directory, "tokenizer_config.json"), e) from None
-    try:
-        _ = tokenizer.backend  # parsed here, so that a spec the library refuses is named now
-    except Exception as e:  # noqa: BLE001 (the tokenizers library raises plain Exception)
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise FileError(path, "file", f"the tokenizers library cannot read it ({first})") \
-            from None
-    return tokenizer
+    return Tokenizer.load(directory)
 
 
 def _ignored(name: str) -> bool:

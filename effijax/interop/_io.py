@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import os
 
+from effijax.data import read_json
 from effijax.errors import ConfigError, FileError
-from effijax.interop._files import MAX_CONFIG_BYTES, read_json
+from effijax.interop._files import MAX_CONFIG_BYTES
 from effijax.interop._gguf import gguf_config, gguf_tokenizer, load_gguf, open_gguf, read_metadata
+from effijax.interop._hf import _weight_files as _hf_weight_files
 from effijax.interop._hf import (  # noqa: F401 (hf_config, load_hf: the doctests)
     config_from_hf,
     hf_config,
@@ -20,7 +22,8 @@ from effijax.interop._weights import TENSORS, hf_name
 from effijax.lora import LoraSpec, export_peft, pairs
 from effijax.models import LlamaConfig, Tokenizer
 
-__all__ = ["load", "read_config", "load_tokenizer", "save_peft", "peft_module", "export_adapters"]
+__all__ = ["load", "weight_files", "read_config", "load_tokenizer", "save_peft", "peft_module",
+           "export_adapters"]
 
 
 def _is_gguf(path: str) -> bool:
@@ -46,6 +49,29 @@ def load(path: str | os.PathLike, **kwargs) -> tuple[LlamaConfig, dict]:
         return load_hf(path, **kwargs)
     raise FileNotFoundError(f"{path!r} is neither a GGUF file nor a Hugging Face model "
                             "directory (config.json + safetensors)")
+
+
+def weight_files(path: str | os.PathLike) -> list[str]:
+    """The files :func:`load` reads weights from, sorted: a GGUF file itself, or a Hugging Face
+    directory's ``model.safetensors`` or every shard its index names (wherever inside the
+    directory, links into the Hugging Face cache followed, the index checked as :func:`load`
+    checks it).
+
+    Example:
+      >>> import json, os, tempfile
+      >>> d = tempfile.mkdtemp()
+      >>> shards = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+      >>> for name in shards:
+      ...     open(os.path.join(d, name), "wb").close()
+      >>> with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
+      ...     json.dump({"weight_map": {"a": shards[1], "b": shards[0], "c": shards[1]}}, f)
+      >>> [os.path.basename(f) for f in weight_files(d)]
+      ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors']
+    """
+    path = os.fspath(path)
+    if _is_gguf(path):
+        return [path]
+    return sorted(set(_hf_weight_files(path).values()))
 
 
 def read_config(path: str | os.PathLike, *, seq_len: int | None = None) -> LlamaConfig:

@@ -7,24 +7,26 @@ tokenizer files Hugging Face loads (:meth:`Tokenizer.save`). The ``tokenizers.To
 does the work is built from the JSON on first use.
 
 Two ways in: :meth:`Tokenizer.load` reads a model directory's ``tokenizer.json`` and
-``tokenizer_config.json``; :func:`byte_level_bpe` builds GPT-2 style byte-level BPE from a
-vocabulary and merges (what a GGUF file stores), with the pre-tokenizer its ``pre`` name says.
-``tokenizers`` is imported on first use, so importing effijax does not load it.
+``tokenizer_config.json``, each checked first (a malformed one is one
+:class:`~effijax.errors.FileError` naming the file and the field); :func:`byte_level_bpe`
+builds GPT-2 style byte-level BPE from a vocabulary and merges (what a GGUF file stores), with
+the pre-tokenizer its ``pre`` name says. ``tokenizers`` is imported on first use, so importing
+effijax does not load it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import os
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
-from effijax.data import compile_template
-from effijax.errors import ConfigError, whole_number
+from effijax.data import MAX_JSON_BYTES, compile_template, read_json, regular_size
+from effijax.errors import ConfigError, FileError, whole_number
 
 __all__ = ["Tokenizer", "byte_level_bpe", "PRE_TOKENIZERS"]
 
@@ -198,6 +200,36 @@ class Tokenizer:
 
         return bool(parts) and all(safe(part) for part in parts)
 
+    def fingerprint(self, *, chat_template: bool = True) -> str:
+        """The SHA-256 of what this tokenizer computes: the tokenizer as the ``tokenizers``
+        library loaded it (vocabulary, merges, added tokens, normalizer, pre-tokenizer,
+        post-processor), its special token ids and flags, and with ``chat_template`` its chat
+        template.
+
+        The tokenizer is taken as the library serialises what it loaded (its own order, no
+        spacing), so the same ``tokenizer.json`` saved with other indentation or key order has
+        the same fingerprint; the template is taken as written (its whitespace renders).
+
+        Example:
+          >>> import dataclasses, json
+          >>> tok = byte_level_bpe(["a", "b", "ab"], ["a b"], chat_template="{{ messages }}")
+          >>> edited = dataclasses.replace(tok, chat_template="{{ messages }}!")
+          >>> tok.fingerprint() == edited.fingerprint(), len(tok.fingerprint())
+          (False, 64)
+          >>> tok.fingerprint(chat_template=False) == edited.fingerprint(chat_template=False)
+          True
+          >>> spaced = dataclasses.replace(tok, spec=json.dumps(json.loads(tok.spec), indent=4))
+          >>> spaced.fingerprint() == tok.fingerprint()
+          True
+        """
+        digest = hashlib.sha256(self.backend.to_str().encode("utf-8"))
+        rest = {**{f"{name}_id": getattr(self, f"{name}_id") for name in ("bos", "eos", "unk",
+                                                                          "pad")},
+                "add_bos": self.add_bos, "add_eos": self.add_eos,
+                "chat_template": self.chat_template if chat_template else None}
+        digest.update(json.dumps(rest, sort_keys=True).encode("utf-8"))
+        return digest.hexdigest()
+
     def decode(self, ids, *, skip_special_tokens: bool = False) -> str:
         """The text of ``ids``; for byte-level BPE, ``decode(encode(text)) == text``."""
         return self.backend.decode([int(i) for i in np.asarray(ids).reshape(-1)],
@@ -260,45 +292,133 @@ class Tokenizer:
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> Tokenizer:
-        """Reads a model directory's ``tokenizer.json`` (and ``tokenizer_config.json``).
+        """Reads a model directory's ``tokenizer.json`` (and ``tokenizer_config.json``), each
+        file checked before it is trusted.
 
         Special tokens and the chat template come from ``tokenizer_config.json`` (a
-        ``chat_template.jinja`` file next to it wins, as in recent ``transformers``).
+        ``chat_template.jinja`` file next to it wins, as in recent ``transformers``). The fields
+        read must have the types expected, and the ``tokenizers`` library must accept the
+        tokenizer, else one line names the file and the field.
 
         Raises:
           FileNotFoundError: the directory has no ``tokenizer.json``.
+          FileError: a tokenizer file is malformed, naming it and the field.
+
+        Example:
+          >>> import json, os, tempfile
+          >>> d = tempfile.mkdtemp()
+          >>> _ = byte_level_bpe(["a", "b", "ab"], ["a b"]).save(d)
+          >>> Tokenizer.load(d).encode("ab").tolist()
+          [2]
+          >>> with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
+          ...     json.dump({"eos_token": 7}, f)
+          >>> Tokenizer.load(d)  # doctest: +ELLIPSIS
+          Traceback (most recent call last):
+          ...
+          effijax.errors.FileError: .../tokenizer_config.json: eos_token: 7; expected a token ...
         """
         path = os.path.join(directory, "tokenizer.json")
-        if not os.path.isfile(path):
+        if not os.path.exists(path):
             raise FileNotFoundError(
                 f"no tokenizer.json in {os.fspath(directory)!r}; effijax reads fast-tokenizer "
                 "files only (convert a slow tokenizer with transformers' save_pretrained)")
+        parsed = _tokenizer_json(path)
         with open(path, encoding="utf-8") as f:
             spec = f.read()
-        config: dict[str, Any] = {}
         config_path = os.path.join(directory, "tokenizer_config.json")
-        if os.path.isfile(config_path):
-            with open(config_path, encoding="utf-8") as f:
-                config = json.load(f)
+        config = _tokenizer_config(config_path) if os.path.exists(config_path) else {}
         template = config.get("chat_template")
         template_path = os.path.join(directory, "chat_template.jinja")
-        if os.path.isfile(template_path):
-            with open(template_path, encoding="utf-8") as f:
-                template = f.read()
+        if os.path.exists(template_path):
+            template = _template_file(template_path)
         if isinstance(template, list):  # several named templates: take the default one
             named = {t.get("name"): t.get("template") for t in template}
             template = named.get("default", next(iter(named.values()), None))
-        parsed = json.loads(spec)
-        vocab = parsed.get("model", {}).get("vocab") or {}
+        vocab = parsed["model"].get("vocab") or {}
         vocab = dict(vocab) if isinstance(vocab, dict) else {}  # unigram vocabularies are lists
         for added in parsed.get("added_tokens", []):
             vocab.setdefault(added["content"], added["id"])
-        return cls(spec=spec, bos_id=_special_id(config, "bos_token", vocab),
-                   eos_id=_special_id(config, "eos_token", vocab),
-                   unk_id=_special_id(config, "unk_token", vocab),
-                   pad_id=_special_id(config, "pad_token", vocab),
-                   add_bos=bool(config.get("add_bos_token", False)),
-                   add_eos=bool(config.get("add_eos_token", False)), chat_template=template)
+        try:
+            tokenizer = cls(spec=spec, bos_id=_special_id(config, "bos_token", vocab),
+                            eos_id=_special_id(config, "eos_token", vocab),
+                            unk_id=_special_id(config, "unk_token", vocab),
+                            pad_id=_special_id(config, "pad_token", vocab),
+                            add_bos=bool(config.get("add_bos_token", False)),
+                            add_eos=bool(config.get("add_eos_token", False)),
+                            chat_template=template)
+        except ConfigError as e:
+            raise FileError.of(config_path, e) from None
+        try:
+            _ = tokenizer.backend  # parsed here, so that a spec the library refuses is named now
+        except Exception as e:  # noqa: BLE001 (the tokenizers library raises plain Exception)
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise FileError(path, "file", f"the tokenizers library cannot read it ({first})") \
+                from None
+        return tokenizer
+
+
+# The tokenizer files, checked before anything trusts them: the fields Tokenizer.load reads
+# have the types it expects (a forged file is one FileError, not a traceback).
+
+def _token_id(n) -> bool:
+    """A JSON whole number >= 0 (not a bool)."""
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 0
+
+
+def _tokenizer_json(path: str) -> dict:
+    """``tokenizer.json`` parsed, its model, vocabulary, merges and added tokens checked."""
+    spec = read_json(path)
+    model = spec.get("model")
+    if not isinstance(model, dict):
+        raise FileError(path, "model", "expected an object (the tokenizer model)")
+    vocab, merges = model.get("vocab"), model.get("merges", [])
+    if vocab is not None and not (
+            isinstance(vocab, list) or isinstance(vocab, dict) and all(
+                _token_id(i) for i in vocab.values())):
+        raise FileError(path, "model.vocab", "expected an object of token -> id (ids >= 0) "
+                        "or a list")
+    if not isinstance(merges, list) or not all(
+            isinstance(m, str) and len(m.split(" ")) == 2 or isinstance(m, list) and len(m) == 2
+            and all(isinstance(p, str) for p in m) for m in merges):
+        raise FileError(path, "model.merges", "expected a list of pairs ('a b' or ['a', 'b'])")
+    added = spec.get("added_tokens", [])
+    if not isinstance(added, list) or not all(
+            isinstance(t, dict) and isinstance(t.get("content"), str)
+            and _token_id(t.get("id")) for t in added):
+        raise FileError(path, "added_tokens", "expected a list of {content: str, id: int >= 0}")
+    return spec
+
+
+def _tokenizer_config(path: str) -> dict:
+    """``tokenizer_config.json`` parsed, its chat template, special tokens and flags checked."""
+    config = read_json(path)
+    template = config.get("chat_template")
+    if not (template is None or isinstance(template, str) or isinstance(template, list) and all(
+            isinstance(t, dict) and isinstance(t.get("template"), str)
+            and isinstance(t.get("name", ""), str) for t in template)):
+        raise FileError(path, "chat_template", "expected a string, or a list of {name, "
+                        "template} objects")
+    for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        token = config.get(name)
+        if not (token is None or isinstance(token, str)
+                or isinstance(token, dict) and isinstance(token.get("content"), str)):
+            raise FileError(path, name, f"{token!r}; expected a token string or "
+                            "{content: str}")
+    for name in ("add_bos_token", "add_eos_token"):
+        if config.get(name) is not None and not isinstance(config[name], bool):
+            raise FileError(path, name, f"{config[name]!r}; expected true or false")
+    return config
+
+
+def _template_file(path: str) -> str:
+    """``chat_template.jinja``'s text: a regular UTF-8 file of bounded size."""
+    if regular_size(path) > MAX_JSON_BYTES:
+        raise FileError(path, "file", f"is larger than {MAX_JSON_BYTES:,} bytes")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise FileError(path, f"byte {e.start:,}", "is not UTF-8 text") from None
 
 
 def byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], *, pre: str = "default",

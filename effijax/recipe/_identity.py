@@ -3,9 +3,13 @@
 A resumed run continues bit for bit only when it trains the same model on the same data in the
 same order with the same arithmetic. So a resume compares the new settings with those stored
 in the checkpoint it restores and refuses, listing every difference, when one of these changed:
-the data's content hash, the seed, the batch size, the sequence length, the model, the
-precision and loss scale, the optimizer (its state has its own shape), accumulation, the LoRA
-spec and what the run started from.
+the data's content hash, the tokenizer the data went through (its chat template included for
+chat data), the seed, the batch size, the sequence length, the model, the precision and loss
+scale, the optimizer (its state has its own shape), accumulation, the LoRA spec, what the run
+started from, and each pretrained weight file it read. A pretrained model is identified by its
+content, not its place: the same files copied elsewhere are the same start. A run recorded
+before the tokenizer and weight digests existed (its ``config.json`` lacks them) has them
+"not recorded": that comparison is skipped.
 
 The optimisation settings (learning rate, schedule and its length, warm-up, weight decay and
 what it spares, clipping, the optimizer's betas, epsilon and momentum) may change on purpose,
@@ -20,11 +24,12 @@ from typing import Any
 
 from effijax.errors import ConfigError
 
-__all__ = ["IDENTITY", "CHANGEABLE", "LEGACY", "identity", "differences", "check_resume", "changed"]
+__all__ = ["IDENTITY", "CHANGEABLE", "LEGACY", "NOT_RECORDED", "identity", "differences",
+           "check_resume", "changed"]
 
 # What a resume must repeat, with where it is read from in a config.json-shaped dict.
-IDENTITY = ("data", "seed", "batch_size", "seq_len", "model", "precision", "loss_scale",
-            "optimizer", "accumulate", "lora", "init_from")
+IDENTITY = ("data", "tokenizer", "seed", "batch_size", "seq_len", "model", "precision",
+            "loss_scale", "optimizer", "accumulate", "lora", "init_from", "weights")
 # What may change on resume when named in allow_changes.
 CHANGEABLE = ("lr", "steps", "warmup", "weight_decay", "clip", "schedule", "lr_end",
               "decay_fraction", "b1", "b2", "eps", "momentum", "no_decay")
@@ -35,6 +40,28 @@ _LORA = ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "frozen_dtyp
          "lora_random_base")
 
 
+class _NotRecorded:
+    """An identity field a run recorded before it existed: never compared."""
+
+    def __repr__(self) -> str:
+        return "NOT_RECORDED"
+
+
+NOT_RECORDED = _NotRecorded()
+
+
+def _recorded(record: dict, key: str):
+    return record[key] if key in record else NOT_RECORDED
+
+
+def _origin(origin):
+    """What a run started from, as compared: an earlier run's directory and step; a pretrained
+    model's content (``sha256``), not where it lay."""
+    if isinstance(origin, dict) and "path" in origin:
+        return {k: v for k, v in origin.items() if k != "path"}
+    return origin
+
+
 def identity(run_json: dict) -> dict[str, Any]:
     """The identity of a run from its ``config.json``-shaped dict (settings + ``run``).
 
@@ -42,8 +69,8 @@ def identity(run_json: dict) -> dict[str, Any]:
       >>> run = {"seed": 0, "batch_size": 8, "precision": "fp32", "loss_scale": "none",
       ...        "accumulate": 1, "lora_rank": None, "run": {"corpus_sha256": "ab",
       ...        "model_config": {"family": "gpt", "seq_len": 32}}}
-      >>> identity(run)["seq_len"], identity(run)["data"]
-      (32, 'ab')
+      >>> identity(run)["seq_len"], identity(run)["data"], identity(run)["tokenizer"]
+      (32, 'ab', NOT_RECORDED)
     """
     record = run_json.get("run") or {}
     model = dict(record.get("model_config") or {})
@@ -51,6 +78,7 @@ def identity(run_json: dict) -> dict[str, Any]:
             else None)
     return {
         "data": record.get("corpus_sha256"),
+        "tokenizer": _recorded(record, "tokenizer_sha256"),
         "seed": run_json.get("seed"),
         "batch_size": run_json.get("batch_size"),
         "seq_len": model.get("seq_len"),
@@ -61,7 +89,8 @@ def identity(run_json: dict) -> dict[str, Any]:
         "optimizer": run_json.get("optimizer", LEGACY["optimizer"]),
         "accumulate": run_json.get("accumulate"),
         "lora": lora,
-        "init_from": record.get("init_from_checkpoint"),
+        "init_from": _origin(record.get("init_from_checkpoint")),
+        "weights": _recorded(record, "weights"),
     }
 
 
@@ -79,18 +108,40 @@ def differences(saved: dict, new: dict) -> dict[str, tuple[Any, Any]]:
     a, b = identity(saved), identity(new)
     out = {}
     for name in IDENTITY:
-        if a[name] != b[name]:
+        if a[name] is NOT_RECORDED or b[name] is NOT_RECORDED or a[name] == b[name]:
+            continue
+        if name == "weights":  # whole: which files were read, and each one's digest
             if isinstance(a[name], dict) and isinstance(b[name], dict):
-                keys = sorted(set(a[name]) | set(b[name]))
-                out[name] = ({k: a[name].get(k) for k in keys if a[name].get(k) != b[name].get(k)},
-                             {k: b[name].get(k) for k in keys if a[name].get(k) != b[name].get(k)})
-            else:
                 out[name] = (a[name], b[name])
+            # else one run started from no pretrained model: init_from says so
+        elif isinstance(a[name], dict) and isinstance(b[name], dict):
+            keys = sorted(set(a[name]) | set(b[name]))
+            out[name] = ({k: a[name].get(k) for k in keys if a[name].get(k) != b[name].get(k)},
+                         {k: b[name].get(k) for k in keys if a[name].get(k) != b[name].get(k)})
+        else:
+            out[name] = (a[name], b[name])
+    if "weights" in out and "init_from" in out and all(
+            isinstance(o, dict) and set(o) == {"sha256"} for o in out["init_from"]):
+        del out["init_from"]  # the digest of all the files, which "weights" says file by file
     for name in CHANGEABLE:
         old, now = saved.get(name, LEGACY.get(name)), new.get(name, LEGACY.get(name))
         if old != now:
             out[name] = (old, now)
     return out
+
+
+def _digest(value) -> str:
+    return "none" if value is None else f"{value[:12]}.."
+
+
+def _weights_change(old: dict, now: dict) -> str:
+    """Which weight files changed, which the run read and this one does not, and back."""
+    parts = [f"{name} (sha256 {_digest(old[name])} -> {_digest(now[name])})"
+             for name in sorted(old.keys() & now.keys()) if old[name] != now[name]]
+    parts += [f"{name} (read by the run, not now)" for name in sorted(old.keys() - now.keys())]
+    parts += [f"{name} (not read by the run)" for name in sorted(now.keys() - old.keys())]
+    return ("weights: the pretrained weight files changed since the run started: "
+            + ", ".join(parts) + "; start from the files the run started from")
 
 
 def check_resume(saved: dict, new: dict, allow: tuple[str, ...], *, where: str) -> dict:
@@ -130,6 +181,14 @@ with the original settings, or start a new run with another --out
         if name == "init_from":  # what the run started from: its own phrasing
             parts.append(f"init_from: this run continues a run that started from {_show(old)}, "
                          f"not from {_show(now)}")
+            continue
+        if name == "tokenizer":
+            parts.append(f"tokenizer: the tokenizer or chat template changed since the run "
+                         f"started (sha256 {_digest(old)} -> {_digest(now)}); restore the "
+                         "tokenizer files the run started with")
+            continue
+        if name == "weights":
+            parts.append(_weights_change(old, now))
             continue
         parts.append(f"{name} {_show(old)} -> {_show(now)} ({why})")
     raise ConfigError("resume", where, "the run's settings changed: " + "; ".join(parts)

@@ -60,16 +60,26 @@ class RunStart(NamedTuple):
         return self.run_json["run"]
 
 
-def run_record(job, origin: dict | None, data) -> dict:
+def run_record(job, origin: dict | None, data, weights: dict[str, str] | None = None) -> dict:
     """The ``run`` record of ``config.json``: the model and its sizes, what it starts from
-    (``origin``), the data's size and fingerprint, the devices."""
+    (``origin``) and each pretrained weight file read (``weights``, ``{name: sha256}``), the
+    data's size and fingerprint, the tokenizer's fingerprint, the devices.
+
+    ``tokenizer_sha256`` is the tokenizer the data went through
+    (:meth:`~effijax.models.Tokenizer.fingerprint`), its chat template included when the data
+    is chat (rendered with it); None for a model without one (the byte GPT reads bytes).
+    """
+    tokenizer = getattr(job.model, "tokenizer", None)
     return {
         "model_config": job.model.to_dict(),
         "num_params": job.num_params,
         "trainable_params": job.trainable_params,
         "init_from_checkpoint": origin,
+        "weights": weights,
         "corpus_tokens": int(data.tokens),
         "corpus_sha256": data.fingerprint,
+        "tokenizer_sha256": None if tokenizer is None else tokenizer.fingerprint(
+            chat_template=data.format == "chat"),
         "devices": [str(d) for d in jax.devices()],
         "process_count": jax.process_count(),
     }

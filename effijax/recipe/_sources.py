@@ -15,7 +15,9 @@ pretrained model.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import os
 import tempfile
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -35,13 +37,15 @@ __all__ = ["Source", "BUNDLED", "bundled_path", "check_paths", "read_source", "r
 
 class Source(NamedTuple):
     """What a run starts from: an earlier run (``config`` and ``record`` set) or a pretrained
-    model (``model`` and ``params`` loaded, ``record`` holding its path and hash)."""
+    model (``model`` and ``params`` loaded, ``record`` holding its path and hash, ``weights``
+    each weight file's SHA-256 by its name in the model directory)."""
 
     path: str
     config: TrainConfig | None
     record: dict
     model: Any = None
     params: Any = None
+    weights: dict[str, str] | None = None
 
     @property
     def pretrained(self) -> bool:
@@ -185,22 +189,34 @@ def read_source(init_from: str, seq_len: int | None) -> Source:
         raise missing_source("init_from", init_from)
     if not _is_pretrained(path):
         return read_run(str(path))
-    import hashlib
-
-    from effijax.interop import load
+    from effijax.interop import load, weight_files
 
     try:
         model, params = load(path, seq_len=seq_len)
     except ConfigError as e:
         raise e.within("init_from", init_from) from None
-    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
-    digest = hashlib.sha256()
+    combined, weights = _weights_digests(path, weight_files(path))
+    record = {"path": str(path.resolve()), "sha256": combined}
+    return Source(str(path.resolve()), None, record, model=model, params=params, weights=weights)
+
+
+def _weights_digests(source: Path, files: list[str]) -> tuple[str, dict[str, str]]:
+    """``(combined, {name: sha256})`` of the weight files read, in one streaming pass: the
+    SHA-256 of their contents one after the other (the ``sha256`` a run records with its
+    ``init_from``), and each file's, named relative to ``source`` (a GGUF: its file name), so
+    that the same files copied elsewhere have the same names."""
+    combined, weights = hashlib.sha256(), {}
     for file in files:
+        digest = hashlib.sha256()
+        # One file (a GGUF, model.safetensors): its digest is the combined one, hashed once.
+        hashers = (digest,) if len(files) == 1 else (digest, combined)
         with open(file, "rb") as f:
             for chunk in iter(lambda: f.read(2**24), b""):
-                digest.update(chunk)
-    record = {"path": str(path.resolve()), "sha256": digest.hexdigest()}
-    return Source(str(path.resolve()), None, record, model=model, params=params)
+                for hasher in hashers:
+                    hasher.update(chunk)
+        name = Path(file).name if source.is_file() else os.path.relpath(file, source)
+        weights[name] = digest.hexdigest()
+    return (next(iter(weights.values())) if len(files) == 1 else combined.hexdigest()), weights
 
 
 def read_run(run_dir: str) -> Source:
