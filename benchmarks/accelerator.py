@@ -17,30 +17,38 @@ downloaded), so ``benchmarks/mfu.py``'s FLOP formula applies unchanged. Sections
 * **memory**: :mod:`effijax.memory`'s estimate (model states + the bf16 compute copy + the
   activation formula with 2-byte values and the f32 logits) against the compiled step's
   ``memory_analysis()`` and the device's ``memory_stats()['peak_bytes_in_use']`` after one bf16
-  step of the 0.35B model. First, so that the process-wide peak is this step's.
+  step of the 0.35B model. Why: the planner and the pre-flight rest on the estimate, and until
+  now it was only checked on XLA:CPU, which keeps 16-bit activations in f32. First, so that the
+  process-wide peak is this step's.
 * **precision**: fp32, bf16, and fp16 with dynamic loss scaling, same model and batch, the
   steps interleaved (``harness.time_interleaved``): step time, tokens/s, speed-up over fp32.
-* **loss scaling**: what ``dynamic_loss_scale`` costs: the fp16 step with it against the same
-  step without it (``allow_unscaled_fp16``) and a hand-written fp16 ``value_and_grad`` + optax
-  step, interleaved.
-* **MFU**: the bf16 step on a ladder of sizes (the largest the memory estimate allows first,
-  down to the 0.35B model, until the time budget ends or a size runs out of memory), each
-  interleaved with a large bf16 matmul. MFU against the data-sheet peak (``mfu.PEAK_TFLOPS``)
-  and against the measured matmul peak.
+  Why: mixed precision is the library's first promise, and a CPU cannot show its speed.
+* **loss scaling**: the fp16 step with ``dynamic_loss_scale`` against the same step without it
+  (``allow_unscaled_fp16``) and a hand-written fp16 ``value_and_grad`` + optax step,
+  interleaved. Why: the scaling transform should cost next to nothing on the device it is for.
+* **MFU**: the bf16 step on a ladder of sizes (the 0.35B model, compiled already, then the
+  largest the memory estimate allows and down, until the time budget ends; a size out of memory
+  is skipped), each interleaved with a large bf16 matmul; MFU against the data-sheet peak
+  (``mfu.PEAK_TFLOPS``) and against the measured matmul peak. Why: the one number that says how
+  well the step uses the chip, for the largest model one device trains.
 * **attention**: the fused kernel (``xla_attend``: cuDNN where it applies), the pure-JAX
   blockwise kernel and the naive one, forward + backward at sequence lengths 1k-8k: time and
-  XLA's temporaries (the memory the op needs beyond its inputs and outputs).
-* **determinism**: ``XLA_FLAGS=--xla_gpu_deterministic_ops=true`` and its cost. XLA reads flags
-  at start-up, so a child process runs a small bf16 model with and without the flag: step time,
-  and whether two runs from the same start end with bitwise-equal parameters.
+  XLA's temporaries (the memory the op needs beyond its inputs and outputs). Why: ``auto``'s
+  choice on a GPU and the blockwise kernel's memory claim were only measured on a CPU.
+* **determinism**: ``XLA_FLAGS=--xla_gpu_deterministic_ops=true`` and its cost: this process
+  runs a small bf16 model without the flag, a child process (XLA reads flags at start-up) with
+  it; step time, and whether two runs from the same start end with bitwise-equal parameters.
+  Why: bitwise resume is tested on a CPU; on a GPU it needs the flag, at a price.
 
-``--dry-run`` runs every section on tiny sizes (a CPU smoke test, under a minute on 2 cores);
-it writes RESULTS.md only with ``--write``. ``--sections memory,mfu`` runs a subset.
+``--dry-run`` runs every section on tiny sizes (a CPU smoke test: about a minute of CPU time on
+2 cores, longer on a shared machine); it writes RESULTS.md only with ``--write``.
+``--sections memory,MFU`` runs a subset, ``--time-limit S`` caps the run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -50,6 +58,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -143,13 +152,14 @@ GPU = Sizes(
     determinism_steps=3,
     rounds=3,
     steps_per_round=5,
-    budgets_s={"memory": 40, "precision": 70, "loss scaling": 45, "MFU": 90,
-               "attention": 45, "determinism": 60},
+    # 330 s in all; a section may overrun its budget by the 20 s grace before its alarm.
+    budgets_s={"memory": 40, "precision": 65, "loss scaling": 45, "MFU": 85,
+               "attention": 40, "determinism": 55},
 )
 DRY_RUN = Sizes(
     model=_gpt(64, 2, 4, 64, 256),
     batch_size=2,
-    ladder=(_gpt(64, 2, 4, 64, 256), _gpt(96, 2, 4, 64, 256)),
+    ladder=(_gpt(64, 2, 4, 64, 256),),  # the model: a second size would cost a compilation
     matmul_n=128,
     attention_bhk=(1, 2, 16),
     attention_seqs=(128,),
@@ -182,16 +192,17 @@ def _tokens(config: GPTConfig, batch_size: int) -> dict:
             for name, k in zip(("inputs", "targets"), keys, strict=True)}
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _init(config: GPTConfig, policy: str, key: jax.Array):
-    return config.init_params(key, policy)
+@functools.cache
+def _init_state_fn(config: GPTConfig, policy: str, loss_scaling: bool) -> Callable:
+    optimizer = _optimizer(loss_scaling)
+    return jax.jit(lambda key: init_train_state(config.init_params(key, policy), optimizer,
+                                                jax.random.key(1)))
 
 
 def _init_state(config: GPTConfig, policy: str, loss_scaling: bool):
-    """A train state from key 0, the parameters initialised in one compiled program (op by op,
-    a big model's init dispatches hundreds of small programs)."""
-    return init_train_state(_init(config, policy, jax.random.key(0)), _optimizer(loss_scaling),
-                            jax.random.key(1))
+    """A train state from key 0, initialised by one compiled program, cached by configuration
+    (op by op, a big model's init dispatches hundreds of small programs, each compiled once)."""
+    return _init_state_fn(config, policy, loss_scaling)(jax.random.key(0))
 
 
 # The steps are cached by configuration: sections that time the same step share one compilation.
@@ -680,7 +691,7 @@ def _determinism_section(ctx: Context) -> dict:
 
 def _render_determinism(r: dict) -> str:
     return "\n".join([
-        f"{r['model']}, batch {r['batch_size']}, bf16. Each run takes {r['steps']} steps twice "
+        f"{r['model']}, batch {r['batch_size']}, bf16. Each process runs {r['steps']} steps twice "
         "from the same initial state, compares the parameters bitwise, then times the step; XLA "
         "reads its flags at start-up, so the flagged run is a child process.",
         "",
@@ -719,16 +730,24 @@ class SectionTimeout(Exception):
     """A section ran past its budget by more than the grace period."""
 
 
-def _alarm(seconds: float | None):
-    """Arms (or, with None, disarms) a SIGALRM that raises :class:`SectionTimeout` in the main
-    thread; JAX's compiled code is not interrupted, the exception lands when it returns."""
-    if not hasattr(signal, "setitimer"):
+@contextlib.contextmanager
+def _alarm(seconds: float):
+    """Raises :class:`SectionTimeout` in the block after ``seconds`` (main thread, where there is
+    SIGALRM). Compiled JAX code is not interrupted: the exception lands when it returns."""
+    if not hasattr(signal, "setitimer") or threading.current_thread() is not \
+            threading.main_thread():
+        yield
         return
 
     def expire(signum, frame):
         raise SectionTimeout("over its time budget")
-    signal.signal(signal.SIGALRM, expire if seconds else signal.SIG_DFL)
-    signal.setitimer(signal.ITIMER_REAL, max(seconds or 0.0, 0.0))
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.01))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def run_sections(sections, ctx: Context, *, time_limit: float, grace_s: float,
@@ -766,15 +785,13 @@ def run_sections(sections, ctx: Context, *, time_limit: float, grace_s: float,
             t0 = time.monotonic()
             ctx.deadline = t0 + min(budget, left)
             print(f"section {section.name} (budget {min(budget, left):.0f} s) ...", flush=True)
-            _alarm(min(budget, left) + grace_s)
             try:
-                entry.update(status="ok", result=section.measure(ctx))
+                with _alarm(min(budget, left) + grace_s):
+                    entry.update(status="ok", result=section.measure(ctx))
             except Exception as e:  # noqa: BLE001 - reported; the other sections still run
                 entry.update(status="failed", error=f"{type(e).__name__}: {e}".splitlines()[0])
                 print(f"section {section.name} failed: {entry['error']}", flush=True)
                 traceback.print_exc(file=sys.stderr)
-            finally:
-                _alarm(None)
             entry["seconds"] = time.monotonic() - t0
             print(f"section {section.name}: {entry['status']} in {entry['seconds']:.1f} s",
                   flush=True)
@@ -854,6 +871,7 @@ def main(argv: list[str] | None = None) -> None:
         text = render(results, sections, device=device, dry_run=args.dry_run,
                       total_s=time.monotonic() - t0)
         published = publish(TITLE, text, command=command_line(__file__, argv), write=args.write)
+        sys.stdout.flush()
         if args.out_dir is not None:
             args.out_dir.mkdir(parents=True, exist_ok=True)
             (args.out_dir / "accelerator.md").write_text(published + "\n")
@@ -861,7 +879,7 @@ def main(argv: list[str] | None = None) -> None:
                 {"device": device, "dry_run": args.dry_run, "sections": results}), indent=1))
 
     ctx = Context(sizes, args.dry_run, time.monotonic())
-    results = run_sections(sections, ctx, time_limit=time_limit, grace_s=30.0,
+    results = run_sections(sections, ctx, time_limit=time_limit, grace_s=20.0,
                            after_each=after_each)
     failed = [n for n, e in results.items() if e["status"] != "ok"]
     print(f"done in {time.monotonic() - t0:.0f} s" +
