@@ -806,7 +806,10 @@ def render(results: dict, sections, *, device: str, dry_run: bool, total_s: floa
     """The markdown of a (possibly partial) run: a summary line per section, then each one."""
     renderers = {s.name: s.render for s in sections}
     lines = [f"On {device}" + (" (--dry-run: tiny sizes, a smoke test, not a measurement)"
-                               if dry_run else "") + f"; {total_s:.0f} s so far.", ""]
+                               if dry_run else "")
+             + (f"; {total_s:.0f} s in all." if len(results) == len(sections)
+                else f"; {total_s:.0f} s so far ({len(results)} of {len(sections)} sections)."),
+             ""]
     lines.append(markdown_table(
         ["section", "status", "seconds", "budget s"],
         [[name, e["status"] + ("" if "error" not in e else f": {e['error']}"),

@@ -230,8 +230,9 @@ def render(rows: list[dict], matmul_peak: dict, *, matmul_n: int, batch_size: in
         lines.append(f"- Goal (>= {GOAL:.2f} of the f32 matmul peak for the default step: "
                      f"{model}, batch {batch}, {precision}): not measured in this run.")
     if jax.default_backend() == "cpu" and any(r["dtype"] != "fp32" for r in rows):
-        lines.append("- On a CPU bf16/fp16 are emulated (no native 16-bit matmul units here): "
-                     "their rows measure the emulation, not mixed-precision speed.")
+        lines.append("- On a CPU, XLA's fast bf16 matmul kernels (where the CPU has AVX512_BF16 "
+                     "or AMX) take only the `x @ W` layout; the backward's transposed products "
+                     "run no faster than f32, so these rows do not show a GPU's 16-bit speed.")
     return "\n".join([table, "", *lines])
 
 

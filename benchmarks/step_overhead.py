@@ -191,8 +191,8 @@ def main(argv=None):
         f"- the recipe's job step (`effijax train`'s, with the accuracy metric) / hand-written "
         f"optax fp32: **{ratio_job:.3f}x** (goal <= 1.02x: "
         f"{'met' if ratio_job <= 1.02 else 'MISSED'})",
-        "- Not measured on a GPU: bf16/fp16 speedups and MFU on an accelerator (on this CPU, "
-        "16-bit matmuls are emulated and slower than fp32).",
+        "- bf16/fp16 speed-ups and MFU on a GPU: the section \"Accelerator: one command\" "
+        "(`benchmarks/accelerator.py`).",
     ])
     publish("Step overhead", body, command=command_line(__file__, argv),
             write=args.write)
