@@ -21,8 +21,9 @@ from _run_env import compilation_cache
 
 TIMEOUT_S = 240
 # The processes exchange their stop flags every 10 steps: a run signalled after its first
-# checkpoint (step 2) stops at 10 or 20, before STEPS.
-STEPS = 30
+# checkpoint (step 2) stops at 10 (or 20, had it made 8 steps before the signal came), and
+# resumes for at least one step.
+STEPS = 21
 ARGS = ["--model", "tiny", "--seq-len", "32", "--batch-size", "8", "--steps", str(STEPS),
         "--strategy", "fsdp", "--eval-batches", "1", "--no-progress", "--checkpoint-every", "2"]
 
