@@ -21,6 +21,7 @@ import chex
 import jax
 import numpy as np
 import pytest
+from _run_env import compilation_cache
 
 from effijax.checkpoint import open_checkpoints, restore_target, validate_resume
 from effijax.run import read_metrics
@@ -38,6 +39,17 @@ TRIALS = 8
 _SPAWNED: list[subprocess.Popen] = []
 
 
+@pytest.fixture(scope="module")
+def env(tmp_path_factory) -> dict[str, str]:
+    """The workers' environment: they share one JAX compilation cache, so a worker loads the
+    programs an earlier one compiled (the same executables: the same numbers) instead of
+    compiling them."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
+           **compilation_cache(tmp_path_factory.mktemp("jax-cache"))}
+    env.pop("XLA_FLAGS", None)
+    return env
+
+
 @pytest.fixture(autouse=True)
 def reap_workers():
     """A failed test must not leave workers running or their pipes open (an unclosed pipe
@@ -50,9 +62,7 @@ def reap_workers():
         proc.communicate()
 
 
-def spawn(*args) -> subprocess.Popen:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
-    env.pop("XLA_FLAGS", None)
+def spawn(env, *args) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, str(WORKER), *map(str, args)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _SPAWNED.append(proc)
@@ -79,11 +89,11 @@ def losses(run: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in read_metrics(run)]
 
 
-def test_sigkill_and_resume_is_bitwise_exact(tmp_path):
+def test_sigkill_and_resume_is_bitwise_exact(tmp_path, env):
     kill_after = 6  # poll for this step's checkpoint, then kill once the next step is logged
-    ref = spawn("train", "--dir", tmp_path / "ref", "--run", tmp_path / "ref-run",
+    ref = spawn(env, "train", "--dir", tmp_path / "ref", "--run", tmp_path / "ref-run",
                 "--out", tmp_path / "ref.npz")
-    victim = spawn("train", "--dir", tmp_path / "ckpt", "--run", tmp_path / "run",
+    victim = spawn(env, "train", "--dir", tmp_path / "ckpt", "--run", tmp_path / "run",
                    "--out", tmp_path / "never.npz", "--step-sleep", 0.3)
     wait_for(tmp_path / "ckpt" / str(kill_after), victim)
     while victim.stdout.readline().strip() != f"step {kill_after + 1}":
@@ -102,7 +112,7 @@ def test_sigkill_and_resume_is_bitwise_exact(tmp_path):
     # The killed run logged past its checkpoint: the resumed run must drop those records.
     assert logged[-1] > resume_from
 
-    out = finish(spawn("train", "--dir", tmp_path / "ckpt", "--run", tmp_path / "run",
+    out = finish(spawn(env, "train", "--dir", tmp_path / "ckpt", "--run", tmp_path / "run",
                        "--out", tmp_path / "resumed.npz"))
     assert f"resumed {resume_from}" in out
     ref_state, resumed = np.load(tmp_path / "ref.npz"), np.load(tmp_path / "resumed.npz")
@@ -121,13 +131,13 @@ def spam_target():
     return restore_target(abstract, replicated(make_mesh(devices=jax.devices()[:1])))
 
 
-def test_kill_during_async_write_always_leaves_a_restorable_checkpoint(tmp_path):
+def test_kill_during_async_write_always_leaves_a_restorable_checkpoint(tmp_path, env):
     rng = random.Random(1234)
     target = spam_target()
     outcomes = []
     for trial in range(TRIALS):
         d = tmp_path / f"trial{trial}"
-        proc = spawn("spam", "--dir", d)
+        proc = spawn(env, "spam", "--dir", d)
         assert proc.stdout.readline().strip() == "ready", proc.communicate()
         delay = rng.uniform(0.0, 1.5)
         time.sleep(delay)
@@ -151,8 +161,8 @@ def test_kill_during_async_write_always_leaves_a_restorable_checkpoint(tmp_path)
     assert sum(bool(o["tmp_dirs_left"]) for o in outcomes) >= 1
 
 
-def test_failed_background_write_exits_nonzero(tmp_path):
-    proc = spawn("fail", "--dir", tmp_path / "ckpt")
+def test_failed_background_write_exits_nonzero(tmp_path, env):
+    proc = spawn(env, "fail", "--dir", tmp_path / "ckpt")
     out, err = proc.communicate(timeout=120)
     assert proc.returncode != 0, out
     assert "saved=True" in out  # save() started the write and returned ...

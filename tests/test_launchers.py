@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from _gloo import not_gloo
+from _run_env import compilation_cache
 
 from effijax import distributed
 from effijax.errors import ConfigError
@@ -32,8 +33,12 @@ from effijax.recipe._config import CLUSTERS
 
 TIMEOUT_S = 300
 LONG_S = 900  # the SIGTERM test's runs, on a 2-core machine that other jobs share
-COMMON = ["--model", "tiny", "--seq-len", "32", "--batch-size", "8", "--steps", "3",
-          "--strategy", "fsdp", "--eval-batches", "1", "--no-progress"]
+# Every real launch trains this run; the SIGTERM test's signal comes at step >= 8 (its first
+# checkpoint) and its ranks get it by step ~30 (see GRACE_S): they stop before STEPS.
+STEPS, EVERY = 48, 8
+COMMON = ["--model", "tiny", "--seq-len", "32", "--batch-size", "8", "--steps", str(STEPS),
+          "--strategy", "fsdp", "--eval-batches", "1", "--no-progress", "--checkpoint-every",
+          str(EVERY)]
 LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMIX_", "EFFIJAX_", "JAX_COORDINATOR", "JAX_LOCAL",
                      "KUBERNETES_", "JOB_COMPLETION_INDEX", "XLA_FLAGS")
 MPIRUN = ["mpirun", "-np", "2", "--allow-run-as-root", "--oversubscribe", "--tag-output",
@@ -226,23 +231,45 @@ def corpus(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, corpus):
+def cached(tmp_path_factory) -> dict:
+    """The variables under which the launches share JAX's persistent compilation cache: the
+    first one compiles the programs around the step (initialisation, evaluation), the later ones
+    load them; each run's step is compiled afresh for its collective census, which its summary
+    lists."""
+    return compilation_cache(tmp_path_factory.mktemp("jax-cache"))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, corpus, cached):
     """One process, 8 CPU devices: what the 2 x 4 launches must reproduce."""
     out = tmp_path_factory.mktemp("ref") / "1x8"
-    _wait([_train([*COMMON, "--data", corpus, "--out", str(out), "--cpu-devices", "8"])])
+    _wait([_train([*COMMON, "--data", corpus, "--out", str(out), "--cpu-devices", "8"],
+                  _env(**cached))])
     return out
+
+
+@pytest.fixture(scope="module")
+def under_mpirun(tmp_path_factory, corpus, cached):
+    """The run under ``mpirun -np 2``, 4 devices each, uninterrupted: its directory and
+    mpirun's tagged stdout. One launch serves the comparison with one process of 8 devices and
+    the SIGTERM test's bitwise reference."""
+    out = tmp_path_factory.mktemp("mpirun") / "straight"
+    (stdout, _), = _wait([_train([*COMMON, "--data", corpus, "--out", str(out),
+                                  "--cpu-devices", "4"], _env(**cached), MPIRUN)],
+                         timeout=LONG_S)
+    return out, stdout
 
 
 def _same_run(multi, single):
     m2, m1 = _metrics(multi), _metrics(single)
-    assert [r["step"] for r in m2] == [r["step"] for r in m1] == [1, 2, 3]
+    assert [r["step"] for r in m2] == [r["step"] for r in m1] == list(range(1, STEPS + 1))
     np.testing.assert_allclose([r["loss"] for r in m2], [r["loss"] for r in m1], rtol=1e-5)
     s2 = json.loads((multi / "summary.json").read_text())
     s1 = json.loads((single / "summary.json").read_text())
     np.testing.assert_allclose(s2["eval_loss"], s1["eval_loss"], rtol=1e-5)
     c2 = json.loads((multi / "config.json").read_text())
     assert c2["run"]["process_count"] == 2 and len(c2["run"]["devices"]) == 8
-    assert s2["collectives"] == s1["collectives"]
+    assert s2["collectives"] and s2["collectives"] == s1["collectives"]
 
 
 _TAG = re.compile(r"\[1,(\d+)\]<std(?:out|err)>:")
@@ -270,7 +297,7 @@ needs_mpirun = pytest.mark.skipif(shutil.which("mpirun") is None, reason=(
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_mpirun_two_processes_of_four_devices_match_one_process_of_eight(
-        tmp_path, corpus, reference):
+        under_mpirun, reference):
     # Before anything trains: both ranks see one loopback coordinator, from mpirun alone.
     # One write per rank: mpirun --tag-output tags each chunk it reads, so print's separate
     # writes (under PYTHONUNBUFFERED, as in CI) interleaved the two ranks mid-line.
@@ -285,13 +312,11 @@ def test_mpirun_two_processes_of_four_devices_match_one_process_of_eight(
     (launcher, address, count, _), _ = sorted(seen)
     assert launcher == "ompi" and count == "2" and _is_loopback(address), seen
 
-    out = tmp_path / "mpirun"
-    (stdout, stderr), = _wait([_train([*COMMON, "--data", corpus, "--out", str(out),
-                                       "--cpu-devices", "4"], prefix=MPIRUN)])
+    out, stdout = under_mpirun
     lines = _by_rank(stdout)
     assert any(x.startswith("effijax train: process 0 of 2 (launcher ompi), coordinator "
                             "127.0.0.1:") for x in lines[0]), stdout
-    assert any("done: 3 steps" in x for x in lines[0]) and not_gloo(lines[1]) == [], stdout
+    assert any(f"done: {STEPS} steps" in x for x in lines[0]) and not_gloo(lines[1]) == [], stdout
     _same_run(out, reference)
 
 
@@ -312,7 +337,7 @@ def _free_slurm_job_id() -> int:
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_emulated_srun_two_processes_match_one_process_of_eight(
-        tmp_path, corpus, reference, clean_env):
+        tmp_path, corpus, reference, clean_env, cached):
     job_id = _free_slurm_job_id()
     slurm = {"SLURM_JOB_ID": job_id, "SLURM_NTASKS": 2, "SLURM_STEP_NODELIST": "localhost",
              "SLURM_STEP_NUM_NODES": 1, "SLURM_NNODES": 1, "SLURM_JOB_NODELIST": "localhost"}
@@ -324,11 +349,12 @@ def test_emulated_srun_two_processes_match_one_process_of_eight(
 
     out = tmp_path / "srun"
     procs = [_train([*COMMON, "--data", corpus, "--out", str(out), "--cpu-devices", "4"],
-                    env=_env(**slurm, SLURM_PROCID=i, SLURM_LOCALID=i)) for i in range(2)]
+                    env=_env(**slurm, **cached, SLURM_PROCID=i, SLURM_LOCALID=i))
+             for i in range(2)]
     (out0, _), (out1, _) = _wait(procs)
     assert (f"effijax train: process 0 of 2 (launcher slurm), coordinator "
             f"{launch.settings.coordinator_address}") in out0
-    assert "done: 3 steps" in out0 and not_gloo(out1.splitlines()) == []
+    assert f"done: {STEPS} steps" in out0 and not_gloo(out1.splitlines()) == []
     _same_run(out, reference)
 
 
@@ -347,29 +373,59 @@ BATCH_DELAY_S = 1.0
 SLOW_BATCHES = Path(__file__).with_name("_slow_batches_train.py")
 
 
+def _own_output(directory: Path) -> list[str]:
+    """A command prefix under which each rank writes its stdout and stderr to
+    ``directory/RANK.out`` itself. mpirun forwards its ranks' output from an event loop that
+    sleeps through its kill sequence (GRACE_S before the SIGTERM, and as long again before the
+    SIGKILL, even once every rank has exited: measured, 18 s of 20): with the output in files,
+    the test need not wait out the second sleep to read what the ranks said."""
+    return ["sh", "-c", f'exec "$0" "$@" > "{directory}/$OMPI_COMM_WORLD_RANK.out" 2>&1']
+
+
+def _wait_for_ranks(proc: subprocess.Popen, timeout: float) -> None:
+    """Until every rank (child) of mpirun ``proc`` has exited, then kills mpirun's session (it
+    would sleep on before exiting; its ranks are done). Where /proc lists no children, waits
+    for mpirun itself."""
+    tasks = Path(f"/proc/{proc.pid}/task")
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and (tasks / str(proc.pid) / "children").exists():
+        try:
+            children = [c for t in tasks.iterdir()
+                        for c in (t / "children").read_text().split()]
+            # A rank that has exited stays a zombie (state Z) until mpirun reaps it.
+            ended = all(Path(f"/proc/{c}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+                        for c in children)
+        except OSError:  # mpirun reaped a rank, or exited, while we read: look again
+            ended = False
+        if ended:
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+        if time.monotonic() > deadline:
+            _wait([proc], timeout=1)  # kills, fails
+        time.sleep(0.05)
+    proc.communicate(timeout=timeout)
+
+
 @needs_mpirun
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_sigterm_through_mpirun_stops_both_at_one_step_and_resumes_exactly(tmp_path, corpus):
-    steps, every = 48, 8  # the signal comes at step >= 8; the ranks get it by step ~30
-    args = ["--model", "tiny", "--seq-len", "32", "--batch-size", "8", "--strategy", "fsdp",
-            "--eval-batches", "1", "--no-progress", "--data", corpus, "--steps", str(steps),
-            "--checkpoint-every", str(every), "--cpu-devices", "4"]
-    launcher = [*MPIRUN, "--mca", "odls_base_sigkill_timeout", str(GRACE_S)]
-    run, straight = tmp_path / "run", tmp_path / "straight"
-    # The three runs share JAX's persistent compilation cache: the later two load what the first
-    # compiled. (A cache hit skips the HLO dump the collective census reads, so their summaries
-    # list no collectives; this test compares none.)
-    cached = {"JAX_COMPILATION_CACHE_DIR": tmp_path / "jax-cache",
-              "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": 0,
-              "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": 0}
+def test_sigterm_through_mpirun_stops_both_at_one_step_and_resumes_exactly(
+        tmp_path, corpus, cached, under_mpirun):
+    args = [*COMMON, "--data", corpus, "--cpu-devices", "4"]
+    # Its session directory under tmp_path: mpirun, killed once its ranks are done (see
+    # _wait_for_ranks), leaves it behind.
+    launcher = [*MPIRUN, "--mca", "odls_base_sigkill_timeout", str(GRACE_S),
+                "--mca", "orte_tmpdir_base", str(tmp_path)]
+    run = tmp_path / "run"
     # The helper runs as a script: put this checkout's package first on its path.
     repo = str(SLOW_BATCHES.resolve().parents[1])
     slow = _env(**cached, EFFIJAX_TEST_BATCH_DELAY_S=BATCH_DELAY_S, PYTHONPATH=os.pathsep.join(
         [repo, *filter(None, [os.environ.get("PYTHONPATH")])]))
-    proc = subprocess.Popen([*launcher, sys.executable, str(SLOW_BATCHES), "train", *args,
-                             "--out", str(run)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=slow, start_new_session=True)
+    said = tmp_path / "ranks"
+    said.mkdir()
+    proc = subprocess.Popen([*launcher, *_own_output(said), sys.executable, str(SLOW_BATCHES),
+                             "train", *args, "--out", str(run)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=slow, start_new_session=True)
     checkpoints = run / "checkpoints"
     deadline = time.monotonic() + TIMEOUT_S
     while not (checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())):
@@ -378,20 +434,20 @@ def test_sigterm_through_mpirun_stops_both_at_one_step_and_resumes_exactly(tmp_p
             _wait([proc], timeout=1)  # kills, fails
         time.sleep(0.01)
     proc.send_signal(signal.SIGTERM)  # to mpirun, as a scheduler's preemption does
-    out, err = proc.communicate(timeout=LONG_S)
+    _wait_for_ranks(proc, timeout=LONG_S)
     last = _metrics(run)[-1]["step"]
-    assert every <= last < steps, f"stopped at {last}: the signal must land mid-run"
-    lines = _by_rank(out)
+    assert EVERY <= last < STEPS, f"stopped at {last}: the signal must land mid-run"
+    out0, out1 = ((said / f"{rank}.out").read_text() for rank in (0, 1))
     assert f"effijax train: stopped at step {last} by SIGTERM; saved; resume with: " \
-        "effijax train" in "\n".join(lines[0]), out + err
+        "effijax train" in out0, out0 + out1
     assert max(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) == last
 
-    # The resumed and the uninterrupted runs read their batches at full speed, and run the
-    # executables the signalled run compiled: the steps must still agree bit for bit.
+    # The resumed run reads its batches at full speed and loads the programs around the step
+    # from the cache: its steps must still agree bit for bit with the uninterrupted run's.
     (out, _), = _wait([_train([*args, "--out", str(run)], _env(**cached), MPIRUN)],
                       timeout=LONG_S)
-    assert f"resuming from step {last}" in out and f"done: {steps} steps" in out
-    _wait([_train([*args, "--out", str(straight)], _env(**cached), MPIRUN)], timeout=LONG_S)
+    assert f"resuming from step {last}" in out and f"done: {STEPS} steps" in out
+    straight, _ = under_mpirun
     resumed, reference = _metrics(run), _metrics(straight)
-    assert [r["step"] for r in resumed] == list(range(1, steps + 1))
+    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in resumed] == [r["loss"] for r in reference]

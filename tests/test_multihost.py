@@ -17,10 +17,15 @@ import time
 import numpy as np
 import pytest
 from _gloo import not_gloo
+from _run_env import compilation_cache
 
 TIMEOUT_S = 240
-COMMON = ["--model", "tiny", "--seq-len", "32", "--batch-size", "8", "--steps", "3",
-          "--strategy", "fsdp", "--eval-batches", "1", "--no-progress"]
+# The processes exchange their stop flags every 10 steps: a run signalled after its first
+# checkpoint (step 2) stops at 10 (or 20, had it made 8 steps before the signal came), and
+# resumes for at least one step.
+STEPS = 21
+ARGS = ["--model", "tiny", "--seq-len", "32", "--batch-size", "8", "--steps", str(STEPS),
+        "--strategy", "fsdp", "--eval-batches", "1", "--no-progress", "--checkpoint-every", "2"]
 
 
 def _free_port() -> int:
@@ -66,37 +71,6 @@ def corpus(tmp_path_factory):
     return str(path)
 
 
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_two_processes_of_four_devices_match_one_process_of_eight(tmp_path, corpus):
-    multi, single = tmp_path / "2x4", tmp_path / "1x8"
-    port = _free_port()
-    procs = [_launch([*COMMON, "--data", corpus, "--out", str(multi), "--cpu-devices", "4",
-                      "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
-                      "--process-id", str(i)]) for i in range(2)]
-    (out0, _), (out1, _) = _wait(procs)
-    assert "done: 3 steps" in out0 and "2 process(es)" in out0
-    # Only process 0 prints (gloo's C++ connection lines are not effijax's to silence).
-    assert not_gloo(out1.splitlines()) == []
-    _wait([_launch([*COMMON, "--data", corpus, "--out", str(single), "--cpu-devices", "8"])])
-
-    def metrics(run):
-        return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-
-    m2, m1 = metrics(multi), metrics(single)
-    assert [r["step"] for r in m2] == [r["step"] for r in m1] == [1, 2, 3]
-    np.testing.assert_allclose([r["loss"] for r in m2], [r["loss"] for r in m1], rtol=1e-5)
-    s2 = json.loads((multi / "summary.json").read_text())
-    s1 = json.loads((single / "summary.json").read_text())
-    np.testing.assert_allclose(s2["eval_loss"], s1["eval_loss"], rtol=1e-5)
-    c2 = json.loads((multi / "config.json").read_text())
-    assert c2["run"]["process_count"] == 2 and len(c2["run"]["devices"]) == 8
-    assert c2["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1} and c2["strategy"] == "fsdp"
-    # The same program: same per-device memory and collectives.
-    assert s2["memory"]["params"] == s1["memory"]["params"]
-    assert s2["collectives"] == s1["collectives"]
-
-
 def _metrics(run):
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
 
@@ -106,27 +80,57 @@ def _pair(args, port, env=None):
                      "--num-processes", "2", "--process-id", str(i)], env) for i in range(2)]
 
 
-def _cached_env(directory) -> dict:
-    """Processes that share JAX's persistent compilation cache in ``directory``: the first
-    launch compiles, the later ones of the same command load its executables (most of a launch's
-    time on a small CPU machine). A cache hit skips XLA's compilation and so the HLO dump the
-    collective census reads: those runs' summaries list no collectives, which is why only the
-    tests that compare no census share one."""
-    return _env(JAX_COMPILATION_CACHE_DIR=str(directory),
-                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+@pytest.fixture(scope="module")
+def cached_env(tmp_path_factory) -> dict:
+    """Processes that share JAX's persistent compilation cache: the first launch compiles the
+    programs around the step (initialisation, evaluation), the later ones load them; each run's
+    step is compiled afresh for its collective census, which its summary lists."""
+    return _env(**compilation_cache(tmp_path_factory.mktemp("jax-cache")))
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, corpus, cached_env):
+    """One uninterrupted run of ``ARGS`` on 2 processes of 4 devices, and its process 0's and
+    process 1's stdout: what one process of 8 must equal, and what the interrupted and resumed
+    run must equal bit for bit (one launch serves both tests)."""
+    run = tmp_path_factory.mktemp("2x4") / "straight"
+    (out0, _), (out1, _) = _wait(_pair([*ARGS, "--data", corpus, "--out", str(run)],
+                                      _free_port(), cached_env))
+    return run, out0, out1
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_processes_of_four_devices_match_one_process_of_eight(tmp_path, corpus, straight,
+                                                                  cached_env):
+    multi, out0, out1 = straight
+    assert f"done: {STEPS} steps" in out0 and "2 process(es)" in out0
+    # Only process 0 prints (gloo's C++ connection lines are not effijax's to silence).
+    assert not_gloo(out1.splitlines()) == []
+    single = tmp_path / "1x8"
+    _wait([_launch([*ARGS, "--data", corpus, "--out", str(single), "--cpu-devices", "8"],
+                   cached_env)])
+
+    m2, m1 = _metrics(multi), _metrics(single)
+    assert [r["step"] for r in m2] == [r["step"] for r in m1] == list(range(1, STEPS + 1))
+    np.testing.assert_allclose([r["loss"] for r in m2], [r["loss"] for r in m1], rtol=1e-5)
+    s2 = json.loads((multi / "summary.json").read_text())
+    s1 = json.loads((single / "summary.json").read_text())
+    np.testing.assert_allclose(s2["eval_loss"], s1["eval_loss"], rtol=1e-5)
+    c2 = json.loads((multi / "config.json").read_text())
+    assert c2["run"]["process_count"] == 2 and len(c2["run"]["devices"]) == 8
+    assert c2["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1} and c2["strategy"] == "fsdp"
+    # The same program: same per-device memory and collectives.
+    assert s2["memory"]["params"] == s1["memory"]["params"]
+    assert s2["collectives"] and s2["collectives"] == s1["collectives"]
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_sigterm_to_one_of_two_processes_stops_both_at_one_step_and_resumes_exactly(
-        tmp_path, corpus):
-    steps = 30  # the processes exchange their stop flags every 10 steps: they stop at 10 or 20
-    args = ["--model", "tiny", "--seq-len", "32", "--batch-size", "8", "--strategy", "fsdp",
-            "--eval-batches", "1", "--no-progress", "--data", corpus, "--steps", str(steps),
-            "--checkpoint-every", "2"]
-    run, straight = tmp_path / "run", tmp_path / "straight"
-    env = _cached_env(tmp_path / "jax-cache")
+        tmp_path, corpus, straight, cached_env):
+    args = [*ARGS, "--data", corpus]
+    run, env = tmp_path / "run", cached_env
     procs = _pair([*args, "--out", str(run)], _free_port(), env)
     checkpoints = run / "checkpoints"
     deadline = time.monotonic() + TIMEOUT_S
@@ -138,20 +142,20 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_one_step_and_resumes_exac
     procs[1].send_signal(signal.SIGTERM)  # process 1 only: a preempted host
     (out0, _), _ = _wait(procs)  # both exit 0
     last = _metrics(run)[-1]["step"]
-    assert last < steps, "the run finished before the signal; make it longer"
+    assert last < STEPS, "the run finished before the signal; make it longer"
     assert f"stopped at step {last} by a signal to process 1; saved" in out0
     # Both processes saved that step together (orbax commits it only when all have written).
     assert max(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) == last
 
-    # These two load the executables the interrupted run compiled (the cache): the steps after
-    # the stop and the uninterrupted run's must still equal that run's steps bit for bit.
+    # The resumed run loads the programs around the step that the uninterrupted run (the
+    # fixture) compiled: its steps after the stop must still equal that run's bit for bit.
     (out0, _), _ = _wait(_pair([*args, "--out", str(run)], _free_port(), env))
-    assert f"resuming from step {last}" in out0 and f"done: {steps} steps" in out0
-    _wait(_pair([*args, "--out", str(straight)], _free_port(), env))
-    resumed, reference = _metrics(run), _metrics(straight)
-    assert [r["step"] for r in resumed] == list(range(1, steps + 1))
+    assert f"resuming from step {last}" in out0 and f"done: {STEPS} steps" in out0
+    reference, _, _ = straight
+    resumed = _metrics(run)
+    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
     # The same program on the same devices: bit for bit.
-    assert [r["loss"] for r in resumed] == [r["loss"] for r in reference]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in _metrics(reference)]
     s_resumed = json.loads((run / "summary.json").read_text())
-    s_reference = json.loads((straight / "summary.json").read_text())
+    s_reference = json.loads((reference / "summary.json").read_text())
     assert s_resumed["eval_loss"] == s_reference["eval_loss"]
