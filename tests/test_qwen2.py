@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _adapters import random_adapters
 from _llama_files import VOCAB_SIZE, write_gguf
 
 torch = pytest.importorskip("torch", reason="Qwen2 parity tests need torch (effijax[interop])")
@@ -148,21 +149,13 @@ def test_greedy_generation_matches_transformers_generate(tied):
     assert ours.tokens[0].tolist() == theirs[0, len(prompt):].tolist()
 
 
-def _random_adapters(params, spec, seed=7):
-    adapters = lora.init(jax.random.key(seed), params, spec)
-    leaves, treedef = jax.tree.flatten(adapters)
-    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
-    return jax.tree.unflatten(treedef, [x + 0.1 * jax.random.normal(k, x.shape, x.dtype)
-                                        for x, k in zip(leaves, keys, strict=True)])
-
-
 # peft 0.21 reads transformers 5's deprecated `is_gradient_checkpointing`: their warning, not ours.
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 @pytest.mark.slow  # imports peft and compiles the factored-LoRA forward: ~10-20 s
 def test_peft_adapters_and_merged_export_give_effijax_logits(tmp_path, untied):
     directory, _, config, params = untied
     spec = lora.LoraSpec(rank=4, alpha=16.0, targets=config.lora_targets)
-    adapters = _random_adapters(params, spec)
+    adapters = random_adapters(params, spec, seed=7, scale=0.1)
     tokens = _tokens(seed=2)
     ours = _our_logits(config, params, tokens, spec, adapters)
     assert np.abs(ours - _our_logits(config, params, tokens)).max() > 0.1  # adapters matter
