@@ -312,6 +312,10 @@ def pretrained_format(*, model_type: Any = None, gguf_architecture: Any = None
       Traceback (most recent call last):
       ...
       effijax.errors.ConfigError: model_type='mistral': effijax loads ... 'llama', 'qwen2'
+      >>> pretrained_format(model_type={})
+      Traceback (most recent call last):
+      ...
+      effijax.errors.ConfigError: model_type={}: effijax loads these model_types only: ...
     """
     if gguf_architecture is None:
         field, value = "model_type", model_type
@@ -320,7 +324,7 @@ def pretrained_format(*, model_type: Any = None, gguf_architecture: Any = None
         field, value = "general.architecture", gguf_architecture
         known = {fmt.gguf_architecture: fmt for fmt in PRETRAINED.values()
                  if fmt.gguf_architecture is not None}
-    if value not in known:
+    if not isinstance(value, str) or value not in known:  # a hostile file's {} is unhashable
         raise ConfigError(field, value, f"effijax loads these {field}s only: "
                           f"{', '.join(repr(k) for k in sorted(known))}")
     return known[value]
