@@ -73,13 +73,15 @@ def torch_tensors(model, params):
 
 
 def write_gguf(file, model, params, *, pre="smollm", qtype=None, drop=(), extra=None,
-               reshape=None, architecture="llama"):
+               reshape=None, architecture="llama", permuted=True):
     """Writes ``model`` with ``params`` as a llama.cpp-style GGUF file.
 
     Args:
       qtype: a ``gguf.GGMLQuantizationType`` for the matrices (norms stay F32), or None (F32).
       drop: GGUF tensor names to leave out; extra: ``{name: array}`` to add; reshape:
         ``{name: shape}`` to write a tensor with the wrong shape (for error tests).
+      architecture: ``general.architecture`` and the metadata keys' prefix; permuted: Q/K rows
+        in llama.cpp's Llama order (its converter leaves Qwen2's in Hugging Face's order).
     """
     writer = gguf.GGUFWriter(str(file), architecture)
     writer.add_name("tiny-llama")
@@ -111,7 +113,9 @@ def write_gguf(file, model, params, *, pre="smollm", qtype=None, drop=(), extra=
         name = names[hf]
         if name in drop:
             continue
-        if hf.endswith("self_attn.q_proj.weight"):
+        if not permuted:
+            pass
+        elif hf.endswith("self_attn.q_proj.weight"):
             w = llama_cpp_permute(w, model.n_heads, model.n_heads)
         elif hf.endswith("self_attn.k_proj.weight"):
             w = llama_cpp_permute(w, model.n_heads, model.n_kv_heads)

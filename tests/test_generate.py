@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _adapters import random_adapters
 
 from effijax import lora
 from effijax.errors import ConfigError
@@ -51,14 +52,6 @@ def model_params(request):
     return model, _scaled(model.init_params(jax.random.key(0)))
 
 
-def _random_adapters(params, spec, seed=7):
-    adapters = lora.init(jax.random.key(seed), params, spec)
-    leaves, treedef = jax.tree.flatten(adapters)
-    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
-    return jax.tree.unflatten(treedef, [x + 0.2 * jax.random.normal(k, x.shape, x.dtype)
-                                        for x, k in zip(leaves, keys, strict=True)])
-
-
 @functools.cache
 def _decode_jit(model, spec=None):
     return jax.jit(model.decode_fn(spec))
@@ -84,7 +77,7 @@ def test_cached_decoding_gives_the_full_forward_logits_at_every_position(model_p
     spec = None
     if with_lora:
         spec = lora.LoraSpec(rank=4, alpha=8.0, targets=model.lora_targets)
-        params = {"base": params, "adapters": _random_adapters(params, spec)}
+        params = {"base": params, "adapters": random_adapters(params, spec, seed=7, scale=0.2)}
     full = _logits_jit(model, spec)(params, tokens)
     cached = _cached_logits(model, params, tokens, prefill=16, spec=spec)
     assert cached.dtype == jnp.float32 and cached.shape == full.shape
@@ -130,7 +123,7 @@ def test_adapters_without_merging_generate_what_the_merged_model_generates(unrol
     model = MODELS["llama-gqa"]
     params = _scaled(model.init_params(jax.random.key(2)))
     spec = lora.LoraSpec(rank=4, alpha=8.0, targets=model.lora_targets)
-    adapters = _random_adapters(params, spec, seed=3)
+    adapters = random_adapters(params, spec, seed=3, scale=0.2)
     prompt = [10, 20, 30, 40]
     factored = generate(model, {"base": params, "adapters": adapters}, prompt,
                         max_new_tokens=10, lora=spec, unroll_layers=unroll)
@@ -214,7 +207,7 @@ def _with_adapters(model, params, with_lora):
     if not with_lora:
         return params, None
     spec = lora.LoraSpec(rank=4, alpha=8.0, targets=model.lora_targets)
-    return {"base": params, "adapters": _random_adapters(params, spec)}, spec
+    return {"base": params, "adapters": random_adapters(params, spec, seed=7, scale=0.2)}, spec
 
 
 @pytest.mark.parametrize("with_lora", [False, True], ids=["base", "lora"])

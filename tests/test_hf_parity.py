@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _adapters import random_adapters
 from _llama_files import VOCAB_SIZE, write_gguf
 
 torch = pytest.importorskip("torch", reason="parity tests need torch (effijax[interop])")
@@ -103,14 +104,6 @@ def _saved(directory, model):
     return directory
 
 
-def _random_adapters(params, spec, seed=7):
-    adapters = lora.init(jax.random.key(seed), params, spec)
-    leaves, treedef = jax.tree.flatten(adapters)
-    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
-    return jax.tree.unflatten(treedef, [x + 0.1 * jax.random.normal(k, x.shape, x.dtype)
-                                        for x, k in zip(leaves, keys, strict=True)])
-
-
 # peft 0.21 reads transformers 5's deprecated `is_gradient_checkpointing`: their warning, not ours.
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 @pytest.mark.parametrize("targets", [None, r"attn/(q_proj|v_proj)/kernel"],
@@ -119,7 +112,7 @@ def test_peft_adapters_and_merged_export_match_factored_lora(tmp_path, targets):
     config, params = load_hf(_saved(tmp_path / "base", _hf_model(5)), seq_len=32)
     spec = lora.LoraSpec(rank=4, alpha=16.0, targets=targets or config.lora_targets,
                          overrides=((r"mlp/down_proj", 2, 4.0),))
-    adapters = _random_adapters(params, spec)
+    adapters = random_adapters(params, spec, seed=7, scale=0.1)
     tokens = _tokens(96, seed=2)
     ours = _our_logits(config, params, tokens, spec, adapters)
     assert np.abs(ours - _our_logits(config, params, tokens)).max() > 0.1  # adapters matter

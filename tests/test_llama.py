@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _adapters import random_adapters
 
 from effijax import lora
 from effijax.errors import ConfigError
@@ -239,14 +240,6 @@ def test_rope_scaling_changes_only_low_frequencies():
 # --------------------------------------------------------------------------------------------
 
 
-def _random_adapters(params, spec, seed=1):
-    adapters = lora.init(jax.random.key(seed), params, spec)
-    leaves, treedef = jax.tree.flatten(adapters)
-    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
-    return jax.tree.unflatten(treedef, [x + 0.05 * jax.random.normal(k, x.shape, x.dtype)
-                                        for x, k in zip(leaves, keys, strict=True)])
-
-
 def test_factored_lora_equals_merged_and_is_exact_at_init(params):
     spec = lora.LoraSpec(rank=4, alpha=8.0, targets=TINY.lora_targets)
     tokens = _batch(TINY, b=2)["inputs"]
@@ -254,7 +247,7 @@ def test_factored_lora_equals_merged_and_is_exact_at_init(params):
     base_logits = TINY.logits_fn()(params, tokens)
     at_init = TINY.logits_fn(spec)({"base": params, "adapters": fresh}, tokens)
     assert bool(jnp.all(at_init == base_logits))  # b = 0 adds exact zeros
-    adapters = _random_adapters(params, spec)
+    adapters = random_adapters(params, spec, seed=1, scale=0.05)
     factored = TINY.logits_fn(spec)({"base": params, "adapters": adapters}, tokens)
     merged = TINY.logits_fn()(lora.merge(params, adapters, spec), tokens)
     np.testing.assert_allclose(factored, merged, rtol=1e-4, atol=1e-4)
@@ -263,7 +256,7 @@ def test_factored_lora_equals_merged_and_is_exact_at_init(params):
 
 def test_lora_trains_only_the_adapters(params):
     spec = lora.LoraSpec(rank=2, targets=r"attn/(q_proj|v_proj)/kernel")
-    adapters = _random_adapters(params, spec)
+    adapters = random_adapters(params, spec, seed=1, scale=0.05)
     batch = {**_batch(TINY, b=2), "base": params}
     loss = lora.freeze_base(TINY.loss_fn(spec))
     grads = jax.jit(jax.grad(lambda a, b: loss(a, b)[0]))(adapters, batch)

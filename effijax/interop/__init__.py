@@ -1,9 +1,11 @@
 """Real pretrained models in and out: GGUF files and Hugging Face directories, the tokenizer,
 and exports that Hugging Face loads.
 
-* :func:`load` reads a Llama-family model, a ``.gguf`` file (:func:`load_gguf`; quantized
-  tensors are dequantized) or a Hugging Face ``LlamaForCausalLM`` directory (:func:`load_hf`),
-  into ``(LlamaConfig, params)``, parameter by parameter, straight onto the shardings asked for.
+* :func:`load` reads a model of a registered family (Llama, Qwen2: see
+  :class:`~effijax.models.PretrainedFormat`), a ``.gguf`` file (:func:`load_gguf`; quantized
+  tensors are dequantized) or a Hugging Face ``LlamaForCausalLM`` / ``Qwen2ForCausalLM``
+  directory (:func:`load_hf`), into ``(config, params)``, parameter by parameter, straight onto
+  the shardings asked for.
   The config carries the tokenizer (``config.encode(data)`` tokenizes).
 * :func:`save_hf` writes a directory ``transformers.AutoModelForCausalLM.from_pretrained`` loads
   (weights, ``config.json``, tokenizer files with the chat template), LoRA adapters merged in if

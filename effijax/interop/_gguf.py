@@ -1,8 +1,10 @@
 """GGUF files (llama.cpp's format): architecture, weights and tokenizer in one file.
 
 :func:`load_gguf` reads the hyperparameters (``llama.block_count``, ``llama.embedding_length``,
-...) into a :class:`~effijax.models.LlamaConfig`, the tokenizer from ``tokenizer.ggml.*`` (see
-:func:`effijax.models.byte_level_bpe`), and the tensors, dequantized with
+...; ``qwen2.*`` for a Qwen2: ``general.architecture`` picks the registered
+:class:`~effijax.models.PretrainedFormat`) into the family's config, the tokenizer from
+``tokenizer.ggml.*`` (see :func:`effijax.models.byte_level_bpe`), and the tensors, dequantized
+with
 ``gguf.quants.dequantize`` (Q4_1, Q8_0, F16, ... to f32, then the parameter dtype). The file is
 memory-mapped, so a tensor is read when its parameter is assembled. Nothing in the file is
 trusted before it is checked: the layout by :func:`~effijax.interop._gguf_check.check_gguf`
@@ -14,8 +16,8 @@ Two conventions differ from Hugging Face's. GGUF lists shapes in ggml order (``(
 the dequantized arrays are row-major ``(out, in)``, torch's layout. And llama.cpp's converter
 permutes the rows of ``attn_q``/``attn_k`` so that each head's rotary pairs are adjacent
 (``(x0, x1), (x2, x3), ...``) instead of Hugging Face's halves (``x_i`` with ``x_{i+K/2}``); the
-loader undoes it (:func:`unpermute`). No ``output.weight`` means the head is tied to the
-embedding.
+loader undoes it (:func:`unpermute`; Qwen2's converter does not permute). No ``output.weight``
+means the head is tied to the embedding.
 """
 
 from __future__ import annotations
@@ -29,8 +31,15 @@ from effijax.errors import ConfigError, FileError, whole_number
 from effijax.interop._files import LIMITS, check_finite, check_size, number_field, whole_field
 from effijax.interop._gguf_check import check_gguf
 from effijax.interop._hf import DEFAULT_SEQ_LEN
-from effijax.interop._weights import TENSORS, assemble, check_tensors, expected_hf_shapes
-from effijax.models import LlamaConfig, Tokenizer, byte_level_bpe
+from effijax.interop._weights import assemble, check_tensors, expected_hf_shapes
+from effijax.models import (
+    LlamaConfig,
+    PretrainedFormat,
+    Tokenizer,
+    byte_level_bpe,
+    format_of,
+    pretrained_format,
+)
 
 __all__ = ["load_gguf", "gguf_config", "gguf_tokenizer", "open_gguf", "permute", "unpermute",
            "read_metadata"]
@@ -181,7 +190,8 @@ def gguf_tokenizer(metadata: dict, *, pre: str | None = None,
 def _config(metadata: dict, tensors: dict, *, seq_len, tokenizer, source) -> LlamaConfig:
     """The architecture; every field checked (naming the file and the key) before it is used."""
     try:
-        config = _llama_config(metadata, tensors, seq_len=seq_len, tokenizer=tokenizer,
+        fmt = pretrained_format(gguf_architecture=metadata.get("general.architecture"))
+        config = _block_config(fmt, metadata, tensors, seq_len=seq_len, tokenizer=tokenizer,
                                source=source)
     except ConfigError as e:
         raise FileError.of(source, e) from None
@@ -189,38 +199,38 @@ def _config(metadata: dict, tensors: dict, *, seq_len, tokenizer, source) -> Lla
     return config
 
 
-def _llama_config(metadata: dict, tensors: dict, *, seq_len, tokenizer, source) -> LlamaConfig:
-    arch = metadata.get("general.architecture")
-    if arch != "llama":
-        raise ConfigError("general.architecture", arch,
-                          "effijax loads Llama-family GGUFs ('llama') only")
+def _block_config(fmt: PretrainedFormat, metadata: dict, tensors: dict, *, seq_len, tokenizer,
+                  source) -> LlamaConfig:
+    """A Llama-block family's config from its ``{architecture}.*`` keys."""
+    arch = fmt.gguf_architecture
 
     def whole(key, limit, default=None):
-        return whole_field(metadata, f"llama.{key}", limit, source, default)
+        return whole_field(metadata, f"{arch}.{key}", limit, source, default)
 
-    if metadata.get("llama.rope.scaling.type", "none") not in ("none", None) or \
+    if metadata.get(f"{arch}.rope.scaling.type", "none") not in ("none", None) or \
             "rope_freqs.weight" in tensors:
-        raise ConfigError("llama.rope.scaling.type", metadata.get("llama.rope.scaling.type",
-                                                                  "rope_freqs.weight"),
+        raise ConfigError(f"{arch}.rope.scaling.type",
+                          metadata.get(f"{arch}.rope.scaling.type", "rope_freqs.weight"),
                           "rotary scaling from GGUF is not supported; load the "
                           "Hugging Face checkpoint instead")
     d, heads = whole("embedding_length", "d_model"), whole("attention.head_count", "n_heads")
     head_dim = whole("attention.key_length", "head_dim", max(d // heads, 1))
     rope_dim = whole("rope.dimension_count", "head_dim", head_dim)
     if rope_dim != head_dim:
-        raise ConfigError("llama.rope.dimension_count", rope_dim,
+        raise ConfigError(f"{arch}.rope.dimension_count", rope_dim,
                           f"partial rotary embeddings (head_dim {head_dim}) are not supported")
     # Older files have no vocab_size: the embedding's rows, or the tokenizer's size.
     vocab = (tensors["token_embd.weight"][0] if "token_embd.weight" in tensors else
              len(metadata.get("tokenizer.ggml.tokens") or ()))
     max_position = whole("context_length", "max_position", 2048)
-    return LlamaConfig(
+    return fmt.config(
         vocab_size=whole("vocab_size", "vocab_size", vocab), d_model=d,
         n_layers=whole("block_count", "n_layers"), n_heads=heads,
         n_kv_heads=whole("attention.head_count_kv", "n_kv_heads", heads), head_dim=head_dim,
         d_ff=whole("feed_forward_length", "d_ff"),
-        rope_theta=_f32(number_field(metadata, "llama.rope.freq_base", source, 10000.0)),
-        rms_eps=_f32(number_field(metadata, "llama.attention.layer_norm_rms_epsilon", source)),
+        rope_theta=_f32(number_field(metadata, f"{arch}.rope.freq_base", source, 10000.0)),
+        rms_eps=_f32(number_field(metadata, f"{arch}.attention.layer_norm_rms_epsilon",
+                                  source)),
         tie_embeddings="output.weight" not in tensors,
         seq_len=min(max_position, DEFAULT_SEQ_LEN) if seq_len is None else seq_len,
         max_position=max_position, tokenizer=tokenizer)
@@ -242,14 +252,15 @@ def gguf_config(path: str | os.PathLike, *, seq_len: int | None = None) -> Llama
 
 def load_gguf(path: str | os.PathLike, *, policy=None, shardings=None,
               seq_len: int | None = None, pre: str | None = None) -> tuple[LlamaConfig, dict]:
-    """Loads a Llama-architecture GGUF file: config, tokenizer and dequantized parameters.
+    """Loads a GGUF file of a registered architecture (``general.architecture`` ``"llama"``,
+    ``"qwen2"``): config, tokenizer and dequantized parameters.
 
     Args:
       path: the ``.gguf`` file.
       policy: the parameters' dtypes (default f32).
       shardings: where each parameter goes (a tree like the parameters, or one sharding);
         default: the default device.
-      seq_len: the training window (default ``min(llama.context_length, 2048)``).
+      seq_len: the training window (default ``min({architecture}.context_length, 2048)``).
       pre: override the tokenizer's pre-tokenizer name (see :func:`gguf_tokenizer`).
 
     Returns:
@@ -274,8 +285,9 @@ def load_gguf(path: str | os.PathLike, *, policy=None, shardings=None,
     # The reader's parsed fields (a numpy array per vocabulary string: ~200 MB for SmolLM2's
     # 49152 tokens and 48900 merges) are not needed past this point; the tensors keep the map.
     del reader, metadata
+    fmt = format_of(config)
     to_gguf = {}
-    for path_, (hf, gg) in TENSORS.items():
+    for path_, (hf, gg) in fmt.tensors.items():
         for layer in (range(config.n_layers) if path_.startswith("layers/") else [None]):
             to_gguf[hf.format(i=layer)] = gg.format(i=layer)
     expected = {to_gguf[name]: shape for name, (_, _, shape) in expected_hf_shapes(config).items()}
@@ -292,9 +304,9 @@ def load_gguf(path: str | os.PathLike, *, policy=None, shardings=None,
         with np.errstate(all="ignore"):  # a forged scale overflows: said just below
             w = dequantize(t.data, t.tensor_type).reshape(shapes[t.name])
         check_finite(source, t.name, w)
-        if hf_name.endswith(_Q):
+        if fmt.gguf_permuted and hf_name.endswith(_Q):
             w = unpermute(w, config.n_heads)
-        elif hf_name.endswith(_K):
+        elif fmt.gguf_permuted and hf_name.endswith(_K):
             w = unpermute(w, config.n_kv_heads)
         return w
 

@@ -1,7 +1,9 @@
 """Hugging Face model directories: ``config.json`` + safetensors in, and out.
 
-:func:`load_hf` reads a ``LlamaForCausalLM`` directory (``model.safetensors``, or shards listed in
-``model.safetensors.index.json``) into a :class:`~effijax.models.LlamaConfig` and parameters:
+:func:`load_hf` reads a directory of a registered family (``LlamaForCausalLM``,
+``Qwen2ForCausalLM``: ``config.json``'s ``model_type`` picks the
+:class:`~effijax.models.PretrainedFormat`; ``model.safetensors``, or shards listed in
+``model.safetensors.index.json``) into the family's config and parameters:
 torch's ``(out, in)`` matrices are transposed to Flax's ``(in, out)`` and the layers stacked,
 one parameter at a time (see :func:`~effijax.interop._weights.assemble`). :func:`save_hf` writes
 the inverse, optionally with LoRA adapters merged in, plus the tokenizer files, so that
@@ -31,7 +33,6 @@ from effijax.interop._files import (
     whole_field,
 )
 from effijax.interop._weights import (
-    TENSORS,
     assemble,
     check_tensors,
     expected_hf_shapes,
@@ -39,7 +40,7 @@ from effijax.interop._weights import (
     host_array,
     to_hf,
 )
-from effijax.models import LlamaConfig, Tokenizer
+from effijax.models import LlamaConfig, Tokenizer, format_of, pretrained_format
 from effijax.paths import named_leaves
 
 __all__ = ["config_from_hf", "hf_config", "load_hf", "save_hf", "hf_tokenizer", "DEFAULT_SEQ_LEN"]
@@ -85,7 +86,8 @@ _INT_DEFAULTS = {"num_key_value_heads": 0, "head_dim": 0, "max_position_embeddin
 def config_from_hf(fields: dict, *, seq_len: int | None = None,
                    tokenizer: Tokenizer | None = None,
                    source: str = "config.json") -> LlamaConfig:
-    """A :class:`LlamaConfig` from a Hugging Face ``config.json`` dict.
+    """A family's config (a :class:`LlamaConfig` or one of its kind) from a Hugging Face
+    ``config.json`` dict; its ``model_type`` picks the family.
 
     Every field is checked before it is used: integers are whole numbers within
     :data:`~effijax.interop._files.LIMITS` (``hidden_size 64.7`` is refused, not truncated),
@@ -93,15 +95,15 @@ def config_from_hf(fields: dict, *, seq_len: int | None = None,
     :data:`~effijax.interop._files.MAX_PARAMS` parameters.
 
     Args:
-      fields: the parsed ``config.json`` (``model_type`` "llama").
+      fields: the parsed ``config.json`` (``model_type`` "llama", "qwen2", ...).
       seq_len: the training window; default ``min(max_position_embeddings, 2048)``.
       tokenizer: attached to the config.
       source: the file ``fields`` came from, for the errors.
 
     Raises:
-      FileError: naming ``source`` and the field: not a Llama, a feature effijax's Llama
-        lacks (biases, another activation, another rotary scaling), a missing key, a value of
-        the wrong type or out of range.
+      FileError: naming ``source`` and the field: an unknown ``model_type`` (listing the
+        supported ones), a feature the family lacks in effijax (biases, another activation,
+        another rotary scaling), a missing key, a value of the wrong type or out of range.
 
     Example:
       >>> import dataclasses
@@ -121,14 +123,8 @@ def config_from_hf(fields: dict, *, seq_len: int | None = None,
 
 
 def _config_from_hf(fields: dict, *, seq_len, tokenizer, source) -> LlamaConfig:
-    if fields.get("model_type") != "llama":
-        raise ConfigError("model_type", fields.get("model_type"),
-                          "effijax loads Llama-family models (model_type 'llama') only")
-    for name, allowed in (("hidden_act", ("silu", None)), ("attention_bias", (False, None)),
-                          ("mlp_bias", (False, None)), ("pretraining_tp", (1, None))):
-        if fields.get(name) not in allowed or fields.get(name) is True:  # True == 1
-            raise ConfigError(name, fields.get(name), f"effijax's Llama supports {allowed[0]!r} "
-                              "only")
+    fmt = pretrained_format(model_type=fields.get("model_type"))
+    fmt.check_hf(fields)
     if not isinstance(fields.get("tie_word_embeddings", False), bool):
         raise ConfigError("tie_word_embeddings", fields["tie_word_embeddings"],
                           "expected true or false")
@@ -136,7 +132,7 @@ def _config_from_hf(fields: dict, *, seq_len, tokenizer, source) -> LlamaConfig:
             for key, limit in _INT_FIELDS.items()}
     theta, scaling = _rope_from_hf(fields, source)
     max_position = ints["max_position_embeddings"]
-    return LlamaConfig(
+    return fmt.config(
         vocab_size=ints["vocab_size"], d_model=ints["hidden_size"],
         n_layers=ints["num_hidden_layers"], n_heads=ints["num_attention_heads"],
         n_kv_heads=ints["num_key_value_heads"] or ints["num_attention_heads"],
@@ -149,7 +145,8 @@ def _config_from_hf(fields: dict, *, seq_len, tokenizer, source) -> LlamaConfig:
 
 
 def hf_config(model: LlamaConfig, *, dtype: str = "float32") -> dict:
-    """The ``config.json`` dict of ``LlamaForCausalLM`` for ``model``.
+    """The ``config.json`` dict of ``model``'s ``transformers`` class (``LlamaForCausalLM``,
+    ``Qwen2ForCausalLM``, ...).
 
     Rotary settings are written in both spellings (``rope_theta``/``rope_scaling`` and
     transformers 5's ``rope_parameters``), special token ids from the model's tokenizer.
@@ -168,9 +165,10 @@ def hf_config(model: LlamaConfig, *, dtype: str = "float32") -> dict:
                         "high_freq_factor": high, "original_max_position_embeddings": original}
         rope_parameters = {**rope_scaling, "rope_theta": model.rope_theta}
     tok = model.tokenizer
+    fmt = format_of(model)
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [fmt.hf_class],
+        "model_type": fmt.model_type,
         "vocab_size": model.vocab_size,
         "hidden_size": model.d_model,
         "intermediate_size": model.d_ff,
@@ -185,9 +183,8 @@ def hf_config(model: LlamaConfig, *, dtype: str = "float32") -> dict:
         "rope_scaling": rope_scaling,
         "rope_parameters": rope_parameters,
         "tie_word_embeddings": model.tie_embeddings,
-        "attention_bias": False,
         "attention_dropout": 0.0,
-        "mlp_bias": False,
+        **fmt.hf_fields(model),
         "initializer_range": 0.02,
         "bos_token_id": None if tok is None else tok.bos_id,
         "eos_token_id": None if tok is None else tok.eos_id,
@@ -246,7 +243,8 @@ def _ignored(name: str) -> bool:
 
 def load_hf(directory: str | os.PathLike, *, policy=None, shardings=None,
             seq_len: int | None = None) -> tuple[LlamaConfig, dict]:
-    """Loads a Hugging Face ``LlamaForCausalLM`` directory.
+    """Loads a Hugging Face directory of a registered family (``LlamaForCausalLM``,
+    ``Qwen2ForCausalLM``).
 
     Every file is checked before it is trusted (see :mod:`effijax.interop._files`): the
     config's fields, the tokenizer files, each safetensors header and the shard index.
@@ -330,7 +328,8 @@ def _merged_leaf(path: str, leaf, adapters, lora):
 
 def save_hf(directory: str | os.PathLike, model: LlamaConfig, params, *, adapters=None,
             lora=None, dtype: Any = None, max_shard_bytes: int = 5 * 2**30) -> list[str]:
-    """Writes a Hugging Face ``LlamaForCausalLM`` directory that ``transformers`` loads.
+    """Writes a Hugging Face directory of the model's class (``LlamaForCausalLM``,
+    ``Qwen2ForCausalLM``) that ``transformers`` loads.
 
     ``config.json``, ``generation_config.json``, the weights (``model.safetensors``, or
     ``model-0000k-of-0000n.safetensors`` shards of at most ``max_shard_bytes`` with their
@@ -357,6 +356,7 @@ def save_hf(directory: str | os.PathLike, model: LlamaConfig, params, *, adapter
 
     if (adapters is None) != (lora is None):
         raise ValueError("adapters and lora go together: pass both or neither")
+    fmt = format_of(model)
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
     leaves = dict(named_leaves(params))
@@ -368,7 +368,7 @@ def save_hf(directory: str | os.PathLike, model: LlamaConfig, params, *, adapter
     out_dtype = None if dtype is None else jnp.dtype(dtype)
     # Plan the shards from the shapes, then write them parameter by parameter.
     sizes = []
-    for path in TENSORS:
+    for path in fmt.tensors:
         if path not in leaves:
             continue
         leaf = leaves[path]

@@ -34,7 +34,8 @@ def _is_gguf(path: str) -> bool:
 
 
 def load(path: str | os.PathLike, **kwargs) -> tuple[LlamaConfig, dict]:
-    """Loads a pretrained Llama-family model: a ``.gguf`` file or a Hugging Face directory.
+    """Loads a pretrained model of a registered family (Llama, Qwen2): a ``.gguf`` file or a
+    Hugging Face directory.
 
     Keyword arguments go to :func:`~effijax.interop.load_gguf` or
     :func:`~effijax.interop.load_hf` (``policy``, ``shardings``, ``seq_len``).
@@ -139,12 +140,14 @@ def peft_module(path: str, layer: int | None = None) -> str:
 
 def save_peft(directory: str | os.PathLike, model: LlamaConfig, adapters, spec: LoraSpec, *,
               base_model: str) -> dict[str, tuple[int, ...]]:
-    """Writes LoRA adapters of a Llama as a PEFT adapter for ``LlamaForCausalLM``.
+    """Writes LoRA adapters of a Llama (or a Qwen2) as a PEFT adapter for its ``transformers``
+    class (``LlamaForCausalLM``, ``Qwen2ForCausalLM``).
 
     Tensor names are Hugging Face's (``base_model.model.model.layers.{i}.self_attn.q_proj.
     lora_A.weight``), one per layer, in torch's ``(out, in)`` layout; ``target_modules`` are the
-    module suffixes (``["q_proj", "v_proj"]``: every layer is adapted). ``peft.PeftModel.
-    from_pretrained(LlamaForCausalLM, directory)`` loads it.
+    module suffixes (``["q_proj", "v_proj"]``: every layer is adapted).
+    ``peft.PeftModel.from_pretrained(base, directory)`` loads it onto the base model as
+    ``transformers`` loads it.
 
     Args:
       directory: created if missing.
@@ -169,7 +172,7 @@ def save_peft(directory: str | os.PathLike, model: LlamaConfig, adapters, spec: 
 def export_adapters(directory: str | os.PathLike, model, adapters, spec: LoraSpec, *,
                     base_model: str) -> dict[str, tuple[int, ...]]:
     """Writes LoRA adapters in PEFT's format with the module names of the model's family:
-    Hugging Face's for a Llama (:func:`save_peft`), effijax's own for other families
+    Hugging Face's for a Llama or a Qwen2 (:func:`save_peft`), effijax's own for other families
     (:func:`effijax.lora.export_peft`).
 
     Example:

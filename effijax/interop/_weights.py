@@ -1,12 +1,13 @@
-"""The Llama's tensor names in other formats, name checks, and placement leaf by leaf.
+"""Tensor names in other formats, name checks, and placement leaf by leaf.
 
-One table maps each effijax parameter path to its Hugging Face and GGUF tensor names (per layer
-for the stacked ones). Loading goes through :func:`assemble`: for one parameter at a time it
-reads that parameter's tensors (every layer of a stacked one) into one host buffer in the
-parameter's dtype and layout, places it on its target sharding, and drops the buffer, so the
-host holds at most one parameter beyond what is already placed. Before anything is read,
-:func:`check_tensors` compares the names and shapes a file offers with what the config needs
-and names every missing, unexpected and misshaped tensor.
+Each family's table (its :class:`~effijax.models.PretrainedFormat`'s ``tensors``) maps each
+effijax parameter path to its Hugging Face and GGUF tensor names (per layer for the stacked
+ones); :data:`TENSORS` is their union. Loading goes through :func:`assemble`: for one
+parameter at a time it reads that parameter's tensors (every layer of a stacked one) into one
+host buffer in the parameter's dtype and layout, places it on its target sharding, and drops
+the buffer, so the host holds at most one parameter beyond what is already placed. Before
+anything is read, :func:`check_tensors` compares the names and shapes a file offers with what
+the config needs and names every missing, unexpected and misshaped tensor.
 """
 
 from __future__ import annotations
@@ -18,35 +19,16 @@ import jax
 import numpy as np
 
 from effijax.errors import ConfigError, FileError
-from effijax.models import LlamaConfig
+from effijax.models import PRETRAINED, LlamaConfig
 from effijax.paths import named_leaves
 
 __all__ = ["TENSORS", "hf_name", "gguf_name", "expected_hf_shapes", "check_tensors", "assemble",
            "to_flax", "to_hf", "host_array"]
 
-#: effijax path -> (Hugging Face name, GGUF name); ``{i}`` is the layer of a stacked parameter.
+#: effijax path -> (Hugging Face name, GGUF name), every registered family's table in one (a path
+#: has the same names in every family that has it); ``{i}`` is the layer of a stacked parameter.
 TENSORS: dict[str, tuple[str, str]] = {
-    "embed/embedding": ("model.embed_tokens.weight", "token_embd.weight"),
-    "layers/input_norm/scale": ("model.layers.{i}.input_layernorm.weight",
-                                "blk.{i}.attn_norm.weight"),
-    "layers/attn/q_proj/kernel": ("model.layers.{i}.self_attn.q_proj.weight",
-                                  "blk.{i}.attn_q.weight"),
-    "layers/attn/k_proj/kernel": ("model.layers.{i}.self_attn.k_proj.weight",
-                                  "blk.{i}.attn_k.weight"),
-    "layers/attn/v_proj/kernel": ("model.layers.{i}.self_attn.v_proj.weight",
-                                  "blk.{i}.attn_v.weight"),
-    "layers/attn/o_proj/kernel": ("model.layers.{i}.self_attn.o_proj.weight",
-                                  "blk.{i}.attn_output.weight"),
-    "layers/post_attention_norm/scale": ("model.layers.{i}.post_attention_layernorm.weight",
-                                         "blk.{i}.ffn_norm.weight"),
-    "layers/mlp/gate_proj/kernel": ("model.layers.{i}.mlp.gate_proj.weight",
-                                    "blk.{i}.ffn_gate.weight"),
-    "layers/mlp/up_proj/kernel": ("model.layers.{i}.mlp.up_proj.weight", "blk.{i}.ffn_up.weight"),
-    "layers/mlp/down_proj/kernel": ("model.layers.{i}.mlp.down_proj.weight",
-                                    "blk.{i}.ffn_down.weight"),
-    "norm/scale": ("model.norm.weight", "output_norm.weight"),
-    "lm_head/kernel": ("lm_head.weight", "output.weight"),
-}
+    path: names for fmt in PRETRAINED.values() for path, names in fmt.tensors.items()}
 
 _SHOWN = 12
 

@@ -5,8 +5,9 @@ targets, the memory formulas' numbers, the tokenizer); a family implements it on
 architecture config and registers with :func:`register_family`. The GPT is the first family:
 ``gpt_config("mini")`` is a model, ``model.init_params(key, policy)`` its parameters and
 ``model.loss_fn()(params, batch, rng)`` its loss. The Llama family (``llama_config("llama-tiny")``,
-``"smollm2-135m"``, ...) is the second; its pretrained weights and :class:`Tokenizer` come from
-GGUF files and Hugging Face directories through :mod:`effijax.interop`. Both are built on one
+``"smollm2-135m"``, ...) is the second, Qwen2 (``qwen2_config("qwen2-tiny")``, the Llama's
+layer with q/k/v biases) the third; their pretrained weights and :class:`Tokenizer` come from
+GGUF files and Hugging Face directories through :mod:`effijax.interop`. All are built on one
 decoder skeleton (``effijax.models._decoder``: the config plumbing, the module's forward and
 decode passes, self-attention, the pre-norm block; its docstring says how to add a family), so
 a family file holds only its layer, norm, MLP, attention variant, positions and weight names.
@@ -47,15 +48,21 @@ from effijax.models._gpt import (
 )
 from effijax.models._interface import (
     FAMILIES,
+    PRETRAINED,
     LanguageModel,
     ModelShape,
+    PretrainedFormat,
+    format_of,
     model_from_dict,
     preset,
     preset_names,
+    pretrained_format,
     register_family,
+    register_pretrained,
 )
 from effijax.models._layers import segment_positions
 from effijax.models._llama import LLAMA_PRESETS, Llama, LlamaConfig, llama_config
+from effijax.models._qwen2 import QWEN2_PRESETS, Qwen2, Qwen2Config, qwen2_config
 from effijax.models._tokenizer import PRE_TOKENIZERS, Tokenizer, byte_level_bpe
 
 __all__ = [
@@ -75,6 +82,15 @@ __all__ = [
     "LlamaConfig",
     "llama_config",
     "LLAMA_PRESETS",
+    "Qwen2",
+    "Qwen2Config",
+    "qwen2_config",
+    "QWEN2_PRESETS",
+    "PretrainedFormat",
+    "PRETRAINED",
+    "register_pretrained",
+    "pretrained_format",
+    "format_of",
     "Tokenizer",
     "byte_level_bpe",
     "PRE_TOKENIZERS",

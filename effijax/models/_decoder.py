@@ -40,7 +40,9 @@ How to add a family (say Gemma 3, Qwen2 or Mistral), in a file of its own:
    sliding window (Mistral, Gemma's local layers) a windowed mask in the attention
    implementations; both belong to the issue that adds those families.
 4. Weight names: parameter paths are the module attribute names (``layers/attn/q_proj/kernel``);
-   :mod:`effijax.interop` maps them to Hugging Face's and GGUF's names.
+   a family with pretrained files registers a :class:`~effijax.models.PretrainedFormat` (its
+   ``model_type``, tensor names, ``config.json`` checks) that :mod:`effijax.interop` reads and
+   writes (``_qwen2.py``: the Llama's layer with q/k/v biases, presets and format).
 
 Shape suffixes: ``B`` batch, ``S`` sequence, ``T`` cached positions, ``D`` model width, ``H``
 query heads, ``G`` key/value heads, ``K`` head width, ``V`` vocabulary, ``L`` layers.

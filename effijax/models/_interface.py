@@ -14,6 +14,11 @@ plugs in by implementing these methods and registering itself with :func:`regist
 * ``shape()``: the numbers the memory formulas need; ``encode(data)``: the tokenizer;
 * ``init_cache(batch, max_len)`` / ``decode_fn(lora)``: decoding with a key/value cache.
 
+A family with pretrained checkpoints also registers a :class:`PretrainedFormat` with
+:func:`register_pretrained`: the Hugging Face ``model_type`` (and GGUF ``general.architecture``)
+that names it, its ``config.json`` checks and fields, and its tensor names. :mod:`effijax.interop`
+reads and writes every registered format, and refuses any other naming the supported ones.
+
 A batch is ``{"inputs": int32[B, S], "targets": int32[B, S]}``, optionally with ``"mask"``
 (``[B, S]``, nonzero where the target is trained on) and, for rows that pack several examples,
 ``"segments"`` (int32 ``[B, S]``, the inputs' example ids, 0 for padding: attention stays
@@ -26,7 +31,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import difflib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import numpy as np
@@ -34,7 +39,8 @@ import numpy as np
 from effijax.errors import ConfigError
 
 __all__ = ["LanguageModel", "ModelShape", "register_family", "model_from_dict", "FAMILIES",
-           "preset", "preset_names"]
+           "preset", "preset_names", "PretrainedFormat", "PRETRAINED", "register_pretrained",
+           "pretrained_format", "format_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,3 +251,103 @@ def preset(name: str) -> LanguageModel:
     hint = f"did you mean {close[0]!r}? " if close else ""
     raise ConfigError("model", name, f"unknown model preset; {hint}presets: "
                       f"{', '.join(preset_names())}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PretrainedFormat:
+    """How one family is spelled in Hugging Face directories and GGUF files.
+
+    Attributes:
+      model_type: ``config.json``'s ``model_type`` (``"llama"``, ``"qwen2"``).
+      hf_class: the ``transformers`` class (``config.json``'s ``architectures``).
+      config: the family's config class (built from the fields every Llama-block family shares:
+        widths, heads, rotary base, norm epsilon, tied head).
+      tensors: ``{effijax path: (Hugging Face name, GGUF name)}``, ``{i}`` the layer of a stacked
+        parameter, in the order the weights are written.
+      check_hf: ``check_hf(fields)`` raises :class:`~effijax.errors.ConfigError` on a
+        ``config.json`` feature the family does not implement (another activation, biases, ...).
+      hf_fields: ``hf_fields(model)``: the family's own ``config.json`` keys.
+      gguf_architecture: GGUF's ``general.architecture`` (its metadata's key prefix), or None
+        when the family is not read from GGUF.
+      gguf_permuted: llama.cpp's converter permuted the ``attn_q``/``attn_k`` rows (the Llama's
+        GGUFs; Qwen2's are stored in Hugging Face's order).
+    """
+
+    model_type: str
+    hf_class: str
+    config: type
+    tensors: Mapping[str, tuple[str, str]]
+    check_hf: Callable[[dict], None]
+    hf_fields: Callable[[Any], dict]
+    gguf_architecture: str | None = None
+    gguf_permuted: bool = True
+
+
+#: Hugging Face ``model_type`` -> the family that reads it.
+PRETRAINED: dict[str, PretrainedFormat] = {}
+
+
+def register_pretrained(fmt: PretrainedFormat) -> PretrainedFormat:
+    """Makes ``fmt``'s family loadable from (and exportable to) its Hugging Face and GGUF files.
+
+    Example:
+      >>> PRETRAINED["llama"].hf_class
+      'LlamaForCausalLM'
+    """
+    PRETRAINED[fmt.model_type] = fmt
+    return fmt
+
+
+def pretrained_format(*, model_type: Any = None, gguf_architecture: Any = None
+                      ) -> PretrainedFormat:
+    """The registered format of a Hugging Face ``model_type`` or a GGUF ``general.architecture``.
+
+    Raises:
+      ConfigError: an unknown one, listing the supported ones.
+
+    Example:
+      >>> pretrained_format(model_type="qwen2").hf_class
+      'Qwen2ForCausalLM'
+      >>> pretrained_format(model_type="mistral")
+      Traceback (most recent call last):
+      ...
+      effijax.errors.ConfigError: model_type='mistral': effijax loads ... 'llama', 'qwen2'
+      >>> pretrained_format(model_type={})
+      Traceback (most recent call last):
+      ...
+      effijax.errors.ConfigError: model_type={}: effijax loads these model_types only: ...
+    """
+    if gguf_architecture is None:
+        field, value = "model_type", model_type
+        known = {fmt.model_type: fmt for fmt in PRETRAINED.values()}
+    else:
+        field, value = "general.architecture", gguf_architecture
+        known = {fmt.gguf_architecture: fmt for fmt in PRETRAINED.values()
+                 if fmt.gguf_architecture is not None}
+    if not isinstance(value, str) or value not in known:  # a hostile file's {} is unhashable
+        raise ConfigError(field, value, f"effijax loads these {field}s only: "
+                          f"{', '.join(repr(k) for k in sorted(known))}")
+    return known[value]
+
+
+def format_of(model: LanguageModel) -> PretrainedFormat:
+    """The pretrained format of a model's family.
+
+    Raises:
+      ConfigError: the family has none (naming the families that have one).
+
+    Example:
+      >>> from effijax.models import gpt_config, llama_config
+      >>> format_of(llama_config("llama-tiny")).model_type
+      'llama'
+      >>> format_of(gpt_config("tiny"))
+      Traceback (most recent call last):
+      ...
+      effijax.errors.ConfigError: model='tiny GPT': the gpt family has no Hugging Face ...
+    """
+    for fmt in PRETRAINED.values():
+        if type(model) is fmt.config:
+            return fmt
+    families = ", ".join(sorted(fmt.config.family for fmt in PRETRAINED.values()))
+    raise ConfigError("model", model.name, f"the {model.family} family has no Hugging Face "
+                      f"counterpart; families with one: {families}")

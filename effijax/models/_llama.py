@@ -43,13 +43,18 @@ from effijax.models._decoder import (
     check_run_choices,
     preset_config,
 )
-from effijax.models._interface import ModelShape, register_family
+from effijax.models._interface import (
+    ModelShape,
+    PretrainedFormat,
+    register_family,
+    register_pretrained,
+)
 from effijax.models._layers import INIT_STD, _Dense
 from effijax.models._rotary import RotaryAttention, rope_tables
 from effijax.models._tokenizer import Tokenizer
 from effijax.precision import rms_norm
 
-__all__ = ["Llama", "LlamaConfig", "LLAMA_PRESETS", "llama_config"]
+__all__ = ["Llama", "LlamaConfig", "LLAMA_PRESETS", "llama_config", "LLAMA_TENSORS"]
 
 
 def _positive_float(name: str, value) -> None:
@@ -142,6 +147,8 @@ class LlamaConfig(DecoderConfig):
     tokenizer: Tokenizer | None = dataclasses.field(default=None, compare=False, repr=False)
 
     family: ClassVar[str] = "llama"
+    # Biases on the q, k, v projections (Qwen2's; the Llama has none): a family's constant.
+    attention_bias: ClassVar[bool] = False
     context_field: ClassVar[str] = "max_position"
     lora_targets: ClassVar[str] = (
         r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)/kernel")
@@ -185,10 +192,10 @@ class LlamaConfig(DecoderConfig):
     @property
     def name(self) -> str:
         """The preset's name when the architecture is one (``"smollm2-135m"``), else its shape."""
-        for preset, config in LLAMA_PRESETS.items():
+        for preset, config in self.presets.items():
             if _architecture(self) == _architecture(config):
                 return preset
-        return f"Llama d{self.d_model} L{self.n_layers}"
+        return f"{self.decoder.__name__} d{self.d_model} L{self.n_layers}"
 
     def shape(self) -> ModelShape:
         """The activation formula's numbers: grouped-query attention, a gated (SwiGLU) MLP."""
@@ -209,11 +216,13 @@ class LlamaConfig(DecoderConfig):
         qk = self.n_heads * self.head_dim
         kv = self.n_kv_heads * self.head_dim
         per_layer = d * qk + 2 * d * kv + qk * d + 3 * d * f + 2 * d
+        if self.attention_bias:
+            per_layer += qk + 2 * kv
         heads = 1 if self.tie_embeddings else 2
         return heads * v * d + self.n_layers * per_layer + d
 
     def to_dict(self) -> dict:
-        """The architecture as a JSON-able dict with ``family: "llama"`` (no tokenizer).
+        """The architecture as a JSON-able dict with its ``family`` (no tokenizer).
 
         Example:
           >>> model = llama_config("llama-3.1-405b")
@@ -354,9 +363,10 @@ class _MLP(nnx.Module):
 
 
 class _Layer(PreNormBlock):
-    """One pre-norm Llama layer (RMSNorm, grouped-query attention with rotary embeddings, no
-    biases, RMSNorm, SwiGLU MLP), constructed once with ``stack=(L,)`` and scanned. No dropout
-    of its own: LoRA's dropout keys come in through the adapters' hooks."""
+    """One pre-norm Llama layer (RMSNorm, grouped-query attention with rotary embeddings and
+    q/k/v biases where the family has them, RMSNorm, SwiGLU MLP), constructed once with
+    ``stack=(L,)`` and scanned. No dropout of its own: LoRA's dropout keys come in through the
+    adapters' hooks."""
 
     norm_names = ("input_norm", "post_attention_norm")  # Hugging Face's module names
 
@@ -365,10 +375,12 @@ class _Layer(PreNormBlock):
         return _RMSNorm(config.d_model, eps=config.rms_eps, stack=stack)
 
     def __init__(self, config: LlamaConfig, *, stack: tuple[int, ...], rngs: nnx.Rngs):
+        qkv_bias = config.attention_bias
         spec = AttentionSpec(d_model=config.d_model, heads=config.n_heads,
                              kv_heads=config.n_kv_heads, head_dim=config.head_dim,
                              implementation=config.attention,
-                             names=("q_proj", "k_proj", "v_proj", "o_proj"))
+                             names=("q_proj", "k_proj", "v_proj", "o_proj"),
+                             bias=(qkv_bias, qkv_bias, qkv_bias, False))
         self.build_norms(config, stack)
         self.attn = RotaryAttention(spec, std=INIT_STD, out_std=INIT_STD, stack=stack, rngs=rngs)
         self.mlp = _MLP(config, stack=stack, rngs=rngs)
@@ -425,3 +437,46 @@ class Llama(Decoder):
 
 
 LlamaConfig.decoder = Llama
+
+
+# ----------------------------------------------------------------------------------------------
+# Pretrained files: Hugging Face's LlamaForCausalLM and llama.cpp's 'llama' GGUFs.
+
+#: effijax path -> (Hugging Face name, GGUF name); ``{i}`` is the layer of a stacked parameter.
+LLAMA_TENSORS: dict[str, tuple[str, str]] = {
+    "embed/embedding": ("model.embed_tokens.weight", "token_embd.weight"),
+    "layers/input_norm/scale": ("model.layers.{i}.input_layernorm.weight",
+                                "blk.{i}.attn_norm.weight"),
+    "layers/attn/q_proj/kernel": ("model.layers.{i}.self_attn.q_proj.weight",
+                                  "blk.{i}.attn_q.weight"),
+    "layers/attn/k_proj/kernel": ("model.layers.{i}.self_attn.k_proj.weight",
+                                  "blk.{i}.attn_k.weight"),
+    "layers/attn/v_proj/kernel": ("model.layers.{i}.self_attn.v_proj.weight",
+                                  "blk.{i}.attn_v.weight"),
+    "layers/attn/o_proj/kernel": ("model.layers.{i}.self_attn.o_proj.weight",
+                                  "blk.{i}.attn_output.weight"),
+    "layers/post_attention_norm/scale": ("model.layers.{i}.post_attention_layernorm.weight",
+                                         "blk.{i}.ffn_norm.weight"),
+    "layers/mlp/gate_proj/kernel": ("model.layers.{i}.mlp.gate_proj.weight",
+                                    "blk.{i}.ffn_gate.weight"),
+    "layers/mlp/up_proj/kernel": ("model.layers.{i}.mlp.up_proj.weight", "blk.{i}.ffn_up.weight"),
+    "layers/mlp/down_proj/kernel": ("model.layers.{i}.mlp.down_proj.weight",
+                                    "blk.{i}.ffn_down.weight"),
+    "norm/scale": ("model.norm.weight", "output_norm.weight"),
+    "lm_head/kernel": ("lm_head.weight", "output.weight"),
+}
+
+
+def _check_hf(fields: dict) -> None:
+    """Refuses what effijax's Llama lacks: another activation, biases, tensor-parallel slices."""
+    for name, allowed in (("hidden_act", ("silu", None)), ("attention_bias", (False, None)),
+                          ("mlp_bias", (False, None)), ("pretraining_tp", (1, None))):
+        if fields.get(name) not in allowed or fields.get(name) is True:  # True == 1
+            raise ConfigError(name, fields.get(name), f"effijax's Llama supports {allowed[0]!r} "
+                              "only")
+
+
+register_pretrained(PretrainedFormat(
+    model_type="llama", hf_class="LlamaForCausalLM", config=LlamaConfig, tensors=LLAMA_TENSORS,
+    check_hf=_check_hf, hf_fields=lambda model: {"attention_bias": False, "mlp_bias": False},
+    gguf_architecture="llama", gguf_permuted=True))

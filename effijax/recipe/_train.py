@@ -18,6 +18,7 @@ import jax
 
 from effijax import distributed
 from effijax.errors import ConfigError
+from effijax.models import format_of
 from effijax.recipe import _finish, _job, _preflight, _report, _resume, _sources, _watch
 from effijax.recipe._config import TrainConfig, lora_fields
 from effijax.recipe._data import Dataset, load_dataset
@@ -147,9 +148,12 @@ def model_for(config: TrainConfig, source):
     """The run's model (:func:`effijax.recipe._sources.model_for`), checked against what the
     run exports."""
     model = _sources.model_for(config, source)
-    if config.export_hf and model.family != "llama":
-        raise ConfigError("export_hf", True, f"writes a Hugging Face LlamaForCausalLM; the "
-                          f"{model.family} family has no transformers counterpart")
+    if config.export_hf:
+        try:
+            format_of(model)
+        except ConfigError as e:
+            raise ConfigError("export_hf", True, f"writes a Hugging Face model directory; "
+                              f"{e.problem}") from None
     return model
 
 
