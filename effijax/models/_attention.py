@@ -1,10 +1,10 @@
 """Attention implementations, chosen by name (a config's ``attention``), all with one signature.
 
 Every entry of :data:`ATTENTION` is ``fn(q_BSHK, k_BTHK, v_BTHK, *, causal=True,
-dropout_rate=0.0, dropout_key=None, segments_BS=None) -> out_BSHK`` with the same semantics
-(scaled dot product, f32 softmax, causal mask ``key <= query``, inverted dropout on the
-probabilities, and with ``segments_BS`` (int ``[B, S]``, the ids of the examples packed into a
-row) attention only between positions of the same segment):
+dropout_rate=0.0, dropout_key=None, segments_BS=None, window=None) -> out_BSHK`` with the same
+semantics (scaled dot product, f32 softmax, causal mask ``key <= query``, inverted dropout on
+the probabilities, with ``segments_BS`` (int ``[B, S]``, the ids of the examples packed into a
+row) attention only between positions of the same segment, and with ``window`` a sliding window):
 
 * ``"naive"``: :func:`attend`, the reference; materialises the ``[B, H, S, T]`` scores.
 * ``"blockwise"``: :func:`~effijax.models.blockwise_attend`, flash attention in pure JAX with a
@@ -23,6 +23,14 @@ another platform (``jax.export`` for cuda on a CPU host) is traced inside
 Segments cost nothing when absent: without them every implementation runs exactly its unsegmented
 code. Each query always sees itself, so no softmax row is empty (padding, with its own id, only
 sees padding).
+
+Sliding window (local attention: Mistral, Gemma 3's local layers): with ``window=w`` query ``i``
+sees the keys ``i - w < j <= i``, ``w`` keys counting itself. That is Hugging Face's
+``sliding_window`` convention for Mistral and Gemma 3 alike (transformers 5's
+``sliding_window_overlay``: ``kv_idx > q_idx - sliding_window``); ``jax.nn.dot_product_attention``
+calls it ``local_window_size=(w - 1, 0)``. ``w`` is a Python int (static: cuDNN and XLA's
+window) or an int32 scalar array (traced: a per-layer window scanned with the layers, applied
+as a mask; the blockwise kernel skips tiles either way). ``w >= S`` is plain causal attention.
 
 All accept grouped-query attention: ``k`` and ``v`` may have ``H_kv`` heads, ``H_kv`` dividing
 ``H``, query head ``h`` reading kv head ``h // (H // H_kv)`` (Hugging Face Llama's convention).
@@ -45,6 +53,7 @@ from effijax.models._blockwise import (
     blockwise_attend,
     check_qkv,
     cudnn_unusable_reason,
+    is_traced_window,
     target_backend,
 )
 from effijax.models._layers import _dropout
@@ -59,13 +68,15 @@ __all__ = [
     "auto_attend",
     "choose_attention",
     "segment_mask",
+    "window_mask",
     "xla_attend",
 ]
 
 
 def attend(q_BSHK: jax.Array, k_BTHK: jax.Array, v_BTHK: jax.Array, *, causal: bool = True,
            dropout_rate: float = 0.0, dropout_key: jax.Array | None = None,
-           segments_BS: jax.Array | None = None) -> jax.Array:
+           segments_BS: jax.Array | None = None,
+           window: int | jax.Array | None = None) -> jax.Array:
     """Naive multi-head attention: materialises the ``[B, H, S, T]`` scores.
 
     Scores and the weighted sum use :func:`dot` (f32 accumulation); the softmax runs in f32 and
@@ -80,6 +91,8 @@ def attend(q_BSHK: jax.Array, k_BTHK: jax.Array, v_BTHK: jax.Array, *, causal: b
       dropout_key: PRNG key for the dropout mask; ``None`` disables dropout.
       segments_BS: optional int ``[B, S]`` segment ids (self-attention, ``S == T``): query
         ``i`` sees key ``j`` only when ``segments_BS[:, i] == segments_BS[:, j]``.
+      window: sliding window (needs ``causal``): query ``i`` sees keys ``i - window < j <= i``
+        (Hugging Face's ``sliding_window``); an int or an int32 scalar array; None: no window.
 
     Returns:
       ``[B, S, H, K]`` attention outputs in the queries' dtype.
@@ -88,13 +101,16 @@ def attend(q_BSHK: jax.Array, k_BTHK: jax.Array, v_BTHK: jax.Array, *, causal: b
       >>> import jax, jax.numpy as jnp
       >>> attend(jnp.ones((1, 3, 2, 4)), jnp.ones((1, 3, 2, 4)), jnp.ones((1, 3, 2, 4))).shape
       (1, 3, 2, 4)
+      >>> v = jnp.arange(4.0).reshape(1, 4, 1, 1)  # equal scores: the mean of the visible values
+      >>> attend(jnp.ones((1, 4, 1, 1)), jnp.ones((1, 4, 1, 1)), v, window=2)[0, :, 0, 0].tolist()
+      [0.0, 0.5, 1.5, 2.5]
       >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 5, 2, 4))
       >>> packed = attend(q, k, v, segments_BS=jnp.array([[1, 1, 2, 2, 2]]))
       >>> bool(jnp.allclose(packed[:, 2:], attend(q[:, 2:], k[:, 2:], v[:, 2:]), atol=1e-6))
       True
     """
     groups = check_qkv("attend", q_BSHK, k_BTHK, v_BTHK, causal=causal,
-                       segments_BS=segments_BS)
+                       segments_BS=segments_BS, window=window)
     if groups > 1:  # grouped-query attention; autodiff of the repeat sums each group's gradients
         k_BTHK = jnp.repeat(k_BTHK, groups, axis=2)
         v_BTHK = jnp.repeat(v_BTHK, groups, axis=2)
@@ -104,6 +120,8 @@ def attend(q_BSHK: jax.Array, k_BTHK: jax.Array, v_BTHK: jax.Array, *, causal: b
     if causal:
         s, t = q_BSHK.shape[1], k_BTHK.shape[1]
         mask_ST = jnp.tril(jnp.ones((s, t), dtype=bool))
+    if window is not None:
+        mask_ST = mask_ST & window_mask(window, q_BSHK.shape[1])
     if segments_BS is not None:
         mask_ST = segment_mask(segments_BS, mask_ST)  # [B, 1, S, T]
     probs_BHST = softmax(scores_BHST, axis=-1, where=mask_ST)
@@ -126,9 +144,22 @@ def segment_mask(segments_BS: jax.Array, mask_ST: jax.Array | None = None) -> ja
     return mask_BST[:, None]
 
 
+def window_mask(window: int | jax.Array, s: int) -> jax.Array:
+    """``[S, S]`` bool: query ``i`` may attend to key ``j`` when ``j > i - window`` (the
+    window's left edge; combine it with the causal mask).
+
+    Example:
+      >>> window_mask(2, 3).astype(int).tolist()
+      [[1, 1, 1], [1, 1, 1], [0, 1, 1]]
+    """
+    index_S = jnp.arange(s, dtype=jnp.int32)
+    return index_S[None, :] > index_S[:, None] - jnp.asarray(window, jnp.int32)
+
+
 def xla_attend(q_BSHK: jax.Array, k_BTHK: jax.Array, v_BTHK: jax.Array, *, causal: bool = True,
                dropout_rate: float = 0.0, dropout_key: jax.Array | None = None,
-               segments_BS: jax.Array | None = None) -> jax.Array:
+               segments_BS: jax.Array | None = None,
+               window: int | jax.Array | None = None) -> jax.Array:
     """Attention by ``jax.nn.dot_product_attention``: cuDNN's fused kernel where it applies.
 
     On a GPU with bf16/f16 inputs, a head width that is a multiple of 8 up to 128 and no dropout
@@ -137,10 +168,12 @@ def xla_attend(q_BSHK: jax.Array, k_BTHK: jax.Array, v_BTHK: jax.Array, *, causa
     dtype: :func:`attend`'s math, with the ``1/sqrt(K)`` scale applied to the f32 scores
     instead of the queries). Grouped-query attention is native to both. With ``segments_BS``
     the ``"xla"`` implementation runs with the segments' boolean mask (cuDNN's path here takes
-    sequence lengths, not segments), even on a GPU.
+    sequence lengths, not segments), even on a GPU. An int ``window`` is
+    ``local_window_size=(window - 1, 0)`` (cuDNN's ``sliding_window_length=window`` under its
+    causal mask); a traced one is a boolean mask on the ``"xla"`` implementation.
 
     Args:
-      q_BSHK, k_BTHK, v_BTHK, causal, segments_BS: as in :func:`attend`.
+      q_BSHK, k_BTHK, v_BTHK, causal, segments_BS, window: as in :func:`attend`.
       dropout_rate, dropout_key: only for the common signature: ``jax.nn.dot_product_attention``
         has no dropout, so a positive rate with a key raises.
 
@@ -156,8 +189,11 @@ def xla_attend(q_BSHK: jax.Array, k_BTHK: jax.Array, v_BTHK: jax.Array, *, causa
       >>> out = xla_attend(q, k[:, :, :2], v[:, :, :2])  # 4 query heads, 2 kv heads
       >>> bool(jnp.allclose(out, attend(q, k[:, :, :2], v[:, :, :2]), atol=1e-5))
       True
+      >>> bool(jnp.allclose(xla_attend(q, k, v, window=3), attend(q, k, v, window=3), atol=1e-5))
+      True
     """
-    check_qkv("xla_attend", q_BSHK, k_BTHK, v_BTHK, causal=causal, segments_BS=segments_BS)
+    check_qkv("xla_attend", q_BSHK, k_BTHK, v_BTHK, causal=causal, segments_BS=segments_BS,
+              window=window)
     if dropout_key is not None and dropout_rate > 0.0:
         raise ValueError(
             f"xla_attend: jax.nn.dot_product_attention has no dropout, got dropout_rate="
@@ -165,21 +201,29 @@ def xla_attend(q_BSHK: jax.Array, k_BTHK: jax.Array, v_BTHK: jax.Array, *, causa
             "an implementation with dropout), 'naive' or 'blockwise'"
         )
     segmented = segments_BS is not None
-    if cudnn_unusable_reason(q_BSHK, dropout=False, segments=segmented) is None:
-        return _sdpa(q_BSHK, k_BTHK, v_BTHK, causal, "cudnn")
+    # A static window is a static argument of jax's kernels; a traced one joins the mask.
+    static = None if window is None or is_traced_window(window) else int(window)
+    traced = window if is_traced_window(window) else None
+    if cudnn_unusable_reason(q_BSHK, dropout=False, segments=segmented, window=window) is None:
+        return _sdpa(q_BSHK, k_BTHK, v_BTHK, causal, static, "cudnn")
     if q_BSHK.dtype == jnp.float32:
-        return _sdpa(q_BSHK, k_BTHK, v_BTHK, causal, "xla", segments_BS)
-    return _sdpa_half(q_BSHK, k_BTHK, v_BTHK, causal, segments_BS)
+        return _sdpa(q_BSHK, k_BTHK, v_BTHK, causal, static, "xla", segments_BS, traced)
+    return _sdpa_half(q_BSHK, k_BTHK, v_BTHK, causal, static, segments_BS, traced)
 
 
-def _sdpa(q_BSHK, k_BTHK, v_BTHK, causal: bool, implementation: str,
-          segments_BS=None) -> jax.Array:
-    mask = None if segments_BS is None else segment_mask(segments_BS)  # is_causal adds causality
+def _sdpa(q_BSHK, k_BTHK, v_BTHK, causal: bool, window: int | None, implementation: str,
+          segments_BS=None, traced_window=None) -> jax.Array:
+    mask = None  # is_causal adds causality, local_window_size the static window
+    if traced_window is not None:
+        mask = window_mask(traced_window, q_BSHK.shape[1])[None, None]
+    if segments_BS is not None:
+        mask = segment_mask(segments_BS, None if mask is None else mask[0, 0])
     # jax's XLA path asks promote_types(bf16, f32) for its f32 scores, which strict promotion
     # refuses when tracing; the promotion is intended there (the output keeps the inputs' dtype).
     with jax.numpy_dtype_promotion("standard"):
-        return jax.nn.dot_product_attention(q_BSHK, k_BTHK, v_BTHK, mask=mask, is_causal=causal,
-                                            implementation=implementation)
+        return jax.nn.dot_product_attention(
+            q_BSHK, k_BTHK, v_BTHK, mask=mask, is_causal=causal, implementation=implementation,
+            local_window_size=None if window is None else (window - 1, 0))
 
 
 # The XLA path with bf16/f16 inputs. jax's forward is fine, but its backward cannot be compiled
@@ -192,23 +236,25 @@ def _sdpa(q_BSHK, k_BTHK, v_BTHK, causal: bool, implementation: str,
 # forward); the gradients are cast back to the inputs' dtype. At least as precise as jax's own
 # backward (whose BF16_BF16_F32 dots take their operands in bf16), and it only runs off cuDNN: on
 # a CPU (where bf16 is emulated anyway) or for a GPU head width cuDNN refuses.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _sdpa_half(q_BSHK, k_BTHK, v_BTHK, causal: bool, segments_BS=None) -> jax.Array:
-    return _sdpa(q_BSHK, k_BTHK, v_BTHK, causal, "xla", segments_BS)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _sdpa_half(q_BSHK, k_BTHK, v_BTHK, causal: bool, window: int | None, segments_BS=None,
+               traced_window=None) -> jax.Array:
+    return _sdpa(q_BSHK, k_BTHK, v_BTHK, causal, window, "xla", segments_BS, traced_window)
 
 
-def _sdpa_half_fwd(q_BSHK, k_BTHK, v_BTHK, causal, segments_BS=None):
-    out_BSHK = _sdpa(q_BSHK, k_BTHK, v_BTHK, causal, "xla", segments_BS)
-    return out_BSHK, (q_BSHK, k_BTHK, v_BTHK, segments_BS)
+def _sdpa_half_fwd(q_BSHK, k_BTHK, v_BTHK, causal, window, segments_BS=None, traced_window=None):
+    out_BSHK = _sdpa(q_BSHK, k_BTHK, v_BTHK, causal, window, "xla", segments_BS, traced_window)
+    return out_BSHK, (q_BSHK, k_BTHK, v_BTHK, segments_BS, traced_window)
 
 
-def _sdpa_half_bwd(causal, residuals, dout_BSHK):
-    *qkv, segments_BS = residuals
+def _sdpa_half_bwd(causal, window, residuals, dout_BSHK):
+    *qkv, segments_BS, traced_window = residuals
     f32 = lambda x: x.astype(jnp.float32)
-    _, vjp_fn = jax.vjp(lambda q, k, v: _sdpa(q, k, v, causal, "xla", segments_BS),
-                        *map(f32, qkv))
+    _, vjp_fn = jax.vjp(
+        lambda q, k, v: _sdpa(q, k, v, causal, window, "xla", segments_BS, traced_window),
+        *map(f32, qkv))
     grads = tuple(g.astype(x.dtype) for g, x in zip(vjp_fn(f32(dout_BSHK)), qkv, strict=True))
-    return (*grads, None)
+    return (*grads, None, None)
 
 
 _sdpa_half.defvjp(_sdpa_half_fwd, _sdpa_half_bwd)
@@ -245,11 +291,12 @@ class AttentionChoice(NamedTuple):
 
 
 def choose_attention(q_BSHK, *, dropout: bool, backend: str | None = None,
-                     segments: bool = False) -> AttentionChoice:
+                     segments: bool = False, window=None) -> AttentionChoice:
     """The implementation ``"auto"`` uses for these queries on ``backend``.
 
     A pure function of the queries' dtype and head width, whether dropout is on, whether the
-    rows are packed (``segments``: cuDNN's kernel here takes no segment ids), and the backend
+    rows are packed (``segments``: cuDNN's kernel here takes no segment ids), whether the
+    sliding ``window`` is traced (cuDNN's is static), and the backend
     (default :func:`~effijax.models.target_backend`: ``jax.default_backend()``, or the one
     an :func:`~effijax.models.attention_backend` block names): a GPU gets cuDNN's fused kernel
     (through :func:`xla_attend`) when
@@ -273,7 +320,7 @@ def choose_attention(q_BSHK, *, dropout: bool, backend: str | None = None,
     backend = target_backend() if backend is None else backend
     if backend != "gpu":
         return AttentionChoice(CPU_ATTENTION, False, None)
-    why = cudnn_unusable_reason(q_BSHK, dropout, backend, segments=segments)
+    why = cudnn_unusable_reason(q_BSHK, dropout, backend, segments=segments, window=window)
     if why is None:
         return AttentionChoice("xla", True, None)
     name = GPU_FALLBACK_DROPOUT if dropout else GPU_FALLBACK
@@ -285,7 +332,8 @@ _warned: set[str] = set()
 
 def auto_attend(q_BSHK: jax.Array, k_BTHK: jax.Array, v_BTHK: jax.Array, *, causal: bool = True,
                 dropout_rate: float = 0.0, dropout_key: jax.Array | None = None,
-                segments_BS: jax.Array | None = None) -> jax.Array:
+                segments_BS: jax.Array | None = None,
+                window: int | jax.Array | None = None) -> jax.Array:
     """:func:`attend`'s semantics by the implementation :func:`choose_attention` picks.
 
     The choice is made when tracing, from static facts (dtype, head width, dropout, backend).
@@ -298,13 +346,14 @@ def auto_attend(q_BSHK: jax.Array, k_BTHK: jax.Array, v_BTHK: jax.Array, *, caus
       (1, 3, 2, 4)
     """
     dropout = dropout_key is not None and dropout_rate > 0.0
-    choice = choose_attention(q_BSHK, dropout=dropout, segments=segments_BS is not None)
+    choice = choose_attention(q_BSHK, dropout=dropout, segments=segments_BS is not None,
+                              window=window)
     if choice.reason is not None and choice.reason not in _warned:
         _warned.add(choice.reason)
         warnings.warn(choice.reason, AttentionFallbackWarning, stacklevel=2)
     return ATTENTION[choice.name](q_BSHK, k_BTHK, v_BTHK, causal=causal,
                                   dropout_rate=dropout_rate, dropout_key=dropout_key,
-                                  segments_BS=segments_BS)
+                                  segments_BS=segments_BS, window=window)
 
 
 # Attention implementations by a config's ``attention`` name, all with ``attend``'s signature.

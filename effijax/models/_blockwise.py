@@ -31,15 +31,23 @@ and in the recomputation of the backward pass, so the gradient is that of the ma
 Every query sees at least itself, so no row is empty. Without segments the kernel is unchanged
 (the tile mask is the ``[Q, C]`` causal one).
 
+Sliding window (Mistral, Gemma 3's local layers): with ``window=w`` query ``i`` sees keys
+``i - w < j <= i`` (``w`` keys, itself included: Hugging Face's ``sliding_window``). The loops
+start at the first key block the window reaches (forward) and stop at the last query block that
+reaches a key block (backward), so whole tiles outside the window are skipped, not masked: about
+``S / block_q · (w / block_k + 2)`` tiles instead of ``S² / (2 · block_q · block_k)``, compute
+``O(S·w)``; the partial tiles on the window's edge are masked. ``w`` is an int or a traced int32
+scalar (a per-layer window scanned with the layers): it is a loop bound, not a shape.
+
 Grouped-query attention: ``k`` and ``v`` may have fewer heads than ``q`` (``H_kv`` dividing
 ``H``; query head ``h`` reads kv head ``h // (H // H_kv)``, Hugging Face Llama's ``repeat_kv``).
 The kv heads are repeated before the kernel, so its custom VJP is the multi-head one and autodiff
 of the repeat sums each group's gradients; that costs ``O(B·T·H·K)`` extra bytes, linear in the
 sequence like the rest of the kernel's residuals.
 
-On a GPU, bf16/f16 inputs without dropout or segments go to ``jax.nn.dot_product_attention(...,
-implementation="cudnn")`` (cuDNN's fused flash attention, grouped heads included) unless
-``implementation="jax"``.
+On a GPU, bf16/f16 inputs without dropout, segments or a traced window go to
+``jax.nn.dot_product_attention(..., implementation="cudnn")`` (cuDNN's fused flash attention,
+grouped heads and a static window included) unless ``implementation="jax"``.
 
 Shape suffixes: ``B`` batch, ``S`` queries, ``T`` keys, ``H`` heads, ``K`` head width,
 ``Q``/``C`` a query/key block.
@@ -60,7 +68,7 @@ from jax.ad_checkpoint import checkpoint_name
 from effijax.errors import ConfigError, whole_number
 
 __all__ = ["IMPLEMENTATIONS", "REMAT_POLICIES", "attention_backend", "blockwise_attend",
-           "check_qkv", "cudnn_unusable_reason", "target_backend"]
+           "check_qkv", "cudnn_unusable_reason", "target_backend", "tiles_visited"]
 
 # ``implementation=`` values: None picks cuDNN where it applies, else the pure-JAX kernel.
 IMPLEMENTATIONS = (None, "jax", "cudnn")
@@ -94,13 +102,15 @@ class _Spec(NamedTuple):
     seq_q: int  # real (unpadded) query length
     seq_k: int  # real (unpadded) key length
     dropout_rate: float
+    windowed: bool = False  # a sliding window (its size is an int32 argument: it may be traced)
 
 
 def blockwise_attend(q_BSHK: jax.Array, k_BTHK: jax.Array, v_BTHK: jax.Array, *,
                      causal: bool = True, block_q: int = 128, block_k: int = 128,
                      dropout_rate: float = 0.0, dropout_key: jax.Array | None = None,
                      implementation: str | None = None,
-                     segments_BS: jax.Array | None = None) -> jax.Array:
+                     segments_BS: jax.Array | None = None,
+                     window: int | jax.Array | None = None) -> jax.Array:
     """Multi-head attention in blocks, with the semantics of :func:`~effijax.models.attend`.
 
     Memory is ``O(B·H·(S + T)·K)``: no ``[S, T]`` scores are kept for the backward pass (a
@@ -121,6 +131,8 @@ def blockwise_attend(q_BSHK: jax.Array, k_BTHK: jax.Array, v_BTHK: jax.Array, *,
         kernel) or ``"cudnn"`` (always cuDNN; raises where it does not apply).
       segments_BS: optional int ``[B, S]`` segment ids of a packed row (needs ``S == T``):
         queries attend only to keys with the same id.
+      window: sliding window (needs ``causal``): query ``i`` sees keys ``i - window < j <= i``;
+        an int or a traced int32 scalar; None: all earlier keys. Tiles outside it are skipped.
 
     Returns:
       ``[B, S, H, K]`` outputs in the queries' dtype.
@@ -128,8 +140,8 @@ def blockwise_attend(q_BSHK: jax.Array, k_BTHK: jax.Array, v_BTHK: jax.Array, *,
     Raises:
       ValueError: before tracing, for mismatched shapes or dtypes, ``H`` not a multiple of
         ``H_kv``, ``causal`` with ``S != T``, bad block sizes, a dropout rate outside
-        ``[0, 1)``, an unknown ``implementation``, or segments that are not ``[B, S]``
-        integers.
+        ``[0, 1)``, an unknown ``implementation``, segments that are not ``[B, S]``
+        integers, or a window that is not a positive integer (or one without ``causal``).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -142,9 +154,12 @@ def blockwise_attend(q_BSHK: jax.Array, k_BTHK: jax.Array, v_BTHK: jax.Array, *,
       >>> out = blockwise_attend(q, k, v, block_q=32, block_k=32, segments_BS=seg)
       >>> bool(jnp.allclose(out[:, 60:], attend(q[:, 60:], k[:, 60:], v[:, 60:]), atol=1e-5))
       True
+      >>> out = blockwise_attend(q, k, v, block_q=32, block_k=32, window=20)
+      >>> bool(jnp.allclose(out, attend(q, k, v, window=20), atol=1e-5))
+      True
     """
     groups = check_qkv("blockwise_attend", q_BSHK, k_BTHK, v_BTHK, causal=causal,
-                       segments_BS=segments_BS)
+                       segments_BS=segments_BS, window=window)
     s, t = q_BSHK.shape[1], k_BTHK.shape[1]
     block_q = min(whole_number("block_q", block_q), s)
     block_k = min(whole_number("block_k", block_k), t)
@@ -157,20 +172,23 @@ def blockwise_attend(q_BSHK: jax.Array, k_BTHK: jax.Array, v_BTHK: jax.Array, *,
     dropout = dropout_key is not None and dropout_rate > 0.0
     segmented = segments_BS is not None
 
-    auto_cudnn = (implementation is None
-                  and cudnn_unusable_reason(q_BSHK, dropout, segments=segmented) is None)
+    auto_cudnn = (implementation is None and cudnn_unusable_reason(
+        q_BSHK, dropout, segments=segmented, window=window) is None)
     if implementation == "cudnn" or auto_cudnn:
-        if dropout or segmented:
+        if dropout or segmented or is_traced_window(window):
+            missing = ("dropout" if dropout else "segment ids" if segmented
+                       else "traced (per-layer) window")
             raise ValueError(
-                f"blockwise_attend(implementation='cudnn') has no "
-                f"{'dropout' if dropout else 'segment ids'}; use implementation='jax'"
-                + (" or dropout_rate=0" if dropout else "")
+                f"blockwise_attend(implementation='cudnn') has no {missing}; use "
+                "implementation='jax'" + (" or dropout_rate=0" if dropout else "")
             )
         return jax.nn.dot_product_attention(
-            q_BSHK, k_BTHK, v_BTHK, is_causal=causal, implementation="cudnn"
+            q_BSHK, k_BTHK, v_BTHK, is_causal=causal, implementation="cudnn",
+            local_window_size=None if window is None else (int(window) - 1, 0)
         )
 
-    spec = _Spec(causal, block_q, block_k, s, t, float(dropout_rate) if dropout else 0.0)
+    spec = _Spec(causal, block_q, block_k, s, t, float(dropout_rate) if dropout else 0.0,
+                 window is not None)
     pad_s, pad_t = -s % block_q, -t % block_k
     q_pad = jnp.pad(q_BSHK, ((0, 0), (0, pad_s), (0, 0), (0, 0))) if pad_s else q_BSHK
     if pad_t:
@@ -187,14 +205,19 @@ def blockwise_attend(q_BSHK: jax.Array, k_BTHK: jax.Array, v_BTHK: jax.Array, *,
         segments = (seg_q_BS, seg_k_BT)
     else:
         segments = None
-    out_BSHK = _flash(spec, q_pad, k_BTHK, v_BTHK, key, segments)
+    # A window of T or more keys is no window; clamping keeps the loop bounds' sums in int32.
+    win = None if window is None else jnp.minimum(jnp.asarray(window, jnp.int32), t)
+    out_BSHK = _flash(spec, q_pad, k_BTHK, v_BTHK, key, segments, win)
     return out_BSHK[:, :s] if pad_s else out_BSHK
 
 
-def check_qkv(name: str, q_BSHK, k_BTHK, v_BTHK, *, causal: bool, segments_BS=None) -> int:
+def check_qkv(name: str, q_BSHK, k_BTHK, v_BTHK, *, causal: bool, segments_BS=None,
+              window=None) -> int:
     """Validates attention inputs before tracing; returns the group size ``H // H_kv``.
 
     ``segments_BS`` (optional) must be integer ``[B, S]`` ids of a self-attention (``S == T``).
+    ``window`` (optional) is a causal sliding window: a whole number >= 1, or an integer scalar
+    array (traced: a per-layer window; its value is not checked).
 
     Shared by every implementation of :data:`~effijax.models.ATTENTION` so that they refuse the
     same inputs with the same messages, each naming the function (``name``).
@@ -208,6 +231,10 @@ def check_qkv(name: str, q_BSHK, k_BTHK, v_BTHK, *, causal: bool, segments_BS=No
       Traceback (most recent call last):
       ...
       ValueError: attend: q has H=4 heads, k and v have H_kv=3; grouped-query attention ...
+      >>> check_qkv("attend", q, kv, kv, causal=False, window=2)
+      Traceback (most recent call last):
+      ...
+      ValueError: attend: window=2 needs causal=True (query i sees keys i - window < j <= i)
     """
     if q_BSHK.ndim != 4 or k_BTHK.ndim != 4 or v_BTHK.ndim != 4:
         raise ValueError(
@@ -240,7 +267,36 @@ def check_qkv(name: str, q_BSHK, k_BTHK, v_BTHK, *, causal: bool, segments_BS=No
                 f"{name}: segments_BS must be integer ids [B={b}, S={s}] of a self-attention "
                 f"(S == T, got T={t}); got {dtype.name}{list(shape)}"
             )
+    if window is not None:
+        _check_window(name, window, causal)
     return h // h_kv
+
+
+def _check_window(name: str, window, causal: bool) -> None:
+    if is_traced_window(window):
+        if window.shape != () or not jnp.issubdtype(window.dtype, jnp.integer):
+            raise ValueError(f"{name}: window must be an integer scalar; got "
+                             f"{jnp.dtype(window.dtype).name}{list(window.shape)}")
+    else:
+        try:
+            whole_number("window", window)
+        except ConfigError as e:
+            raise ValueError(f"{name}: {e}; window=None attends to every earlier key") from None
+    if not causal:
+        raise ValueError(f"{name}: window={window} needs causal=True (query i sees keys "
+                         "i - window < j <= i)")
+
+
+def is_traced_window(window) -> bool:
+    """Whether ``window`` is an array (a per-layer window scanned with the layers), whose value
+    is unknown when tracing, rather than a Python integer (or None).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> is_traced_window(4), is_traced_window(None), is_traced_window(jnp.int32(4))
+      (False, False, True)
+    """
+    return isinstance(window, jax.Array)
 
 
 # The backend whose attention choices a trace makes, when it is not this process' own: set only
@@ -303,13 +359,14 @@ def target_backend() -> str:
 
 
 def cudnn_unusable_reason(q_BSHK, dropout: bool, backend: str | None = None, *,
-                          segments: bool = False) -> str | None:
+                          segments: bool = False, window=None) -> str | None:
     """Why cuDNN's fused attention cannot run these queries here, or None when it can.
 
     It needs a GPU, bf16/f16 inputs, a head width that is a multiple of 8 and at most 128 (the
-    limit before Hopper; cuDNN allows 256 from sm90, not relied on here), no dropout and no
+    limit before Hopper; cuDNN allows 256 from sm90, not relied on here), no dropout, no
     segment ids (``jax.nn.dot_product_attention``'s cuDNN path takes only lengths, not the
-    segments of packed rows).
+    segments of packed rows) and a sliding ``window`` that is a Python int or None (cuDNN's
+    ``sliding_window_length`` is static; a traced per-layer window is not).
     ``q_BSHK`` may be an array or a ``jax.ShapeDtypeStruct``; ``backend`` defaults to
     :func:`target_backend` (``jax.default_backend()`` outside :func:`attention_backend`).
 
@@ -333,6 +390,8 @@ def cudnn_unusable_reason(q_BSHK, dropout: bool, backend: str | None = None, *,
         return "attention dropout (cuDNN's kernel here has none)"
     if segments:
         return "segment ids of packed rows (cuDNN's kernel here takes none)"
+    if is_traced_window(window):
+        return "a traced (per-layer) sliding window (cuDNN's window is static)"
     return None
 
 
@@ -340,15 +399,17 @@ def cudnn_unusable_reason(q_BSHK, dropout: bool, backend: str | None = None, *,
 # The kernel: padded inputs, static spec.
 
 
-def _tile_mask(spec: _Spec, i, j, segments=None) -> jax.Array:
+def _tile_mask(spec: _Spec, i, j, segments=None, win=None) -> jax.Array:
     """Which (query, key) pairs of tile (i, j) take part: ``[Q, C]`` bool, or with
     ``segments`` (the padded ``(seg_q_BS, seg_k_BT)``) ``[B, 1, Q, C]``, broadcasting over
-    heads."""
+    heads. ``win``: the sliding window (int32 scalar) when ``spec.windowed``."""
     rows = i * spec.block_q + jnp.arange(spec.block_q)
     cols = j * spec.block_k + jnp.arange(spec.block_k)
     mask_QC = cols[None, :] < spec.seq_k  # padded keys never count
     if spec.causal:
         mask_QC = mask_QC & (cols[None, :] <= rows[:, None])
+    if spec.windowed:
+        mask_QC = mask_QC & (cols[None, :] > rows[:, None] - win)
     if segments is None:
         return mask_QC
     seg_q_BS, seg_k_BT = segments
@@ -370,6 +431,14 @@ def _num_k_blocks_for(spec: _Spec, i, num_k_blocks: int):
     return jnp.minimum(((i + 1) * spec.block_q - 1) // spec.block_k + 1, num_k_blocks)
 
 
+def _first_k_block_for(spec: _Spec, i, win):
+    """First key block query block ``i`` needs: 0, or with a window the block of the earliest
+    key its first row sees, ``i·Q - win + 1``."""
+    if not spec.windowed:
+        return 0
+    return jnp.maximum(i * spec.block_q - win + 1, 0) // spec.block_k
+
+
 def _first_q_block_for(spec: _Spec, j):
     """First query block that sees key block ``j`` (0 unless causal)."""
     if not spec.causal:
@@ -377,11 +446,41 @@ def _first_q_block_for(spec: _Spec, j):
     return (j * spec.block_k) // spec.block_q
 
 
+def _q_blocks_end_for(spec: _Spec, j, num_q_blocks: int, win):
+    """One past the last query block that sees key block ``j``: all of them, or with a window
+    the block of the last row that sees its last key, ``(j + 1)·C - 1 + win - 1``."""
+    if not spec.windowed:
+        return num_q_blocks
+    return jnp.minimum(((j + 1) * spec.block_k + win - 2) // spec.block_q + 1, num_q_blocks)
+
+
+def tiles_visited(s: int, *, block_q: int = 128, block_k: int = 128,
+                  window: int | None = None) -> tuple[int, int]:
+    """How many ``(query block, key block)`` tiles the causal kernel computes for ``S = T = s``:
+    ``(forward, backward)``, from the loop bounds the kernel itself uses.
+
+    Example:
+      >>> tiles_visited(1024, block_q=64, block_k=64)  # 16 x 17 / 2: the lower triangle
+      (136, 136)
+      >>> tiles_visited(1024, block_q=64, block_k=64, window=64)  # two per query block
+      (31, 31)
+    """
+    block_q, block_k = min(block_q, s), min(block_k, s)
+    spec = _Spec(True, block_q, block_k, s, s, 0.0, window is not None)
+    nq, nk = -(-s // block_q), -(-s // block_k)
+    win = None if window is None else min(window, s)
+    forward = sum(int(_num_k_blocks_for(spec, i, nk)) - int(_first_k_block_for(spec, i, win))
+                  for i in range(nq))
+    backward = sum(int(_q_blocks_end_for(spec, j, nq, win)) - int(_first_q_block_for(spec, j))
+                   for j in range(nk))
+    return forward, backward
+
+
 def _slice(x, start, size, axis=1):
     return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
 
 
-def _forward(spec: _Spec, q_BSHK, k_BTHK, v_BTHK, key, segments=None):
+def _forward(spec: _Spec, q_BSHK, k_BTHK, v_BTHK, key, segments=None, win=None):
     """Returns the output ``[B, S, H, K]`` (input dtype) and the row log-sum-exp ``[B, H, S]``."""
     b, s_pad, h, d = q_BSHK.shape
     nq, nk = s_pad // spec.block_q, k_BTHK.shape[1] // spec.block_k
@@ -398,7 +497,7 @@ def _forward(spec: _Spec, q_BSHK, k_BTHK, v_BTHK, key, segments=None):
             k_BCHK = _slice(k_BTHK, j * bk, bk).astype(jnp.float32)
             v_BCHK = _slice(v_BTHK, j * bk, bk).astype(jnp.float32)
             s_BHQC = jnp.einsum("bqhk,bchk->bhqc", q_BQHK, k_BCHK)
-            mask_QC = _tile_mask(spec, i, j, segments)  # [B, 1, Q, C] with segments
+            mask_QC = _tile_mask(spec, i, j, segments, win)  # [B, 1, Q, C] with segments
             s_BHQC = jnp.where(mask_QC, s_BHQC, _MASKED)
             m_new_BHQ = jnp.maximum(m_BHQ, jnp.max(s_BHQC, axis=-1))
             p_BHQC = jnp.where(mask_QC, jnp.exp(s_BHQC - m_new_BHQ[..., None]), 0.0)
@@ -416,7 +515,7 @@ def _forward(spec: _Spec, q_BSHK, k_BTHK, v_BTHK, key, segments=None):
             jnp.zeros((b, h, bq, d), jnp.float32),
         )
         m_BHQ, l_BHQ, o_BHQK = jax.lax.fori_loop(
-            0, _num_k_blocks_for(spec, i, nk), key_block, init
+            _first_k_block_for(spec, i, win), _num_k_blocks_for(spec, i, nk), key_block, init
         )
         # Padded query rows may see no key at all (l = 0); they are sliced off, keep them finite.
         l_BHQ = jnp.where(l_BHQ > 0.0, l_BHQ, 1.0)
@@ -431,7 +530,7 @@ def _forward(spec: _Spec, q_BSHK, k_BTHK, v_BTHK, key, segments=None):
     return jax.lax.fori_loop(0, nq, query_block, init)
 
 
-def _backward(spec: _Spec, q_BSHK, k_BTHK, v_BTHK, key, segments, out_BSHK, lse_BHS,
+def _backward(spec: _Spec, q_BSHK, k_BTHK, v_BTHK, key, segments, win, out_BSHK, lse_BHS,
               dout_BSHK):
     """FlashAttention-2's backward: loops over key blocks, then over the query blocks that see
     them, recomputing ``P = exp(S - lse)`` per tile; returns f32 ``dq, dk, dv``."""
@@ -458,7 +557,7 @@ def _backward(spec: _Spec, q_BSHK, k_BTHK, v_BTHK, key, segments, out_BSHK, lse_
             lse_BHQ = _slice(lse_BHS, i * bq, bq, axis=2)
             delta_BHQ = _slice(delta_BHS, i * bq, bq, axis=2)
             s_BHQC = jnp.einsum("bqhk,bchk->bhqc", q_BQHK, k_BCHK)
-            mask_QC = _tile_mask(spec, i, j, segments)
+            mask_QC = _tile_mask(spec, i, j, segments, win)
             p_BHQC = jnp.where(mask_QC, jnp.exp(s_BHQC - lse_BHQ[..., None]), 0.0)
             dp_BHQC = jnp.einsum("bqhk,bchk->bhqc", do_BQHK, v_BCHK)
             if key is not None:
@@ -478,7 +577,8 @@ def _backward(spec: _Spec, q_BSHK, k_BTHK, v_BTHK, key, segments, out_BSHK, lse_
 
         zeros_BCHK = jnp.zeros((b, bk, h, d), jnp.float32)
         dq_BSHK, dk_BCHK, dv_BCHK = jax.lax.fori_loop(
-            _first_q_block_for(spec, j), nq, query_block, (dq_BSHK, zeros_BCHK, zeros_BCHK)
+            _first_q_block_for(spec, j), _q_blocks_end_for(spec, j, nq, win), query_block,
+            (dq_BSHK, zeros_BCHK, zeros_BCHK)
         )
         dk_BTHK = jax.lax.dynamic_update_slice_in_dim(dk_BTHK, dk_BCHK, j * bk, axis=1)
         dv_BTHK = jax.lax.dynamic_update_slice_in_dim(dv_BTHK, dv_BCHK, j * bk, axis=1)
@@ -493,26 +593,26 @@ def _backward(spec: _Spec, q_BSHK, k_BTHK, v_BTHK, key, segments, out_BSHK, lse_
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(spec: _Spec, q_BSHK, k_BTHK, v_BTHK, key, segments=None):
-    out_BSHK, _ = _forward(spec, q_BSHK, k_BTHK, v_BTHK, key, segments)
+def _flash(spec: _Spec, q_BSHK, k_BTHK, v_BTHK, key, segments=None, win=None):
+    out_BSHK, _ = _forward(spec, q_BSHK, k_BTHK, v_BTHK, key, segments, win)
     return out_BSHK
 
 
-def _flash_fwd(spec: _Spec, q_BSHK, k_BTHK, v_BTHK, key, segments=None):
-    out_BSHK, lse_BHS = _forward(spec, q_BSHK, k_BTHK, v_BTHK, key, segments)
+def _flash_fwd(spec: _Spec, q_BSHK, k_BTHK, v_BTHK, key, segments=None, win=None):
+    out_BSHK, lse_BHS = _forward(spec, q_BSHK, k_BTHK, v_BTHK, key, segments, win)
     # Named so that a remat policy (REMAT_POLICIES) can keep them across a checkpoint boundary.
     out_BSHK = checkpoint_name(out_BSHK, "attention_out")
     lse_BHS = checkpoint_name(lse_BHS, "attention_lse")
-    return out_BSHK, (q_BSHK, k_BTHK, v_BTHK, key, segments, out_BSHK, lse_BHS)
+    return out_BSHK, (q_BSHK, k_BTHK, v_BTHK, key, segments, win, out_BSHK, lse_BHS)
 
 
 def _flash_bwd(spec: _Spec, residuals, dout_BSHK):
-    q_BSHK, k_BTHK, v_BTHK, key, segments, out_BSHK, lse_BHS = residuals
-    dq, dk, dv = _backward(spec, q_BSHK, k_BTHK, v_BTHK, key, segments, out_BSHK, lse_BHS,
-                           dout_BSHK)
+    q_BSHK, k_BTHK, v_BTHK, key, segments, win, out_BSHK, lse_BHS = residuals
+    dq, dk, dv = _backward(spec, q_BSHK, k_BTHK, v_BTHK, key, segments, win, out_BSHK,
+                           lse_BHS, dout_BSHK)
     no_segments = None if segments is None else (None, None)
     return (dq.astype(q_BSHK.dtype), dk.astype(k_BTHK.dtype), dv.astype(v_BTHK.dtype), None,
-            no_segments)
+            no_segments, None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

@@ -16,6 +16,13 @@ position ``t - pad_B[b]`` of its sequence (:func:`row_positions`: what the rotar
 position embeddings see), and its queries never attend to the padding slots. A padded row thus
 computes what its prompt alone computes, and every row decodes at the same slot.
 
+Sliding windows (Mistral, Gemma 3's local layers) are honoured by the mask, not by the buffer: a
+layer with window ``w`` has its query at slot ``t`` attend to the slots ``t - w < u <= t`` (the
+distance between slots is the distance between positions, padding or not), so decoding past
+the window gives the full forward pass's logits. The cache still holds ``max_len`` slots for
+every layer (one stacked buffer for local and global layers alike); a rolling buffer of ``w``
+slots for the local layers would save memory and is not built.
+
 Shape suffixes: ``L`` layers, ``B`` batch, ``S`` new tokens, ``T`` cached positions, ``H`` query
 heads, ``G`` key/value heads, ``K`` head width.
 """
@@ -95,12 +102,15 @@ def write_cache(cache_BTGK: jax.Array, new_BSGK: jax.Array, start: jax.Array) ->
 
 
 def cached_attend(q_BSHK: jax.Array, k_BTGK: jax.Array, v_BTGK: jax.Array,
-                  start: jax.Array, pad_B: jax.Array | None = None) -> jax.Array:
+                  start: jax.Array, pad_B: jax.Array | None = None,
+                  window: int | jax.Array | None = None) -> jax.Array:
     """Attention of ``S`` queries at slots ``start + i`` to the cache's ``T`` keys.
 
     Query ``i`` sees the keys at slots ``0 .. start + i``, in row ``b`` only from ``pad_B[b]``
     on (its left padding masked out; a padding query sees itself alone, so that every softmax
-    is over some key); query head ``h`` reads key/value head ``h // (H // G)``. The math of
+    is over some key), and with a sliding ``window`` (an int or an int32 scalar) only the
+    slots ``start + i - window < u``; query head ``h`` reads key/value head ``h // (H // G)``.
+    The math of
     :func:`~effijax.models.attend` (queries scaled by ``1/sqrt(K)``, f32 accumulation, f32
     softmax with masked entries exactly 0), so a cached forward pass gives the full forward
     pass's values.
@@ -121,6 +131,12 @@ def cached_attend(q_BSHK: jax.Array, k_BTGK: jax.Array, v_BTGK: jax.Array,
       >>> out = cached_attend(q, padded, padded, jnp.int32(1), jnp.array([1, 1]))
       >>> bool(jnp.allclose(out, attend(q, k, k), atol=1e-6))
       True
+
+      With a window of 2 keys, the last query as in the windowed full pass:
+
+      >>> out = cached_attend(q[:, 2:], k, k, jnp.int32(2), window=2)
+      >>> bool(jnp.allclose(out, attend(q, k, k, window=2)[:, 2:], atol=1e-6))
+      True
     """
     groups = q_BSHK.shape[2] // k_BTGK.shape[2]
     if groups > 1:
@@ -132,6 +148,9 @@ def cached_attend(q_BSHK: jax.Array, k_BTGK: jax.Array, v_BTGK: jax.Array,
     slots_S = jnp.asarray(start, jnp.int32) + jnp.arange(s, dtype=jnp.int32)
     slots_T = jnp.arange(t, dtype=jnp.int32)
     mask_BST = (slots_T[None, :] <= slots_S[:, None])[None]
+    if window is not None:
+        mask_BST = mask_BST & (slots_T[None, :] > slots_S[:, None]
+                               - jnp.asarray(window, jnp.int32))[None]
     if pad_B is not None:
         real_BT = slots_T[None, :] >= pad_B[:, None]
         mask_BST = mask_BST & (real_BT[:, None, :] | (slots_T[None, :] == slots_S[:, None]))
@@ -142,13 +161,16 @@ def cached_attend(q_BSHK: jax.Array, k_BTGK: jax.Array, v_BTGK: jax.Array,
 def run_layers_cached(x_BSD: jax.Array, stacked, cache: KVCache, start: jax.Array,
                       adapters=None, consts=(), *, graphdef: nnx.GraphDef,
                       lora: LoraSpec | None, path: str,
-                      layers: tuple | None = None) -> tuple[jax.Array, KVCache]:
+                      layers: tuple | None = None,
+                      windows_L: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
     """Runs the layers over new tokens, each layer reading and writing its cache slice.
 
     The cached counterpart of :func:`~effijax.models._layers._run_layers`: the layer module is
     called as ``layer(x_BSD, None, hooks, *consts, cache=(k_BTGK, v_BTGK, start, pad_B))``
     (``pad_B``: the cache's left padding per row, or None) and returns
-    ``(x_BSD, (k_BTGK, v_BTGK))``. No dropout, no remat (inference).
+    ``(x_BSD, (k_BTGK, v_BTGK))``. No dropout, no remat (inference). ``windows_L`` (int32
+    ``[L]``, layers of different sliding windows) gives each layer its window as ``window=``,
+    as :func:`~effijax.models._layers._run_layers` does.
 
     The stacked layers are scanned. With ``layers`` (:func:`split_layers` of the stack: one
     buffer per layer) the loop is unrolled over them instead: inside a scan XLA:CPU copies
@@ -164,22 +186,29 @@ def run_layers_cached(x_BSD: jax.Array, stacked, cache: KVCache, start: jax.Arra
                                                                     path)
             x_BSD, (k_BTGK, v_BTGK) = nnx.merge(graphdef, layer_state)(
                 x_BSD, None, hooks, *consts,
-                cache=(cache.k_LBTGK[i], cache.v_LBTGK[i], start, cache.pad_B))
+                cache=(cache.k_LBTGK[i], cache.v_LBTGK[i], start, cache.pad_B),
+                **_window_of(windows_L, i))
             x_BSD = _constrain(x_BSD)
             k_L.append(k_BTGK)
             v_L.append(v_BTGK)
         return x_BSD, KVCache(jnp.stack(k_L), jnp.stack(v_L), cache.pad_B)
 
     def body(x_BSD, layer):
-        layer_state, k_BTGK, v_BTGK, layer_adapters = layer
+        layer_state, k_BTGK, v_BTGK, layer_adapters, window = layer
         hooks = None if layer_adapters is None else _lora_hooks(layer_adapters, lora, None, path)
         x_BSD, (k_BTGK, v_BTGK) = nnx.merge(graphdef, layer_state)(
-            x_BSD, None, hooks, *consts, cache=(k_BTGK, v_BTGK, start, cache.pad_B))
+            x_BSD, None, hooks, *consts, cache=(k_BTGK, v_BTGK, start, cache.pad_B),
+            **({} if window is None else {"window": window}))
         return _constrain(x_BSD), (k_BTGK, v_BTGK)
 
     x_BSD, (k_LBTGK, v_LBTGK) = jax.lax.scan(
-        body, x_BSD, (stacked, cache.k_LBTGK, cache.v_LBTGK, adapters))
+        body, x_BSD, (stacked, cache.k_LBTGK, cache.v_LBTGK, adapters, windows_L))
     return x_BSD, KVCache(k_LBTGK, v_LBTGK, cache.pad_B)
+
+
+def _window_of(windows_L: jax.Array | None, i: int) -> dict:
+    """Layer ``i``'s ``window=`` keyword argument (none without per-layer windows)."""
+    return {} if windows_L is None else {"window": windows_L[i]}
 
 
 def split_layers(stacked) -> tuple:

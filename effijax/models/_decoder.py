@@ -34,11 +34,11 @@ How to add a family (say Gemma 3, Qwen2 or Mistral), in a file of its own:
    ``architecture``, ``build_positions``, ``embed_positions`` (learned positions, rotary
    tables, Gemma's ``sqrt(d_model)`` embedding scale), ``tied``, ``dropout`` and, for logit
    soft-capping, an override of ``head``. ``LayerInputs.positions`` is the family's own pytree
-   (Gemma 3: both rotary tables, local and global). Not here yet: every layer of the scan gets
-   the same inputs and static config, so a per-layer pattern (Gemma 3's local/global
-   interleave) needs a per-layer flag scanned with the parameters by ``_run_layers``, and a
-   sliding window (Mistral, Gemma's local layers) a windowed mask in the attention
-   implementations; both belong to the issue that adds those families.
+   (Gemma 3: both rotary tables, local and global). Sliding windows: ``layer_windows`` (one
+   entry per layer, None for global attention; by default the config's ``sliding_window``, if
+   it has one, for every layer) reaches the attention as ``LayerInputs.window``, see
+   :meth:`Decoder.layer_windows`. A per-layer pattern of other static choices (Gemma 3's two
+   rotary bases) is the family's: it can key them off the same window.
 4. Weight names: parameter paths are the module attribute names (``layers/attn/q_proj/kernel``);
    a family with pretrained files registers a :class:`~effijax.models.PretrainedFormat` (its
    ``model_type``, tensor names, ``config.json`` checks) that :mod:`effijax.interop` reads and
@@ -59,7 +59,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from effijax.errors import NO_VALUE, ConfigError
+from effijax.errors import NO_VALUE, ConfigError, whole_number
 from effijax.lora import LoraSpec
 from effijax.models._attention import ATTENTION
 from effijax.models._blockwise import REMAT_POLICIES
@@ -299,10 +299,13 @@ def _graphdef(config: DecoderConfig) -> nnx.GraphDef:
 class LayerInputs(NamedTuple):
     """What every layer of a pass receives besides the residual stream: ``positions``, the
     family's position pytree (rotary ``(cos, sin)`` tables; None for learned positions, added
-    before the layers) and ``segments_BS`` (packed rows, or None)."""
+    before the layers), ``segments_BS`` (packed rows, or None) and ``window``, the layer's
+    sliding attention window (an int shared by every layer, the layer's own int32 scalar
+    when the windows differ, or None: global attention)."""
 
     positions: Any = None
     segments_BS: jax.Array | None = None
+    window: int | jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -361,12 +364,12 @@ class Attention(nnx.Module):
         if cache is None:
             out_BSHK = ATTENTION[spec.implementation](
                 q_BSHK, k_BSGK, v_BSGK, causal=True, dropout_rate=spec.dropout,
-                dropout_key=key, segments_BS=inputs.segments_BS)
+                dropout_key=key, segments_BS=inputs.segments_BS, window=inputs.window)
             return o_proj(out_BSHK.reshape(b, s, -1), o_lora)
         # Decoding (effijax.models._cache): write this step's keys and values, attend to all.
         k_BTGK, v_BTGK, start, pad_B = cache
         k_BTGK, v_BTGK = write_cache(k_BTGK, k_BSGK, start), write_cache(v_BTGK, v_BSGK, start)
-        out_BSHK = cached_attend(q_BSHK, k_BTGK, v_BTGK, start, pad_B)
+        out_BSHK = cached_attend(q_BSHK, k_BTGK, v_BTGK, start, pad_B, window=inputs.window)
         return o_proj(out_BSHK.reshape(b, s, -1), o_lora), (k_BTGK, v_BTGK)
 
 
@@ -405,9 +408,13 @@ class PreNormBlock(nnx.Module):
         return None, None
 
     def __call__(self, x_BSD: jax.Array, key: jax.Array | None, lora: dict | None,
-                 inputs: LayerInputs, cache: tuple | None = None):
+                 inputs: LayerInputs, cache: tuple | None = None,
+                 window: jax.Array | None = None):
         """The layer's output; with a ``cache`` (decoding, no dropout) also the cache slices
-        with this step's keys and values written."""
+        with this step's keys and values written. ``window``: this layer's slice of the
+        scanned per-layer windows (it replaces ``inputs.window``)."""
+        if window is not None:
+            inputs = inputs._replace(window=window)
         lora, rate = lora or {}, self.dropout
         (attn_norm, mlp_norm), (attn_post, mlp_post) = self.norms, self.post_norms
         # LoRA dropout alone also brings a key; the model's own dropout splits it only if on.
@@ -501,6 +508,41 @@ class Decoder(nnx.Module):
         """The model's own dropout rate (LoRA's is the spec's)."""
         return 0.0
 
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding attention window, None for global attention: query ``i`` sees
+        keys ``i - w < j <= i`` (Hugging Face's ``sliding_window`` convention). By default the
+        config's ``sliding_window`` (Mistral), if it has one, for every layer; a family with a
+        pattern overrides it (Gemma 3: ``w`` for five layers of six, None for the sixth).
+
+        How it reaches a scanned stack (:meth:`_windows`): equal windows stay a Python int (or
+        None) in ``LayerInputs.window``, so the kernels see a static window (cuDNN's and XLA's
+        window, the blockwise tiles' skipping); windows that differ are scanned as an int32
+        ``[L]`` array with the parameters, global layers getting ``max_context`` (a window
+        longer than any sequence is none), so one traced layer body serves every layer: the
+        masks and the blockwise loop bounds are built from the traced value (cuDNN's static
+        window is then unavailable; "auto" says so on a GPU). Grouping the layers by window
+        into several scans would keep it static at the price of one compiled body per run of
+        equal layers.
+        """
+        window = getattr(self.config, "sliding_window", None)
+        return (window,) * self.config.n_layers
+
+    def _windows(self) -> tuple[int | None, jax.Array | None]:
+        """``(window for every layer, None)`` when the layers' windows are equal, else
+        ``(None, windows_L)``, int32 ``[L]`` (see :attr:`layer_windows`)."""
+        windows = tuple(self.layer_windows)
+        if len(windows) != self.config.n_layers:
+            raise ConfigError("layer_windows", windows, f"expected one window per layer "
+                              f"({self.config.n_layers}), None for a global layer")
+        for window in windows:
+            whole_number("layer_windows", window, none=True)
+        if len(set(windows)) == 1:
+            return windows[0], None
+        glob = self.config.max_context
+        return None, jnp.array([glob if w is None else min(w, glob) for w in windows],
+                               jnp.int32)
+
     def embed_positions(self, x_BSD: jax.Array, positions_BS: jax.Array | None,
                         length: int) -> tuple[jax.Array, Any]:
         """The embedded tokens with the family's positions: ``(x_BSD, layer positions)``.
@@ -540,14 +582,16 @@ class Decoder(nnx.Module):
         key = self._dropout_key(deterministic, rngs, lora)
         positions_BS = None if segments_BS is None else segment_positions(segments_BS)
         x_BSD, positions = self.embed_positions(self._embed(tokens_BS), positions_BS, s)
-        inputs = LayerInputs(positions, segments_BS)
+        window, windows_L = self._windows()
+        inputs = LayerInputs(positions, segments_BS, window)
         graphdef, stacked = nnx.split(getattr(self, self.names.stack))
         keys_L = None if key is None else jax.random.split(key, cfg.n_layers)
         layer_adapters = None if adapters is None else adapters.get(self.names.stack)
         x_BSD = _run_layers(_constrain(x_BSD), stacked, keys_L, layer_adapters, (inputs,),
                             graphdef=graphdef, remat=REMAT[cfg.remat],
                             lora=None if layer_adapters is None else lora,
-                            path=self.names.stack, unroll=cfg.unroll_layers)
+                            path=self.names.stack, unroll=cfg.unroll_layers,
+                            windows_L=windows_L)
         return self.head(x_BSD)
 
     def decode(self, tokens_BS: jax.Array, cache: KVCache, start: jax.Array, *,
@@ -568,11 +612,14 @@ class Decoder(nnx.Module):
                                                 row_positions(cache, start, s), t)
         graphdef, stacked = nnx.split(getattr(self, self.names.stack))
         layer_adapters = None if adapters is None else adapters.get(self.names.stack)
+        window, windows_L = self._windows()
         x_BSD, cache = run_layers_cached(_constrain(x_BSD), stacked, cache, start,
-                                         layer_adapters, (LayerInputs(positions),),
+                                         layer_adapters,
+                                         (LayerInputs(positions, None, window),),
                                          graphdef=graphdef,
                                          lora=None if layer_adapters is None else lora,
-                                         path=self.names.stack, layers=layers)
+                                         path=self.names.stack, layers=layers,
+                                         windows_L=windows_L)
         return self.head(select_last(x_BSD, last)), cache
 
     def head(self, x_BSD: jax.Array) -> jax.Array:

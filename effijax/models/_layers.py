@@ -186,7 +186,8 @@ def _lora_hooks(adapters, spec: LoraSpec, key: jax.Array | None, path: str):
 # retracing the scan every call; inside an outer jit it is simply inlined.
 @functools.partial(jax.jit, static_argnames=("graphdef", "remat", "lora", "path", "unroll"))
 def _run_layers(x_BSD, stacked, keys_L, adapters=None, consts=(), *, graphdef: nnx.GraphDef,
-                remat: Any, lora: LoraSpec | None = None, path: str, unroll: bool = False):
+                remat: Any, lora: LoraSpec | None = None, path: str, unroll: bool = False,
+                windows_L: jax.Array | None = None):
     """Scans stacked layers over the residual stream, one layer's parameters per step.
 
     The layer module is called as ``layer(x_BSD, key, hooks, *consts)``. ``adapters`` (the
@@ -195,19 +196,22 @@ def _run_layers(x_BSD, stacked, keys_L, adapters=None, consts=(), *, graphdef: n
     for every layer. ``remat`` is a ``jax.checkpoint`` policy, or None for no checkpointing.
     ``unroll`` unrolls the loop completely (the models' ``unroll_layers``): the compiled
     program grows with the depth, but it no longer slices each layer's parameters and residuals
-    out of stacked buffers, nor zero-fills those buffers every step.
+    out of stacked buffers, nor zero-fills those buffers every step. ``windows_L`` (int32
+    ``[L]``: layers whose sliding attention windows differ, Gemma 3's local/global pattern) is
+    scanned too and each layer is called with its own as ``window=``.
     """
 
     def body(x_BSD, layer):
-        layer_state, layer_key, layer_adapters = layer
+        layer_state, layer_key, layer_adapters, window = layer
         hooks = None if layer_adapters is None else _lora_hooks(layer_adapters, lora, layer_key,
                                                                 path)
-        x_BSD = nnx.merge(graphdef, layer_state)(x_BSD, layer_key, hooks, *consts)
+        x_BSD = nnx.merge(graphdef, layer_state)(x_BSD, layer_key, hooks, *consts,
+                                                 **({} if window is None else {"window": window}))
         return _constrain(x_BSD), None
 
     if remat is not None:
         body = jax.checkpoint(body, policy=remat, prevent_cse=False)
-    x_BSD, _ = jax.lax.scan(body, x_BSD, (stacked, keys_L, adapters), unroll=unroll)
+    x_BSD, _ = jax.lax.scan(body, x_BSD, (stacked, keys_L, adapters, windows_L), unroll=unroll)
     return x_BSD
 
 

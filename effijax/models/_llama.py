@@ -108,6 +108,9 @@ class LlamaConfig(DecoderConfig):
       tie_embeddings: the output head is the token embedding, transposed (no ``lm_head``).
       seq_len: the training window (tokens per row of a batch), at most ``max_position``.
       max_position: the context length the model was built for (``max_position_embeddings``).
+      sliding_window: every layer's sliding attention window (Mistral's ``sliding_window``):
+        query ``i`` attends to keys ``i - sliding_window < j <= i``; None (Llama): all earlier
+        keys.
       remat: ``jax.checkpoint`` policy by name, see :data:`~effijax.models.REMAT`.
       attention: the attention implementation's name in :data:`~effijax.models.ATTENTION`.
       unroll_layers: unroll the loop over the layers instead of scanning it. The same arithmetic;
@@ -141,6 +144,7 @@ class LlamaConfig(DecoderConfig):
     tie_embeddings: bool = False
     seq_len: int
     max_position: int = 4096
+    sliding_window: int | None = None
     remat: str = "none"
     attention: str = "naive"
     unroll_layers: bool = False
@@ -174,6 +178,7 @@ class LlamaConfig(DecoderConfig):
         if self.head_dim % 2:
             raise ConfigError("head_dim", self.head_dim, "must be even (rotary embeddings "
                               "rotate pairs of halves)")
+        whole_number("sliding_window", self.sliding_window, none=True)
         _positive_float("rope_theta", self.rope_theta)
         _positive_float("rms_eps", self.rms_eps)
         object.__setattr__(self, "rope_scaling", _rope_scaling(self.rope_scaling))
