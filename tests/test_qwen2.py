@@ -195,9 +195,9 @@ def test_config_json_reads_as_the_preset_and_refuses_what_qwen2_lacks():
 
 
 def test_unknown_formats_are_refused_listing_the_supported_ones():
-    with pytest.raises(FileError, match=r"^config.json: model_type='mistral': effijax loads "
-                       r"these model_types only: 'llama', 'qwen2'$"):
-        config_from_hf(_hf_fields(model_type="mistral"))
+    with pytest.raises(FileError, match=r"^config.json: model_type='gemma3': effijax loads "
+                       r"these model_types only: 'llama', 'mistral', 'qwen2'$"):
+        config_from_hf(_hf_fields(model_type="gemma3"))
     with pytest.raises(ConfigError, match=r"^general.architecture='gemma3': effijax loads these "
                        r"general.architectures only: 'llama', 'qwen2'$"):
         pretrained_format(gguf_architecture="gemma3")

@@ -141,7 +141,7 @@ def _config_from_hf(fields: dict, *, seq_len, tokenizer, source) -> LlamaConfig:
         rms_eps=number_field(fields, "rms_norm_eps", source, 1e-6),
         tie_embeddings=fields.get("tie_word_embeddings", False),
         seq_len=min(max_position, DEFAULT_SEQ_LEN) if seq_len is None else seq_len,
-        max_position=max_position, tokenizer=tokenizer)
+        max_position=max_position, tokenizer=tokenizer, **fmt.config_fields(fields))
 
 
 def hf_config(model: LlamaConfig, *, dtype: str = "float32") -> dict:

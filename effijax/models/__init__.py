@@ -6,7 +6,8 @@ architecture config and registers with :func:`register_family`. The GPT is the f
 ``gpt_config("mini")`` is a model, ``model.init_params(key, policy)`` its parameters and
 ``model.loss_fn()(params, batch, rng)`` its loss. The Llama family (``llama_config("llama-tiny")``,
 ``"smollm2-135m"``, ...) is the second, Qwen2 (``qwen2_config("qwen2-tiny")``, the Llama's
-layer with q/k/v biases) the third; their pretrained weights and :class:`Tokenizer` come from
+layer with q/k/v biases) the third, Mistral (``mistral_config("mistral-tiny")``, the Llama with a
+sliding attention window) the fourth; their pretrained weights and :class:`Tokenizer` come from
 GGUF files and Hugging Face directories through :mod:`effijax.interop`. All are built on one
 decoder skeleton (``effijax.models._decoder``: the config plumbing, the module's forward and
 decode passes, self-attention, the pre-norm block; its docstring says how to add a family), so
@@ -62,6 +63,7 @@ from effijax.models._interface import (
 )
 from effijax.models._layers import segment_positions
 from effijax.models._llama import LLAMA_PRESETS, Llama, LlamaConfig, llama_config
+from effijax.models._mistral import MISTRAL_PRESETS, Mistral, MistralConfig, mistral_config
 from effijax.models._qwen2 import QWEN2_PRESETS, Qwen2, Qwen2Config, qwen2_config
 from effijax.models._tokenizer import PRE_TOKENIZERS, Tokenizer, byte_level_bpe
 
@@ -86,6 +88,10 @@ __all__ = [
     "Qwen2Config",
     "qwen2_config",
     "QWEN2_PRESETS",
+    "Mistral",
+    "MistralConfig",
+    "mistral_config",
+    "MISTRAL_PRESETS",
     "PretrainedFormat",
     "PRETRAINED",
     "register_pretrained",

@@ -267,6 +267,8 @@ class PretrainedFormat:
       check_hf: ``check_hf(fields)`` raises :class:`~effijax.errors.ConfigError` on a
         ``config.json`` feature the family does not implement (another activation, biases, ...).
       hf_fields: ``hf_fields(model)``: the family's own ``config.json`` keys.
+      config_fields: ``config_fields(fields)``: the family's own config fields read from a
+        ``config.json`` dict (Mistral's ``sliding_window``); checked by the config itself.
       gguf_architecture: GGUF's ``general.architecture`` (its metadata's key prefix), or None
         when the family is not read from GGUF.
       gguf_permuted: llama.cpp's converter permuted the ``attn_q``/``attn_k`` rows (the Llama's
@@ -281,6 +283,7 @@ class PretrainedFormat:
     hf_fields: Callable[[Any], dict]
     gguf_architecture: str | None = None
     gguf_permuted: bool = True
+    config_fields: Callable[[dict], dict] = lambda fields: {}
 
 
 #: Hugging Face ``model_type`` -> the family that reads it.
@@ -308,10 +311,10 @@ def pretrained_format(*, model_type: Any = None, gguf_architecture: Any = None
     Example:
       >>> pretrained_format(model_type="qwen2").hf_class
       'Qwen2ForCausalLM'
-      >>> pretrained_format(model_type="mistral")
+      >>> pretrained_format(model_type="gemma3")
       Traceback (most recent call last):
       ...
-      effijax.errors.ConfigError: model_type='mistral': effijax loads ... 'llama', 'qwen2'
+      effijax.errors.ConfigError: model_type='gemma3': effijax loads ... 'llama', 'mistral', 'qwen2'
       >>> pretrained_format(model_type={})
       Traceback (most recent call last):
       ...

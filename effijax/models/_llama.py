@@ -481,7 +481,15 @@ def _check_hf(fields: dict) -> None:
                               "only")
 
 
+def _hf_fields(model: LlamaConfig) -> dict:
+    """Llama's own ``config.json`` keys; a sliding window has no place in them."""
+    if model.sliding_window is not None:
+        raise ConfigError("sliding_window", model.sliding_window, "Hugging Face's "
+                          "LlamaForCausalLM has no sliding window: build the model as "
+                          "effijax.models.MistralConfig to export it (model_type 'mistral')")
+    return {"attention_bias": False, "mlp_bias": False}
+
+
 register_pretrained(PretrainedFormat(
     model_type="llama", hf_class="LlamaForCausalLM", config=LlamaConfig, tensors=LLAMA_TENSORS,
-    check_hf=_check_hf, hf_fields=lambda model: {"attention_bias": False, "mlp_bias": False},
-    gguf_architecture="llama", gguf_permuted=True))
+    check_hf=_check_hf, hf_fields=_hf_fields, gguf_architecture="llama", gguf_permuted=True))

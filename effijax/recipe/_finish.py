@@ -69,8 +69,8 @@ def with_start(config_json: dict, before: dict) -> dict:
     resume to read back.
 
     Example:
-      >>> with_start({"seed": 0, "run": {"corpus_tokens": 9}}, {"eval_loss_start": 2.5})
-      {'seed': 0, 'run': {'corpus_tokens': 9, 'eval_loss_start': 2.5}}
+      >>> with_start({"steps": 9, "run": {"corpus_tokens": 9}}, {"eval_loss_start": 2.5})
+      {'steps': 9, 'run': {'corpus_tokens': 9, 'eval_loss_start': 2.5}}
     """
     return {**config_json, "run": {**config_json.get("run", {}), **before}} if before \
         else config_json
