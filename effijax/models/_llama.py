@@ -54,7 +54,8 @@ from effijax.models._rotary import RotaryAttention, rope_tables
 from effijax.models._tokenizer import Tokenizer
 from effijax.precision import rms_norm
 
-__all__ = ["Llama", "LlamaConfig", "LLAMA_PRESETS", "llama_config", "LLAMA_TENSORS"]
+__all__ = ["Llama", "LlamaConfig", "LLAMA_PRESETS", "llama_config", "LLAMA_TENSORS",
+           "LLAMA_BLOCK_FIELDS", "refuse_unsupported"]
 
 
 def _positive_float(name: str, value) -> None:
@@ -472,13 +473,37 @@ LLAMA_TENSORS: dict[str, tuple[str, str]] = {
 }
 
 
+#: The ``config.json`` values effijax's Llama block implements (None: the key is absent).
+LLAMA_BLOCK_FIELDS = {"hidden_act": ("silu", None), "attention_bias": (False, None),
+                      "mlp_bias": (False, None)}
+
+
+def refuse_unsupported(fields: dict, family: str, allowed: dict[str, tuple]) -> None:
+    """Refuses a ``config.json`` field whose value ``family`` does not implement.
+
+    Args:
+      fields: the parsed ``config.json``.
+      family: the family's name, for the message.
+      allowed: ``{field: the values it may take}``, the first one named in the message.
+
+    Raises:
+      ConfigError: naming the field, its value and the one supported.
+
+    Example:
+      >>> refuse_unsupported({"hidden_act": "gelu"}, "Llama", LLAMA_BLOCK_FIELDS)
+      Traceback (most recent call last):
+      ...
+      effijax.errors.ConfigError: hidden_act='gelu': effijax's Llama supports 'silu' only
+    """
+    for name, values in allowed.items():
+        if fields.get(name) not in values or fields.get(name) is True:  # True == 1
+            raise ConfigError(name, fields.get(name), f"effijax's {family} supports "
+                              f"{values[0]!r} only")
+
+
 def _check_hf(fields: dict) -> None:
     """Refuses what effijax's Llama lacks: another activation, biases, tensor-parallel slices."""
-    for name, allowed in (("hidden_act", ("silu", None)), ("attention_bias", (False, None)),
-                          ("mlp_bias", (False, None)), ("pretraining_tp", (1, None))):
-        if fields.get(name) not in allowed or fields.get(name) is True:  # True == 1
-            raise ConfigError(name, fields.get(name), f"effijax's Llama supports {allowed[0]!r} "
-                              "only")
+    refuse_unsupported(fields, "Llama", {**LLAMA_BLOCK_FIELDS, "pretraining_tp": (1, None)})
 
 
 def _hf_fields(model: LlamaConfig) -> dict:

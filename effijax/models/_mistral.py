@@ -16,10 +16,16 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from effijax.errors import ConfigError, whole_number
+from effijax.errors import whole_number
 from effijax.models._decoder import preset_config
 from effijax.models._interface import PretrainedFormat, register_family, register_pretrained
-from effijax.models._llama import LLAMA_TENSORS, Llama, LlamaConfig
+from effijax.models._llama import (
+    LLAMA_BLOCK_FIELDS,
+    LLAMA_TENSORS,
+    Llama,
+    LlamaConfig,
+    refuse_unsupported,
+)
 
 __all__ = ["Mistral", "MistralConfig", "MISTRAL_PRESETS", "mistral_config"]
 
@@ -90,11 +96,7 @@ MistralConfig.decoder = Mistral
 
 def _check_hf(fields: dict) -> None:
     """Refuses what effijax's Mistral lacks: another activation, biases."""
-    for name, allowed in (("hidden_act", ("silu", None)), ("attention_bias", (False, None)),
-                          ("mlp_bias", (False, None))):
-        if fields.get(name) not in allowed or fields.get(name) is True:  # True == 1
-            raise ConfigError(name, fields.get(name), f"effijax's Mistral supports "
-                              f"{allowed[0]!r} only")
+    refuse_unsupported(fields, "Mistral", LLAMA_BLOCK_FIELDS)
 
 
 def _config_fields(fields: dict) -> dict:
