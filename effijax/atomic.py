@@ -21,8 +21,8 @@ import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["write_bytes", "write_text", "append", "open_append", "fresh_dir", "replace_dir",
-           "links", "temporary_name"]
+__all__ = ["write_bytes", "write_text", "append", "open_append", "create", "fresh_dir",
+           "replace_dir", "links", "temporary_name"]
 
 _FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
 _APPEND = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
@@ -164,6 +164,28 @@ def open_append(path: str | os.PathLike):
       'one line\\n'
     """
     return os.fdopen(os.open(path, _APPEND, 0o644), "a")
+
+
+def create(path: str | os.PathLike) -> Path:
+    """A new, empty file at ``path``, never through a link.
+
+    Raises:
+      FileExistsError: the name is taken, by a file or by a link (never followed).
+
+    Example:
+      >>> import os, tempfile, pathlib
+      >>> d = pathlib.Path(tempfile.mkdtemp())
+      >>> create(d / "events").stat().st_size
+      0
+      >>> os.symlink("/etc/hostname", d / "taken")
+      >>> try:
+      ...     create(d / "taken")
+      ... except FileExistsError:
+      ...     print("taken")
+      taken
+    """
+    os.close(os.open(path, _FLAGS, 0o644))
+    return Path(path)
 
 
 def fresh_dir(path: str | os.PathLike) -> Path:

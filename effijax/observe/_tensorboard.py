@@ -30,9 +30,6 @@ from effijax.observe._sink import scalars
 
 __all__ = ["TensorBoardSink"]
 
-_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-
-
 class TensorBoardSink:
     """Writes each step's scalars, named values and Markdown text as TensorBoard events.
 
@@ -145,10 +142,8 @@ def _new_event_file(logdir: Path) -> Path:
     already taken (by a link, or by another writer in the same second) is passed over."""
     stem = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}"
     for n in range(1000):
-        path = logdir / (stem if n == 0 else f"{stem}.{n}")
         try:
-            os.close(os.open(path, _CREATE, 0o644))
+            return atomic.create(logdir / (stem if n == 0 else f"{stem}.{n}"))
         except FileExistsError:
             continue
-        return path
     raise FileExistsError(f"{logdir}: 1000 event files named {stem}[.N] already")
