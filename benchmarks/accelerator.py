@@ -77,7 +77,14 @@ from harness import (
     publish,
     time_interleaved,
 )
-from mfu import _flops, _matmul_variant, model_flops_per_token, peak_flops
+from mfu import (
+    _flops,
+    _matmul_variant,
+    model_flops_per_token,
+    peak_flops,
+    random_batch,
+    train_optimizer,
+)
 
 from effijax.memory import activation_bytes, estimate_tree, format_bytes, measure, tree_bytes
 from effijax.models import (
@@ -89,7 +96,7 @@ from effijax.models import (
     xla_attend,
 )
 from effijax.precision import get_policy
-from effijax.step import init_train_state, make_optimizer, make_train_step, optax_promotion
+from effijax.step import init_train_state, make_train_step, optax_promotion
 
 TITLE = "Accelerator: one command"
 REPO = Path(__file__).resolve().parents[1]
@@ -181,16 +188,9 @@ DRY_RUN = Sizes(
 
 
 def _optimizer(loss_scaling: bool = False) -> optax.GradientTransformation:
-    """``effijax train``'s optimizer (AdamW, warm-up, cosine decay, clipping), wrapped in
+    """``effijax train``'s optimizer (``mfu.train_optimizer``), wrapped in
     ``dynamic_loss_scale`` with ``loss_scaling``."""
-    return make_optimizer(3e-3, 300, warmup_steps=15, weight_decay=0.01, clip_norm=1.0,
-                          loss_scale="dynamic" if loss_scaling else None)
-
-
-def _tokens(config: GPTConfig, batch_size: int) -> dict:
-    keys = jax.random.split(jax.random.key(2))
-    return {name: jax.random.randint(k, (batch_size, config.seq_len), 0, config.vocab_size)
-            for name, k in zip(("inputs", "targets"), keys, strict=True)}
+    return train_optimizer("dynamic" if loss_scaling else None)
 
 
 @functools.cache
@@ -257,7 +257,7 @@ def train_variant(config: GPTConfig, policy: str, batch_size: int, *,
     """
     def make() -> Runner:
         return Runner(_effijax_step(config, policy, loss_scaling, allow_unscaled_fp16),
-                      _init_state(config, policy, loss_scaling), _tokens(config, batch_size))
+                      _init_state(config, policy, loss_scaling), random_batch(config, batch_size))
     return make
 
 
@@ -272,7 +272,7 @@ def hand_written_fp16_variant(config: GPTConfig, batch_size: int) -> Callable[[]
     """
     def make() -> Runner:
         return Runner(_hand_written_fp16_step(config), _init_state(config, "fp16", False),
-                      _tokens(config, batch_size))
+                      random_batch(config, batch_size))
     return make
 
 

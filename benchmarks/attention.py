@@ -26,10 +26,11 @@ from harness import (
     publish,
     time_interleaved,
 )
+from mfu import train_optimizer
 
 from effijax.data import batch_at, load_corpus
 from effijax.models import ATTENTION, choose_attention, gpt_config
-from effijax.step import init_train_state, make_optimizer, make_train_step
+from effijax.step import init_train_state, make_train_step
 
 IMPLEMENTATIONS = ("naive", "blockwise", "xla")
 
@@ -38,7 +39,7 @@ def _step_variant(config, impl, policy, batch, params0):
     def make():
         model = dataclasses.replace(config, attention=impl)
         loss_fn = model.loss_fn()
-        tx = make_optimizer(3e-3, 300, warmup_steps=15, weight_decay=0.01, clip_norm=1.0)
+        tx = train_optimizer()
         step = jax.jit(make_train_step(loss_fn, tx, policy, has_aux=True), donate_argnums=0)
         st = [init_train_state(jax.tree.map(jnp.copy, params0), tx, jax.random.key(1))]
 

@@ -127,16 +127,28 @@ def _matmul_variant(n: int, dtype):
     return make
 
 
+def train_optimizer(loss_scale: str | None = None):
+    """The benchmarks' optimizer: ``effijax train``'s (AdamW, warm-up, cosine decay, clipping),
+    wrapped in ``dynamic_loss_scale`` with ``loss_scale="dynamic"``."""
+    return make_optimizer(3e-3, 300, warmup_steps=15, weight_decay=0.01, clip_norm=1.0,
+                          loss_scale=loss_scale)
+
+
+def random_batch(config, batch_size: int) -> dict:
+    """``inputs`` and ``targets`` of random tokens (key 2) for ``config``."""
+    keys = jax.random.split(jax.random.key(2))
+    return {name: jax.random.randint(k, (batch_size, config.seq_len), 0, config.vocab_size)
+            for name, k in zip(("inputs", "targets"), keys, strict=True)}
+
+
 def _step_variant(config, precision: str, batch_size: int):
     def make():
         loss_fn = config.loss_fn()
-        tx = make_optimizer(3e-3, 300, warmup_steps=15, weight_decay=0.01, clip_norm=1.0)
+        tx = train_optimizer()
         step = jax.jit(make_train_step(loss_fn, tx, precision, has_aux=True), donate_argnums=0)
         params = config.init_params(jax.random.key(0), precision)
         state = [init_train_state(params, tx, jax.random.key(1))]
-        keys = jax.random.split(jax.random.key(2))
-        batch = {name: jax.random.randint(k, (batch_size, config.seq_len), 0, config.vocab_size)
-                 for name, k in zip(("inputs", "targets"), keys, strict=True)}
+        batch = random_batch(config, batch_size)
 
         def run():
             state[0], metrics = step(state[0], batch)
