@@ -13,9 +13,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def compilation_cache(directory) -> dict[str, str]:
     """The variables under which subprocesses share JAX's persistent compilation cache in
     ``directory``: every program is cached, however small or quick to compile, and a later
-    process loads what an earlier one compiled. (A program compiled with XLA's dump options,
-    as the collective census compiles a multi-device step, is compiled afresh: the census turns
-    the cache off for it.)"""
+    process loads what an earlier one compiled. (The collective census of a multi-device step
+    keeps its partitioned module beside the cache, so a later process skips XLA for it too.)"""
     return {"JAX_COMPILATION_CACHE_DIR": str(directory),
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}

@@ -298,8 +298,10 @@ def test_docstring_examples():
 
 
 def test_the_census_is_not_emptied_by_a_persistent_compilation_cache(tmp_path):
-    """With JAX's persistent cache on, a second process finds the program cached; the census
-    still compiles it (XLA must run to dump the partitioned module) and finds its gather."""
+    """With JAX's persistent cache on, the first process finds the program already cached (by
+    a plain compilation): the census still compiles it (XLA must run to dump the partitioned
+    module), finds its gather and keeps the module beside the cache; a second process reads
+    the kept module instead of compiling again (a doctored one shows it is what is read)."""
     import pathlib
     import subprocess
     import sys
@@ -322,7 +324,15 @@ print(collective_census(f, x).count("all-gather"))
 """
     root = pathlib.Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    counts = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             check=True, cwd=root, env=env).stdout.split()[-1] for _ in range(2)]
-    assert any(tmp_path.iterdir()), "the persistent cache was not written"
-    assert counts[0] == counts[1] and int(counts[0]) >= 1
+
+    def count() -> int:
+        return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                  check=True, cwd=root, env=env).stdout.split()[-1])
+
+    first, second = count(), count()
+    assert any(tmp_path.glob("jit_*-cache")), "the persistent cache was not written"
+    assert first == second >= 1
+    kept = list((tmp_path / "effijax-census").iterdir())
+    assert len(kept) == 1 and "all-gather" in kept[0].read_text()
+    kept[0].write_text("HloModule doctored\n")
+    assert count() == 0

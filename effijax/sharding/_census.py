@@ -7,7 +7,9 @@ reduce-scatters. jax 0.10.2 has no in-process handle on intermediate modules
 (``compiled.as_text()`` and ``runtime_executable().hlo_modules()`` are the final module), but
 ``lowered.compile(compiler_options=...)`` takes XLA debug options per compilation, so the census
 compiles once more with ``xla_dump_to=<tmpdir>`` and ``xla_dump_hlo_pass_re=spmd-partitioning``
-and parses ``*after_spmd-partitioning*.txt``; no process-wide ``XLA_FLAGS`` are needed.
+and parses ``*after_spmd-partitioning*.txt``; no process-wide ``XLA_FLAGS`` are needed. With
+JAX's persistent compilation cache on, the partitioned module is kept beside it, so a process
+that loads the step from the cache has its census without running XLA.
 
 After partitioning, a reduce-scatter appears on CPU as an ``all-reduce`` whose result is only
 ever ``dynamic-slice`` d (through copies, transposes, reshapes, converts): exactly the pattern
@@ -26,15 +28,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import glob
+import hashlib
 import math
 import os
+import pathlib
 import re
 import tempfile
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.extend
 
+from effijax import atomic
 from effijax.paths import named_leaves
 
 __all__ = ["Collective", "Census", "collective_census", "parse_collectives", "MemoryReport",
@@ -275,7 +281,40 @@ def collective_census(fn: Callable, *args, **kwargs) -> Census:
     """
     lowered = _lower(fn, args, kwargs)
     num_devices = _num_devices(lowered)
-    with tempfile.TemporaryDirectory(prefix="effijax-census-") as tmp, _no_persistent_cache():
+    stored = _stored_census(lowered)
+    if stored is not None and stored.is_file():
+        lowered.compile()  # the executable itself may come from JAX's persistent cache
+        text = stored.read_text()
+        return Census(ops=parse_collectives(text, num_devices), hlo=text)
+    # With a persistent cache, the dumped compilation is cached like a plain one (JAX's cache
+    # key leaves the dump options out); a program already cached by a plain compilation skips
+    # XLA and dumps nothing, so it is compiled once more with the cache off.
+    text = _partitioned_hlo(lowered, cached=stored is not None)
+    if text is None and stored is not None:
+        text = _partitioned_hlo(lowered, cached=False)
+    if text is None:
+        if num_devices > 1:
+            raise RuntimeError(
+                f"collective_census: XLA wrote no partitioned module for a program on "
+                f"{num_devices} devices (was it loaded from a compilation cache?); the "
+                "census needs XLA to compile it")
+        # A program on one device is never partitioned: nothing is communicated.
+        return Census(ops=(), hlo="")
+    if stored is not None:
+        # Best effort: a census is only ever read back whole (written atomically), and one that
+        # cannot be kept (a full disk, another process writing it now) is recomputed later.
+        with contextlib.suppress(OSError):
+            stored.parent.mkdir(exist_ok=True)
+            atomic.write_text(stored, text)
+    return Census(ops=parse_collectives(text, num_devices), hlo=text)
+
+
+def _partitioned_hlo(lowered, *, cached: bool) -> str | None:
+    """Compiles ``lowered`` with XLA dumping the module after SPMD partitioning: its text, or
+    None when XLA wrote none (one device, or an executable loaded from the persistent cache,
+    which ``cached=False`` rules out)."""
+    keep_cache = contextlib.nullcontext() if cached else _no_persistent_cache()
+    with tempfile.TemporaryDirectory(prefix="effijax-census-") as tmp, keep_cache:
         lowered.compile(compiler_options={
             "xla_dump_to": tmp,
             "xla_dump_hlo_pass_re": "spmd-partitioning",
@@ -283,16 +322,33 @@ def collective_census(fn: Callable, *args, **kwargs) -> Census:
         })
         files = sorted(glob.glob(os.path.join(tmp, "*after_spmd-partitioning*.txt")))
         if not files:
-            if num_devices > 1:
-                raise RuntimeError(
-                    f"collective_census: XLA wrote no partitioned module for a program on "
-                    f"{num_devices} devices (was it loaded from a compilation cache?); the "
-                    "census needs XLA to compile it")
-            # A program on one device is never partitioned: nothing is communicated.
-            return Census(ops=(), hlo="")
+            return None
         with open(files[-1]) as f:
-            text = f.read()
-    return Census(ops=parse_collectives(text, num_devices), hlo=text)
+            return f.read()
+
+
+def _stored_census(lowered) -> pathlib.Path | None:
+    """Where the partitioned module of ``lowered`` is kept next to JAX's persistent compilation
+    cache (``<cache dir>/effijax-census/<sha256>.hlo.txt``), or None without one.
+
+    A process that loads its executable from that cache never runs XLA's partitioner, so the
+    census it would dump is kept beside the executable, keyed by what decides the partitioning:
+    the lowered program (shardings and device count included), JAX and jaxlib's versions, the
+    backend and its devices, and ``XLA_FLAGS``.
+    """
+    directory = jax.config.jax_compilation_cache_dir
+    if not directory or not jax.config.jax_enable_compilation_cache:
+        return None
+    import jaxlib
+
+    backend = jax.extend.backend.get_backend()
+    key = hashlib.sha256()
+    for part in (lowered.as_text(), jax.__version__, jaxlib.__version__, backend.platform,
+                 backend.platform_version, ",".join(sorted({d.device_kind for d in jax.devices()})),
+                 os.environ.get("XLA_FLAGS", "")):
+        key.update(part.encode())
+        key.update(b"\0")
+    return pathlib.Path(directory) / "effijax-census" / f"{key.hexdigest()}.hlo.txt"
 
 
 @contextlib.contextmanager
