@@ -8,6 +8,7 @@ converter writes a Qwen2 loads the same in both. Unknown formats are refused nam
 supported ones.
 """
 
+import dataclasses
 import functools
 import json
 
@@ -174,6 +175,25 @@ def test_peft_adapters_and_merged_export_give_effijax_logits(tmp_path, untied):
     assert np.abs(_torch_logits(merged, tokens) - ours).max() <= ATOL
 
 
+def test_sliding_window_layers_give_transformers_logits_and_export_alike(tmp_path):
+    """use_sliding_window with max_window_layers=1: layer 0 global, layer 1 within 5 keys, as
+    transformers' eager attention masks them; the export reads back the same rule."""
+    reference = _hf_model(use_sliding_window=True, sliding_window=5, max_window_layers=1,
+                          attn_implementation="eager")
+    reference.save_pretrained(tmp_path / "hf")
+    config, params = load_hf(tmp_path / "hf", seq_len=32)
+    assert (config.sliding_window, config.max_window_layers) == (5, 1)
+    tokens = _tokens()
+    ours = _our_logits(config, params, tokens)
+    assert np.abs(_torch_logits(reference, tokens) - ours).max() <= ATOL
+    unwindowed = _our_logits(dataclasses.replace(config, sliding_window=None), params, tokens)
+    assert np.abs(unwindowed - ours).max() > 100 * ATOL  # the window changes the logits
+    save_hf(tmp_path / "out", config, params)
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert saved["layer_types"] == ["full_attention", "sliding_attention"]
+    assert load_hf(tmp_path / "out", seq_len=32)[0] == config
+
+
 def _hf_fields(**overrides):
     return {"model_type": "qwen2", "vocab_size": 256, "hidden_size": 64,
             "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -186,10 +206,17 @@ def test_config_json_reads_as_the_preset_and_refuses_what_qwen2_lacks():
     assert config_from_hf(_hf_fields(use_sliding_window=False, sliding_window=4096,
                                      max_window_layers=2), seq_len=64) == \
         qwen2_config("qwen2-tiny")
-    with pytest.raises(FileError, match=r"^config.json: use_sliding_window=True: effijax's Qwen2 "
-                       r"has no sliding-window attention yet; use a checkpoint with "
-                       r"use_sliding_window false"):
-        config_from_hf(_hf_fields(use_sliding_window=True, sliding_window=16))
+    windowed = config_from_hf(_hf_fields(use_sliding_window=True, sliding_window=16,
+                                         max_window_layers=1), seq_len=64)
+    assert (windowed.sliding_window, windowed.max_window_layers) == (16, 1)
+    with pytest.raises(FileError, match=r"^config.json: layer_types=\['sliding_attention', "
+                       r"'full_attention'\]: effijax's Qwen2 reads transformers' pattern only"):
+        config_from_hf(_hf_fields(use_sliding_window=True, sliding_window=16,
+                                  max_window_layers=1,
+                                  layer_types=["sliding_attention", "full_attention"]))
+    with pytest.raises(FileError, match=r"^config.json: max_window_layers=-1: must be an "
+                       r"integer >= 0"):
+        config_from_hf(_hf_fields(use_sliding_window=True, max_window_layers=-1))
     with pytest.raises(FileError, match=r"hidden_act='gelu': effijax's Qwen2 supports 'silu'"):
         config_from_hf(_hf_fields(hidden_act="gelu"))
 
