@@ -18,11 +18,11 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
-__all__ = ["write_bytes", "write_text", "append", "open_append", "create", "fresh_dir",
-           "replace_dir", "links", "temporary_name"]
+__all__ = ["write_bytes", "write_text", "write_with", "append", "open_append", "create",
+           "fresh_dir", "replace_dir", "links", "temporary_name"]
 
 _FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
 _APPEND = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
@@ -121,6 +121,38 @@ def write_text(path: str | os.PathLike, text: str, *, mode: int = 0o644) -> Path
       '{}\\n'
     """
     return write_bytes(path, text.encode("utf-8"), mode=mode)
+
+
+def write_with(path: str | os.PathLike, fill: Callable[[Path], None]) -> Path:
+    """Writes ``path`` atomically with a writer that wants a file name: ``fill(tmp)`` writes
+    the new, empty file ``.<name>.tmp`` (created here, never through a link), which is then
+    flushed to the disk and renamed over ``path``. On any error the temporary file is removed
+    and ``path`` keeps what it held. For files another library writes (a GGUF).
+
+    Example:
+      >>> import tempfile, pathlib
+      >>> p = pathlib.Path(tempfile.mkdtemp()) / "model.bin"
+      >>> write_with(p, lambda tmp: tmp.write_bytes(b"weights")).read_bytes()
+      b'weights'
+    """
+    path = Path(path)
+    tmp = _tmp(path)
+    _remove(tmp)
+    create(tmp)
+    try:
+        fill(tmp)
+        fd = os.open(tmp, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    _sync_dir(path.parent)
+    return path
 
 
 def append(path: str | os.PathLike, data: bytes) -> None:

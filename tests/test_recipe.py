@@ -298,7 +298,8 @@ def test_lora_from_a_gguf_file_freezes_its_weights_and_exports_hf_names(tmp_path
 
 def test_export_hf_writes_the_merged_model_transformers_loads(tmp_path, corpus):
     # A LoRA run on a (tiny, saved) Hugging Face model: OUT/hf holds the adapters merged into
-    # the base, whose logits equal the base + adapters applied factored.
+    # the base, whose logits equal the base + adapters applied factored; OUT/model.gguf (f32)
+    # holds the same weights.
     import jax
     import numpy as np
 
@@ -311,8 +312,9 @@ def test_export_hf_writes_the_merged_model_transformers_loads(tmp_path, corpus):
     out = tmp_path / "run"
     result = train(TrainConfig(steps=3, data=corpus, out=str(out), init_from=str(tmp_path / "base"),
                                lora_rank=4, lr=1e-2, seq_len=16, batch_size=4, eval_batches=1,
-                               progress=False, export_hf=True))
+                               progress=False, export_hf=True, export_gguf="f32"))
     assert result.summary["hf"] == str(out / "hf")
+    assert result.summary["gguf"] == str(out / "model.gguf")
     merged_model, merged = load(out / "hf")
     _, plain = load(tmp_path / "base")
     adapters, spec = load_adapters(out / "adapters.safetensors", plain)
@@ -322,11 +324,23 @@ def test_export_hf_writes_the_merged_model_transformers_loads(tmp_path, corpus):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     # The adapters moved the model: the export is not the base.
     assert not np.allclose(merged_model.logits_fn()(plain, tokens), got, atol=1e-4)
+    gguf_model, from_gguf = load(out / "model.gguf", seq_len=merged_model.seq_len)
+    assert gguf_model == merged_model
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(from_gguf),
+                                                    jax.tree.leaves(merged), strict=True))
 
 
 def test_export_hf_is_refused_for_the_gpt(tmp_path, corpus):
     with pytest.raises(ConfigError, match="export_hf=True: writes a Hugging Face"):
         train(TrainConfig(steps=2, data=corpus, out=str(tmp_path / "g"), export_hf=True, **TINY))
+    with pytest.raises(ConfigError, match=r"^export_gguf='q8_0': writes a GGUF file; "
+                       r"model='.*': the gpt family has no Hugging Face counterpart"):
+        train(TrainConfig(steps=2, data=corpus, out=str(tmp_path / "g"), export_gguf="q8_0",
+                          **TINY))
+    with pytest.raises(ConfigError, match=r"^export_gguf='q4_k': GGUF tensor types effijax "
+                       r"writes: f32, f16, bf16, q8_0"):
+        TrainConfig(export_gguf="q4_k")
+    assert not (tmp_path / "g").exists()
 
 
 def test_a_file_that_is_not_a_model_is_named_as_such(tmp_path):

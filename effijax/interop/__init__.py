@@ -9,7 +9,9 @@ and exports that Hugging Face loads.
   The config carries the tokenizer (``config.encode(data)`` tokenizes).
 * :func:`save_hf` writes a directory ``transformers.AutoModelForCausalLM.from_pretrained`` loads
   (weights, ``config.json``, tokenizer files with the chat template), LoRA adapters merged in if
-  given; :func:`save_peft` writes the adapters alone for ``peft.PeftModel.from_pretrained``.
+  given; :func:`save_peft` writes the adapters alone for ``peft.PeftModel.from_pretrained``;
+  :func:`save_gguf` writes one GGUF file (f32, f16, bf16 or a block quantization such as
+  ``q8_0``) that llama.cpp, Ollama and ``transformers`` load, adapters merged in.
 
 Every file is checked before it is trusted (GGUF layouts, safetensors headers, ``config.json``,
 tokenizer files, shard indexes that must stay inside the model directory); a bad one is one
@@ -37,6 +39,8 @@ from effijax._lazy import attach
 __getattr__, __dir__, __all__ = attach(__name__, {
     "effijax.interop._gguf": ("gguf_config", "gguf_tokenizer", "load_gguf", "permute",
         "unpermute"),
+    "effijax.interop._gguf_types": ("GGUF_DTYPES",),
+    "effijax.interop._gguf_write": ("gguf_format", "gguf_tokenizer_fields", "save_gguf"),
     "effijax.interop._hf": ("config_from_hf", "hf_config", "load_hf", "save_hf"),
     "effijax.interop._io": ("export_adapters", "load", "load_tokenizer", "peft_module",
         "read_config", "save_peft", "weight_files"),

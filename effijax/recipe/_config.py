@@ -25,6 +25,7 @@ import tomllib
 from pathlib import Path
 
 from effijax.errors import ConfigError, whole_number
+from effijax.interop._gguf_types import GGUF_DTYPES
 from effijax.memory import PRECISION_ALIASES
 from effijax.optimizers import OPTIMIZERS, SCHEDULES, decay_mask, hyperparameters
 from effijax.precision import PRESET_NAMES
@@ -251,6 +252,11 @@ class TrainConfig:
                              "merged into the base) as a Hugging Face directory that "
                              "transformers' AutoModelForCausalLM loads (Llama family)",
                              flag="--export-hf")
+    export_gguf: str | None = _field(None, "at the end, also write OUT/model.gguf: the model "
+                                     "(LoRA adapters merged into the base) as one GGUF file "
+                                     "that llama.cpp, Ollama and transformers load, its "
+                                     "matrices in TYPE", flag="--export-gguf", metavar="TYPE",
+                                     choices=tuple(GGUF_DTYPES))
 
     def __post_init__(self):
         _check_types(self)
@@ -286,6 +292,9 @@ class TrainConfig:
         if self.data_format not in DATA_FORMATS:
             raise ConfigError("data_format", self.data_format,
                               f"choose one of {', '.join(DATA_FORMATS)}")
+        if self.export_gguf is not None and self.export_gguf not in GGUF_DTYPES:
+            raise ConfigError("export_gguf", self.export_gguf, f"GGUF tensor types effijax "
+                              f"writes: {', '.join(GGUF_DTYPES)}")
         object.__setattr__(self, "precision", _precision(self.precision))
         object.__setattr__(self, "loss_scale", _loss_scale(self.loss_scale, self.precision))
         object.__setattr__(self, "mesh", _mesh(self.mesh))

@@ -24,7 +24,7 @@ from jax.experimental import multihost_utils
 
 from effijax import atomic, distributed
 from effijax.checkpoint import write_errors
-from effijax.interop import export_adapters, save_hf
+from effijax.interop import export_adapters, save_gguf, save_hf
 from effijax.lora import save_adapters
 from effijax.recipe import _job, _report
 from effijax.recipe._config import TrainConfig
@@ -78,15 +78,19 @@ def with_start(config_json: dict, before: dict) -> dict:
 
 def export_paths(config: TrainConfig, lora: bool) -> dict[str, Path]:
     """What the run exports, by name: ``adapters`` (``adapters.safetensors``) and ``peft``
-    (``peft/``) for a LoRA run, ``hf`` (``hf/``) with ``export_hf``.
+    (``peft/``) for a LoRA run, ``hf`` (``hf/``) with ``export_hf``, ``gguf``
+    (``model.gguf``) with ``export_gguf``.
 
     Example:
       >>> sorted(export_paths(TrainConfig(out="runs/x", export_hf=True), lora=True))
       ['adapters', 'hf', 'peft']
+      >>> export_paths(TrainConfig(out="runs/x", export_gguf="q8_0"), lora=False)
+      {'gguf': PosixPath('runs/x/model.gguf')}
     """
     out = Path(config.out)
     paths = {"adapters": out / "adapters.safetensors", "peft": out / "peft"} if lora else {}
-    return {**paths, **({"hf": out / "hf"} if config.export_hf else {})}
+    return {**paths, **({"hf": out / "hf"} if config.export_hf else {}),
+            **({"gguf": out / "model.gguf"} if config.export_gguf else {})}
 
 
 def missing_exports(config: TrainConfig, lora: bool) -> list[str]:
@@ -104,7 +108,7 @@ def missing_exports(config: TrainConfig, lora: bool) -> list[str]:
 
 def export(config: TrainConfig, job, params, frozen=None) -> dict:
     """The files the run exports: ``adapters`` (a LoRA run's ``adapters.safetensors`` and
-    ``peft/``) and ``hf`` (``export_hf``); their summary entries.
+    ``peft/``), ``hf`` (``export_hf``) and ``gguf`` (``export_gguf``); their summary entries.
 
     Raises:
       effijax.errors.WriteError: an export could not be written (one line; nothing half
@@ -116,6 +120,8 @@ def export(config: TrainConfig, job, params, frozen=None) -> dict:
             files["adapters"] = _export_adapters(params, job, config)
         if config.export_hf:
             files["hf"] = _export_hf(params, frozen, job, config)
+        if config.export_gguf:
+            files["gguf"] = _export_gguf(params, frozen, job, config)
     return files
 
 
@@ -149,17 +155,35 @@ def _whole_run(out: Path, summary: dict) -> dict:
     return whole
 
 
-def _export_hf(params, frozen, job, config: TrainConfig) -> str:
-    """Writes ``OUT/hf``: the trained model (a LoRA run's adapters merged into its base, in
-    f32) as a Hugging Face directory, with the tokenizer; returns its path. Every process takes
-    part in gathering the parameters (they may be sharded over processes); process 0 writes."""
+def _gathered(params, frozen, job) -> tuple:
+    """``(base, adapters)`` of the trained model, on every process's host when the run has
+    several (each takes part in gathering; they may be sharded over processes)."""
     def host(tree):
         return (multihost_utils.process_allgather(tree, tiled=True)
                 if jax.process_count() > 1 else tree)
 
-    directory = export_paths(config, job.lora is not None)["hf"]
     base, adapters = (params, None) if job.lora is None else (frozen, params)
-    base, adapters = host(base), None if adapters is None else host(adapters)
+    return host(base), None if adapters is None else host(adapters)
+
+
+def _export_gguf(params, frozen, job, config: TrainConfig) -> str:
+    """Writes ``OUT/model.gguf``: the trained model (a LoRA run's adapters merged into its
+    base, in f32, then stored as ``export_gguf`` says) with the tokenizer; returns its path.
+    Process 0 writes, whole or not at all."""
+    path = export_paths(config, job.lora is not None)["gguf"]
+    base, adapters = _gathered(params, frozen, job)
+    if distributed.is_main():
+        save_gguf(path, job.model, base, adapters=adapters, lora=job.lora,
+                  dtype=config.export_gguf)
+    return str(path)
+
+
+def _export_hf(params, frozen, job, config: TrainConfig) -> str:
+    """Writes ``OUT/hf``: the trained model (a LoRA run's adapters merged into its base, in
+    f32) as a Hugging Face directory, with the tokenizer; returns its path. Every process takes
+    part in gathering the parameters (they may be sharded over processes); process 0 writes."""
+    directory = export_paths(config, job.lora is not None)["hf"]
+    base, adapters = _gathered(params, frozen, job)
     if distributed.is_main():
         tmp = atomic.fresh_dir(directory)
         save_hf(tmp, job.model, base, adapters=adapters, lora=job.lora)

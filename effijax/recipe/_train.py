@@ -154,6 +154,14 @@ def model_for(config: TrainConfig, source):
         except ConfigError as e:
             raise ConfigError("export_hf", True, f"writes a Hugging Face model directory; "
                               f"{e.problem}") from None
+    if config.export_gguf is not None:
+        from effijax.interop import gguf_format
+
+        try:
+            gguf_format(model)
+        except ConfigError as e:
+            raise ConfigError("export_gguf", config.export_gguf, f"writes a GGUF file; "
+                              f"{e.field}={e.value!r}: {e.problem}") from None
     return model
 
 
