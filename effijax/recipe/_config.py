@@ -25,7 +25,7 @@ import tomllib
 from pathlib import Path
 
 from effijax.errors import ConfigError, whole_number
-from effijax.interop._gguf_types import GGUF_DTYPES
+from effijax.interop import GGUF_DTYPES
 from effijax.memory import PRECISION_ALIASES
 from effijax.optimizers import OPTIMIZERS, SCHEDULES, decay_mask, hyperparameters
 from effijax.precision import PRESET_NAMES
