@@ -8,6 +8,7 @@ then normal tokens scored by rank (``-position``), as SentencePiece's BPE traine
 """
 
 import gguf
+from _llama_files import write_tokenizer_gguf
 
 CONTROL = ["<pad>", "<eos>", "<bos>", "<unk>"]  # ids 0..3: pad, eos, bos, unk as in Gemma 3
 TURNS = ["<start_of_turn>", "<end_of_turn>"]  # control tokens after the bytes
@@ -47,12 +48,4 @@ def write_sentencepiece_gguf(path, *, architecture="gemma3", tokens=None, scores
               "unknown_token_id": (3, u32, None), "padding_token_id": (0, u32, None),
               "add_bos_token": (add_bos, boolean, None), "add_eos_token": (False, boolean, None),
               "add_space_prefix": (add_space_prefix, boolean, None), **(fields or {})}
-    writer = gguf.GGUFWriter(str(path), architecture)
-    for key, (value, kind, item) in values.items():
-        if value is not None:
-            writer.add_key_value(f"tokenizer.ggml.{key}", value, kind, item)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return write_tokenizer_gguf(path, values, architecture)

@@ -27,7 +27,7 @@ import gguf
 import jax
 import numpy as np
 import pytest
-from _llama_files import VOCAB_SIZE, write_gguf
+from _llama_files import VOCAB_SIZE, write_gguf, write_tokenizer_gguf
 from _sentencepiece_files import vocabulary as sentencepiece_vocabulary
 from _sentencepiece_files import write_sentencepiece_gguf
 
@@ -253,14 +253,7 @@ def _tokenizer_gguf(path, **fields):
     values = {"model": ("gpt2", string, None), "tokens": (tokens, array, string),
               "merges": (MERGES, array, string), "token_type": (types, array, u32),
               "bos_token_id": (1, u32, None), **fields}
-    writer = gguf.GGUFWriter(str(path), "llama")
-    for key, (value, kind, item) in values.items():
-        writer.add_key_value(f"tokenizer.ggml.{key}", value, kind, item)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return write_tokenizer_gguf(path, values)
 
 
 @pytest.mark.parametrize("fields, expected", [
