@@ -125,11 +125,14 @@ def sentencepiece_bpe(tokens: Sequence[str], scores: Sequence[float],
     Text has its spaces written as ``▁``; merges come from :func:`sentencepiece_merges`; a
     character that is no token is spelled by its UTF-8 bytes' ``<0xNN>`` tokens (byte
     fallback). A token spelled with spaces (Gemma's runs of spaces) is respelled with ``▁``,
-    the only way text can reach it. Control tokens (type 3) and the special ids become special
-    added tokens and user-defined ones (type 4) plain added tokens, matched whole in the text, as
-    ``transformers`` does. Decoding gives the text back exactly (with ``add_space_prefix``, a
-    text that starts with a space loses that space, as in ``transformers``, whose prefix is not
-    added to text that already starts with one; a ``▁`` in the text decodes as a space).
+    the only way text can reach it, and reached by merges as ``transformers`` does (llama.cpp
+    matches it whole in the raw text instead, which cuts a run longer than the longest such
+    token differently, and ranks two cuts of one token by position, not length). Control
+    tokens (type 3) and the special ids become special added tokens and user-defined ones
+    (type 4) plain added tokens, matched whole in the text, as ``transformers`` does. Decoding
+    gives the text back exactly (with ``add_space_prefix``, a text that starts with a space loses
+    that space, as in ``transformers``, whose prefix is not added to text that already starts
+    with one; a ``▁`` in the text decodes as a space).
 
     Args:
       tokens: the vocabulary in id order (SentencePiece's pieces).

@@ -384,7 +384,14 @@ def _with_flags(tokenizer: Tokenizer, backend) -> Tokenizer:
 
 def with_backend(tokenizer: Tokenizer, backend) -> Tokenizer:
     """``tokenizer`` with :attr:`Tokenizer.backend` already there: ``backend``, the
-    ``tokenizers.Tokenizer`` its ``spec`` serialises (a large vocabulary is not parsed again)."""
+    ``tokenizers.Tokenizer`` its ``spec`` serialises (a large vocabulary is not parsed again).
+
+    Example:
+      >>> tok = byte_level_bpe(["a", "b", "ab"], ["a b"])
+      >>> backend = tok.backend
+      >>> with_backend(dataclasses.replace(tok, add_bos=False), backend).backend is backend
+      True
+    """
     vars(tokenizer)["backend"] = backend  # what the cached property would compute
     return tokenizer
 
@@ -519,7 +526,14 @@ def byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], *, pre: str = "
 def set_post_processor(backend, bos_id: int | None, eos_id: int | None) -> None:
     """Makes ``backend`` (a ``tokenizers.Tokenizer``) add ``bos_id`` first and ``eos_id`` last
     when asked for special tokens (None: not added), as ``transformers``' ``add_bos_token`` /
-    ``add_eos_token`` do; with neither, a backend without a post-processor keeps none."""
+    ``add_eos_token`` do; with neither, a backend without a post-processor keeps none.
+
+    Example:
+      >>> backend = byte_level_bpe(["<s>", "a"], [], token_types=[3, 1]).backend
+      >>> set_post_processor(backend, 0, None)
+      >>> backend.encode("aa", add_special_tokens=True).ids
+      [0, 1, 1]
+    """
     from tokenizers import processors
 
     specials = list(dict.fromkeys((backend.id_to_token(i), i) for i in (bos_id, eos_id)
