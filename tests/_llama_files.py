@@ -72,6 +72,20 @@ def torch_tensors(model, params):
     return out
 
 
+def write_tokenizer_gguf(path, values: dict, architecture: str = "llama"):
+    """Writes a GGUF holding only ``tokenizer.ggml.*`` metadata: ``values`` maps each key (the
+    prefix left out) to a (value, type, item type) tuple; a None value leaves the key out."""
+    writer = gguf.GGUFWriter(str(path), architecture)
+    for key, (value, kind, item) in values.items():
+        if value is not None:
+            writer.add_key_value(f"tokenizer.ggml.{key}", value, kind, item)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def write_gguf(file, model, params, *, pre="smollm", qtype=None, drop=(), extra=None,
                reshape=None, architecture="llama", permuted=True):
     """Writes ``model`` with ``params`` as a llama.cpp-style GGUF file.

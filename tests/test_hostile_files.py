@@ -27,7 +27,9 @@ import gguf
 import jax
 import numpy as np
 import pytest
-from _llama_files import VOCAB_SIZE, write_gguf
+from _llama_files import VOCAB_SIZE, write_gguf, write_tokenizer_gguf
+from _sentencepiece_files import vocabulary as sentencepiece_vocabulary
+from _sentencepiece_files import write_sentencepiece_gguf
 
 from effijax.cli import main
 from effijax.errors import ConfigError, FileError
@@ -251,14 +253,7 @@ def _tokenizer_gguf(path, **fields):
     values = {"model": ("gpt2", string, None), "tokens": (tokens, array, string),
               "merges": (MERGES, array, string), "token_type": (types, array, u32),
               "bos_token_id": (1, u32, None), **fields}
-    writer = gguf.GGUFWriter(str(path), "llama")
-    for key, (value, kind, item) in values.items():
-        writer.add_key_value(f"tokenizer.ggml.{key}", value, kind, item)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return write_tokenizer_gguf(path, values)
 
 
 @pytest.mark.parametrize("fields, expected", [
@@ -283,6 +278,57 @@ def test_broken_gguf_tokenizers_are_one_line(tmp_path, fields, expected):
 
 def test_valid_tokenizer_gguf_loads(tmp_path):
     assert load_tokenizer(_tokenizer_gguf(tmp_path / "tok.gguf")).encode("the").size > 0
+
+
+def _scores(at, value):
+    """The tiny SentencePiece vocabulary's scores with ``value`` at ``at``, as an f32 array."""
+    scores = sentencepiece_vocabulary()[1]
+    scores[at] = value
+    return scores, gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.FLOAT32
+
+
+def _types(at, value):
+    types = sentencepiece_vocabulary()[2]
+    types[at] = value
+    return types, gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32
+
+
+@pytest.mark.parametrize("fields, expected", [
+    ({"scores": (None, None, None)}, "tokenizer.ggml.scores: missing; a SentencePiece"),
+    ({"scores": ([0.0, 1.0], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.FLOAT32)},
+     "tokenizer.ggml.scores: has 2 entries; expected one per token"),
+    ({"scores": (sentencepiece_vocabulary()[2], gguf.GGUFValueType.ARRAY,
+                 gguf.GGUFValueType.INT32)}, "tokenizer.ggml.scores: expected a list of float"),
+    ({"scores": _scores(280, float("nan"))}, "token 280's score is nan; expected a finite"),
+    ({"scores": _scores(7, float("-inf"))}, "token 7's score is -inf; expected a finite"),
+    ({"token_type": _types(9, 7)}, "tokenizer.ggml.token_type: has 7; expected llama.cpp's"),
+    ({"token_type": _types(9, -1)}, "tokenizer.ggml.token_type: has -1; expected"),
+    ({"add_bos_token": ("yes", gguf.GGUFValueType.STRING, None)},
+     "tokenizer.ggml.add_bos_token: 'yes'; expected true or false"),
+    ({"add_space_prefix": (1, gguf.GGUFValueType.UINT32, None)},
+     "tokenizer.ggml.add_space_prefix: 1; expected true or false"),
+    ({"unknown_token_id": (10**6, gguf.GGUFValueType.UINT32, None)},
+     "tokenizer.ggml.unknown_token_id=1000000: must be an integer from 0 to 297"),
+])
+def test_broken_sentencepiece_gguf_tokenizers_are_one_line(tmp_path, fields, expected):
+    path = write_sentencepiece_gguf(tmp_path / "tok.gguf", fields=fields)
+    with pytest.raises(FileError, match=expected) as e:
+        load_tokenizer(path)
+    assert e.value.path == str(path) and "\n" not in str(e.value)
+
+
+def test_hostile_sentencepiece_gguf_files_are_refused_in_one_line(tmp_path):
+    """The tiny SentencePiece GGUF with its lengths, counts and types forged, cut short and
+    bit-flipped: each loads a tokenizer or is one FileError."""
+    valid_path = write_sentencepiece_gguf(tmp_path / "valid.gguf")
+    valid, numbers = valid_path.read_bytes(), _gguf_numbers(valid_path)
+    path = tmp_path / "hostile.gguf"
+    refused = total = 0
+    for name, data in _gguf_cases(valid, numbers, seed=0, n=CASES // 5):
+        path.write_bytes(data)
+        refused += _refused(load_tokenizer, path, name)
+        total += 1
+    assert refused > total // 2, (refused, total)
 
 
 # --------------------------------------------------------------------------------------------

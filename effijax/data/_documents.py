@@ -1,5 +1,6 @@
-"""Text documents through a model's tokenizer: each document (file) is tokenized on its own and
-followed by the end-of-text token, and the results are concatenated into one token stream.
+"""Text documents through a model's tokenizer: each document (file) is tokenized on its own
+(after BOS where the tokenizer adds one) and followed by the end-of-text token, and the results
+are concatenated into one token stream.
 
 The separator tells the model where a document ends, so a training window that spans two files
 does not read as one text. Which token that is: the tokenizer's special ``<|endoftext|>`` (or
@@ -44,26 +45,33 @@ def end_of_text_id(tokenizer) -> int:
 
 
 def encode_documents(tokenizer, documents: Sequence[bytes]) -> np.ndarray:
-    """``doc_1 <eot> doc_2 <eot> ...``: each UTF-8 document tokenized on its own (no BOS/EOS of
-    the tokenizer's post-processor; undecodable bytes become U+FFFD), each followed by
-    :func:`end_of_text_id`. Documents are encoded in parallel.
+    """``doc_1 <eot> doc_2 <eot> ...``: each UTF-8 document tokenized on its own (undecodable
+    bytes become U+FFFD), each followed by :func:`end_of_text_id`. A tokenizer that adds BOS
+    (``add_bos``: Gemma's, Llama 2's) starts each document with it, once, as ``transformers``'
+    ``tokenizer(document)`` does; the post-processor's EOS is not added (the separator ends the
+    document). Documents are encoded in parallel.
 
     Returns:
       A 1-D int32 array.
 
     Example:
       >>> from effijax.models import byte_level_bpe
-      >>> tok = byte_level_bpe(["a", "b", "ab", "<|endoftext|>"], ["a b"],
-      ...                      token_types=[1, 1, 1, 3])
+      >>> tok = byte_level_bpe(["a", "b", "ab", "<|endoftext|>", "<s>"], ["a b"],
+      ...                      token_types=[1, 1, 1, 3, 3])
       >>> encode_documents(tok, [b"ab", b"ba"]).tolist()
       [2, 3, 1, 0, 3]
+      >>> tok = byte_level_bpe(["a", "b", "ab", "<|endoftext|>", "<s>"], ["a b"],
+      ...                      token_types=[1, 1, 1, 3, 3], bos_id=4, add_bos=True)
+      >>> encode_documents(tok, [b"ab", b"ba"]).tolist()
+      [4, 2, 3, 4, 1, 0, 3]
     """
-    eot = end_of_text_id(tokenizer)
+    eot = np.asarray([end_of_text_id(tokenizer)], np.int32)
+    bos = [tokenizer.bos_id] if tokenizer.add_bos and tokenizer.bos_id is not None else []
     texts = [d.decode("utf-8", errors="replace") for d in documents]
     encodings = tokenizer.backend.encode_batch(texts, add_special_tokens=False)
     pieces = []
     for e in encodings:
-        pieces += [np.asarray(e.ids, np.int32), np.asarray([eot], np.int32)]
+        pieces += [np.asarray(bos + e.ids, np.int32), eot]
     return np.concatenate(pieces) if pieces else np.zeros(0, np.int32)
 
 

@@ -3,7 +3,8 @@
 :func:`load_gguf` reads the hyperparameters (``llama.block_count``, ``llama.embedding_length``,
 ...; ``qwen2.*`` for a Qwen2: ``general.architecture`` picks the registered
 :class:`~effijax.models.PretrainedFormat`) into the family's config, the tokenizer from
-``tokenizer.ggml.*`` (see :func:`effijax.models.byte_level_bpe`), and the tensors, dequantized
+``tokenizer.ggml.*`` (see :func:`effijax.models.byte_level_bpe` and
+:func:`effijax.models.sentencepiece_bpe`), and the tensors, dequantized
 with
 ``gguf.quants.dequantize`` (Q4_1, Q8_0, F16, ... to f32, then the parameter dtype). The file is
 memory-mapped, so a tensor is read when its parameter is assembled. Nothing in the file is
@@ -39,6 +40,7 @@ from effijax.models import (
     byte_level_bpe,
     format_of,
     pretrained_format,
+    sentencepiece_bpe,
 )
 
 __all__ = ["load_gguf", "gguf_config", "gguf_tokenizer", "open_gguf", "permute", "unpermute",
@@ -119,19 +121,39 @@ def _token_list(metadata: dict, key: str, source: str, item: type, size: int | N
     return value
 
 
+# The tokenizer models read (``tokenizer.ggml.model``): byte-level BPE and SentencePiece.
+_TOKENIZER_MODELS = ("gpt2", "llama")
+
+
 def _check_tokenizer(metadata: dict, source: str) -> None:
-    """The ``tokenizer.ggml.*`` fields :func:`byte_level_bpe` reads, checked for type and
-    range (it would fail on them with whatever the tokenizers library says)."""
+    """The ``tokenizer.ggml.*`` fields :func:`byte_level_bpe` and :func:`sentencepiece_bpe`
+    read, checked for type and range (they would fail on them with whatever the tokenizers
+    library says, or build a wrong tokenizer)."""
     tokens = _token_list(metadata, "tokenizer.ggml.tokens", source, str, None)
     if not tokens or len(tokens) > LIMITS["vocab_size"]:
         raise FileError(source, "tokenizer.ggml.tokens", f"expected 1 to "
                         f"{LIMITS['vocab_size']:,} tokens")
-    merges = _token_list(metadata, "tokenizer.ggml.merges", source, str, None) or []
-    bad = next((m for m in merges if len(m.split(" ", 1)) != 2), None)
+    if metadata["tokenizer.ggml.model"] == "gpt2":
+        merges = _token_list(metadata, "tokenizer.ggml.merges", source, str, None) or []
+        bad = next((m for m in merges if len(m.split(" ", 1)) != 2), None)
+        if bad is not None:
+            raise FileError(source, "tokenizer.ggml.merges", f"{bad!r} is not a pair; expected "
+                            "'left right'")
+    else:  # SentencePiece: a finite score per token
+        key = "tokenizer.ggml.scores"
+        if metadata.get(key) is None:
+            raise FileError(source, key, "missing; a SentencePiece ('llama') tokenizer needs a "
+                            "score per token")
+        scores = np.asarray(_token_list(metadata, key, source, float, len(tokens)), np.float64)
+        if not np.isfinite(scores).all():
+            bad = int(np.nonzero(~np.isfinite(scores))[0][0])
+            raise FileError(source, key, f"token {bad}'s score is {scores[bad]}; expected a "
+                            "finite number")
+    types = _token_list(metadata, "tokenizer.ggml.token_type", source, int, len(tokens)) or []
+    bad = next((t for t in types if not 0 <= t <= 6), None)
     if bad is not None:
-        raise FileError(source, "tokenizer.ggml.merges", f"{bad!r} is not a pair; expected "
-                        "'left right'")
-    _token_list(metadata, "tokenizer.ggml.token_type", source, int, len(tokens))
+        raise FileError(source, "tokenizer.ggml.token_type", f"has {bad}; expected llama.cpp's "
+                        "types 0 to 6")
     for name in ("bos", "eos", "unknown", "padding"):
         key = f"tokenizer.ggml.{name}_token_id"
         try:  # a token id: a whole number below the vocabulary's size
@@ -141,45 +163,73 @@ def _check_tokenizer(metadata: dict, source: str) -> None:
     for key in ("tokenizer.ggml.pre", "tokenizer.chat_template"):
         if metadata.get(key) is not None and not isinstance(metadata[key], str):
             raise FileError(source, key, f"{metadata[key]!r}; expected a string")
+    for name in ("add_bos_token", "add_eos_token", "add_space_prefix"):
+        key = f"tokenizer.ggml.{name}"
+        if metadata.get(key) is not None and not isinstance(metadata[key], bool):
+            raise FileError(source, key, f"{metadata[key]!r}; expected true or false")
 
 
 def gguf_tokenizer(metadata: dict, *, pre: str | None = None,
                    source: str = "GGUF") -> Tokenizer | None:
-    """The tokenizer a GGUF's ``tokenizer.*`` metadata describes (byte-level BPE), or None.
+    """The tokenizer a GGUF's ``tokenizer.*`` metadata describes, or None.
+
+    ``tokenizer.ggml.model`` says which: ``gpt2`` is byte-level BPE (:func:`byte_level_bpe`,
+    with the merges and the ``pre`` split), ``llama`` SentencePiece (:func:`sentencepiece_bpe`:
+    tokens, scores and token types, spaces as ``▁``, byte fallback; Gemma's and Llama 2's).
+    BOS is added as ``tokenizer.ggml.add_bos_token`` says (for SentencePiece, llama.cpp's
+    default: yes), and the prefix space as ``add_space_prefix`` says (default: yes).
 
     Args:
       metadata: from :func:`read_metadata`.
       pre: override ``tokenizer.ggml.pre`` (e.g. ``"gpt2"``: the split ``transformers`` uses
-        for every byte-level GGUF, which differs from SmolLM's on whitespace before digits).
+        for every byte-level GGUF, which differs from SmolLM's on whitespace before digits);
+        SentencePiece has no such split and ignores it.
       source: the file, for the errors.
 
     Raises:
       FileError: the tokenizer metadata is malformed (naming ``source`` and the key).
 
     Warns:
-      UserWarning: a tokenizer model other than ``gpt2`` (e.g. SentencePiece ``llama``), which
-        is not supported: the model loads without a tokenizer.
+      UserWarning: a tokenizer model other than these (e.g. ``t5``, ``bert``), which is not
+        supported: the model loads without a tokenizer.
+
+    Example:
+      >>> tok = gguf_tokenizer({"tokenizer.ggml.model": "llama",
+      ...                       "tokenizer.ggml.tokens": ["<s>", "▁", "a", "▁a"],
+      ...                       "tokenizer.ggml.scores": [0.0, -1.0, -2.0, -3.0],
+      ...                       "tokenizer.ggml.token_type": [3, 1, 1, 1],
+      ...                       "tokenizer.ggml.bos_token_id": 0})
+      >>> tok.encode("a a", add_special_tokens=True).tolist()  # BOS, prefix space: "▁a▁a"
+      [0, 3, 3]
     """
     kind = metadata.get("tokenizer.ggml.model")
     if kind is None:
         return None
-    if kind != "gpt2":
+    if kind not in _TOKENIZER_MODELS:
         warnings.warn(f"GGUF tokenizer.ggml.model={kind!r} is not supported (byte-level BPE "
-                      "'gpt2' only); the model is loaded without a tokenizer", stacklevel=3)
+                      "'gpt2' and SentencePiece 'llama' only); the model is loaded without a "
+                      "tokenizer", stacklevel=3)
         return None
     _check_tokenizer(metadata, source)
     get = metadata.get
+    special = dict(bos_id=get("tokenizer.ggml.bos_token_id"),
+                   eos_id=get("tokenizer.ggml.eos_token_id"),
+                   unk_id=get("tokenizer.ggml.unknown_token_id"),
+                   pad_id=get("tokenizer.ggml.padding_token_id"),
+                   add_eos=get("tokenizer.ggml.add_eos_token", False),
+                   chat_template=get("tokenizer.chat_template"))
     try:
+        if kind == "llama":
+            return sentencepiece_bpe(
+                get("tokenizer.ggml.tokens"), get("tokenizer.ggml.scores"),
+                get("tokenizer.ggml.token_type"),
+                add_space_prefix=get("tokenizer.ggml.add_space_prefix", True),
+                add_bos=get("tokenizer.ggml.add_bos_token", True), **special)
         return byte_level_bpe(
             get("tokenizer.ggml.tokens"), get("tokenizer.ggml.merges") or [],
             pre=pre or get("tokenizer.ggml.pre") or "default",
             token_types=get("tokenizer.ggml.token_type"),
-            bos_id=get("tokenizer.ggml.bos_token_id"), eos_id=get("tokenizer.ggml.eos_token_id"),
-            unk_id=get("tokenizer.ggml.unknown_token_id"),
-            pad_id=get("tokenizer.ggml.padding_token_id"),
-            add_bos=bool(get("tokenizer.ggml.add_bos_token", False)),
-            add_eos=bool(get("tokenizer.ggml.add_eos_token", False)),
-            chat_template=get("tokenizer.chat_template"))
+            add_bos=get("tokenizer.ggml.add_bos_token", False), **special)
     except ConfigError as e:
         raise FileError.of(source, e) from None
     except Exception as e:  # noqa: BLE001 (the tokenizers library raises plain Exception)

@@ -65,6 +65,7 @@ from effijax.models._layers import segment_positions
 from effijax.models._llama import LLAMA_PRESETS, Llama, LlamaConfig, llama_config
 from effijax.models._mistral import MISTRAL_PRESETS, Mistral, MistralConfig, mistral_config
 from effijax.models._qwen2 import QWEN2_PRESETS, Qwen2, Qwen2Config, qwen2_config
+from effijax.models._sentencepiece import sentencepiece_bpe
 from effijax.models._tokenizer import PRE_TOKENIZERS, Tokenizer, byte_level_bpe
 
 __all__ = [
@@ -99,6 +100,7 @@ __all__ = [
     "format_of",
     "Tokenizer",
     "byte_level_bpe",
+    "sentencepiece_bpe",
     "PRE_TOKENIZERS",
     "attend",
     "blockwise_attend",

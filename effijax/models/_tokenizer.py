@@ -6,12 +6,13 @@ so a :class:`~effijax.models.LlamaConfig` can carry it as a field, and the same 
 tokenizer files Hugging Face loads (:meth:`Tokenizer.save`). The ``tokenizers.Tokenizer`` that
 does the work is built from the JSON on first use.
 
-Two ways in: :meth:`Tokenizer.load` reads a model directory's ``tokenizer.json`` and
+Three ways in: :meth:`Tokenizer.load` reads a model directory's ``tokenizer.json`` and
 ``tokenizer_config.json``, each checked first (a malformed one is one
 :class:`~effijax.errors.FileError` naming the file and the field); :func:`byte_level_bpe`
 builds GPT-2 style byte-level BPE from a vocabulary and merges (what a GGUF file stores), with
-the pre-tokenizer its ``pre`` name says. ``tokenizers`` is imported on first use, so importing
-effijax does not load it.
+the pre-tokenizer its ``pre`` name says; :func:`~effijax.models.sentencepiece_bpe` builds a
+SentencePiece vocabulary (tokens and scores, Gemma's and Llama 2's kind). ``tokenizers`` is
+imported on first use, so importing effijax does not load it.
 """
 
 from __future__ import annotations
@@ -59,6 +60,13 @@ PRE_TOKENIZERS: dict[str, tuple[str | None, ...]] = {
 
 # Texts longer than this (in characters) are encoded in pieces of about this size, in parallel.
 _CHUNK_CHARS = 1 << 20
+
+# SentencePiece's spaces as the tokenizers library writes them (a normalizer writes every space
+# as U+2581, "▁"), and the split on spaces transformers' Gemma tokenizer adds after it, which
+# finds none.
+_SPACES_TO_METASPACE = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}
+_NO_OP_SPLIT = {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious",
+                "invert": False}
 
 
 def _line_chunks(text: str, size: int) -> list[str]:
@@ -176,14 +184,20 @@ class Tokenizer:
         """Whether text cut by :func:`_line_chunks` encodes to the same ids as the whole.
 
         True for byte-level splits effijax knows (GPT-2's, the digit split, :data:`PRE_TOKENIZERS`'
-        regexes) without a normalizer; False for anything else (a ``Metaspace`` prefix, say,
-        would be added to every piece).
+        regexes) without a normalizer, and for SentencePiece BPE without a prefix space whose
+        ``"\\n"`` is an added token (Gemma's: text is cut into words at added tokens only);
+        False for anything else (a ``Metaspace`` prefix, say, would be added to every piece).
         """
         spec = json.loads(self.spec)
+        added = [token["content"] for token in spec.get("added_tokens", [])]
+        if spec.get("normalizer") == _SPACES_TO_METASPACE:
+            # A newline is a word of its own, and no added token spans one with anything else.
+            return spec.get("pre_tokenizer") in (None, _NO_OP_SPLIT) and "\n" in added and all(
+                set(token) == {"\n"} for token in added if "\n" in token)
         pre = spec.get("pre_tokenizer")
         if spec.get("normalizer") is not None or pre is None:
             return False
-        if any("\n" in added["content"] for added in spec.get("added_tokens", [])):
+        if any("\n" in token for token in added):
             return False  # matched before pre-tokenization, across any cut
         parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
         known = {regex for splits in PRE_TOKENIZERS.values() for regex in splits if regex}
@@ -296,7 +310,9 @@ class Tokenizer:
         file checked before it is trusted.
 
         Special tokens and the chat template come from ``tokenizer_config.json`` (a
-        ``chat_template.jinja`` file next to it wins, as in recent ``transformers``). The fields
+        ``chat_template.jinja`` file next to it wins, as in recent ``transformers``); whether
+        BOS and EOS are added from ``tokenizer.json``'s post-processor, which ``transformers`` 5
+        follows over ``add_bos_token`` (written by :meth:`save` to agree with it). The fields
         read must have the types expected, and the ``tokenizers`` library must accept the
         tokenizer, else one line names the file and the field.
 
@@ -343,18 +359,41 @@ class Tokenizer:
                             eos_id=_special_id(config, "eos_token", vocab),
                             unk_id=_special_id(config, "unk_token", vocab),
                             pad_id=_special_id(config, "pad_token", vocab),
-                            add_bos=bool(config.get("add_bos_token", False)),
-                            add_eos=bool(config.get("add_eos_token", False)),
                             chat_template=template)
         except ConfigError as e:
             raise FileError.of(config_path, e) from None
         try:
-            _ = tokenizer.backend  # parsed here, so that a spec the library refuses is named now
+            backend = tokenizer.backend  # parsed now, so that a spec the library refuses is named
         except Exception as e:  # noqa: BLE001 (the tokenizers library raises plain Exception)
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise FileError(path, "file", f"the tokenizers library cannot read it ({first})") \
                 from None
-        return tokenizer
+        return _with_flags(tokenizer, backend)
+
+
+def _with_flags(tokenizer: Tokenizer, backend) -> Tokenizer:
+    """``tokenizer`` with ``add_bos``/``add_eos`` read off its post-processor (whether encoding
+    ``""`` with special tokens gives BOS first, EOS last): ``transformers`` 5 follows the
+    post-processor whatever ``tokenizer_config.json``'s ``add_bos_token`` says."""
+    ids = backend.encode("", add_special_tokens=True).ids
+    add_bos = tokenizer.bos_id is not None and ids[:1] == [tokenizer.bos_id]
+    add_eos = tokenizer.eos_id is not None and len(ids) > add_bos and ids[-1] == tokenizer.eos_id
+    return with_backend(dataclasses.replace(tokenizer, add_bos=add_bos, add_eos=add_eos),
+                        backend)
+
+
+def with_backend(tokenizer: Tokenizer, backend) -> Tokenizer:
+    """``tokenizer`` with :attr:`Tokenizer.backend` already there: ``backend``, the
+    ``tokenizers.Tokenizer`` its ``spec`` serialises (a large vocabulary is not parsed again).
+
+    Example:
+      >>> tok = byte_level_bpe(["a", "b", "ab"], ["a b"])
+      >>> backend = tok.backend
+      >>> with_backend(dataclasses.replace(tok, add_bos=False), backend).backend is backend
+      True
+    """
+    vars(tokenizer)["backend"] = backend  # what the cached property would compute
+    return tokenizer
 
 
 # The tokenizer files, checked before anything trusts them: the fields Tokenizer.load reads
@@ -446,7 +485,7 @@ def byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], *, pre: str = "
       >>> tok.encode("<s> 12").tolist()  # digits are isolated before BPE: no "Ġ1"
       [0, 3, 1, 2]
     """
-    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
     from tokenizers import Tokenizer as Backend
 
     if pre not in PRE_TOKENIZERS:
@@ -479,17 +518,30 @@ def byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], *, pre: str = "
                 for t, kind in zip(tokens, token_types, strict=True) if kind == 4]
         backend.add_special_tokens(control)
         backend.add_tokens(user)
-    specials = []
-    if add_bos and bos_id is not None:
-        specials.append(("bos", tokens[bos_id], bos_id))
-    if add_eos and eos_id is not None:
-        specials.append(("eos", tokens[eos_id], eos_id))
-    if specials:
-        names = dict((kind, token) for kind, token, _ in specials)
-        single = " ".join(filter(None, [names.get("bos"), "$A", names.get("eos")]))
-        pair = " ".join(filter(None, [names.get("bos"), "$A", names.get("eos"),
-                                      names.get("bos"), "$B:1", names.get("eos")]))
-        backend.post_processor = processors.TemplateProcessing(
-            single=single, pair=pair, special_tokens=[(t, i) for _, t, i in specials])
+    set_post_processor(backend, bos_id if add_bos else None, eos_id if add_eos else None)
     return Tokenizer(spec=backend.to_str(), bos_id=bos_id, eos_id=eos_id, unk_id=unk_id,
                      pad_id=pad_id, add_bos=add_bos, add_eos=add_eos, chat_template=chat_template)
+
+
+def set_post_processor(backend, bos_id: int | None, eos_id: int | None) -> None:
+    """Makes ``backend`` (a ``tokenizers.Tokenizer``) add ``bos_id`` first and ``eos_id`` last
+    when asked for special tokens (None: not added), as ``transformers``' ``add_bos_token`` /
+    ``add_eos_token`` do; with neither, a backend without a post-processor keeps none.
+
+    Example:
+      >>> backend = byte_level_bpe(["<s>", "a"], [], token_types=[3, 1]).backend
+      >>> set_post_processor(backend, 0, None)
+      >>> backend.encode("aa", add_special_tokens=True).ids
+      [0, 1, 1]
+    """
+    from tokenizers import processors
+
+    specials = list(dict.fromkeys((backend.id_to_token(i), i) for i in (bos_id, eos_id)
+                                  if i is not None))
+    if not specials and backend.post_processor is None:
+        return
+    bos = [backend.id_to_token(bos_id)] if bos_id is not None else []
+    eos = [backend.id_to_token(eos_id)] if eos_id is not None else []
+    backend.post_processor = processors.TemplateProcessing(
+        single=" ".join([*bos, "$A", *eos]),
+        pair=" ".join([*bos, "$A", *eos, *bos, "$B:1", *eos]), special_tokens=specials)
