@@ -169,6 +169,10 @@ def add_parsers(sub) -> None:
         "--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (0 = DDP, 3 = FSDP)"
     )
     m.add_argument("--devices", type=_count, default=1, help="data-parallel devices")
+    m.add_argument("--tensor", type=_count, default=1,
+                   help="tensor-parallel degree t (Megatron's split of each layer over t devices)")
+    m.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tensor: split the norm and dropout regions along the sequence")
     m.add_argument(
         "--lora-fraction",
         type=_fraction,
@@ -240,6 +244,7 @@ _FLAGS = {
     "global_batch": "--global-batch",
     "headroom": "--headroom",
     "checkpointing": "--checkpointing",
+    "tensor": "--tensor",
 }
 
 
@@ -350,10 +355,12 @@ def memory_command(args: argparse.Namespace) -> int:
         shape = _shape(args, "batch_size")  # with --model or --from, it sets args.params
         states = model_states(args.params, optimizer=args.optimizer, precision=args.precision,
                               zero_stage=args.zero, devices=args.devices,
-                              lora_fraction=args.lora_fraction, frozen_dtype=args.frozen_dtype)
+                              lora_fraction=args.lora_fraction, frozen_dtype=args.frozen_dtype,
+                              tensor=args.tensor)
         acts = None if args.layers is None else activation_bytes(
             **shape, bytes_per_value=4 if args.precision == "fp32" else 2,
-            checkpointing=args.checkpointing)
+            checkpointing=args.checkpointing, tensor=args.tensor,
+            sequence_parallel=args.sequence_parallel)
     except ConfigError as e:
         return _error("memory", e)
     total = states.model_state_bytes + (acts or 0)
@@ -384,7 +391,10 @@ def _memory_text(args: argparse.Namespace, shape: dict, states, acts: int | None
         f"{shape['ffn']}, vocabulary {shape['vocab']:,}; seq_len {args.seq_len}, batch "
         f"{args.batch_size}\n")
     lines = [f"{model}{args.params:,} params, {args.optimizer}, {args.precision}{lora}, "
-             f"ZeRO-{args.zero} on {args.devices} device(s); bytes per device (GB = 1e9 bytes)"]
+             f"ZeRO-{args.zero} on {args.devices} device(s)"
+             + (f" x tensor {args.tensor}{' (sequence-parallel)' if args.sequence_parallel else ''}"
+                if args.tensor > 1 else "")
+             + "; bytes per device (GB = 1e9 bytes)"]
     rows = [
         ("params", states.params_bytes),
         ("grads", states.grads_bytes),
