@@ -202,6 +202,8 @@ def add_parsers(sub) -> None:
     )
     _add_model_flags(p, "parameter count, e.g. 70B")
     p.add_argument("--devices", type=_count, required=True, help="data-parallel devices")
+    p.add_argument("--tensor", type=_count, default=1,
+                   help="tensor-parallel degree: each data-parallel rank is this many devices")
     p.add_argument(
         "--device-memory",
         required=True,
@@ -414,7 +416,8 @@ def plan_command(args: argparse.Namespace) -> int:
         shape = _shape(args, "global_batch")  # with --model or --from, it sets args.params
         result = plan(args.params, devices=args.devices, device_memory=args.device_memory,
                       optimizer=args.optimizer, allow_lora=args.allow_lora,
-                      headroom=args.headroom, lora_fraction=args.lora_fraction, **shape)
+                      headroom=args.headroom, lora_fraction=args.lora_fraction,
+                      tensor=args.tensor, **shape)
     except ConfigError as e:
         return _error("plan", e)
     if args.json:
