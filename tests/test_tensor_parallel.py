@@ -12,11 +12,13 @@ and per-device memory are checked (compiled as a run compiles it).
 """
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import numpy as np
 import pytest
 from _compiles import compiles
+from _noise import assert_close_except_noise
 from jax.sharding import PartitionSpec as P
 
 from effijax import lora as lora_lib
@@ -75,27 +77,34 @@ def _build(corpus, name):
                         num_eval_batches=0, lora=_lora(model) if lora else None)
 
 
+def _compile(job, name):
+    if name == CENSUS_RUN:  # as a run compiles it: the executable, its memory and its census
+        return job.compile()
+    return job.step.lower(job.state, job.batch(0)).compile(FAST_COMPILE)
+
+
 @pytest.fixture(scope="module")
 def runs(corpus):
+    jobs = {name: _build(corpus, name) for name in RUNS}
+    # XLA compiles without the GIL: two at a time use both cores of a small CI machine.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        compiled = dict(zip(jobs, pool.map(_compile, jobs.values(), jobs), strict=True))
     out = {}
-    for name in RUNS:
-        job = _build(corpus, name)
-        compiled = census = None
-        if name == CENSUS_RUN:
-            compiled = job.compile()
-            executable, census = compiled.step, compiled.census
-        else:
-            executable = job.step.lower(job.state, job.batch(0)).compile(FAST_COMPILE)
+    for name, job in jobs.items():
+        done = compiled[name]
+        executable = done.step if name == CENSUS_RUN else done
         state, metrics = job.state, []
         for i in range(N_STEPS):
             with jax.set_mesh(job.mesh):
                 state, m = executable(state, job.batch(i))
             metrics.append(jax.device_get(m))
-        out[name] = {"job": job, "state": state, "metrics": metrics, "census": census,
-                     "memory": None if compiled is None else compiled.memory}
+        out[name] = {"job": job, "state": state, "metrics": metrics,
+                     "census": done.census if name == CENSUS_RUN else None,
+                     "memory": done.memory if name == CENSUS_RUN else None}
     return out
 
 
+@pytest.mark.slow  # the runs fixture compiles 10 jobs (minutes on 2 cores)
 @pytest.mark.parametrize("name, reference", PAIRS)
 def test_tensor_parallel_run_matches_the_single_device_run(name, reference, runs):
     run, ref = runs[name], runs[reference]
@@ -105,15 +114,14 @@ def test_tensor_parallel_run_matches_the_single_device_run(name, reference, runs
         if "loss_scale" in r:
             assert float(m["loss_scale"]) == float(r["loss_scale"]), i
     assert not bool(run["metrics"][-1]["skipped"])  # the last step trained
-    for (path, a), (_, b) in zip(named_leaves(jax.device_get(run["state"].params)),
-                                 named_leaves(jax.device_get(ref["state"].params)), strict=True):
-        np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL, err_msg=path)
+    assert_close_except_noise(run["state"].params, ref["state"].params, rtol=RTOL, atol=ATOL)
 
 
 def _specs(run, part="params"):
     return {path: leaf.sharding.spec for path, leaf in named_leaves(getattr(run["state"], part))}
 
 
+@pytest.mark.slow  # the runs fixture compiles 10 jobs (minutes on 2 cores)
 def test_megatron_layout_composes_with_fsdp_and_every_strategy(runs):
     fsdp = _specs(runs["gpt fsdp=2,tensor=4"])  # fsdp: the other dimension over fsdp
     assert fsdp["blocks/attn/q/kernel"] == P(None, "fsdp", "tensor")  # column-parallel
@@ -140,6 +148,7 @@ def test_megatron_layout_composes_with_fsdp_and_every_strategy(runs):
     assert llama8["layers/mlp/down_proj/kernel"] == P(None, "tensor")
 
 
+@pytest.mark.slow  # the runs fixture compiles 10 jobs (minutes on 2 cores)
 def test_lora_adapters_follow_their_kernels_split(runs):
     specs = _specs(runs["llama lora data=2,tensor=4"])  # fsdp=1: only the tensor split shows
     assert specs["layers/attn/q_proj/kernel/a"] == P(None, None, None)  # kernel (., ., tensor)
@@ -150,6 +159,7 @@ def test_lora_adapters_follow_their_kernels_split(runs):
     assert specs["layers/mlp/up_proj/kernel/b"] == P(None, None, "tensor")
 
 
+@pytest.mark.slow  # the runs fixture compiles 10 jobs (minutes on 2 cores)
 def test_cross_entropy_never_gathers_the_logits(runs):
     run = runs[CENSUS_RUN]
     census, job = run["census"], run["job"]
@@ -168,6 +178,7 @@ def test_cross_entropy_never_gathers_the_logits(runs):
     assert job.mesh.shape["tensor"] == 4
 
 
+@pytest.mark.slow  # the runs fixture compiles 10 jobs (minutes on 2 cores)
 def test_per_device_parameter_bytes_equal_the_estimate(runs):
     run = runs[CENSUS_RUN]
     job = run["job"]
@@ -179,6 +190,7 @@ def test_per_device_parameter_bytes_equal_the_estimate(runs):
     assert job.num_params * 4 / 8 < est.params_bytes < job.num_params * 4 / 4
 
 
+@pytest.mark.slow  # the runs fixture compiles 10 jobs (minutes on 2 cores)
 def test_checkpoint_saved_under_one_mesh_restores_under_another(runs, tmp_path):
     source = runs["gpt fsdp=2,tensor=4"]
     saved = jax.device_get(source["state"])
@@ -212,6 +224,7 @@ def test_a_tensor_degree_that_does_not_divide_is_refused_before_compiling(model,
                  mesh=make_mesh(**axes), strategy="fsdp")
 
 
+@pytest.mark.slow  # the runs fixture compiles 10 jobs (minutes on 2 cores)
 def test_census_tensor_all_reduces_are_megatrons(runs):
     census = runs[CENSUS_RUN]["census"]
     rows = BATCH // 2
@@ -311,6 +324,7 @@ def test_memory_command_takes_the_tensor_degree(capsys):
     assert "effijax memory: error: --tensor=3: must divide heads=32" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # the CLI's first train call loads JAX's compile paths and the corpus
 def test_cli_train_refuses_a_tensor_degree_that_does_not_divide_before_compiling(tmp_path,
                                                                                    capsys):
     with compiles() as compiled:
