@@ -35,7 +35,7 @@ from effijax.step import make_optimizer
 
 GPT = gpt_config("tiny", seq_len=32, n_heads=8)  # D=64, F=256, V=256, 8 heads of 8
 LLAMA = llama_config("llama-tiny", seq_len=32, n_heads=8, n_kv_heads=4)  # F=128, GQA 8/4
-N_STEPS, BATCH = 3, 8
+N_STEPS, BATCH, LR = 3, 8, 3e-3
 RTOL, ATOL = 1e-5, 1e-6
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 # name: (model, mesh axes, strategy, precision, LoRA). fp16 (with dynamic loss scaling) and
@@ -70,7 +70,7 @@ def corpus():
 def _build(corpus, name):
     model, axes, strategy, precision, lora = RUNS[name]
     scale = "dynamic" if precision == "fp16" else None
-    return build_lm_job(model, precision, make_optimizer(3e-3, 4, warmup_steps=1,
+    return build_lm_job(model, precision, make_optimizer(LR, 4, warmup_steps=1,
                                                          loss_scale=scale),
                         train_tokens=corpus[0], val_tokens=corpus[1], batch_size=BATCH,
                         mesh=None if axes is None else make_mesh(**axes), strategy=strategy,
@@ -114,7 +114,18 @@ def test_tensor_parallel_run_matches_the_single_device_run(name, reference, runs
         if "loss_scale" in r:
             assert float(m["loss_scale"]) == float(r["loss_scale"]), i
     assert not bool(run["metrics"][-1]["skipped"])  # the last step trained
-    assert_close_except_noise(run["state"].params, ref["state"].params, rtol=RTOL, atol=ATOL)
+    if RUNS[name][3] == "fp16":
+        # fp16 rounds each device's partial sums of a row-parallel matmul before the
+        # all-reduce adds them: gradients differ at fp16's resolution (~1e-3 relative). Adam
+        # normalises every element's step to about the learning rate, so an element whose
+        # gradient is that small (a rare token's embedding row) can land anywhere within a
+        # step: observed 3.9e-4 for one of 16,384, 1e-4 elsewhere. Bound: one step (the
+        # losses above still agree to 1e-5). The noise leaf moves up to a step per step.
+        atol, noise = LR, N_STEPS * LR
+    else:
+        atol, noise = ATOL, 1e-4
+    assert_close_except_noise(run["state"].params, ref["state"].params, rtol=RTOL, atol=atol,
+                              noise=noise)
 
 
 def _specs(run, part="params"):
@@ -179,15 +190,22 @@ def test_cross_entropy_never_gathers_the_logits(runs):
 
 
 @pytest.mark.slow  # the runs fixture compiles 10 jobs (minutes on 2 cores)
-def test_per_device_parameter_bytes_equal_the_estimate(runs):
+def test_per_device_bytes_agree_with_the_estimates(runs):
     run = runs[CENSUS_RUN]
-    job = run["job"]
-    est = estimate_tree(GPT.abstract_params(), make_optimizer(3e-3, 4),
-                        param_dtype="f32", compute_dtype="f32", zero_stage=3, devices=2,
-                        tensor=4, tensor_layout=GPT.tensor_layout(), min_shard_size=1024)
-    assert run["memory"].params == est.params_bytes
-    assert run["memory"].opt_state == est.optimizer_bytes
+    job, memory = run["job"], run["memory"]
+    est = estimate_tree(GPT.abstract_params(), make_optimizer(LR, 4), param_dtype="f32",
+                        compute_dtype="f32", zero_stage=3, devices=2, tensor=4,
+                        tensor_layout=GPT.tensor_layout(), min_shard_size=1024)
+    assert memory.params == est.params_bytes
+    assert memory.opt_state == est.optimizer_bytes
     assert job.num_params * 4 / 8 < est.params_bytes < job.num_params * 4 / 4
+    # Activations: Korthikanti's tensor-parallel formula (4 rows per device, f32, no dropout,
+    # the vocabulary-parallel logits) bounds the step's temporaries as test_memory_measure's
+    # band does for one device (observed 2.26x here; fsdp=8: 2.61x, tensor=8: 2.47x).
+    formula = activation_bytes(layers=GPT.n_layers, hidden=GPT.d_model, heads=GPT.n_heads,
+                               seq_len=GPT.seq_len, batch_size=BATCH // 2, bytes_per_value=4,
+                               dropout=False, vocab=GPT.vocab_size, tensor=4)
+    assert 1.0 <= memory.temporaries / formula <= 4.0, (memory.temporaries, formula)
 
 
 @pytest.mark.slow  # the runs fixture compiles 10 jobs (minutes on 2 cores)
@@ -351,3 +369,21 @@ def test_planner_counts_a_tensor_degree():
     assert tp.fits and tp.activation_bytes >= layer_bytes
     with pytest.raises(ConfigError, match="^tensor=3: must divide heads=32"):
         plan("6.7B", devices=2, device_memory="80GB", tensor=3, **shape)
+
+
+@pytest.mark.slow  # one effijax train run: a compile and two steps
+def test_cli_run_shows_and_records_the_tensor_axis(tmp_path, capsys):
+    data = tmp_path / "corpus.txt"
+    data.write_text("".join(f"def f{i}(x):\n    return x + {i}\n" for i in range(300)))
+    out = tmp_path / "run"
+    assert main(["train", "--strategy", "zero2", "--mesh", "fsdp=2,tensor=4", "--model", "tiny",
+                 "--seq-len", "32", "--batch-size", "8", "--steps", "2", "--eval-batches", "0",
+                 "--data", str(data), "--out", str(out), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "zero2 over 8 devices (mesh fsdp=2,tensor=4)" in printed, printed
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["mesh"] == {"data": 1, "fsdp": 2, "tensor": 4}
+    assert json.loads((out / "config.json").read_text())["mesh"] == summary["mesh"]
+    rows = {(r["kind"], r["dtype"]): r for r in summary["collectives"]}
+    assert rows[("all-reduce", "f32")]["count"] >= 4  # Megatron's activations, and more
+    assert summary["steps"] == 2 and summary["final_loss"] > 0
