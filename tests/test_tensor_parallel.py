@@ -323,7 +323,7 @@ def test_every_family_declares_megatron_roles_for_all_its_kernels(name):
                if path.endswith("/kernel") and not path.startswith("lm_head")]
     assert kernels and all(path in names for path in kernels), set(kernels) - set(names)
     assert names["embed/embedding"] == ("vocab", "embed")
-    splits = [n for path in kernels for n in names[path] if n in ("heads", "kv_heads", "mlp")]
+    splits = [n for path in kernels for n in names[path] if n in ("heads", "kv", "mlp")]
     assert splits.count("mlp") >= 2 and splits.count("heads") == 2  # q, o
     assert not any("norm" in path or path.startswith("ln") for path in names)
 

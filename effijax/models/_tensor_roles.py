@@ -4,7 +4,7 @@ A module declares the role of each dense child it owns as ``tensor_roles``: ``{c
 name, output name)}`` in logical dimension names (:data:`effijax.sharding.TENSOR_SPLIT`):
 
 * :class:`~effijax.models._decoder.Attention` (and every subclass: rotary, Gemma's) declares
-  its q/k/v projections ``("embed", "heads")``/``("embed", "kv_heads")`` (column-parallel) and
+  its q/k/v projections ``("embed", "heads")``/``("embed", "kv")`` (column-parallel) and
   its output projection ``("heads", "embed")`` (row-parallel), from its spec's names;
 * a family's MLP declares its input kernels ``("embed", "mlp")`` and its output kernel
   ``("mlp", "embed")`` as a class attribute (the GPT's ``fc_in``/``fc_out``, the Llama's
@@ -35,7 +35,7 @@ def attention_roles(names: tuple[str, str, str, str]) -> dict[str, tuple[str, st
       ('heads', 'embed')
     """
     q, k, v, o = names
-    return {q: ("embed", "heads"), k: ("embed", "kv_heads"), v: ("embed", "kv_heads"),
+    return {q: ("embed", "heads"), k: ("embed", "kv"), v: ("embed", "kv"),
             o: ("heads", "embed")}
 
 
@@ -58,8 +58,8 @@ def tensor_layout(config, graphdef: nnx.GraphDef, abstract: dict, tied: bool
       >>> from effijax.models import abstract_split, llama_config
       >>> model = llama_config("llama-tiny")
       >>> layout = tensor_layout(model, *abstract_split(model), tied=False)
-      >>> layout.names_of("layers/attn/k_proj/kernel"), layout.sizes["kv_heads"]
-      (('layers', 'embed', 'kv_heads'), 2)
+      >>> layout.names_of("layers/attn/k_proj/kernel"), layout.sizes["kv"]
+      (('layers', 'embed', 'kv'), 2)
     """
     module = nnx.merge(graphdef, abstract)
     dims = {"embed/embedding": ("vocab", "embed")}
@@ -74,6 +74,6 @@ def tensor_layout(config, graphdef: nnx.GraphDef, abstract: dict, tied: bool
             if hasattr(dense, "bias"):
                 dims[f"{prefix}/bias"] = _names(dense.bias, None, dout)
     shape = config.shape()
-    sizes = {"heads": shape.heads, "kv_heads": shape.kv_heads, "mlp": shape.ffn,
+    sizes = {"heads": shape.heads, "kv": shape.kv_heads, "mlp": shape.ffn,
              "vocab": shape.vocab}
     return TensorLayout(dims=tuple(sorted(dims.items())), sizes=sizes, model=config.name)

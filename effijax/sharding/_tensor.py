@@ -32,10 +32,12 @@ from effijax.errors import ConfigError
 __all__ = ["TENSOR_SPLIT", "TensorLayout", "tensor_split", "tensor_dim"]
 
 #: Logical dimension names split over ``tensor``, and the model field each one counts (what
-#: the refusal names). ``kv_heads`` is split only when divisible (replicated otherwise).
+#: the refusal names). ``kv`` (key/value heads) is split only when divisible (replicated
+#: otherwise). The names are :data:`~effijax.sharding.LOGICAL_AXES`' (what explicit rules
+#: speak), ``heads`` meaning query heads.
 TENSOR_SPLIT: Mapping[str, str] = {
     "heads": "n_heads",
-    "kv_heads": "n_kv_heads",
+    "kv": "n_kv_heads",
     "mlp": "d_ff",
     "vocab": "vocab_size",
 }
@@ -49,8 +51,8 @@ class TensorLayout:
       dims: ``((path, names), ...)``: a weight's '/'-joined path and one logical name (or
         None) per dimension, e.g. ``("layers/attn/q/kernel", ("layers", "embed", "heads"))``.
       sizes: the count behind each split name in :data:`TENSOR_SPLIT` (``heads``: query heads,
-        ``kv_heads``, ``mlp``: the MLP width, ``vocab``); the tensor degree must divide
-        them (``kv_heads``: or the kv weights are replicated).
+        ``kv``: key/value heads, ``mlp``: the MLP width, ``vocab``); the tensor degree must
+        divide them (``kv``: or the key/value weights are replicated).
       model: the model's name, for messages.
 
     Example:
@@ -91,14 +93,14 @@ def tensor_split(layout: TensorLayout, tensor: int) -> frozenset[str]:
       tensor: the mesh's ``tensor`` size.
 
     Returns:
-      The split names (empty for ``tensor == 1``; without ``kv_heads`` when it does not divide).
+      The split names (empty for ``tensor == 1``; without ``kv`` when it does not divide).
 
     Raises:
       ConfigError: ``tensor`` does not divide the query heads, the MLP width or the vocabulary,
         naming the field and both numbers.
 
     Example:
-      >>> layout = TensorLayout(dims=(), sizes={"heads": 8, "kv_heads": 2, "mlp": 64})
+      >>> layout = TensorLayout(dims=(), sizes={"heads": 8, "kv": 2, "mlp": 64})
       >>> sorted(tensor_split(layout, 4))  # kv heads replicated: 2 % 4 != 0
       ['heads', 'mlp']
       >>> tensor_split(layout, 16)  # doctest: +ELLIPSIS
@@ -115,7 +117,7 @@ def tensor_split(layout: TensorLayout, tensor: int) -> frozenset[str]:
             continue
         if size % tensor == 0:
             split.add(name)
-        elif name != "kv_heads":
+        elif name != "kv":
             divisors = [d for d in range(1, size + 1) if size % d == 0 and d <= tensor]
             raise ConfigError(field, size, f"{layout.model}: the mesh's tensor={tensor} does not "
                               f"divide {field}={size} (the {name} dimension is split over the "
