@@ -41,6 +41,7 @@ from effijax.sharding import (
     ReplicatedParameterWarning,
     ShardedStep,
     Strategy,
+    TensorLayout,
     constraints,
     get_strategy,
     grad_shardings,
@@ -368,6 +369,7 @@ def make_sharded_training(
     strategy: str | Strategy,
     rules: Sequence[tuple] | None = None,
     min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
+    tensor_layout: TensorLayout | None = None,
     has_aux: bool = False,
     allow_unscaled_fp16: bool = False,
     batch_sharding=None,
@@ -390,7 +392,9 @@ def make_sharded_training(
         (``optimizer`` must be the one ``init_fn`` initialised the state with).
       mesh: a mesh from :func:`effijax.sharding.make_mesh`.
       strategy: ``ddp``, ``zero1``, ``zero2``, ``fsdp`` (or ``zero3``).
-      rules, min_shard_size: partition rules, as in :func:`effijax.sharding.partition_specs`.
+      rules, min_shard_size, tensor_layout: partition rules, as in
+        :func:`effijax.sharding.partition_specs` (``tensor_layout``: a model's
+        ``tensor_layout()``, for a mesh with a ``tensor`` axis).
       batch_sharding: the batch's sharding (default: split over ``("data", "fsdp")``).
       donate: donate the state to the step.
 
@@ -416,7 +420,7 @@ def make_sharded_training(
       (1.0, P('fsdp',))
     """
     strategy = get_strategy(strategy)
-    kwargs = {"rules": rules, "min_shard_size": min_shard_size}
+    kwargs = {"rules": rules, "min_shard_size": min_shard_size, "tensor_layout": tensor_layout}
     abstract = jax.eval_shape(init_fn, *args)
     specs = partition_specs(abstract.params, mesh, **kwargs)  # warns once per leftover leaf
     with warnings.catch_warnings():

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _compiles import compiles
+from _noise import assert_close_except_noise
 from jax.sharding import PartitionSpec as P
 
 from effijax import distributed
@@ -125,20 +126,8 @@ def runs(corpus):
     return out
 
 
-# The key bias's exact gradient is 0: q.b_k adds the same number to every score of a query and
-# softmax ignores it. What it holds is rounding noise (~1e-6 after 4 steps, which Adam's
-# normalisation makes as large as it is), and noise differs when the reduction order does: it
-# is checked to stay noise-sized instead of equal.
-NOISE = "blocks/attn/k/bias"
-
-
 def _assert_close_except_noise(actual, desired):
-    for (path, a), (_, d) in zip(named_leaves(jax.device_get(actual)),
-                                 named_leaves(jax.device_get(desired)), strict=True):
-        if path.endswith(NOISE):
-            assert np.max(np.abs(a)) < 1e-4 and np.max(np.abs(d)) < 1e-4, path
-        else:
-            np.testing.assert_allclose(a, d, rtol=RTOL, atol=ATOL, err_msg=path)
+    assert_close_except_noise(actual, desired, rtol=RTOL, atol=ATOL)
 
 
 # --------------------------------------------------------------------------------------------

@@ -169,6 +169,10 @@ def add_parsers(sub) -> None:
         "--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (0 = DDP, 3 = FSDP)"
     )
     m.add_argument("--devices", type=_count, default=1, help="data-parallel devices")
+    m.add_argument("--tensor", type=_count, default=1,
+                   help="tensor-parallel degree t (Megatron's split of each layer over t devices)")
+    m.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tensor: split the norm and dropout regions along the sequence")
     m.add_argument(
         "--lora-fraction",
         type=_fraction,
@@ -198,6 +202,8 @@ def add_parsers(sub) -> None:
     )
     _add_model_flags(p, "parameter count, e.g. 70B")
     p.add_argument("--devices", type=_count, required=True, help="data-parallel devices")
+    p.add_argument("--tensor", type=_count, default=1,
+                   help="tensor-parallel degree: each data-parallel rank is this many devices")
     p.add_argument(
         "--device-memory",
         required=True,
@@ -240,6 +246,7 @@ _FLAGS = {
     "global_batch": "--global-batch",
     "headroom": "--headroom",
     "checkpointing": "--checkpointing",
+    "tensor": "--tensor",
 }
 
 
@@ -350,10 +357,12 @@ def memory_command(args: argparse.Namespace) -> int:
         shape = _shape(args, "batch_size")  # with --model or --from, it sets args.params
         states = model_states(args.params, optimizer=args.optimizer, precision=args.precision,
                               zero_stage=args.zero, devices=args.devices,
-                              lora_fraction=args.lora_fraction, frozen_dtype=args.frozen_dtype)
+                              lora_fraction=args.lora_fraction, frozen_dtype=args.frozen_dtype,
+                              tensor=args.tensor)
         acts = None if args.layers is None else activation_bytes(
             **shape, bytes_per_value=4 if args.precision == "fp32" else 2,
-            checkpointing=args.checkpointing)
+            checkpointing=args.checkpointing, tensor=args.tensor,
+            sequence_parallel=args.sequence_parallel)
     except ConfigError as e:
         return _error("memory", e)
     total = states.model_state_bytes + (acts or 0)
@@ -384,7 +393,10 @@ def _memory_text(args: argparse.Namespace, shape: dict, states, acts: int | None
         f"{shape['ffn']}, vocabulary {shape['vocab']:,}; seq_len {args.seq_len}, batch "
         f"{args.batch_size}\n")
     lines = [f"{model}{args.params:,} params, {args.optimizer}, {args.precision}{lora}, "
-             f"ZeRO-{args.zero} on {args.devices} device(s); bytes per device (GB = 1e9 bytes)"]
+             f"ZeRO-{args.zero} on {args.devices} device(s)"
+             + (f" x tensor {args.tensor}{' (sequence-parallel)' if args.sequence_parallel else ''}"
+                if args.tensor > 1 else "")
+             + "; bytes per device (GB = 1e9 bytes)"]
     rows = [
         ("params", states.params_bytes),
         ("grads", states.grads_bytes),
@@ -404,7 +416,8 @@ def plan_command(args: argparse.Namespace) -> int:
         shape = _shape(args, "global_batch")  # with --model or --from, it sets args.params
         result = plan(args.params, devices=args.devices, device_memory=args.device_memory,
                       optimizer=args.optimizer, allow_lora=args.allow_lora,
-                      headroom=args.headroom, lora_fraction=args.lora_fraction, **shape)
+                      headroom=args.headroom, lora_fraction=args.lora_fraction,
+                      tensor=args.tensor, **shape)
     except ConfigError as e:
         return _error("plan", e)
     if args.json:

@@ -3,7 +3,9 @@
 :func:`model_states` gives per-device bytes of parameters, gradients and optimizer state for a
 parameter count, optimizer, precision, ZeRO stage and LoRA fraction; :func:`estimate_tree` counts
 the same from a real abstract parameter pytree and optax optimizer; :func:`activation_bytes` is
-the transformer activation formula; :func:`plan` picks the cheapest configuration that fits.
+the transformer activation formula (with a tensor-parallel degree and sequence parallelism);
+:func:`communication` the per-step traffic of a ``(data, fsdp, tensor)`` mesh; :func:`plan`
+picks the cheapest configuration that fits.
 :func:`measure` reads what XLA really allocates for a compiled function, :func:`compare` sets it
 against an estimate, and :func:`activation_measure` sweeps a GPT train step over sequence
 lengths (naive vs blockwise attention vs remat) next to the formula.
@@ -23,6 +25,7 @@ __getattr__, __dir__, __all__ = attach(__name__, {
         "FROZEN_DTYPES", "ModelStateBytes", "format_bytes", "model_states",
         "parse_bytes", "parse_count"),
     "effijax.memory._tree": ("estimate_tree",),
+    "effijax.memory._communication": ("Communication", "communication"),
     "effijax.memory._measure": ("ACTIVATION_VARIANTS", "ROW_HEADER", "ActivationPoint",
         "Measurement", "Row", "activation_measure", "compare", "measure", "tree_bytes"),
     "effijax.memory._plan": ("HEADROOM", "Plan", "plan"),

@@ -21,6 +21,14 @@ MLP width ``f``, a layer keeps ``p·s·b·(h + 2q + 2k)`` for attention (the pro
 Q, K, V and the attention output), ``p·s·b·(h + 2f)`` for a GeLU MLP or ``p·s·b·(h + 3f)`` for
 a gated one (gate, up and their product), and ``2psbh`` for the norms. With ``q = k = h`` and
 ``f = 4h`` this is the 16psbh above.
+
+Tensor parallelism over ``t`` devices (Megatron's layout, Korthikanti et al. section 4.2.1)
+splits what lives inside the attention and MLP regions: Q, K, V (K and V only when ``t``
+divides the key/value heads, else each device holds all of them), the attention output, the
+MLP's inner activations and the scores, but keeps whole on every device the block inputs, the
+norms and the dropout masks: per layer ``sbh(10 + 24/t + 5as/(ht))`` for the formula above.
+Sequence parallelism (``sequence_parallel=True``) splits that remainder along the sequence:
+``sbh(34/t + 5as/(ht))``. The vocabulary-parallel logits are ``4sbV/t``.
 """
 
 from __future__ import annotations
@@ -69,30 +77,52 @@ class _Layer:
     head_dim: int | None = None
     ffn: int | None = None
     gated_mlp: bool = False
+    tensor: int = 1
+    sequence_parallel: bool = False
 
     def terms(self) -> _LayerTerms:
         p, s, b, h, a = self.bytes_per_value, self.seq_len, self.batch_size, self.hidden, self.heads
-        sbh = s * b * h
+        t = self.tensor
+        kv_heads = a if self.kv_heads is None else self.kv_heads
         d_head = h // a if self.head_dim is None else self.head_dim
-        q, k = a * d_head, (a if self.kv_heads is None else self.kv_heads) * d_head
+        q, k = a * d_head, kv_heads * d_head
         f = 4 * h if self.ffn is None else self.ffn
-        width = (h + 2 * q + 2 * k) + (h + (3 if self.gated_mlp else 2) * f) + 2 * h
+        # Inside the tensor-parallel regions (split over t): Q, attention output, K and V when
+        # the kv heads split, the MLP's inner activations. Outside: the attention's and the
+        # MLP's inputs and the two norms (split only by sequence parallelism).
+        inside = 2 * q + (3 if self.gated_mlp else 2) * f
+        outside = h + h + 2 * h
+        if kv_heads % t == 0:
+            inside += 2 * k
+        else:
+            outside += 2 * k
         dropout, blockwise = self.dropout, self.blockwise_attention
         return _LayerTerms(
-            linear=p * s * b * width,
-            masks=2 * sbh if dropout else 0,
-            scores=0 if blockwise else 2 * p * a * s * s * b,
-            score_mask=a * s * s * b if dropout and not blockwise else 0,
-            softmax_stats=2 * 4 * a * s * b if blockwise else 0,
+            linear=_split(p * s * b * inside, t) + self._outside(p * s * b * outside),
+            masks=self._outside(2 * s * b * h) if dropout else 0,
+            scores=0 if blockwise else _split(2 * p * a * s * s * b, t),
+            score_mask=_split(a * s * s * b, t) if dropout and not blockwise else 0,
+            softmax_stats=_split(2 * 4 * a * s * b, t) if blockwise else 0,
         )
+
+    def _outside(self, nbytes: int) -> int:
+        """Bytes outside the tensor-parallel regions: whole, or split by the sequence."""
+        return _split(nbytes, self.tensor) if self.sequence_parallel else nbytes
 
     def input_bytes(self) -> int:
         """A block's input, p·s·b·h: what block checkpointing keeps of each layer."""
-        return self.bytes_per_value * self.seq_len * self.batch_size * self.hidden
+        return self._outside(self.bytes_per_value * self.seq_len * self.batch_size * self.hidden)
 
     def logits_bytes(self, vocab: int | None) -> int:
-        """The f32 logits, 4·s·b·V (0 when ``vocab`` is None: not counted)."""
-        return 0 if vocab is None else 4 * self.seq_len * self.batch_size * vocab
+        """The f32 logits, 4·s·b·V/t (0 when ``vocab`` is None: not counted)."""
+        if vocab is None:
+            return 0
+        return _split(4 * self.seq_len * self.batch_size * vocab, self.tensor)
+
+
+def _split(nbytes: int, t: int) -> int:
+    """One device's share of ``nbytes`` split ``t`` ways (rounded up)."""
+    return -(-nbytes // t)
 
 
 def _check_layer_options(heads: int, kv_heads, head_dim, ffn, vocab) -> None:
@@ -106,6 +136,17 @@ def _check_layer_options(heads: int, kv_heads, head_dim, ffn, vocab) -> None:
     if kv_heads is not None and heads % kv_heads:
         raise ConfigError("kv_heads", kv_heads, f"must divide heads={heads} (each key/value "
                           "head serves a whole group of query heads)")
+
+
+def _check_tensor(tensor: int, heads: int, sequence_parallel: bool) -> None:
+    """The tensor degree is whole and divides the query heads (each device computes whole
+    heads); sequence parallelism is a bool."""
+    whole_number("tensor", tensor, maximum=None)
+    if heads % tensor:
+        raise ConfigError("tensor", tensor, f"must divide heads={heads} (each device computes "
+                          "whole attention heads)")
+    if not isinstance(sequence_parallel, bool):
+        raise ConfigError("sequence_parallel", sequence_parallel, "expected True or False")
 
 
 def _stack_bytes(layer: _Layer, layers: int, checkpointing: str, vocab: int | None) -> int:
@@ -133,6 +174,8 @@ def activation_bytes(
     ffn: int | None = None,
     gated_mlp: bool = False,
     vocab: int | None = None,
+    tensor: int = 1,
+    sequence_parallel: bool = False,
 ) -> int:
     """Bytes of activations kept for the backward pass, on one device, for one micro-batch.
 
@@ -165,6 +208,10 @@ def activation_bytes(
       gated_mlp: a gated MLP (SwiGLU: gate, up, down) instead of up, GeLU, down.
       vocab: count the f32 logits, ``4·s·b·vocab`` bytes (default: not counted, as in
         Korthikanti et al.'s formula).
+      tensor: the tensor-parallel degree ``t``: the regions inside the attention and the MLP
+        are split ``t`` ways, the rest stays whole (see the module docstring); must divide
+        ``heads``.
+      sequence_parallel: split the rest along the sequence too (Korthikanti et al.'s ``34/t``).
 
     Returns:
       The number of bytes (an exact integer).
@@ -183,6 +230,13 @@ def activation_bytes(
       >>> activation_bytes(layers=80, hidden=8192, heads=64, seq_len=4096, batch_size=1,
       ...                  dropout=False, kv_heads=8, ffn=28672, gated_mlp=True)
       433523261440
+      >>> # Tensor parallel over 8: 32 x 2048·4096 x (10 + 24/8 + 5·32·2048/(4096·8))
+      >>> activation_bytes(layers=32, hidden=4096, heads=32, seq_len=2048, batch_size=1,
+      ...                  tensor=8)
+      6174015488
+      >>> activation_bytes(layers=32, hidden=4096, heads=32, seq_len=2048, batch_size=1,
+      ...                  tensor=8, sequence_parallel=True)  # 34/8 instead of 10 + 24/8
+      3825205248
     """
     for name, value in (("layers", layers), ("hidden", hidden), ("heads", heads),
                         ("seq_len", seq_len), ("batch_size", batch_size),
@@ -190,6 +244,8 @@ def activation_bytes(
         whole_number(name, value, maximum=None)
     checkpointing = _check_choice("checkpointing", checkpointing, CHECKPOINTING)
     _check_layer_options(heads, kv_heads, head_dim, ffn, vocab)
+    _check_tensor(tensor, heads, sequence_parallel)
     layer = _Layer(hidden, heads, seq_len, batch_size, bytes_per_value, dropout,
-                   blockwise_attention, kv_heads, head_dim, ffn, gated_mlp)
+                   blockwise_attention, kv_heads, head_dim, ffn, gated_mlp, tensor,
+                   bool(sequence_parallel))
     return _stack_bytes(layer, layers, checkpointing, vocab)

@@ -332,6 +332,7 @@ def model_states(
     devices: int = 1,
     lora_fraction: float | None = None,
     frozen_dtype: str = "bf16",
+    tensor: int = 1,
 ) -> ModelStateBytes:
     """Closed-form per-device bytes of parameters, gradients and optimizer state.
 
@@ -359,6 +360,12 @@ def model_states(
     ``round(lora_fraction * num_params)`` trainable parameters, with grads, master and moments.
     7B with 1% adapters and Adam: 2Ψ + 16 x 0.01Ψ = 15.12 GB.
 
+    Tensor parallelism (``tensor`` = t) splits every count ``t`` ways before ZeRO shards it over
+    ``devices`` (the data-parallel devices of one tensor group's position): Megatron's layout
+    splits the attention, MLP and vocabulary matrices, which hold all but the norms' and some
+    biases' parameters (under 0.1% of a 7B model; :func:`estimate_tree` with a model's
+    ``tensor_layout()`` counts them exactly).
+
     Args:
       num_params: Ψ, the model's (base) parameter count; an int or a string like ``"7B"``.
       optimizer: one of ``adam``, ``adamw``, ``lion``, ``sgd_momentum``, ``sgd``.
@@ -369,6 +376,7 @@ def model_states(
         fine-tuning.
       frozen_dtype: storage of the frozen base under LoRA: ``bf16``, ``fp16``, ``fp32``, ``fp8``,
         ``int8``, ``int4``/``nf4``.
+      tensor: the tensor-parallel degree (>= 1).
 
     Returns:
       A :class:`ModelStateBytes` for one device.
@@ -384,6 +392,8 @@ def model_states(
       140.0
       >>> model_states("7B", lora_fraction=0.01, zero_stage=3, devices=8).model_state_bytes / GB
       1.89
+      >>> model_states("70B", zero_stage=3, devices=2, tensor=4).model_state_bytes / GB
+      140.0
       >>> model_states("7B", zero_stage=4)
       Traceback (most recent call last):
       effijax.errors.ConfigError: zero_stage=4: must be an integer from 0 to 3
@@ -394,6 +404,7 @@ def model_states(
     zero_stage = whole_number("zero_stage", zero_stage, minimum=0, maximum=3)
     # Plain arithmetic, never sent to a device: no int32 bound (N_d -> infinity is a question).
     devices = whole_number("devices", devices, maximum=None)
+    tensor = whole_number("tensor", tensor, maximum=None)
     per = PRECISIONS[precision]
     moments = OPTIMIZERS[optimizer]
 
@@ -406,11 +417,13 @@ def model_states(
         frozen, frozen_bits = num_params, FROZEN_DTYPES[frozen_dtype]
 
     shard_opt, shard_grads, shard_params = zero_stage >= 1, zero_stage >= 2, zero_stage >= 3
-    frozen_bytes = _per_device(frozen, frozen_bits, shard_params, devices)
-    params_bytes = _per_device(trainable, 8 * per.param, shard_params, devices) + frozen_bytes
-    grads_bytes = _per_device(trainable, 8 * per.grad, shard_grads, devices)
-    master_bytes = _per_device(trainable, 8 * per.master, shard_opt, devices)
-    moment_bytes = _per_device(trainable, 8 * per.moment * moments, shard_opt, devices)
+    # One tensor-parallel shard of each count, then ZeRO's split of it over the devices.
+    frozen_t, trainable_t = -(-frozen // tensor), -(-trainable // tensor)
+    frozen_bytes = _per_device(frozen_t, frozen_bits, shard_params, devices)
+    params_bytes = _per_device(trainable_t, 8 * per.param, shard_params, devices) + frozen_bytes
+    grads_bytes = _per_device(trainable_t, 8 * per.grad, shard_grads, devices)
+    master_bytes = _per_device(trainable_t, 8 * per.master, shard_opt, devices)
+    moment_bytes = _per_device(trainable_t, 8 * per.moment * moments, shard_opt, devices)
     return ModelStateBytes(
         params_bytes=params_bytes,
         grads_bytes=grads_bytes,

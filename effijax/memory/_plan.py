@@ -23,7 +23,7 @@ from decimal import Decimal
 from typing import Any, NamedTuple
 
 from effijax.errors import INT32_MAX, ConfigError, whole_number
-from effijax.memory._activations import _check_layer_options, _Layer, _stack_bytes
+from effijax.memory._activations import _check_layer_options, _check_tensor, _Layer, _stack_bytes
 from effijax.memory._estimate import (
     FROZEN_DTYPES,
     OPTIMIZERS,
@@ -67,6 +67,8 @@ class Plan:
       activation_bytes: per-device activation bytes (None without a model shape).
       total_bytes: ``states.model_state_bytes`` plus ``activation_bytes``.
       steps: the lines of :meth:`explain`.
+      tensor: the tensor-parallel degree planned for (each of the ``devices`` data-parallel
+        ranks is a group of ``tensor`` devices).
     """
 
     fits: bool
@@ -85,6 +87,7 @@ class Plan:
     activation_bytes: int | None
     total_bytes: int | None
     steps: tuple[str, ...]
+    tensor: int = 1
 
     @property
     def lora(self) -> bool:
@@ -107,9 +110,10 @@ def _num(x: float) -> str:
     return f"{x:g}"
 
 
-def _state_formula(optimizer: str, stage: int, devices: int, lora_fraction, frozen_dtype) -> str:
+def _state_formula(optimizer: str, stage: int, devices: int, lora_fraction, frozen_dtype,
+                   tensor: int = 1) -> str:
     """Bytes per (base) parameter as the ZeRO paper writes them: '(4 + 12/8)',
-    '(2 + 16 x 0.01)/8'."""
+    '(2 + 16 x 0.01)/8', and split over a tensor degree: '(4 + 12/2)/4'."""
     per, moments = PRECISIONS[_PRECISION], OPTIMIZERS[optimizer]
     parts = (
         (per.param, stage >= 3),
@@ -133,7 +137,10 @@ def _state_formula(optimizer: str, stage: int, devices: int, lora_fraction, froz
         joined = " + ".join(shard_terms)
         terms.append(f"({joined})/{devices}" if len(shard_terms) > 1 else f"{joined}/{devices}")
     text = " + ".join(terms)
-    return f"({text})" if len(terms) > 1 else text
+    text = f"({text})" if len(terms) > 1 else text
+    if tensor > 1:
+        text = f"{text}/{tensor}" if len(terms) > 1 or "/" not in text else f"({text})/{tensor}"
+    return text
 
 
 def _divisors_desc(n: int) -> list[int]:
@@ -178,6 +185,7 @@ class _Request:
     optimizer: str
     lora_fraction: float | None  # None where LoRA is not allowed
     workload: _Workload | None  # None: planning on model states only
+    tensor: int = 1  # each data-parallel rank is a group of this many devices
 
 
 class _Method(NamedTuple):
@@ -219,7 +227,7 @@ class _Outcome(NamedTuple):
 
 
 def _check_workload(shape: dict[str, Any], layer_options: dict[str, Any], vocab: int | None,
-                    devices: int) -> _Workload | None:
+                    devices: int, tensor: int = 1) -> _Workload | None:
     """The model shape and global batch (``shape``: all five or none), checked.
 
     Returns None when ``shape`` is all None: the plan then counts model states only, and
@@ -245,15 +253,16 @@ def _check_workload(shape: dict[str, Any], layer_options: dict[str, Any], vocab:
         )
     _check_layer_options(shape["heads"], layer_options["kv_heads"], layer_options["head_dim"],
                          layer_options["ffn"], vocab)
+    _check_tensor(tensor, shape["heads"], False)
     per_device = shape["global_batch"] // devices
     layer = _Layer(hidden=shape["hidden"], heads=shape["heads"], seq_len=shape["seq_len"],
-                   batch_size=per_device, bytes_per_value=2, **layer_options)
+                   batch_size=per_device, bytes_per_value=2, tensor=tensor, **layer_options)
     return _Workload(shape["layers"], shape["global_batch"], per_device, layer, vocab)
 
 
 def _check_request(num_params, *, devices, device_memory, optimizer, headroom, allow_lora,
                    lora_fraction, shape: dict[str, Any], layer_options: dict[str, Any],
-                   vocab) -> _Request:
+                   vocab, tensor: int = 1) -> _Request:
     """Pass 1: plan()'s arguments checked, in plan()'s order, and converted.
 
     ``shape``, ``layer_options`` and ``vocab`` are :func:`_check_workload`'s.
@@ -272,6 +281,7 @@ def _check_request(num_params, *, devices, device_memory, optimizer, headroom, a
         raise ConfigError("headroom", headroom, "must be a fraction in [0, 1) of device_memory "
                           "kept free, e.g. 0.1")
     lora_fraction = _check_fraction(lora_fraction)
+    tensor = whole_number("tensor", tensor, maximum=None)
     return _Request(
         num_params=num_params,
         devices=devices,
@@ -281,7 +291,8 @@ def _check_request(num_params, *, devices, device_memory, optimizer, headroom, a
         headroom=headroom,
         optimizer=optimizer,
         lora_fraction=lora_fraction if allow_lora else None,
-        workload=_check_workload(shape, layer_options, vocab, devices),
+        workload=_check_workload(shape, layer_options, vocab, devices, tensor),
+        tensor=tensor,
     )
 
 
@@ -304,6 +315,7 @@ def _stage_states(request: _Request, method: _Method) -> tuple[ModelStateBytes, 
             zero_stage=stage,
             devices=request.devices,
             lora_fraction=method.lora_fraction,
+            tensor=request.tensor,
         )
         for stage in range(4)
     )
@@ -344,7 +356,7 @@ def _fit_whole_batch(request: _Request, method: _Method,
     steps, fitting = [], []
     for stage, st in enumerate(states):
         formula = _state_formula(request.optimizer, stage, request.devices, method.lora_fraction,
-                                 "bf16")
+                                 "bf16", request.tensor)
         head = (
             f"{method.label}, {_STAGE_NAMES[stage]}: model states {formula} B/param x "
             f"{_fmt_count(request.num_params)} = {format_bytes(st.model_state_bytes)}"
@@ -422,13 +434,18 @@ def _preamble(request: _Request) -> tuple[str, ...]:
     else:
         batch = (f"batch: global {workload.global_batch} / {request.devices} devices = "
                  f"{workload.per_device_batch} sequences per device")
-    return (
+    lines = (
         f"usable memory: {format_bytes(request.device_memory)} x (1 - {_num(request.headroom)} "
         f"headroom) = {format_bytes(request.usable)} per device",
         f"precision: {_PRECISION} (16-bit params and grads, f32 master and {request.optimizer} "
         "state)",
         batch,
     )
+    if request.tensor > 1:
+        t = request.tensor
+        lines += (f"tensor parallel: each of the {request.devices} data-parallel ranks is {t} "
+                  f"devices ({request.devices * t} in all), each holding 1/{t} of every layer",)
+    return lines
 
 
 def _accumulation(request: _Request, choice: _Choice) -> int | None:
@@ -447,8 +464,10 @@ def _conclusion(request: _Request, choice: _Choice) -> str:
             f", checkpointing={choice.checkpointing}, micro-batch {choice.micro_batch} x "
             f"{accum} accumulation step{'s' if accum > 1 else ''}"
         )
+    tensor = f", tensor {request.tensor}" if request.tensor > 1 else ""
     return (
-        f"-> plan: {choice.method.label}, mixed precision, {_STAGE_NAMES[choice.stage]}{batch}: "
+        f"-> plan: {choice.method.label}, mixed precision, {_STAGE_NAMES[choice.stage]}{tensor}"
+        f"{batch}: "
         f"{format_bytes(choice.total_bytes)} of {format_bytes(request.usable)} usable per device"
     )
 
@@ -477,6 +496,7 @@ def _result(request: _Request, steps: list[str], choice: _Choice | None) -> Plan
         optimizer=request.optimizer,
         precision=_PRECISION,
         steps=tuple(steps),
+        tensor=request.tensor,
         **chosen,
     )
 
@@ -497,6 +517,7 @@ def plan(
     blockwise_attention: bool = False,
     kv_heads: int | None = None, head_dim: int | None = None, ffn: int | None = None,
     gated_mlp: bool = False, vocab: int | None = None,
+    tensor: int = 1,
 ) -> Plan:
     """Recommends the cheapest configuration whose model states (and activations) fit.
 
@@ -525,6 +546,10 @@ def plan(
       kv_heads, head_dim, ffn, gated_mlp, vocab: the rest of a model's shape (grouped-query
         attention, a SwiGLU MLP, the logits), as :func:`activation_bytes` takes them; the
         defaults are Korthikanti et al.'s GPT layer without logits.
+      tensor: a tensor-parallel degree: every data-parallel rank of ``devices`` is a group of
+        ``tensor`` devices, each holding ``1/tensor`` of the model states
+        (:func:`model_states`) and of the tensor-parallel activations
+        (:func:`activation_bytes`); must divide ``heads``.
 
     Returns:
       A :class:`Plan`; when nothing fits, ``fits`` is False and ``explain()`` says why (no
@@ -541,6 +566,12 @@ def plan(
       >>> print(p.explain().splitlines()[-2])  # doctest: +NORMALIZE_WHITESPACE
       LoRA (0.01 adapters, bf16 frozen base), ZeRO-3/FSDP: model states
       (2 + 16 x 0.01)/8 B/param x 70e9 = 18.9 GB <= 72 GB usable
+      >>> p = plan("30B", devices=2, device_memory="80GB", tensor=4, allow_lora=False)
+      >>> p.fits, p.zero_stage, p.tensor
+      (True, 2, 4)
+      >>> print(p.explain().splitlines()[-2])  # doctest: +NORMALIZE_WHITESPACE
+      full fine-tuning, ZeRO-2: model states (2 + 14/2)/4 B/param x 30e9 = 67.5 GB
+      <= 72 GB usable
     """
     request = _check_request(
         num_params, devices=devices, device_memory=device_memory, optimizer=optimizer,
@@ -550,7 +581,7 @@ def plan(
         layer_options={"dropout": dropout, "blockwise_attention": blockwise_attention,
                        "kv_heads": kv_heads, "head_dim": head_dim, "ffn": ffn,
                        "gated_mlp": gated_mlp},
-        vocab=vocab,
+        vocab=vocab, tensor=tensor,
     )
     steps, why_not = list(_preamble(request)), []
     for method in _methods(request):

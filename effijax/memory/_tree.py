@@ -13,7 +13,8 @@ import numpy as np
 
 from effijax.errors import ConfigError, whole_number
 from effijax.memory._estimate import ModelStateBytes
-from effijax.paths import path_of
+from effijax.paths import named_leaves, path_of
+from effijax.sharding import match_param, tensor_dim, tensor_split
 
 __all__ = ["estimate_tree"]
 
@@ -42,13 +43,22 @@ def _to_dtype(value: Any, name: str) -> np.dtype:
 
 
 def _leaf_bytes(shape: tuple[int, ...], dtype: Any, sharded: bool, devices: int,
-                min_shard_size: int = 0) -> tuple[int, int]:
-    """(bytes on one device, of which replicated although the stage shards it)."""
+                min_shard_size: int = 0, split: tuple[int | None, int] = (None, 1)
+                ) -> tuple[int, int]:
+    """(bytes on one device, of which replicated although the stage shards it).
+
+    ``split``: ``(dimension, tensor degree)`` of a tensor-parallel leaf (every strategy keeps
+    it split); the stage's ``fsdp`` split takes another dimension, as the automatic rule does.
+    """
+    split_dim, tensor = split
     total = -(-math.prod(shape) * jax.dtypes.itemsize_bits(dtype) // 8)
+    if split_dim is not None:
+        total //= tensor
     if not sharded or devices == 1:
         return total, 0
     if math.prod(shape) >= min_shard_size and any(dim % devices == 0 and dim > 0
-                                                  for dim in shape):
+                                                  for d, dim in enumerate(shape)
+                                                  if d != split_dim):
         return total // devices, 0
     return total, total
 
@@ -63,6 +73,8 @@ def estimate_tree(
     devices: int = 1,
     trainable: Any = None,
     min_shard_size: int = 0,
+    tensor: int = 1,
+    tensor_layout: Any = None,
 ) -> ModelStateBytes:
     """Per-device model-state bytes of a real parameter pytree under a real optax optimizer.
 
@@ -107,6 +119,11 @@ def estimate_tree(
         ``abstract_params``; False leaves are frozen (no gradient, no optimizer state). For
         LoRA, put the frozen base and the adapters in one tree, e.g.
         ``{"base": base, "lora": adapters}`` with mask ``{"base": False..., "lora": True...}``.
+      tensor: the mesh's ``tensor`` degree; with ``tensor_layout`` (a model's
+        ``tensor_layout()``) the leaves it splits are counted ``1/tensor`` per device under
+        every stage (their gradients and optimizer state too), and ``devices`` is the
+        ``fsdp`` size the stage shards over.
+      tensor_layout: see ``tensor``.
 
     Returns:
       A :class:`ModelStateBytes` for one device.
@@ -126,6 +143,7 @@ def estimate_tree(
     """
     zero_stage = whole_number("zero_stage", zero_stage, minimum=0, maximum=3)
     devices = whole_number("devices", devices, maximum=None)
+    tensor = whole_number("tensor", tensor, maximum=None)
     min_shard_size = whole_number("min_shard_size", min_shard_size, minimum=0, maximum=None)
     param_dtype = _to_dtype(param_dtype, "param_dtype")
     compute_dtype = _to_dtype(compute_dtype, "compute_dtype")
@@ -142,6 +160,10 @@ def estimate_tree(
                 "pass jax.ShapeDtypeStruct leaves (jax.eval_shape) or arrays"
             )
         leaves.append((tuple(leaf.shape), np.dtype(leaf.dtype)))
+    split = tensor_split(tensor_layout, tensor) if tensor_layout is not None else frozenset()
+    dims = {path_of(path): (tensor_dim(path_of(path), leaf.shape, tensor_layout, split), tensor)
+            for path, leaf in with_paths}
+    splits = list(dims.values())
 
     if trainable is None:
         mask = [True] * len(leaves)
@@ -164,17 +186,18 @@ def estimate_tree(
     shard_opt, shard_grads, shard_params = zero_stage >= 1, zero_stage >= 2, zero_stage >= 3
     params_bytes = grads_bytes = frozen_bytes = replicated = compute_copy = 0
     trainable_count = frozen_count = 0
-    for (shape, dtype), train in zip(leaves, mask, strict=True):
+    for (shape, dtype), train, cut in zip(leaves, mask, splits, strict=True):
         size = math.prod(shape)
         stored = param_dtype if train else dtype
-        nbytes, rep = _leaf_bytes(shape, stored, shard_params, devices, min_shard_size)
+        nbytes, rep = _leaf_bytes(shape, stored, shard_params, devices, min_shard_size, cut)
         params_bytes, replicated = params_bytes + nbytes, replicated + rep
         if stored != compute_dtype:
             compute_copy += _leaf_bytes(shape, compute_dtype, shard_params, devices,
-                                        min_shard_size)[0]
+                                        min_shard_size, cut)[0]
         if train:
             trainable_count += size
-            nbytes, rep = _leaf_bytes(shape, param_dtype, shard_grads, devices, min_shard_size)
+            nbytes, rep = _leaf_bytes(shape, param_dtype, shard_grads, devices, min_shard_size,
+                                      cut)
             grads_bytes, replicated = grads_bytes + nbytes, replicated + rep
         else:
             frozen_count += size
@@ -189,9 +212,13 @@ def estimate_tree(
     )
     opt_state = jax.eval_shape(optimizer.init, trainable_tree)
     optimizer_bytes = 0
-    for leaf in jax.tree.leaves(opt_state):
+    shapes = {path: shape for path, (shape, _) in zip(dims, leaves, strict=True)}
+    for path, leaf in named_leaves(opt_state):
+        # A moment shaped like its parameter is laid out like it (state_shardings' matching).
+        param = match_param(path, list(dims))
+        cut = dims[param] if param and shapes[param] == tuple(leaf.shape) else (None, 1)
         nbytes, rep = _leaf_bytes(tuple(leaf.shape), leaf.dtype, shard_opt, devices,
-                                  min_shard_size)
+                                  min_shard_size, cut)
         optimizer_bytes, replicated = optimizer_bytes + nbytes, replicated + rep
 
     return ModelStateBytes(

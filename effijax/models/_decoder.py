@@ -87,6 +87,7 @@ from effijax.models._layers import (
     make_loss_fn,
     segment_positions,
 )
+from effijax.models._tensor_roles import attention_roles, tensor_layout
 from effijax.precision import Policy, get_policy
 
 __all__ = [
@@ -226,6 +227,19 @@ class DecoderConfig(LanguageModel):
         """See :func:`effijax.models.make_decode` (cached forward pass, no dropout)."""
         return make_decode(_graphdef(self), lora, stack=self.decoder.names.stack)
 
+    def tensor_layout(self):
+        """Megatron's layout over the ``tensor`` axis, from the modules' ``tensor_roles`` (see
+        :mod:`effijax.models._tensor_roles`).
+
+        Example:
+          >>> from effijax.models import gpt_config
+          >>> gpt_config("tiny").tensor_layout().names_of("blocks/mlp/fc_out/kernel")
+          ('layers', 'mlp', 'embed')
+        """
+        graphdef, abstract = abstract_split(self)
+        return tensor_layout(self, graphdef, abstract,
+                             tied="lm_head" not in abstract)
+
     def to_dict(self) -> dict:
         """The architecture as a dict with ``family`` (no tokenizer)."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.compare}
@@ -342,6 +356,11 @@ class Attention(nnx.Module):
                                                    (std, std, std, out_std), strict=True):
             setattr(self, name, _Dense(d_in, d_out, std=init, stack=stack, rngs=rngs, bias=bias))
         self.spec = spec
+
+    @property
+    def tensor_roles(self) -> dict[str, tuple[str, str]]:
+        """q/k/v column-parallel, o row-parallel (see :mod:`effijax.models._tensor_roles`)."""
+        return attention_roles(self.spec.names)
 
     def rotate(self, q_BSHK: jax.Array, k_BSGK: jax.Array, positions) -> tuple:
         """Queries and keys after the family's position transform (none here)."""

@@ -244,6 +244,9 @@ class _LayerNorm(nnx.Module):
 
 
 class _MLP(nnx.Module):
+    # Megatron: fc_in column-parallel, fc_out row-parallel (effijax.models._tensor_roles).
+    tensor_roles: ClassVar[dict] = {"fc_in": ("embed", "mlp"), "fc_out": ("mlp", "embed")}
+
     def __init__(self, config: GPTConfig, *, out_std: float, stack: tuple[int, ...],
                  rngs: nnx.Rngs):
         self.fc_in = _Dense(config.d_model, config.d_ff, std=INIT_STD, stack=stack, rngs=rngs)

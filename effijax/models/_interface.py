@@ -9,8 +9,8 @@ plugs in by implementing these methods and registering itself with :func:`regist
   dicts; '/'-joined paths are what precision overrides, sharding rules and LoRA targets match);
 * ``loss_fn(lora)`` / ``logits_fn(lora)``: pure functions of compute-dtype parameters (with a
   :class:`~effijax.lora.LoraSpec`, of ``{"base": params, "adapters": adapters}``);
-* ``partition_rules()``, ``lora_targets``: how the strategies lay the parameters out, and which
-  kernels LoRA adapts by default;
+* ``partition_rules()``, ``tensor_layout()``, ``lora_targets``: how the strategies lay the
+  parameters out (and how a ``tensor`` axis splits them), and which kernels LoRA adapts;
 * ``shape()``: the numbers the memory formulas need; ``encode(data)``: the tokenizer;
 * ``init_cache(batch, max_len)`` / ``decode_fn(lora)``: decoding with a key/value cache.
 
@@ -170,6 +170,12 @@ class LanguageModel(abc.ABC):
 
     def partition_rules(self) -> list[tuple[str, Any]] | None:
         """Partition rules for :func:`effijax.sharding.partition_specs` (None: automatic)."""
+        return None
+
+    def tensor_layout(self) -> Any:
+        """The :class:`effijax.sharding.TensorLayout` that splits the model over a mesh's
+        ``tensor`` axis (None: the model is not tensor-parallel; its weights are replicated
+        over ``tensor``)."""
         return None
 
     def encode(self, data: bytes) -> np.ndarray:

@@ -352,6 +352,10 @@ class _RMSNorm(nnx.Module):
 
 
 class _MLP(nnx.Module):
+    # Megatron: gate and up column-parallel, down row-parallel (effijax.models._tensor_roles).
+    tensor_roles: ClassVar[dict] = {"gate_proj": ("embed", "mlp"), "up_proj": ("embed", "mlp"),
+                                    "down_proj": ("mlp", "embed")}
+
     def __init__(self, config: LlamaConfig, *, stack: tuple[int, ...], rngs: nnx.Rngs):
         d, f = config.d_model, config.d_ff
         dense = functools.partial(_Dense, std=INIT_STD, stack=stack, rngs=rngs, bias=False)

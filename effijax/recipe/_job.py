@@ -50,6 +50,7 @@ from effijax.sharding import (
     partition_specs,
     replicated,
     state_shardings,
+    tensor_split,
     with_shardings,
 )
 from effijax.step import TrainState, init_train_state, make_sharded_step
@@ -236,6 +237,9 @@ def plan_job(
         raise ConfigError("batch_size", batch_size, f"must be divisible by the "
                           f"{jax.process_count()} processes (each builds its own rows)")
     rules = model.partition_rules() if rules is None else rules
+    layout = model.tensor_layout()  # Megatron's split over the mesh's tensor axis
+    if layout is not None:
+        tensor_split(layout, mesh.shape.get("tensor", 1))  # refused before anything is traced
     if lora is None and frozen_dtype is not None:
         raise ConfigError("frozen_dtype", frozen_dtype, "only applies to LoRA; pass lora=")
     abstract = model.abstract_params(policy)
@@ -247,16 +251,18 @@ def plan_job(
     else:
         dtype = policy.compute_dtype if frozen_dtype is None else parse_dtype(frozen_dtype)
         base = cast_floating(abstract, dtype)
-        frozen_sh = param_shardings(base, mesh, strategy, rules=rules)
+        frozen_sh = param_shardings(base, mesh, strategy, rules=rules, tensor_layout=layout)
         frozen = with_shardings(base, frozen_sh)
         # The adapters' own rules first: a rule for the base kernels ('.*/kernel') also matches
         # the adapters' paths ('.../kernel/a').
         rules = lora_lib.adapter_rules(frozen_sh, trainable) + list(rules or [])
         loss = lora_lib.freeze_base(model.loss_fn(lora))
-    specs = partition_specs(abstract_state.params, mesh, rules=rules)  # warns once per leaf
+    specs = partition_specs(abstract_state.params, mesh, rules=rules,
+                            tensor_layout=layout)  # warns once per leaf
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ReplicatedParameterWarning)  # warned just above
-        shardings = state_shardings(abstract_state, mesh, strategy, rules=rules)
+        shardings = state_shardings(abstract_state, mesh, strategy, rules=rules,
+                                    tensor_layout=layout)
     mult = jnp.float32(loss_multiplier)
 
     def train_loss(p, batch, rng):

@@ -100,13 +100,15 @@ def eval_start(loss: float) -> None:
 
 
 def summary_extras(job, compiled) -> dict:
-    """``num_params``, ``trainable_params``, per-device ``memory`` and ``collectives``."""
+    """``num_params``, ``trainable_params``, the ``mesh`` (every axis, ``tensor`` included),
+    per-device ``memory`` and ``collectives``."""
     from effijax.sharding import census_records
 
     memory = dataclasses.asdict(compiled.memory)
     memory["model_states"] = (compiled.memory.params + (compiled.memory.grads or 0)
                               + compiled.memory.opt_state)
     return {"num_params": job.num_params, "trainable_params": job.trainable_params,
+            "mesh": {axis: int(size) for axis, size in job.mesh.shape.items()},
             "memory": memory, "collectives": census_records(compiled.census)}
 
 

@@ -1,6 +1,7 @@
 """Sharding: meshes, ZeRO/FSDP strategies, partition rules, born-sharded init, collective census.
 
-A run picks a mesh (``make_mesh(data=2, fsdp=4)``) and one strategy knob (``ddp``, ``zero1``,
+A run picks a mesh (``make_mesh(data=2, fsdp=4)``, or with a ``tensor`` axis for Megatron-style
+tensor parallelism: ``make_mesh(fsdp=2, tensor=4)``) and one strategy knob (``ddp``, ``zero1``,
 ``zero2``, ``fsdp``). Partition rules (automatic by default, or ordered regex rules written in
 logical axis names) give every parameter its sharded spec; :func:`state_shardings` derives the
 sharding of every leaf of the train state from them, by tree path; :func:`init_sharded` creates
@@ -26,5 +27,6 @@ __getattr__, __dir__, __all__ = attach(__name__, {
         "ReplicatedParameterWarning", "partition_specs"),
     "effijax.sharding._strategy": ("param_shardings", "state_shardings",
         "assert_sharded_like_params", "init_sharded", "constraints", "jit_sharded",
-        "ShardedStep", "grad_shardings", "with_shardings"),
+        "ShardedStep", "grad_shardings", "with_shardings", "tensor_only", "match_param"),
+    "effijax.sharding._tensor": ("TENSOR_SPLIT", "TensorLayout", "tensor_split", "tensor_dim"),
 })

@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 from effijax.errors import ConfigError, whole_number
 from effijax.paths import compile_pattern, named_leaves
 from effijax.sharding._mesh import _check_mesh
+from effijax.sharding._tensor import TensorLayout, tensor_dim, tensor_split
 
 __all__ = [
     "LOGICAL_AXES",
@@ -118,10 +119,16 @@ def _check_rule_fits(index: int, pattern: str, spec: P, path: str, shape, mesh: 
                               "or replicate it with (pattern, None)")
 
 
-def _auto_spec(path: str, shape, n: int, min_shard_size: int) -> P:
+def _auto_spec(path: str, shape, n: int, min_shard_size: int, split_dim: int | None = None
+               ) -> P:
+    """The automatic fsdp split; ``split_dim`` (already split over ``tensor``) is skipped."""
+    entries = [None] * len(shape)
+    if split_dim is not None:
+        entries[split_dim] = "tensor"
     if n == 1 or len(shape) == 0 or math.prod(shape) < min_shard_size:
-        return P()
-    divisible = [d for d, size in enumerate(shape) if size % n == 0 and size > 0]
+        return _trimmed(entries)
+    divisible = [d for d, size in enumerate(shape)
+                 if size % n == 0 and size > 0 and d != split_dim]
     if not divisible:
         warnings.warn(
             f"parameter {path!r} of shape {tuple(shape)} has no dimension divisible by the "
@@ -129,9 +136,18 @@ def _auto_spec(path: str, shape, n: int, min_shard_size: int) -> P:
             ReplicatedParameterWarning,
             stacklevel=4,
         )
-        return P()
+        return _trimmed(entries)
     dim = max(divisible, key=lambda d: (shape[d], -d))
-    return P(*[("fsdp" if d == dim else None) for d in range(dim + 1)])
+    entries[dim] = "fsdp"
+    return _trimmed(entries)
+
+
+def _trimmed(entries) -> P:
+    """``P(*entries)`` without trailing Nones (``P()`` when nothing is split)."""
+    entries = list(entries)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*entries)
 
 
 def partition_specs(
@@ -141,6 +157,7 @@ def partition_specs(
     rules: Sequence[tuple] | None = None,
     logical_axes: Mapping[str, Any] | None = None,
     min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
+    tensor_layout: TensorLayout | None = None,
 ):
     """The sharded ``PartitionSpec`` of every parameter (what FSDP stores, ZeRO shards opt on).
 
@@ -151,12 +168,16 @@ def partition_specs(
         automatic rule. ``spec``: ``PartitionSpec`` (mesh axes), tuple of logical names, or None.
       logical_axes: logical name -> mesh axis table; default :data:`LOGICAL_AXES`.
       min_shard_size: the automatic rule replicates leaves with fewer elements.
+      tensor_layout: the model's :class:`~effijax.sharding.TensorLayout`; on a mesh with
+        ``tensor > 1`` the weights it names are split Megatron's way over ``tensor`` (the
+        automatic rule then splits another dimension over ``fsdp``). Explicit rules still win.
 
     Returns:
       A pytree of ``PartitionSpec`` with the structure of ``abstract_params``.
 
     Raises:
-      ConfigError: bad rule (matches nothing, unknown axis or name, too long, not divisible).
+      ConfigError: bad rule (matches nothing, unknown axis or name, too long, not divisible);
+        a tensor degree that does not divide the heads, MLP width or vocabulary.
 
     Warns:
       ReplicatedParameterWarning: an automatic leaf with no dimension divisible by ``fsdp``.
@@ -198,13 +219,16 @@ def partition_specs(
                               f"parameters; the first paths are: {shown}")
 
     n = mesh.shape["fsdp"]
+    tensor = mesh.shape.get("tensor", 1)
+    split = frozenset() if tensor_layout is None else tensor_split(tensor_layout, tensor)
 
     def spec_of(path: str, leaf) -> P:
         for i, (regex, spec) in enumerate(compiled):
             if regex.search(path):
                 _check_rule_fits(i, regex.pattern, spec, path, leaf.shape, mesh)
                 return spec
-        return _auto_spec(path, leaf.shape, n, min_shard_size)
+        return _auto_spec(path, leaf.shape, n, min_shard_size,
+                          tensor_dim(path, leaf.shape, tensor_layout, split))
 
     specs = [spec_of(path, leaf) for path, leaf in leaves]
     treedef = jax.tree.structure(abstract_params)

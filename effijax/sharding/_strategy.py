@@ -13,7 +13,10 @@ zero2     replicated   sharded (reduce-scatter)        sharded like its paramete
 fsdp      sharded      sharded (reduce-scatter)        sharded like its parameter
 ========  ===========  ==============================  =================================
 
-(``zero3`` is an alias of ``fsdp``.) ZeRO-1/2 compute the update on the shard and all-gather
+"Replicated" means over ``data`` and ``fsdp``: a weight the model's tensor layout splits over
+the ``tensor`` axis (:mod:`effijax.sharding._tensor`) stays split there under every strategy
+(:func:`tensor_only`), as do its gradient and optimizer state. (``zero3`` is an alias of
+``fsdp``.) ZeRO-1/2 compute the update on the shard and all-gather
 the new parameters back to replicated (the ``out_shardings`` say so); FSDP keeps them sharded
 and gathers them, in the compute dtype, where the forward and backward passes use them.
 
@@ -40,8 +43,9 @@ from jax.sharding import PartitionSpec as P
 from effijax.errors import ConfigError
 from effijax.paths import map_with_path, named_leaves
 from effijax.sharding._mesh import _check_mesh, batch_sharding, replicated
-from effijax.sharding._names import Strategy, get_strategy
+from effijax.sharding._names import BATCH_AXES, Strategy, get_strategy
 from effijax.sharding._rules import DEFAULT_MIN_SHARD_SIZE, partition_specs
+from effijax.sharding._tensor import TensorLayout
 
 __all__ = [
     "param_shardings",
@@ -53,11 +57,33 @@ __all__ = [
     "ShardedStep",
     "grad_shardings",
     "with_shardings",
+    "tensor_only",
+    "match_param",
 ]
 
 
-def _rule_kwargs(rules, logical_axes, min_shard_size) -> dict:
-    return {"rules": rules, "logical_axes": logical_axes, "min_shard_size": min_shard_size}
+def _rule_kwargs(rules, logical_axes, min_shard_size, tensor_layout) -> dict:
+    return {"rules": rules, "logical_axes": logical_axes, "min_shard_size": min_shard_size,
+            "tensor_layout": tensor_layout}
+
+
+def tensor_only(spec: P) -> P:
+    """``spec`` without its ``data``/``fsdp`` entries: how a strategy that does not shard a
+    leaf over ``fsdp`` still lays it out (tensor parallelism is the model's layout, not a
+    strategy's choice); ``P()`` on a mesh without a tensor split.
+
+    Example:
+      >>> tensor_only(P(None, "fsdp", "tensor")), tensor_only(P("fsdp"))
+      (P(None, None, 'tensor'), P())
+    """
+    entries = []
+    for entry in spec:
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        kept = tuple(a for a in axes if a not in BATCH_AXES)
+        entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*entries)
 
 
 def param_shardings(
@@ -68,8 +94,10 @@ def param_shardings(
     rules: Sequence[tuple] | None = None,
     logical_axes: Mapping[str, Any] | None = None,
     min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
+    tensor_layout: TensorLayout | None = None,
 ):
-    """``NamedSharding`` of every parameter under ``strategy`` (sharded only for FSDP).
+    """``NamedSharding`` of every parameter under ``strategy`` (sharded over ``fsdp`` only for
+    FSDP; a tensor-parallel split is kept by every strategy, see :func:`tensor_only`).
 
     The rule arguments are those of :func:`~effijax.sharding.partition_specs`.
 
@@ -84,10 +112,10 @@ def param_shardings(
     """
     strategy = get_strategy(strategy)
     specs = partition_specs(abstract_params, mesh,
-                            **_rule_kwargs(rules, logical_axes, min_shard_size))
-    rep = replicated(mesh)
-    return jax.tree.map(lambda s: NamedSharding(mesh, s) if strategy.shard_params else rep,
-                        specs, is_leaf=lambda x: isinstance(x, P))
+                            **_rule_kwargs(rules, logical_axes, min_shard_size, tensor_layout))
+    return jax.tree.map(
+        lambda s: NamedSharding(mesh, s if strategy.shard_params else tensor_only(s)),
+        specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def _part(tree, name: str):
@@ -99,8 +127,14 @@ def _part(tree, name: str):
                       f"a {name!r} field (step, params, opt_state, rng)")
 
 
-def _match_param(path: str, param_paths: Sequence[str]) -> str | None:
-    """The longest parameter path that is a '/'-suffix of an optimizer-state leaf path."""
+def match_param(path: str, param_paths: Sequence[str]) -> str | None:
+    """The longest parameter path that is a '/'-suffix of an optimizer-state leaf path (the
+    parameter whose layout the leaf takes when their shapes agree).
+
+    Example:
+      >>> match_param("0/mu/blocks/w", ["w", "blocks/w", "b"])
+      'blocks/w'
+    """
     best = None
     for p in param_paths:
         if (path == p or path.endswith("/" + p)) and (best is None or len(p) > len(best)):
@@ -116,6 +150,7 @@ def state_shardings(
     rules: Sequence[tuple] | None = None,
     logical_axes: Mapping[str, Any] | None = None,
     min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
+    tensor_layout: TensorLayout | None = None,
 ):
     """``NamedSharding`` of every leaf of a ``TrainState`` (step, params, opt_state, rng).
 
@@ -151,7 +186,7 @@ def state_shardings(
     _check_mesh(mesh)
     params = _part(abstract_state, "params")
     _part(abstract_state, "opt_state")
-    kwargs = _rule_kwargs(rules, logical_axes, min_shard_size)
+    kwargs = _rule_kwargs(rules, logical_axes, min_shard_size, tensor_layout)
     specs = dict(named_leaves(partition_specs(params, mesh, **kwargs),
                               is_leaf=lambda x: isinstance(x, P)))
     shapes = {path: tuple(leaf.shape) for path, leaf in named_leaves(params)}
@@ -160,11 +195,14 @@ def state_shardings(
     def sharding_of(path: str, leaf):
         head, _, rest = path.partition("/")
         if head == "params" and rest in specs:
-            return NamedSharding(mesh, specs[rest]) if strategy.shard_params else rep
-        if head == "opt_state" and strategy.shard_opt_state and hasattr(leaf, "shape"):
-            match = _match_param(rest, list(specs))
+            spec = specs[rest]
+            return NamedSharding(mesh, spec if strategy.shard_params else tensor_only(spec))
+        if head == "opt_state" and hasattr(leaf, "shape"):
+            match = match_param(rest, list(specs))
             if match is not None and tuple(leaf.shape) == shapes[match]:
-                return NamedSharding(mesh, specs[match])
+                spec = specs[match]
+                return NamedSharding(mesh, spec if strategy.shard_opt_state
+                                     else tensor_only(spec))
         return rep
 
     return map_with_path(sharding_of, abstract_state)
@@ -216,7 +254,7 @@ def assert_sharded_like_params(state, shardings) -> None:
         if actual is not None and actual.is_equivalent_to(expected, ndim):
             return
         head, _, rest = path.partition("/")
-        match = rest if head == "params" else _match_param(rest, param_paths)
+        match = rest if head == "params" else match_param(rest, param_paths)
         where = f"{path} (parameter {match!r})" if match else path
         if actual is None:
             has = "has no sharding"
@@ -250,6 +288,7 @@ def init_sharded(
     rules: Sequence[tuple] | None = None,
     logical_axes: Mapping[str, Any] | None = None,
     min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
+    tensor_layout: TensorLayout | None = None,
 ):
     """Runs ``init_fn(*args)`` born sharded: no device ever holds the whole model.
 
@@ -282,7 +321,7 @@ def init_sharded(
     """
     abstract = jax.eval_shape(init_fn, *args)
     shardings = state_shardings(abstract, mesh, strategy,
-                                **_rule_kwargs(rules, logical_axes, min_shard_size))
+                                **_rule_kwargs(rules, logical_axes, min_shard_size, tensor_layout))
     state = jax.jit(init_fn, out_shardings=shardings)(*args)
     assert_sharded_like_params(state, shardings)
     return state, shardings
@@ -330,7 +369,6 @@ def constraints(mesh: Mesh, strategy: str | Strategy, specs) -> tuple[Callable |
     _check_mesh(mesh)
     is_spec = lambda x: isinstance(x, P)
     sharded = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
-    rep = replicated(mesh)
 
     def pin(tree, shardings):
         return jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
@@ -338,11 +376,14 @@ def constraints(mesh: Mesh, strategy: str | Strategy, specs) -> tuple[Callable |
     def constrain_sharded(tree):
         return pin(tree, sharded)
 
-    def constrain_replicated(tree):
-        return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, rep), tree)
+    unsharded = jax.tree.map(lambda s: NamedSharding(mesh, tensor_only(s)), specs,
+                             is_leaf=is_spec)
+
+    def constrain_unsharded(tree):
+        return pin(tree, unsharded)
 
     constrain_params = constrain_sharded if strategy.shard_params else None
-    constrain_grads = constrain_sharded if strategy.shard_grads else constrain_replicated
+    constrain_grads = constrain_sharded if strategy.shard_grads else constrain_unsharded
     return constrain_params, constrain_grads
 
 
@@ -445,9 +486,9 @@ def grad_shardings(specs, mesh: Mesh, strategy: str | Strategy):
     """
     strategy = get_strategy(strategy)
     _check_mesh(mesh)
-    rep = replicated(mesh)
-    return jax.tree.map(lambda s: NamedSharding(mesh, s) if strategy.shard_grads else rep,
-                        specs, is_leaf=lambda x: isinstance(x, P))
+    return jax.tree.map(
+        lambda s: NamedSharding(mesh, s if strategy.shard_grads else tensor_only(s)),
+        specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def with_shardings(tree, shardings):
