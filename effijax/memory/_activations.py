@@ -20,7 +20,9 @@ Shazeer 2020 SwiGLU): with query width ``q = a·d_head``, key/value width ``k = 
 MLP width ``f``, a layer keeps ``p·s·b·(h + 2q + 2k)`` for attention (the projections' input,
 Q, K, V and the attention output), ``p·s·b·(h + 2f)`` for a GeLU MLP or ``p·s·b·(h + 3f)`` for
 a gated one (gate, up and their product), and ``2psbh`` for the norms. With ``q = k = h`` and
-``f = 4h`` this is the 16psbh above.
+``f = 4h`` this is the 16psbh above. Gemma 3's sandwich norms (``sandwich_norms``: a norm after
+the attention and after the MLP too, and one on every query and key head) keep their inputs as
+well: ``p·s·b·(2h + q + k)`` more. (Its GeGLU keeps what SwiGLU keeps: gate, up, product.)
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class _Layer:
     head_dim: int | None = None
     ffn: int | None = None
     gated_mlp: bool = False
+    sandwich_norms: bool = False
 
     def terms(self) -> _LayerTerms:
         p, s, b, h, a = self.bytes_per_value, self.seq_len, self.batch_size, self.hidden, self.heads
@@ -77,6 +80,8 @@ class _Layer:
         q, k = a * d_head, (a if self.kv_heads is None else self.kv_heads) * d_head
         f = 4 * h if self.ffn is None else self.ffn
         width = (h + 2 * q + 2 * k) + (h + (3 if self.gated_mlp else 2) * f) + 2 * h
+        if self.sandwich_norms:
+            width += 2 * h + q + k
         dropout, blockwise = self.dropout, self.blockwise_attention
         return _LayerTerms(
             linear=p * s * b * width,
@@ -133,6 +138,7 @@ def activation_bytes(
     ffn: int | None = None,
     gated_mlp: bool = False,
     vocab: int | None = None,
+    sandwich_norms: bool = False,
 ) -> int:
     """Bytes of activations kept for the backward pass, on one device, for one micro-batch.
 
@@ -165,6 +171,8 @@ def activation_bytes(
       gated_mlp: a gated MLP (SwiGLU: gate, up, down) instead of up, GeLU, down.
       vocab: count the f32 logits, ``4·s·b·vocab`` bytes (default: not counted, as in
         Korthikanti et al.'s formula).
+      sandwich_norms: Gemma 3's norms after the attention and the MLP and on the query and key
+        heads, whose inputs are kept too: ``p·s·b·(2h + q + k)`` more per layer.
 
     Returns:
       The number of bytes (an exact integer).
@@ -191,5 +199,5 @@ def activation_bytes(
     checkpointing = _check_choice("checkpointing", checkpointing, CHECKPOINTING)
     _check_layer_options(heads, kv_heads, head_dim, ffn, vocab)
     layer = _Layer(hidden, heads, seq_len, batch_size, bytes_per_value, dropout,
-                   blockwise_attention, kv_heads, head_dim, ffn, gated_mlp)
+                   blockwise_attention, kv_heads, head_dim, ffn, gated_mlp, sandwich_norms)
     return _stack_bytes(layer, layers, checkpointing, vocab)
