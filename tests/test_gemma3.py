@@ -19,15 +19,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _adapters import random_adapters
-from _parity import our_logits, torch_logits
+from _parity import (
+    assert_peft_and_merged_exports_give_our_logits,
+    assert_same_params,
+    our_logits,
+    torch_logits,
+)
 
 torch = pytest.importorskip("torch", reason="Gemma 3 parity tests need torch (effijax[interop])")
 transformers = pytest.importorskip("transformers", reason="Gemma 3 parity tests need "
                                    "transformers (pip install effijax[interop])")
 gguf = pytest.importorskip("gguf", reason="GGUF tests need gguf (effijax[interop])")
 
-from effijax import lora  # noqa: E402
 from effijax.cli import build_parser  # noqa: E402
 from effijax.errors import ConfigError, FileError  # noqa: E402
 from effijax.generate import generate  # noqa: E402
@@ -37,7 +40,6 @@ from effijax.interop import (  # noqa: E402
     load_gguf,
     load_hf,
     save_hf,
-    save_peft,
 )
 from effijax.memory import activation_measure  # noqa: E402
 from effijax.models import (  # noqa: E402
@@ -165,10 +167,7 @@ def test_save_reload_is_bit_exact_and_loads_in_transformers(tmp_path, checkpoint
                                                              "gemma3_text")
     reloaded, again = load_hf(tmp_path, seq_len=32)
     assert reloaded == config
-    ours, theirs = dict(named_leaves(params)), dict(named_leaves(again))
-    assert ours.keys() == theirs.keys()
-    for path in ours:
-        assert np.array_equal(np.asarray(ours[path]), np.asarray(theirs[path])), path
+    assert_same_params(params, again)
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert type(model).__name__ == "Gemma3ForCausalLM"
     assert model.config.layer_types == reference.config.layer_types
@@ -178,7 +177,7 @@ def test_save_reload_is_bit_exact_and_loads_in_transformers(tmp_path, checkpoint
         assert torch.equal(model.state_dict()[name], tensor), name
 
 
-@pytest.mark.slow  # compiles a prefill and a decode step: ~6 s
+@pytest.mark.slow  # compiles a prefill and a decode step: ~15 s
 def test_cached_decoding_of_ragged_prompts_is_the_full_pass_and_transformers(plain):
     _, reference, config, params = plain
     prompts = [_tokens((1, 9), seed=3)[0], _tokens((1, 14), seed=4)[0]]  # both past the window
@@ -197,28 +196,12 @@ def test_cached_decoding_of_ragged_prompts_is_the_full_pass_and_transformers(pla
 
 # peft 0.21 reads transformers 5's deprecated `is_gradient_checkpointing`: their warning, not ours.
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
-@pytest.mark.slow  # imports peft and compiles the factored-LoRA forward: ~10 s
+@pytest.mark.slow  # imports peft and compiles the factored-LoRA forward: ~23 s
 def test_peft_adapters_and_merged_export_give_effijax_logits(tmp_path, plain):
-    peft = pytest.importorskip("peft", reason="PEFT export tests need peft (effijax[interop])")
+    pytest.importorskip("peft", reason="PEFT export tests need peft (effijax[interop])")
     directory, _, config, params = plain
-    spec = lora.LoraSpec(rank=4, alpha=16.0, targets=config.lora_targets)
-    adapters = random_adapters(params, spec, seed=7, scale=0.1)
-    tokens = _tokens(seed=2)
-    ours = our_logits(config, params, tokens, spec, adapters)
-    assert np.abs(ours - our_logits(config, params, tokens)).max() > 0.1  # adapters matter
-
-    written = save_peft(tmp_path / "adapter", config, adapters, spec, base_model=str(directory))
-    assert "base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight" in written
-    adapter_config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
-    assert sorted(adapter_config["target_modules"]) == sorted(
-        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    base = transformers.Gemma3ForCausalLM.from_pretrained(directory)
-    with_adapter = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
-    assert np.abs(torch_logits(with_adapter, tokens) - ours).max() <= ATOL
-
-    save_hf(tmp_path / "merged", config, params, adapters=adapters, lora=spec)
-    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
-    assert np.abs(torch_logits(merged, tokens) - ours).max() <= ATOL
+    assert_peft_and_merged_exports_give_our_logits(
+        tmp_path, directory, config, params, transformers.Gemma3ForCausalLM, _tokens(seed=2), ATOL)
 
 
 def _write_llama_cpp_gguf(file, config, params):
@@ -343,7 +326,7 @@ def test_activation_formula_counts_gemmas_extra_norms(monkeypatch):
     assert 1.0 <= point.ratio <= 2.9, point.ratio
 
 
-@pytest.mark.slow  # compiles a one-device and an 8-device train step: ~8 s
+@pytest.mark.slow  # compiles a one-device and an 8-device train step: ~35 s
 def test_fsdp_training_on_8_devices_gives_the_one_device_loss():
     model = gemma3_config("gemma3-tiny", seq_len=16)
     tx = optax.sgd(0.5, momentum=0.9)
@@ -386,7 +369,7 @@ def gemma3_270m_gguf(tmp_path_factory):
 
 # The file's SentencePiece tokenizer is not read yet: effijax says so and loads the weights.
 @pytest.mark.filterwarnings("ignore:GGUF tokenizer.ggml.model='llama' is not supported")
-@pytest.mark.slow  # assembles 253 MB, dequantizes it twice (effijax, transformers): ~160 s
+@pytest.mark.slow  # assembles 253 MB, dequantizes it twice (effijax, transformers): ~120 s
 def test_gemma3_270m_gguf_gives_transformers_logits_and_greedy_ids(gemma3_270m_gguf):
     config, params = load_gguf(gemma3_270m_gguf, seq_len=64)
     assert config.num_params == sum(x.size for x in jax.tree.leaves(params)) == 268_098_176
