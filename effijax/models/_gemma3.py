@@ -155,7 +155,7 @@ class Gemma3Config(LlamaConfig):
         layer, the two norms after the attention and the MLP and the query/key norms.
 
         Example:
-          >>> gemma3_config("gemma3-270m").num_params, gemma3_config("gemma3-1b").num_params
+          >>> gemma3_config("gemma-3-270m").num_params, gemma3_config("gemma-3-1b").num_params
           (268098176, 999885952)
         """
         return super().num_params + self.n_layers * (2 * self.d_model + 2 * self.head_dim)
@@ -168,11 +168,11 @@ GEMMA3_PRESETS: dict[str, Gemma3Config] = {
                                 head_dim=32, d_ff=128, sliding_window=8, sliding_window_pattern=3,
                                 query_pre_attn_scalar=24.0, seq_len=64, max_position=256),
     # google/gemma-3-270m: 268.1M parameters (170M of them the embedding).
-    "gemma3-270m": Gemma3Config(vocab_size=262144, d_model=640, n_layers=18, n_heads=4,
+    "gemma-3-270m": Gemma3Config(vocab_size=262144, d_model=640, n_layers=18, n_heads=4,
                                 n_kv_heads=1, head_dim=256, d_ff=2048, sliding_window=512,
                                 seq_len=2048, max_position=32768),
     # google/gemma-3-1b-pt: 999.9M parameters.
-    "gemma3-1b": Gemma3Config(vocab_size=262144, d_model=1152, n_layers=26, n_heads=4,
+    "gemma-3-1b": Gemma3Config(vocab_size=262144, d_model=1152, n_layers=26, n_heads=4,
                               n_kv_heads=1, head_dim=256, d_ff=6912, sliding_window=512,
                               seq_len=2048, max_position=32768),
 }
@@ -183,11 +183,11 @@ Gemma3Config.presets = GEMMA3_PRESETS
 def gemma3_config(name: str, **overrides) -> Gemma3Config:
     """A preset :class:`Gemma3Config`, with fields replaced by ``overrides``.
 
-    Presets: ``"gemma3-tiny"`` (tests), ``"gemma3-270m"``, ``"gemma3-1b"`` (shapes from their
+    Presets: ``"gemma3-tiny"`` (tests), ``"gemma-3-270m"``, ``"gemma-3-1b"`` (shapes from their
     published ``config.json``).
 
     Example:
-      >>> gemma3_config("gemma3-270m").layer_types[:6]
+      >>> gemma3_config("gemma-3-270m").layer_types[:6]
       ('sliding_attention', 'sliding_attention', 'sliding_attention', 'sliding_attention', \
 'sliding_attention', 'full_attention')
     """
@@ -481,11 +481,29 @@ def _gguf_fields(metadata: dict) -> dict:
             "query_pre_attn_scalar": float(scalar)}
 
 
+def _gguf_metadata(model: Gemma3Config) -> dict:
+    """The ``gemma3.*`` keys llama.cpp's converter writes beyond the shared ones: the window.
+    What llama.cpp fixes instead of reading (the pattern of 6, the local base 1e4, the query
+    scalar, no rotary scaling or logit soft-capping) is refused when the model differs."""
+    fixed = _gguf_fields({"gemma3.attention.key_length": model.head_dim,
+                          "gemma3.block_count": model.n_layers,
+                          "gemma3.embedding_length": model.d_model,
+                          "gemma3.attention.head_count": model.n_heads})
+    for name, value in (("sliding_window_pattern", fixed["sliding_window_pattern"]),
+                        ("rope_local_theta", fixed["rope_local_theta"]),
+                        ("query_pre_attn_scalar", fixed["query_pre_attn_scalar"]),
+                        ("rope_linear_factor", None), ("final_logit_softcapping", None)):
+        if getattr(model, name) != value:
+            raise ConfigError(name, getattr(model, name), f"a Gemma 3 GGUF has {value} (what "
+                              "llama.cpp assumes); export the Hugging Face directory instead")
+    return {"gemma3.attention.sliding_window": model.sliding_window}
+
+
 register_pretrained(PretrainedFormat(
     model_type="gemma3_text", hf_class="Gemma3ForCausalLM", config=Gemma3Config,
     tensors=GEMMA3_TENSORS, check_hf=_check_hf, hf_fields=_hf_fields,
     config_fields=_config_fields, gguf_architecture="gemma3", gguf_permuted=False,
-    gguf_fields=_gguf_fields, gguf_norm_offset=1.0,
+    gguf_fields=_gguf_fields, gguf_metadata=_gguf_metadata, gguf_norm_offset=1.0,
     refused={"gemma3": "Gemma 3's multimodal Gemma3ForConditionalGeneration; effijax loads its "
              "text model only: load a Gemma3ForCausalLM directory (model_type 'gemma3_text', "
              "e.g. google/gemma-3-1b-pt or gemma-3-270m) or the model's GGUF"}))

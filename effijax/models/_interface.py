@@ -280,6 +280,9 @@ class PretrainedFormat:
         replace the shared ones of the same name (Gemma 3 reads its two rotary bases itself).
       gguf_fields: ``gguf_fields(metadata)``: the same from a GGUF's metadata (Gemma 3's
         ``gemma3.attention.sliding_window``), with the family's defaults for what it lacks.
+      gguf_metadata: ``gguf_metadata(model)``: the family's own ``{architecture}.*`` keys that
+        :func:`~effijax.interop.save_gguf` writes (what ``gguf_fields`` reads back); a
+        :class:`~effijax.errors.ConfigError` for a model GGUF cannot describe.
       gguf_norm_offset: what llama.cpp's converter added to every ``*norm.weight`` (Gemma's
         ``(1 + w)`` norms are stored as plain weights ``1 + w``): subtracted on load.
       refused: ``{model_type: why}``: neighbouring model types refused with the reason
@@ -296,6 +299,7 @@ class PretrainedFormat:
     gguf_permuted: bool = True
     config_fields: Callable[[dict], dict] = lambda fields: {}
     gguf_fields: Callable[[dict], dict] = lambda metadata: {}
+    gguf_metadata: Callable[[Any], dict] = lambda model: {}
     gguf_norm_offset: float = 0.0
     refused: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
