@@ -10,6 +10,7 @@ import gguf
 import numpy as np
 
 from effijax.interop import TENSORS
+from effijax.models import format_of
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # A few merges over the byte alphabet: "Ġt", "he", "Ġthe", "in", "Ġ1" (never used under the
@@ -121,7 +122,9 @@ def write_gguf(file, model, params, *, pre="smollm", qtype=None, drop=(), extra=
     writer.add_pad_token_id(2)
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHAT_TEMPLATE)
-    names = {hf.format(i=i): gg.format(i=i) for hf, gg in TENSORS.values()
+    # The family's own table: a Hugging Face name may have another GGUF name in another family
+    # (Gemma 3's post_attention_layernorm is its post_attention_norm, the Llama's ffn_norm).
+    names = {hf.format(i=i): gg.format(i=i) for hf, gg in format_of(model).tensors.values()
              for i in range(model.n_layers)}
     for hf, (_, w) in torch_tensors(model, params).items():
         name = names[hf]

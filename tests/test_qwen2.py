@@ -9,27 +9,29 @@ supported ones.
 """
 
 import dataclasses
-import functools
 import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _adapters import random_adapters
 from _llama_files import VOCAB_SIZE, write_gguf
+from _parity import (
+    assert_peft_and_merged_exports_give_our_logits,
+    assert_same_params,
+    our_logits,
+    torch_logits,
+)
 
 torch = pytest.importorskip("torch", reason="Qwen2 parity tests need torch (effijax[interop])")
 transformers = pytest.importorskip("transformers", reason="Qwen2 parity tests need "
                                    "transformers (pip install effijax[interop])")
 peft = pytest.importorskip("peft", reason="PEFT export tests need peft (effijax[interop])")
 
-from effijax import lora  # noqa: E402
 from effijax.errors import ConfigError, FileError  # noqa: E402
 from effijax.generate import generate  # noqa: E402
-from effijax.interop import config_from_hf, load_gguf, load_hf, save_hf, save_peft  # noqa: E402
+from effijax.interop import config_from_hf, load_gguf, load_hf, save_hf  # noqa: E402
 from effijax.models import Qwen2Config, pretrained_format, qwen2_config  # noqa: E402
-from effijax.paths import named_leaves  # noqa: E402
 
 ATOL = 1e-4  # as tests/test_hf_parity.py: f32 logits of magnitude ~5, observed ~1e-5
 VOCAB = VOCAB_SIZE  # the GGUF writer's tokenizer's size
@@ -82,34 +84,19 @@ def _tokens(shape=(2, 24), seed=0):
     return np.random.default_rng(seed).integers(0, VOCAB, shape)
 
 
-def _torch_logits(model, tokens):
-    with torch.no_grad():
-        return model(torch.tensor(tokens)).logits.float().numpy()
-
-
-@functools.cache
-def _logits_fn(config, spec):
-    return jax.jit(config.logits_fn(spec))  # compiled once per model (and LoRA spec)
-
-
-def _our_logits(config, params, tokens, spec=None, adapters=None):
-    args = params if spec is None else {"base": params, "adapters": adapters}
-    return np.asarray(_logits_fn(config, spec)(args, jnp.asarray(tokens, jnp.int32)))
-
-
 def test_transformers_checkpoints_give_transformers_logits(checkpoint):
     _, reference, config, params = checkpoint
     assert type(config) is Qwen2Config
     assert config.tie_embeddings == reference.config.tie_word_embeddings
     assert config.rope_theta == 10000.0 and config.rms_eps == 1e-6
     tokens = _tokens()
-    expected = _torch_logits(reference, tokens)
-    ours = _our_logits(config, params, tokens)
+    expected = torch_logits(reference, tokens)
+    ours = our_logits(config, params, tokens)
     assert np.abs(ours - expected).max() <= ATOL
     # The biases are loaded and used: without them the logits are far off.
     unbiased = jax.tree_util.tree_map_with_path(
         lambda path, x: jnp.zeros_like(x) if "bias" in jax.tree_util.keystr(path) else x, params)
-    assert np.abs(_our_logits(config, unbiased, tokens) - expected).max() > 100 * ATOL
+    assert np.abs(our_logits(config, unbiased, tokens) - expected).max() > 100 * ATOL
 
 
 def test_parameter_count_is_transformers(checkpoint):
@@ -129,10 +116,7 @@ def test_save_reload_is_bit_exact_and_loads_in_transformers(tmp_path, checkpoint
     assert saved["use_sliding_window"] is False
     reloaded, again = load_hf(tmp_path, seq_len=32)
     assert reloaded == config
-    ours, theirs = dict(named_leaves(params)), dict(named_leaves(again))
-    assert ours.keys() == theirs.keys()
-    for path in ours:
-        assert np.array_equal(np.asarray(ours[path]), np.asarray(theirs[path])), path
+    assert_same_params(params, again)
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert type(model).__name__ == "Qwen2ForCausalLM"
     for name, tensor in reference.state_dict().items():  # the same bits as the original
@@ -155,24 +139,8 @@ def test_greedy_generation_matches_transformers_generate(tied):
 @pytest.mark.slow  # imports peft and compiles the factored-LoRA forward: ~10-20 s
 def test_peft_adapters_and_merged_export_give_effijax_logits(tmp_path, untied):
     directory, _, config, params = untied
-    spec = lora.LoraSpec(rank=4, alpha=16.0, targets=config.lora_targets)
-    adapters = random_adapters(params, spec, seed=7, scale=0.1)
-    tokens = _tokens(seed=2)
-    ours = _our_logits(config, params, tokens, spec, adapters)
-    assert np.abs(ours - _our_logits(config, params, tokens)).max() > 0.1  # adapters matter
-
-    written = save_peft(tmp_path / "adapter", config, adapters, spec, base_model=str(directory))
-    assert "base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight" in written
-    adapter_config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
-    assert sorted(adapter_config["target_modules"]) == sorted(
-        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    base = transformers.Qwen2ForCausalLM.from_pretrained(directory)
-    with_adapter = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
-    assert np.abs(_torch_logits(with_adapter, tokens) - ours).max() <= ATOL
-
-    save_hf(tmp_path / "merged", config, params, adapters=adapters, lora=spec)
-    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
-    assert np.abs(_torch_logits(merged, tokens) - ours).max() <= ATOL
+    assert_peft_and_merged_exports_give_our_logits(
+        tmp_path, directory, config, params, transformers.Qwen2ForCausalLM, _tokens(seed=2), ATOL)
 
 
 def test_sliding_window_layers_give_transformers_logits_and_export_alike(tmp_path):
@@ -184,9 +152,9 @@ def test_sliding_window_layers_give_transformers_logits_and_export_alike(tmp_pat
     config, params = load_hf(tmp_path / "hf", seq_len=32)
     assert (config.sliding_window, config.max_window_layers) == (5, 1)
     tokens = _tokens()
-    ours = _our_logits(config, params, tokens)
-    assert np.abs(_torch_logits(reference, tokens) - ours).max() <= ATOL
-    unwindowed = _our_logits(dataclasses.replace(config, sliding_window=None), params, tokens)
+    ours = our_logits(config, params, tokens)
+    assert np.abs(torch_logits(reference, tokens) - ours).max() <= ATOL
+    unwindowed = our_logits(dataclasses.replace(config, sliding_window=None), params, tokens)
     assert np.abs(unwindowed - ours).max() > 100 * ATOL  # the window changes the logits
     save_hf(tmp_path / "out", config, params)
     saved = json.loads((tmp_path / "out" / "config.json").read_text())
@@ -222,12 +190,12 @@ def test_config_json_reads_as_the_preset_and_refuses_what_qwen2_lacks():
 
 
 def test_unknown_formats_are_refused_listing_the_supported_ones():
-    with pytest.raises(FileError, match=r"^config.json: model_type='gemma3': effijax loads "
-                       r"these model_types only: 'llama', 'mistral', 'qwen2'$"):
-        config_from_hf(_hf_fields(model_type="gemma3"))
-    with pytest.raises(ConfigError, match=r"^general.architecture='gemma3': effijax loads these "
-                       r"general.architectures only: 'llama', 'qwen2'$"):
-        pretrained_format(gguf_architecture="gemma3")
+    with pytest.raises(FileError, match=r"^config.json: model_type='phi3': effijax loads "
+                       r"these model_types only: 'gemma3_text', 'llama', 'mistral', 'qwen2'$"):
+        config_from_hf(_hf_fields(model_type="phi3"))
+    with pytest.raises(ConfigError, match=r"^general.architecture='phi3': effijax loads these "
+                       r"general.architectures only: 'gemma3', 'llama', 'qwen2'$"):
+        pretrained_format(gguf_architecture="phi3")
 
 
 def test_llama_cpp_style_qwen2_gguf_loads_alike_in_both(tmp_path, untied):
@@ -236,14 +204,11 @@ def test_llama_cpp_style_qwen2_gguf_loads_alike_in_both(tmp_path, untied):
     loaded_config, loaded = load_gguf(tmp_path / "tiny.gguf", seq_len=32)
     # The same model and the same bits as from the Hugging Face directory.
     assert loaded_config == config
-    ours, theirs = dict(named_leaves(params)), dict(named_leaves(loaded))
-    assert ours.keys() == theirs.keys()
-    for path in ours:
-        assert np.array_equal(np.asarray(ours[path]), np.asarray(theirs[path])), path
+    assert_same_params(params, loaded)
     # transformers reads the file as the Qwen2 it came from: effijax's logits, tested above.
     from_gguf = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path, gguf_file="tiny.gguf", dtype=torch.float32).eval()
     assert type(from_gguf).__name__ == "Qwen2ForCausalLM"
     tokens = _tokens(seed=4)
-    assert np.abs(_torch_logits(from_gguf, tokens) - _torch_logits(reference, tokens)
+    assert np.abs(torch_logits(from_gguf, tokens) - torch_logits(reference, tokens)
                   ).max() <= 1e-5

@@ -149,7 +149,7 @@ def test_tied_checkpoint_with_a_different_head_is_refused(tmp_path):
     assert e.value.path == str(tmp_path / "model.safetensors")
 
 
-@pytest.mark.parametrize("field, value", [("model_type", "gemma3"), ("hidden_act", "gelu"),
+@pytest.mark.parametrize("field, value", [("model_type", "phi3"), ("hidden_act", "gelu"),
                                           ("attention_bias", True),
                                           ("rope_scaling", {"rope_type": "yarn", "factor": 4.0})])
 def test_unsupported_architectures_name_the_field(tmp_path, params, field, value):

@@ -283,7 +283,7 @@ def _block_config(fmt: PretrainedFormat, metadata: dict, tensors: dict, *, seq_l
                                   source)),
         tie_embeddings="output.weight" not in tensors,
         seq_len=min(max_position, DEFAULT_SEQ_LEN) if seq_len is None else seq_len,
-        max_position=max_position, tokenizer=tokenizer)
+        max_position=max_position, tokenizer=tokenizer, **fmt.gguf_fields(metadata))
 
 
 def gguf_config(path: str | os.PathLike, *, seq_len: int | None = None) -> LlamaConfig:
@@ -354,6 +354,8 @@ def load_gguf(path: str | os.PathLike, *, policy=None, shardings=None,
         with np.errstate(all="ignore"):  # a forged scale overflows: said just below
             w = dequantize(t.data, t.tensor_type).reshape(shapes[t.name])
         check_finite(source, t.name, w)
+        if fmt.gguf_norm_offset and t.name.endswith("norm.weight"):
+            w = w - np.float32(fmt.gguf_norm_offset)  # Gemma's (1 + w), stored as 1 + w
         if fmt.gguf_permuted and hf_name.endswith(_Q):
             w = unpermute(w, config.n_heads)
         elif fmt.gguf_permuted and hf_name.endswith(_K):

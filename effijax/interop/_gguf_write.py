@@ -88,6 +88,7 @@ def gguf_format(model):
         raise ConfigError("rope_scaling", model.rope_scaling, "rotary scaling is not written "
                           "to GGUF (llama.cpp stores Llama 3.1's as a rope_freqs tensor, which "
                           "effijax does not read either); export the Hugging Face directory")
+    fmt.gguf_metadata(model)  # refuses what the family's GGUF cannot describe
     if model.tokenizer is not None:
         gguf_tokenizer_fields(model.tokenizer, model.vocab_size)
     return fmt
@@ -195,9 +196,11 @@ def gguf_tokenizer_fields(tokenizer: Tokenizer, vocab_size: int) -> dict[str, An
     return fields
 
 
-def _hyperparameters(model, arch: str) -> dict[str, Any]:
-    """``{architecture}.*``: what :func:`~effijax.interop.load_gguf` reads back."""
-    if getattr(model, "sliding_window", None) is not None:
+def _hyperparameters(model, arch: str, own: dict[str, Any]) -> dict[str, Any]:
+    """``{architecture}.*``: what :func:`~effijax.interop.load_gguf` reads back; ``own``, the
+    family's own keys (Gemma 3's window), last."""
+    if getattr(model, "sliding_window", None) is not None and \
+            f"{arch}.attention.sliding_window" not in own:
         warnings.warn(f"{model.name}: GGUF's {arch!r} architecture has no sliding window (as "
                       "llama.cpp writes Mistral models); readers of the file attend to every "
                       f"earlier key beyond {model.sliding_window} tokens", stacklevel=3)
@@ -214,6 +217,7 @@ def _hyperparameters(model, arch: str) -> dict[str, Any]:
         f"{arch}.rope.freq_base": float(model.rope_theta),
         f"{arch}.attention.layer_norm_rms_epsilon": float(model.rms_eps),
         f"{arch}.vocab_size": model.vocab_size,
+        **own,
     }
 
 
@@ -280,6 +284,8 @@ def _write_body(writer, plan, leaves, fmt, model, adapters, lora) -> None:
             host[path] = np.asarray(
                 host_array(_merged_leaf(path, leaves[path], adapters, lora)), np.float32)
         w = to_hf(path, host[path] if layer is None else host[path][layer])
+        if fmt.gguf_norm_offset and gg.endswith("norm.weight"):
+            w = w + np.float32(fmt.gguf_norm_offset)  # Gemma's (1 + w) as llama.cpp stores it
         if fmt.gguf_permuted and gg.endswith("attn_q.weight"):
             w = permute(w, model.n_heads)
         elif fmt.gguf_permuted and gg.endswith("attn_k.weight"):
@@ -336,7 +342,7 @@ def save_gguf(path: str | os.PathLike, model, params, *, adapters=None, lora=Non
                           f"{sorted(set(abstract) - set(leaves))}, unexpected "
                           f"{sorted(set(leaves) - set(abstract))}")
     fields = {"general.architecture": arch, "general.name": name or model.name,
-              **_hyperparameters(model, arch)}
+              **_hyperparameters(model, arch, fmt.gguf_metadata(model))}
     if model.tokenizer is not None:
         fields.update(gguf_tokenizer_fields(model.tokenizer, model.vocab_size))
     plan = _tensor_plan(model, fmt, leaves, qtype_name)

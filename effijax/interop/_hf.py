@@ -130,18 +130,19 @@ def _config_from_hf(fields: dict, *, seq_len, tokenizer, source) -> LlamaConfig:
                           "expected true or false")
     ints = {key: whole_field(fields, key, limit, source, _INT_DEFAULTS.get(key))
             for key, limit in _INT_FIELDS.items()}
-    theta, scaling = _rope_from_hf(fields, source)
+    own = fmt.config_fields(fields)  # the family's fields replace the shared ones
+    theta, scaling = (None, None) if "rope_theta" in own else _rope_from_hf(fields, source)
     max_position = ints["max_position_embeddings"]
-    return fmt.config(
-        vocab_size=ints["vocab_size"], d_model=ints["hidden_size"],
-        n_layers=ints["num_hidden_layers"], n_heads=ints["num_attention_heads"],
-        n_kv_heads=ints["num_key_value_heads"] or ints["num_attention_heads"],
-        head_dim=ints["head_dim"] or None, d_ff=ints["intermediate_size"],
-        rope_theta=theta, rope_scaling=scaling,
-        rms_eps=number_field(fields, "rms_norm_eps", source, 1e-6),
-        tie_embeddings=fields.get("tie_word_embeddings", False),
-        seq_len=min(max_position, DEFAULT_SEQ_LEN) if seq_len is None else seq_len,
-        max_position=max_position, tokenizer=tokenizer, **fmt.config_fields(fields))
+    return fmt.config(**{
+        "vocab_size": ints["vocab_size"], "d_model": ints["hidden_size"],
+        "n_layers": ints["num_hidden_layers"], "n_heads": ints["num_attention_heads"],
+        "n_kv_heads": ints["num_key_value_heads"] or ints["num_attention_heads"],
+        "head_dim": ints["head_dim"] or None, "d_ff": ints["intermediate_size"],
+        "rope_theta": theta, "rope_scaling": scaling,
+        "rms_eps": number_field(fields, "rms_norm_eps", source, 1e-6),
+        "tie_embeddings": fields.get("tie_word_embeddings", False),
+        "seq_len": min(max_position, DEFAULT_SEQ_LEN) if seq_len is None else seq_len,
+        "max_position": max_position, "tokenizer": tokenizer, **own})
 
 
 def hf_config(model: LlamaConfig, *, dtype: str = "float32") -> dict:

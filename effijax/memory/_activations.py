@@ -28,7 +28,11 @@ divides the key/value heads, else each device holds all of them), the attention 
 MLP's inner activations and the scores, but keeps whole on every device the block inputs, the
 norms and the dropout masks: per layer ``sbh(10 + 24/t + 5as/(ht))`` for the formula above.
 Sequence parallelism (``sequence_parallel=True``) splits that remainder along the sequence:
-``sbh(34/t + 5as/(ht))``. The vocabulary-parallel logits are ``4sbV/t``.
+``sbh(34/t + 5as/(ht))``. The vocabulary-parallel logits are ``4sbV/t``. Gemma 3's sandwich norms
+(``sandwich_norms``: a norm after the attention and after the MLP too, and one on every query and
+key head) keep their inputs as well: ``p·s·b·(2h + q + k)`` more (the query and key norms'
+inside the tensor-parallel regions, the other two outside). (Its GeGLU keeps what SwiGLU
+keeps: gate, up, product.)
 """
 
 from __future__ import annotations
@@ -79,6 +83,7 @@ class _Layer:
     gated_mlp: bool = False
     tensor: int = 1
     sequence_parallel: bool = False
+    sandwich_norms: bool = False
 
     def terms(self) -> _LayerTerms:
         p, s, b, h, a = self.bytes_per_value, self.seq_len, self.batch_size, self.hidden, self.heads
@@ -92,10 +97,13 @@ class _Layer:
         # MLP's inputs and the two norms (split only by sequence parallelism).
         inside = 2 * q + (3 if self.gated_mlp else 2) * f
         outside = h + h + 2 * h
+        if self.sandwich_norms:  # the norms after attention and MLP; on the q and k heads
+            inside, outside = inside + q, outside + 2 * h
+        kv_values = (3 if self.sandwich_norms else 2) * k
         if kv_heads % t == 0:
-            inside += 2 * k
+            inside += kv_values
         else:
-            outside += 2 * k
+            outside += kv_values
         dropout, blockwise = self.dropout, self.blockwise_attention
         return _LayerTerms(
             linear=_split(p * s * b * inside, t) + self._outside(p * s * b * outside),
@@ -176,6 +184,7 @@ def activation_bytes(
     vocab: int | None = None,
     tensor: int = 1,
     sequence_parallel: bool = False,
+    sandwich_norms: bool = False,
 ) -> int:
     """Bytes of activations kept for the backward pass, on one device, for one micro-batch.
 
@@ -212,6 +221,8 @@ def activation_bytes(
         are split ``t`` ways, the rest stays whole (see the module docstring); must divide
         ``heads``.
       sequence_parallel: split the rest along the sequence too (Korthikanti et al.'s ``34/t``).
+      sandwich_norms: Gemma 3's norms after the attention and the MLP and on the query and key
+        heads, whose inputs are kept too: ``p·s·b·(2h + q + k)`` more per layer.
 
     Returns:
       The number of bytes (an exact integer).
@@ -247,5 +258,5 @@ def activation_bytes(
     _check_tensor(tensor, heads, sequence_parallel)
     layer = _Layer(hidden, heads, seq_len, batch_size, bytes_per_value, dropout,
                    blockwise_attention, kv_heads, head_dim, ffn, gated_mlp, tensor,
-                   bool(sequence_parallel))
+                   bool(sequence_parallel), sandwich_norms)
     return _stack_bytes(layer, layers, checkpointing, vocab)

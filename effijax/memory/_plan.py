@@ -516,7 +516,7 @@ def plan(
     dropout: bool = True,
     blockwise_attention: bool = False,
     kv_heads: int | None = None, head_dim: int | None = None, ffn: int | None = None,
-    gated_mlp: bool = False, vocab: int | None = None,
+    gated_mlp: bool = False, vocab: int | None = None, sandwich_norms: bool = False,
     tensor: int = 1,
 ) -> Plan:
     """Recommends the cheapest configuration whose model states (and activations) fit.
@@ -543,8 +543,9 @@ def plan(
       lora_fraction: adapter parameters as a fraction of Ψ, in (0, 1].
       dropout: whether activations include dropout masks.
       blockwise_attention: whether attention is blockwise (flash), without s x s scores.
-      kv_heads, head_dim, ffn, gated_mlp, vocab: the rest of a model's shape (grouped-query
-        attention, a SwiGLU MLP, the logits), as :func:`activation_bytes` takes them; the
+      kv_heads, head_dim, ffn, gated_mlp, vocab, sandwich_norms: the rest of a model's shape
+        (grouped-query attention, a gated MLP, the logits, Gemma 3's extra norms), as
+        :func:`activation_bytes` takes them; the
         defaults are Korthikanti et al.'s GPT layer without logits.
       tensor: a tensor-parallel degree: every data-parallel rank of ``devices`` is a group of
         ``tensor`` devices, each holding ``1/tensor`` of the model states
@@ -580,7 +581,7 @@ def plan(
                "global_batch": global_batch},
         layer_options={"dropout": dropout, "blockwise_attention": blockwise_attention,
                        "kv_heads": kv_heads, "head_dim": head_dim, "ffn": ffn,
-                       "gated_mlp": gated_mlp},
+                       "gated_mlp": gated_mlp, "sandwich_norms": sandwich_norms},
         vocab=vocab, tensor=tensor,
     )
     steps, why_not = list(_preamble(request)), []

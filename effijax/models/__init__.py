@@ -7,11 +7,13 @@ architecture config and registers with :func:`register_family`. The GPT is the f
 ``model.loss_fn()(params, batch, rng)`` its loss. The Llama family (``llama_config("llama-tiny")``,
 ``"smollm2-135m"``, ...) is the second, Qwen2 (``qwen2_config("qwen2-tiny")``, the Llama's
 layer with q/k/v biases) the third, Mistral (``mistral_config("mistral-tiny")``, the Llama with a
-sliding attention window) the fourth; their pretrained weights and :class:`Tokenizer` come from
-GGUF files and Hugging Face directories through :mod:`effijax.interop`. All are built on one
-decoder skeleton (``effijax.models._decoder``: the config plumbing, the module's forward and
-decode passes, self-attention, the pre-norm block; its docstring says how to add a family), so
-a family file holds only its layer, norm, MLP, attention variant, positions and weight names.
+sliding attention window) the fourth, Gemma 3 (``gemma3_config("gemma3-tiny")``: sandwich
+norms, GeGLU, query/key norms, local and global layers with their own rotary bases) the fifth;
+their pretrained weights and :class:`Tokenizer` come from GGUF files and Hugging Face
+directories through :mod:`effijax.interop`. All are built on one decoder skeleton
+(``effijax.models._decoder``: the config plumbing, the module's forward and decode passes,
+self-attention, the pre-norm block; its docstring says how to add a family), so a family file
+holds only its layer, norm, MLP, attention variant, positions and weight names.
 The functional API (``abstract_split``, ``make_loss_fn``, ...) stays for code that works with a
 graphdef directly.
 Parameters are plain nested dicts whose '/'-joined paths (``blocks/attn/q/kernel``) are what
@@ -68,6 +70,12 @@ from effijax.models._qwen2 import QWEN2_PRESETS, Qwen2, Qwen2Config, qwen2_confi
 from effijax.models._sentencepiece import sentencepiece_bpe
 from effijax.models._tokenizer import PRE_TOKENIZERS, Tokenizer, byte_level_bpe
 
+# Families register in import order, the order preset_names() lists them in (the GPT's first):
+# Gemma 3 after the others, whatever the alphabet says.
+# isort: off
+from effijax.models._gemma3 import GEMMA3_PRESETS, Gemma3, Gemma3Config, gemma3_config
+# isort: on
+
 __all__ = [
     "LanguageModel",
     "ModelShape",
@@ -93,6 +101,10 @@ __all__ = [
     "MistralConfig",
     "mistral_config",
     "MISTRAL_PRESETS",
+    "Gemma3",
+    "Gemma3Config",
+    "gemma3_config",
+    "GEMMA3_PRESETS",
     "PretrainedFormat",
     "PRETRAINED",
     "register_pretrained",

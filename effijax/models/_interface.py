@@ -57,7 +57,9 @@ class ModelShape:
       ffn: MLP hidden width.
       vocab: vocabulary size.
       seq_len: the training sequence length ``s``.
-      gated_mlp: the MLP has a gate (SwiGLU: three matrices) rather than two.
+      gated_mlp: the MLP has a gate (SwiGLU, GeGLU: three matrices) rather than two.
+      sandwich_norms: norms after the attention and the MLP and on the query and key heads
+        too (Gemma 3), whose inputs the backward pass keeps.
     """
 
     num_params: int
@@ -70,6 +72,7 @@ class ModelShape:
     vocab: int
     seq_len: int
     gated_mlp: bool = False
+    sandwich_norms: bool = False
 
     def activation_args(self) -> dict:
         """The shape as :func:`effijax.memory.activation_bytes` and :func:`effijax.memory.plan`
@@ -82,7 +85,8 @@ class ModelShape:
         """
         return {"layers": self.layers, "hidden": self.hidden, "heads": self.heads,
                 "kv_heads": self.kv_heads, "head_dim": self.head_dim, "ffn": self.ffn,
-                "gated_mlp": self.gated_mlp, "vocab": self.vocab}
+                "gated_mlp": self.gated_mlp, "vocab": self.vocab,
+                "sandwich_norms": self.sandwich_norms}
 
 
 class LanguageModel(abc.ABC):
@@ -273,12 +277,22 @@ class PretrainedFormat:
       check_hf: ``check_hf(fields)`` raises :class:`~effijax.errors.ConfigError` on a
         ``config.json`` feature the family does not implement (another activation, biases, ...).
       hf_fields: ``hf_fields(model)``: the family's own ``config.json`` keys.
-      config_fields: ``config_fields(fields)``: the family's own config fields read from a
-        ``config.json`` dict (Mistral's ``sliding_window``); checked by the config itself.
       gguf_architecture: GGUF's ``general.architecture`` (its metadata's key prefix), or None
         when the family is not read from GGUF.
       gguf_permuted: llama.cpp's converter permuted the ``attn_q``/``attn_k`` rows (the Llama's
         GGUFs; Qwen2's are stored in Hugging Face's order).
+      config_fields: ``config_fields(fields)``: the family's own config fields read from a
+        ``config.json`` dict (Mistral's ``sliding_window``); checked by the config itself. They
+        replace the shared ones of the same name (Gemma 3 reads its two rotary bases itself).
+      gguf_fields: ``gguf_fields(metadata)``: the same from a GGUF's metadata (Gemma 3's
+        ``gemma3.attention.sliding_window``), with the family's defaults for what it lacks.
+      gguf_metadata: ``gguf_metadata(model)``: the family's own ``{architecture}.*`` keys that
+        :func:`~effijax.interop.save_gguf` writes (what ``gguf_fields`` reads back); a
+        :class:`~effijax.errors.ConfigError` for a model GGUF cannot describe.
+      gguf_norm_offset: what llama.cpp's converter added to every ``*norm.weight`` (Gemma's
+        ``(1 + w)`` norms are stored as plain weights ``1 + w``): subtracted on load.
+      refused: ``{model_type: why}``: neighbouring model types refused with the reason
+        and what to load instead (Gemma 3's multimodal ``"gemma3"``).
     """
 
     model_type: str
@@ -290,6 +304,10 @@ class PretrainedFormat:
     gguf_architecture: str | None = None
     gguf_permuted: bool = True
     config_fields: Callable[[dict], dict] = lambda fields: {}
+    gguf_fields: Callable[[dict], dict] = lambda metadata: {}
+    gguf_metadata: Callable[[Any], dict] = lambda model: {}
+    gguf_norm_offset: float = 0.0
+    refused: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 #: Hugging Face ``model_type`` -> the family that reads it.
@@ -317,10 +335,14 @@ def pretrained_format(*, model_type: Any = None, gguf_architecture: Any = None
     Example:
       >>> pretrained_format(model_type="qwen2").hf_class
       'Qwen2ForCausalLM'
+      >>> pretrained_format(model_type="phi3")
+      Traceback (most recent call last):
+      ...
+      effijax.errors.ConfigError: model_type='phi3': effijax loads ... 'mistral', 'qwen2'
       >>> pretrained_format(model_type="gemma3")
       Traceback (most recent call last):
       ...
-      effijax.errors.ConfigError: model_type='gemma3': effijax loads ... 'llama', 'mistral', 'qwen2'
+      effijax.errors.ConfigError: model_type='gemma3': Gemma 3's multimodal ...
       >>> pretrained_format(model_type={})
       Traceback (most recent call last):
       ...
@@ -334,6 +356,9 @@ def pretrained_format(*, model_type: Any = None, gguf_architecture: Any = None
         known = {fmt.gguf_architecture: fmt for fmt in PRETRAINED.values()
                  if fmt.gguf_architecture is not None}
     if not isinstance(value, str) or value not in known:  # a hostile file's {} is unhashable
+        for fmt in PRETRAINED.values():
+            if gguf_architecture is None and isinstance(value, str) and value in fmt.refused:
+                raise ConfigError(field, value, fmt.refused[value])
         raise ConfigError(field, value, f"effijax loads these {field}s only: "
                           f"{', '.join(repr(k) for k in sorted(known))}")
     return known[value]

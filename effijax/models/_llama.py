@@ -50,7 +50,7 @@ from effijax.models._interface import (
     register_pretrained,
 )
 from effijax.models._layers import INIT_STD, _Dense
-from effijax.models._rotary import RotaryAttention, rope_tables
+from effijax.models._rotary import RotaryAttention, rope_positions
 from effijax.models._tokenizer import Tokenizer
 from effijax.precision import rms_norm
 
@@ -352,6 +352,10 @@ class _RMSNorm(nnx.Module):
 
 
 class _MLP(nnx.Module):
+    """``down(glu(gate(x), up(x)))``: the Llama's SwiGLU; a family with another gated unit
+    (Gemma's GeGLU) sets ``glu``."""
+
+    glu = staticmethod(_swiglu)
     # Megatron: gate and up column-parallel, down row-parallel (effijax.models._tensor_roles).
     tensor_roles: ClassVar[dict] = {"gate_proj": ("embed", "mlp"), "up_proj": ("embed", "mlp"),
                                     "down_proj": ("mlp", "embed")}
@@ -367,8 +371,8 @@ class _MLP(nnx.Module):
         lora = lora or {}
         b, s, _ = x_BSD.shape
         x_ND = x_BSD.reshape(b * s, -1)
-        h_NF = _swiglu(self.gate_proj(x_ND, lora.get("gate_proj")),
-                       self.up_proj(x_ND, lora.get("up_proj")))
+        h_NF = self.glu(self.gate_proj(x_ND, lora.get("gate_proj")),
+                        self.up_proj(x_ND, lora.get("up_proj")))
         return self.down_proj(h_NF, lora.get("down_proj")).reshape(b, s, -1)
 
 
@@ -439,11 +443,8 @@ class Llama(Decoder):
         """Rotary positions: the ``(cos, sin)`` tables for the layers, ``[S, K]`` shared by the
         rows or, at per-row positions (packed rows, decoding), ``[B, S, K]``."""
         cfg = self.config
-        tables = rope_tables(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, length)
-        tables = tuple(jnp.asarray(t) for t in tables)
-        if positions_BS is not None:
-            tables = tuple(jnp.take(t, positions_BS, axis=0) for t in tables)
-        return x_BSD, tables
+        return x_BSD, rope_positions(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, length,
+                                     positions_BS)
 
 
 LlamaConfig.decoder = Llama

@@ -19,20 +19,23 @@ import numpy as np
 
 from effijax.models._decoder import Attention
 
-__all__ = ["RotaryAttention", "inv_freq", "rope", "rope_tables"]
+__all__ = ["RotaryAttention", "inv_freq", "rope", "rope_tables", "rope_positions"]
 
 
 def inv_freq(head_dim: int, theta: float, scaling: tuple | None = None) -> np.ndarray:
     """Rotary frequencies ``[K/2]`` in f64, with Llama 3.1's ``scaling`` (``(factor,
-    low_freq_factor, high_freq_factor, original_max_position)``) when given.
+    low_freq_factor, high_freq_factor, original_max_position)``) or linear scaling (``(factor,)``:
+    every frequency divided by ``factor``, Gemma 3's global layers) when given.
 
     Example:
-      >>> inv_freq(4, 10000.0).tolist()
-      [1.0, 0.01]
+      >>> inv_freq(4, 10000.0).tolist(), inv_freq(4, 10000.0, (8.0,)).tolist()
+      ([1.0, 0.01], [0.125, 0.00125])
     """
     freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
     if scaling is None:
         return freq
+    if len(scaling) == 1:
+        return freq / scaling[0]
     factor, low, high, original = scaling
     # Wavelengths longer than the original context are slowed by ``factor``, shorter than
     # original / high kept, and those between interpolated (Hugging Face's llama3 rope type).
@@ -62,6 +65,24 @@ def rope_tables(head_dim: int, theta: float, scaling: tuple | None, s: int
                                                                     scaling)[None, :]
     angles_SK = np.concatenate([angles_SK2, angles_SK2], axis=-1)
     return np.cos(angles_SK).astype(np.float32), np.sin(angles_SK).astype(np.float32)
+
+
+def rope_positions(head_dim: int, theta: float, scaling: tuple | None, length: int,
+                   positions_BS: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """The ``(cos, sin)`` tables a rotary family's layers take: ``[S, K]`` for positions
+    ``0 .. length - 1`` shared by the rows, or, at per-row ``positions_BS`` (packed rows,
+    decoding), their rows ``[B, S, K]``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> cos, _ = rope_positions(4, 10000.0, None, 8, jnp.array([[3, 0]]))
+      >>> cos.shape, float(cos[0, 1, 0])
+      ((1, 2, 4), 1.0)
+    """
+    tables = tuple(jnp.asarray(t) for t in rope_tables(head_dim, theta, scaling, length))
+    if positions_BS is not None:
+        tables = tuple(jnp.take(t, positions_BS, axis=0) for t in tables)
+    return tables
 
 
 def rope(x_BSHK: jax.Array, cos_SK: jax.Array, sin_SK: jax.Array) -> jax.Array:
