@@ -2,8 +2,8 @@
 
 ``train``, ``eval``, ``generate``, ``memory`` and ``plan`` take ``--from SOURCE``, where the
 source is a run directory (``effijax train --out``), a ``.gguf`` file, a Hugging Face directory,
-or ``smollm2`` (the bundled SmolLM2-135M-Instruct). It sets the config field ``init_from``, the
-name every run's ``config.json`` records.
+or a bundled model (``smollm2``: SmolLM2-135M-Instruct; ``gemma3-270m``: Gemma 3 270M). It
+sets the config field ``init_from``, the name every run's ``config.json`` records.
 
 The spellings of the release before (``train --init-from``, ``generate --model-from``, ``eval
 MODEL DATA`` and ``memory``/``plan --model PATH``) still work for one release:
@@ -27,7 +27,7 @@ __all__ = ["FLAG", "DEST", "SOURCES", "Deprecated", "DEPRECATED", "add_flag", "c
 FLAG = "--from"
 DEST = "init_from"  # TrainConfig's field: one attribute name in every command's namespace
 SOURCES = ("a run directory (effijax train --out), a .gguf file, a Hugging Face directory, or "
-           "smollm2 (the bundled SmolLM2-135M-Instruct)")
+           "a bundled model: smollm2 (SmolLM2-135M-Instruct) or gemma3-270m (Gemma 3 270M)")
 
 
 def names_a_source(value: str) -> bool:

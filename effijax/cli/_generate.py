@@ -2,7 +2,7 @@
 
 ``--from`` names a run directory (a full run's latest checkpoint, or a finished LoRA run's
 adapters on its base, applied without merging), a ``.gguf`` file, a Hugging Face directory, or
-``smollm2`` (the bundled SmolLM2-135M-Instruct). The prompts (``--prompt``, repeatable, and
+a bundled model (``smollm2``, ``gemma3-270m``). The prompts (``--prompt``, repeatable, and
 ``--prompts-file``) run as one batch of any lengths. One prompt's continuation goes to standard
 output as text; several go as JSON lines, ``{"prompt": ..., "completion": ...}`` in order. The
 timings (compile, prefill, decode, tokens/s) go to standard error. Flags and the prompts file

@@ -112,8 +112,9 @@ class TrainConfig:
     init_from: str | None = _field(None, "the model to start from (its architecture and "
                                    "parameters): an earlier full (non-LoRA) run's directory "
                                    "(its --out; its latest checkpoint), a .gguf file, a Hugging "
-                                   "Face directory (config.json + model*.safetensors), or "
-                                   "smollm2 (the bundled SmolLM2-135M-Instruct)",
+                                   "Face directory (config.json + model*.safetensors), or a "
+                                   "bundled model: smollm2 (SmolLM2-135M-Instruct) or "
+                                   "gemma3-270m (Gemma 3 270M)",
                                    flag="--from", metavar="SOURCE", section="model")
     unroll_layers: bool = _field(False, "unroll the loop over the model's layers instead of "
                                  "scanning it: the same arithmetic, a longer compile and more "
