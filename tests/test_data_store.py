@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 import pytest
-from _llama_files import CHAT_TEMPLATE, VOCAB_SIZE, vocabulary
+from _llama_files import VOCAB_SIZE, chat_tokenizer, write_qa
 
 from effijax.data import (
     Mixture,
@@ -22,7 +22,7 @@ from effijax.data import (
     verify_store,
 )
 from effijax.errors import ConfigError
-from effijax.models import byte_level_bpe, gpt_config, llama_config
+from effijax.models import gpt_config, llama_config
 from effijax.recipe import _identity, _prepare, load_dataset, prepare
 
 pa = pytest.importorskip("pyarrow", reason="Parquet/Arrow sources need pyarrow (the data extra)")
@@ -31,14 +31,11 @@ pq = pytest.importorskip("pyarrow.parquet", reason="Parquet sources need pyarrow
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SEQ = 32
 BYTES = gpt_config("tiny", seq_len=SEQ)
-EOT, IM_START, IM_END = 0, 1, 2  # the tiny vocabulary's specials
 
 
 @pytest.fixture(scope="module")
 def tok():
-    tokens, types, merges = vocabulary()
-    return byte_level_bpe(tokens, merges, pre="smollm", token_types=types, bos_id=IM_START,
-                          eos_id=IM_END, pad_id=IM_END, chat_template=CHAT_TEMPLATE)
+    return chat_tokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -67,12 +64,7 @@ def corpus(tmp_path_factory):
         for batch in table.to_batches(max_chunksize=4):
             writer.write_batch(batch)
     (d / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
-    with open(d / "qa.jsonl", "w") as f:
-        for i in range(40):
-            record = ({"prompt": f"{i}+1", "response": f"{i + 1}"} if i % 2 else
-                      {"messages": [{"role": "user", "content": f"{i}+2"},
-                                    {"role": "assistant", "content": f"{i + 2}"}]})
-            f.write(json.dumps(record) + "\n")
+    write_qa(d / "qa.jsonl")
     return d
 
 
@@ -139,6 +131,9 @@ def test_prepare_is_idempotent_whatever_the_shards(corpus, tmp_path, tok):
     many = prepare(corpus / "docs.jsonl", tmp_path / "b", tokenizer=tok, processes=1,
                    shard_bytes=700)
     assert one["sha256"] == again["sha256"] == many["sha256"]
+    lines = []  # a third time: nothing to do
+    prepare(corpus / "docs.jsonl", tmp_path / "a", tokenizer=tok, print_fn=lines.append)
+    assert lines == [f"{tmp_path / 'a'} is up to date (same sources, tokenizer and settings)"]
     assert _files(tmp_path / "a") == _files(tmp_path / "b")
     assert verify_store(tmp_path / "b") == one["sha256"]
     assert not _prepare.work_dir(tmp_path / "a").exists()  # the shards are cleaned up
@@ -242,6 +237,12 @@ def test_column_and_format_errors_name_the_file_before_anything_runs(corpus, tmp
                                               rf"{source} --out .*--from MODEL"):
             load_dataset(str(source), BYTES)
     assert not (tmp_path / "s").exists()
+    # The store is replaced whole: never a folder that is not one, never inside the source.
+    with pytest.raises(ConfigError, match=r"out='.*corpus.*/txt': exists and is not a token "
+                                          "store"):
+        prepare(corpus / "docs.jsonl", corpus / "txt")
+    with pytest.raises(ConfigError, match=r"out='.*/txt/s': is inside the source"):
+        prepare(corpus / "txt", corpus / "txt" / "s")
 
 
 def test_a_store_of_another_tokenizer_is_refused(corpus, tmp_path, llama):
@@ -325,3 +326,26 @@ def test_host_memory_does_not_grow_with_the_store(tmp_path):
         rss[name] = float(out.stdout.split()[0])
     assert rss["large"] - rss["small"] < 64 * 2**20, rss  # not the 256 MiB of the store
     assert is_store(tmp_path / "large.store")
+
+
+@pytest.mark.slow
+def test_training_on_a_store_gives_the_losses_of_its_files(corpus, tmp_path):
+    """One compiled step of the byte GPT, three steps from the same state on the folder's and
+    on the store's batches: the losses are bit for bit the same."""
+    import jax
+    import optax
+
+    from effijax.recipe import batch_fn, compile_job, init_state, plan_job
+
+    prepare(corpus / "txt", tmp_path / "a.store", processes=1)
+    model = gpt_config("tiny", seq_len=16)
+    job = plan_job(model, "fp32", optax.adam(1e-3), batch_size=4, seed=2)
+    step = compile_job(job, census=False).step
+    losses = {}
+    for name, data in (("files", corpus / "txt"), ("store", tmp_path / "a.store")):
+        state, fetch, losses[name] = init_state(job), batch_fn(job, load_dataset(
+            str(data), model).train), []
+        for i in range(3):
+            state, metrics = step(state, fetch(i))
+            losses[name].append(float(jax.device_get(metrics["loss"])))
+    assert losses["files"] == losses["store"] and len(set(losses["files"])) == 3

@@ -29,7 +29,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -41,6 +41,7 @@ from effijax.data import (
     committed_shard,
     encode_each,
     find_sources,
+    is_store,
     open_store,
     plan_pieces,
     read_piece,
@@ -104,15 +105,29 @@ def _file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _init_worker(fields: dict | None) -> None:
+class _TextTokenizer(NamedTuple):
+    """What :func:`effijax.data.encode_each` reads of a tokenizer: a text worker builds only
+    this (the ``tokenizers`` backend), not the model package, which imports JAX (seconds)."""
+
+    backend: Any
+    eos_id: int | None
+
+
+def _init_worker(fields: dict | None, chat: bool) -> None:
     """Each worker builds the tokenizer once, and runs it on one thread (the pool is the
     parallelism: threads of their own would fight over the same cores)."""
     global _worker_tokenizer
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    if fields is not None:
+    if fields is None:
+        _worker_tokenizer = None
+    elif chat:  # rendering needs the whole Tokenizer (its chat template)
         from effijax.models import Tokenizer
 
         _worker_tokenizer = Tokenizer(**fields)
+    else:
+        from tokenizers import Tokenizer as Backend
+
+        _worker_tokenizer = _TextTokenizer(Backend.from_str(fields["spec"]), fields["eos_id"])
 
 
 def _tokenize(task: dict) -> dict:
@@ -158,6 +173,23 @@ def _shards(pieces: list, sources: list[Source], shard_bytes: int) -> list[list]
     return shards
 
 
+def _check_out(source: Path, out: Path) -> None:
+    """``out`` is replaced whole when the store is written: it must be a store or nothing,
+    and outside the source (whose next prepare would read it)."""
+    if out.exists() and not is_store(out):
+        raise ConfigError("out", str(out), "exists and is not a token store (it would be "
+                          "replaced); choose a new folder")
+    src, dst = source.resolve(), out.resolve()
+    if dst == src or src in dst.parents:
+        raise ConfigError("out", str(out), f"is inside the source {source}; write the store "
+                          "beside it (e.g. --out " f"{source.with_suffix('.store')})")
+
+
+def _same_head(manifest: dict, head: dict) -> bool:
+    """Whether a store was prepared from this head (sources, tokenizer, settings)."""
+    return all(manifest.get(k) == v for k, v in head.items())
+
+
 def _join(arrays, dtype) -> np.ndarray:
     return np.concatenate(arrays).astype(dtype) if arrays else np.zeros(0, dtype)
 
@@ -185,11 +217,12 @@ def _single_threaded_tokenizers():
 def _run(tasks: list[dict], fields: dict | None, processes: int, report) -> None:
     if not tasks:
         return
+    chat = tasks[0]["data_format"] == "chat"
     if processes == 1:
         global _worker_tokenizer
         saved = _worker_tokenizer
         with _single_threaded_tokenizers():
-            _init_worker(fields)
+            _init_worker(fields, chat)
             try:
                 for task in tasks:
                     result = _tokenize(task)
@@ -203,7 +236,7 @@ def _run(tasks: list[dict], fields: dict | None, processes: int, report) -> None
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(processes, mp_context=context,
                                                 initializer=_init_worker,
-                                                initargs=(fields,)) as pool:
+                                                initargs=(fields, chat)) as pool:
         for result in pool.map(_tokenize, tasks):
             if "error" in result:
                 pool.shutdown(cancel_futures=True)
@@ -247,6 +280,7 @@ def prepare(source: str | os.PathLike, out: str | os.PathLike, *, tokenizer=None
     processes = processes or os.cpu_count() or 1
     say = print_fn or (lambda line: None)
     out = Path(out)
+    _check_out(Path(source), out)
     sources = find_sources(source)
     fmt = check_columns(sources, data_format, text_column)
     if tokenizer is None and fmt == "chat":
@@ -266,6 +300,9 @@ def prepare(source: str | os.PathLike, out: str | os.PathLike, *, tokenizer=None
         "sources": [{"name": s.name, "kind": s.kind, "bytes": s.size,
                      "sha256": _file_sha256(s.path)} for s in sources],
     }
+    if is_store(out) and _same_head(open_store(out).manifest, head):
+        say(f"{out} is up to date (same sources, tokenizer and settings)")
+        return open_store(out).manifest
     pieces = _shards([(i, a, b) for i, s in enumerate(sources)
                       for a, b in plan_pieces(s, shard_bytes)], sources, shard_bytes)
     plan = hashlib.sha256(json.dumps([head, pieces], sort_keys=True).encode()).hexdigest()
