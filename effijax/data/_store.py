@@ -31,8 +31,10 @@ a temporary folder and renamed into place).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import mmap
 import os
 import shutil
 from pathlib import Path
@@ -118,7 +120,12 @@ def _map(path: Path, dtype, count: int) -> np.ndarray:
                         "the store is damaged; prepare it again")
     if not count:
         return np.zeros(0, dtype)
-    return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
+    array = np.memmap(path, dtype=dtype, mode="r", shape=(count,))
+    # Training reads windows at random places: no read-ahead (megabytes per fault on some
+    # disks) for pages that are not in the page cache yet.
+    with contextlib.suppress(AttributeError, OSError):
+        array._mmap.madvise(mmap.MADV_RANDOM)
+    return array
 
 
 def open_store(path: str | os.PathLike) -> Store:
