@@ -195,10 +195,10 @@ def main(argv: list[str] | None = None) -> None:
                                                                    "RssFile"))]
                             for name, mb in (("small", args.small_mb),
                                              ("large", args.large_mb))]), "",
-            "Peak RSS counts the store's pages the batches touched while they are mapped (the "
-            "page cache's, 2 MiB at a time where the kernel caches the file in large folios; "
-            "reclaimable): it grows with the windows drawn, up to the file; the private "
-            "memory does not.", "",
+            "Peak RSS counts the store's pages while they are mapped (2 MiB at a time where the "
+            "kernel caches the file in large folios); each batch unmaps what it read "
+            "(`effijax.data.release_pages`), so the peak is one batch's pages, whatever the "
+            "store's size.", "",
             "Data time per step (the default `mini` model, batch 16, fp32):", "",
             markdown_table(["batch assembly (ms)", "train step (ms)", "share"], [share])]
     publish("Data at scale", "\n".join(body), command=command_line(__file__, argv),

@@ -25,6 +25,7 @@ import numpy as np
 from effijax.data import _mixture
 from effijax.data._chat import Packed, target_mask
 from effijax.data._mixture import Mixture
+from effijax.data._store import release_pages
 from effijax.errors import ConfigError, whole_number
 
 __all__ = ["batch_at", "eval_batches", "packed_batch", "EvalBatches"]
@@ -105,6 +106,7 @@ def packed_batch(data: Packed, index: np.ndarray, real_B: np.ndarray | None = No
 
 def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
     windows_BW = tokens[starts[:, None] + np.arange(seq_len + 1)].astype(np.int32)
+    release_pages(tokens)  # a mapped store's: its RSS stays one batch's
     return {"inputs": windows_BW[:, :-1], "targets": windows_BW[:, 1:]}
 
 

@@ -20,7 +20,9 @@ batches stay a pure function of ``(seed, step)`` (:func:`~effijax.data.batch_at`
 what Grain's sampler state would otherwise hold.
 
 :func:`open_store` opens a store without reading its arrays (a size check against the
-manifest, never a hash: start-up does not grow with the corpus; :func:`verify_store` hashes).
+manifest, never a hash: start-up does not grow with the corpus; :func:`verify_store` hashes);
+a batch's reads unmap what they mapped (:func:`release_pages`), so a long run's RSS stays one
+batch's, not every page it ever read.
 Text stores train on windows of the stream (:func:`store_split`: the last ``val_fraction`` of
 the tokens is validation, as for in-memory corpora); chat stores on their examples packed into
 rows when read (:func:`store_rows`), the same rows :func:`~effijax.data.pack_examples` packs,
@@ -50,7 +52,7 @@ from effijax.errors import ConfigError, FileError
 
 __all__ = ["STORE_FORMAT", "STORE_VERSION", "Store", "token_dtype", "is_store", "open_store",
            "verify_store", "store_split", "store_rows", "commit_shard", "committed_shard",
-           "assemble", "remove_work"]
+           "assemble", "remove_work", "release_pages"]
 
 STORE_FORMAT = "effijax-token-store"
 STORE_VERSION = 1
@@ -123,8 +125,8 @@ def _map(path: Path, dtype, count: int) -> np.ndarray:
     array = np.memmap(path, dtype=dtype, mode="r", shape=(count,))
     # Training reads windows at random places: no read-ahead (megabytes per fault on some
     # disks) for pages that are not in the page cache yet.
-    with contextlib.suppress(AttributeError, OSError):
-        array._mmap.madvise(mmap.MADV_RANDOM)
+    with contextlib.suppress(OSError, ValueError):
+        array.base.madvise(mmap.MADV_RANDOM)
     return array
 
 
@@ -149,6 +151,23 @@ def open_store(path: str | os.PathLike) -> Store:
         return Store(path, manifest, tokens, offsets)
     return Store(path, manifest, tokens, offsets, _map(path / "mask.bin", np.uint8, n),
                  _map(path / "val.bin", np.uint8, docs))
+
+
+def release_pages(array) -> None:
+    """Unmaps the pages a mapped store's array has touched (they stay in the page cache, and
+    the next read maps them again at the cost of a minor fault): the process keeps one batch's
+    windows mapped, not every page it ever read, so its RSS does not grow with the corpus.
+    Anything but a memory map is left alone.
+
+    Example:
+      >>> import numpy as np
+      >>> release_pages(np.arange(3))  # not mapped: nothing to do
+    """
+    while isinstance(array, np.ndarray):  # views of a memory map lead to it through .base
+        array = array.base
+    if isinstance(array, mmap.mmap):
+        with contextlib.suppress(OSError, ValueError):
+            array.madvise(mmap.MADV_DONTNEED)
 
 
 def _file_digest(path: Path) -> str:
@@ -247,6 +266,8 @@ class _Rows:
                     source = store.tokens if self.field == "tokens" else store.mask
                     out[b, at:at + n] = source[start:start + n]
                 at += n
+        for array in (store.tokens, store.mask, store.offsets):
+            release_pages(array)
         return out
 
 

@@ -258,7 +258,9 @@ def prepare(source: str | os.PathLike, out: str | os.PathLike, *, tokenizer=None
       data_format: ``auto``, ``text`` or ``chat`` (see :func:`effijax.data.check_columns`).
       text_column: the column (JSONL key) holding documents.
       val_fraction: held out for validation (recorded in the manifest).
-      processes: worker processes (default: the machine's cores).
+      processes: worker processes (default: the machine's cores). More than one are started
+        with ``spawn`` (a forked JAX process may deadlock), which imports the calling script
+        again in each worker: call ``prepare`` under ``if __name__ == "__main__":`` in a script.
       shard_bytes: source bytes per shard.
       print_fn: progress lines (None: quiet).
 
