@@ -169,6 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     work = Path(args.dir or tempfile.mkdtemp(prefix="effijax-data-bench-"))
     work.mkdir(parents=True, exist_ok=True)
+    load = os.getloadavg()[0]  # other jobs on the same cores change every number below
     try:
         rates = _prepare_rates(work, args.prepare_mb)
         stores = {name: _byte_store(work, name, mb)
@@ -180,7 +181,8 @@ def main(argv: list[str] | None = None) -> None:
             shutil.rmtree(work, ignore_errors=True)
     base = rates[-1][3]
     body = [f"Device: {device_description()}; {os.cpu_count()} CPU cores, Python "
-            f"{sysconfig.get_python_version()}.", "",
+            f"{sysconfig.get_python_version()}; load average {load:.1f} at the start, "
+            f"{os.getloadavg()[0]:.1f} at the end (other jobs share the cores).", "",
             f"Prepare throughput, SmolLM2's tokenizer, {args.prepare_mb} MiB of the standard "
             "library's source as a Parquet file:", "",
             markdown_table(["", "tokens", "seconds", "tokens/s", "vs datasets"],
