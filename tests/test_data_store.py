@@ -78,11 +78,14 @@ def _batches_equal(a, b, steps=range(5), batch_size=4):
 
 
 def test_text_store_trains_on_the_in_memory_tokens(corpus, tmp_path, llama):
-    for model, name in ((BYTES, "bytes"), (llama, "text")):
+    with_bos = dataclasses.replace(llama, tokenizer=dataclasses.replace(llama.tokenizer,
+                                                                        add_bos=True))
+    for model, name in ((BYTES, "bytes"), (llama, "text"), (with_bos, "bos")):
         store = tmp_path / f"{name}.store"
         manifest = prepare(corpus / "txt", store, processes=1,
                            tokenizer=getattr(model, "tokenizer", None))
-        assert manifest["data_format"] == name and manifest["documents"] == 12
+        assert manifest["data_format"] == {"bos": "text"}.get(name, name)
+        assert manifest["documents"] == 12
         memory, mapped = load_dataset(str(corpus / "txt"), model), load_dataset(str(store), model)
         np.testing.assert_array_equal(memory.train, mapped.train)
         np.testing.assert_array_equal(memory.val, mapped.val)
@@ -96,6 +99,8 @@ def test_text_store_trains_on_the_in_memory_tokens(corpus, tmp_path, llama):
                         strict=True):
             np.testing.assert_array_equal(x["inputs"], y["inputs"])
     assert open_store(tmp_path / "text.store").tokens.dtype == np.uint16  # 264 ids
+    bos = open_store(tmp_path / "bos.store")  # each document starts with BOS, as in memory
+    assert (bos.tokens[bos.offsets[:-1]] == llama.tokenizer.bos_id).all()
 
 
 def test_chat_store_packs_the_rows_pack_examples_packs(corpus, tmp_path, llama):

@@ -111,6 +111,8 @@ class _TextTokenizer(NamedTuple):
 
     backend: Any
     eos_id: int | None
+    bos_id: int | None
+    add_bos: bool
 
 
 def _init_worker(fields: dict | None, chat: bool) -> None:
@@ -127,7 +129,8 @@ def _init_worker(fields: dict | None, chat: bool) -> None:
     else:
         from tokenizers import Tokenizer as Backend
 
-        _worker_tokenizer = _TextTokenizer(Backend.from_str(fields["spec"]), fields["eos_id"])
+        _worker_tokenizer = _TextTokenizer(Backend.from_str(fields["spec"]), fields["eos_id"],
+                                           fields["bos_id"], fields["add_bos"])
 
 
 def _tokenize(task: dict) -> dict:
