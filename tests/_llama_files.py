@@ -45,6 +45,29 @@ def vocabulary():
 VOCAB_SIZE = len(vocabulary()[0])  # 264
 
 
+def chat_tokenizer():
+    """The tiny vocabulary as SmolLM-style byte-level BPE with :data:`CHAT_TEMPLATE`: BOS is
+    ``<|im_start|>``, EOS and padding ``<|im_end|>``."""
+    from effijax.models import byte_level_bpe
+
+    tokens, types, merges = vocabulary()
+    return byte_level_bpe(tokens, merges, pre="smollm", token_types=types, bos_id=1, eos_id=2,
+                          pad_id=2, chat_template=CHAT_TEMPLATE)
+
+
+def write_qa(path, n=40):
+    """``n`` chat / instruction records as JSONL: odd ones prompt/response, even ones
+    messages, each a sum with its answer."""
+    import json
+
+    with open(path, "w") as f:
+        for i in range(n):
+            record = ({"prompt": f"{i}+1", "response": f"{i + 1}"} if i % 2 else
+                      {"messages": [{"role": "user", "content": f"{i}+2"},
+                                    {"role": "assistant", "content": f"{i + 2}"}]})
+            f.write(json.dumps(record) + "\n")
+
+
 def llama_cpp_permute(w, n_head, n_head_kv=None):
     """convert_hf_to_gguf.py's LlamaModel.permute: per head, rotary halves interleaved."""
     if n_head_kv is not None and n_head != n_head_kv:

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from _llama_files import CHAT_TEMPLATE, VOCAB_SIZE, vocabulary, write_gguf
+from _llama_files import VOCAB_SIZE, chat_tokenizer, write_gguf, write_qa
 
 from effijax.data import (
     batch_at,
@@ -29,7 +29,7 @@ from effijax.data import (
     split_records,
 )
 from effijax.errors import ConfigError
-from effijax.models import byte_level_bpe, gpt_config, llama_config
+from effijax.models import gpt_config, llama_config
 from effijax.recipe import evaluate, evaluate_model, init_state, load_dataset, plan_job
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -40,9 +40,7 @@ EOT, IM_START, IM_END = 0, 1, 2  # the tiny vocabulary's specials
 
 @pytest.fixture(scope="module")
 def tok():
-    tokens, types, merges = vocabulary()
-    return byte_level_bpe(tokens, merges, pre="smollm", token_types=types, bos_id=IM_START,
-                          eos_id=IM_END, pad_id=IM_END, chat_template=CHAT_TEMPLATE)
+    return chat_tokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -56,12 +54,7 @@ def model(tok):
 def files(tmp_path_factory):
     """A folder with a 40-record JSONL (half prompt/response, half messages)."""
     d = tmp_path_factory.mktemp("chat")
-    with open(d / "qa.jsonl", "w") as f:
-        for i in range(40):
-            record = ({"prompt": f"{i}+1", "response": f"{i + 1}"} if i % 2 else
-                      {"messages": [{"role": "user", "content": f"{i}+2"},
-                                    {"role": "assistant", "content": f"{i + 2}"}]})
-            f.write(json.dumps(record) + "\n")
+    write_qa(d / "qa.jsonl")
     return d
 
 

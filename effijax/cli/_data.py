@@ -1,8 +1,12 @@
-"""``effijax data make-example OUT.jsonl``: writes the offline instruction set.
+"""``effijax data``: ``make-example OUT.jsonl`` writes the offline instruction set;
+``prepare SOURCE --out STORE`` tokenizes a corpus once into a token store.
 
-Question/answer records about the Python standard library's functions (their signatures and
-one-line summaries), answered from the running interpreter (:func:`effijax.data.stdlib_qa`):
-data that exists on every machine, for the fine-tuning examples.
+``make-example``: question/answer records about the Python standard library's functions (their
+signatures and one-line summaries), answered from the running interpreter
+(:func:`effijax.data.stdlib_qa`): data that exists on every machine, for the fine-tuning
+examples. ``prepare``: text, JSONL, Parquet or Arrow files (or a ``datasets`` ``save_to_disk``
+folder) through a model's tokenizer into a memory-mapped store that ``effijax train --data
+STORE`` reads (:func:`effijax.recipe.prepare`).
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import sys
 
 from effijax.errors import ConfigError
 
-__all__ = ["add_parsers", "run"]
+__all__ = ["add_parsers", "run", "run_prepare"]
 
 
 def add_parsers(sub) -> None:
@@ -35,6 +39,30 @@ def add_parsers(sub) -> None:
     make.add_argument("--modules", default=None, help="comma-separated standard-library "
                       "modules (default: a fixed list of 24)")
     make.set_defaults(func=run)
+    prep = actions.add_parser("prepare", help="tokenize a corpus once into a token store for "
+                              "--data", description=(
+                                  "Tokenize SOURCE (a text file, JSONL, Parquet or Arrow file, "
+                                  "a folder of them, or a datasets save_to_disk folder) into "
+                                  "the store OUT, memory-mapped by effijax train --data OUT. "
+                                  "A killed prepare continues when run again; the same input "
+                                  "gives the same store and hash."))
+    prep.add_argument("source", help="the file or folder to tokenize")
+    prep.add_argument("--out", required=True, help="the store's folder (replaced when done)")
+    prep.add_argument("--from", dest="init_from", default=None, metavar="MODEL",
+                      help="the model whose tokenizer (and chat template) is used: a bundled "
+                      "name (smollm2), a .gguf file or a Hugging Face folder (default: bytes, "
+                      "for the byte-level GPT)")
+    prep.add_argument("--format", dest="data_format", default="auto",
+                      choices=("auto", "text", "chat"), help="text (documents), chat (records "
+                      "with messages, or prompt and response), or auto (chat when the first "
+                      "table has those columns)")
+    prep.add_argument("--text-column", default="text", help="the column (JSONL key) holding "
+                      "the documents (default: text)")
+    prep.add_argument("--val-fraction", type=float, default=0.05, help="held out for "
+                      "validation (default: 0.05)")
+    prep.add_argument("--processes", type=int, default=None, help="tokenizing processes "
+                      "(default: every core)")
+    prep.set_defaults(func=run_prepare)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,4 +88,36 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(f"effijax data: wrote {n} question/answer records about {len(modules)} modules to "
           f"{args.out}")
+    return 0
+
+
+def run_prepare(args: argparse.Namespace) -> int:
+    """Runs ``effijax data prepare``; returns the exit code (2: bad arguments or data)."""
+    from effijax.data import check_columns, find_sources
+    from effijax.recipe import prepare, prepare_tokenizer
+
+    def say(line: str) -> None:
+        print(f"effijax data prepare: {line}", flush=True)
+
+    try:
+        # The columns first: a missing one is found in a second, before the model is read.
+        check_columns(find_sources(args.source), args.data_format, args.text_column)
+        tokenizer = prepare_tokenizer(args.init_from)
+        manifest = prepare(args.source, args.out, tokenizer=tokenizer,
+                           data_format=args.data_format, text_column=args.text_column,
+                           val_fraction=args.val_fraction, processes=args.processes,
+                           print_fn=say)
+    except ConfigError as e:
+        print(f"effijax data prepare: error: {e}", file=sys.stderr)
+        return 2
+    split = manifest["split"]
+    parts = (f"{split['train_examples']:,} training / {split['val_examples']:,} validation "
+             "examples" if "train_examples" in split else
+             f"{split['train_tokens']:,} training / {split['val_tokens']:,} validation tokens")
+    say(f"wrote {args.out}: {manifest['data_format']}, {manifest['documents']:,} "
+        f"{'examples' if manifest['data_format'] == 'chat' else 'documents'}, "
+        f"{manifest['tokens']:,} tokens ({manifest['dtype']}), {parts}; "
+        f"sha256 {manifest['sha256'][:16]}..")
+    say(f"train on it: effijax train --data {args.out}"
+        + (f" --from {args.init_from}" if args.init_from else ""))
     return 0

@@ -13,6 +13,11 @@ ids (``"segments"``: packed examples do not see each other, positions restart at
 :func:`stdlib_qa` builds an instruction set offline (questions about the standard library,
 answered from the interpreter).
 
+A corpus too large for memory is tokenized once into a store (:mod:`effijax.data._store`: flat
+token arrays and a manifest, memory-mapped when trained on) from text, JSONL, Parquet or Arrow
+files (:mod:`effijax.data._tables`); several corpora are drawn with weights as a
+:class:`Mixture`.
+
 Everything read is bounded: data must be regular files or folders (a pipe or a device is
 refused, :func:`regular_path`), a JSONL record is one line of at most :data:`MAX_RECORD_BYTES`,
 and a chat template renders within :data:`RENDER_SECONDS` and :data:`MAX_RENDERED_CHARS`
@@ -25,13 +30,20 @@ from effijax._lazy import attach
 # effijax/_lazy.py): importing the package costs only what is used.
 __getattr__, __dir__, __all__ = attach(__name__, {
     "effijax.data._batches": ("batch_at", "eval_batches", "packed_batch"),
-    "effijax.data._chat": ("Packed", "Record", "pack_examples", "read_records",
-        "records_fingerprint", "render_chat", "split_records"),
+    "effijax.data._chat": ("Packed", "Record", "pack_examples", "parse_line", "read_records",
+        "records_fingerprint", "render_chat", "split_records", "table_record"),
     "effijax.data._corpus": ("DEFAULT_MAX_BYTES", "corpus_fingerprint", "load_corpus",
-        "load_documents", "split_corpus", "stdlib_files"),
-    "effijax.data._documents": ("documents_fingerprint", "encode_documents", "end_of_text_id"),
+        "load_documents", "split_corpus", "stdlib_files", "val_count"),
+    "effijax.data._documents": ("documents_fingerprint", "encode_documents", "encode_each",
+        "end_of_text_id"),
     "effijax.data._files": ("MAX_JSON_BYTES", "MAX_RECORD_BYTES", "bounded_lines", "read_json",
         "regular_path", "regular_size"),
     "effijax.data._examples": ("STDLIB_MODULES", "stdlib_qa", "write_jsonl"),
+    "effijax.data._mixture": ("Mixture", "mixture"),
+    "effijax.data._store": ("STORE_FORMAT", "STORE_VERSION", "Store", "assemble", "commit_shard",
+        "committed_shard", "is_store", "open_store", "release_pages", "remove_work", "store_rows",
+        "store_split", "token_dtype", "verify_store"),
+    "effijax.data._tables": ("TABLE_SUFFIXES", "Source", "check_columns", "find_sources",
+        "plan_pieces", "read_piece"),
     "effijax.data._template": ("MAX_RENDERED_CHARS", "RENDER_SECONDS", "compile_template"),
 })

@@ -22,7 +22,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from effijax.data import _mixture
 from effijax.data._chat import Packed, target_mask
+from effijax.data._mixture import Mixture
+from effijax.data._store import release_pages
 from effijax.errors import ConfigError, whole_number
 
 __all__ = ["batch_at", "eval_batches", "packed_batch", "EvalBatches"]
@@ -103,6 +106,7 @@ def packed_batch(data: Packed, index: np.ndarray, real_B: np.ndarray | None = No
 
 def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
     windows_BW = tokens[starts[:, None] + np.arange(seq_len + 1)].astype(np.int32)
+    release_pages(tokens)  # a mapped store's: its RSS stays one batch's
     return {"inputs": windows_BW[:, :-1], "targets": windows_BW[:, 1:]}
 
 
@@ -122,7 +126,8 @@ def batch_at(
     ``np.random.Generator(np.random.Philox(key=(seed, step)))``; targets are the inputs shifted
     by one token. From :class:`~effijax.data.Packed` rows, whole rows are drawn the same way
     (their width must be ``seq_len + 1``) and the batch adds their ``"mask"`` and, for packed
-    examples, ``"segments"`` (see :func:`packed_batch`).
+    examples, ``"segments"`` (see :func:`packed_batch`). From a :class:`~effijax.data.Mixture`,
+    each row first draws its corpus with the weights (:mod:`effijax.data._mixture`).
 
     Args:
       tokens: 1-D corpus of token ids, or packed rows.
@@ -159,6 +164,8 @@ def batch_at(
     _check_int("seq_len", seq_len, minimum=1)
     rows = _process_rows(batch_size, process_index, process_count)
     rng = np.random.Generator(np.random.Philox(key=np.array([seed, step], dtype=np.uint64)))
+    if isinstance(tokens, Mixture):
+        return _mixture_batch(tokens, rng, batch_size, seq_len, rows)
     if isinstance(tokens, Packed):
         data = _check_width(_check_packed(tokens), seq_len)
         return packed_batch(data, rng.integers(0, len(data), size=batch_size)[rows])
@@ -166,6 +173,30 @@ def batch_at(
     # Every process draws the whole global batch (cheap) so that its rows are the same rows.
     starts = rng.integers(0, tokens.size - seq_len, size=batch_size)
     return _windows(tokens, starts[rows], seq_len)
+
+
+def _check(tokens, seq_len: int):
+    if isinstance(tokens, Mixture):
+        return Mixture(tuple(_check(p, seq_len) for p in tokens.parts), tokens.weights)
+    if isinstance(tokens, Packed):
+        return _check_width(_check_packed(tokens), seq_len)
+    return _check_tokens(tokens, seq_len)
+
+
+def _mixture_batch(data: Mixture, rng, batch_size: int, seq_len: int, rows: slice) -> dict:
+    """A mixture's batch: each row's corpus by the weights, then its window or row there."""
+    data = _check(data, seq_len)
+
+    def size_of(part):
+        return len(part) if isinstance(part, Packed) else part.size - seq_len
+
+    def batch_of(part, picks):
+        if isinstance(part, Packed):
+            return packed_batch(part, picks)
+        return _windows(part, picks, seq_len)
+
+    which, picks = _mixture.draw(data, rng, batch_size, size_of)
+    return _mixture.gather(data, which, picks, rows, batch_of)
 
 
 def _spread(stop: int, total: int, lo: int, hi: int) -> np.ndarray:
@@ -204,6 +235,11 @@ class EvalBatches(Sequence):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(self.num_batches))]
         i = range(self.num_batches)[i]  # an int in range (negative ones count from the end)
+        if isinstance(self.tokens, Mixture):  # batch i from corpus i % k, spread over it
+            k = len(self.tokens.parts)
+            part = EvalBatches(self.tokens.parts[i % k], self.batch_size, self.seq_len,
+                               len(range(i % k, self.num_batches, k)), self.rows)
+            return part[i // k]
         total, lo = self.num_batches * self.batch_size, i * self.batch_size
         if isinstance(self.tokens, Packed):
             index = _spread(len(self.tokens) - 1, total, lo, lo + self.batch_size)
@@ -227,7 +263,8 @@ def eval_batches(
     corpus is shorter than ``num_batches * batch_size * (seq_len + 1)`` tokens. From
     :class:`~effijax.data.Packed` rows: evenly spread rows (repeated only when there are fewer
     than ``num_batches * batch_size``), with their ``"mask"`` (and ``"segments"``).
-    ``process_index`` and ``process_count`` slice the rows as in :func:`batch_at`.
+    ``process_index`` and ``process_count`` slice the rows as in :func:`batch_at`. From a
+    :class:`~effijax.data.Mixture`, batch ``i`` comes from corpus ``i % k`` of its ``k``.
 
     Returns:
       A sequence of ``num_batches`` dicts ``{"inputs": int32[b, S], "targets": int32[b, S]}``
@@ -250,8 +287,5 @@ def eval_batches(
     _check_int("seq_len", seq_len, minimum=1)
     _check_int("num_batches", num_batches, minimum=1)
     rows = _process_rows(batch_size, process_index, process_count)
-    if isinstance(tokens, Packed):
-        tokens = _check_width(_check_packed(tokens), seq_len)
-    else:
-        tokens = _check_tokens(tokens, seq_len)
+    tokens = _check(tokens, seq_len)
     return EvalBatches(tokens, batch_size, seq_len, num_batches, rows)

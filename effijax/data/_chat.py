@@ -39,11 +39,12 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from effijax.data._corpus import val_count
 from effijax.data._files import bounded_lines
 from effijax.errors import ConfigError, whole_number
 
-__all__ = ["Record", "Packed", "read_records", "render_chat", "pack_examples", "split_records",
-           "records_fingerprint"]
+__all__ = ["Record", "Packed", "parse_line", "table_record", "read_records", "render_chat",
+           "pack_examples", "split_records", "records_fingerprint"]
 
 _RECORD_KEYS = ({"messages"}, {"prompt", "response"}, {"prompt", "response", "system"})
 
@@ -134,6 +135,39 @@ def _record(obj: Any, source: str) -> tuple[dict, ...]:
             {"role": "assistant", "content": obj["response"]})
 
 
+def parse_line(line: str, source: str) -> Record:
+    """One JSONL line as a :class:`Record` (its ``raw`` text: the line stripped).
+
+    Raises:
+      ConfigError: ``field="data"``, value ``source``: the line is not a record (see
+        :func:`read_records`).
+
+    Example:
+      >>> parse_line('{"prompt": "2+2?", "response": "4"}', "x:1").messages[1]
+      {'role': 'assistant', 'content': '4'}
+    """
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise _bad(source, f"not JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:  # Python's JSON reader recurses once per level
+        raise _bad(source, "nested too deeply to read") from None
+    return Record(_record(obj, source), source, line.strip())
+
+
+def table_record(row: dict, source: str) -> Record:
+    """A table's row (its ``messages``, or ``prompt``/``response``/``system`` columns) as a
+    :class:`Record`; its ``raw`` text, which the split hashes, is the row as compact JSON with
+    sorted keys.
+
+    Example:
+      >>> table_record({"prompt": "2+2?", "response": "4"}, "t.parquet:0").raw
+      '{"prompt":"2+2?","response":"4"}'
+    """
+    raw = json.dumps(row, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return Record(_record(row, source), source, raw)
+
+
 def read_records(path: str | os.PathLike) -> list[Record]:
     """Reads and checks a chat / instruction JSONL file (blank lines are skipped).
 
@@ -152,18 +186,8 @@ def read_records(path: str | os.PathLike) -> list[Record]:
       effijax.errors.ConfigError: data='.../chat.jsonl:3': keys ['prompt']; expected ...
     """
     path = Path(path)
-    records = []
-    for number, line in bounded_lines(path, "data"):
-        source = f"{path}:{number}"
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise _bad(source, f"not JSON ({e.msg} at column {e.colno})") from None
-        except RecursionError:  # Python's JSON reader recurses once per level
-            raise _bad(source, "nested too deeply to read") from None
-        records.append(Record(_record(obj, source), source, line.strip()))
+    records = [parse_line(line, f"{path}:{number}") for number, line in bounded_lines(path, "data")
+               if line.strip()]
     if not records:
         raise ConfigError("data", str(path), "holds no record (one JSON object per line)")
     return records
@@ -205,7 +229,7 @@ def split_records(records: Sequence[Record], val_fraction: float = 0.05
     if len(records) < 2:
         raise ConfigError("data", len(records), "records: at least 2 are needed (one is held "
                           "out for validation)")
-    n_val = min(max(1, round(len(records) * val_fraction)), len(records) - 1)
+    n_val = val_count(len(records), val_fraction)
     order = sorted(range(len(records)),
                    key=lambda i: hashlib.sha256(records[i].raw.encode("utf-8")).digest())
     held = set(order[:n_val])

@@ -26,6 +26,7 @@ __all__ = [
     "load_documents",
     "split_corpus",
     "stdlib_files",
+    "val_count",
 ]
 
 # Cap of the default (standard library) corpus: 8 MiB, plenty for the CPU-sized models.
@@ -217,5 +218,16 @@ def split_corpus(tokens: np.ndarray, val_fraction: float = 0.05) -> tuple[np.nda
     if tokens.ndim != 1 or tokens.size < 2:
         # The shape stands for the value: the repr of a whole corpus would drown the message.
         raise ConfigError("tokens", tokens.shape, "expected a 1-D corpus of at least 2 tokens")
-    n_val = min(max(1, round(tokens.size * val_fraction)), tokens.size - 1)
+    n_val = val_count(tokens.size, val_fraction)
     return tokens[: tokens.size - n_val], tokens[tokens.size - n_val:]
+
+
+def val_count(n: int, val_fraction: float) -> int:
+    """How many of ``n`` items (tokens, records) are held out for validation: ``round(n *
+    val_fraction)``, at least 1 and at most ``n - 1``.
+
+    Example:
+      >>> val_count(100, 0.05), val_count(3, 0.05), val_count(2, 0.9)
+      (5, 1, 1)
+    """
+    return min(max(1, round(n * val_fraction)), n - 1)

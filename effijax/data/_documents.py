@@ -18,7 +18,7 @@ import numpy as np
 
 from effijax.errors import ConfigError
 
-__all__ = ["end_of_text_id", "encode_documents", "documents_fingerprint"]
+__all__ = ["end_of_text_id", "encode_documents", "encode_each", "documents_fingerprint"]
 
 _END_OF_TEXT = ("<|endoftext|>", "<|end_of_text|>")
 
@@ -65,14 +65,27 @@ def encode_documents(tokenizer, documents: Sequence[bytes]) -> np.ndarray:
       >>> encode_documents(tok, [b"ab", b"ba"]).tolist()
       [4, 2, 3, 4, 1, 0, 3]
     """
+    pieces = encode_each(tokenizer, documents)
+    return np.concatenate(pieces) if pieces else np.zeros(0, np.int32)
+
+
+def encode_each(tokenizer, documents: Sequence[bytes]) -> list[np.ndarray]:
+    """Each document's ids (after BOS where the tokenizer adds one) followed by
+    :func:`end_of_text_id`, as :func:`encode_documents` concatenates them (a token store keeps
+    where each one starts).
+
+    Example:
+      >>> from effijax.models import byte_level_bpe
+      >>> tok = byte_level_bpe(["a", "b", "ab", "<|endoftext|>"], ["a b"],
+      ...                      token_types=[1, 1, 1, 3])
+      >>> [ids.tolist() for ids in encode_each(tok, [b"ab", b"ba"])]
+      [[2, 3], [1, 0, 3]]
+    """
     eot = np.asarray([end_of_text_id(tokenizer)], np.int32)
     bos = [tokenizer.bos_id] if tokenizer.add_bos and tokenizer.bos_id is not None else []
     texts = [d.decode("utf-8", errors="replace") for d in documents]
     encodings = tokenizer.backend.encode_batch(texts, add_special_tokens=False)
-    pieces = []
-    for e in encodings:
-        pieces += [np.asarray(bos + e.ids, np.int32), eot]
-    return np.concatenate(pieces) if pieces else np.zeros(0, np.int32)
+    return [np.concatenate([np.asarray(bos + e.ids, np.int32), eot]) for e in encodings]
 
 
 def documents_fingerprint(documents: Sequence[bytes]) -> str:

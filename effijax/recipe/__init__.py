@@ -8,6 +8,7 @@ job pieces (:func:`plan_job`, :func:`init_state`, ..., and :func:`build_lm_job` 
 into one value) are public for code that drives its own loop on any
 :class:`~effijax.models.LanguageModel`. :func:`open_model` opens what a run (or a pretrained
 file) holds, for evaluation (:func:`evaluate_model`) and for :mod:`effijax.generate`.
+:func:`prepare` tokenizes a corpus once into a memory-mapped token store for ``--data``.
 
 Example:
   >>> cfg = TrainConfig(model="tiny", steps=10, batch_size=4)
@@ -28,7 +29,8 @@ __getattr__, __dir__, __all__ = attach(__name__, {
     "effijax.recipe._train": ("TrainResult", "train", "resolve"),
     "effijax.recipe._optimizer": ("optimizer_for",),
     "effijax.recipe._report": ("summary_step",),
-    "effijax.recipe._data": ("Dataset", "load_dataset", "load_eval_data"),
+    "effijax.recipe._data": ("Dataset", "load_dataset", "load_eval_data", "mixture_spec"),
+    "effijax.recipe._prepare": ("prepare", "prepare_tokenizer"),
     "effijax.recipe._eval": ("EvalResult", "evaluate_model", "load_model"),
     "effijax.recipe._open": ("Opened", "open_model"),
     "effijax.recipe._preflight": ("check_memory",),

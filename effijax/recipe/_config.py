@@ -167,9 +167,11 @@ class TrainConfig:
     accumulate: int = _field(1, "micro-steps per optimizer step (optax.MultiSteps)")
     seed: int = _field(0, "seeds the parameters, adapters, dropout and batch order")
     # Data.
-    data: str | None = _field(None, "a text file or folder, or a chat / instruction .jsonl "
-                              "file (default: the Python standard library's source, on every "
-                              "machine)", section="data")
+    data: str | None = _field(None, "a text file or folder, a chat / instruction .jsonl "
+                              "file, a token store (effijax data prepare: Parquet, Arrow, "
+                              "datasets folders, corpora larger than memory) or stores mixed "
+                              "with weights, a.store:0.7,b.store:0.3 (default: the Python "
+                              "standard library's source, on every machine)", section="data")
     data_format: str = _field("auto", "how to read --data: text (documents joined with the "
                               "end-of-text token), chat (JSONL records rendered with the model's "
                               "chat template, trained on the assistant's tokens), or auto "

@@ -12,34 +12,50 @@ else ``text``):
   tokens only, packed whole into rows of ``seq_len + 1`` (:mod:`effijax.data`'s chat functions).
 
 Validation: the last 5% of the token stream (bytes, text), or 5% of the records chosen by their
-content (chat). :func:`load_eval_data` reads a whole file for evaluation instead: every token in
-consecutive windows, or every record.
+content (chat).
+
+A token store (``effijax data prepare``, :mod:`effijax.data._store`) is read the same three
+ways, memory-mapped: its split is the one its manifest records, and the run's data identity is
+the store's hash. ``a.store:0.7,b.store:0.3`` draws each row from one of several stores with
+those weights (:func:`mixture_spec`). A Parquet or Arrow file (or a ``datasets`` folder) is
+never read as text: it is refused with the ``effijax data prepare`` command that reads it.
+:func:`load_eval_data` reads a whole file for evaluation instead: every token in consecutive
+windows, or every record.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from effijax.data import (
+    TABLE_SUFFIXES,
     Packed,
     corpus_fingerprint,
     documents_fingerprint,
     encode_documents,
+    is_store,
     load_corpus,
     load_documents,
+    mixture,
+    open_store,
     pack_examples,
     read_records,
     records_fingerprint,
     render_chat,
     split_corpus,
     split_records,
+    store_rows,
+    store_split,
 )
-from effijax.errors import NO_VALUE, ConfigError
+from effijax.errors import NO_VALUE, ConfigError, FileError
 
-__all__ = ["Dataset", "resolve_format", "load_dataset", "load_eval_data", "text_rows"]
+__all__ = ["Dataset", "resolve_format", "load_dataset", "load_eval_data", "text_rows",
+           "mixture_spec"]
 
 VAL_FRACTION = 0.05
 
@@ -137,12 +153,39 @@ class _Content(NamedTuple):
     note: str = ""
 
 
+def _tables_in(path: Path) -> list[Path]:
+    """The Parquet and Arrow files (or ``datasets`` folder markers) ``path`` is or holds."""
+    if path.is_file():
+        return [path] if path.suffix.lower() in TABLE_SUFFIXES else []
+    if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
+        return [path]
+    if not path.is_dir():
+        return []
+    return sorted(p for p in path.rglob("*") if p.suffix.lower() in TABLE_SUFFIXES)[:3]
+
+
+def _refuse_tables(path: str) -> None:
+    """A Parquet or Arrow source is prepared into a store, never read as bytes."""
+    tables = _tables_in(Path(path))
+    if tables:
+        shown = ", ".join(p.name for p in tables)
+        raise ConfigError("data", path, f"holds Parquet/Arrow data ({shown}), which is "
+                          f"tokenized into a store first: effijax data prepare {path} --out "
+                          f"{Path(path).with_suffix('.store')} --from MODEL (the model you "
+                          "train), then --data that store")
+
+
 def _read(path: str | None, model, data_format: str) -> _Content:
     """The one reader behind training and evaluation data (see the module docstring).
 
     Raises:
       ConfigError: ``field="data"``, naming the path (or the record's file and line).
     """
+    if path is not None:
+        _refuse_tables(path)
+        if is_store(path):
+            raise ConfigError("data", path, "is a token store: it trains (effijax train --data "
+                              "STORE); effijax eval reads text or chat JSONL files")
     fmt = resolve_format(path, data_format)
     try:
         if fmt == "chat":
@@ -224,13 +267,104 @@ def _longest_window(n: int, val_fraction: float) -> int:
     return max(0, min(_split_sizes(n, val_fraction)) - 2) if n >= 2 else 0
 
 
+def mixture_spec(data: str | None) -> list[tuple[str, float]] | None:
+    """``[(path, weight), ...]`` of a mixture ``a:0.7,b:0.3``; None for one path.
+
+    Example:
+      >>> mixture_spec("a.store:0.7,b.store:0.3"), mixture_spec("notes.txt")
+      ([('a.store', 0.7), ('b.store', 0.3)], None)
+    """
+    if data is None or ":" not in data:
+        return None
+    parts = []
+    for item in data.split(","):
+        path, _, weight = item.rpartition(":")
+        try:
+            parts.append((path, float(weight)))
+        except ValueError:
+            return None  # a path with a colon in it, not a mixture
+        if not path:
+            return None
+    return parts
+
+
+def _store_tokenizer(store, model, path: str) -> Any:
+    """The model's tokenizer, checked to be the one the store was prepared with."""
+    tokenizer = getattr(model, "tokenizer", None)
+    recorded = store.manifest["tokenizer"]
+    chat = store.format == "chat"
+    have = None if tokenizer is None else tokenizer.fingerprint(chat_template=chat)
+    want = None if recorded is None else recorded["sha256"]
+    if have != want:
+        what = {None: "bytes (no tokenizer)"}
+        raise ConfigError("data", path, f"was prepared with tokenizer "
+                          f"{what.get(want, (want or '')[:12] + '..')}, but {model.name} "
+                          f"tokenizes with {what.get(have, (have or '')[:12] + '..')}; prepare "
+                          f"it again with the model you train (effijax data prepare ... --from "
+                          "MODEL)")
+    return tokenizer
+
+
+def _store_dataset(path: str, model, seq_len: int) -> Dataset:
+    """A store's data (memory-mapped), checked against the model's tokenizer and ``seq_len``."""
+    try:
+        store = open_store(path)
+    except FileError as e:
+        raise ConfigError("data", path, str(e)) from None
+    tokenizer = _store_tokenizer(store, model, path)
+    split, fmt = store.manifest["split"], store.format
+    if fmt == "chat":
+        if not split["train_trained_tokens"] or not split["val_trained_tokens"]:
+            raise ConfigError("data", path, "no assistant token in the training or validation "
+                              "examples")
+        pad = _pad_id(tokenizer)
+        train = store_rows(store, val=False, seq_len=seq_len, pad_id=pad)
+        val = store_rows(store, val=True, seq_len=seq_len, pad_id=pad)
+        note = (f"chat store {path}: {train.examples:,} training examples in {len(train):,} "
+                f"rows of {seq_len + 1} tokens, {val.examples:,} validation examples "
+                f"({train.truncated + val.truncated} cut to {seq_len + 1} tokens)")
+        return Dataset(train, val, store.fingerprint, "chat", train.filled + val.filled, note)
+    train, val = store_split(store)
+    if min(len(train), len(val)) <= seq_len + 1:
+        raise ConfigError("data", path, f"its split ({len(train):,} training and {len(val):,} "
+                          f"validation tokens) leaves no window of {seq_len + 2} tokens on each "
+                          "side; lower --seq-len or prepare more data")
+    note = (f"{fmt} store {path}: {store.manifest['documents']:,} documents, "
+            f"{store.manifest['tokens']:,} tokens (memory-mapped)")
+    return Dataset(train, val, store.fingerprint, "bytes" if fmt == "bytes" else "text",
+                   store.manifest["tokens"], note)
+
+
+def _mixture_dataset(parts: list[tuple[str, float]], model, seq_len: int) -> Dataset:
+    """Stores drawn with weights (:class:`~effijax.data.Mixture`)."""
+    for path, _ in parts:
+        if not is_store(path):
+            raise ConfigError("data", path, "a mixture (PATH:WEIGHT,...) draws from token "
+                              "stores; prepare it first: effijax data prepare "
+                              f"{path} --out {Path(path).with_suffix('.store')} --from MODEL")
+    sets = [_store_dataset(path, model, seq_len) for path, _ in parts]
+    if len({d.format for d in sets}) > 1:
+        raise ConfigError("data", ",".join(p for p, _ in parts), "mixes stores of formats "
+                          f"{sorted({d.format for d in sets})}; a mixture's stores hold one "
+                          "kind (text, or chat)")
+    weights = [w for _, w in parts]
+    mixed = mixture([d.train for d in sets], weights)
+    identity = json.dumps([[d.fingerprint, w] for d, w in zip(sets, mixed.weights,
+                                                                strict=True)])
+    note = "mixture: " + ", ".join(f"{p} ({w:.0%})" for (p, _), w in zip(parts, mixed.weights,
+                                                                        strict=True))
+    return Dataset(mixed, mixture([d.val for d in sets], weights),
+                   "mix:" + hashlib.sha256(identity.encode()).hexdigest(), sets[0].format,
+                   sum(d.tokens for d in sets), note)
+
+
 def load_dataset(path: str | None, model, *, seq_len: int | None = None,
                  data_format: str = "auto", val_fraction: float = VAL_FRACTION) -> Dataset:
     """The training and validation data of ``path`` for ``model`` (see the module docstring).
 
     Args:
-      path: a text file or folder, a chat / instruction ``.jsonl`` file, or None (the standard
-        library's source).
+      path: a text file or folder, a chat / instruction ``.jsonl`` file, a token store, a
+        mixture of stores (``a:0.7,b:0.3``), or None (the standard library's source).
       model: a :class:`~effijax.models.LanguageModel`; its ``tokenizer`` (if any) tokenizes.
       seq_len: the training window (default: the model's).
       data_format: ``auto``, ``text`` or ``chat``.
@@ -247,6 +381,11 @@ def load_dataset(path: str | None, model, *, seq_len: int | None = None,
       ('bytes', 'uint8', False)
     """
     seq_len = model.seq_len if seq_len is None else seq_len
+    parts = mixture_spec(path)
+    if parts is not None and not Path(path).exists():
+        return _mixture_dataset(parts, model, seq_len)
+    if is_store(path):
+        return _store_dataset(path, model, seq_len)
     content = _read(path, model, data_format)
     if content.format == "chat":
         return _chat(path, content, seq_len, val_fraction)

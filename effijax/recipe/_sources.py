@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 
 from effijax.errors import ConfigError
 from effijax.recipe._config import BUNDLED, DEFAULT_MODEL, TrainConfig
+from effijax.recipe._data import mixture_spec
 
 # JAX, orbax and the file formats are imported inside the functions that use them:
 # ``effijax memory --model`` reads an architecture (:func:`architecture`) without them.
@@ -57,8 +58,12 @@ class Source(NamedTuple):
 def check_paths(config: TrainConfig) -> None:
     """The data exists, ``out`` can be written and hold checkpoints (nothing is created yet),
     ``init_from`` is another directory."""
-    if config.data is not None and not Path(config.data).exists():
-        raise ConfigError("data", config.data, "no such file or folder")
+    parts = mixture_spec(config.data)
+    paths = ([config.data] if parts is None or Path(config.data).exists()
+             else [p for p, _ in parts])
+    for path in paths if config.data is not None else []:
+        if not Path(path).exists():
+            raise ConfigError("data", path, "no such file or folder")
     out = Path(config.out).resolve()
     parent = next((p for p in (out, *out.parents) if p.exists()), None)
     if parent is None or not parent.is_dir():

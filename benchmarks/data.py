@@ -1,0 +1,211 @@
+"""Data at scale: preparing a token store, and what training on a large one costs the host.
+
+Three measurements, one run:
+
+* **prepare throughput** (tokens/s) on SmolLM2's tokenizer, over the same Parquet file of
+  documents (the standard library's ``.py`` files, one per row): ``effijax data prepare`` with 1
+  and 2 processes, against ``datasets``' ``Dataset.map(batched=True, num_proc=2)`` calling the
+  same ``tokenizers`` tokenizer (each side writes its result to disk). Goals: effijax (2) >=
+  1.0x datasets, and 2 processes / 1 process >= 1.7x (on a machine with 2 free cores).
+* **host memory and start-up vs store size**: a small and a large byte-level store (the large
+  one's size is ``--large-mb``); in a fresh process each (its imports done), the time to open
+  the data (``load_dataset``) and draw the first batch, and the peak RSS after drawing 200
+  batches, with its private (``RssAnon``) and mapped-file (``RssFile``) parts.
+  Goals: RSS difference < 100 MB, start-up difference < 2 s.
+* **data time per step**: assembling one batch of the default model (``mini``, batch 16) from the
+  large store, against that model's train step on this machine. Goal: < 2% (the loop already
+  builds batch ``n + 1`` while step ``n`` runs; this is the time it would take if it did not).
+
+Run: ``python benchmarks/data.py [--large-mb 2048] [--write]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from harness import add_write_flag, command_line, device_description, markdown_table, publish
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_OPEN = """
+import json, sys, time
+from effijax.data import batch_at
+from effijax.models import gpt_config
+from effijax.recipe import load_dataset
+t0 = time.perf_counter()
+data = load_dataset(sys.argv[1], gpt_config("mini"))
+batch_at(data.train, seed=0, step=0, batch_size=16, seq_len=256)
+first = time.perf_counter() - t0
+for step in range(1, 200):
+    batch_at(data.train, seed=0, step=step, batch_size=16, seq_len=256)
+# VmHWM, not ru_maxrss (which keeps the forking parent's high-water mark across exec); RssAnon
+# is the process' own memory, RssFile the mapped pages of the page cache (the store's included).
+status = {line.split(":")[0]: int(line.split()[1]) / 1024 for line in open("/proc/self/status")
+          if line.startswith(("VmHWM", "RssAnon", "RssFile"))}
+print(json.dumps({"first_batch_s": first, **status}))
+"""
+
+
+def _documents(max_bytes: int) -> list[str]:
+    from effijax.data import load_documents
+
+    return [d.decode("utf-8", errors="replace") for d in load_documents(max_bytes=max_bytes)]
+
+
+def _prepare_rates(work: Path, mb: int) -> list[list[object]]:
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from effijax.recipe import prepare, prepare_tokenizer
+
+    docs = _documents(mb * 2**20)
+    source = work / "docs.parquet"
+    pq.write_table(pa.table({"text": docs}), source, row_group_size=256)
+    tokenizer = prepare_tokenizer("smollm2")
+    rows = []
+    for processes in (1, 2):
+        out = work / f"store{processes}"
+        t0 = time.perf_counter()
+        manifest = prepare(source, out, tokenizer=tokenizer, processes=processes,
+                           shard_bytes=2**20)
+        seconds = time.perf_counter() - t0
+        rows.append([f"effijax data prepare, {processes} process(es)", manifest["tokens"],
+                     round(seconds, 2), round(manifest["tokens"] / seconds)])
+    spec = tokenizer.spec
+
+    def tokenize(batch, _cache={}):  # noqa: B006 (one tokenizer per worker process)
+        if "tok" not in _cache:
+            from tokenizers import Tokenizer
+
+            _cache["tok"] = Tokenizer.from_str(spec)
+        encodings = _cache["tok"].encode_batch(batch["text"], add_special_tokens=False)
+        return {"ids": [e.ids for e in encodings]}
+
+    datasets.disable_progress_bars()
+    t0 = time.perf_counter()
+    ds = datasets.Dataset.from_parquet(str(source), cache_dir=str(work / "hf-cache"))
+    mapped = ds.map(tokenize, batched=True, num_proc=2, remove_columns=["text"],
+                    cache_file_name=str(work / "hf-cache" / "mapped.arrow"))
+    tokens = sum(len(ids) for ids in mapped["ids"])
+    seconds = time.perf_counter() - t0
+    rows.append(["datasets.map(batched=True, num_proc=2)", tokens, round(seconds, 2),
+                 round(tokens / seconds)])
+    return rows
+
+
+def _byte_store(work: Path, name: str, mb: int) -> Path:
+    """A byte-level store of ``mb`` MiB of printable text (generated: its content does not
+    matter to what is measured)."""
+    from effijax.recipe import prepare
+
+    source = work / f"{name}.txt"
+    rng = np.random.default_rng(0)
+    with open(source, "wb") as f:
+        for _ in range(mb // 64):
+            f.write(rng.integers(32, 127, 64 * 2**20, np.uint8).tobytes())
+        f.write(rng.integers(32, 127, (mb % 64) * 2**20, np.uint8).tobytes())
+    prepare(source, work / f"{name}.store", processes=2)
+    source.unlink()
+    return work / f"{name}.store"
+
+
+def _open_in_fresh_process(store: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", _OPEN, str(store)], capture_output=True,
+                         text=True, env=env, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _step_share(store: Path) -> list[object]:
+    """Batch assembly of the default model's batch vs its train step, both timed here."""
+    import jax
+    import optax
+
+    from effijax.data import batch_at
+    from effijax.models import gpt_config
+    from effijax.recipe import batch_fn, compile_job, init_state, load_dataset, plan_job
+
+    model = gpt_config("mini")
+    data = load_dataset(str(store), model)
+    job = plan_job(model, "fp32", optax.adamw(1e-3), batch_size=16)
+    step = compile_job(job, census=False).step
+    state = init_state(job)
+    fetch = batch_fn(job, data.train)
+    state, metrics = step(state, fetch(0))
+    jax.block_until_ready(metrics)
+    t0 = time.perf_counter()
+    for i in range(1, 11):
+        state, metrics = step(state, fetch(i))
+        jax.block_until_ready(metrics)
+    step_s = (time.perf_counter() - t0) / 10
+    t0 = time.perf_counter()
+    for i in range(200):
+        batch_at(data.train, seed=0, step=i, batch_size=16, seq_len=model.seq_len)
+    data_s = (time.perf_counter() - t0) / 200
+    return [f"{data_s * 1e3:.3f}", f"{step_s * 1e3:.1f}", f"{data_s / step_s:.2%}"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prepare-mb", type=int, default=8, help="MiB of documents to "
+                        "tokenize for the throughput comparison (default 8)")
+    parser.add_argument("--small-mb", type=int, default=10)
+    parser.add_argument("--large-mb", type=int, default=2048, help="the large store's size "
+                        "(default 2048: the issue's >= 2 GB)")
+    parser.add_argument("--dir", default=None, help="work folder (default: a temporary one, "
+                        "removed at the end)")
+    add_write_flag(parser)
+    args = parser.parse_args(argv)
+    work = Path(args.dir or tempfile.mkdtemp(prefix="effijax-data-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    load = os.getloadavg()[0]  # other jobs on the same cores change every number below
+    try:
+        rates = _prepare_rates(work, args.prepare_mb)
+        stores = {name: _byte_store(work, name, mb)
+                  for name, mb in (("small", args.small_mb), ("large", args.large_mb))}
+        opened = {name: _open_in_fresh_process(path) for name, path in stores.items()}
+        share = _step_share(stores["large"])
+    finally:
+        if args.dir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    base = rates[-1][3]
+    body = [f"Device: {device_description()}; {os.cpu_count()} CPU cores, Python "
+            f"{sysconfig.get_python_version()}; load average {load:.1f} at the start, "
+            f"{os.getloadavg()[0]:.1f} at the end (other jobs share the cores).", "",
+            f"Prepare throughput, SmolLM2's tokenizer, {args.prepare_mb} MiB of the standard "
+            "library's source as a Parquet file:", "",
+            markdown_table(["", "tokens", "seconds", "tokens/s", "vs datasets"],
+                           [[*r, f"{r[3] / base:.2f}x"] for r in rates]), "",
+            f"2 processes / 1 process: {rates[1][3] / rates[0][3]:.2f}x.", "",
+            "Opening a store and drawing batches in a fresh process (the `mini` GPT's batch "
+            "16 x 256):", "",
+            markdown_table(["store", "MiB", "open + first batch (s)", "peak RSS (MB)",
+                            "of which private (RssAnon)", "mapped files (RssFile)"],
+                           [[name, mb, f"{opened[name]['first_batch_s']:.3f}",
+                             *(f"{opened[name][k]:.0f}" for k in ("VmHWM", "RssAnon",
+                                                                   "RssFile"))]
+                            for name, mb in (("small", args.small_mb),
+                                             ("large", args.large_mb))]), "",
+            "Peak RSS counts the store's pages while they are mapped (2 MiB at a time where the "
+            "kernel caches the file in large folios); each batch unmaps what it read "
+            "(`effijax.data.release_pages`), so the peak is one batch's pages, whatever the "
+            "store's size.", "",
+            "Data time per step (the default `mini` model, batch 16, fp32):", "",
+            markdown_table(["batch assembly (ms)", "train step (ms)", "share"], [share])]
+    publish("Data at scale", "\n".join(body), command=command_line(__file__, argv),
+            write=args.write)
+
+
+if __name__ == "__main__":
+    main()

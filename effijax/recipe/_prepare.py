@@ -1,0 +1,340 @@
+"""``effijax data prepare``: a source tokenized once into a store (:mod:`effijax.data._store`).
+
+The source (a text file, JSONL, Parquet, Arrow, a folder of them, a ``datasets``
+``save_to_disk`` folder) is checked first (its columns, :func:`effijax.data.check_columns`),
+then cut into pieces of about :data:`SHARD_BYTES` (:func:`effijax.data.plan_pieces`) that a pool
+of processes tokenizes, each committing its shard whole beside the store
+(``.<store>.prepare/``). A killed prepare keeps its committed shards: the same command
+continues where it stopped. The plan (the sources' hashes, the tokenizer, the settings, the
+pieces) names the shards, so a changed source or tokenizer starts over. The shards are then
+joined in order into the store (:func:`effijax.data.assemble`): the same input gives the same
+bytes and hash, however many processes tokenized it.
+
+Text is tokenized as training tokenizes it in memory (:func:`effijax.data.encode_each`: each
+document followed by the end-of-text token; a model without a tokenizer keeps the raw bytes),
+and chat records are rendered and masked with the model's chat template
+(:func:`effijax.data.render_chat`), so a store trains on the same tokens as the files it came
+from. The worker processes get plain values only (the tokenizer's fields, paths, ranges).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import hashlib
+import json
+import multiprocessing
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from effijax.data import (
+    Source,
+    assemble,
+    check_columns,
+    commit_shard,
+    committed_shard,
+    encode_each,
+    find_sources,
+    is_store,
+    open_store,
+    plan_pieces,
+    read_piece,
+    remove_work,
+    token_dtype,
+)
+from effijax.errors import ConfigError, FileError
+from effijax.recipe._config import BUNDLED
+from effijax.recipe._data import _chat_examples
+from effijax.recipe._sources import bundled_path, missing_source
+
+__all__ = ["SHARD_BYTES", "prepare", "prepare_tokenizer", "work_dir"]
+
+#: The source bytes one shard covers: big enough that a process' start is amortised, small
+#: enough that a killed prepare loses little and a worker's memory stays small.
+SHARD_BYTES = 8 * 2**20
+
+_worker_tokenizer: Any = None
+
+
+def work_dir(out: str | os.PathLike) -> Path:
+    """Where a prepare keeps its committed shards until the store is assembled.
+
+    Example:
+      >>> work_dir("data/docs.store").as_posix()
+      'data/.docs.store.prepare'
+    """
+    out = Path(out)
+    return out.with_name(f".{out.name}.prepare")
+
+
+def prepare_tokenizer(init_from: str | None):
+    """The tokenizer of the model ``init_from`` names (a bundled name, a ``.gguf`` file, a
+    Hugging Face folder), as training from it tokenizes; None (bytes) for None.
+
+    Raises:
+      ConfigError: no such model, or it has no tokenizer effijax reads.
+
+    Example:
+      >>> prepare_tokenizer(None) is None
+      True
+    """
+    if init_from is None:
+        return None
+    from effijax.interop import load_tokenizer
+
+    path = bundled_path(init_from) if init_from in BUNDLED else init_from
+    if not Path(path).exists():
+        raise missing_source("from", init_from)
+    try:
+        return load_tokenizer(path)
+    except ConfigError as e:
+        raise e.within("from", init_from) from None
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(16 * 2**20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class _TextTokenizer(NamedTuple):
+    """What :func:`effijax.data.encode_each` reads of a tokenizer: a text worker builds only
+    this (the ``tokenizers`` backend), not the model package, which imports JAX (seconds)."""
+
+    backend: Any
+    eos_id: int | None
+    bos_id: int | None
+    add_bos: bool
+
+
+def _init_worker(fields: dict | None, chat: bool) -> None:
+    """Each worker builds the tokenizer once, and runs it on one thread (the pool is the
+    parallelism: threads of their own would fight over the same cores)."""
+    global _worker_tokenizer
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    if fields is None:
+        _worker_tokenizer = None
+    elif chat:  # rendering needs the whole Tokenizer (its chat template)
+        from effijax.models import Tokenizer
+
+        _worker_tokenizer = Tokenizer(**fields)
+    else:
+        from tokenizers import Tokenizer as Backend
+
+        _worker_tokenizer = _TextTokenizer(Backend.from_str(fields["spec"]), fields["eos_id"],
+                                           fields["bos_id"], fields["add_bos"])
+
+
+def _tokenize(task: dict) -> dict:
+    """Tokenizes one shard's pieces and commits it; returns ``{"index", "tokens"}`` or, for a
+    bad record, ``{"error": [kind, ...]}`` (exceptions are passed back as plain values)."""
+    try:
+        items = []
+        for path, name, kind, size, start, stop in task["pieces"]:
+            items += read_piece(Source(Path(path), name, kind, size), start, stop,
+                                task["data_format"], task["text_column"])
+        dtype, tok = np.dtype(task["dtype"]), _worker_tokenizer
+        if task["data_format"] == "chat":
+            examples = _chat_examples(tok, items)
+            ids = [e[0] for e in examples]
+            masks = [e[1] for e in examples]
+            keys = b"".join(hashlib.sha256(r.raw.encode("utf-8")).digest() for r in items)
+            trained = [int(np.count_nonzero(m[1:])) for m in masks]
+            commit_shard(Path(task["work"]), task["index"], task["plan"], _join(ids, dtype),
+                         [len(i) for i in ids], _join(masks, np.uint8), keys, trained)
+        else:
+            ids = ([np.frombuffer(d, np.uint8) for d in items] if tok is None
+                   else encode_each(tok, items))
+            commit_shard(Path(task["work"]), task["index"], task["plan"], _join(ids, dtype),
+                         [len(i) for i in ids])
+    except FileError as e:
+        return {"error": ["file", e.path, e.where, e.problem]}
+    except ConfigError as e:
+        return {"error": ["config", e.field, str(e.value), e.problem]}
+    return {"index": task["index"], "tokens": int(sum(len(i) for i in ids))}
+
+
+def _shards(pieces: list, sources: list[Source], shard_bytes: int) -> list[list]:
+    """Pieces grouped into shards: whole text files together up to ``shard_bytes`` (a folder
+    of small files is not a shard per file); every other piece is a shard of its own."""
+    shards, size, joinable = [], 0, False
+    for i, a, b in pieces:
+        text = sources[i].kind == "text"
+        if not (text and joinable and size + (b - a) <= shard_bytes):
+            shards.append([])
+            size = 0
+        shards[-1].append((i, a, b))
+        size, joinable = size + (b - a), text
+    return shards
+
+
+def _check_out(source: Path, out: Path) -> None:
+    """``out`` is replaced whole when the store is written: it must be a store or nothing,
+    and outside the source (whose next prepare would read it)."""
+    if out.exists() and not is_store(out):
+        raise ConfigError("out", str(out), "exists and is not a token store (it would be "
+                          "replaced); choose a new folder")
+    src, dst = source.resolve(), out.resolve()
+    if dst == src or src in dst.parents:
+        raise ConfigError("out", str(out), f"is inside the source {source}; write the store "
+                          "beside it (e.g. --out " f"{source.with_suffix('.store')})")
+
+
+def _same_head(manifest: dict, head: dict) -> bool:
+    """Whether a store was prepared from this head (sources, tokenizer, settings)."""
+    return all(manifest.get(k) == v for k, v in head.items())
+
+
+def _join(arrays, dtype) -> np.ndarray:
+    return np.concatenate(arrays).astype(dtype) if arrays else np.zeros(0, dtype)
+
+
+def _raise(error: list):
+    if error[0] == "file":
+        raise FileError(error[1], error[2], error[3])
+    raise ConfigError(error[1], error[2], error[3])
+
+
+@contextlib.contextmanager
+def _single_threaded_tokenizers():
+    """The in-process path runs the tokenizers on one thread too (1 process means 1 core)."""
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = before
+
+
+def _run(tasks: list[dict], fields: dict | None, processes: int, report) -> None:
+    if not tasks:
+        return
+    chat = tasks[0]["data_format"] == "chat"
+    if processes == 1:
+        global _worker_tokenizer
+        saved = _worker_tokenizer
+        with _single_threaded_tokenizers():
+            _init_worker(fields, chat)
+            try:
+                for task in tasks:
+                    result = _tokenize(task)
+                    if "error" in result:
+                        _raise(result["error"])
+                    report(result)
+            finally:
+                _worker_tokenizer = saved
+        return
+    # spawn: a forked JAX process (the tests', a notebook's) may deadlock in its threads.
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(processes, mp_context=context,
+                                                initializer=_init_worker,
+                                                initargs=(fields, chat)) as pool:
+        for result in pool.map(_tokenize, tasks):
+            if "error" in result:
+                pool.shutdown(cancel_futures=True)
+                _raise(result["error"])
+            report(result)
+
+
+def prepare(source: str | os.PathLike, out: str | os.PathLike, *, tokenizer=None,
+            data_format: str = "auto", text_column: str = "text", val_fraction: float = 0.05,
+            processes: int | None = None, shard_bytes: int = SHARD_BYTES,
+            print_fn=None) -> dict:
+    """Tokenizes ``source`` into the store ``out`` (see the module docstring); returns its
+    manifest.
+
+    Args:
+      source: a file, a folder of files, or a ``datasets`` ``save_to_disk`` folder.
+      out: the store's folder (replaced whole when done).
+      tokenizer: a :class:`~effijax.models.Tokenizer` (None: bytes, for the byte GPT).
+      data_format: ``auto``, ``text`` or ``chat`` (see :func:`effijax.data.check_columns`).
+      text_column: the column (JSONL key) holding documents.
+      val_fraction: held out for validation (recorded in the manifest).
+      processes: worker processes (default: the machine's cores). More than one are started
+        with ``spawn`` (a forked JAX process may deadlock), which imports the calling script
+        again in each worker: call ``prepare`` under ``if __name__ == "__main__":`` in a script.
+      shard_bytes: source bytes per shard.
+      print_fn: progress lines (None: quiet).
+
+    Raises:
+      ConfigError: a bad source (a missing column names the file and the columns it has), a
+        bad record (its file and where), chat data without a tokenizer with a chat template.
+
+    Example:
+      >>> import pathlib, tempfile
+      >>> d = pathlib.Path(tempfile.mkdtemp())
+      >>> _ = (d / "a.txt").write_text("hello world " * 20)
+      >>> manifest = prepare(d / "a.txt", d / "a.store", processes=1)
+      >>> manifest["data_format"], manifest["tokens"], manifest["split"]["val_tokens"]
+      ('bytes', 240, 12)
+    """
+    if (isinstance(val_fraction, bool) or not isinstance(val_fraction, int | float)
+            or not 0.0 < val_fraction < 1.0):
+        raise ConfigError("val_fraction", val_fraction, "expected a fraction in (0, 1), e.g. 0.05")
+    processes = processes or os.cpu_count() or 1
+    say = print_fn or (lambda line: None)
+    out = Path(out)
+    _check_out(Path(source), out)
+    sources = find_sources(source)
+    fmt = check_columns(sources, data_format, text_column)
+    if tokenizer is None and fmt == "chat":
+        raise ConfigError("data_format", "chat", "chat records are rendered with a model's chat "
+                          "template: name the model with --from (e.g. --from smollm2)")
+    if fmt == "chat" and tokenizer.chat_template is None:
+        raise ConfigError("data_format", "chat", "the model's tokenizer has no chat template")
+    fmt = "bytes" if tokenizer is None else fmt
+    head = {
+        "data_format": fmt,
+        "dtype": token_dtype(256 if tokenizer is None else tokenizer.vocab_size).name,
+        "tokenizer": None if tokenizer is None else {
+            "sha256": tokenizer.fingerprint(chat_template=fmt == "chat"),
+            "vocab_size": tokenizer.vocab_size},
+        "text_column": None if fmt == "chat" else text_column,
+        "val_fraction": val_fraction,
+        "sources": [{"name": s.name, "kind": s.kind, "bytes": s.size,
+                     "sha256": _file_sha256(s.path)} for s in sources],
+    }
+    if is_store(out) and _same_head(open_store(out).manifest, head):
+        say(f"{out} is up to date (same sources, tokenizer and settings)")
+        return open_store(out).manifest
+    pieces = _shards([(i, a, b) for i, s in enumerate(sources)
+                      for a, b in plan_pieces(s, shard_bytes)], sources, shard_bytes)
+    plan = hashlib.sha256(json.dumps([head, pieces], sort_keys=True).encode()).hexdigest()
+    work = work_dir(out)
+    if (work / "plan").is_file() and (work / "plan").read_text() != plan:
+        shutil.rmtree(work)  # another source, tokenizer or settings: its shards do not apply
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "plan").write_text(plan)
+    fields = None if tokenizer is None else dataclasses.asdict(tokenizer)
+    tasks = [{"work": str(work), "index": k, "plan": plan,
+              "pieces": [(str(sources[i].path), sources[i].name, sources[i].kind,
+                          sources[i].size, a, b) for i, a, b in shard],
+              "data_format": "chat" if fmt == "chat" else "text",
+              "text_column": text_column, "dtype": head["dtype"]}
+             for k, shard in enumerate(pieces)]
+    todo = [t for t in tasks if not committed_shard(work, t["index"], plan)]
+    say(f"{len(sources)} file(s), {len(tasks)} shard(s)"
+        + (f", {len(tasks) - len(todo)} already committed by an earlier run"
+           if len(todo) < len(tasks) else "") + f"; tokenizing on {processes} process(es)")
+    started, done = time.monotonic(), [0, 0]
+
+    def report(result):
+        done[0], done[1] = done[0] + 1, done[1] + result["tokens"]
+        say(f"shard {done[0]}/{len(todo)}: {done[1]:,} tokens, "
+            f"{done[1] / max(time.monotonic() - started, 1e-9):,.0f} tokens/s")
+
+    _run(todo, fields, min(processes, max(len(todo), 1)), report)
+    assemble(work, out, len(tasks), head)
+    remove_work(work)
+    return open_store(out).manifest

@@ -1,0 +1,363 @@
+"""The tokenized store (`effijax data prepare`): the same tokens and batches as the in-memory
+path, idempotent and resumable prepares, memory-mapped reading, Parquet / Arrow / `datasets`
+sources, column errors, mixtures, and a run's identity bound to the store's hash."""
+
+import dataclasses
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from _llama_files import VOCAB_SIZE, chat_tokenizer, write_qa
+
+from effijax.data import (
+    Mixture,
+    batch_at,
+    eval_batches,
+    is_store,
+    open_store,
+    verify_store,
+)
+from effijax.errors import ConfigError
+from effijax.models import gpt_config, llama_config
+from effijax.recipe import _identity, _prepare, load_dataset, prepare
+
+pa = pytest.importorskip("pyarrow", reason="Parquet/Arrow sources need pyarrow (the data extra)")
+pq = pytest.importorskip("pyarrow.parquet", reason="Parquet sources need pyarrow")
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SEQ = 32
+BYTES = gpt_config("tiny", seq_len=SEQ)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return chat_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def llama(tok):
+    return dataclasses.replace(llama_config("llama-tiny", vocab_size=VOCAB_SIZE, seq_len=SEQ),
+                               tokenizer=tok)
+
+
+def _documents(n=12):
+    return [f"document {i}: " + " ".join(f"the {j * i % 17}" for j in range(40 + i))
+            for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """The same documents as a folder of text files, a Parquet file (two row groups), an Arrow
+    stream, a JSONL file; and 40 chat records as JSONL."""
+    d = tmp_path_factory.mktemp("corpus")
+    docs = _documents()
+    (d / "txt").mkdir()
+    for i, text in enumerate(docs):
+        (d / "txt" / f"{i:02d}.txt").write_text(text)
+    table = pa.table({"id": list(range(len(docs))), "text": docs})
+    pq.write_table(table, d / "docs.parquet", row_group_size=5)
+    with pa.ipc.new_stream(d / "docs.arrow", table.schema) as writer:
+        for batch in table.to_batches(max_chunksize=4):
+            writer.write_batch(batch)
+    (d / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+    write_qa(d / "qa.jsonl")
+    return d
+
+
+def _batches_equal(a, b, steps=range(5), batch_size=4):
+    for step in steps:
+        x = batch_at(a, seed=3, step=step, batch_size=batch_size, seq_len=SEQ)
+        y = batch_at(b, seed=3, step=step, batch_size=batch_size, seq_len=SEQ)
+        assert x.keys() == y.keys()
+        for key in x:
+            np.testing.assert_array_equal(x[key], y[key], err_msg=f"step {step} {key}")
+
+
+def test_text_store_trains_on_the_in_memory_tokens(corpus, tmp_path, llama):
+    with_bos = dataclasses.replace(llama, tokenizer=dataclasses.replace(llama.tokenizer,
+                                                                        add_bos=True))
+    for model, name in ((BYTES, "bytes"), (llama, "text"), (with_bos, "bos")):
+        store = tmp_path / f"{name}.store"
+        manifest = prepare(corpus / "txt", store, processes=1,
+                           tokenizer=getattr(model, "tokenizer", None))
+        assert manifest["data_format"] == {"bos": "text"}.get(name, name)
+        assert manifest["documents"] == 12
+        memory, mapped = load_dataset(str(corpus / "txt"), model), load_dataset(str(store), model)
+        np.testing.assert_array_equal(memory.train, mapped.train)
+        np.testing.assert_array_equal(memory.val, mapped.val)
+        assert isinstance(open_store(store).tokens, np.memmap)
+        assert isinstance(mapped.train.base, np.memmap) or isinstance(mapped.train, np.memmap)
+        assert mapped.format == memory.format and mapped.tokens == memory.tokens
+        assert mapped.fingerprint == f"store:{manifest['sha256']}"
+        _batches_equal(memory.train, mapped.train)
+        for x, y in zip(eval_batches(memory.val, batch_size=2, seq_len=SEQ, num_batches=3),
+                        eval_batches(mapped.val, batch_size=2, seq_len=SEQ, num_batches=3),
+                        strict=True):
+            np.testing.assert_array_equal(x["inputs"], y["inputs"])
+    assert open_store(tmp_path / "text.store").tokens.dtype == np.uint16  # 264 ids
+    bos = open_store(tmp_path / "bos.store")  # each document starts with BOS, as in memory
+    assert (bos.tokens[bos.offsets[:-1]] == llama.tokenizer.bos_id).all()
+
+
+def test_chat_store_packs_the_rows_pack_examples_packs(corpus, tmp_path, llama):
+    store = tmp_path / "chat.store"
+    manifest = prepare(corpus / "qa.jsonl", store, tokenizer=llama.tokenizer, processes=1,
+                       shard_bytes=300)  # several shards
+    assert manifest["data_format"] == "chat" and manifest["split"]["val_examples"] == 2
+    for seq_len in (SEQ, 24):  # 24: some examples cut to one row
+        memory = load_dataset(str(corpus / "qa.jsonl"), llama, seq_len=seq_len)
+        mapped = load_dataset(str(store), llama, seq_len=seq_len)
+        for a, b in ((memory.train, mapped.train), (memory.val, mapped.val)):
+            assert (len(a), a.examples, a.truncated, a.filled) == \
+                (len(b), b.examples, b.truncated, b.filled)
+            np.testing.assert_array_equal(a.tokens_NW, b.tokens_NW[np.arange(len(b))])
+            np.testing.assert_array_equal(a.mask_NW, b.mask_NW[np.arange(len(b))])
+            np.testing.assert_array_equal(a.segments_NW, b.segments_NW[np.arange(len(b))])
+        assert (memory.train.truncated > 0) == (seq_len == 24)
+        for step in range(3):
+            x = batch_at(memory.train, seed=1, step=step, batch_size=4, seq_len=seq_len)
+            y = batch_at(mapped.train, seed=1, step=step, batch_size=4, seq_len=seq_len)
+            assert sorted(x) == sorted(y) == ["inputs", "mask", "segments", "targets"]
+            for key in x:
+                np.testing.assert_array_equal(x[key], y[key])
+
+
+def _files(store):
+    return {p.name: p.read_bytes() for p in sorted(pathlib.Path(store).iterdir())}
+
+
+def test_prepare_is_idempotent_whatever_the_shards(corpus, tmp_path, tok):
+    one = prepare(corpus / "docs.jsonl", tmp_path / "a", tokenizer=tok, processes=1)
+    again = prepare(corpus / "docs.jsonl", tmp_path / "a", tokenizer=tok, processes=1)
+    many = prepare(corpus / "docs.jsonl", tmp_path / "b", tokenizer=tok, processes=1,
+                   shard_bytes=700)
+    assert one["sha256"] == again["sha256"] == many["sha256"]
+    lines = []  # a third time: nothing to do
+    prepare(corpus / "docs.jsonl", tmp_path / "a", tokenizer=tok, print_fn=lines.append)
+    assert lines == [f"{tmp_path / 'a'} is up to date (same sources, tokenizer and settings)"]
+    assert _files(tmp_path / "a") == _files(tmp_path / "b")
+    assert verify_store(tmp_path / "b") == one["sha256"]
+    assert not _prepare.work_dir(tmp_path / "a").exists()  # the shards are cleaned up
+    (tmp_path / "b" / "tokens.bin").write_bytes(b"\0" * (2 * one["tokens"]))
+    with pytest.raises(ConfigError, match="tokens.bin: sha256: differs from the manifest"):
+        verify_store(tmp_path / "b")
+
+
+@pytest.mark.slow
+def test_a_pool_of_processes_writes_the_same_store(corpus, tmp_path, tok):
+    """Two worker processes (spawned: each imports the tokenizer's module, seconds on a
+    loaded machine) tokenize the shards; the store is the one a single process writes."""
+    one = prepare(corpus / "qa.jsonl", tmp_path / "a", tokenizer=tok, processes=1)
+    two = prepare(corpus / "qa.jsonl", tmp_path / "b", tokenizer=tok, processes=2,
+                  shard_bytes=400)
+    assert one["sha256"] == two["sha256"] and _files(tmp_path / "a") == _files(tmp_path / "b")
+
+
+def test_a_killed_prepare_continues_to_the_same_store(corpus, tmp_path, tok, monkeypatch):
+    clean = prepare(corpus / "docs.jsonl", tmp_path / "clean", tokenizer=tok, processes=1,
+                    shard_bytes=500)
+    real_commit, real_tokenize = _prepare.commit_shard, _prepare._tokenize
+    commits, tokenized = [], []
+
+    def dies_after_three(*args, **kwargs):
+        if len(commits) == 3:
+            raise KeyboardInterrupt  # the process killed between two shards
+        real_commit(*args, **kwargs)
+        commits.append(args[1])
+
+    monkeypatch.setattr(_prepare, "commit_shard", dies_after_three)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(corpus / "docs.jsonl", tmp_path / "s", tokenizer=tok, processes=1,
+                shard_bytes=500)
+    assert not (tmp_path / "s").exists() and len(commits) == 3
+    monkeypatch.setattr(_prepare, "commit_shard", real_commit)
+    monkeypatch.setattr(_prepare, "_tokenize",
+                        lambda task: tokenized.append(task["index"]) or real_tokenize(task))
+    lines = []
+    resumed = prepare(corpus / "docs.jsonl", tmp_path / "s", tokenizer=tok, processes=1,
+                      shard_bytes=500, print_fn=lines.append)
+    shards = len(clean["sources"]) and int(lines[0].split(", ")[1].split()[0])
+    assert "3 already committed by an earlier run" in lines[0]
+    assert sorted(tokenized) == list(range(3, shards))  # only the shards not committed
+    assert resumed["sha256"] == clean["sha256"]
+    assert _files(tmp_path / "s") == _files(tmp_path / "clean")
+
+
+def test_parquet_arrow_and_jsonl_give_the_text_files_tokens(corpus, tmp_path, tok):
+    want = prepare(corpus / "txt", tmp_path / "txt", tokenizer=tok, processes=1)
+    stores = {name: prepare(corpus / name, tmp_path / name, tokenizer=tok, processes=1,
+                            shard_bytes=400)
+              for name in ("docs.parquet", "docs.arrow", "docs.jsonl")}
+    tokens = open_store(tmp_path / "txt").tokens
+    for name, manifest in stores.items():
+        assert manifest["documents"] == 12, name
+        np.testing.assert_array_equal(open_store(tmp_path / name).tokens, tokens, err_msg=name)
+    assert stores["docs.parquet"]["sources"][0]["name"] == "docs.parquet"
+    assert want["tokens"] == stores["docs.parquet"]["tokens"]
+
+
+@pytest.mark.slow
+def test_a_datasets_save_to_disk_folder_is_its_arrow_files(corpus, tmp_path, tok):
+    """``datasets`` (imported in seconds) writes the folder; its rows are the documents."""
+    datasets = pytest.importorskip("datasets", reason="the save_to_disk case needs datasets")
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_parquet(str(corpus / "docs.parquet")).save_to_disk(str(saved))
+    manifest = prepare(saved, tmp_path / "saved.store", tokenizer=tok, processes=1)
+    assert [s["kind"] for s in manifest["sources"]] == ["arrow"]
+    want = prepare(corpus / "txt", tmp_path / "txt", tokenizer=tok, processes=1)
+    assert manifest["documents"] == 12 and manifest["tokens"] == want["tokens"]
+    np.testing.assert_array_equal(open_store(tmp_path / "saved.store").tokens,
+                                  open_store(tmp_path / "txt").tokens)
+    datasets.DatasetDict({"train": datasets.load_from_disk(str(saved))}).save_to_disk(
+        str(tmp_path / "dict"))
+    with pytest.raises(ConfigError, match=r"is a DatasetDict \(splits: train\); give one "
+                                          r"split's folder, e.g. .*dict/train"):
+        prepare(tmp_path / "dict", tmp_path / "s", tokenizer=tok)
+
+
+def test_column_and_format_errors_name_the_file_before_anything_runs(corpus, tmp_path, tok):
+    pq.write_table(pa.table({"id": [1, 2], "body": ["a", "b"]}), tmp_path / "docs.parquet")
+    with pytest.raises(ConfigError, match=r"docs\.parquet: no column 'text' \(columns: id, "
+                                          r"body\): use --text-column body$"):
+        prepare(tmp_path / "docs.parquet", tmp_path / "s", tokenizer=tok)
+    with pytest.raises(ConfigError, match=r"docs\.parquet: no column 'messages' .*columns: id, "
+                                          "body"):
+        prepare(tmp_path / "docs.parquet", tmp_path / "s", tokenizer=tok, data_format="chat")
+    pq.write_table(pa.table({"text": ["fine", None]}), tmp_path / "nulls.parquet")
+    with pytest.raises(ConfigError, match=r"nulls\.parquet: row 1: column 'text' is missing"):
+        prepare(tmp_path / "nulls.parquet", tmp_path / "s", tokenizer=tok, processes=1)
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "a", "response": "b"}\n{"prompt": 1}\n')
+    with pytest.raises(ConfigError, match=r"bad\.jsonl@33'?: keys \['prompt'\]"):
+        prepare(tmp_path / "bad.jsonl", tmp_path / "s", tokenizer=tok, processes=1)
+    with pytest.raises(ConfigError, match="chat records are rendered with a model's chat "
+                                          "template: name the model with --from"):
+        prepare(corpus / "qa.jsonl", tmp_path / "s")
+    # --data never reads a table as bytes: refused with the command that prepares it.
+    for source in (corpus / "docs.parquet", corpus / "docs.arrow", tmp_path):
+        with pytest.raises(ConfigError, match=r"holds Parquet/Arrow data .*effijax data prepare "
+                                              rf"{source} --out .*--from MODEL"):
+            load_dataset(str(source), BYTES)
+    assert not (tmp_path / "s").exists()
+    # The store is replaced whole: never a folder that is not one, never inside the source.
+    with pytest.raises(ConfigError, match=r"out='.*corpus.*/txt': exists and is not a token "
+                                          "store"):
+        prepare(corpus / "docs.jsonl", corpus / "txt")
+    with pytest.raises(ConfigError, match=r"out='.*/txt/s': is inside the source"):
+        prepare(corpus / "txt", corpus / "txt" / "s")
+
+
+def test_a_store_of_another_tokenizer_is_refused(corpus, tmp_path, llama):
+    prepare(corpus / "txt", tmp_path / "bytes.store", processes=1)
+    with pytest.raises(ConfigError, match=r"was prepared with tokenizer bytes \(no tokenizer\), "
+                                          r"but Llama d64 L2 tokenizes with [0-9a-f]{12}\.\.; "
+                                          "prepare it again"):
+        load_dataset(str(tmp_path / "bytes.store"), llama)
+
+
+def test_mixtures_are_deterministic_weighted_and_split_by_process(tmp_path):
+    for name, byte in (("a", b"a"), ("b", b"b")):
+        (tmp_path / f"{name}.txt").write_bytes(byte * 4000)
+        prepare(tmp_path / f"{name}.txt", tmp_path / f"{name}.store", processes=1)
+    spec = f"{tmp_path / 'a.store'}:0.7,{tmp_path / 'b.store'}:0.3"
+    data = load_dataset(spec, BYTES)
+    assert isinstance(data.train, Mixture) and data.train.weights == (0.7, 0.3)
+    assert data.fingerprint.startswith("mix:") and data.tokens == 8000
+    kw = {"seed": 5, "batch_size": 2000, "seq_len": 8}
+    batch = batch_at(data.train, step=7, **kw)
+    share = float(np.mean(batch["inputs"][:, 0] == ord("a")))
+    assert 0.67 < share < 0.73  # 2000 draws: 0.7 +- 3 standard deviations
+    assert set(np.unique(batch["inputs"])) == {ord("a"), ord("b")}
+    assert all(len(set(row.tolist())) == 1 for row in batch["inputs"])  # one corpus per row
+    np.testing.assert_array_equal(batch["inputs"], batch_at(data.train, step=7, **kw)["inputs"])
+    assert not np.array_equal(batch["inputs"], batch_at(data.train, step=8, **kw)["inputs"])
+    parts = [batch_at(data.train, step=7, process_index=i, process_count=4, **kw)["inputs"]
+             for i in range(4)]
+    np.testing.assert_array_equal(np.concatenate(parts), batch["inputs"])
+    swapped = load_dataset(f"{tmp_path / 'a.store'}:0.3,{tmp_path / 'b.store'}:0.7", BYTES)
+    assert swapped.fingerprint != data.fingerprint
+    evals = eval_batches(data.val, batch_size=2, seq_len=8, num_batches=4)
+    assert [chr(b["inputs"][0, 0]) for b in evals] == ["a", "b", "a", "b"]
+    with pytest.raises(ConfigError, match="a mixture .* draws from token stores; prepare it"):
+        load_dataset(f"{tmp_path / 'a.txt'}:1,{tmp_path / 'b.store'}:1", BYTES)
+
+
+def test_a_resume_against_another_store_is_refused(tmp_path):
+    (tmp_path / "a.txt").write_bytes(b"first corpus " * 100)
+    (tmp_path / "b.txt").write_bytes(b"other corpus " * 100)
+    runs = []
+    for name in ("a", "b"):
+        prepare(tmp_path / f"{name}.txt", tmp_path / f"{name}.store", processes=1)
+        data = load_dataset(str(tmp_path / f"{name}.store"), BYTES)
+        runs.append({"seed": 0, "run": {"corpus_sha256": data.fingerprint}})
+    assert _identity.check_resume(runs[0], runs[0], (), where="ckpt") == {}
+    with pytest.raises(ConfigError, match=r"data 'store:[0-9a-f]{64}' -> 'store:[0-9a-f]{64}' "
+                                          r"\(must match the checkpointed run\)"):
+        _identity.check_resume(runs[0], runs[1], (), where="ckpt")
+
+
+_RSS = """
+import sys
+from effijax.data import batch_at
+from effijax.models import gpt_config
+from effijax.recipe import load_dataset
+data = load_dataset(sys.argv[1], gpt_config("tiny", seq_len=64))
+for step in range(200):
+    batch_at(data.train, seed=0, step=step, batch_size=16, seq_len=64)
+# VmHWM, the peak RSS (ru_maxrss keeps the forking parent's peak across exec): the mapped
+# store's pages count while mapped (2 MiB at a time where the kernel caches the file in large
+# folios), so a batch unmaps what it read (effijax.data.release_pages).
+peak = next(line for line in open("/proc/self/status") if line.startswith("VmHWM"))
+print(int(peak.split()[1]) * 1024)
+"""
+
+
+@pytest.mark.slow
+def test_host_memory_does_not_grow_with_the_store(tmp_path):
+    """A 256 MiB store trains in the peak RSS of a 1 MiB one, where the in-memory path holds
+    the corpus: its arrays are mapped, only the windows drawn are read, and unmapped again."""
+    rng = np.random.default_rng(0)
+    for name, size in (("small", 2**20), ("large", 256 * 2**20)):
+        (tmp_path / f"{name}.txt").write_bytes(rng.integers(32, 127, size, np.uint8).tobytes())
+        prepare(tmp_path / f"{name}.txt", tmp_path / f"{name}.store", processes=1,
+                shard_bytes=64 * 2**20)
+        (tmp_path / f"{name}.txt").unlink()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    rss = {}
+    for name in ("small", "large"):
+        out = subprocess.run([sys.executable, "-c", _RSS, str(tmp_path / f"{name}.store")],
+                             capture_output=True, text=True, env=env, check=True)
+        rss[name] = float(out.stdout.split()[0])
+    assert rss["large"] - rss["small"] < 64 * 2**20, rss  # not the 256 MiB of the store
+    # What the test can tell: the in-memory path holds the corpus (its RSS grows by it).
+    (tmp_path / "big.txt").write_bytes(b"x" * 256 * 2**20)
+    out = subprocess.run([sys.executable, "-c", _RSS, str(tmp_path / "big.txt")],
+                         capture_output=True, text=True, env=env, check=True)
+    assert float(out.stdout.split()[0]) - rss["small"] > 256 * 2**20
+    assert is_store(tmp_path / "large.store")
+
+
+@pytest.mark.slow
+def test_training_on_a_store_gives_the_losses_of_its_files(corpus, tmp_path):
+    """One compiled step of the byte GPT, three steps from the same state on the folder's and
+    on the store's batches: the losses are bit for bit the same."""
+    import jax
+    import optax
+
+    from effijax.recipe import batch_fn, compile_job, init_state, plan_job
+
+    prepare(corpus / "txt", tmp_path / "a.store", processes=1)
+    model = gpt_config("tiny", seq_len=16)
+    job = plan_job(model, "fp32", optax.adam(1e-3), batch_size=4, seed=2)
+    step = compile_job(job, census=False).step
+    losses = {}
+    for name, data in (("files", corpus / "txt"), ("store", tmp_path / "a.store")):
+        state, fetch, losses[name] = init_state(job), batch_fn(job, load_dataset(
+            str(data), model).train), []
+        for i in range(3):
+            state, metrics = step(state, fetch(i))
+            losses[name].append(float(jax.device_get(metrics["loss"])))
+    assert losses["files"] == losses["store"] and len(set(losses["files"])) == 3
