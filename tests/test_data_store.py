@@ -203,7 +203,8 @@ def test_parquet_arrow_and_jsonl_give_the_text_files_tokens(corpus, tmp_path, to
 @pytest.mark.slow
 def test_a_datasets_save_to_disk_folder_is_its_arrow_files(corpus, tmp_path, tok):
     """``datasets`` (imported in seconds) writes the folder; its rows are the documents."""
-    datasets = pytest.importorskip("datasets", reason="the save_to_disk case needs datasets (pip install effijax[interop])")
+    datasets = pytest.importorskip("datasets", reason="the save_to_disk case needs datasets "
+                                   "(pip install effijax[interop])")
     saved = tmp_path / "saved"
     datasets.Dataset.from_parquet(str(corpus / "docs.parquet")).save_to_disk(str(saved))
     manifest = prepare(saved, tmp_path / "saved.store", tokenizer=tok, processes=1)
