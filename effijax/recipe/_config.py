@@ -41,7 +41,7 @@ MAX_CONFIG_BYTES = 2**20
 # presets plus "auto" (bf16 on GPU/TPU, fp32 on CPU, where bf16 matmuls are emulated and
 # slower), with the memory estimator's aliases ("mixed", "float32", "half", ...).
 PRECISIONS = ("auto", *PRESET_NAMES)
-FROZEN_DTYPES = ("auto", "fp32", "bf16", "fp16")
+FROZEN_DTYPES = ("auto", "fp32", "bf16", "fp16", "nf4", "int8")
 DATA_FORMATS = ("auto", "text", "chat")
 DEFAULT_MODEL = "mini"
 # Launchers of effijax.distributed (kept here too: checking a config must not import jax; a
