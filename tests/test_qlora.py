@@ -26,6 +26,7 @@ from effijax.precision import (
     Quantized,
     ScaleCodes,
     dequantize,
+    dequantize_kernels,
     is_quantized,
     quantize,
     quantize_kernels,
@@ -210,8 +211,7 @@ def test_adapter_gradients_on_a_quantized_base_equal_those_on_its_dequantized_co
     loss = jax.jit(jax.value_and_grad(
         lambda a, base: make_loss_fn(graphdef, spec)({"base": base, "adapters": a}, batch)[0]))
     q = quantize_kernels(params, "nf4")
-    copy = jax.tree.map(lambda x: dequantize(x) if is_quantized(x) else x, q,
-                        is_leaf=is_quantized)
+    copy = dequantize_kernels(q)
     (l_q, g_q), (l_c, g_c), (l_f, _) = loss(adapters, q), loss(adapters, copy), loss(adapters,
                                                                                      params)
     np.testing.assert_allclose(l_q, l_c, rtol=1e-6)
@@ -272,3 +272,14 @@ def test_compiled_step_arguments_are_the_estimated_bytes(qlora_jobs):
     m = measure(job.step.lower(state, batch).compile())
     assert m.argument_bytes == tree_bytes(state) + tree_bytes(batch)
     assert tree_bytes(batch["base"]) == estimate
+
+
+def test_generation_with_adapters_on_a_quantized_base_is_that_of_its_dequantized_copy(tiny):
+    from effijax.generate import generate
+
+    config, _, params, spec, adapters, _ = tiny
+    q = quantize_kernels(params, "nf4")
+    outs = [generate(config, {"base": base, "adapters": adapters}, [[1, 2, 3], [7, 8]],
+                     max_new_tokens=6, lora=spec).tokens
+            for base in (q, dequantize_kernels(q))]
+    np.testing.assert_array_equal(outs[0], outs[1])

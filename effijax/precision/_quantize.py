@@ -37,6 +37,7 @@ from effijax.errors import ConfigError
 from effijax.paths import map_with_path
 
 __all__ = ["NF4_CODES", "QUANTIZED_FORMATS", "Quantized", "ScaleCodes", "dequantize",
+           "dequantize_kernels", "dequantized_shapes",
            "is_quantized", "quantize", "quantize_kernels", "quantized_bytes",
            "quantized_sharding", "is_quantizable"]
 
@@ -194,7 +195,7 @@ def dequantize(q: Quantized, dtype: Any = jnp.float32) -> jax.Array:
       >>> w = jnp.linspace(-1.0, 1.0, 128).reshape(2, 64)
       >>> q = quantize(w, "int8")
       >>> back = dequantize(q, jnp.bfloat16)
-      >>> back.dtype, back.shape, bool(jnp.max(jnp.abs(back - w)) < 0.01)
+      >>> back.dtype, back.shape, bool(jnp.max(jnp.abs(back.astype(w.dtype) - w)) < 0.01)
       (dtype(bfloat16), (2, 64), True)
     """
     shape = q.shape
@@ -237,6 +238,33 @@ def quantize_kernels(params, fmt: str, *, double_quant: bool = True):
                          if is_quantizable(path, x) else x, params)
 
 
+def dequantize_kernels(params, dtype: Any = jnp.float32):
+    """``params`` with every :class:`Quantized` kernel dequantized to ``dtype`` (e.g. to merge
+    adapters into a quantized base for export); the rest unchanged.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> q = quantize_kernels({"layers": {"kernel": jnp.ones((2, 4, 64))}}, "nf4")
+      >>> float(dequantize_kernels(q)["layers"]["kernel"].sum())
+      512.0
+    """
+    return jax.tree.map(lambda x: dequantize(x, dtype) if is_quantized(x) else x, params,
+                        is_leaf=is_quantized)
+
+
+def dequantized_shapes(params):
+    """``params`` with every :class:`Quantized` kernel as the ``jax.ShapeDtypeStruct`` (f32) of
+    the kernel it stands for: what shape checks and parameter counts read.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> dequantized_shapes({"w": quantize(jnp.ones((4, 64)), "nf4")})["w"].shape
+      (4, 64)
+    """
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32)
+                        if is_quantized(x) else x, params, is_leaf=is_quantized)
+
+
 def quantized_bytes(shape: tuple[int, ...], fmt: str, *, block: int = BLOCK,
                     double_quant: bool = True) -> int:
     """Exact bytes of :func:`quantize`'s output for a kernel of ``shape`` (codes + scales).
@@ -265,11 +293,11 @@ def quantized_sharding(sharding: NamedSharding, q) -> Quantized:
     Example:
       >>> import jax, jax.numpy as jnp
       >>> from jax.sharding import NamedSharding, PartitionSpec as P
-      >>> mesh = jax.make_mesh((8,), ("fsdp",))
+      >>> mesh = jax.make_mesh((8,), ("fsdp",), (jax.sharding.AxisType.Auto,))
       >>> q = quantize(jnp.ones((2, 64, 128)), "nf4")
       >>> sh = quantized_sharding(NamedSharding(mesh, P(None, "fsdp")), q)
       >>> sh.codes.spec, sh.scales.steps.spec
-      (PartitionSpec(None, 'fsdp'), PartitionSpec(None, None))
+      (P(None, 'fsdp'), P(None, None))
     """
     spec, sizes = tuple(sharding.spec), dict(sharding.mesh.shape)
 

@@ -36,6 +36,7 @@ from effijax.precision import (
     QUANTIZED_FORMATS,
     Policy,
     cast_floating,
+    dequantized_shapes,
     get_policy,
     is_quantized,
     parse_dtype,
@@ -424,7 +425,7 @@ def init_frozen(job: Job, base: Any = None) -> Any:
     if base is None:
         return jax.jit(lambda key: cast(job.model.init_params(key, job.policy)),
                        out_shardings=shardings)(_keys(job.seed)[0])
-    _check_params(base, _logical_frozen(job.frozen), "base")
+    _check_params(base, dequantized_shapes(job.frozen), "base")
     if not any(is_quantized(x) for x in jax.tree.leaves(job.frozen, is_leaf=is_quantized)):
         return jax.jit(cast, out_shardings=shardings)(base)
     # One leaf at a time: a quantized base never exists in full precision, not even while it
@@ -456,20 +457,6 @@ def _to_frozen(want, x):
     if want.format is None:
         return x.astype(want.dtype)
     return quantize(x, want.format, double_quant=want.double_quant)
-
-
-def _logical_frozen(frozen):
-    """A frozen base's logical parameters: each quantized kernel as a ``ShapeDtypeStruct`` of
-    its full shape (f32), the other leaves as they are.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> from effijax.precision import quantize
-      >>> _logical_frozen({"w": quantize(jnp.ones((4, 64)), "nf4")})["w"].shape
-      (4, 64)
-    """
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32)
-                        if is_quantized(x) else x, frozen, is_leaf=is_quantized)
 
 
 def batch_fn(job: Job, tokens: np.ndarray, frozen: Any = None) -> Callable[[int], dict]:
