@@ -196,12 +196,14 @@ def test_bad_inputs_say_what_to_do(call, match):
 def tiny():
     config = llama_config("llama-tiny", seq_len=16)
     graphdef, abstract = abstract_split(config)
-    params = jax.jit(lambda k: jax.tree.map(
-        lambda a: 0.05 * jax.random.normal(k, a.shape, a.dtype), abstract))(jax.random.key(0))
+    rng = np.random.default_rng(0)  # host random numbers: nothing to compile
+    params = jax.tree.map(lambda a: jnp.asarray(0.05 * rng.standard_normal(a.shape), a.dtype),
+                          abstract)
     spec = lora.LoraSpec(rank=4, targets=config.lora_targets)
-    adapters = lora.init(jax.random.key(1), params, spec)
-    adapters = jax.tree.map(lambda x: x + 0.01, adapters)  # b != 0: the adapters matter
-    tokens = jax.random.randint(jax.random.key(2), (2, 17), 0, 256)
+    adapters = jax.tree.map(  # b != 0: the adapters matter
+        lambda a: jnp.asarray(0.05 * rng.standard_normal(a.shape), a.dtype),
+        jax.eval_shape(lambda: lora.init(jax.random.key(1), params, spec)))
+    tokens = jnp.asarray(rng.integers(0, 256, (2, 17)), jnp.int32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     return config, graphdef, params, spec, adapters, batch
 
@@ -210,7 +212,10 @@ def test_adapter_gradients_on_a_quantized_base_equal_those_on_its_dequantized_co
     config, graphdef, params, spec, adapters, batch = tiny
     loss = jax.jit(jax.value_and_grad(
         lambda a, base: make_loss_fn(graphdef, spec)({"base": base, "adapters": a}, batch)[0]))
+    # Both formats in one base (one compilation): NF4 attention, int8 MLP.
     q = quantize_kernels(params, "nf4")
+    q["layers"]["mlp"] = quantize_kernels(params["layers"]["mlp"], "int8")
+    assert q["layers"]["mlp"]["up_proj"]["kernel"].format == "int8"
     copy = dequantize_kernels(q)
     (l_q, g_q), (l_c, g_c), (l_f, _) = loss(adapters, q), loss(adapters, copy), loss(adapters,
                                                                                      params)
@@ -272,6 +277,14 @@ def test_compiled_step_arguments_are_the_estimated_bytes(qlora_jobs):
     m = measure(job.step.lower(state, batch).compile())
     assert m.argument_bytes == tree_bytes(state) + tree_bytes(batch)
     assert tree_bytes(batch["base"]) == estimate
+    # No full-precision copy of the base among the temporaries: each layer's kernels are
+    # dequantized where used (at most one layer's f32 kernels more than on the f32 base).
+    f32_job, f32_base, f32_state, _ = qlora_jobs["f32"]
+    m_f32 = measure(f32_job.step.lower(f32_state, abstract_batch(f32_job)).compile())
+    one_layer = tree_bytes(f32_base["layers"]) // job.model.n_layers
+    print(f"temporaries: nf4 base {m.temp_bytes:,} B, f32 base {m_f32.temp_bytes:,} B, "
+          f"one layer's f32 weights {one_layer:,} B")
+    assert m.temp_bytes <= m_f32.temp_bytes + one_layer
 
 
 def test_generation_with_adapters_on_a_quantized_base_is_that_of_its_dequantized_copy(tiny):

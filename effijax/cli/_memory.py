@@ -184,7 +184,8 @@ def add_parsers(sub) -> None:
         "--frozen-dtype",
         default="bf16",
         choices=tuple(FROZEN_DTYPES),
-        help="storage of the frozen base under LoRA",
+        help="storage of the frozen base under LoRA (nf4, int8: with their scales; exact "
+        "bytes with --model or --from)",
     )
     _add_shape_flags(m, "--batch-size", "sequences per device per micro-batch b")
     m.add_argument(

@@ -247,7 +247,8 @@ class TrainConfig:
     lora_dropout: float = _field(0.0, "dropout on the adapters' input", metavar="P",
                                  section="lora")
     frozen_dtype: str = _field("auto", "storage dtype of the frozen base (auto: the precision's "
-                               "compute dtype)", choices=FROZEN_DTYPES, section="lora")
+                               "compute dtype; nf4, int8: its layers' kernels quantized, QLoRA)",
+                               choices=FROZEN_DTYPES, section="lora")
     lora_random_base: bool = _field(False, "train adapters on a randomly initialised base (for "
                                     "experiments; LoRA normally adapts an init_from model)",
                                     flag="--lora-random-base", section="lora")
