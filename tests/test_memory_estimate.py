@@ -7,8 +7,10 @@ under test.
 
 import dataclasses
 import doctest
+import math
 import re
 from decimal import Decimal
+from fractions import Fraction
 
 import flax.linen as nn
 import jax
@@ -22,6 +24,7 @@ import effijax.memory._plan
 from effijax.errors import ConfigError
 from effijax.memory import (
     FROZEN_DTYPES,
+    FROZEN_SCALE_BITS,
     GB,
     PRECISION_ALIASES,
     PRECISIONS,
@@ -247,10 +250,13 @@ def test_model_states_validation(kwargs, match):
 
 
 def test_frozen_dtypes_count_their_bits():
+    # effijax's quantized bases (nf4, int8) also store double-quantized scales.
     for name, bits in FROZEN_DTYPES.items():
         est = model_states("7B", lora_fraction=0.01, frozen_dtype=name)
-        assert est.frozen_bytes == 7 * 10**9 * bits // 8, name
+        scales = FROZEN_SCALE_BITS.get(name, 0)
+        assert est.frozen_bytes == math.ceil(7 * 10**9 * (bits + scales) / 8), name
     assert FROZEN_DTYPES["nf4"] == 4 and FROZEN_DTYPES["bf16"] == 16
+    assert FROZEN_SCALE_BITS["nf4"] == Fraction(8, 64) + Fraction(32, 64 * 256)
 
 
 @pytest.mark.parametrize(

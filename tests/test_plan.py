@@ -190,9 +190,12 @@ def test_check_request_checks_the_layer_options_before_any_estimate():
 
 
 def test_methods_try_full_fine_tuning_first_and_lora_only_if_allowed():
-    assert _plan._methods(_request()) == (
-        ("full fine-tuning", None), ("LoRA (0.01 adapters, bf16 frozen base)", 0.01))
-    assert _plan._methods(_request(allow_lora=False)) == (("full fine-tuning", None),)
+    full = _plan._Method("full fine-tuning", None)
+    bf16 = _plan._Method("LoRA (0.01 adapters, bf16 frozen base)", 0.01, "bf16")
+    assert _plan._methods(_request()) == (full, bf16)
+    assert _plan._methods(_request(allow_lora=False)) == (full,)
+    assert _plan._methods(_request(quantized_base="nf4", quantized_bytes=10**9)) == (
+        full, bf16, _plan._Method("QLoRA (0.01 adapters, nf4 frozen base)", 0.01, "nf4", 10**9))
 
 
 def test_stage_states_are_model_states_at_each_zero_stage():

@@ -19,6 +19,7 @@ from effijax.errors import NO_VALUE, ConfigError, whole_number
 from effijax.memory import (
     CHECKPOINTING,
     FROZEN_DTYPES,
+    FROZEN_SCALE_BITS,
     OPTIMIZERS,
     PRECISION_ALIASES,
     PRECISIONS,
@@ -183,7 +184,8 @@ def add_parsers(sub) -> None:
         "--frozen-dtype",
         default="bf16",
         choices=tuple(FROZEN_DTYPES),
-        help="storage of the frozen base under LoRA",
+        help="storage of the frozen base under LoRA (nf4, int8: with their scales; exact "
+        "bytes with --model or --from)",
     )
     _add_shape_flags(m, "--batch-size", "sequences per device per micro-batch b")
     m.add_argument(
@@ -223,6 +225,13 @@ def add_parsers(sub) -> None:
         help="LoRA adapters as a fraction of the parameters, if LoRA is needed",
     )
     p.add_argument("--no-lora", dest="allow_lora", action="store_false", help="never propose LoRA")
+    p.add_argument(
+        "--frozen-dtype",
+        default="bf16",
+        choices=("bf16", *FROZEN_SCALE_BITS),
+        help="LoRA's frozen base: bf16, or also try a quantized base (QLoRA) when bf16 does not "
+        "fit",
+    )
     _add_shape_flags(p, "--global-batch", "global batch in sequences")
     p.add_argument("--json", action="store_true", help="print a JSON object")
     p.set_defaults(func=plan_command)
@@ -324,9 +333,20 @@ def _model_shape(args: argparse.Namespace, batch_name: str) -> dict:
     if args.lora_rank is not None:
         args.lora_fraction = _adapter_count(model, args.lora_rank) / shape.num_params
     args.model_name = getattr(model, "name", args.model or args.init_from)
+    args.frozen_bytes = _quantized_base_bytes(model, getattr(args, "frozen_dtype", "bf16"))
     # layers, hidden and heads travel in args with the shape flags they stand for.
     return {k: v for k, v in shape.activation_args().items()
             if k not in ("layers", "hidden", "heads")}
+
+
+def _quantized_base_bytes(model, frozen_dtype: str) -> int | None:
+    """Exact bytes of the model's base stored as a quantized ``frozen_dtype`` (codes, scales
+    and the unquantized leaves in bf16), from its shapes; None for a floating dtype."""
+    from effijax.memory import frozen_base_bytes  # imports JAX, which --params never needs
+
+    if frozen_dtype not in FROZEN_SCALE_BITS:
+        return None
+    return frozen_base_bytes(model.abstract_params(), frozen_dtype)
 
 
 def _adapter_count(model, rank: int) -> int:
@@ -358,7 +378,8 @@ def memory_command(args: argparse.Namespace) -> int:
         states = model_states(args.params, optimizer=args.optimizer, precision=args.precision,
                               zero_stage=args.zero, devices=args.devices,
                               lora_fraction=args.lora_fraction, frozen_dtype=args.frozen_dtype,
-                              tensor=args.tensor)
+                              tensor=args.tensor,
+                              frozen_bytes=getattr(args, "frozen_bytes", None))
         acts = None if args.layers is None else activation_bytes(
             **shape, bytes_per_value=4 if args.precision == "fp32" else 2,
             checkpointing=args.checkpointing, tensor=args.tensor,
@@ -414,10 +435,12 @@ def plan_command(args: argparse.Namespace) -> int:
     """Handler of ``effijax plan``; returns 0 if a configuration fits, 1 if none does."""
     try:
         shape = _shape(args, "global_batch")  # with --model or --from, it sets args.params
+        quantized = None if args.frozen_dtype == "bf16" else args.frozen_dtype
         result = plan(args.params, devices=args.devices, device_memory=args.device_memory,
                       optimizer=args.optimizer, allow_lora=args.allow_lora,
                       headroom=args.headroom, lora_fraction=args.lora_fraction,
-                      tensor=args.tensor, **shape)
+                      tensor=args.tensor, quantized_base=quantized,
+                      quantized_bytes=getattr(args, "frozen_bytes", None), **shape)
     except ConfigError as e:
         return _error("plan", e)
     if args.json:

@@ -41,6 +41,7 @@ from effijax.errors import ConfigError, whole_number
 from effijax.generate._limits import check_prompt_count
 from effijax.generate._sample import sample
 from effijax.memory import format_bytes, tree_bytes
+from effijax.precision import is_quantized
 from effijax.recipe import check_memory
 
 __all__ = ["Generation", "generate", "PROMPT_BUCKET", "CACHE_BUCKET"]
@@ -103,7 +104,10 @@ def _signature(tree) -> tuple:
 
 def _compute_dtype(params, lora) -> Any:
     base = params["base"] if lora is not None else params
-    floats = [x.dtype for x in jax.tree.leaves(base) if jnp.issubdtype(x.dtype, jnp.floating)]
+    # A quantized kernel (QLoRA base) is dequantized to the activations' dtype: its f32 scales
+    # say nothing of the compute dtype.
+    floats = [x.dtype for x in jax.tree.leaves(base, is_leaf=is_quantized)
+              if not is_quantized(x) and jnp.issubdtype(x.dtype, jnp.floating)]
     return jnp.result_type(*floats) if floats else jnp.float32
 
 

@@ -22,9 +22,9 @@ from effijax._lazy import attach
 __getattr__, __dir__, __all__ = attach(__name__, {
     "effijax.memory._activations": ("CHECKPOINTING", "activation_bytes"),
     "effijax.memory._estimate": ("GB", "GIB", "OPTIMIZERS", "PRECISIONS", "PRECISION_ALIASES",
-        "FROZEN_DTYPES", "ModelStateBytes", "format_bytes", "model_states",
+        "FROZEN_DTYPES", "FROZEN_SCALE_BITS", "ModelStateBytes", "format_bytes", "model_states",
         "parse_bytes", "parse_count"),
-    "effijax.memory._tree": ("estimate_tree",),
+    "effijax.memory._tree": ("estimate_tree", "frozen_base_bytes"),
     "effijax.memory._communication": ("Communication", "communication"),
     "effijax.memory._measure": ("ACTIVATION_VARIANTS", "ROW_HEADER", "ActivationPoint",
         "Measurement", "Row", "activation_measure", "compare", "measure", "tree_bytes"),

@@ -21,6 +21,7 @@ import math
 import numbers
 import re
 from decimal import Decimal, InvalidOperation
+from fractions import Fraction
 from typing import Any
 
 from effijax.errors import ConfigError, whole_number
@@ -28,6 +29,7 @@ from effijax.precision import PRESET_ALIASES
 
 __all__ = [
     "FROZEN_DTYPES",
+    "FROZEN_SCALE_BITS",
     "GB",
     "GIB",
     "ModelStateBytes",
@@ -110,6 +112,14 @@ FROZEN_DTYPES: dict[str, int] = {
     "int8": 8,
     "int4": 4,
     "nf4": 4,
+}
+# The quantized bases effijax trains on (effijax.precision.quantize's defaults) carry scales
+# beyond their codes: one int8 absmax per 64 weights, one f32 step per 256 of those (QLoRA's
+# double quantization). Per weight of a large kernel, in bits; the exact bytes of a real model's
+# base (a mean scale per kernel, embeddings and norms unquantized) come from its shapes.
+FROZEN_SCALE_BITS: dict[str, Fraction] = {
+    "nf4": Fraction(8, 64) + Fraction(32, 64 * 256),
+    "int8": Fraction(8, 64) + Fraction(32, 64 * 256),
 }
 
 def _parse_number(value: Any, units: dict[str, int], unit_names: str, example: str,
@@ -317,10 +327,10 @@ def _check_fraction(value: Any) -> float:
     return float(value)
 
 
-def _per_device(count: int, bits: int, sharded: bool, devices: int) -> int:
+def _per_device(count: int, bits: int | Fraction, sharded: bool, devices: int) -> int:
     """Bytes on one device of ``count`` elements of ``bits`` bits, sharded into padded shards."""
     elements = -(-count // devices) if sharded else count
-    return -(-elements * bits // 8)
+    return math.ceil(elements * Fraction(bits) / 8)
 
 
 def model_states(
@@ -333,6 +343,7 @@ def model_states(
     lora_fraction: float | None = None,
     frozen_dtype: str = "bf16",
     tensor: int = 1,
+    frozen_bytes: int | None = None,
 ) -> ModelStateBytes:
     """Closed-form per-device bytes of parameters, gradients and optimizer state.
 
@@ -375,7 +386,10 @@ def model_states(
       lora_fraction: adapter parameters as a fraction of ``num_params``, in (0, 1]; None for full
         fine-tuning.
       frozen_dtype: storage of the frozen base under LoRA: ``bf16``, ``fp16``, ``fp32``, ``fp8``,
-        ``int8``, ``int4``/``nf4``.
+        ``int8``, ``int4``/``nf4``. ``nf4`` and ``int8`` count their double-quantized scales
+        too (:data:`FROZEN_SCALE_BITS`: 4.127 bits per parameter for ``nf4``).
+      frozen_bytes: the whole frozen base's exact bytes, when known from the model's shapes
+        (``effijax.memory.frozen_base_bytes``); replaces ``num_params`` x the dtype's bits.
       tensor: the tensor-parallel degree (>= 1).
 
     Returns:
@@ -394,6 +408,8 @@ def model_states(
       1.89
       >>> model_states("70B", zero_stage=3, devices=2, tensor=4).model_state_bytes / GB
       140.0
+      >>> model_states("70B", lora_fraction=0.01, frozen_dtype="nf4").frozen_bytes / GB
+      36.110839844
       >>> model_states("7B", zero_stage=4)
       Traceback (most recent call last):
       effijax.errors.ConfigError: zero_stage=4: must be an integer from 0 to 3
@@ -409,17 +425,23 @@ def model_states(
     moments = OPTIMIZERS[optimizer]
 
     if lora_fraction is None:
-        trainable, frozen, frozen_bits = num_params, 0, 0
+        trainable, frozen, frozen_units, frozen_bits = num_params, 0, 0, 0
     else:
         fraction = _check_fraction(lora_fraction)
         frozen_dtype = _check_choice("frozen_dtype", frozen_dtype, FROZEN_DTYPES)
         trainable = max(1, round(fraction * num_params))
-        frozen, frozen_bits = num_params, FROZEN_DTYPES[frozen_dtype]
+        frozen = frozen_units = num_params
+        frozen_bits = FROZEN_DTYPES[frozen_dtype] + FROZEN_SCALE_BITS.get(frozen_dtype, 0)
+        if frozen_bytes is not None:
+            # Exact bytes, sharded bytewise (the quantized leaves shard like their kernels).
+            frozen_units = whole_number("frozen_bytes", frozen_bytes, maximum=None)
 
     shard_opt, shard_grads, shard_params = zero_stage >= 1, zero_stage >= 2, zero_stage >= 3
-    # One tensor-parallel shard of each count, then ZeRO's split of it over the devices.
-    frozen_t, trainable_t = -(-frozen // tensor), -(-trainable // tensor)
-    frozen_bytes = _per_device(frozen_t, frozen_bits, shard_params, devices)
+    # One tensor-parallel shard of each count, then ZeRO's split of it over the devices (the
+    # exact frozen_bytes, when given, are split bytewise).
+    frozen_t, trainable_t = -(-frozen_units // tensor), -(-trainable // tensor)
+    frozen_bytes = _per_device(frozen_t, frozen_bits if frozen_bytes is None else 8,
+                               shard_params, devices)
     params_bytes = _per_device(trainable_t, 8 * per.param, shard_params, devices) + frozen_bytes
     grads_bytes = _per_device(trainable_t, 8 * per.grad, shard_grads, devices)
     master_bytes = _per_device(trainable_t, 8 * per.master, shard_opt, devices)

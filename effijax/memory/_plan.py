@@ -8,7 +8,9 @@ selection" of the study notes on efficient training, and stops at the first that
    DDP), then ZeRO-3/FSDP (1.5x the communication);
 2. activation checkpointing of every block (about one extra forward pass);
 3. smaller micro-batches with gradient accumulation, so the global batch stays the same;
-4. LoRA with a bf16 frozen base, through the same sequence (a change of method, so last).
+4. LoRA with a bf16 frozen base, through the same sequence (a change of method, so last);
+5. when asked (``quantized_base="nf4"``), LoRA on a quantized frozen base (QLoRA: quantization
+   error in the frozen weights, and dequantization in every step).
 
 A fraction of memory (``headroom``, 10% by default) is kept for what the estimate leaves out:
 temporary buffers, collectives' staging, fragmentation, the framework's own allocations.
@@ -26,6 +28,7 @@ from effijax.errors import INT32_MAX, ConfigError, whole_number
 from effijax.memory._activations import _check_layer_options, _check_tensor, _Layer, _stack_bytes
 from effijax.memory._estimate import (
     FROZEN_DTYPES,
+    FROZEN_SCALE_BITS,
     OPTIMIZERS,
     PRECISIONS,
     ModelStateBytes,
@@ -60,6 +63,8 @@ class Plan:
         2 + 12) accounting of :func:`model_states`).
       zero_stage: chosen ZeRO stage (0 = DDP).
       lora_fraction: adapter fraction if LoRA was needed, else None.
+      frozen_dtype: the LoRA base's storage (``bf16``, or the quantized base that made it fit),
+        None without LoRA.
       checkpointing: ``"none"`` or ``"block"``.
       micro_batch: sequences per device per micro-batch (None without a model shape).
       grad_accum_steps: micro-batches accumulated per step (None without a model shape).
@@ -80,6 +85,7 @@ class Plan:
     precision: str
     zero_stage: int | None
     lora_fraction: float | None
+    frozen_dtype: str | None
     checkpointing: str | None
     micro_batch: int | None
     grad_accum_steps: int | None
@@ -110,8 +116,16 @@ def _num(x: float) -> str:
     return f"{x:g}"
 
 
-def _state_formula(optimizer: str, stage: int, devices: int, lora_fraction, frozen_dtype,
-                   tensor: int = 1) -> str:
+def _frozen_per_param(method: _Method, num_params: int) -> float:
+    """The frozen base's bytes per parameter: exact when its bytes are known."""
+    if method.frozen_bytes is not None:
+        return method.frozen_bytes / num_params
+    dtype = method.frozen_dtype
+    return float(FROZEN_DTYPES[dtype] + FROZEN_SCALE_BITS.get(dtype, 0)) / 8
+
+
+def _state_formula(optimizer: str, stage: int, devices: int, lora_fraction,
+                   frozen_per_param: float, tensor: int = 1) -> str:
     """Bytes per (base) parameter as the ZeRO paper writes them: '(4 + 12/8)',
     '(2 + 16 x 0.01)/8', and split over a tensor degree: '(4 + 12/2)/4'."""
     per, moments = PRECISIONS[_PRECISION], OPTIMIZERS[optimizer]
@@ -127,7 +141,7 @@ def _state_formula(optimizer: str, stage: int, devices: int, lora_fraction, froz
         rep_terms += [_num(replicated)] if replicated else []
         shard_terms += [_num(sharded)] if sharded else []
     else:
-        frozen = _num(FROZEN_DTYPES[frozen_dtype] / 8)
+        frozen = _num(round(frozen_per_param, 4))
         (shard_terms if stage >= 3 else rep_terms).append(frozen)
         f = _num(lora_fraction)
         rep_terms += [f"{_num(replicated)} x {f}"] if replicated else []
@@ -186,13 +200,18 @@ class _Request:
     lora_fraction: float | None  # None where LoRA is not allowed
     workload: _Workload | None  # None: planning on model states only
     tensor: int = 1  # each data-parallel rank is a group of this many devices
+    quantized_base: str | None = None  # also try LoRA on this quantized base (nf4, int8)
+    quantized_bytes: int | None = None  # that base's exact bytes, when the model's shapes are known
 
 
 class _Method(NamedTuple):
-    """Full fine-tuning (``lora_fraction`` None) or LoRA with that adapter fraction."""
+    """Full fine-tuning (``lora_fraction`` None) or LoRA with that adapter fraction, on a base
+    stored as ``frozen_dtype`` (exactly ``frozen_bytes`` when known)."""
 
     label: str
     lora_fraction: float | None
+    frozen_dtype: str = "bf16"
+    frozen_bytes: int | None = None
 
 
 class _Acts(NamedTuple):
@@ -262,7 +281,8 @@ def _check_workload(shape: dict[str, Any], layer_options: dict[str, Any], vocab:
 
 def _check_request(num_params, *, devices, device_memory, optimizer, headroom, allow_lora,
                    lora_fraction, shape: dict[str, Any], layer_options: dict[str, Any],
-                   vocab, tensor: int = 1) -> _Request:
+                   vocab, tensor: int = 1, quantized_base: str | None = None,
+                   quantized_bytes: int | None = None) -> _Request:
     """Pass 1: plan()'s arguments checked, in plan()'s order, and converted.
 
     ``shape``, ``layer_options`` and ``vocab`` are :func:`_check_workload`'s.
@@ -282,6 +302,11 @@ def _check_request(num_params, *, devices, device_memory, optimizer, headroom, a
                           "kept free, e.g. 0.1")
     lora_fraction = _check_fraction(lora_fraction)
     tensor = whole_number("tensor", tensor, maximum=None)
+    if quantized_base is not None and quantized_base not in FROZEN_SCALE_BITS:
+        raise ConfigError("quantized_base", quantized_base, "choose one of "
+                          f"{', '.join(FROZEN_SCALE_BITS)}, or None for a bf16 base only")
+    if quantized_bytes is not None:
+        whole_number("quantized_bytes", quantized_bytes, maximum=None)
     return _Request(
         num_params=num_params,
         devices=devices,
@@ -293,16 +318,24 @@ def _check_request(num_params, *, devices, device_memory, optimizer, headroom, a
         lora_fraction=lora_fraction if allow_lora else None,
         workload=_check_workload(shape, layer_options, vocab, devices, tensor),
         tensor=tensor,
+        quantized_base=quantized_base,
+        quantized_bytes=quantized_bytes,
     )
 
 
 def _methods(request: _Request) -> tuple[_Method, ...]:
-    """Pass 2: the methods to try, cheapest first: full fine-tuning, then LoRA if allowed."""
+    """Pass 2: the methods to try, cheapest first: full fine-tuning, then LoRA if allowed, then
+    LoRA on a quantized base if asked for."""
     full = _Method("full fine-tuning", None)
     fraction = request.lora_fraction
     if fraction is None:
         return (full,)
-    return full, _Method(f"LoRA ({_num(fraction)} adapters, bf16 frozen base)", fraction)
+    lora = _Method(f"LoRA ({_num(fraction)} adapters, bf16 frozen base)", fraction)
+    if request.quantized_base is None:
+        return full, lora
+    q = request.quantized_base
+    return full, lora, _Method(f"QLoRA ({_num(fraction)} adapters, {q} frozen base)", fraction,
+                               q, request.quantized_bytes)
 
 
 def _stage_states(request: _Request, method: _Method) -> tuple[ModelStateBytes, ...]:
@@ -316,6 +349,8 @@ def _stage_states(request: _Request, method: _Method) -> tuple[ModelStateBytes, 
             devices=request.devices,
             lora_fraction=method.lora_fraction,
             tensor=request.tensor,
+            frozen_dtype=method.frozen_dtype,
+            frozen_bytes=method.frozen_bytes,
         )
         for stage in range(4)
     )
@@ -356,7 +391,7 @@ def _fit_whole_batch(request: _Request, method: _Method,
     steps, fitting = [], []
     for stage, st in enumerate(states):
         formula = _state_formula(request.optimizer, stage, request.devices, method.lora_fraction,
-                                 "bf16", request.tensor)
+                                 _frozen_per_param(method, request.num_params), request.tensor)
         head = (
             f"{method.label}, {_STAGE_NAMES[stage]}: model states {formula} B/param x "
             f"{_fmt_count(request.num_params)} = {format_bytes(st.model_state_bytes)}"
@@ -474,12 +509,15 @@ def _conclusion(request: _Request, choice: _Choice) -> str:
 
 def _result(request: _Request, steps: list[str], choice: _Choice | None) -> Plan:
     """Pass 5c: the :class:`Plan` of ``choice``, or of no fit where ``choice`` is None."""
-    chosen = dict.fromkeys(("zero_stage", "lora_fraction", "checkpointing", "micro_batch",
+    chosen = dict.fromkeys(("zero_stage", "lora_fraction", "frozen_dtype", "checkpointing",
+                            "micro_batch",
                             "grad_accum_steps", "states", "activation_bytes", "total_bytes"))
     if choice is not None:
         chosen = {
             "zero_stage": choice.stage,
             "lora_fraction": choice.method.lora_fraction,
+            "frozen_dtype": (None if choice.method.lora_fraction is None
+                             else choice.method.frozen_dtype),
             "checkpointing": choice.checkpointing,
             "micro_batch": choice.micro_batch,
             "grad_accum_steps": _accumulation(request, choice),
@@ -518,6 +556,7 @@ def plan(
     kv_heads: int | None = None, head_dim: int | None = None, ffn: int | None = None,
     gated_mlp: bool = False, vocab: int | None = None, sandwich_norms: bool = False,
     tensor: int = 1,
+    quantized_base: str | None = None, quantized_bytes: int | None = None,
 ) -> Plan:
     """Recommends the cheapest configuration whose model states (and activations) fit.
 
@@ -551,6 +590,10 @@ def plan(
         ``tensor`` devices, each holding ``1/tensor`` of the model states
         (:func:`model_states`) and of the tensor-parallel activations
         (:func:`activation_bytes`); must divide ``heads``.
+      quantized_base: ``"nf4"`` or ``"int8"``: when LoRA on a bf16 base does not fit, try it on
+        a base stored so (QLoRA); None never proposes one.
+      quantized_bytes: that base's exact bytes (:func:`~effijax.memory.frozen_base_bytes` of
+        the model); None counts :data:`~effijax.memory.FROZEN_SCALE_BITS` per parameter.
 
     Returns:
       A :class:`Plan`; when nothing fits, ``fits`` is False and ``explain()`` says why (no
@@ -582,7 +625,8 @@ def plan(
         layer_options={"dropout": dropout, "blockwise_attention": blockwise_attention,
                        "kv_heads": kv_heads, "head_dim": head_dim, "ffn": ffn,
                        "gated_mlp": gated_mlp, "sandwich_norms": sandwich_norms},
-        vocab=vocab, tensor=tensor,
+        vocab=vocab, tensor=tensor, quantized_base=quantized_base,
+        quantized_bytes=quantized_bytes,
     )
     steps, why_not = list(_preamble(request)), []
     for method in _methods(request):

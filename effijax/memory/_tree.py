@@ -14,9 +14,10 @@ import numpy as np
 from effijax.errors import ConfigError, whole_number
 from effijax.memory._estimate import ModelStateBytes
 from effijax.paths import named_leaves, path_of
+from effijax.precision import QUANTIZED_FORMATS, is_quantizable, quantized_bytes
 from effijax.sharding import match_param, tensor_dim, tensor_split
 
-__all__ = ["estimate_tree"]
+__all__ = ["estimate_tree", "frozen_base_bytes"]
 
 _DTYPE_NAMES = {
     "fp32": jnp.float32,
@@ -234,3 +235,32 @@ def estimate_tree(
         replicated_bytes=replicated,
         compute_copy_bytes=compute_copy,
     )
+
+
+def frozen_base_bytes(abstract_params, frozen_dtype: str, *, dtype: Any = jnp.bfloat16) -> int:
+    """Exact bytes of a LoRA job's frozen base (before sharding) stored as ``frozen_dtype``.
+
+    ``nf4``/``int8``: the layer stack's kernels quantized (codes + double-quantized scales, as
+    :func:`effijax.precision.quantize_kernels` stores them), every other floating leaf in
+    ``dtype`` (the compute dtype); a floating ``frozen_dtype`` (``bf16``, ...) casts them all.
+    Equal to the sum of the real arrays' ``nbytes`` (tested).
+
+    Example:
+      >>> import jax
+      >>> params = {"layers": {"kernel": jax.ShapeDtypeStruct((2, 64, 128), "float32")},
+      ...           "norm": {"scale": jax.ShapeDtypeStruct((64,), "float32")}}
+      >>> frozen_base_bytes(params, "nf4"), frozen_base_bytes(params, "bf16")
+      (8600, 32896)
+    """
+    quantized = frozen_dtype in QUANTIZED_FORMATS
+    if not quantized:
+        dtype = _to_dtype(frozen_dtype, "frozen_dtype")
+    total = 0
+    for keypath, leaf in jax.tree_util.tree_flatten_with_path(abstract_params)[0]:
+        path = path_of(keypath)
+        if quantized and is_quantizable(path, leaf):
+            total += quantized_bytes(leaf.shape, frozen_dtype)
+        else:
+            floating = jnp.issubdtype(leaf.dtype, jnp.floating)
+            total += math.prod(leaf.shape) * np.dtype(dtype if floating else leaf.dtype).itemsize
+    return total

@@ -31,7 +31,7 @@ from flax import nnx
 
 from effijax.errors import NO_VALUE, ConfigError
 from effijax.lora import LoraSpec, pairs, validate
-from effijax.precision import cross_entropy, dot, masked_mean
+from effijax.precision import cross_entropy, dequantize, dot, is_quantized, masked_mean
 from effijax.sharding import constrain_batch
 
 INIT_STD = 0.02  # GPT-2's and Hugging Face's ``initializer_range``
@@ -73,7 +73,10 @@ def _dense(x_BSD: jax.Array, kernel_DF: jax.Array, bias_F: jax.Array | None,
     # XLA:CPU ran the thin adapter gradients of the 3-D einsum 5x slower than this.
     lead = x_BSD.shape[:-1]
     x_ND = x_BSD.reshape(-1, x_BSD.shape[-1])
-    y_NF = dot("nd,df->nf", x_ND.astype(kernel_DF.dtype), kernel_DF)
+    if is_quantized(kernel_DF):
+        y_NF = _dot_quantized(x_ND, kernel_DF)
+    else:
+        y_NF = dot("nd,df->nf", x_ND.astype(kernel_DF.dtype), kernel_DF)
     if lora is not None:
         xa_ND = _dropout(x_ND, lora.dropout, lora.key).astype(lora.a_DR.dtype)
         u_NF = _lora_delta(xa_ND, lora.a_DR, lora.b_RF, lora.scale)
@@ -81,6 +84,15 @@ def _dense(x_BSD: jax.Array, kernel_DF: jax.Array, bias_F: jax.Array | None,
     if bias_F is not None:
         y_NF = y_NF + bias_F.astype(y_NF.dtype)
     return y_NF.reshape(*lead, y_NF.shape[-1]).astype(x_BSD.dtype)
+
+
+# A quantized kernel (a QLoRA base, effijax.precision.quantize) is dequantized to the activations'
+# dtype right where it is used, one layer at a time inside the scan. Checkpointed, so the
+# backward keeps the quantized codes (its inputs) and dequantizes again, instead of saving a
+# full-precision kernel per layer: no full-precision copy of the base ever exists.
+@functools.partial(jax.checkpoint, prevent_cse=False)
+def _dot_quantized(x_ND: jax.Array, kernel_DF) -> jax.Array:
+    return dot("nd,df->nf", x_ND, dequantize(kernel_DF, x_ND.dtype))
 
 
 # The adapter term ``u = x (s·a) b`` with a hand-written backward. Autodiff of the einsums gives
@@ -158,7 +170,7 @@ class _Dense(nnx.Module):
     def __call__(self, x: jax.Array, lora: dict | None = None) -> jax.Array:
         hook = None if lora is None else lora.get("kernel")
         bias = self.bias[...] if hasattr(self, "bias") else None
-        return _dense(x, self.kernel[...], bias, hook)
+        return _dense(x, self.kernel.get_value(), bias, hook)  # an array or a Quantized
 
 
 
@@ -376,7 +388,10 @@ def check_call(module: nnx.Module, tokens_BS: jax.Array, adapters, lora, *, adap
             if not adaptable.match(path):
                 raise ConfigError("adapters", path, f"{adaptable_text}; fold other adapters in "
                                   "with effijax.lora.merge")
-        validate(nnx.to_pure_dict(nnx.state(module, nnx.Param)), adapters, lora)
+        params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32)
+                              if is_quantized(x) else x,
+                              nnx.to_pure_dict(nnx.state(module, nnx.Param)), is_leaf=is_quantized)
+        validate(params, adapters, lora)
     if tokens_BS.ndim != 2 or not jnp.issubdtype(tokens_BS.dtype, jnp.integer):
         raise ConfigError("tokens_BS", NO_VALUE, "expected integer ids of shape [batch, seq], "
                           f"got {tokens_BS.dtype}{list(tokens_BS.shape)}")

@@ -21,6 +21,10 @@ __getattr__, __dir__, __all__ = attach(__name__, {
     "effijax.precision._loss_scale": ("dynamic_loss_scale", "static_loss_scale",
         "DynamicLossScaleState", "StaticLossScaleState", "loss_scale_of", "skipped_steps_of",
         "step_skipped", "all_finite"),
+    "effijax.precision._quantize": ("NF4_CODES", "QUANTIZED_FORMATS", "Quantized", "ScaleCodes",
+        "dequantize", "dequantize_kernels", "dequantized_shapes",
+        "is_quantized", "is_quantizable", "quantize",
+        "quantize_kernels", "quantized_bytes", "quantized_sharding"),
     "effijax.precision._policy": ("Policy", "get_policy", "PRESETS"),
     "effijax.precision._names": ("PRESET_NAMES", "PRESET_ALIASES"),
 })

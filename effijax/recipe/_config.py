@@ -41,7 +41,7 @@ MAX_CONFIG_BYTES = 2**20
 # presets plus "auto" (bf16 on GPU/TPU, fp32 on CPU, where bf16 matmuls are emulated and
 # slower), with the memory estimator's aliases ("mixed", "float32", "half", ...).
 PRECISIONS = ("auto", *PRESET_NAMES)
-FROZEN_DTYPES = ("auto", "fp32", "bf16", "fp16")
+FROZEN_DTYPES = ("auto", "fp32", "bf16", "fp16", "nf4", "int8")
 DATA_FORMATS = ("auto", "text", "chat")
 DEFAULT_MODEL = "mini"
 # Launchers of effijax.distributed (kept here too: checking a config must not import jax; a
@@ -249,7 +249,8 @@ class TrainConfig:
     lora_dropout: float = _field(0.0, "dropout on the adapters' input", metavar="P",
                                  section="lora")
     frozen_dtype: str = _field("auto", "storage dtype of the frozen base (auto: the precision's "
-                               "compute dtype)", choices=FROZEN_DTYPES, section="lora")
+                               "compute dtype; nf4, int8: its layers' kernels quantized, QLoRA)",
+                               choices=FROZEN_DTYPES, section="lora")
     lora_random_base: bool = _field(False, "train adapters on a randomly initialised base (for "
                                     "experiments; LoRA normally adapts an init_from model)",
                                     flag="--lora-random-base", section="lora")

@@ -26,6 +26,7 @@ from effijax import atomic, distributed
 from effijax.checkpoint import write_errors
 from effijax.interop import export_adapters, save_gguf, save_hf
 from effijax.lora import save_adapters
+from effijax.precision import dequantize_kernels
 from effijax.recipe import _job, _report
 from effijax.recipe._config import TrainConfig
 from effijax.run import read_metrics
@@ -162,7 +163,8 @@ def _gathered(params, frozen, job) -> tuple:
         return (multihost_utils.process_allgather(tree, tiled=True)
                 if jax.process_count() > 1 else tree)
 
-    base, adapters = (params, None) if job.lora is None else (frozen, params)
+    # A quantized base (QLoRA) is merged as what it stands for: its dequantized kernels.
+    base, adapters = (params, None) if job.lora is None else (dequantize_kernels(frozen), params)
     return host(base), None if adapters is None else host(adapters)
 
 

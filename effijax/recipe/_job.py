@@ -16,6 +16,7 @@ parameters), :func:`init_frozen` (the LoRA base), :func:`batch_fn` and :func:`ev
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -31,7 +32,18 @@ from effijax.distributed import global_batch
 from effijax.errors import ConfigError, whole_number
 from effijax.models import LanguageModel
 from effijax.paths import named_leaves
-from effijax.precision import Policy, cast_floating, get_policy, parse_dtype
+from effijax.precision import (
+    QUANTIZED_FORMATS,
+    Policy,
+    cast_floating,
+    dequantized_shapes,
+    get_policy,
+    is_quantized,
+    parse_dtype,
+    quantize,
+    quantize_kernels,
+    quantized_sharding,
+)
 from effijax.sharding import (
     Census,
     MemoryReport,
@@ -204,7 +216,10 @@ def plan_job(
       strategy: ``ddp``, ``zero1``, ``zero2`` or ``fsdp`` (``zero3``).
       rules: partition rules (default: the model's, else automatic).
       lora: train LoRA adapters of a frozen base instead of every parameter.
-      frozen_dtype: with ``lora``, the base's storage dtype (default: the compute dtype).
+      frozen_dtype: with ``lora``, the base's storage dtype (default: the compute dtype), or a
+        quantized format, ``"nf4"`` or ``"int8"`` (QLoRA: the layer stack's kernels stored
+        quantized with double-quantized blockwise scales, dequantized per layer in the step;
+        the other leaves in the compute dtype; see :func:`effijax.precision.quantize`).
       seed: seeds the parameters, the adapters, the dropout keys and the batch order.
       loss_multiplier: multiplies the training objective (the metric ``lm_loss`` keeps the
         unmultiplied loss); values far below 1 push gradients below fp16's range.
@@ -249,13 +264,21 @@ def plan_job(
     if lora is None:
         loss = model.loss_fn()
     else:
-        dtype = policy.compute_dtype if frozen_dtype is None else parse_dtype(frozen_dtype)
+        quantized = frozen_dtype in QUANTIZED_FORMATS
+        dtype = (policy.compute_dtype if frozen_dtype is None or quantized
+                 else parse_dtype(frozen_dtype))
         base = cast_floating(abstract, dtype)
-        frozen_sh = param_shardings(base, mesh, strategy, rules=rules, tensor_layout=layout)
+        frozen_sh = kernel_sh = param_shardings(base, mesh, strategy, rules=rules,
+                                               tensor_layout=layout)
+        if quantized:
+            base = jax.eval_shape(lambda b: quantize_kernels(b, frozen_dtype), base)
+            frozen_sh = jax.tree.map(
+                lambda q, sh: quantized_sharding(sh, q) if is_quantized(q) else sh,
+                base, frozen_sh, is_leaf=is_quantized)
         frozen = with_shardings(base, frozen_sh)
         # The adapters' own rules first: a rule for the base kernels ('.*/kernel') also matches
         # the adapters' paths ('.../kernel/a').
-        rules = lora_lib.adapter_rules(frozen_sh, trainable) + list(rules or [])
+        rules = lora_lib.adapter_rules(kernel_sh, trainable) + list(rules or [])
         loss = lora_lib.freeze_base(model.loss_fn(lora))
     specs = partition_specs(abstract_state.params, mesh, rules=rules,
                             tensor_layout=layout)  # warns once per leaf
@@ -395,15 +418,45 @@ def init_frozen(job: Job, base: Any = None) -> Any:
             raise ConfigError("base", "given", "only LoRA jobs have a frozen base")
         return None
     shardings = jax.tree.map(lambda x: x.sharding, job.frozen)
-    dtypes = jax.tree.map(lambda x: x.dtype, job.frozen)
+
     def cast(p):
-        return jax.tree.map(lambda x, d: x.astype(d), p, dtypes)
+        return jax.tree.map(_to_frozen, job.frozen, p, is_leaf=is_quantized)
 
     if base is None:
         return jax.jit(lambda key: cast(job.model.init_params(key, job.policy)),
                        out_shardings=shardings)(_keys(job.seed)[0])
-    _check_params(base, job.frozen, "base")
-    return jax.jit(cast, out_shardings=shardings)(base)
+    _check_params(base, dequantized_shapes(job.frozen), "base")
+    if not any(is_quantized(x) for x in jax.tree.leaves(job.frozen, is_leaf=is_quantized)):
+        return jax.jit(cast, out_shardings=shardings)(base)
+    # One leaf at a time: a quantized base never exists in full precision, not even while it
+    # is being quantized (a loaded base's leaves are freed as the caller drops them).
+    frozen_leaves, treedef = jax.tree.flatten(job.frozen, is_leaf=is_quantized)
+    return treedef.unflatten([
+        jax.jit(functools.partial(_to_frozen, _FrozenLeaf.of(want)), out_shardings=sh)(x)
+        for want, x, sh in zip(frozen_leaves, treedef.flatten_up_to(base),
+                               treedef.flatten_up_to(shardings), strict=True)])
+
+
+class _FrozenLeaf(NamedTuple):
+    """What one frozen leaf becomes, as a static (hashable) value: a dtype or a format."""
+
+    dtype: Any
+    format: str | None
+    double_quant: bool
+
+    @classmethod
+    def of(cls, leaf) -> _FrozenLeaf:
+        if is_quantized(leaf):
+            return cls(None, leaf.format, not hasattr(leaf.scales, "shape"))
+        return cls(leaf.dtype, None, False)
+
+
+def _to_frozen(want, x):
+    """``x`` as the frozen leaf ``want`` (an abstract leaf or a :class:`_FrozenLeaf`) says."""
+    want = want if isinstance(want, _FrozenLeaf) else _FrozenLeaf.of(want)
+    if want.format is None:
+        return x.astype(want.dtype)
+    return quantize(x, want.format, double_quant=want.double_quant)
 
 
 def batch_fn(job: Job, tokens: np.ndarray, frozen: Any = None) -> Callable[[int], dict]:

@@ -28,6 +28,7 @@ from effijax.errors import ConfigError, FileError
 from effijax.interop import load_tokenizer
 from effijax.lora import load_adapters
 from effijax.models import model_from_dict
+from effijax.precision import QUANTIZED_FORMATS, quantize_kernels
 from effijax.recipe._config import BUNDLED
 from effijax.recipe._sources import bundled_path, load_params, missing_source, read_source
 
@@ -107,7 +108,10 @@ def _lora_run(path: Path, values: dict) -> Opened:
         raise ConfigError("model_from", str(path), "adapts a LoRA run; generation takes one "
                           "set of adapters")
     adapters, spec = load_adapters(file, base.params)
-    return Opened(base.model, {"base": base.params, "adapters": adapters}, spec,
+    frozen = base.params
+    if values.get("frozen_dtype") in QUANTIZED_FORMATS:  # trained on a quantized base: use it
+        frozen = quantize_kernels(frozen, values["frozen_dtype"])
+    return Opened(base.model, {"base": frozen, "adapters": adapters}, spec,
                   base.tokenizer or _tokenizer_of_run(values), f"{path} (LoRA rank {spec.rank} "
                   f"on {base.source})")
 

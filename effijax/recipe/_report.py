@@ -55,6 +55,7 @@ def start(config, job, compiled, source, frozen, state, *, data: str = "") -> No
     import jax
 
     from effijax.memory import format_bytes
+    from effijax.precision import dequantized_shapes, is_quantized
     from effijax.sharding import census_records
 
     print(f"effijax train: {job.model.name}, {job.num_params:,} params, precision "
@@ -76,10 +77,11 @@ def start(config, job, compiled, source, frozen, state, *, data: str = "") -> No
     if job.lora is not None:
         from effijax.lora import trainable_report
 
-        dtypes = {str(x.dtype) for x in jax.tree.leaves(frozen)}
+        leaves = jax.tree.leaves(frozen, is_leaf=is_quantized)
+        dtypes = {f"{x.format} (kernels)" if is_quantized(x) else str(x.dtype) for x in leaves}
         print(f"effijax train: LoRA rank {job.lora.rank}, alpha {job.lora.alpha:g} on "
               f"{job.lora.targets!r}, frozen base in {'/'.join(sorted(dtypes))}; "
-              + trainable_report(frozen, state.params))
+              + trainable_report(dequantized_shapes(frozen), state.params))
     if data:
         print(f"effijax train: {data}", flush=True)
 

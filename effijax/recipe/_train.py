@@ -93,6 +93,10 @@ def train(config: TrainConfig, *, argv: list[str] | None = None) -> TrainResult:
             return TrainResult(config.out, {}, "finished_before", config)
         with run.dir:  # its lock and checkpointer, released however the run ends
             initial = initial_state(config, job, run, source)
+            if source is not None:
+                # The loaded weights now live in the state or the frozen base (quantized, or
+                # cast): drop the source's full-precision copy rather than hold it all run.
+                source = source._replace(params=None)
             compiled = compile_run(config, job, initial, source, data)
             memory = _report.summary_extras(job, compiled)["memory"]
             with _watch.watching(config, run.run_json, memory, run.resume_step or 0) as watch:
