@@ -62,7 +62,7 @@ def test_start_without_a_strategy_uses_one_device_and_resolve_decides_every_auto
 def test_the_model_stage_refuses_an_export_its_family_cannot_write():
     with pytest.raises(ConfigError, match=r"^export_hf=True: writes a Hugging Face model "
                        r"directory; the gpt family has no Hugging Face counterpart; families "
-                       r"with one: llama, mistral, qwen2$"):
+                       r"with one: gemma3, llama, mistral, qwen2$"):
         _train.model_for(TrainConfig(**TINY, export_hf=True), None)
 
 
