@@ -188,3 +188,46 @@ def test_docstring_examples():
     for module in (_corpus, _batches):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0, module.__name__
+
+
+def test_led_windows_start_with_the_bos_and_reach_the_corpus_end():
+    from effijax.data import Led
+
+    corpus = np.arange(100, 120)
+    seen_last = False
+    for step in range(40):
+        batch = batch_at(Led(corpus, first=2), seed=5, step=step, batch_size=4, seq_len=6)
+        assert (batch["inputs"][:, 0] == 2).all()
+        assert (batch["targets"][:, :-1] == batch["inputs"][:, 1:]).all()
+        body = np.concatenate([batch["inputs"][:, 1:], batch["targets"][:, -1:]], axis=1)
+        assert (np.diff(body, axis=1) == 1).all()  # six consecutive corpus tokens
+        seen_last |= bool((body[:, -1] == corpus[-1]).any())
+    assert seen_last
+    again = batch_at(Led(corpus, first=2), seed=5, step=7, batch_size=4, seq_len=6)
+    assert np.array_equal(again["inputs"], batch_at(Led(corpus, first=2), seed=5, step=7,
+                                                    batch_size=4, seq_len=6)["inputs"])
+    with pytest.raises(ConfigError, match=r"^seq_len=20: the corpus has 20 tokens, fewer"):
+        batch_at(Led(corpus, first=2), seed=0, step=0, batch_size=1, seq_len=21)
+
+
+def test_text_data_of_a_bos_tokenizer_is_led_by_its_bos(tmp_path):
+    """Gemma's tokenizer starts every text with <bos>: so does every training and evaluation
+    window of text data; a tokenizer without (SmolLM2's) draws plain windows."""
+    import dataclasses
+
+    from _sentencepiece_files import vocabulary
+
+    from effijax.data import Led
+    from effijax.models import llama_config, sentencepiece_bpe
+    from effijax.recipe._data import load_dataset
+
+    tokens, scores, types = vocabulary()
+    kwargs = dict(bos_id=2, eos_id=1, unk_id=3, pad_id=0, add_space_prefix=False)
+    (tmp_path / "a.txt").write_text("the ab bc\n" * 200)
+    model = llama_config("llama-tiny", vocab_size=len(tokens), seq_len=16)
+    for adds in (True, False):
+        tok = sentencepiece_bpe(tokens, scores, types, add_bos=adds, **kwargs)
+        data = load_dataset(str(tmp_path / "a.txt"), dataclasses.replace(model, tokenizer=tok))
+        assert isinstance(data.train, Led) == adds and isinstance(data.val, Led) == adds
+        batch = batch_at(data.train, seed=0, step=0, batch_size=8, seq_len=16)
+        assert ((batch["inputs"][:, 0] == 2).all()) == adds

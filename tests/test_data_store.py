@@ -14,6 +14,7 @@ import pytest
 from _llama_files import VOCAB_SIZE, chat_tokenizer, write_qa
 
 from effijax.data import (
+    Led,
     Mixture,
     batch_at,
     eval_batches,
@@ -77,6 +78,11 @@ def _batches_equal(a, b, steps=range(5), batch_size=4):
             np.testing.assert_array_equal(x[key], y[key], err_msg=f"step {step} {key}")
 
 
+def _stream(data):
+    """``(tokens, the BOS leading each window or None)`` of a text dataset's part."""
+    return (data.tokens, data.first) if isinstance(data, Led) else (data, None)
+
+
 def test_text_store_trains_on_the_in_memory_tokens(corpus, tmp_path, llama):
     with_bos = dataclasses.replace(llama, tokenizer=dataclasses.replace(llama.tokenizer,
                                                                         add_bos=True))
@@ -87,10 +93,13 @@ def test_text_store_trains_on_the_in_memory_tokens(corpus, tmp_path, llama):
         assert manifest["data_format"] == {"bos": "text"}.get(name, name)
         assert manifest["documents"] == 12
         memory, mapped = load_dataset(str(corpus / "txt"), model), load_dataset(str(store), model)
-        np.testing.assert_array_equal(memory.train, mapped.train)
-        np.testing.assert_array_equal(memory.val, mapped.val)
+        bos = llama.tokenizer.bos_id if name == "bos" else None
+        for ours, theirs in ((memory.train, mapped.train), (memory.val, mapped.val)):
+            np.testing.assert_array_equal(_stream(ours)[0], _stream(theirs)[0])
+            assert _stream(ours)[1] == _stream(theirs)[1] == bos  # windows led by the BOS
         assert isinstance(open_store(store).tokens, np.memmap)
-        assert isinstance(mapped.train.base, np.memmap) or isinstance(mapped.train, np.memmap)
+        train = _stream(mapped.train)[0]
+        assert isinstance(train.base, np.memmap) or isinstance(train, np.memmap)
         assert mapped.format == memory.format and mapped.tokens == memory.tokens
         assert mapped.fingerprint == f"store:{manifest['sha256']}"
         _batches_equal(memory.train, mapped.train)

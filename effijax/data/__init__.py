@@ -29,7 +29,7 @@ from effijax._lazy import attach
 # Each name is imported from its module on first use (the package convention, see
 # effijax/_lazy.py): importing the package costs only what is used.
 __getattr__, __dir__, __all__ = attach(__name__, {
-    "effijax.data._batches": ("batch_at", "eval_batches", "packed_batch"),
+    "effijax.data._batches": ("Led", "batch_at", "eval_batches", "packed_batch"),
     "effijax.data._chat": ("Packed", "Record", "pack_examples", "parse_line", "read_records",
         "records_fingerprint", "render_chat", "split_records", "table_record"),
     "effijax.data._corpus": ("DEFAULT_MAX_BYTES", "corpus_fingerprint", "load_corpus",

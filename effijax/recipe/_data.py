@@ -34,6 +34,7 @@ import numpy as np
 
 from effijax.data import (
     TABLE_SUFFIXES,
+    Led,
     Packed,
     corpus_fingerprint,
     documents_fingerprint,
@@ -64,8 +65,9 @@ class Dataset(NamedTuple):
     """A run's data.
 
     Attributes:
-      train, val: 1-D token arrays (``bytes``, ``text``) or :class:`~effijax.data.Packed` rows
-        (``chat``).
+      train, val: 1-D token arrays (``bytes``, ``text``; for a tokenizer that starts texts with
+        a BOS, each window is led by it: :class:`~effijax.data.Led`) or
+        :class:`~effijax.data.Packed` rows (``chat``).
       fingerprint: identifies the content (recorded in ``config.json``).
       format: ``"bytes"``, ``"text"`` or ``"chat"``.
       tokens: tokens in train and val together (packed rows: real tokens, padding excluded).
@@ -305,6 +307,14 @@ def _store_tokenizer(store, model, path: str) -> Any:
     return tokenizer
 
 
+def _led(tokens: np.ndarray, tokenizer):
+    """Text windows led by the tokenizer's BOS where it starts texts with one (Gemma's), as
+    the model sees every text: :class:`~effijax.data.Led`."""
+    if tokenizer is None or not tokenizer.add_bos or tokenizer.bos_id is None:
+        return tokens
+    return Led(tokens, tokenizer.bos_id)
+
+
 def _store_dataset(path: str, model, seq_len: int) -> Dataset:
     """A store's data (memory-mapped), checked against the model's tokenizer and ``seq_len``."""
     try:
@@ -331,6 +341,8 @@ def _store_dataset(path: str, model, seq_len: int) -> Dataset:
                           "side; lower --seq-len or prepare more data")
     note = (f"{fmt} store {path}: {store.manifest['documents']:,} documents, "
             f"{store.manifest['tokens']:,} tokens (memory-mapped)")
+    if fmt != "bytes":
+        train, val = _led(train, tokenizer), _led(val, tokenizer)
     return Dataset(train, val, store.fingerprint, "bytes" if fmt == "bytes" else "text",
                    store.manifest["tokens"], note)
 
@@ -390,24 +402,36 @@ def load_dataset(path: str | None, model, *, seq_len: int | None = None,
     if content.format == "chat":
         return _chat(path, content, seq_len, val_fraction)
     train, val = _split_stream(path, content.stream, seq_len, val_fraction)
+    train, val = _led(train, content.tokenizer), _led(val, content.tokenizer)
     return Dataset(train, val, content.fingerprint, content.format, len(content.stream),
                    content.note)
 
 
-def text_rows(tokens: np.ndarray, seq_len: int, *, pad_id: int = 0):
+def text_rows(tokens: np.ndarray, seq_len: int, *, pad_id: int = 0, first: int | None = None):
     """Every token of a stream in consecutive windows of ``seq_len + 1`` that overlap by one
     token, as :class:`~effijax.data.Packed` rows: each token after the first is a target exactly
-    once; the last row is padded (padding untrained).
+    once; the last row is padded (padding untrained). With ``first`` (a BOS, see
+    :class:`~effijax.data.Led`), each row is ``first`` and the next ``seq_len`` tokens, every
+    token of the stream a target once.
 
     Example:
       >>> import numpy as np
       >>> rows = text_rows(np.arange(7), 3)
       >>> rows.tokens_NW.tolist(), int(rows.mask_NW[:, 1:].sum())
       ([[0, 1, 2, 3], [3, 4, 5, 6]], 6)
+      >>> text_rows(np.arange(7), 3, first=9).tokens_NW.tolist()
+      [[9, 0, 1, 2], [9, 3, 4, 5], [9, 6, 0, 0]]
     """
     tokens = np.asarray(tokens).astype(np.int32)
     if tokens.ndim != 1 or tokens.size < 2:
         raise ConfigError("data", tokens.size, "tokens: at least 2 are needed to evaluate")
+    if first is not None:
+        tokens = np.concatenate([[first], tokens]).astype(np.int32)
+        rows = text_rows(tokens, seq_len, pad_id=pad_id)  # then every row starts with first:
+        body = rows.tokens_NW[:, 1:]
+        n = -(-(tokens.size - 1) // seq_len)
+        led = np.concatenate([np.full((n, 1), first, np.int32), body], axis=1)
+        return Packed(led, rows.mask_NW, examples=n, filled=int(tokens.size - 1))
     n = -(-(tokens.size - 1) // seq_len)
     tokens_NW = np.full((n, seq_len + 1), pad_id, np.int32)
     mask_NW = np.zeros((n, seq_len + 1), np.int32)
@@ -434,5 +458,7 @@ def load_eval_data(path: str, model, *, seq_len: int | None = None,
                              pad_id=_pad_id(content.tokenizer))
     else:
         pad = 0 if content.tokenizer is None else _pad_id(content.tokenizer)
-        rows = text_rows(content.stream, seq_len, pad_id=pad)
+        led = _led(content.stream, content.tokenizer)
+        rows = text_rows(content.stream, seq_len, pad_id=pad,
+                         first=led.first if isinstance(led, Led) else None)
     return rows, content.fingerprint, content.format
