@@ -317,7 +317,9 @@ def attention_backend(platform: str) -> Iterator[str]:
     here for another platform (``jax.export.export(step, platforms=["cuda"])`` on a CPU host)
     needs that platform's choice instead, or its module is the CPU program under a cuda label.
     Traces made inside the block choose for ``platform`` (jax's trace caches tell the block's
-    traces from the others, so a step traced outside is traced again inside).
+    traces from the others, so a step traced outside is traced again inside). The models' 16-bit
+    matmuls choose their backward the same way (``effijax.models._dense``: a CPU form, or the
+    plain ``dot_general`` elsewhere).
 
     Args:
       platform: a ``jax.export`` platform (``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"``) or a

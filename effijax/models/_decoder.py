@@ -644,8 +644,10 @@ class Decoder(nnx.Module):
     def head(self, x_BSD: jax.Array) -> jax.Array:
         """Final norm and the (tied) output head: logits in the policy's output dtype."""
         x_BSD = getattr(self, self.names.final_norm)(x_BSD)
-        head_DV = self.embed.embedding[...].T if self.tied else self.lm_head.kernel[...]
-        logits_BSV = _dense(x_BSD, head_DV, None)
+        if self.tied:  # the embedding as stored (V, D): see effijax.models._dense
+            logits_BSV = _dense(x_BSD, self.embed.embedding[...], None, transposed=True)
+        else:
+            logits_BSV = _dense(x_BSD, self.lm_head.kernel[...], None)
         return logits_BSV.astype(self.policy.output_dtype)
 
     # Shared pieces ----------------------------------------------------------------------------

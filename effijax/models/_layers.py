@@ -31,6 +31,7 @@ from flax import nnx
 
 from effijax.errors import NO_VALUE, ConfigError
 from effijax.lora import LoraSpec, pairs, validate
+from effijax.models._dense import materialize, matmul
 from effijax.precision import cross_entropy, dequantize, dot, is_quantized, masked_mean
 from effijax.sharding import constrain_batch
 
@@ -52,7 +53,7 @@ class _LoraHook(NamedTuple):
 
 
 def _dense(x_BSD: jax.Array, kernel_DF: jax.Array, bias_F: jax.Array | None,
-           lora: _LoraHook | None = None) -> jax.Array:
+           lora: _LoraHook | None = None, *, transposed: bool = False) -> jax.Array:
     """The one matmul of the model: ``x @ kernel + bias`` with f32 accumulation.
 
     Every parameter matmul goes through here (the tied head too, with the embedding transposed),
@@ -65,6 +66,10 @@ def _dense(x_BSD: jax.Array, kernel_DF: jax.Array, bias_F: jax.Array | None,
     term has a hand-written backward (:func:`_lora_delta`). ``b = 0`` adds exact zeros, so a
     fresh adapter leaves the output bit-identical.
 
+    The base matmul is :func:`~effijax.models._dense.matmul`: on a CPU its backward for 16-bit
+    operands runs in the layout XLA:CPU's bf16 GEMM takes. ``transposed=True`` takes the kernel
+    stored (out, in), as the tied head's embedding is.
+
     The result has ``x``'s dtype; when a policy override keeps this kernel in another dtype, the
     activations are cast to meet it (never the kernel). The same holds for the adapters (f32
     adapters on a bf16 base run their matmuls in f32).
@@ -73,10 +78,10 @@ def _dense(x_BSD: jax.Array, kernel_DF: jax.Array, bias_F: jax.Array | None,
     # XLA:CPU ran the thin adapter gradients of the 3-D einsum 5x slower than this.
     lead = x_BSD.shape[:-1]
     x_ND = x_BSD.reshape(-1, x_BSD.shape[-1])
-    if is_quantized(kernel_DF):
+    if is_quantized(kernel_DF):  # a QLoRA base's frozen kernel (never the tied head)
         y_NF = _dot_quantized(x_ND, kernel_DF)
     else:
-        y_NF = dot("nd,df->nf", x_ND.astype(kernel_DF.dtype), kernel_DF)
+        y_NF = matmul(x_ND.astype(kernel_DF.dtype), kernel_DF, transposed=transposed)
     if lora is not None:
         xa_ND = _dropout(x_ND, lora.dropout, lora.key).astype(lora.a_DR.dtype)
         u_NF = _lora_delta(xa_ND, lora.a_DR, lora.b_RF, lora.scale)
@@ -110,25 +115,20 @@ def _lora_delta(x_ND: jax.Array, a_DR: jax.Array, b_RF: jax.Array, scale: float)
     return _lora_delta_fwd(x_ND, a_DR, b_RF, scale)[0]
 
 
-def _materialize(x: jax.Array) -> jax.Array:
-    """``x`` as its own buffer: keeps XLA from folding a transpose into the dot that reads it."""
-    return jax.lax.optimization_barrier(x)
-
-
 def _lora_delta_fwd(x_ND, a_DR, b_RF, scale):
     as_DR = a_DR * jnp.asarray(scale, a_DR.dtype)
     h_NR = dot("nd,dr->nr", x_ND, as_DR)
     u_NF = dot("nr,rf->nf", h_NR, b_RF)
-    return u_NF, (x_ND, _materialize(h_NR.T), as_DR, b_RF)
+    return u_NF, (x_ND, materialize(h_NR.T), as_DR, b_RF)
 
 
 def _lora_delta_bwd(scale, residuals, du_NF):
     x_ND, h_RN, as_DR, b_RF = residuals
     dh_RN = dot("rf,nf->rn", b_RF, du_NF)
-    dx_ND = dot("nr,dr->nd", _materialize(dh_RN.T), as_DR)
+    dx_ND = dot("nr,dr->nd", materialize(dh_RN.T), as_DR)
     das_RD = dot("rn,nd->rd", dh_RN, x_ND) * jnp.asarray(scale, x_ND.dtype)
     db_RF = dot("rn,nf->rf", h_RN, du_NF)
-    return dx_ND, _materialize(das_RD).T, db_RF
+    return dx_ND, materialize(das_RD).T, db_RF
 
 
 _lora_delta.defvjp(_lora_delta_fwd, _lora_delta_bwd)

@@ -1,0 +1,134 @@
+"""The parameter matmul ``x @ w``, with a backward whose dots XLA:CPU runs on its bf16 GEMM.
+
+XLA:CPU runs a bf16 dot on its native GEMM (YNNPACK, about twice its f32 rate) only when both
+operands are bf16 and laid out row-major with the left one contracting its last axis; any other
+bf16 dot it converts to f32 first and runs at the f32 rate (``benchmarks/RESULTS.md``, "XLA:CPU
+matmul layouts"). Autodiff of the models' ``einsum(x, w, preferred_element_type=f32)`` misses
+that form twice: the cotangent of the f32 accumulator is f32, so ``dx = dy·wᵀ`` multiplies an
+f32 ``dy`` by a bf16 ``w`` (mixed operands: both go to f32), and ``dw = xᵀ·dy`` contracts ``x``
+over its leading (token) axis. The forward ran at the bf16 rate, the backward (two thirds of the
+matmul FLOPs) at the f32 rate.
+
+:func:`matmul`, for 16-bit operands in a trace made for the CPU, has a hand-written backward:
+
+* it receives the cotangent of the 16-bit output: the plain path's f32 ``dy`` is exactly this,
+  upcast, so every product is the same and accumulation stays f32;
+* ``dx = dy·wᵀ`` is one bf16 dot with both operands contracting their last axes, which the
+  GEMM takes as it is (it packs ``w`` transposed itself);
+* ``dw`` is computed only when ``w`` is differentiated (full fine-tuning, not a frozen LoRA
+  base), from ``xᵀ`` materialised in the forward. A transpose XLA can turn into a layout
+  change it does turn into one, and the GEMM rejects the column-major operand that results;
+  ``xᵀ`` saved by the forward and read by the backward crosses the scan of the layers as a
+  real row-major buffer, so the layers' weight gradients run natively. The same array is
+  ``x``'s size, and ``x`` itself is no longer kept for this dot.
+
+``transposed=True`` takes the kernel as ``w_FD`` (the tied head's embedding): the forward and
+``dx`` then read it as stored, where ``embedding.T`` as a kernel would make both column-major.
+
+Results are rounded once to the operands' dtype as before; the GEMM's summation order differs
+from the f32 fallback's, so 16-bit results agree with the plain path to 16-bit rounding, not
+bit for bit. f32 operands keep the plain ``dot_general`` and its autodiff (bit for bit: f32 runs
+at the same rate in every layout here, and XLA's f32 weight-gradient dot sums in another order
+than the row-major GEMM would), and so does every backend but the CPU: GPUs and TPUs run any
+layout natively. The backend is the one the trace is made for
+(:func:`~effijax.models.target_backend`), so a step exported for ``cuda`` or ``tpu`` from a CPU
+host carries exactly the plain dots.
+
+Shape suffixes: ``N`` flattened tokens, ``D`` input width, ``F`` output width.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
+
+from effijax.models._blockwise import target_backend
+from effijax.precision import dot
+
+# Operand dtypes that take the CPU backward: bf16 (native GEMM) and f16 (no native GEMM here,
+# but the same exact 16-bit cotangent, and no mixed-dtype dot).
+_HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def materialize(x: jax.Array) -> jax.Array:
+    """``x`` as its own buffer: keeps XLA from folding a transpose into the dot that reads it.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> materialize(jnp.arange(6).reshape(2, 3).T).shape
+      (3, 2)
+    """
+    return jax.lax.optimization_barrier(x)
+
+
+def cpu_layout(dtype) -> bool:
+    """Whether :func:`matmul` of ``dtype`` operands takes the CPU backward: 16-bit operands in a
+    trace made for the CPU (:func:`~effijax.models.target_backend`).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from effijax.models import attention_backend
+      >>> cpu_layout(jnp.bfloat16), cpu_layout(jnp.float32)
+      (True, False)
+      >>> with attention_backend("cuda"):
+      ...     cpu_layout(jnp.bfloat16)
+      False
+    """
+    return target_backend() == "cpu" and jnp.dtype(dtype) in _HALF
+
+
+def matmul(x_ND: jax.Array, w: jax.Array, *, transposed: bool = False) -> jax.Array:
+    """``x @ w`` (``x @ wᵀ`` with ``transposed``) with f32 accumulation, in ``x``'s dtype, with
+    the CPU backward for 16-bit operands (see the module docstring).
+
+    Args:
+      x_ND: activations, 2-D.
+      w: the kernel ``w_DF`` of ``x``'s dtype, or ``w_FD`` with ``transposed=True``.
+      transposed: the kernel is stored (out, in), like a tied head's embedding.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> x, w = jnp.ones((4, 3), jnp.bfloat16), jnp.ones((3, 2), jnp.bfloat16)
+      >>> matmul(x, w).dtype, matmul(x, w.T, transposed=True).shape
+      (dtype(bfloat16), (4, 2))
+      >>> dx, dw = jax.grad(lambda x, w: matmul(x, w).astype(jnp.float32).sum(), (0, 1))(x, w)
+      >>> dx.tolist()[0], dw.tolist()[0]
+      ([2.0, 2.0, 2.0], [4.0, 4.0])
+    """
+    if not cpu_layout(x_ND.dtype):
+        return dot("nd,fd->nf" if transposed else "nd,df->nf", x_ND, w)
+    return _cpu_matmul(x_ND, w, transposed)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _cpu_matmul(x_ND: jax.Array, w: jax.Array, transposed: bool) -> jax.Array:
+    return dot("nd,fd->nf" if transposed else "nd,df->nf", x_ND, w)
+
+
+def _cpu_matmul_fwd(x_ND, w, transposed):
+    # symbolic_zeros: the primals arrive with ``perturbed``. Keep only what the backward reads:
+    # the kernel for dx, xᵀ for dw (None when that input is not differentiated).
+    x, kernel = x_ND.value, w.value
+    y_NF = dot("nd,fd->nf" if transposed else "nd,df->nf", x, kernel)
+    x_DN = materialize(x.T) if w.perturbed else None
+    return y_NF, (x_DN, kernel if x_ND.perturbed else None)
+
+
+def _cpu_matmul_bwd(transposed, residuals, dy_NF):
+    x_DN, kernel = residuals
+    if isinstance(dy_NF, SymbolicZero):
+        return None, None
+    dx_ND = None
+    if kernel is not None:  # both forms contract dy's last axis: the GEMM's own
+        dx_ND = dot("nf,fd->nd" if transposed else "nf,df->nd", dy_NF, kernel)
+    dw = None
+    if x_DN is not None:
+        dw_DF = dot("dn,nf->df", x_DN, dy_NF)
+        dw = dw_DF.T if transposed else dw_DF
+    return dx_ND, dw
+
+
+_cpu_matmul.defvjp(_cpu_matmul_fwd, _cpu_matmul_bwd, symbolic_zeros=True)
