@@ -392,3 +392,26 @@ def test_gemma3_270m_gguf_gives_transformers_logits_and_greedy_ids(gemma3_gguf):
     assert config.tokenizer.encode("The capital of France is").tolist() == PROMPT[1:]
     assert config.tokenizer.decode(list(ours_ids)) == \
         " the capital of the country of France. It is the largest"
+    # effijax eval's rows of a text (each led by <bos>, every token a target once) and its
+    # masked mean loss, against transformers' cross-entropy on the same rows.
+    from effijax.precision import get_policy
+    from effijax.recipe._data import load_eval_data
+    from effijax.recipe._eval import _scorer
+
+    text = gemma3_gguf.parent / "eval.txt"
+    text.write_text("def mean(xs):\n    return sum(xs) / len(xs)  # 3.14 ±0.01\n\n"
+                    "Ünïcödé façade, 東京 and     four spaces.\n" * 6)
+    rows, _, _ = load_eval_data(str(text), config, data_format="text")
+    assert (rows.tokens_NW[:, 0] == config.tokenizer.bos_id).all()
+    scored = _scorer(config.loss_fn(), get_policy("fp32"), params, rows, len(rows))
+    ours_loss = float(scored(params, {"inputs": rows.tokens_NW[:, :-1],
+                                      "targets": rows.tokens_NW[:, 1:],
+                                      "mask": rows.mask_NW[:, 1:]}))
+    with torch.no_grad():
+        logits = reference(torch.tensor(rows.tokens_NW[:, :-1].astype(np.int64))).logits
+        each = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), torch.tensor(rows.tokens_NW[:, 1:].astype(np.int64)).flatten(),
+            reduction="none").numpy()
+    mask = rows.mask_NW[:, 1:].flatten()
+    theirs_loss = float((each * mask).sum() / mask.sum())
+    assert abs(ours_loss - theirs_loss) <= 1e-4 * max(1.0, theirs_loss)
