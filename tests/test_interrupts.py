@@ -13,6 +13,8 @@ the compiled step instead of compiling it.
   every restart resumes from the newest committed step (never a fallback), and the run ends
   bitwise where the uninterrupted one did, having read the same batches.
 * Two fresh runs with the same seed are bitwise equal.
+* The corpus as a memory-mapped token store: killed and resumed, the file-fed run's batches
+  and end, bitwise.
 """
 
 import json
@@ -183,6 +185,40 @@ def test_kills_during_checkpoint_writes_each_resume_from_the_newest_step(env, re
     log.unlink(missing_ok=True)
     stdout, _ = _finish(_spawn(env, out, log, *flags))
     assert f"resuming from step {start} in" in stdout
+    assert read + _hashes(log) == reference["hashes"]
+    assert _metrics(out) == reference["metrics"]
+    _assert_bitwise(_leaves(out), reference["leaves"])
+
+
+def test_a_store_fed_run_killed_and_resumed_is_the_file_fed_run(env, reference):
+    """The corpus prepared into a token store (``effijax data prepare``) and memory-mapped:
+    SIGKILL, then the same command; the run reads the batches the file-fed run read and ends
+    bitwise where it ended."""
+    from effijax.recipe._prepare import prepare
+
+    store = env["root"] / "corpus.store"
+    prepare(env["corpus"], store, processes=1)
+    out, log = env["root"] / "store-fed", env["root"] / "store-fed.log"
+
+    def spawn():
+        return subprocess.Popen(
+            [sys.executable, str(HELPER), "train", *FLAGS, "--data", str(store), "--out",
+             str(out), "--checkpoint-every", "4"],
+            env={**env["env"], "EFFIJAX_TEST_BATCH_LOG": str(log)},
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    proc = spawn()
+    _wait_for_batches(proc, log, 12)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    assert proc.returncode == -signal.SIGKILL
+    newest = latest_step(out / "checkpoints")
+    assert newest is not None and newest < STEPS
+    read = [h for h in _hashes(log) if h[0] < newest]
+    log.unlink()
+    stdout, _ = _finish(spawn())
+    assert f"resuming from step {newest} in" in stdout
+    assert "memory-mapped" in stdout
     assert read + _hashes(log) == reference["hashes"]
     assert _metrics(out) == reference["metrics"]
     _assert_bitwise(_leaves(out), reference["leaves"])
