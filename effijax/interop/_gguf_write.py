@@ -30,7 +30,7 @@ from effijax import atomic
 from effijax.errors import ConfigError
 from effijax.interop._gguf import permute
 from effijax.interop._gguf_types import GGUF_DTYPES
-from effijax.interop._hf import _merged_leaf
+from effijax.interop._hf import _merged_leaf, export_leaves
 from effijax.interop._weights import host_array, to_hf
 from effijax.models import (
     PRE_TOKENIZERS,
@@ -39,7 +39,6 @@ from effijax.models import (
     format_of,
     pretrained_format,
 )
-from effijax.paths import named_leaves
 
 __all__ = ["save_gguf", "gguf_format", "gguf_tokenizer_fields"]
 
@@ -331,16 +330,9 @@ def save_gguf(path: str | os.PathLike, model, params, *, adapters=None, lora=Non
     import gguf
 
     qtype_name = _check_dtype(dtype)
-    if (adapters is None) != (lora is None):
-        raise ValueError("adapters and lora go together: pass both or neither")
+    leaves = export_leaves(model, params, adapters, lora)
     fmt = gguf_format(model)
     arch = fmt.gguf_architecture
-    leaves = dict(named_leaves(params))
-    abstract = dict(named_leaves(model.abstract_params()))
-    if set(leaves) != set(abstract):
-        raise ConfigError("params", "tree", f"does not match {model.name}: missing "
-                          f"{sorted(set(abstract) - set(leaves))}, unexpected "
-                          f"{sorted(set(leaves) - set(abstract))}")
     fields = {"general.architecture": arch, "general.name": name or model.name,
               **_hyperparameters(model, arch, fmt.gguf_metadata(model))}
     if model.tokenizer is not None:

@@ -327,6 +327,20 @@ def _merged_leaf(path: str, leaf, adapters, lora):
     return merged
 
 
+def export_leaves(model, params, adapters, lora) -> dict:
+    """``{path: leaf}`` of the parameters an export writes, checked against the model's tree
+    (and ``adapters`` with ``lora``: both or neither) before anything is written."""
+    if (adapters is None) != (lora is None):
+        raise ValueError("adapters and lora go together: pass both or neither")
+    leaves = dict(named_leaves(params))
+    abstract = dict(named_leaves(model.abstract_params()))
+    if set(leaves) != set(abstract):
+        raise ConfigError("params", "tree", f"does not match {model.name}: missing "
+                          f"{sorted(set(abstract) - set(leaves))}, unexpected "
+                          f"{sorted(set(leaves) - set(abstract))}")
+    return leaves
+
+
 def save_hf(directory: str | os.PathLike, model: LlamaConfig, params, *, adapters=None,
             lora=None, dtype: Any = None, max_shard_bytes: int = 5 * 2**30) -> list[str]:
     """Writes a Hugging Face directory of the model's class (``LlamaForCausalLM``,
@@ -355,17 +369,10 @@ def save_hf(directory: str | os.PathLike, model: LlamaConfig, params, *, adapter
     import jax.numpy as jnp
     import safetensors.numpy
 
-    if (adapters is None) != (lora is None):
-        raise ValueError("adapters and lora go together: pass both or neither")
+    leaves = export_leaves(model, params, adapters, lora)
     fmt = format_of(model)
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
-    leaves = dict(named_leaves(params))
-    abstract = dict(named_leaves(model.abstract_params()))
-    if set(leaves) != set(abstract):
-        raise ConfigError("params", "tree", f"does not match {model.name}: missing "
-                          f"{sorted(set(abstract) - set(leaves))}, unexpected "
-                          f"{sorted(set(leaves) - set(abstract))}")
     out_dtype = None if dtype is None else jnp.dtype(dtype)
     # Plan the shards from the shapes, then write them parameter by parameter.
     sizes = []
