@@ -64,6 +64,27 @@ def _leaf_bytes(shape: tuple[int, ...], dtype: Any, sharded: bool, devices: int,
     return total, total
 
 
+def _trainable_mask(trainable, treedef, with_paths) -> list[bool]:
+    """One bool per leaf: ``trainable`` (a pytree of bools shaped like the parameters, checked
+    leaf by leaf), or all True for None."""
+    if trainable is None:
+        return [True] * len(with_paths)
+    try:
+        mask = treedef.flatten_up_to(trainable)
+    except (ValueError, TypeError):
+        raise ConfigError(
+            "trainable", jax.tree.structure(trainable), "must be a pytree of bools with the "
+            f"structure of abstract_params ({treedef.num_leaves} leaves), or None"
+        ) from None
+    for (path, _), flag in zip(with_paths, mask, strict=True):
+        if not isinstance(flag, bool | np.bool_):
+            raise ConfigError(
+                "trainable", path_of(path), f"leaf is {flag!r}; expected True (trained) or "
+                "False (frozen)"
+            )
+    return [bool(flag) for flag in mask]
+
+
 def estimate_tree(
     abstract_params: Any,
     optimizer: Any,
@@ -166,23 +187,7 @@ def estimate_tree(
             for path, leaf in with_paths}
     splits = list(dims.values())
 
-    if trainable is None:
-        mask = [True] * len(leaves)
-    else:
-        try:
-            mask = treedef.flatten_up_to(trainable)
-        except (ValueError, TypeError):
-            raise ConfigError(
-                "trainable", jax.tree.structure(trainable), "must be a pytree of bools with the "
-                f"structure of abstract_params ({treedef.num_leaves} leaves), or None"
-            ) from None
-        for (path, _), flag in zip(with_paths, mask, strict=True):
-            if not isinstance(flag, bool | np.bool_):
-                raise ConfigError(
-                    "trainable", path_of(path), f"leaf is {flag!r}; expected True (trained) or "
-                    "False (frozen)"
-                )
-        mask = [bool(flag) for flag in mask]
+    mask = _trainable_mask(trainable, treedef, with_paths)
 
     shard_opt, shard_grads, shard_params = zero_stage >= 1, zero_stage >= 2, zero_stage >= 3
     params_bytes = grads_bytes = frozen_bytes = replicated = compute_copy = 0
