@@ -14,7 +14,8 @@ Two tables from one process, every variant timed interleaved with the others (ha
   CPU backward (what ``effijax train --precision bf16`` runs on this CPU). f32 is the same
   program either way (the CPU backward is for 16-bit operands only).
 
-Goal (issue 25): bf16 / f32 tokens/s approaching torch's 1.5-1.7x on this CPU.
+Goal: bf16 / f32 tokens/s approaching torch's 1.5-1.7x on this CPU (its autocast bf16 LoRA
+step against its f32 one).
 Run: ``python benchmarks/cpu_bf16.py [--layers 30] [--batch-size 4 --seq-len 128] [--write]``.
 """
 
@@ -140,7 +141,8 @@ def main(argv: list[str] | None = None) -> None:
             f"interleaved runs. Steps: SmolLM2-135M-shaped Llama with {args.layers} layers "
             f"(random weights), batch {args.batch_size} x {args.seq_len} tokens, AdamW; median "
             f"of {timing['LoRA f32']['n']} interleaved steps per variant.\n\n{layouts}\n\n"
-            f"{table}\n\nGoal: bf16 / f32 approaching torch's 1.5-1.7x (issue 25).")
+            f"{table}\n\nGoal: bf16 / f32 approaching torch's 1.5-1.7x (torch autocast bf16 vs "
+            "f32, LoRA, same CPU).")
     publish("bf16 vs f32 on the CPU: matmul layouts and the train step", body,
             command=command_line(__file__, argv), write=args.write)
 

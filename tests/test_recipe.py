@@ -116,7 +116,7 @@ def test_gpt_implements_the_interface_and_round_trips():
         preset("tinyy")
     with pytest.raises(ConfigError, match="model_config.d_modell"):
         model_from_dict({"family": "gpt", **dataclasses.asdict(model), "d_modell": 3})
-    with pytest.raises(ConfigError, match="unknown model family; known: gpt"):
+    with pytest.raises(ConfigError, match="unknown model family; known: gemma3, gpt"):
         model_from_dict({"family": "gptx"})
 
 
