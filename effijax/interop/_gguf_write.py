@@ -77,6 +77,17 @@ def gguf_format(model):
       ...
       effijax.errors.ConfigError: model='tiny GPT': the gpt family has no Hugging Face ...
     """
+    fmt = _architecture(model)
+    fmt.gguf_metadata(model)  # refuses what the family's GGUF cannot describe
+    if model.tokenizer is not None:
+        gguf_tokenizer_fields(model.tokenizer, model.vocab_size)
+    return fmt
+
+
+def _architecture(model):
+    """The format ``model`` is written as, once its family and rotary embeddings are checked
+    (:func:`gguf_format` without the metadata and the tokenizer, which :func:`save_gguf`
+    builds, and so checks, itself)."""
     fmt = format_of(model)
     if fmt.gguf_architecture is None and fmt.model_type not in _WRITTEN_AS:
         raise ConfigError("model", model.name, f"the {model.family} family has no GGUF "
@@ -87,9 +98,6 @@ def gguf_format(model):
         raise ConfigError("rope_scaling", model.rope_scaling, "rotary scaling is not written "
                           "to GGUF (llama.cpp stores Llama 3.1's as a rope_freqs tensor, which "
                           "effijax does not read either); export the Hugging Face directory")
-    fmt.gguf_metadata(model)  # refuses what the family's GGUF cannot describe
-    if model.tokenizer is not None:
-        gguf_tokenizer_fields(model.tokenizer, model.vocab_size)
     return fmt
 
 
@@ -331,7 +339,7 @@ def save_gguf(path: str | os.PathLike, model, params, *, adapters=None, lora=Non
 
     qtype_name = _check_dtype(dtype)
     leaves = export_leaves(model, params, adapters, lora)
-    fmt = gguf_format(model)
+    fmt = _architecture(model)  # the metadata and tokenizer fields are checked as they are built
     arch = fmt.gguf_architecture
     fields = {"general.architecture": arch, "general.name": name or model.name,
               **_hyperparameters(model, arch, fmt.gguf_metadata(model))}
