@@ -307,12 +307,18 @@ def _store_tokenizer(store, model, path: str) -> Any:
     return tokenizer
 
 
+def _leading_bos(tokenizer) -> int | None:
+    """The BOS every text window starts with: the tokenizer's, where it starts texts with one
+    (Gemma's), as the model sees every text; None otherwise."""
+    if tokenizer is None or not tokenizer.add_bos:
+        return None
+    return tokenizer.bos_id
+
+
 def _led(tokens: np.ndarray, tokenizer):
-    """Text windows led by the tokenizer's BOS where it starts texts with one (Gemma's), as
-    the model sees every text: :class:`~effijax.data.Led`."""
-    if tokenizer is None or not tokenizer.add_bos or tokenizer.bos_id is None:
-        return tokens
-    return Led(tokens, tokenizer.bos_id)
+    """Text windows led by :func:`_leading_bos` where there is one (:class:`~effijax.data.Led`)."""
+    first = _leading_bos(tokenizer)
+    return tokens if first is None else Led(tokens, first)
 
 
 def _store_dataset(path: str, model, seq_len: int) -> Dataset:
@@ -427,11 +433,10 @@ def text_rows(tokens: np.ndarray, seq_len: int, *, pad_id: int = 0, first: int |
         raise ConfigError("data", tokens.size, "tokens: at least 2 are needed to evaluate")
     if first is not None:
         tokens = np.concatenate([[first], tokens]).astype(np.int32)
-        rows = text_rows(tokens, seq_len, pad_id=pad_id)  # then every row starts with first:
-        body = rows.tokens_NW[:, 1:]
-        n = -(-(tokens.size - 1) // seq_len)
-        led = np.concatenate([np.full((n, 1), first, np.int32), body], axis=1)
-        return Packed(led, rows.mask_NW, examples=n, filled=int(tokens.size - 1))
+        rows = text_rows(tokens, seq_len, pad_id=pad_id)
+        rows.tokens_NW[:, 0] = first  # each row's untrained first position: the BOS
+        return Packed(rows.tokens_NW, rows.mask_NW, examples=rows.examples,
+                      filled=int(tokens.size - 1))
     n = -(-(tokens.size - 1) // seq_len)
     tokens_NW = np.full((n, seq_len + 1), pad_id, np.int32)
     mask_NW = np.zeros((n, seq_len + 1), np.int32)
@@ -458,7 +463,6 @@ def load_eval_data(path: str, model, *, seq_len: int | None = None,
                              pad_id=_pad_id(content.tokenizer))
     else:
         pad = 0 if content.tokenizer is None else _pad_id(content.tokenizer)
-        led = _led(content.stream, content.tokenizer)
         rows = text_rows(content.stream, seq_len, pad_id=pad,
-                         first=led.first if isinstance(led, Led) else None)
+                         first=_leading_bos(content.tokenizer))
     return rows, content.fingerprint, content.format
