@@ -159,3 +159,49 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_one_step_and_resumes_exac
     s_resumed = json.loads((run / "summary.json").read_text())
     s_reference = json.loads((reference / "summary.json").read_text())
     assert s_resumed["eval_loss"] == s_reference["eval_loss"]
+
+
+# A Llama of 8 query heads (4 key/value heads, replicated at tensor=8), its vocabulary of 264
+# and its MLP width of 128 all divisible by 8: ``tensor=8`` splits every matrix across both
+# processes' devices.
+TENSOR_STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def llama8(tmp_path_factory):
+    import jax
+    from _llama_files import write_gguf
+
+    from effijax.models import llama_config
+
+    model = llama_config("llama-tiny", seq_len=32, n_heads=8, n_kv_heads=4, head_dim=8,
+                         vocab_size=264)
+    path = tmp_path_factory.mktemp("llama8") / "llama8.gguf"
+    write_gguf(path, model, jax.jit(model.init_params)(jax.random.key(0)))
+    return str(path)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_tensor_axis_across_two_processes_matches_one_process_of_eight(tmp_path, corpus,
+                                                                         llama8, cached_env):
+    args = ["--from", llama8, "--mesh", "tensor=8", "--strategy", "fsdp", "--seq-len", "32",
+            "--batch-size", "8", "--steps", str(TENSOR_STEPS), "--eval-batches", "1",
+            "--no-progress", "--data", corpus]
+    multi, single = tmp_path / "2x4", tmp_path / "1x8"
+    (out0, _), _ = _wait(_pair([*args, "--out", str(multi)], _free_port(), cached_env))
+    assert "2 process(es)" in out0 and "mesh tensor=8" in out0, out0
+    _wait([_launch([*args, "--out", str(single), "--cpu-devices", "8"], cached_env)])
+    m2, m1 = _metrics(multi), _metrics(single)
+    assert [r["step"] for r in m2] == [r["step"] for r in m1] == list(range(1, TENSOR_STEPS + 1))
+    # Gloo's all-reduces sum in another order than one process's: f32 rounding, as
+    # tests/test_tensor_parallel.py allows between meshes.
+    np.testing.assert_allclose([r["loss"] for r in m2], [r["loss"] for r in m1], rtol=1e-5)
+    s2 = json.loads((multi / "summary.json").read_text())
+    s1 = json.loads((single / "summary.json").read_text())
+    np.testing.assert_allclose(s2["eval_loss"], s1["eval_loss"], rtol=1e-5)
+    assert s2["mesh"] == s1["mesh"] == {"data": 1, "fsdp": 1, "tensor": 8}
+    # The same partitioned program: each device holds an eighth of every split matrix.
+    assert s2["memory"]["params"] == s1["memory"]["params"]
+    assert s2["collectives"] == s1["collectives"]
+    assert any(r["kind"] == "all-reduce" for r in s2["collectives"])

@@ -28,7 +28,7 @@ import optax
 
 from effijax import lora as lora_lib
 from effijax.data import batch_at, eval_batches
-from effijax.distributed import global_batch
+from effijax.distributed import global_batch, process_rows
 from effijax.errors import ConfigError, whole_number
 from effijax.models import LanguageModel
 from effijax.paths import named_leaves
@@ -463,13 +463,13 @@ def batch_fn(job: Job, tokens: np.ndarray, frozen: Any = None) -> Callable[[int]
     """``batch(step)``: the global training batch of that step, a pure function of
     ``(job.seed, step)``; each process builds only its own rows."""
     rows = batch_sharding(job.mesh)
-    index, count = jax.process_index(), jax.process_count()
+    index, count = process_rows(rows, job.batch_size)
 
     def batch(step_no: int) -> dict:
         local = batch_at(tokens, seed=job.seed, step=step_no, batch_size=job.batch_size,
                          seq_len=job.model.seq_len, process_index=index, process_count=count)
         _check_batch_keys(job, local)
-        out = global_batch(local, rows)
+        out = global_batch(local, rows, job.batch_size)
         return out if frozen is None else {**out, "base": frozen}
 
     return batch
@@ -495,10 +495,10 @@ def evaluate(job: Job, params: Any, tokens: np.ndarray, *, num_batches: int,
     rows = batch_sharding(job.mesh)
     kw = {"batch_size": job.batch_size, "seq_len": job.model.seq_len, "num_batches": num_batches}
     losses = []
-    for local in eval_batches(tokens, **kw, process_index=jax.process_index(),
-                              process_count=jax.process_count()):
+    index, count = process_rows(rows, job.batch_size)
+    for local in eval_batches(tokens, **kw, process_index=index, process_count=count):
         _check_batch_keys(job, local)
-        b = global_batch(local, rows)
+        b = global_batch(local, rows, job.batch_size)
         losses.append(float(job.eval_loss(params, b if frozen is None else {**b,
                                                                             "base": frozen})))
     if not job.masked:
