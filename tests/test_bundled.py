@@ -11,6 +11,7 @@ import pytest
 
 from effijax.errors import ConfigError
 from effijax.recipe import _sources
+from effijax.recipe._config import Bundled
 
 PACKAGE = """
 calls = []
@@ -36,7 +37,8 @@ def split_wheel(tmp_path, monkeypatch):
     (root / "splitmodel").mkdir(parents=True)
     (root / "splitmodel" / "__init__.py").write_text(PACKAGE)
     monkeypatch.syspath_prepend(str(root))
-    monkeypatch.setitem(_sources.BUNDLED, "split", ("splitmodel", "split.gguf"))
+    monkeypatch.setitem(_sources.BUNDLED, "split",
+                        Bundled("splitmodel", "split.gguf", ("splitmodel",)))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     yield importlib.import_module("splitmodel")
     sys.modules.pop("splitmodel", None)

