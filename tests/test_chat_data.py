@@ -3,6 +3,7 @@ chat / instruction JSONL rendered with the chat template and masked to the assis
 packed rows batched as a pure function of (seed, step), the masked loss in training and
 evaluation, and `effijax eval`."""
 
+import dataclasses
 import functools
 import json
 import os
@@ -14,8 +15,10 @@ import jax
 import numpy as np
 import optax
 import pytest
+from _compiles import compiles
 from _llama_files import VOCAB_SIZE, chat_tokenizer, write_gguf, write_qa
 
+from effijax.cli import main as cli_main
 from effijax.data import (
     batch_at,
     encode_documents,
@@ -45,8 +48,6 @@ def tok():
 
 @pytest.fixture(scope="module")
 def model(tok):
-    import dataclasses
-
     return dataclasses.replace(TINY, tokenizer=tok)
 
 
@@ -388,3 +389,76 @@ def test_smollm2_chat_ids_match_transformers_apply_chat_template():
         edges = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])))
         runs = [tok.decode(ids[a:b]) for a, b in zip(edges[::2], edges[1::2], strict=True)]
         assert runs == replies
+
+
+# Turns closed by <|endoftext|> (id 0), not by the tokenizer's EOS <|im_end|> (id 2): Gemma's
+# shape (<end_of_turn>, then <eos>).
+OTHER_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                  "<|endoftext|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>"
+                  "assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("text, problem", [
+    (None, "no such file; give a Jinja chat template file"),
+    ("{% for m in messages %}", "the template failed (TemplateSyntaxError: Unexpected end of "
+                                "template."),
+    ("{{ raise_exception('no system turns') }}", "the template failed (ValueError: no "
+                                                 "system turns) on a two-turn conversation; "
+                                                 "fix the file"),
+])
+def test_a_chat_template_file_is_checked_before_anything_is_planned(gguf, tmp_path, text,
+                                                                     problem, capsys):
+    path = tmp_path / "t.jinja"
+    if text is not None:
+        path.write_text(text)
+    with compiles() as compiled:
+        assert cli_main(["train", "--from", str(gguf / "tiny.gguf"), "--data",
+                         str(gguf / "qa.jsonl"), "--chat-template", str(path), "--out",
+                         str(tmp_path / "run")]) == 2
+    assert compiled == []
+    err = capsys.readouterr().err
+    assert f"error: --chat-template={str(path)!r}: " in err and problem in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_byte_model_has_no_tokenizer_for_a_chat_template(tmp_path):
+    from effijax.recipe import with_chat_template
+
+    path = tmp_path / "t.jinja"
+    path.write_text(OTHER_TEMPLATE)
+    with pytest.raises(ConfigError, match="tiny GPT has no tokenizer to render chat with"):
+        with_chat_template(gpt_config("tiny"), str(path))
+
+
+@pytest.mark.slow  # one LoRA run of 2 steps
+def test_a_chat_template_file_renders_the_data_and_stays_with_the_run(gguf, tmp_path):
+    from effijax.generate import load
+    from effijax.recipe import TrainConfig, train
+
+    template = tmp_path / "turns.jinja"
+    template.write_text(OTHER_TEMPLATE)
+    out = tmp_path / "run"
+    result = train(TrainConfig(init_from=str(gguf / "tiny.gguf"), data=str(gguf / "qa.jsonl"),
+                               chat_template=str(template), lora_rank=2, seq_len=SEQ,
+                               batch_size=2, steps=2, eval_batches=1, progress=False,
+                               out=str(out)))
+    # The data went through the file's template: the trained tokens are its assistant turns.
+    model = dataclasses.replace(TINY.with_seq_len(SEQ),
+                                tokenizer=dataclasses.replace(chat_tokenizer(),
+                                                              chat_template=OTHER_TEMPLATE))
+    data = load_dataset(str(gguf / "qa.jsonl"), model)
+    want = [int(batch_at(data.train, seed=0, step=s, batch_size=2, seq_len=SEQ)["mask"].sum())
+            for s in range(2)]
+    assert result.summary["trained_tokens"] == sum(want)
+    ids, mask = render_chat(model.tokenizer, [{"role": "user", "content": "the 1"},
+                                              {"role": "assistant", "content": "in the"}])
+    assert ids[mask == 1][-1] == EOT  # the turn's end is trained, as the template writes it
+    # The run keeps the template's text, whatever becomes of the file.
+    assert json.loads((out / "config.json").read_text())["run"]["chat_template"] == \
+        OTHER_TEMPLATE
+    template.unlink()
+    loaded = load(str(out))
+    assert loaded.tokenizer.chat_template == OTHER_TEMPLATE
+    assert loaded.chat_prompt("hi").endswith("<|endoftext|>\n<|im_start|>assistant\n")
+    # A reply stops at the turn's end as well as at EOS.
+    assert loaded._stop_ids(chat=True) == (2, 0) and loaded._stop_ids(chat=False) == 2

@@ -44,7 +44,7 @@ from effijax.data._files import bounded_lines
 from effijax.errors import ConfigError, whole_number
 
 __all__ = ["Record", "Packed", "parse_line", "table_record", "read_records", "render_chat",
-           "pack_examples", "split_records", "records_fingerprint"]
+           "turn_end_id", "pack_examples", "split_records", "records_fingerprint"]
 
 _RECORD_KEYS = ({"messages"}, {"prompt", "response"}, {"prompt", "response", "system"})
 
@@ -292,6 +292,34 @@ def render_chat(tokenizer, messages: Sequence[dict]) -> tuple[np.ndarray, np.nda
     for a, b in spans:
         mask[(starts >= a) & (starts < b)] = 1
     return ids, mask
+
+
+def turn_end_id(tokenizer) -> int | None:
+    """The special token the chat template closes an assistant turn with, or None (none, or
+    plain text). A reply ends there: SmolLM2's ``<|im_end|>`` is also its EOS, but Gemma's
+    ``<end_of_turn>`` is not (its EOS is ``<eos>``), so generation stops at either.
+
+    Example:
+      >>> from effijax.models import byte_level_bpe
+      >>> tok = byte_level_bpe(["<s>", "<e>", "a", "b", ":"], [], token_types=[3, 3, 1, 1, 1],
+      ...     chat_template="{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}"
+      ...                   "<e>{% endfor %}{% if add_generation_prompt %}a:{% endif %}")
+      >>> tok.token(turn_end_id(tok))
+      '<e>'
+    """
+    reply = "Hello."
+    text, spans = assistant_spans(tokenizer, [{"role": "user", "content": "Hi."},
+                                              {"role": "assistant", "content": reply}])
+    if not spans:
+        return None
+    start, end = spans[-1]
+    after = text.find(reply, start)
+    if after < 0:  # the template rewrote the reply: no end to locate
+        return None
+    ids = tokenizer.backend.encode(text[after + len(reply):end], add_special_tokens=False).ids
+    if not ids or tokenizer.decode([ids[0]], skip_special_tokens=True) != "":
+        return None
+    return int(ids[0])
 
 
 def pack_examples(examples: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int, *,

@@ -149,13 +149,18 @@ def _sandbox():
     return env
 
 
+# How a template error ends: where the model's template comes from. A template given as a
+# file of its own (``--chat-template``) says so instead.
+FIX_HINT = ("; fix the template (tokenizer_config.json or chat_template.jinja) or the "
+            "conversation")
+
+
 def _error(e: Exception) -> ConfigError:
     text = " ".join(str(e).split())  # one line: a template's own message may span several
     text = text if len(text) <= 300 else text[:297] + "..."
     kind = "" if isinstance(e, _Exceeded) else f"{type(e).__name__}: "
     return ConfigError("chat_template", NO_VALUE, f"the model's chat template failed ({kind}"
-                       f"{text}); fix the template (tokenizer_config.json or "
-                       "chat_template.jinja) or the conversation")
+                       f"{text}){FIX_HINT}")
 
 
 class BoundedTemplate:

@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from effijax.data import turn_end_id
 from effijax.errors import ConfigError
 from effijax.generate._generate import Generation, generate
 from effijax.recipe import Opened, open_model
@@ -49,6 +50,14 @@ class Loaded(Opened):
     def eos_id(self) -> int | None:
         """The end-of-sequence id generation stops at (None: byte models never stop early)."""
         return None if self.tokenizer is None else self.tokenizer.eos_id
+
+    def _stop_ids(self, chat: bool):
+        """EOS, and for a chat reply the token that closes the turn (Gemma's ``<end_of_turn>``
+        is not its EOS)."""
+        if not chat or self.eos_id is None:
+            return self.eos_id
+        end = turn_end_id(self.tokenizer)
+        return self.eos_id if end is None or end == self.eos_id else (self.eos_id, end)
 
     def encode(self, text: str) -> np.ndarray:
         """Token ids of ``text`` (the tokenizer's special tokens added as it adds them)."""
@@ -80,7 +89,8 @@ class Loaded(Opened):
                  **kwargs) -> Completion:
         """Generates a continuation of ``prompt`` (with ``chat``, a reply to it as a user
         message); ``kwargs`` go to :func:`~effijax.generate.generate` (``max_new_tokens``,
-        ``temperature``, ``top_p``, ``seed``). Stops at the tokenizer's EOS."""
+        ``temperature``, ``top_p``, ``seed``). Stops at the tokenizer's EOS; a chat reply also
+        at the token that closes the template's turn (:func:`effijax.data.turn_end_id`)."""
         if not isinstance(prompt, str):
             raise ConfigError("prompt", type(prompt).__name__, "expected a text; for several "
                               "use complete_batch")
@@ -104,8 +114,8 @@ class Loaded(Opened):
         for prompt, row in zip(prompts, ids, strict=True):
             if row.size == 0:
                 raise ConfigError("prompt", prompt, "encodes to no tokens; give some text")
-        out = generate(self.model, self.params, ids, eos_id=self.eos_id, lora=self.lora,
-                       **kwargs)
+        out = generate(self.model, self.params, ids, eos_id=self._stop_ids(chat),
+                       lora=self.lora, **kwargs)
         return [Completion(text, self.decode(row), out, b)
                 for b, (text, row) in enumerate(zip(texts, out.outputs, strict=True))]
 

@@ -68,7 +68,12 @@ from effijax.models._llama import LLAMA_PRESETS, Llama, LlamaConfig, llama_confi
 from effijax.models._mistral import MISTRAL_PRESETS, Mistral, MistralConfig, mistral_config
 from effijax.models._qwen2 import QWEN2_PRESETS, Qwen2, Qwen2Config, qwen2_config
 from effijax.models._sentencepiece import sentencepiece_bpe
-from effijax.models._tokenizer import PRE_TOKENIZERS, Tokenizer, byte_level_bpe
+from effijax.models._tokenizer import (
+    PRE_TOKENIZERS,
+    Tokenizer,
+    byte_level_bpe,
+    read_chat_template,
+)
 
 # Families register in import order, the order preset_names() lists them in (the GPT's first):
 # Gemma 3 after the others, whatever the alphabet says.
@@ -112,6 +117,7 @@ __all__ = [
     "format_of",
     "Tokenizer",
     "byte_level_bpe",
+    "read_chat_template",
     "sentencepiece_bpe",
     "PRE_TOKENIZERS",
     "attend",

@@ -346,7 +346,7 @@ class Tokenizer:
         template = config.get("chat_template")
         template_path = os.path.join(directory, "chat_template.jinja")
         if os.path.exists(template_path):
-            template = _template_file(template_path)
+            template = read_chat_template(template_path)
         if isinstance(template, list):  # several named templates: take the default one
             named = {t.get("name"): t.get("template") for t in template}
             template = named.get("default", next(iter(named.values()), None))
@@ -449,8 +449,23 @@ def _tokenizer_config(path: str) -> dict:
     return config
 
 
-def _template_file(path: str) -> str:
-    """``chat_template.jinja``'s text: a regular UTF-8 file of bounded size."""
+def read_chat_template(path: str | os.PathLike) -> str:
+    """A chat template file's text (``chat_template.jinja``, or one given with
+    ``--chat-template``): a regular UTF-8 file of bounded size. (Compiling it is
+    :func:`effijax.data.compile_template`'s.)
+
+    Raises:
+      FileNotFoundError: no such file.
+      FileError: not a regular file, too large, or not UTF-8.
+
+    Example:
+      >>> import pathlib, tempfile
+      >>> path = pathlib.Path(tempfile.mkdtemp()) / "t.jinja"
+      >>> _ = path.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+      >>> read_chat_template(path)[:6]
+      '{% for'
+    """
+    path = os.fspath(path)
     if regular_size(path) > MAX_JSON_BYTES:
         raise FileError(path, "file", f"is larger than {MAX_JSON_BYTES:,} bytes")
     try:

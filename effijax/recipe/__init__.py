@@ -35,5 +35,5 @@ __getattr__, __dir__, __all__ = attach(__name__, {
     "effijax.recipe._open": ("Opened", "open_model"),
     "effijax.recipe._preflight": ("check_memory",),
     "effijax.recipe._sources": ("architecture", "bundled_path", "read_source",
-        "load_params", "missing_source"),
+        "load_params", "missing_source", "with_chat_template"),
 })

@@ -193,6 +193,11 @@ class TrainConfig:
                               "chat template, trained on the assistant's tokens), or auto "
                               "(chat for a .jsonl file, else text)", choices=DATA_FORMATS,
                               section="data")
+    chat_template: str | None = _field(None, "a Jinja chat template file that renders chat "
+                                       "data (and the run's --chat generation) instead of the "
+                                       "model's own: for a base model without one, or another "
+                                       "turn format", flag="--chat-template", metavar="FILE",
+                                       section="data")
     eval_batches: int = _field(8, "validation batches evaluated at the end (0: none)",
                                section="data")
     # Devices and sharding.

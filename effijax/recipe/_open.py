@@ -72,14 +72,25 @@ def _origin(values: dict) -> dict | None:
 
 
 def _tokenizer_of_run(values: dict):
-    """The tokenizer of the pretrained model a run (or the run it started from) came from."""
+    """The tokenizer of the pretrained model a run (or the run it started from) came from,
+    with the chat template the run was given (``--chat-template``), if any."""
     origin = _origin(values)
     if not origin:
         return None
     if "path" in origin:
-        return load_tokenizer(origin["path"])
-    upstream = _run_values(Path(origin["run"]))
-    return None if upstream is None else _tokenizer_of_run(upstream)
+        tokenizer = load_tokenizer(origin["path"])
+    else:
+        upstream = _run_values(Path(origin["run"]))
+        tokenizer = None if upstream is None else _tokenizer_of_run(upstream)
+    return _with_run_template(values, tokenizer)
+
+
+def _with_run_template(values: dict, tokenizer):
+    """``tokenizer`` with the chat template the run recorded (``--chat-template``), if any."""
+    template = values["run"].get("chat_template")
+    if tokenizer is None or not isinstance(template, str):
+        return tokenizer
+    return dataclasses.replace(tokenizer, chat_template=template)
 
 
 def _full_run(path: Path, values: dict, step: int | None) -> Opened:
@@ -112,7 +123,8 @@ def _lora_run(path: Path, values: dict) -> Opened:
     if values.get("frozen_dtype") in QUANTIZED_FORMATS:  # trained on a quantized base: use it
         frozen = quantize_kernels(frozen, values["frozen_dtype"])
     return Opened(base.model, {"base": frozen, "adapters": adapters}, spec,
-                  base.tokenizer or _tokenizer_of_run(values), f"{path} (LoRA rank {spec.rank} "
+                  _with_run_template(values, base.tokenizer) if base.tokenizer
+                  else _tokenizer_of_run(values), f"{path} (LoRA rank {spec.rank} "
                   f"on {base.source})")
 
 

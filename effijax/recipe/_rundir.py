@@ -60,10 +60,14 @@ class RunStart(NamedTuple):
         return self.run_json["run"]
 
 
-def run_record(job, origin: dict | None, data, weights: dict[str, str] | None = None) -> dict:
+def run_record(job, origin: dict | None, data, weights: dict[str, str] | None = None, *,
+               chat_template: str | None = None) -> dict:
     """The ``run`` record of ``config.json``: the model and its sizes, what it starts from
     (``origin``) and each pretrained weight file read (``weights``, ``{name: sha256}``), the
-    data's size and fingerprint, the tokenizer's fingerprint, the devices.
+    data's size and fingerprint, the tokenizer's fingerprint, the devices; with
+    ``chat_template`` (a ``--chat-template`` file's text), the template itself, which the run's
+    tokenizer uses from then on (``effijax generate --chat``, exports) whatever becomes of the
+    file.
 
     ``tokenizer_sha256`` is the tokenizer the data went through
     (:meth:`~effijax.models.Tokenizer.fingerprint`), its chat template included when the data
@@ -82,6 +86,7 @@ def run_record(job, origin: dict | None, data, weights: dict[str, str] | None = 
             chat_template=data.format == "chat"),
         "devices": [str(d) for d in jax.devices()],
         "process_count": jax.process_count(),
+        **({} if chat_template is None else {"chat_template": chat_template}),
     }
 
 

@@ -32,7 +32,7 @@ from effijax.recipe._data import mixture_spec
 # ``effijax memory --model`` reads an architecture (:func:`architecture`) without them.
 
 __all__ = ["Source", "BUNDLED", "bundled_path", "check_paths", "read_source", "read_run",
-           "model_for", "latest_step", "starting_point", "load_params",
+           "with_chat_template", "model_for", "latest_step", "starting_point", "load_params",
            "architecture"]
 
 
@@ -77,6 +77,9 @@ def check_paths(config: TrainConfig) -> None:
                           "writable directory") from None
     if config.checkpoints:
         checkpoint_folder(out / "checkpoints")
+    if config.chat_template is not None and not Path(config.chat_template).is_file():
+        raise ConfigError("chat_template", config.chat_template, "no such file; give a Jinja "
+                          "chat template file")
     if (config.init_from is not None and config.init_from not in BUNDLED
             and not Path(config.init_from).exists()):
         raise missing_source("init_from", config.init_from)
@@ -293,7 +296,50 @@ def model_for(config: TrainConfig, source: Source | None):
     model = _architecture_for(config, source)
     if model.unroll_layers != config.unroll_layers:
         model = dataclasses.replace(model, unroll_layers=config.unroll_layers)
+    if config.chat_template is not None:
+        model = with_chat_template(model, config.chat_template)
     return model
+
+
+def with_chat_template(model, path: str):
+    """``model`` whose tokenizer renders chat with the template file at ``path``
+    (``--chat-template``): read, compiled and tried on a two-turn conversation now, before
+    anything is planned.
+
+    Raises:
+      ConfigError: ``field="chat_template"``: the model has no tokenizer, or the file cannot be
+        read, does not compile or fails on the conversation.
+
+    Example:
+      >>> import pathlib, tempfile
+      >>> from effijax.models import byte_level_bpe, llama_config
+      >>> tok = byte_level_bpe(["a", "b"], [])
+      >>> model = llama_config("llama-tiny", tokenizer=tok)
+      >>> path = pathlib.Path(tempfile.mkdtemp()) / "turns.jinja"
+      >>> _ = path.write_text("{% for m in messages %}{{ m['content'] }};{% endfor %}")
+      >>> with_chat_template(model, str(path)).tokenizer.chat_template[-13:]
+      ';{% endfor %}'
+    """
+    from effijax.errors import FileError
+    from effijax.models import read_chat_template
+
+    tokenizer = getattr(model, "tokenizer", None)
+    if tokenizer is None:
+        raise ConfigError("chat_template", path, f"{model.name} has no tokenizer to render "
+                          "chat with; start --from a pretrained model")
+    try:
+        tokenizer = dataclasses.replace(tokenizer, chat_template=read_chat_template(path))
+        tokenizer.apply_chat_template([{"role": "user", "content": "Hi."},
+                                       {"role": "assistant", "content": "Hello."}])
+    except (OSError, FileError) as e:
+        raise ConfigError("chat_template", path, f"cannot be read ({e})") from None
+    except ConfigError as e:
+        from effijax.data._template import FIX_HINT
+
+        problem = e.problem.replace("the model's chat template", "the template")
+        raise ConfigError("chat_template", path, f"{problem.removesuffix(FIX_HINT)} on a "
+                          "two-turn conversation; fix the file") from None
+    return dataclasses.replace(model, tokenizer=tokenizer)
 
 
 def _architecture_for(config: TrainConfig, source: Source | None):

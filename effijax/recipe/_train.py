@@ -86,8 +86,9 @@ def train(config: TrainConfig, *, argv: list[str] | None = None) -> TrainResult:
         origin = None
         if source is not None:  # its checkpoint checked against the plan, its params loaded
             origin, source = _sources.starting_point(source, model, mesh)
-        run = open_run(config, job, run_record(job, origin, data,
-                                              None if source is None else source.weights))
+        run = open_run(config, job, run_record(
+            job, origin, data, None if source is None else source.weights,
+            chat_template=model.tokenizer.chat_template if config.chat_template else None))
         if run.finished:  # the same run, already trained this far: its files stay as they are
             _report.finished_before(config, run.resume_step)
             return TrainResult(config.out, {}, "finished_before", config)
