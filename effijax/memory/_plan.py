@@ -14,6 +14,9 @@ selection" of the study notes on efficient training, and stops at the first that
 
 A fraction of memory (``headroom``, 10% by default) is kept for what the estimate leaves out:
 temporary buffers, collectives' staging, fragmentation, the framework's own allocations.
+
+This plans one mesh; :func:`~effijax.memory.plan_mesh` runs it on every ``(data, fsdp, tensor)``
+mesh of a device count and picks one.
 """
 
 from __future__ import annotations
@@ -55,7 +58,8 @@ class Plan:
       fits: whether any configuration fits; if False the settings below are None and
         :meth:`explain` says why.
       num_params: Ψ, the model's parameter count.
-      devices: data-parallel devices.
+      devices: the devices the ZeRO stages shard over (a mesh's ``fsdp`` axis: all the
+        data-parallel devices when ``data`` is 1).
       device_memory: bytes of memory per device.
       usable_bytes: ``device_memory`` minus the headroom.
       optimizer: optimizer the states were counted for.
@@ -596,12 +600,13 @@ def plan(
 
     Args:
       num_params: Ψ, an int or a string like ``"70B"``.
-      devices: data-parallel devices (>= 1).
+      devices: data-parallel devices (>= 1), the ones the ZeRO stages shard over (times
+        ``data`` replicas of them, see ``data``).
       device_memory: memory per device with its unit, such as ``"80GB"`` or ``"80GiB"``
         (:func:`~effijax.memory.parse_bytes`; a bare number is refused).
       layers, hidden, heads, seq_len, global_batch: the model shape and the global batch in
         sequences; give all five or none (then only model states are planned).
-        ``global_batch`` must divide by ``devices``.
+        ``global_batch`` must divide by ``data x devices``.
       optimizer: ``adam``, ``adamw``, ``lion``, ``sgd_momentum`` or ``sgd``.
       allow_lora: if False, LoRA is never proposed; a model that needs it does not fit.
       headroom: fraction of ``device_memory`` kept free, in [0, 1).
