@@ -274,3 +274,50 @@ def test_from_takes_a_run_directory_and_the_old_model_path_spelling_still_works(
                             "deprecated; use --from (--model names a preset)\n")
     assert run_json(["memory", "--from", str(tmp_path)], capsys)["params_bytes"] == \
         2 * model.num_params
+
+
+GPT_1B_FLAGS = ["--layers", "16", "--hidden", "2048", "--heads", "16", "--seq-len", "2048"]
+
+
+def test_plan_prints_the_meshes_it_compared_and_the_pick_as_train_flags(capsys):
+    from effijax.sharding import parse_mesh
+
+    assert run(["plan", "--params", "1B", "--devices", "8", "--device-memory", "80GB",
+                *GPT_1B_FLAGS, "--global-batch", "32"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("mesh search over 8 devices (per device; rule: fits in memory, "
+                               "then full fine-tuning before LoRA")
+    assert lines[1].split() == ["mesh", "strategy", "memory", "comm/step", "fits"]
+    # 16 GB of DDP states + 30.6 GB of activations; 2 x 7/8 x 2 GB of gradients all-reduced.
+    assert lines[2].split() == ["data=8,fsdp=1,tensor=1", "ddp", "46.6", "GB", "3.5", "GB", "yes"]
+    rows = lines[2:lines.index("-> mesh: --mesh data=8,fsdp=1,tensor=1 --strategy ddp")]
+    assert [r.split()[0] for r in rows] == ["data=8,fsdp=1,tensor=1", "data=4,fsdp=1,tensor=2",
+                                            "data=2,fsdp=1,tensor=4", "data=1,fsdp=1,tensor=8"]
+    assert parse_mesh(lines[len(rows) + 2].split()[3]) == {"data": 8, "fsdp": 1, "tensor": 1}
+    assert lines[-1].startswith("-> plan: full fine-tuning, mixed precision, DDP")
+
+
+def test_plan_json_lists_the_candidates(capsys):
+    out = run_json(["plan", "--params", "1B", "--devices", "8", "--device-memory", "80GB",
+                    *GPT_1B_FLAGS, "--global-batch", "32", "--node-size", "4"], capsys)
+    assert (out["mesh"], out["strategy"], out["communication_bytes"]) == (
+        "data=8,fsdp=1,tensor=1", "ddp", 3.5e9)
+    assert [c["mesh"] for c in out["candidates"]] == [
+        "data=8,fsdp=1,tensor=1", "data=4,fsdp=1,tensor=2", "data=2,fsdp=1,tensor=4"]
+    assert out["notes"] == ["tensor=8 left out: more than a node's 4 devices"]
+
+
+def test_plan_with_a_pinned_tensor_and_sequence_parallelism(capsys):
+    argv = ["plan", "--params", "70B", "--devices", "8", "--device-memory", "80GB",
+            "--layers", "80", "--hidden", "8192", "--heads", "64", "--seq-len", "32768",
+            "--global-batch", "8", "--sequence-parallel"]
+    assert run([*argv, "--tensor", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "-> mesh: --mesh data=1,fsdp=1,tensor=8 --strategy ddp" in out
+    assert "norm and dropout regions split along the sequence (sequence parallelism)" in out
+    assert run([*argv, "--tensor", "4"]) == 1  # fsdp=2 x tensor=4 does not fit
+    assert "-> mesh: nothing fits" in capsys.readouterr().out
+    assert run([*argv, "--tensor", "3"]) == 2
+    assert capsys.readouterr().err == (
+        "effijax plan: error: --tensor=3: does not divide the 8 devices (they are counted in "
+        "all: for 8 groups of 3 devices, give 24)\n")

@@ -5,7 +5,16 @@ import dataclasses
 import pytest
 
 from effijax.errors import ConfigError
-from effijax.memory import GB, Plan, _plan, activation_bytes, format_bytes, model_states, plan
+from effijax.memory import (
+    GB,
+    Plan,
+    _plan,
+    activation_bytes,
+    format_bytes,
+    model_states,
+    plan,
+    plan_mesh,
+)
 
 LLAMA_7B = {"layers": 32, "hidden": 4096, "heads": 32}
 
@@ -259,3 +268,139 @@ def test_conclusion_counts_the_accumulation_steps():
     assert _plan._conclusion(request, choice) == (
         "-> plan: full fine-tuning, mixed precision, ZeRO-3/FSDP, checkpointing=block, "
         "micro-batch 4 x 2 accumulation steps: 14 GB of 72 GB usable per device")
+
+
+# ---------------------------------------------------------------------------------------------
+# plan_mesh: every (data, fsdp, tensor) mesh of the devices, ranked by RULE.
+# ---------------------------------------------------------------------------------------------
+GPT_1B = {"layers": 16, "hidden": 2048, "heads": 16, "seq_len": 2048}
+LLAMA_70B_MHA = {"layers": 80, "hidden": 8192, "heads": 64, "seq_len": 32768}
+
+
+def _mesh(result, mesh):
+    return next(c for c in result.candidates if c.mesh == mesh)
+
+
+def test_a_small_model_picks_pure_data_parallelism():
+    m = plan_mesh("1B", devices=8, device_memory="80GB", **GPT_1B, global_batch=32)
+    assert (m.pick.mesh, m.pick.strategy, m.pick.plan.checkpointing) == (
+        "data=8,fsdp=1,tensor=1", "ddp", "none")
+    # Korthikanti: L x sbh(34 + 5as/h) at b = 32/8 = 4; DDP: 16 B/param.
+    s, b, h, a = 2048, 4, 2048, 16
+    assert m.pick.plan.total_bytes == 16 * GB + 16 * (34 * s * b * h + 5 * a * s * s * b)
+    assert m.pick.communication == 2 * 7 / 8 * 2 * 10**9  # an all-reduce of 2-byte grads
+    assert m.pick.tensor_wire_bytes == 0
+    # data=4 x tensor=2: half the gradient sync, but 4L all-reduces of p·s·b·h (b = 8).
+    t2 = _mesh(m, "data=4,fsdp=1,tensor=2")
+    assert t2.plan.fits and t2.strategy == "ddp"
+    assert t2.tensor_wire_bytes == 4 * 16 * 2 * (1 / 2) * (2 * s * 8 * h)
+    assert t2.communication == 2 * 3 / 4 * 10**9 + t2.tensor_wire_bytes
+    # Every mesh fits with DDP here, which shards nothing over fsdp: each tensor degree's
+    # meshes are listed once, as data x tensor.
+    meshes = [(c.data, c.fsdp, c.tensor) for c in m.candidates]
+    assert sorted(meshes) == [(1, 1, 8), (2, 1, 4), (4, 1, 2), (8, 1, 1)]
+    assert {c.strategy for c in m.candidates} == {"ddp"}
+
+
+def test_70b_at_a_long_sequence_fits_only_with_tensor_parallelism():
+    m = plan_mesh("70B", devices=8, device_memory="80GB", **LLAMA_70B_MHA, global_batch=8,
+                  sequence_parallel=True)
+    assert [c.mesh for c in m.candidates if c.plan.fits] == ["data=1,fsdp=1,tensor=8"]
+    p = m.pick.plan
+    assert (p.lora, p.zero_stage, p.checkpointing, p.micro_batch, p.grad_accum_steps) == (
+        True, 0, "block", 1, 8)
+    s, h, a, t, L = 32768, 8192, 64, 8, 80
+    states = (2 + 16 * 0.01) * 70 * 10**9 / t  # LoRA: frozen bf16 base + 16 B per adapter
+    inputs = L * 2 * s * h // t  # sequence-parallel block inputs
+    block = s * h * 34 // t + 5 * a * s * s // t  # Korthikanti: sbh(34/t + 5as/(ht))
+    assert p.total_bytes == round(states) + inputs + block
+    # 6L collectives a micro-batch (checkpointing), doubled by sequence parallelism, each
+    # (t-1)/t of p·s·b·h; no gradient sync on one data-parallel rank; 8 micro-batches.
+    assert m.pick.communication == 8 * 2 * 6 * L * 7 / 8 * 2 * s * h
+    # fsdp=8 keeps whole block inputs (43 GB) and a whole recomputed block: it does not fit.
+    fsdp8 = _mesh(m, "data=1,fsdp=8,tensor=1")
+    assert not fsdp8.plan.fits and fsdp8.communication is None
+    assert "activations do not fit even with checkpointing" in fsdp8.plan.explain()
+
+
+def test_without_sequence_parallelism_nothing_fits():
+    m = plan_mesh("70B", devices=8, device_memory="80GB", **LLAMA_70B_MHA, global_batch=8)
+    assert not m.fits and m.pick is None
+    text = m.explain()
+    assert "-> mesh: nothing fits" in text
+    assert text.splitlines()[-1].startswith("-> does not fit")
+    assert m.candidates[0].mesh == "data=1,fsdp=8,tensor=1"  # the arithmetic shown
+
+
+def test_no_recomputation_ranks_before_less_communication():
+    m = plan_mesh("7B", devices=16, device_memory="80GB", node_size=4, **LLAMA_7B,
+                  seq_len=2048, global_batch=32, vocab=32000, sequence_parallel=True)
+    assert (m.pick.mesh, m.pick.strategy, m.pick.plan.checkpointing) == (
+        "data=1,fsdp=8,tensor=2", "fsdp", "none")
+    cheaper = _mesh(m, "data=8,fsdp=1,tensor=2")  # less traffic, but recomputes every block
+    assert cheaper.plan.checkpointing == "block"
+    assert cheaper.communication < m.pick.communication
+    assert m.candidates.index(cheaper) > 0
+    assert "tensor=8 left out: more than a node's 4 devices" in m.notes
+    assert max(c.tensor for c in m.candidates) == 4
+
+
+def test_a_pinned_tensor_degree_is_plan_on_each_split_of_the_rest():
+    shape = {**LLAMA_7B, "seq_len": 2048, "global_batch": 16}
+    m = plan_mesh("7B", devices=8, device_memory="80GB", tensor=4, **shape)
+    assert {c.tensor for c in m.candidates} == {4}
+    for c in m.candidates:
+        assert c.plan == plan("7B", devices=c.fsdp, data=c.data, tensor=4,
+                              device_memory="80GB", **shape)
+    assert plan("7B", devices=2, data=1, tensor=4, device_memory="80GB",
+                **shape).explain().count("tensor parallel: each of the 2 data-parallel") == 1
+
+
+def test_lora_traffic_is_the_adapters_gradients_and_the_base_gathers():
+    m = plan_mesh("70B", devices=8, device_memory="80GB")  # no shape: tensor=1 only
+    assert m.notes[0].startswith("tensor=1 only")
+    assert (m.pick.mesh, m.pick.strategy, m.pick.plan.lora) == ("data=1,fsdp=8,tensor=1",
+                                                                  "fsdp", True)
+    adapters = 3 * 7 / 8 * 0.7e9 * 2  # ZeRO-3 over 0.7e9 adapter parameters
+    base = 2 * 7 / 8 * 140e9  # the 2-byte frozen base gathered for forward and backward
+    assert m.pick.communication == pytest.approx(adapters + base, rel=1e-12)
+    # Hybrid sharding, data=2 x fsdp=4: the states split 4 ways (twice the memory), the
+    # traffic counted over the 8 data-parallel ranks as communication() counts it.
+    hybrid = _mesh(m, "data=2,fsdp=4,tensor=1")
+    assert hybrid.plan.total_bytes == 2 * m.pick.plan.total_bytes == int(37.8 * GB)
+    assert hybrid.communication == m.pick.communication
+
+
+def test_the_global_batch_splits_over_every_mesh():
+    p = plan("7B", devices=4, data=2, device_memory="80GB", **LLAMA_7B, seq_len=2048,
+             global_batch=16)
+    assert p.micro_batch * p.grad_accum_steps == 2  # 16 / (2 x 4)
+    assert "batch: global 16 / (2 data x 4 fsdp) devices = 2 sequences per device" in \
+        p.explain()
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"tensor": 3}, r"^tensor=3: does not divide the 8 devices \(they are counted in all: for "
+     r"8 groups of 3 devices, give 24\)"),
+    ({"tensor": 8, **LLAMA_7B, "seq_len": 128, "global_batch": 8, "vocab": 32001},
+     r"^vocab_size=32001: the model: the mesh's tensor=8 does not divide vocab_size=32001"),
+    ({**LLAMA_7B, "seq_len": 128, "global_batch": 12},
+     r"^global_batch=12: does not divide evenly over 8 devices; use a multiple of 8"),
+    ({"tensor": 4, **LLAMA_7B, "seq_len": 128, "global_batch": 5},
+     r"^global_batch=5: does not divide evenly over 2 devices; use a multiple of 2"),
+    ({"node_size": 0}, r"^node_size=0: must be an integer >= 1"),
+    ({"devices": 0}, r"^devices=0: must be an integer >= 1"),
+])
+def test_plan_mesh_refuses_impossible_requests_in_one_line(kwargs, match):
+    args = {"devices": 8, "device_memory": "80GB", **kwargs}
+    with pytest.raises(ConfigError, match=match) as e:
+        plan_mesh("7B", **args)
+    assert "\n" not in str(e.value)
+
+
+def test_tensor_degrees_the_model_does_not_take_are_left_out_with_a_note():
+    m = plan_mesh("1B", devices=8, device_memory="80GB", layers=16, hidden=2048, heads=12,
+                  seq_len=512, global_batch=8)
+    assert {c.tensor for c in m.candidates} == {1, 2, 4}
+    assert any(n.startswith("tensor=8 left out: the model: the mesh's tensor=8 does not "
+                            "divide n_heads=12") for n in m.notes)

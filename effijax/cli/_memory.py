@@ -2,7 +2,9 @@
 
 ``effijax memory --params 7B --zero 3 --devices 8`` prints per-device bytes of parameters,
 gradients, optimizer state (and activations, given a model shape); ``effijax plan --params 70B
---devices 8 --device-memory 80GB`` prints the cheapest configuration that fits and its arithmetic.
+--devices 8 --device-memory 80GB`` compares every ``(data, fsdp, tensor)`` mesh of the devices,
+prints the table, the mesh it picks (as ``effijax train`` flags) and that configuration's
+arithmetic.
 Both take ``--json``. GB is 10**9 bytes. Bad flags exit with code 2 and a message on stderr
 naming the flag, the value and the fix.
 """
@@ -23,12 +25,13 @@ from effijax.memory import (
     OPTIMIZERS,
     PRECISION_ALIASES,
     PRECISIONS,
+    RULE,
     activation_bytes,
     format_bytes,
     model_states,
     parse_bytes,
     parse_count,
-    plan,
+    plan_mesh,
 )
 
 __all__ = ["add_parsers", "memory_command", "plan_command"]
@@ -196,16 +199,23 @@ def add_parsers(sub) -> None:
 
     p = sub.add_parser(
         "plan",
-        help="the cheapest configuration that fits in device memory",
-        description="Tries DDP, ZeRO-1/2/3, activation checkpointing, smaller micro-batches, "
-        "then LoRA, and prints the first configuration that fits with its arithmetic. "
+        help="the mesh and the cheapest configuration that fit in device memory",
+        description="On every (data, fsdp, tensor) mesh of the devices, tries DDP, ZeRO-1/2/3, "
+        "activation checkpointing, smaller micro-batches, then LoRA; prints the meshes "
+        f"compared, the one picked ({RULE}) and its arithmetic. "
         "Exit code 0 if one fits, 1 if none does.",
         formatter_class=_Help,
     )
     _add_model_flags(p, "parameter count, e.g. 70B")
-    p.add_argument("--devices", type=_count, required=True, help="data-parallel devices")
-    p.add_argument("--tensor", type=_count, default=1,
-                   help="tensor-parallel degree: each data-parallel rank is this many devices")
+    p.add_argument("--devices", type=_count, required=True,
+                   help="devices in all, factorised into data x fsdp x tensor")
+    p.add_argument("--tensor", type=_count, default=None,
+                   help="pin the tensor-parallel degree (must divide --devices); default: "
+                   "searched over the divisors the model's heads, MLP width and vocabulary take")
+    p.add_argument("--node-size", type=_count, default=None,
+                   help="devices per node: the tensor degree stays within one node")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="count tensor-parallel activations with sequence parallelism")
     p.add_argument(
         "--device-memory",
         required=True,
@@ -256,6 +266,7 @@ _FLAGS = {
     "headroom": "--headroom",
     "checkpointing": "--checkpointing",
     "tensor": "--tensor",
+    "node_size": "--node-size",
 }
 
 
@@ -436,23 +447,41 @@ def plan_command(args: argparse.Namespace) -> int:
     try:
         shape = _shape(args, "global_batch")  # with --model or --from, it sets args.params
         quantized = None if args.frozen_dtype == "bf16" else args.frozen_dtype
-        result = plan(args.params, devices=args.devices, device_memory=args.device_memory,
-                      optimizer=args.optimizer, allow_lora=args.allow_lora,
-                      headroom=args.headroom, lora_fraction=args.lora_fraction,
-                      tensor=args.tensor, quantized_base=quantized,
-                      quantized_bytes=getattr(args, "frozen_bytes", None), **shape)
+        result = plan_mesh(args.params, devices=args.devices, device_memory=args.device_memory,
+                           optimizer=args.optimizer, allow_lora=args.allow_lora,
+                           headroom=args.headroom, lora_fraction=args.lora_fraction,
+                           tensor=args.tensor, node_size=args.node_size,
+                           sequence_parallel=args.sequence_parallel, quantized_base=quantized,
+                           quantized_bytes=getattr(args, "frozen_bytes", None), **shape)
     except ConfigError as e:
         return _error("plan", e)
     if args.json:
-        out = {
-            field.name: getattr(result, field.name)
-            for field in dataclasses.fields(result)
-            if field.name not in ("states", "steps")
-        }
-        out["lora"] = result.lora
-        out["states"] = None if result.states is None else dataclasses.asdict(result.states)
-        out["explain"] = list(result.steps)
-        print(json.dumps(out, indent=2))
+        print(json.dumps(_plan_json(result), indent=2))
     else:
         print(result.explain())
     return 0 if result.fits else 1
+
+
+def _candidate_json(c) -> dict:
+    return {"mesh": c.mesh, "strategy": c.strategy, "fits": c.plan.fits, "lora": c.plan.lora,
+            "checkpointing": c.plan.checkpointing, "micro_batch": c.plan.micro_batch,
+            "grad_accum_steps": c.plan.grad_accum_steps, "total_bytes": c.plan.total_bytes,
+            "communication_bytes": c.communication, "tensor_wire_bytes": c.tensor_wire_bytes}
+
+
+def _plan_json(result) -> dict:
+    """The picked plan's fields (those of the pure-fsdp mesh when nothing fits), its mesh, and
+    every candidate."""
+    chosen = result.candidates[0].plan  # the pick, or the explained candidate when none fits
+    out = {field.name: getattr(chosen, field.name) for field in dataclasses.fields(chosen)
+           if field.name not in ("states", "steps")}
+    out["lora"] = chosen.lora
+    out["states"] = None if chosen.states is None else dataclasses.asdict(chosen.states)
+    out["explain"] = list(chosen.steps)
+    out["mesh"] = None if result.pick is None else result.pick.mesh
+    out["strategy"] = None if result.pick is None else result.pick.strategy
+    out["communication_bytes"] = None if result.pick is None else result.pick.communication
+    out["rule"] = RULE
+    out["notes"] = list(result.notes)
+    out["candidates"] = [_candidate_json(c) for c in result.candidates]
+    return out

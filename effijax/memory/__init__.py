@@ -5,7 +5,7 @@ parameter count, optimizer, precision, ZeRO stage and LoRA fraction; :func:`esti
 the same from a real abstract parameter pytree and optax optimizer; :func:`activation_bytes` is
 the transformer activation formula (with a tensor-parallel degree and sequence parallelism);
 :func:`communication` the per-step traffic of a ``(data, fsdp, tensor)`` mesh; :func:`plan`
-picks the cheapest configuration that fits.
+picks the cheapest configuration that fits, :func:`plan_mesh` the mesh to run it on.
 :func:`measure` reads what XLA really allocates for a compiled function, :func:`compare` sets it
 against an estimate, and :func:`activation_measure` sweeps a GPT train step over sequence
 lengths (naive vs blockwise attention vs remat) next to the formula.
@@ -29,4 +29,5 @@ __getattr__, __dir__, __all__ = attach(__name__, {
     "effijax.memory._measure": ("ACTIVATION_VARIANTS", "ROW_HEADER", "ActivationPoint",
         "Measurement", "Row", "activation_measure", "compare", "measure", "tree_bytes"),
     "effijax.memory._plan": ("HEADROOM", "Plan", "plan"),
+    "effijax.memory._mesh_plan": ("Candidate", "MeshPlan", "RULE", "plan_mesh"),
 })

@@ -14,6 +14,9 @@ selection" of the study notes on efficient training, and stops at the first that
 
 A fraction of memory (``headroom``, 10% by default) is kept for what the estimate leaves out:
 temporary buffers, collectives' staging, fragmentation, the framework's own allocations.
+
+This plans one mesh; :func:`~effijax.memory.plan_mesh` runs it on every ``(data, fsdp, tensor)``
+mesh of a device count and picks one.
 """
 
 from __future__ import annotations
@@ -55,7 +58,8 @@ class Plan:
       fits: whether any configuration fits; if False the settings below are None and
         :meth:`explain` says why.
       num_params: Ψ, the model's parameter count.
-      devices: data-parallel devices.
+      devices: the devices the ZeRO stages shard over (a mesh's ``fsdp`` axis: all the
+        data-parallel devices when ``data`` is 1).
       device_memory: bytes of memory per device.
       usable_bytes: ``device_memory`` minus the headroom.
       optimizer: optimizer the states were counted for.
@@ -74,6 +78,10 @@ class Plan:
       steps: the lines of :meth:`explain`.
       tensor: the tensor-parallel degree planned for (each of the ``devices`` data-parallel
         ranks is a group of ``tensor`` devices).
+      data: replicas of the ``devices`` group (a mesh's ``data`` axis, ``devices`` being its
+        ``fsdp`` axis): the batch splits over ``data x devices``, the model states over
+        ``devices`` only.
+      sequence_parallel: whether the activations were counted with sequence parallelism.
     """
 
     fits: bool
@@ -94,6 +102,8 @@ class Plan:
     total_bytes: int | None
     steps: tuple[str, ...]
     tensor: int = 1
+    data: int = 1
+    sequence_parallel: bool = False
 
     @property
     def lora(self) -> bool:
@@ -200,6 +210,8 @@ class _Request:
     lora_fraction: float | None  # None where LoRA is not allowed
     workload: _Workload | None  # None: planning on model states only
     tensor: int = 1  # each data-parallel rank is a group of this many devices
+    data: int = 1  # replicas of the devices group: the batch splits over data x devices
+    sequence_parallel: bool = False
     quantized_base: str | None = None  # also try LoRA on this quantized base (nf4, int8)
     quantized_bytes: int | None = None  # that base's exact bytes, when the model's shapes are known
 
@@ -246,7 +258,8 @@ class _Outcome(NamedTuple):
 
 
 def _check_workload(shape: dict[str, Any], layer_options: dict[str, Any], vocab: int | None,
-                    devices: int, tensor: int = 1) -> _Workload | None:
+                    devices: int, tensor: int = 1, data: int = 1,
+                    sequence_parallel: bool = False) -> _Workload | None:
     """The model shape and global batch (``shape``: all five or none), checked.
 
     Returns None when ``shape`` is all None: the plan then counts model states only, and
@@ -265,24 +278,27 @@ def _check_workload(shape: dict[str, Any], layer_options: dict[str, Any], vocab:
         # The global batch has train's --batch-size ceiling (INT32_MAX): the search tries
         # the per-device batch's divisors, and nothing larger is a batch one step takes.
         whole_number(name, shape[name], maximum=INT32_MAX if name == "global_batch" else None)
-    if shape["global_batch"] % devices:
+    ranks = data * devices
+    if shape["global_batch"] % ranks:
         raise ConfigError(
-            "global_batch", shape["global_batch"], f"does not divide evenly over {devices} "
-            f"devices; use a multiple of {devices}"
+            "global_batch", shape["global_batch"], f"does not divide evenly over {ranks} "
+            f"devices; use a multiple of {ranks}"
         )
     _check_layer_options(shape["heads"], layer_options["kv_heads"], layer_options["head_dim"],
                          layer_options["ffn"], vocab)
-    _check_tensor(tensor, shape["heads"], False)
-    per_device = shape["global_batch"] // devices
+    _check_tensor(tensor, shape["heads"], sequence_parallel)
+    per_device = shape["global_batch"] // ranks
     layer = _Layer(hidden=shape["hidden"], heads=shape["heads"], seq_len=shape["seq_len"],
-                   batch_size=per_device, bytes_per_value=2, tensor=tensor, **layer_options)
+                   batch_size=per_device, bytes_per_value=2, tensor=tensor,
+                   sequence_parallel=sequence_parallel, **layer_options)
     return _Workload(shape["layers"], shape["global_batch"], per_device, layer, vocab)
 
 
 def _check_request(num_params, *, devices, device_memory, optimizer, headroom, allow_lora,
                    lora_fraction, shape: dict[str, Any], layer_options: dict[str, Any],
                    vocab, tensor: int = 1, quantized_base: str | None = None,
-                   quantized_bytes: int | None = None) -> _Request:
+                   quantized_bytes: int | None = None, data: int = 1,
+                   sequence_parallel: bool = False) -> _Request:
     """Pass 1: plan()'s arguments checked, in plan()'s order, and converted.
 
     ``shape``, ``layer_options`` and ``vocab`` are :func:`_check_workload`'s.
@@ -302,6 +318,9 @@ def _check_request(num_params, *, devices, device_memory, optimizer, headroom, a
                           "kept free, e.g. 0.1")
     lora_fraction = _check_fraction(lora_fraction)
     tensor = whole_number("tensor", tensor, maximum=None)
+    data = whole_number("data", data, maximum=None)
+    if not isinstance(sequence_parallel, bool):
+        raise ConfigError("sequence_parallel", sequence_parallel, "expected True or False")
     if quantized_base is not None and quantized_base not in FROZEN_SCALE_BITS:
         raise ConfigError("quantized_base", quantized_base, "choose one of "
                           f"{', '.join(FROZEN_SCALE_BITS)}, or None for a bf16 base only")
@@ -316,8 +335,11 @@ def _check_request(num_params, *, devices, device_memory, optimizer, headroom, a
         headroom=headroom,
         optimizer=optimizer,
         lora_fraction=lora_fraction if allow_lora else None,
-        workload=_check_workload(shape, layer_options, vocab, devices, tensor),
+        workload=_check_workload(shape, layer_options, vocab, devices, tensor, data,
+                                 sequence_parallel),
         tensor=tensor,
+        data=data,
+        sequence_parallel=sequence_parallel,
         quantized_base=quantized_base,
         quantized_bytes=quantized_bytes,
     )
@@ -467,7 +489,9 @@ def _preamble(request: _Request) -> tuple[str, ...]:
         batch = ("activations: not estimated (give layers, hidden, heads, seq_len and "
                  "global_batch); planning on model states only")
     else:
-        batch = (f"batch: global {workload.global_batch} / {request.devices} devices = "
+        over = (f"{request.devices} devices" if request.data == 1 else
+                f"({request.data} data x {request.devices} fsdp) devices")
+        batch = (f"batch: global {workload.global_batch} / {over} = "
                  f"{workload.per_device_batch} sequences per device")
     lines = (
         f"usable memory: {format_bytes(request.device_memory)} x (1 - {_num(request.headroom)} "
@@ -478,8 +502,11 @@ def _preamble(request: _Request) -> tuple[str, ...]:
     )
     if request.tensor > 1:
         t = request.tensor
-        lines += (f"tensor parallel: each of the {request.devices} data-parallel ranks is {t} "
-                  f"devices ({request.devices * t} in all), each holding 1/{t} of every layer",)
+        ranks = request.data * request.devices
+        sp = ", the norm and dropout regions split along the sequence (sequence parallelism)"
+        lines += (f"tensor parallel: each of the {ranks} data-parallel ranks is {t} "
+                  f"devices ({ranks * t} in all), each holding 1/{t} of every layer"
+                  f"{sp if request.sequence_parallel else ''}",)
     return lines
 
 
@@ -535,6 +562,8 @@ def _result(request: _Request, steps: list[str], choice: _Choice | None) -> Plan
         precision=_PRECISION,
         steps=tuple(steps),
         tensor=request.tensor,
+        data=request.data,
+        sequence_parallel=request.sequence_parallel,
         **chosen,
     )
 
@@ -557,6 +586,7 @@ def plan(
     gated_mlp: bool = False, vocab: int | None = None, sandwich_norms: bool = False,
     tensor: int = 1,
     quantized_base: str | None = None, quantized_bytes: int | None = None,
+    data: int = 1, sequence_parallel: bool = False,
 ) -> Plan:
     """Recommends the cheapest configuration whose model states (and activations) fit.
 
@@ -570,12 +600,13 @@ def plan(
 
     Args:
       num_params: Ψ, an int or a string like ``"70B"``.
-      devices: data-parallel devices (>= 1).
+      devices: data-parallel devices (>= 1), the ones the ZeRO stages shard over (times
+        ``data`` replicas of them, see ``data``).
       device_memory: memory per device with its unit, such as ``"80GB"`` or ``"80GiB"``
         (:func:`~effijax.memory.parse_bytes`; a bare number is refused).
       layers, hidden, heads, seq_len, global_batch: the model shape and the global batch in
         sequences; give all five or none (then only model states are planned).
-        ``global_batch`` must divide by ``devices``.
+        ``global_batch`` must divide by ``data x devices``.
       optimizer: ``adam``, ``adamw``, ``lion``, ``sgd_momentum`` or ``sgd``.
       allow_lora: if False, LoRA is never proposed; a model that needs it does not fit.
       headroom: fraction of ``device_memory`` kept free, in [0, 1).
@@ -594,6 +625,11 @@ def plan(
         a base stored so (QLoRA); None never proposes one.
       quantized_bytes: that base's exact bytes (:func:`~effijax.memory.frozen_base_bytes` of
         the model); None counts :data:`~effijax.memory.FROZEN_SCALE_BITS` per parameter.
+      data: replicas of the ``devices`` group (hybrid sharding's outer axis, a mesh's ``data``):
+        the global batch splits over ``data x devices`` ranks, the ZeRO stages shard over
+        ``devices`` only. :func:`~effijax.memory.plan_mesh` searches it.
+      sequence_parallel: with ``tensor``, count the activations with sequence parallelism
+        (Korthikanti et al.'s ``34/t``).
 
     Returns:
       A :class:`Plan`; when nothing fits, ``fits`` is False and ``explain()`` says why (no
@@ -626,7 +662,7 @@ def plan(
                        "kv_heads": kv_heads, "head_dim": head_dim, "ffn": ffn,
                        "gated_mlp": gated_mlp, "sandwich_norms": sandwich_norms},
         vocab=vocab, tensor=tensor, quantized_base=quantized_base,
-        quantized_bytes=quantized_bytes,
+        quantized_bytes=quantized_bytes, data=data, sequence_parallel=sequence_parallel,
     )
     steps, why_not = list(_preamble(request)), []
     for method in _methods(request):
