@@ -87,12 +87,16 @@ def test_finetune_smoke(tmp_path):
 
     from effijax.models import llama_config
 
-    model = llama_config("llama-tiny", vocab_size=VOCAB_SIZE, seq_len=64)
+    model = llama_config("llama-tiny", vocab_size=VOCAB_SIZE, seq_len=256)
     gguf = tmp_path / "tiny.gguf"
     write_gguf(gguf, model, jax.jit(model.init_params)(jax.random.key(0)))
     experiment = _load("finetune")
+    # Through --model gemma3's chat template file (the tiny vocabulary spells its turn markers
+    # in bytes, hence the longer rows): the base model's answers and every variant's data and
+    # answers use it.
+    template = experiment.MODELS["gemma3"][0]["chat_template"]
     cfg = dataclasses.replace(experiment.PRESETS["smoke"], out=str(tmp_path / "out"),
-                              init_from=str(gguf))
+                              init_from=str(gguf), chat_template=template, seq_len=256)
     results = experiment.main(cfg)
     variants = results["variants"]
     assert list(variants) == ["LoRA r=2", "full"]
@@ -110,6 +114,8 @@ def test_finetune_smoke(tmp_path):
     assert results["records"] > 300
     assert (tmp_path / "out" / "finetune.png").stat().st_size > 1000
     assert json.loads((tmp_path / "out" / "results.json").read_text())["scored"] == 2
+    run = json.loads((tmp_path / "out" / "LoRAr2" / "config.json").read_text())["run"]
+    assert run["chat_template"].startswith("{#- Gemma's turn format")
 
 
 def test_sharding_smoke(tmp_path):
