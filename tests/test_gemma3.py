@@ -370,6 +370,8 @@ def test_fsdp_training_on_8_devices_gives_the_one_device_loss():
 PROMPT = [2, 818, 5279, 529, 7001, 563]  # <bos>The capital of France is
 
 
+# peft 0.21 reads transformers 5's deprecated `is_gradient_checkpointing`: their warning, not ours.
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 @pytest.mark.slow  # assembles 253 MB, dequantizes it twice (effijax, transformers): ~120 s
 def test_gemma3_270m_gguf_gives_transformers_logits_and_greedy_ids(gemma3_gguf):
     config, params = load_gguf(gemma3_gguf, seq_len=64)
@@ -415,3 +417,20 @@ def test_gemma3_270m_gguf_gives_transformers_logits_and_greedy_ids(gemma3_gguf):
     mask = rows.mask_NW[:, 1:].flatten()
     theirs_loss = float((each * mask).sum() / mask.sum())
     assert abs(ours_loss - theirs_loss) <= 1e-4 * max(1.0, theirs_loss)
+    # LoRA adapters on every projection (random, so that they change the logits), exported for
+    # PEFT and loaded by peft onto transformers' Gemma3ForCausalLM: effijax's logits.
+    peft = pytest.importorskip("peft", reason="the PEFT export check needs peft")
+    from _adapters import random_adapters
+
+    from effijax import lora
+    from effijax.interop import save_peft
+
+    spec = lora.LoraSpec(rank=4, alpha=8.0, targets=config.lora_targets)
+    adapters = random_adapters(params, spec, seed=3, scale=0.02)
+    adapted = our_logits(config, params, tokens, spec, adapters)
+    assert np.abs(adapted - ours).max() > 0.1  # the adapters matter
+    save_peft(gemma3_gguf.parent / "adapter", config, adapters, spec,
+              base_model=str(gemma3_gguf))
+    with_adapter = peft.PeftModel.from_pretrained(reference, gemma3_gguf.parent / "adapter")
+    assert type(with_adapter.base_model.model) is transformers.Gemma3ForCausalLM
+    assert np.abs(torch_logits(with_adapter.eval(), tokens) - adapted).max() <= 2e-4
