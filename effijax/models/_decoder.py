@@ -615,7 +615,11 @@ class Decoder(nnx.Module):
                               f"{cfg.context_field}={cfg.max_context}")
         key = self._dropout_key(deterministic, rngs, lora)
         positions_BS = None if segments_BS is None else segment_positions(segments_BS)
-        x_BSD, positions = self.embed_positions(self._embed(tokens_BS), positions_BS, s)
+        # The lookup pinned batch-only: the vocabulary-parallel lookup then completes with a
+        # reduction of its [B, S, D] partial sums; split along the sequence right there, XLA
+        # gathered the whole embedding table over the tensor axis instead.
+        x_BSD, positions = self.embed_positions(_constrain(self._embed(tokens_BS)),
+                                                positions_BS, s)
         window, windows_L = self._windows()
         inputs = LayerInputs(positions, segments_BS, window)
         graphdef, stacked = nnx.split(getattr(self, self.names.stack))

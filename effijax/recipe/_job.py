@@ -595,6 +595,8 @@ class LMJob(NamedTuple):
       trainable_params: parameters that get gradients (``num_params`` without LoRA).
       lora: the job's :class:`~effijax.lora.LoraSpec` (None: full training).
       frozen: with LoRA, the frozen base parameters (what ``batch(step)["base"]`` holds).
+      sequence_parallel: the step splits the activations between the blocks along the
+        sequence over the mesh's ``tensor`` axis (see :func:`plan_job`).
     """
 
     state: TrainState
@@ -610,6 +612,7 @@ class LMJob(NamedTuple):
     trainable_params: int = 0
     lora: lora_lib.LoraSpec | None = None
     frozen: Any = None
+    sequence_parallel: bool = False
 
 
 def build_lm_job(
@@ -667,4 +670,5 @@ def build_lm_job(
                  job.tokens_per_step, job.num_params, shardings=job.shardings, mesh=job.mesh,
                  strategy=None if mesh is None else job.strategy.name,
                  compile=lambda census=True: compile_job(job, census=census),
-                 trainable_params=job.trainable_params, lora=lora, frozen=frozen)
+                 trainable_params=job.trainable_params, lora=lora, frozen=frozen,
+                 sequence_parallel=job.sequence_parallel)
