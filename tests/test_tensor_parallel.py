@@ -5,10 +5,12 @@ with 4 key/value heads, split at ``tensor=4`` and replicated at ``tensor=8``) tr
 under ``fsdp=2,tensor=4``, ``tensor=8`` and ``data=2,tensor=4`` with a different strategy
 each, and give the single-device losses and parameters; the GPT's ``data=2,tensor=4`` run is
 fp16 with dynamic loss scaling, the Llama's LoRA (each against its own single-device run).
-Tolerance: test_sharded_training's (rtol 1e-5, atol 1e-6): a tensor split reorders the f32
-reductions of the row-parallel matmuls and the vocabulary sums. Every job compiles once (module
-fixture), at XLA's lowest backend optimisation level, but for the one whose compiled collectives
-and per-device memory are checked (compiled as a run compiles it).
+Every tensor-parallel run is sequence-parallel (the default) but one GPT run without it, whose
+census and temporaries are the comparison. Tolerance: test_sharded_training's (rtol 1e-5, atol
+1e-6): a tensor split reorders the f32 reductions of the row-parallel matmuls and the vocabulary
+sums. Every job compiles once (module fixture), at XLA's lowest backend optimisation level, but
+for the three whose collectives and per-device memory are checked (compiled as a run compiles
+them).
 """
 
 import json
@@ -30,7 +32,7 @@ from effijax.memory import activation_bytes, communication, estimate_tree, model
 from effijax.models import gpt_config, llama_config, preset, preset_names
 from effijax.paths import named_leaves
 from effijax.recipe import build_lm_job, plan_job
-from effijax.sharding import make_mesh
+from effijax.sharding import activation_spec, make_mesh
 from effijax.step import make_optimizer
 
 GPT = gpt_config("tiny", seq_len=32, n_heads=8)  # D=64, F=256, V=256, 8 heads of 8
@@ -43,6 +45,7 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0}
 RUNS = {
     "gpt": (GPT, None, "ddp", "fp32", False),
     "gpt fsdp=2,tensor=4": (GPT, {"fsdp": 2, "tensor": 4}, "fsdp", "fp32", False),
+    "gpt fsdp=2,tensor=4 no-sp": (GPT, {"fsdp": 2, "tensor": 4}, "fsdp", "fp32", False),
     "gpt tensor=8": (GPT, {"tensor": 8}, "ddp", "fp32", False),
     "gpt fp16": (GPT, None, "ddp", "fp16", False),
     "gpt fp16 data=2,tensor=4": (GPT, {"data": 2, "tensor": 4}, "zero2", "fp16", False),
@@ -55,7 +58,9 @@ RUNS = {
 # Each tensor-parallel run and the single-device run it must reproduce.
 PAIRS = [(name, name.split(" data")[0].split(" fsdp")[0].split(" tensor")[0])
          for name, (_, axes, *_) in RUNS.items() if axes is not None]
-CENSUS_RUN = "gpt fsdp=2,tensor=4"
+SP_RUN, TP_RUN, LLAMA_SP_RUN = "gpt fsdp=2,tensor=4", "gpt fsdp=2,tensor=4 no-sp", \
+    "llama fsdp=2,tensor=4"
+CENSUS_RUNS = (SP_RUN, TP_RUN, LLAMA_SP_RUN)  # compiled as a run compiles: census and memory
 
 
 def _lora(model):
@@ -74,13 +79,17 @@ def _build(corpus, name):
                                                          loss_scale=scale),
                         train_tokens=corpus[0], val_tokens=corpus[1], batch_size=BATCH,
                         mesh=None if axes is None else make_mesh(**axes), strategy=strategy,
-                        num_eval_batches=0, lora=_lora(model) if lora else None)
+                        num_eval_batches=0, lora=_lora(model) if lora else None,
+                        sequence_parallel=not name.endswith("no-sp"))
 
 
 def _compile(job, name):
-    if name == CENSUS_RUN:  # as a run compiles it: the executable, its memory and its census
-        return job.compile()
-    return job.step.lower(job.state, job.batch(0)).compile(FAST_COMPILE)
+    """``(executable, census, memory)``: as a run compiles it for the runs whose collectives
+    and memory are checked, else at XLA's lowest backend optimisation (no census, no memory)."""
+    if name in CENSUS_RUNS:
+        done = job.compile()
+        return done.step, done.census, done.memory
+    return job.step.lower(job.state, job.batch(0)).compile(FAST_COMPILE), None, None
 
 
 @pytest.fixture(scope="module")
@@ -91,20 +100,18 @@ def runs(corpus):
         compiled = dict(zip(jobs, pool.map(_compile, jobs.values(), jobs), strict=True))
     out = {}
     for name, job in jobs.items():
-        done = compiled[name]
-        executable = done.step if name == CENSUS_RUN else done
+        executable, census, memory = compiled[name]
         state, metrics = job.state, []
         for i in range(N_STEPS):
             with jax.set_mesh(job.mesh):
                 state, m = executable(state, job.batch(i))
             metrics.append(jax.device_get(m))
         out[name] = {"job": job, "state": state, "metrics": metrics,
-                     "census": done.census if name == CENSUS_RUN else None,
-                     "memory": done.memory if name == CENSUS_RUN else None}
+                     "census": census, "memory": memory}
     return out
 
 
-@pytest.mark.slow  # the runs fixture compiles 10 jobs (minutes on 2 cores)
+@pytest.mark.slow  # the runs fixture compiles 11 jobs (minutes on 2 cores)
 @pytest.mark.parametrize("name, reference", PAIRS)
 def test_tensor_parallel_run_matches_the_single_device_run(name, reference, runs):
     run, ref = runs[name], runs[reference]
@@ -132,7 +139,7 @@ def _specs(run, part="params"):
     return {path: leaf.sharding.spec for path, leaf in named_leaves(getattr(run["state"], part))}
 
 
-@pytest.mark.slow  # the runs fixture compiles 10 jobs (minutes on 2 cores)
+@pytest.mark.slow  # the runs fixture compiles 11 jobs (minutes on 2 cores)
 def test_megatron_layout_composes_with_fsdp_and_every_strategy(runs):
     fsdp = _specs(runs["gpt fsdp=2,tensor=4"])  # fsdp: the other dimension over fsdp
     assert fsdp["blocks/attn/q/kernel"] == P(None, "fsdp", "tensor")  # column-parallel
@@ -159,7 +166,7 @@ def test_megatron_layout_composes_with_fsdp_and_every_strategy(runs):
     assert llama8["layers/mlp/down_proj/kernel"] == P(None, "tensor")
 
 
-@pytest.mark.slow  # the runs fixture compiles 10 jobs (minutes on 2 cores)
+@pytest.mark.slow  # the runs fixture compiles 11 jobs (minutes on 2 cores)
 def test_lora_adapters_follow_their_kernels_split(runs):
     specs = _specs(runs["llama lora data=2,tensor=4"])  # fsdp=1: only the tensor split shows
     assert specs["layers/attn/q_proj/kernel/a"] == P(None, None, None)  # kernel (., ., tensor)
@@ -170,9 +177,10 @@ def test_lora_adapters_follow_their_kernels_split(runs):
     assert specs["layers/mlp/up_proj/kernel/b"] == P(None, None, "tensor")
 
 
-@pytest.mark.slow  # the runs fixture compiles 10 jobs (minutes on 2 cores)
-def test_cross_entropy_never_gathers_the_logits(runs):
-    run = runs[CENSUS_RUN]
+@pytest.mark.slow  # the runs fixture compiles 11 jobs (minutes on 2 cores)
+@pytest.mark.parametrize("name", [SP_RUN, TP_RUN])
+def test_cross_entropy_never_gathers_the_logits(name, runs):
+    run = runs[name]
     census, job = run["census"], run["job"]
     local_rows = BATCH // 2  # the batch splits over fsdp=2
     logits_bytes = local_rows * GPT.seq_len * GPT.vocab_size * 4
@@ -181,18 +189,21 @@ def test_cross_entropy_never_gathers_the_logits(runs):
     assert max(op.bytes for op in gathers) < logits_bytes / 2, [
         (op.shape, op.op_name) for op in gathers if op.bytes >= logits_bytes / 2]
     assert not any(GPT.vocab_size in op.shape and GPT.seq_len in op.shape for op in gathers)
-    # Megatron's f/g: per layer two forward and two backward all-reduces of the activations
-    # [rows * S, D] over the 4 tensor devices (scanned layers count once).
-    acts = [op for op in census.of("all-reduce")
+    # Megatron's f/g: per layer two forward and two backward reductions (all-reduces; with
+    # sequence parallelism reduce-scatters where XLA can, see test_sequence_parallel_census) of
+    # the activations [rows * S, D] over the 4 tensor devices (scanned layers count once).
+    acts = [op for op in census.of("all-reduce") + census.of("reduce-scatter")
             if op.shape == (local_rows * GPT.seq_len, GPT.d_model) and op.group_size == 4]
     assert len(acts) >= 4, acts
     assert job.mesh.shape["tensor"] == 4
 
 
-@pytest.mark.slow  # the runs fixture compiles 10 jobs (minutes on 2 cores)
-def test_per_device_bytes_agree_with_the_estimates(runs):
-    run = runs[CENSUS_RUN]
+@pytest.mark.slow  # the runs fixture compiles 11 jobs (minutes on 2 cores)
+@pytest.mark.parametrize("name", [SP_RUN, TP_RUN])
+def test_per_device_bytes_agree_with_the_estimates(name, runs):
+    run = runs[name]
     job, memory = run["job"], run["memory"]
+    assert job.sequence_parallel == (name == SP_RUN)
     est = estimate_tree(GPT.abstract_params(), make_optimizer(LR, 4), param_dtype="f32",
                         compute_dtype="f32", zero_stage=3, devices=2, tensor=4,
                         tensor_layout=GPT.tensor_layout(), min_shard_size=1024)
@@ -200,15 +211,17 @@ def test_per_device_bytes_agree_with_the_estimates(runs):
     assert memory.opt_state == est.optimizer_bytes
     assert job.num_params * 4 / 8 < est.params_bytes < job.num_params * 4 / 4
     # Activations: Korthikanti's tensor-parallel formula (4 rows per device, f32, no dropout,
-    # the vocabulary-parallel logits) bounds the step's temporaries as test_memory_measure's
-    # band does for one device (observed 2.26x here; fsdp=8: 2.61x, tensor=8: 2.47x).
+    # the vocabulary-parallel logits), sequence-parallel (34/t) or not (10 + 24/t), bounds the
+    # step's temporaries as test_memory_measure's band does for one device (observed: 2.31x
+    # with sequence parallelism, 2.26x without; fsdp=8: 2.61x, tensor=8: 2.47x).
     formula = activation_bytes(layers=GPT.n_layers, hidden=GPT.d_model, heads=GPT.n_heads,
                                seq_len=GPT.seq_len, batch_size=BATCH // 2, bytes_per_value=4,
-                               dropout=False, vocab=GPT.vocab_size, tensor=4)
+                               dropout=False, vocab=GPT.vocab_size, tensor=4,
+                               sequence_parallel=job.sequence_parallel)
     assert 1.0 <= memory.temporaries / formula <= 4.0, (memory.temporaries, formula)
 
 
-@pytest.mark.slow  # the runs fixture compiles 10 jobs (minutes on 2 cores)
+@pytest.mark.slow  # the runs fixture compiles 11 jobs (minutes on 2 cores)
 def test_checkpoint_saved_under_one_mesh_restores_under_another(runs, tmp_path):
     source = runs["gpt fsdp=2,tensor=4"]
     saved = jax.device_get(source["state"])
@@ -242,9 +255,9 @@ def test_a_tensor_degree_that_does_not_divide_is_refused_before_compiling(model,
                  mesh=make_mesh(**axes), strategy="fsdp")
 
 
-@pytest.mark.slow  # the runs fixture compiles 10 jobs (minutes on 2 cores)
+@pytest.mark.slow  # the runs fixture compiles 11 jobs (minutes on 2 cores)
 def test_census_tensor_all_reduces_are_megatrons(runs):
-    census = runs[CENSUS_RUN]["census"]
+    census = runs[TP_RUN]["census"]  # without sequence parallelism
     rows = BATCH // 2
     predicted = communication(1, layers=GPT.n_layers, hidden=GPT.d_model, seq_len=GPT.seq_len,
                               batch_size=rows, fsdp=2, tensor=4, zero_stage=3,
@@ -257,6 +270,101 @@ def test_census_tensor_all_reduces_are_megatrons(runs):
     backward = [op for op in acts if "transpose" in op.op_name and "_run_layers" in op.op_name]
     assert len(forward) == 2, [op.op_name for op in acts]
     assert 2 <= len(backward) <= 4, [op.op_name for op in acts]
+
+
+def _layer_ops(census, kinds, shape, *, backward):
+    """The collectives of ``kinds`` of one ``shape`` over the 4 tensor devices in the scanned
+    layers' forward (or backward) pass."""
+    return [op for kind in kinds for op in census.of(kind)
+            if op.shape == shape and op.group_size == 4 and "_run_layers" in op.op_name
+            and ("transpose" in op.op_name) == backward]
+
+
+@pytest.mark.slow  # the runs fixture compiles 11 jobs (minutes on 2 cores)
+@pytest.mark.parametrize("name", [SP_RUN, LLAMA_SP_RUN])
+def test_sequence_parallel_census(name, runs):
+    model, census = RUNS[name][0], runs[name]["census"]
+    assert runs[name]["job"].sequence_parallel
+    rows = BATCH // 2  # fsdp=2
+    flat, whole = (rows * model.seq_len, model.d_model), (rows, model.seq_len, model.d_model)
+    # Forward, once each in the scanned body: Megatron's g-bar (the attention's and the MLP's
+    # row-parallel partial sums reduce-scattered along the sequence) and g (the sequence
+    # gathered before q/k/v and the MLP's input); no all-reduce of an activation.
+    assert len(_layer_ops(census, ["reduce-scatter"], flat, backward=False)) == 2
+    assert len(_layer_ops(census, ["all-gather"], whole, backward=False)) == 2
+    assert _layer_ops(census, ["all-reduce"], flat, backward=False) == []
+    # Backward: where one column-parallel matmul's input gradient comes back (the GPT's fc_in)
+    # XLA reduce-scatters it; where several are summed first (q, k, v; a gated MLP's gate and
+    # up) it all-reduces each, as without sequence parallelism (the matmuls run on the flat
+    # [B*S, D] tokens, where the sequence split has no form). One reduction per such input.
+    back = _layer_ops(census, ["all-reduce", "reduce-scatter"], flat, backward=True)
+    assert len(back) == (4 if name == SP_RUN else 5), [(op.kind, op.op_name) for op in back]
+
+
+@pytest.mark.slow  # the runs fixture compiles 11 jobs (minutes on 2 cores)
+def test_sequence_parallelism_lowers_the_temporaries_and_not_the_traffic(runs):
+    sp, tp = runs[SP_RUN], runs[TP_RUN]
+    # Observed 985,496 vs 1,406,608 bytes (0.70x); Korthikanti's formulas: 0.68x.
+    assert sp["memory"].temporaries < 0.8 * tp["memory"].temporaries
+    assert sp["memory"].params == tp["memory"].params
+
+    def forward_wire(run):
+        return sum(op.wire_bytes for op in run["census"].ops if op.group_size == 4
+                   and "_run_layers" in op.op_name and "transpose" not in op.op_name)
+
+    # The layers' forward: a reduce-scatter plus an all-gather move an all-reduce's bytes
+    # (98,304 wire bytes per device either way). The backward gathers the sequence again for
+    # the column-parallel weights' gradients (Megatron's too), so the step's total is higher.
+    assert forward_wire(sp) == forward_wire(tp) > 0
+
+
+def test_one_function_decides_the_activation_spec():
+    mesh = {"data": 2, "fsdp": 1, "tensor": 4}
+    batch = ("data", "fsdp")
+    assert activation_spec((4, 32, 64), mesh, sequence_parallel=True) == P(batch, "tensor")
+    assert activation_spec((4, 32, 64), mesh, sequence_parallel=False) == P(batch)
+    assert activation_spec((4, 1, 64), mesh, sequence_parallel=True) == P(batch)  # a decode step
+    assert activation_spec((4, 30, 64), mesh, sequence_parallel=True) == P(batch)
+    assert activation_spec((4, 32), mesh, sequence_parallel=True) == P(batch)
+    no_tensor = {"data": 2, "fsdp": 4, "tensor": 1}
+    assert activation_spec((8, 32, 64), no_tensor, sequence_parallel=True) == P(batch)
+    with pytest.raises(ValueError, match=r"\(3, 32, 64\) is not divisible by data\*fsdp = 2"):
+        activation_spec((3, 32, 64), mesh, sequence_parallel=True)
+
+
+def test_a_sequence_the_tensor_degree_does_not_divide_is_refused_for_training():
+    model, opt = gpt_config("tiny", seq_len=30, n_heads=8), make_optimizer(1e-3, 2)
+    mesh = make_mesh(fsdp=2, tensor=4)
+    with pytest.raises(ConfigError, match=r"^seq_len=30: sequence parallelism splits each row "
+                                          r"over the mesh's tensor=4, which does not divide "
+                                          r"it; use a multiple of 4 \(e.g. 28 or 32\)"):
+        plan_job(model, "fp32", opt, batch_size=BATCH, mesh=mesh, strategy="fsdp")
+    job = plan_job(model, "fp32", opt, batch_size=BATCH, mesh=mesh, strategy="fsdp",
+                   sequence_parallel=False)
+    assert not job.sequence_parallel
+    assert plan_job(gpt_config("tiny", seq_len=30), "fp32", opt, batch_size=BATCH,
+                    mesh=make_mesh(fsdp=8), strategy="fsdp").sequence_parallel is False
+
+
+@pytest.mark.slow  # four small compiles
+def test_generation_and_ragged_sequences_keep_the_batch_only_layout():
+    model = gpt_config("tiny", seq_len=32, n_heads=8)
+    params = jax.jit(model.init_params)(jax.random.key(0))
+    logits_fn, decode = jax.jit(model.logits_fn()), jax.jit(model.decode_fn())
+    tokens = jax.random.randint(jax.random.key(1), (8, 6), 0, model.vocab_size)
+    want = logits_fn(params, tokens)
+    cache = model.init_cache(8, 8)
+    want_step, _ = decode(params, cache, tokens[:, :5], 0)
+    with jax.set_mesh(make_mesh(fsdp=2, tensor=4)):
+        # S=6: tensor=4 does not divide it, the model keeps the batch-only layout; S=8 splits.
+        np.testing.assert_allclose(logits_fn(params, tokens), want, rtol=RTOL, atol=ATOL)
+        wide = jax.numpy.concatenate([tokens, tokens[:, :2]], axis=1)
+        np.testing.assert_allclose(logits_fn(params, wide)[:, :6], want, rtol=RTOL, atol=ATOL)
+        # Generation: a ragged prompt (5 tokens) then a one-token step, batch-only.
+        got_step, cache = decode(params, cache, tokens[:, :5], 0)
+        np.testing.assert_allclose(got_step, want_step, rtol=RTOL, atol=ATOL)
+        last, _ = decode(params, cache, tokens[:, 5:6], 5)
+    np.testing.assert_allclose(last[:, 0], want[:, 5], rtol=RTOL, atol=ATOL)
 
 
 # --------------------------------------------------------------------------------------------
@@ -380,9 +488,10 @@ def test_cli_run_shows_and_records_the_tensor_axis(tmp_path, capsys):
                  "--seq-len", "32", "--batch-size", "8", "--steps", "2", "--eval-batches", "0",
                  "--data", str(data), "--out", str(out), "--no-progress"]) == 0
     printed = capsys.readouterr().out
-    assert "zero2 over 8 devices (mesh fsdp=2,tensor=4)" in printed, printed
+    assert "zero2 over 8 devices (mesh fsdp=2,tensor=4) sequence-parallel," in printed, printed
     summary = json.loads((out / "summary.json").read_text())
     assert summary["mesh"] == {"data": 1, "fsdp": 2, "tensor": 4}
+    assert summary["sequence_parallel"] is True
     assert json.loads((out / "config.json").read_text())["mesh"] == summary["mesh"]
     rows = {(r["kind"], r["dtype"]): r for r in summary["collectives"]}
     assert rows[("all-reduce", "f32")]["count"] >= 4  # Megatron's activations, and more

@@ -206,9 +206,9 @@ class DecoderConfig(LanguageModel):
         sharded."""
         return split_params(self.decoder(self, policy=policy, rngs=nnx.Rngs(params=key)))[1]
 
-    def loss_fn(self, lora: LoraSpec | None = None):
+    def loss_fn(self, lora: LoraSpec | None = None, *, sequence_parallel: bool = True):
         """See :func:`effijax.models.make_loss_fn` (masked mean cross-entropy in f32)."""
-        return make_loss_fn(_graphdef(self), lora)
+        return make_loss_fn(_graphdef(self), lora, sequence_parallel=sequence_parallel)
 
     def logits_fn(self, lora: LoraSpec | None = None):
         """``logits_fn(params, tokens_BS, segments_BS=None) -> logits_BSV`` in the policy's
@@ -428,20 +428,28 @@ class PreNormBlock(nnx.Module):
 
     def __call__(self, x_BSD: jax.Array, key: jax.Array | None, lora: dict | None,
                  inputs: LayerInputs, cache: tuple | None = None,
-                 window: jax.Array | None = None):
+                 window: jax.Array | None = None, sequence_parallel: bool = False):
         """The layer's output; with a ``cache`` (decoding, no dropout) also the cache slices
         with this step's keys and values written. ``window``: this layer's slice of the
-        scanned per-layer windows (it replaces ``inputs.window``)."""
+        scanned per-layer windows (it replaces ``inputs.window``). Without a cache the two
+        norms' outputs and the residual sum between the attention and the MLP are pinned by
+        ``_constrain`` (split along the sequence with ``sequence_parallel``); the layer's
+        output is pinned by its caller."""
         if window is not None:
             inputs = inputs._replace(window=window)
         lora, rate = lora or {}, self.dropout
         (attn_norm, mlp_norm), (attn_post, mlp_post) = self.norms, self.post_norms
         # LoRA dropout alone also brings a key; the model's own dropout splits it only if on.
         keys = (None,) * 3 if key is None or rate == 0.0 else tuple(jax.random.split(key, 3))
-        attn = self.attn(attn_norm(x_BSD), keys[0], lora.get("attn"), inputs, cache)
+        # Training: the norms' outputs and the residual sum between attention and MLP are
+        # pinned like the layer's input and output (split along the sequence with
+        # sequence_parallel: the norm region of Korthikanti et al.); generation's steps are not.
+        pin = ((lambda y: y) if cache is not None else
+               functools.partial(_constrain, sequence_parallel=sequence_parallel))
+        attn = self.attn(pin(attn_norm(x_BSD)), keys[0], lora.get("attn"), inputs, cache)
         attn_BSD, kv = (attn, None) if cache is None else attn
-        x_BSD = x_BSD + _dropout(_maybe(attn_post, attn_BSD), rate, keys[1])
-        mlp_BSD = self.mlp(mlp_norm(x_BSD), lora.get("mlp"))
+        x_BSD = pin(x_BSD + _dropout(_maybe(attn_post, attn_BSD), rate, keys[1]))
+        mlp_BSD = self.mlp(pin(mlp_norm(x_BSD)), lora.get("mlp"))
         x_BSD = x_BSD + _dropout(_maybe(mlp_post, mlp_BSD), rate, keys[2])
         return x_BSD if cache is None else (x_BSD, kv)
 
@@ -575,8 +583,8 @@ class Decoder(nnx.Module):
 
     def __call__(self, tokens_BS: jax.Array, *, deterministic: bool = True,
                  rngs: nnx.Rngs | jax.Array | None = None, adapters: dict | None = None,
-                 lora: LoraSpec | None = None, segments_BS: jax.Array | None = None
-                 ) -> jax.Array:
+                 lora: LoraSpec | None = None, segments_BS: jax.Array | None = None,
+                 sequence_parallel: bool = True) -> jax.Array:
         """Next-token logits ``[B, S, V]`` in ``policy.output_dtype``.
 
         Args:
@@ -591,6 +599,13 @@ class Decoder(nnx.Module):
           segments_BS: packed rows' integer segment ids ``[B, S]`` (one id per example, another
             for padding): attention stays within a segment and positions restart at each
             segment's start. None: one sequence per row.
+          sequence_parallel: under a mesh whose ``tensor`` axis (above 1) divides ``S``,
+            split the residual stream between the blocks along the sequence over ``tensor``
+            (Korthikanti et al.; see :func:`effijax.sharding.activation_spec`). On by default,
+            as Megatron-LM recommends with tensor parallelism: the reduce-scatter and all-gather
+            that replace each all-reduce move the same bytes, and the norm, dropout and residual
+            activations divide by the tensor degree. Without a mesh, or where ``tensor`` does
+            not divide ``S``, the stream is batch-split only. False: batch-split only.
         """
         cfg = self.config
         self._check(tokens_BS, adapters, lora, segments_BS)
@@ -600,17 +615,23 @@ class Decoder(nnx.Module):
                               f"{cfg.context_field}={cfg.max_context}")
         key = self._dropout_key(deterministic, rngs, lora)
         positions_BS = None if segments_BS is None else segment_positions(segments_BS)
-        x_BSD, positions = self.embed_positions(self._embed(tokens_BS), positions_BS, s)
+        # The lookup pinned batch-only: the vocabulary-parallel lookup then completes with a
+        # reduction of its [B, S, D] partial sums; split along the sequence right there, XLA
+        # gathered the whole embedding table over the tensor axis instead.
+        x_BSD, positions = self.embed_positions(_constrain(self._embed(tokens_BS)),
+                                                positions_BS, s)
         window, windows_L = self._windows()
         inputs = LayerInputs(positions, segments_BS, window)
         graphdef, stacked = nnx.split(getattr(self, self.names.stack))
         keys_L = None if key is None else jax.random.split(key, cfg.n_layers)
         layer_adapters = None if adapters is None else adapters.get(self.names.stack)
-        x_BSD = _run_layers(_constrain(x_BSD), stacked, keys_L, layer_adapters, (inputs,),
+        sequence_parallel = bool(sequence_parallel)
+        x_BSD = _run_layers(_constrain(x_BSD, sequence_parallel=sequence_parallel), stacked,
+                            keys_L, layer_adapters, (inputs,),
                             graphdef=graphdef, remat=REMAT[cfg.remat],
                             lora=None if layer_adapters is None else lora,
                             path=self.names.stack, unroll=cfg.unroll_layers,
-                            windows_L=windows_L)
+                            windows_L=windows_L, sequence_parallel=sequence_parallel)
         return self.head(x_BSD)
 
     def decode(self, tokens_BS: jax.Array, cache: KVCache, start: jax.Array, *,

@@ -284,7 +284,8 @@ class _Layer(PreNormBlock):
     def post_norms(self) -> tuple[nnx.Module, nnx.Module]:
         return self.post_attn_norm, self.post_feedforward_norm
 
-    def __call__(self, x_BSD, key, lora, inputs: LayerInputs, cache=None, window=None):
+    def __call__(self, x_BSD, key, lora, inputs: LayerInputs, cache=None, window=None,
+                 sequence_parallel: bool = False):
         """The block of :class:`PreNormBlock` with the rotary table of this layer's kind:
         ``inputs.positions`` holds ``(local, global)`` tables, picked by the window."""
         if window is not None:
@@ -296,7 +297,8 @@ class _Layer(PreNormBlock):
         else:  # this layer's int32 window, scanned
             is_local = window < self.global_window
             tables = jax.tree.map(lambda a, b: jnp.where(is_local, a, b), local, glob)
-        return super().__call__(x_BSD, key, lora, inputs._replace(positions=tables), cache)
+        return super().__call__(x_BSD, key, lora, inputs._replace(positions=tables), cache,
+                                sequence_parallel=sequence_parallel)
 
 
 # ----------------------------------------------------------------------------------------------

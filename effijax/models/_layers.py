@@ -33,7 +33,7 @@ from effijax.errors import NO_VALUE, ConfigError
 from effijax.lora import LoraSpec, pairs, validate
 from effijax.models._dense import materialize, matmul
 from effijax.precision import cross_entropy, dequantize, dot, is_quantized, masked_mean
-from effijax.sharding import constrain_batch
+from effijax.sharding import constrain_activations
 
 INIT_STD = 0.02  # GPT-2's and Hugging Face's ``initializer_range``
 
@@ -86,9 +86,13 @@ def _dense(x_BSD: jax.Array, kernel_DF: jax.Array, bias_F: jax.Array | None,
         xa_ND = _dropout(x_ND, lora.dropout, lora.key).astype(lora.a_DR.dtype)
         u_NF = _lora_delta(xa_ND, lora.a_DR, lora.b_RF, lora.scale)
         y_NF = y_NF + u_NF.astype(y_NF.dtype)
+    y = y_NF.reshape(*lead, y_NF.shape[-1])
+    # The bias after the reshape back to x's axes: a row-parallel matmul's partial sums then
+    # reach the sequence-parallel constraint as [B, S, F], which XLA reduce-scatters along S
+    # (a bias added to the flat [B*S, F] made it all-reduce: S's split has no flat form).
     if bias_F is not None:
-        y_NF = y_NF + bias_F.astype(y_NF.dtype)
-    return y_NF.reshape(*lead, y_NF.shape[-1]).astype(x_BSD.dtype)
+        y = y + bias_F.astype(y.dtype)
+    return y.astype(x_BSD.dtype)
 
 
 # A quantized kernel (a QLoRA base, effijax.precision.quantize) is dequantized to the activations'
@@ -134,15 +138,27 @@ def _lora_delta_bwd(scale, residuals, du_NF):
 _lora_delta.defvjp(_lora_delta_fwd, _lora_delta_bwd)
 
 
-def _constrain(x_BSD: jax.Array) -> jax.Array:
+def _constrain(x_BSD: jax.Array, *, sequence_parallel: bool = False) -> jax.Array:
     """Sharding hook on the residual stream, called at every block boundary.
 
-    Under a mesh set with ``jax.set_mesh`` the batch axis is pinned to ``("data", "fsdp")``
-    (:func:`effijax.sharding.constrain_batch`), so XLA keeps activations batch-sharded and gathers
-    FSDP's weights instead of splitting the model the tensor-parallel way; with no mesh it is the
-    identity.
+    Under a mesh set with ``jax.set_mesh`` it pins ``x_BSD`` to
+    :func:`effijax.sharding.activation_spec`; with no mesh it is the identity. Where it is
+    called, and what is split there:
+
+    * the embedding's output (the scan's entry), each layer's two residual sums (after the
+      attention and after the MLP, inside the scanned or unrolled layers) and so the final
+      norm's input: batch over ``("data", "fsdp")`` and, with ``sequence_parallel`` (a training
+      or evaluation pass: :meth:`Decoder.__call__`'s default) on a ``tensor > 1`` mesh that
+      divides the sequence, the sequence over ``tensor``. The norms, dropouts and residual
+      adds then hold ``S / tensor`` tokens per device; XLA reduce-scatters the row-parallel
+      outputs (o, the MLP's out) and all-gathers the sequence before q/k/v and the MLP's in;
+    * generation (:func:`~effijax.models._cache.run_layers_cached`: one-token steps, ragged
+      prompts): batch only, whatever the mesh.
+
+    Pinning the batch keeps XLA from splitting small batches the tensor-parallel way (gathering
+    activations instead of FSDP's weights).
     """
-    return constrain_batch(x_BSD)
+    return constrain_activations(x_BSD, sequence_parallel=sequence_parallel)
 
 
 def _dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
@@ -196,10 +212,11 @@ def _lora_hooks(adapters, spec: LoraSpec, key: jax.Array | None, path: str):
 
 # Jitted so that an eager (NNX-style) call compiles the layer stack once per shape instead of
 # retracing the scan every call; inside an outer jit it is simply inlined.
-@functools.partial(jax.jit, static_argnames=("graphdef", "remat", "lora", "path", "unroll"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "remat", "lora", "path", "unroll",
+                                             "sequence_parallel"))
 def _run_layers(x_BSD, stacked, keys_L, adapters=None, consts=(), *, graphdef: nnx.GraphDef,
                 remat: Any, lora: LoraSpec | None = None, path: str, unroll: bool = False,
-                windows_L: jax.Array | None = None):
+                windows_L: jax.Array | None = None, sequence_parallel: bool = False):
     """Scans stacked layers over the residual stream, one layer's parameters per step.
 
     The layer module is called as ``layer(x_BSD, key, hooks, *consts)``. ``adapters`` (the
@@ -210,7 +227,8 @@ def _run_layers(x_BSD, stacked, keys_L, adapters=None, consts=(), *, graphdef: n
     program grows with the depth, but it no longer slices each layer's parameters and residuals
     out of stacked buffers, nor zero-fills those buffers every step. ``windows_L`` (int32
     ``[L]``: layers whose sliding attention windows differ, Gemma 3's local/global pattern) is
-    scanned too and each layer is called with its own as ``window=``.
+    scanned too and each layer is called with its own as ``window=``. ``sequence_parallel`` is
+    passed to every layer, which pins its residual sums with it (see :func:`_constrain`).
     """
 
     def body(x_BSD, layer):
@@ -218,8 +236,9 @@ def _run_layers(x_BSD, stacked, keys_L, adapters=None, consts=(), *, graphdef: n
         hooks = None if layer_adapters is None else _lora_hooks(layer_adapters, lora, layer_key,
                                                                 path)
         x_BSD = nnx.merge(graphdef, layer_state)(x_BSD, layer_key, hooks, *consts,
+                                                 sequence_parallel=sequence_parallel,
                                                  **({} if window is None else {"window": window}))
-        return _constrain(x_BSD), None
+        return _constrain(x_BSD, sequence_parallel=sequence_parallel), None
 
     if remat is not None:
         body = jax.checkpoint(body, policy=remat, prevent_cse=False)
@@ -293,8 +312,8 @@ def lm_loss_fn(apply: Callable[..., jax.Array]) -> Callable[..., tuple[jax.Array
     return loss_fn
 
 
-def make_apply(graphdef: nnx.GraphDef, lora: LoraSpec | None = None
-               ) -> Callable[..., jax.Array]:
+def make_apply(graphdef: nnx.GraphDef, lora: LoraSpec | None = None, *,
+               sequence_parallel: bool = True) -> Callable[..., jax.Array]:
     """Returns ``apply(params, tokens_BS, *, rng=None, deterministic=True, segments_BS=None)
     -> logits_BSV``.
 
@@ -308,7 +327,9 @@ def make_apply(graphdef: nnx.GraphDef, lora: LoraSpec | None = None
     :func:`effijax.lora.freeze_base`.
 
     ``segments_BS`` (int ``[B, S]``, packed rows) keeps each segment's attention within itself
-    and restarts its positions (see :func:`segment_positions`).
+    and restarts its positions (see :func:`segment_positions`). ``sequence_parallel`` is the
+    models' switch of the same name (on a ``tensor > 1`` mesh, the residual stream split along
+    the sequence; see :func:`_constrain`).
 
     Any effijax model works here (the GPT's and the Llama's graphdef): their modules take
     ``(tokens_BS, *, deterministic, rngs, adapters, lora)``.
@@ -335,17 +356,17 @@ def make_apply(graphdef: nnx.GraphDef, lora: LoraSpec | None = None
         if lora is None:
             model = nnx.merge(graphdef, params)
             return model(tokens_BS, deterministic=deterministic, rngs=rng,
-                         segments_BS=segments_BS)
+                         segments_BS=segments_BS, sequence_parallel=sequence_parallel)
         base, adapters = _split_lora_params(params)
         model = nnx.merge(graphdef, base)
         return model(tokens_BS, deterministic=deterministic, rngs=rng, adapters=adapters,
-                     lora=lora, segments_BS=segments_BS)
+                     lora=lora, segments_BS=segments_BS, sequence_parallel=sequence_parallel)
 
     return apply
 
 
-def make_loss_fn(graphdef: nnx.GraphDef, lora: LoraSpec | None = None
-                 ) -> Callable[..., tuple[jax.Array, dict]]:
+def make_loss_fn(graphdef: nnx.GraphDef, lora: LoraSpec | None = None, *,
+                 sequence_parallel: bool = True) -> Callable[..., tuple[jax.Array, dict]]:
     """Returns ``loss_fn(params, batch, rng=None) -> (loss, {"accuracy": acc})``.
 
     ``batch`` is ``{"inputs": int32[B, S], "targets": int32[B, S]}``; the loss is the mean token
@@ -355,7 +376,7 @@ def make_loss_fn(graphdef: nnx.GraphDef, lora: LoraSpec | None = None
     :func:`effijax.lora.freeze_base` to differentiate only the adapters. An optional
     ``batch["mask"]`` (``[B, S]``) restricts both to the positions where it is nonzero; an
     optional ``batch["segments"]`` (int ``[B, S]``) runs the packed examples of each row as if
-    alone (see :func:`make_apply`).
+    alone (see :func:`make_apply`, which also says what ``sequence_parallel`` does).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -368,7 +389,7 @@ def make_loss_fn(graphdef: nnx.GraphDef, lora: LoraSpec | None = None
       >>> loss.dtype, sorted(aux)
       (dtype('float32'), ['accuracy'])
     """
-    return lm_loss_fn(make_apply(graphdef, lora))
+    return lm_loss_fn(make_apply(graphdef, lora, sequence_parallel=sequence_parallel))
 
 
 def check_call(module: nnx.Module, tokens_BS: jax.Array, adapters, lora, *, adaptable,

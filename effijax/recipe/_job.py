@@ -61,6 +61,7 @@ from effijax.sharding import (
     param_shardings,
     partition_specs,
     replicated,
+    splits_sequence,
     state_shardings,
     tensor_split,
     with_shardings,
@@ -106,6 +107,8 @@ class Job(NamedTuple):
       segmented: batches carry the packed examples' ids (``batch["segments"]``, int32
         ``[B, S]``, sharded like the inputs): attention stays within an example and positions
         restart at each one.
+      sequence_parallel: the step splits the activations between the blocks along the
+        sequence over the mesh's ``tensor`` axis (False without a ``tensor`` axis above 1).
     """
 
     model: LanguageModel
@@ -126,6 +129,7 @@ class Job(NamedTuple):
     seed: int
     masked: bool = False
     segmented: bool = False
+    sequence_parallel: bool = False
 
     @property
     def shardings(self):
@@ -203,6 +207,7 @@ def plan_job(
     allow_unscaled_fp16: bool = False,
     masked: bool = False,
     segmented: bool | None = None,
+    sequence_parallel: bool = True,
 ) -> Job:
     """Plans a training job without allocating or compiling anything.
 
@@ -229,6 +234,11 @@ def plan_job(
       segmented: batches carry ``"segments"`` (int32 ``[B, S]``, the ids of the examples packed
         into each row; :func:`~effijax.data.pack_examples`), which the model honours. None:
         the same as ``masked`` (packed chat rows carry both).
+      sequence_parallel: on a mesh with ``tensor > 1``, split the activations between the
+        blocks along the sequence (Korthikanti et al.; on by default, as Megatron-LM
+        recommends: the same bytes communicated, ``1/tensor`` of the norm, dropout and residual
+        activations); the tensor degree must then divide the model's ``seq_len``. Ignored
+        without a ``tensor`` axis.
 
     Raises:
       ConfigError: a bad strategy, mesh or rules; a batch that does not split over the data
@@ -255,6 +265,7 @@ def plan_job(
     layout = model.tensor_layout()  # Megatron's split over the mesh's tensor axis
     if layout is not None:
         tensor_split(layout, mesh.shape.get("tensor", 1))  # refused before anything is traced
+    sequence_parallel = _check_sequence_parallel(model, mesh, sequence_parallel)
     if lora is None and frozen_dtype is not None:
         raise ConfigError("frozen_dtype", frozen_dtype, "only applies to LoRA; pass lora=")
     abstract = model.abstract_params(policy)
@@ -262,7 +273,7 @@ def plan_job(
     trainable = abstract_state.params
     frozen = frozen_sh = None
     if lora is None:
-        loss = model.loss_fn()
+        loss = model.loss_fn(sequence_parallel=sequence_parallel)
     else:
         quantized = frozen_dtype in QUANTIZED_FORMATS
         dtype = (policy.compute_dtype if frozen_dtype is None or quantized
@@ -279,7 +290,7 @@ def plan_job(
         # The adapters' own rules first: a rule for the base kernels ('.*/kernel') also matches
         # the adapters' paths ('.../kernel/a').
         rules = lora_lib.adapter_rules(kernel_sh, trainable) + list(rules or [])
-        loss = lora_lib.freeze_base(model.loss_fn(lora))
+        loss = lora_lib.freeze_base(model.loss_fn(lora, sequence_parallel=sequence_parallel))
     specs = partition_specs(abstract_state.params, mesh, rules=rules,
                             tensor_layout=layout)  # warns once per leaf
     with warnings.catch_warnings():
@@ -310,7 +321,23 @@ def plan_job(
                state=with_shardings(abstract_state, shardings), frozen=frozen, specs=specs,
                grads=grad_shardings(specs, mesh, strategy), step=step, eval_loss=eval_jit,
                num_params=_size(abstract), trainable_params=_size(trainable), seed=seed,
-               masked=bool(masked), segmented=segmented)
+               masked=bool(masked), segmented=segmented, sequence_parallel=sequence_parallel)
+
+
+def _check_sequence_parallel(model, mesh, sequence_parallel) -> bool:
+    """Whether the job runs sequence-parallel; refuses a ``seq_len`` the tensor degree does not
+    divide (each device would hold a ragged slice of every row)."""
+    if not isinstance(sequence_parallel, bool):
+        raise ConfigError("sequence_parallel", sequence_parallel, "expected True or False")
+    tensor = mesh.shape.get("tensor", 1)
+    if not sequence_parallel or tensor == 1:
+        return False
+    if not splits_sequence(mesh.shape, model.seq_len):
+        lower, higher = model.seq_len // tensor * tensor, (model.seq_len // tensor + 1) * tensor
+        raise ConfigError("seq_len", model.seq_len, f"sequence parallelism splits each row over "
+                          f"the mesh's tensor={tensor}, which does not divide it; use a multiple "
+                          f"of {tensor} (e.g. {lower or higher} or {higher})")
+    return True
 
 
 def _trained_tokens(batch) -> jax.Array:
@@ -568,6 +595,8 @@ class LMJob(NamedTuple):
       trainable_params: parameters that get gradients (``num_params`` without LoRA).
       lora: the job's :class:`~effijax.lora.LoraSpec` (None: full training).
       frozen: with LoRA, the frozen base parameters (what ``batch(step)["base"]`` holds).
+      sequence_parallel: the step splits the activations between the blocks along the
+        sequence over the mesh's ``tensor`` axis (see :func:`plan_job`).
     """
 
     state: TrainState
@@ -583,6 +612,7 @@ class LMJob(NamedTuple):
     trainable_params: int = 0
     lora: lora_lib.LoraSpec | None = None
     frozen: Any = None
+    sequence_parallel: bool = False
 
 
 def build_lm_job(
@@ -603,6 +633,7 @@ def build_lm_job(
     lora: lora_lib.LoraSpec | None = None,
     base_params: Any = None,
     frozen_dtype: Any = None,
+    sequence_parallel: bool = True,
 ) -> LMJob:
     """Plans, initialises and binds a training job for any :class:`~effijax.models.LanguageModel`.
 
@@ -627,7 +658,7 @@ def build_lm_job(
     job = plan_job(model, policy, optimizer, batch_size=batch_size, mesh=mesh,
                    strategy=strategy, rules=rules, lora=lora, frozen_dtype=frozen_dtype,
                    seed=seed, loss_multiplier=loss_multiplier,
-                   allow_unscaled_fp16=allow_unscaled_fp16)
+                   allow_unscaled_fp16=allow_unscaled_fp16, sequence_parallel=sequence_parallel)
     frozen = init_frozen(job, base_params)
 
     def evaluate_params(params) -> float:
@@ -639,4 +670,5 @@ def build_lm_job(
                  job.tokens_per_step, job.num_params, shardings=job.shardings, mesh=job.mesh,
                  strategy=None if mesh is None else job.strategy.name,
                  compile=lambda census=True: compile_job(job, census=census),
-                 trainable_params=job.trainable_params, lora=lora, frozen=frozen)
+                 trainable_params=job.trainable_params, lora=lora, frozen=frozen,
+                 sequence_parallel=job.sequence_parallel)

@@ -43,7 +43,8 @@ def _where(config, job) -> str:
     if config.strategy is None:
         return "1 device"
     mesh = ",".join(f"{k}={v}" for k, v in job.mesh.shape.items() if v > 1) or "1 device"
-    return (f"{config.strategy} over {job.mesh.size} devices (mesh {mesh}), "
+    sequence = " sequence-parallel" if job.sequence_parallel else ""
+    return (f"{config.strategy} over {job.mesh.size} devices (mesh {mesh}){sequence}, "
             f"{jax.process_count()} process(es)")
 
 
@@ -103,7 +104,8 @@ def eval_start(loss: float) -> None:
 
 def summary_extras(job, compiled) -> dict:
     """``num_params``, ``trainable_params``, the ``mesh`` (every axis, ``tensor`` included),
-    per-device ``memory`` and ``collectives``."""
+    ``sequence_parallel`` (the activations between the blocks split along the sequence over
+    ``tensor``), per-device ``memory`` and ``collectives``."""
     from effijax.sharding import census_records
 
     memory = dataclasses.asdict(compiled.memory)
@@ -111,7 +113,8 @@ def summary_extras(job, compiled) -> dict:
                               + compiled.memory.opt_state)
     return {"num_params": job.num_params, "trainable_params": job.trainable_params,
             "mesh": {axis: int(size) for axis, size in job.mesh.shape.items()},
-            "memory": memory, "collectives": census_records(compiled.census)}
+            "sequence_parallel": bool(job.sequence_parallel), "memory": memory,
+            "collectives": census_records(compiled.census)}
 
 
 def done(config, summary: dict) -> None:

@@ -22,7 +22,7 @@ __getattr__, __dir__, __all__ = attach(__name__, {
     "effijax.sharding._names": ("AXES", "BATCH_AXES", "parse_mesh", "Strategy", "STRATEGIES",
         "get_strategy"),
     "effijax.sharding._mesh": ("make_mesh", "replicated", "batch_sharding", "check_batch",
-        "constrain_batch"),
+        "constrain_batch", "splits_sequence", "activation_spec", "constrain_activations"),
     "effijax.sharding._rules": ("LOGICAL_AXES", "DEFAULT_MIN_SHARD_SIZE",
         "ReplicatedParameterWarning", "partition_specs"),
     "effijax.sharding._strategy": ("param_shardings", "state_shardings",

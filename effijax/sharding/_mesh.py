@@ -5,9 +5,12 @@ included, so that partition specs never depend on which axes a run happens to us
 
 * ``data``: pure replication of the model state (the outer level of hybrid sharding);
 * ``fsdp``: the axis ZeRO-1/2/3 shard parameters, gradients and optimizer state over;
-* ``tensor``: reserved for tensor parallelism (size 1 unless a rule names it).
+* ``tensor``: Megatron's tensor parallelism (:mod:`effijax.sharding._tensor`).
 
 The batch is split over ``("data", "fsdp")``, i.e. over every device of a (data, fsdp) mesh.
+Activations at block boundaries follow one spec (:func:`activation_spec`): the batch axis over
+``("data", "fsdp")`` and, with sequence parallelism on a ``tensor > 1`` mesh, the sequence axis
+over ``tensor`` (Korthikanti et al.).
 Axes are ``AxisType.Auto``: XLA's partitioner propagates shardings from the constraints
 effijax places (jax 0.10's ``jax.make_mesh`` defaults to ``Explicit`` axes, i.e. sharding in
 types, a different programming model that these strategies are not written for).
@@ -31,6 +34,9 @@ __all__ = [
     "batch_sharding",
     "check_batch",
     "constrain_batch",
+    "splits_sequence",
+    "activation_spec",
+    "constrain_activations",
 ]
 
 
@@ -159,6 +165,89 @@ fsdp=4): e.g. 8 or 16
                               f"must be divisible by {where} (leaf shape {tuple(shape)})")
 
 
+def splits_sequence(mesh_shape, seq_len: int) -> bool:
+    """Whether a ``seq_len``-token pass under a mesh of this shape is sequence-parallel.
+
+    True when the mesh has a ``tensor`` axis above 1 that divides ``seq_len``: the residual
+    stream between blocks is then split along the sequence over ``tensor``. The training recipe
+    refuses a sequence the tensor degree does not divide; any other pass (generation's one-token
+    steps, a ragged prompt) keeps the batch-only layout.
+
+    Args:
+      mesh_shape: the mesh's ``{axis: size}`` (``mesh.shape``).
+      seq_len: tokens per row.
+
+    Example:
+      >>> splits_sequence({"data": 1, "fsdp": 2, "tensor": 4}, 32)
+      True
+      >>> splits_sequence({"data": 1, "fsdp": 2, "tensor": 4}, 1)  # a decode step
+      False
+    """
+    tensor = mesh_shape.get("tensor", 1)
+    return tensor > 1 and seq_len % tensor == 0
+
+
+def activation_spec(shape: tuple[int, ...], mesh_shape, *, sequence_parallel: bool) -> P:
+    """The partition spec of an activation ``[B, S, ...]`` at a block boundary.
+
+    The one place that decides how the residual stream is laid out: the leading (batch) axis over
+    the mesh's ``("data", "fsdp")`` axes and, when ``sequence_parallel`` and
+    :func:`splits_sequence` hold, the second (sequence) axis over ``tensor``, i.e.
+    ``P(("data", "fsdp"), "tensor")``; otherwise ``P(("data", "fsdp"))``.
+
+    Args:
+      shape: the activation's shape (batch first; the sequence second for sequence parallelism).
+      mesh_shape: the mesh's ``{axis: size}`` (``mesh.shape``).
+      sequence_parallel: ask for the sequence split (it applies only where it divides).
+
+    Raises:
+      ValueError: the leading axis is not divisible by data*fsdp (a traced shape: no
+        ConfigError, the recipe has already checked the batch).
+
+    Example:
+      >>> mesh = {"data": 1, "fsdp": 2, "tensor": 4}
+      >>> activation_spec((8, 32, 64), mesh, sequence_parallel=True)
+      P(('data', 'fsdp'), 'tensor')
+      >>> activation_spec((8, 1, 64), mesh, sequence_parallel=True)  # 4 does not divide 1
+      P(('data', 'fsdp'),)
+    """
+    axes = tuple(a for a in BATCH_AXES if a in mesh_shape)
+    n = math.prod(mesh_shape[a] for a in axes)
+    if len(shape) == 0 or shape[0] % n:
+        raise ValueError(f"activation_spec: leading axis of shape {tuple(shape)} is not "
+                         f"divisible by {'*'.join(axes)} = {n}")
+    if sequence_parallel and len(shape) >= 3 and splits_sequence(mesh_shape, shape[1]):
+        return P(axes, "tensor")
+    return P(axes)
+
+
+def constrain_activations(x: jax.Array, *, sequence_parallel: bool) -> jax.Array:
+    """Pins an activation at a block boundary to :func:`activation_spec` when a mesh is set.
+
+    Under ``with jax.set_mesh(mesh):`` (entered outside ``jit``, around the call or ``lower``)
+    it applies ``with_sharding_constraint``; with no mesh set (single device, tests) it is the
+    identity. Without such constraints XLA may split small batches the tensor-parallel way
+    (gathering activations instead of FSDP's weights). With ``sequence_parallel`` on a
+    ``tensor > 1`` mesh the residual stream is split along the sequence between the blocks, so
+    XLA turns each row-parallel all-reduce into a reduce-scatter and all-gathers the sequence
+    before the next column-parallel matmul (Megatron's g and g-bar): the same bytes on the
+    wire, and the norms, dropouts and residual adds hold ``1/tensor`` of the tokens.
+
+    Raises:
+      ValueError: under a mesh, when the leading axis is not divisible by data*fsdp.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> constrain_activations(jnp.ones((2, 4, 3)), sequence_parallel=True).shape  # no mesh
+      (2, 4, 3)
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not any(a in mesh.axis_names for a in BATCH_AXES):
+        return x
+    return jax.lax.with_sharding_constraint(
+        x, activation_spec(x.shape, dict(mesh.shape), sequence_parallel=sequence_parallel))
+
+
 def constrain_batch(x: jax.Array) -> jax.Array:
     """Pins the leading axis of an activation to ``("data", "fsdp")`` when a mesh is set.
 
@@ -176,14 +265,5 @@ def constrain_batch(x: jax.Array) -> jax.Array:
       >>> constrain_batch(jnp.ones((3, 2))).shape  # no mesh set: identity
       (3, 2)
     """
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return x
-    axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
-    if not axes:
-        return x
-    n = math.prod(mesh.shape[a] for a in axes)
-    if x.ndim == 0 or x.shape[0] % n:
-        raise ValueError(f"constrain_batch: leading axis of shape {tuple(x.shape)} is not "
-                         f"divisible by {'*'.join(axes)} = {n}")
-    return jax.lax.with_sharding_constraint(x, P(axes))
+    return constrain_activations(x, sequence_parallel=False)
+

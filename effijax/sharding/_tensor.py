@@ -12,7 +12,14 @@ The split names (:data:`TENSOR_SPLIT`) go to the ``tensor`` axis, which is Megat
   cross-entropy's max, sum and label pick become all-reduces of ``[B, S]`` values (XLA's
   partitioner does this for :func:`effijax.precision.cross_entropy`; the tests check that no
   ``[B, S, V]`` all-gather appears);
-* everything the layout does not name (norms, learned positions) is replicated over ``tensor``.
+* everything the layout does not name (norms, learned positions) is replicated over ``tensor``;
+* sequence parallelism (on by default with ``tensor > 1``; the activations, not the weights:
+  :func:`~effijax.sharding.activation_spec`): between the blocks the residual stream, the norms'
+  outputs and the dropouts are split along the sequence over ``tensor``, so the row-parallel
+  outputs are reduce-scattered and the sequence all-gathered before q/k/v and the MLP's input
+  (Megatron's g-bar and g: an all-reduce's bytes), and those activations divide by the tensor
+  degree (Korthikanti et al.'s ``34/t``). The training recipe refuses a ``seq_len`` the degree
+  does not divide; generation keeps the batch-only layout.
 
 Key/value heads of grouped-query attention are split when the tensor degree divides them and
 replicated otherwise (each device then holds every kv head). Query heads, the MLP width and the
