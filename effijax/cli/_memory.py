@@ -175,8 +175,9 @@ def add_parsers(sub) -> None:
     m.add_argument("--devices", type=_count, default=1, help="data-parallel devices")
     m.add_argument("--tensor", type=_count, default=1,
                    help="tensor-parallel degree t (Megatron's split of each layer over t devices)")
-    m.add_argument("--sequence-parallel", action="store_true",
-                   help="with --tensor: split the norm and dropout regions along the sequence")
+    m.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --tensor: split the norm and dropout regions along the sequence "
+                   "(default: on with --tensor above 1, as effijax train runs it)")
     m.add_argument(
         "--lora-fraction",
         type=_fraction,
@@ -214,8 +215,9 @@ def add_parsers(sub) -> None:
                    "searched over the divisors the model's heads, MLP width and vocabulary take")
     p.add_argument("--node-size", type=_count, default=None,
                    help="devices per node: the tensor degree stays within one node")
-    p.add_argument("--sequence-parallel", action="store_true",
-                   help="count tensor-parallel activations with sequence parallelism")
+    p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
+                   help="count tensor-parallel activations with sequence parallelism (on by "
+                   "default, as effijax train runs a tensor axis)")
     p.add_argument(
         "--device-memory",
         required=True,
@@ -386,6 +388,8 @@ def memory_command(args: argparse.Namespace) -> int:
     """Handler of ``effijax memory``; returns the exit code."""
     try:
         shape = _shape(args, "batch_size")  # with --model or --from, it sets args.params
+        if args.sequence_parallel is None:  # as effijax train: on with a tensor axis
+            args.sequence_parallel = args.tensor > 1
         states = model_states(args.params, optimizer=args.optimizer, precision=args.precision,
                               zero_stage=args.zero, devices=args.devices,
                               lora_fraction=args.lora_fraction, frozen_dtype=args.frozen_dtype,

@@ -59,11 +59,12 @@ class Loaded(Opened):
         end = turn_end_id(self.tokenizer)
         return self.eos_id if end is None or end == self.eos_id else (self.eos_id, end)
 
-    def encode(self, text: str) -> np.ndarray:
-        """Token ids of ``text`` (the tokenizer's special tokens added as it adds them)."""
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> np.ndarray:
+        """Token ids of ``text`` (the tokenizer's special tokens added as it adds them, unless
+        ``add_special_tokens`` is False: a chat prompt has the ones its template writes)."""
         if self.tokenizer is None:
             return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
-        return self.tokenizer.encode(text, add_special_tokens=True)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids) -> str:
         """The text of ``ids`` (special tokens dropped)."""
@@ -110,7 +111,9 @@ class Loaded(Opened):
             raise ConfigError("prompts", prompts if isinstance(prompts, str) else
                               type(prompts).__name__, "expected a non-empty list of texts")
         texts = [self.chat_prompt(p, system) if chat else p for p in prompts]
-        ids = [self.encode(text) for text in texts]
+        # A chat prompt is ids as the training rendered them: the template writes its own BOS
+        # (Gemma's), which the tokenizer would add a second time.
+        ids = [self.encode(text, add_special_tokens=not chat) for text in texts]
         for prompt, row in zip(prompts, ids, strict=True):
             if row.size == 0:
                 raise ConfigError("prompt", prompt, "encodes to no tokens; give some text")
