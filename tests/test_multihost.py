@@ -111,16 +111,22 @@ def test_two_processes_of_four_devices_match_one_process_of_eight(tmp_path, corp
     _wait([_launch([*ARGS, "--data", corpus, "--out", str(single), "--cpu-devices", "8"],
                    cached_env)])
 
+    _same_run(multi, single, STEPS, {"data": 1, "fsdp": 8, "tensor": 1})
+
+
+def _same_run(multi, single, steps: int, mesh: dict) -> None:
+    """The 2 x 4 run ``multi`` trained as the 1 x 8 run ``single`` on ``mesh``: the same
+    losses (gloo's all-reduces sum in another order than one process's: f32 rounding), the same
+    partitioned program (per-device parameter bytes, collectives)."""
     m2, m1 = _metrics(multi), _metrics(single)
-    assert [r["step"] for r in m2] == [r["step"] for r in m1] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in m2] == [r["step"] for r in m1] == list(range(1, steps + 1))
     np.testing.assert_allclose([r["loss"] for r in m2], [r["loss"] for r in m1], rtol=1e-5)
     s2 = json.loads((multi / "summary.json").read_text())
     s1 = json.loads((single / "summary.json").read_text())
     np.testing.assert_allclose(s2["eval_loss"], s1["eval_loss"], rtol=1e-5)
     c2 = json.loads((multi / "config.json").read_text())
     assert c2["run"]["process_count"] == 2 and len(c2["run"]["devices"]) == 8
-    assert c2["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1} and c2["strategy"] == "fsdp"
-    # The same program: same per-device memory and collectives.
+    assert c2["mesh"] == s1["mesh"] == mesh and c2["strategy"] == "fsdp"
     assert s2["memory"]["params"] == s1["memory"]["params"]
     assert s2["collectives"] and s2["collectives"] == s1["collectives"]
 
@@ -192,16 +198,6 @@ def test_a_tensor_axis_across_two_processes_matches_one_process_of_eight(tmp_pat
     (out0, _), _ = _wait(_pair([*args, "--out", str(multi)], _free_port(), cached_env))
     assert "2 process(es)" in out0 and "mesh tensor=8" in out0, out0
     _wait([_launch([*args, "--out", str(single), "--cpu-devices", "8"], cached_env)])
-    m2, m1 = _metrics(multi), _metrics(single)
-    assert [r["step"] for r in m2] == [r["step"] for r in m1] == list(range(1, TENSOR_STEPS + 1))
-    # Gloo's all-reduces sum in another order than one process's: f32 rounding, as
-    # tests/test_tensor_parallel.py allows between meshes.
-    np.testing.assert_allclose([r["loss"] for r in m2], [r["loss"] for r in m1], rtol=1e-5)
-    s2 = json.loads((multi / "summary.json").read_text())
-    s1 = json.loads((single / "summary.json").read_text())
-    np.testing.assert_allclose(s2["eval_loss"], s1["eval_loss"], rtol=1e-5)
-    assert s2["mesh"] == s1["mesh"] == {"data": 1, "fsdp": 1, "tensor": 8}
-    # The same partitioned program: each device holds an eighth of every split matrix.
-    assert s2["memory"]["params"] == s1["memory"]["params"]
-    assert s2["collectives"] == s1["collectives"]
-    assert any(r["kind"] == "all-reduce" for r in s2["collectives"])
+    _same_run(multi, single, TENSOR_STEPS, {"data": 1, "fsdp": 1, "tensor": 8})
+    collectives = json.loads((multi / "summary.json").read_text())["collectives"]
+    assert any(r["kind"] == "all-reduce" for r in collectives)  # Megatron's, across processes
