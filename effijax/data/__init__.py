@@ -45,5 +45,6 @@ __getattr__, __dir__, __all__ = attach(__name__, {
         "store_split", "token_dtype", "verify_store"),
     "effijax.data._tables": ("TABLE_SUFFIXES", "Source", "check_columns", "find_sources",
         "plan_pieces", "read_piece"),
-    "effijax.data._template": ("MAX_RENDERED_CHARS", "RENDER_SECONDS", "compile_template"),
+    "effijax.data._template": ("MAX_RENDERED_CHARS", "RENDER_SECONDS", "TEMPLATE_HINT",
+        "compile_template"),
 })

@@ -22,7 +22,7 @@ import time
 
 from effijax.errors import NO_VALUE, ConfigError
 
-__all__ = ["RENDER_SECONDS", "MAX_RENDERED_CHARS", "compile_template"]
+__all__ = ["RENDER_SECONDS", "MAX_RENDERED_CHARS", "TEMPLATE_HINT", "compile_template"]
 
 # A real template renders a conversation in well under a millisecond; two seconds leave room
 # for a slow machine and still end a runaway loop before a user wonders whether it hangs.
@@ -149,10 +149,10 @@ def _sandbox():
     return env
 
 
-# How a template error ends: where the model's template comes from. A template given as a
-# file of its own (``--chat-template``) says so instead.
-FIX_HINT = ("; fix the template (tokenizer_config.json or chat_template.jinja) or the "
-            "conversation")
+#: How a template error ends: where the model's template comes from (a template given as a
+#: file of its own, ``--chat-template``, says so instead).
+TEMPLATE_HINT = ("; fix the template (tokenizer_config.json or chat_template.jinja) or the "
+                 "conversation")
 
 
 def _error(e: Exception) -> ConfigError:
@@ -160,7 +160,7 @@ def _error(e: Exception) -> ConfigError:
     text = text if len(text) <= 300 else text[:297] + "..."
     kind = "" if isinstance(e, _Exceeded) else f"{type(e).__name__}: "
     return ConfigError("chat_template", NO_VALUE, f"the model's chat template failed ({kind}"
-                       f"{text}){FIX_HINT}")
+                       f"{text}){TEMPLATE_HINT}")
 
 
 class BoundedTemplate:

@@ -334,10 +334,10 @@ def with_chat_template(model, path: str):
     except (OSError, FileError) as e:
         raise ConfigError("chat_template", path, f"cannot be read ({e})") from None
     except ConfigError as e:
-        from effijax.data._template import FIX_HINT
+        from effijax.data import TEMPLATE_HINT
 
         problem = e.problem.replace("the model's chat template", "the template")
-        raise ConfigError("chat_template", path, f"{problem.removesuffix(FIX_HINT)} on a "
+        raise ConfigError("chat_template", path, f"{problem.removesuffix(TEMPLATE_HINT)} on a "
                           "two-turn conversation; fix the file") from None
     return dataclasses.replace(model, tokenizer=tokenizer)
 
