@@ -31,6 +31,7 @@ import numpy as np
 from effijax.errors import ConfigError, FileError, whole_number
 from effijax.interop._files import LIMITS, check_finite, check_size, number_field, whole_field
 from effijax.interop._gguf_check import check_gguf
+from effijax.interop._gguf_types import GGUF_HYPERPARAMETERS
 from effijax.interop._hf import DEFAULT_SEQ_LEN
 from effijax.interop._weights import assemble, check_tensors, expected_hf_shapes
 from effijax.models import (
@@ -254,8 +255,12 @@ def _block_config(fmt: PretrainedFormat, metadata: dict, tensors: dict, *, seq_l
     """A Llama-block family's config from its ``{architecture}.*`` keys."""
     arch = fmt.gguf_architecture
 
-    def whole(key, limit, default=None):
-        return whole_field(metadata, f"{arch}.{key}", limit, source, default)
+    def whole(key, default=None):  # bounded as the config field the key holds
+        return whole_field(metadata, f"{arch}.{key}", GGUF_HYPERPARAMETERS[key][0], source,
+                           default)
+
+    def number(key, default=None):
+        return _f32(number_field(metadata, f"{arch}.{key}", source, default))
 
     if metadata.get(f"{arch}.rope.scaling.type", "none") not in ("none", None) or \
             "rope_freqs.weight" in tensors:
@@ -263,24 +268,21 @@ def _block_config(fmt: PretrainedFormat, metadata: dict, tensors: dict, *, seq_l
                           metadata.get(f"{arch}.rope.scaling.type", "rope_freqs.weight"),
                           "rotary scaling from GGUF is not supported; load the "
                           "Hugging Face checkpoint instead")
-    d, heads = whole("embedding_length", "d_model"), whole("attention.head_count", "n_heads")
-    head_dim = whole("attention.key_length", "head_dim", max(d // heads, 1))
-    rope_dim = whole("rope.dimension_count", "head_dim", head_dim)
+    d, heads = whole("embedding_length"), whole("attention.head_count")
+    head_dim = whole("attention.key_length", max(d // heads, 1))
+    rope_dim = whole("rope.dimension_count", head_dim)
     if rope_dim != head_dim:
         raise ConfigError(f"{arch}.rope.dimension_count", rope_dim,
                           f"partial rotary embeddings (head_dim {head_dim}) are not supported")
     # Older files have no vocab_size: the embedding's rows, or the tokenizer's size.
     vocab = (tensors["token_embd.weight"][0] if "token_embd.weight" in tensors else
              len(metadata.get("tokenizer.ggml.tokens") or ()))
-    max_position = whole("context_length", "max_position", 2048)
+    max_position = whole("context_length", 2048)
     return fmt.config(
-        vocab_size=whole("vocab_size", "vocab_size", vocab), d_model=d,
-        n_layers=whole("block_count", "n_layers"), n_heads=heads,
-        n_kv_heads=whole("attention.head_count_kv", "n_kv_heads", heads), head_dim=head_dim,
-        d_ff=whole("feed_forward_length", "d_ff"),
-        rope_theta=_f32(number_field(metadata, f"{arch}.rope.freq_base", source, 10000.0)),
-        rms_eps=_f32(number_field(metadata, f"{arch}.attention.layer_norm_rms_epsilon",
-                                  source)),
+        vocab_size=whole("vocab_size", vocab), d_model=d, n_layers=whole("block_count"),
+        n_heads=heads, n_kv_heads=whole("attention.head_count_kv", heads), head_dim=head_dim,
+        d_ff=whole("feed_forward_length"), rope_theta=number("rope.freq_base", 10000.0),
+        rms_eps=number("attention.layer_norm_rms_epsilon"),
         tie_embeddings="output.weight" not in tensors,
         seq_len=min(max_position, DEFAULT_SEQ_LEN) if seq_len is None else seq_len,
         max_position=max_position, tokenizer=tokenizer, **fmt.gguf_fields(metadata))

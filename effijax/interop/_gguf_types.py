@@ -1,8 +1,27 @@
-"""The tensor types effijax writes to GGUF (:func:`~effijax.interop.save_gguf`), by the name a
-user gives (``--export-gguf q8_0``). A module of its own, importing nothing: checking a run's
-config must not import jax."""
+"""GGUF's names that effijax reads and writes: the tensor types it writes
+(:func:`~effijax.interop.save_gguf`), by the name a user gives (``--export-gguf q8_0``), and
+the hyperparameter keys of a Llama-block file. A module of its own, importing nothing:
+checking a run's config must not import jax."""
 
-__all__ = ["GGUF_DTYPES"]
+__all__ = ["GGUF_DTYPES", "GGUF_HYPERPARAMETERS"]
+
+#: ``{architecture}.KEY`` -> (the config field it holds, its type), as llama.cpp names them:
+#: what :func:`~effijax.interop.load_gguf` reads and :func:`~effijax.interop.save_gguf`
+#: writes for every Llama-block family (a family's own keys come from its format).
+GGUF_HYPERPARAMETERS: dict[str, tuple[str, type]] = {
+    "context_length": ("max_position", int),
+    "embedding_length": ("d_model", int),
+    "block_count": ("n_layers", int),
+    "feed_forward_length": ("d_ff", int),
+    "attention.head_count": ("n_heads", int),
+    "attention.head_count_kv": ("n_kv_heads", int),
+    "attention.key_length": ("head_dim", int),
+    "attention.value_length": ("head_dim", int),
+    "rope.dimension_count": ("head_dim", int),
+    "rope.freq_base": ("rope_theta", float),
+    "attention.layer_norm_rms_epsilon": ("rms_eps", float),
+    "vocab_size": ("vocab_size", int),
+}
 
 #: name -> (``gguf.GGMLQuantizationType`` of the matrices, ``gguf.LlamaFileType`` of the file).
 GGUF_DTYPES: dict[str, tuple[str, str]] = {

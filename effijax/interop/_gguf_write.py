@@ -29,7 +29,7 @@ import numpy as np
 from effijax import atomic
 from effijax.errors import ConfigError
 from effijax.interop._gguf import permute
-from effijax.interop._gguf_types import GGUF_DTYPES
+from effijax.interop._gguf_types import GGUF_DTYPES, GGUF_HYPERPARAMETERS
 from effijax.interop._hf import _merged_leaf, export_leaves
 from effijax.interop._weights import host_array, to_hf
 from effijax.models import (
@@ -211,21 +211,8 @@ def _hyperparameters(model, arch: str, own: dict[str, Any]) -> dict[str, Any]:
         warnings.warn(f"{model.name}: GGUF's {arch!r} architecture has no sliding window (as "
                       "llama.cpp writes Mistral models); readers of the file attend to every "
                       f"earlier key beyond {model.sliding_window} tokens", stacklevel=3)
-    return {
-        f"{arch}.context_length": model.max_position,
-        f"{arch}.embedding_length": model.d_model,
-        f"{arch}.block_count": model.n_layers,
-        f"{arch}.feed_forward_length": model.d_ff,
-        f"{arch}.attention.head_count": model.n_heads,
-        f"{arch}.attention.head_count_kv": model.n_kv_heads,
-        f"{arch}.attention.key_length": model.head_dim,
-        f"{arch}.attention.value_length": model.head_dim,
-        f"{arch}.rope.dimension_count": model.head_dim,
-        f"{arch}.rope.freq_base": float(model.rope_theta),
-        f"{arch}.attention.layer_norm_rms_epsilon": float(model.rms_eps),
-        f"{arch}.vocab_size": model.vocab_size,
-        **own,
-    }
+    return {**{f"{arch}.{key}": kind(getattr(model, field))
+               for key, (field, kind) in GGUF_HYPERPARAMETERS.items()}, **own}
 
 
 def _add_field(writer, key: str, value) -> None:
