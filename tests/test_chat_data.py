@@ -270,6 +270,20 @@ def test_evaluate_model_scores_every_assistant_token(gguf, model):
     assert result.rows == len(rows)
     np.testing.assert_allclose(result.loss, (nll * mask).sum() / mask.sum(), rtol=1e-5)
     np.testing.assert_allclose(result.perplexity, np.exp(result.loss), rtol=1e-9)
+    # Through another template file: the rows it renders, and their trained tokens.
+    template = pathlib.Path(files) / "turns.jinja"
+    template.write_text(OTHER_TEMPLATE)
+    other = evaluate_model(str(files / "tiny.gguf"), str(files / "qa.jsonl"), batch_size=4,
+                           seq_len=SEQ, chat_template=str(template))
+    retemplated = dataclasses.replace(loaded.tokenizer, chat_template=OTHER_TEMPLATE)
+    rows = pack_examples([render_chat(retemplated, r.messages) for r in records], SEQ,
+                         pad_id=IM_END)
+    assert other.tokens == rows.trained_tokens
+    assert other.loss != result.loss  # the turns end with another token
+    batch = packed_batch(rows, np.arange(len(rows)))
+    nll = _nll(loaded, params, batch)
+    np.testing.assert_allclose(other.loss, (nll * batch["mask"]).sum() / batch["mask"].sum(),
+                               rtol=1e-5)
 
 
 def _env():

@@ -41,6 +41,9 @@ def add_parsers(sub) -> None:
                    "(default: 8)")
     p.add_argument("--data-format", choices=("auto", "text", "chat"), default="auto",
                    help="auto: chat for a .jsonl file, else text (default: auto)")
+    p.add_argument("--chat-template", default=None, metavar="FILE", help="a Jinja chat "
+                   "template file that renders chat data instead of the model's own (a base "
+                   "model without one)")
     p.add_argument("--max-batches", type=int, default=None, help="evaluate only the first K "
                    "batches (default: all)", metavar="K")
     p.add_argument("--precision", default="fp32", help="precision policy of the forward pass "
@@ -75,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
 
         result = evaluate_model(args.init_from, args.data, seq_len=args.seq_len,
                                 batch_size=args.batch_size, data_format=args.data_format,
-                                max_batches=args.max_batches, precision=args.precision)
+                                max_batches=args.max_batches, precision=args.precision,
+                                chat_template=args.chat_template)
     except ConfigError as e:
         print(f"effijax eval: error: {e.renamed(_flag(e.field))}", file=sys.stderr, flush=True)
         return 2

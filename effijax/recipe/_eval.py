@@ -107,7 +107,7 @@ def _scorer(loss_fn, policy, params, rows, batch_size: int):
 
 def evaluate_model(model: str, data: str, *, seq_len: int | None = None, batch_size: int = 8,
                    data_format: str = "auto", max_batches: int | None = None,
-                   precision: str = "fp32") -> EvalResult:
+                   precision: str = "fp32", chat_template: str | None = None) -> EvalResult:
     """Loss and perplexity of ``model`` on the file ``data`` (see the module docstring).
 
     Args:
@@ -118,6 +118,8 @@ def evaluate_model(model: str, data: str, *, seq_len: int | None = None, batch_s
       data_format: ``auto`` (chat for ``.jsonl``), ``text`` or ``chat``.
       max_batches: evaluate only the first this many batches (None: all).
       precision: a precision policy (the compute dtype of the forward pass).
+      chat_template: a Jinja chat template file that renders chat data instead of the model's
+        own (``--chat-template``, as :func:`~effijax.recipe.train` takes it).
 
     Raises:
       ConfigError: a bad model, data file or record (file and line), or setting; a batch
@@ -143,7 +145,14 @@ def evaluate_model(model: str, data: str, *, seq_len: int | None = None, batch_s
     if not Path(data).exists():
         raise ConfigError("data", data, "no such file or folder")
     policy = get_policy(precision)
+    if chat_template is not None and not Path(chat_template).is_file():
+        raise ConfigError("chat_template", chat_template, "no such file; give a Jinja chat "
+                          "template file")
     lm, params, spec, description = load_model(model, seq_len=seq_len)
+    if chat_template is not None:
+        from effijax.recipe._sources import with_chat_template
+
+        lm = with_chat_template(lm, chat_template)
     rows, fingerprint, fmt = load_eval_data(data, lm, data_format=data_format)
     scored = _scorer(lm.loss_fn(spec), policy, params, rows, batch_size)
     total, count, evaluated = 0.0, 0, 0
