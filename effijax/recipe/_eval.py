@@ -26,6 +26,7 @@ from effijax.precision import get_policy
 from effijax.recipe._data import load_eval_data
 from effijax.recipe._open import open_model
 from effijax.recipe._preflight import check_memory
+from effijax.recipe._sources import check_template_file, with_chat_template
 
 __all__ = ["EvalResult", "load_model", "evaluate_model"]
 
@@ -145,13 +146,9 @@ def evaluate_model(model: str, data: str, *, seq_len: int | None = None, batch_s
     if not Path(data).exists():
         raise ConfigError("data", data, "no such file or folder")
     policy = get_policy(precision)
-    if chat_template is not None and not Path(chat_template).is_file():
-        raise ConfigError("chat_template", chat_template, "no such file; give a Jinja chat "
-                          "template file")
+    check_template_file(chat_template)
     lm, params, spec, description = load_model(model, seq_len=seq_len)
     if chat_template is not None:
-        from effijax.recipe._sources import with_chat_template
-
         lm = with_chat_template(lm, chat_template)
     rows, fingerprint, fmt = load_eval_data(data, lm, data_format=data_format)
     scored = _scorer(lm.loss_fn(spec), policy, params, rows, batch_size)

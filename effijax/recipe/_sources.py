@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from effijax.errors import ConfigError
+from effijax.errors import ConfigError, FileError
 from effijax.recipe._config import BUNDLED, DEFAULT_MODEL, TrainConfig
 from effijax.recipe._data import mixture_spec
 
@@ -32,8 +32,8 @@ from effijax.recipe._data import mixture_spec
 # ``effijax memory --model`` reads an architecture (:func:`architecture`) without them.
 
 __all__ = ["Source", "BUNDLED", "bundled_path", "check_paths", "read_source", "read_run",
-           "with_chat_template", "model_for", "latest_step", "starting_point", "load_params",
-           "architecture"]
+           "check_template_file", "with_chat_template", "model_for", "latest_step",
+           "starting_point", "load_params", "architecture"]
 
 
 
@@ -77,9 +77,7 @@ def check_paths(config: TrainConfig) -> None:
                           "writable directory") from None
     if config.checkpoints:
         checkpoint_folder(out / "checkpoints")
-    if config.chat_template is not None and not Path(config.chat_template).is_file():
-        raise ConfigError("chat_template", config.chat_template, "no such file; give a Jinja "
-                          "chat template file")
+    check_template_file(config.chat_template)
     if (config.init_from is not None and config.init_from not in BUNDLED
             and not Path(config.init_from).exists()):
         raise missing_source("init_from", config.init_from)
@@ -301,6 +299,20 @@ def model_for(config: TrainConfig, source: Source | None):
     return model
 
 
+def check_template_file(path: str | None) -> None:
+    """A ``--chat-template`` file exists (None: none given): checked before anything is loaded.
+
+    Example:
+      >>> check_template_file("no/such.jinja")
+      Traceback (most recent call last):
+      ...
+      effijax.errors.ConfigError: chat_template='no/such.jinja': no such file; give a Jinja \
+chat template file
+    """
+    if path is not None and not Path(path).is_file():
+        raise ConfigError("chat_template", path, "no such file; give a Jinja chat template file")
+
+
 def with_chat_template(model, path: str):
     """``model`` whose tokenizer renders chat with the template file at ``path``
     (``--chat-template``): read, compiled and tried on a two-turn conversation now, before
@@ -320,7 +332,6 @@ def with_chat_template(model, path: str):
       >>> with_chat_template(model, str(path)).tokenizer.chat_template[-13:]
       ';{% endfor %}'
     """
-    from effijax.errors import FileError
     from effijax.models import read_chat_template
 
     tokenizer = getattr(model, "tokenizer", None)
