@@ -111,11 +111,14 @@ def write_tokenizer_gguf(path, values: dict, architecture: str = "llama"):
 
 
 def write_gguf(file, model, params, *, pre="smollm", qtype=None, drop=(), extra=None,
-               reshape=None, architecture="llama", permuted=True):
+               reshape=None, architecture="llama", permuted=True, qtypes=None, raw=None):
     """Writes ``model`` with ``params`` as a llama.cpp-style GGUF file.
 
     Args:
-      qtype: a ``gguf.GGMLQuantizationType`` for the matrices (norms stay F32), or None (F32).
+      qtype: a ``gguf.GGMLQuantizationType`` for the matrices (norms stay F32), or None (F32);
+        qtypes: ``{GGUF name: type}`` for single tensors (a llama.cpp Q4_K_M file mixes types);
+        raw: ``{GGUF name: (type, uint8 rows)}`` written as they are (types the gguf package
+        does not quantize, e.g. the K-quants).
       drop: GGUF tensor names to leave out; extra: ``{name: array}`` to add; reshape:
         ``{name: shape}`` to write a tensor with the wrong shape (for error tests).
       architecture: ``general.architecture`` and the metadata keys' prefix; permuted: Q/K rows
@@ -161,8 +164,11 @@ def write_gguf(file, model, params, *, pre="smollm", qtype=None, drop=(), extra=
             w = llama_cpp_permute(w, model.n_heads, model.n_kv_heads)
         if reshape and name in reshape:
             w = np.resize(w, reshape[name])
-        if qtype is not None and w.ndim == 2:
-            writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+        kind = (qtypes or {}).get(name, qtype)
+        if raw and name in raw:
+            writer.add_tensor(name, raw[name][1], raw_dtype=raw[name][0])
+        elif kind is not None and w.ndim == 2:
+            writer.add_tensor(name, gguf.quants.quantize(w, kind), raw_dtype=kind)
         else:
             writer.add_tensor(name, w)
     for name, w in (extra or {}).items():

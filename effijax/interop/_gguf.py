@@ -302,10 +302,41 @@ def gguf_config(path: str | os.PathLike, *, seq_len: int | None = None) -> Llama
                    source=source)
 
 
+def _kept_blocks(config, fmt: PretrainedFormat, tensors: dict, to_gguf: dict,
+                 source: str) -> dict:
+    """``{path: GGMLBlocks}``: each stacked kernel whose every layer the file holds in a block
+    type (:data:`~effijax.precision.GGML_BLOCKS`), rows as they are (Q/K rows unpermuted).
+    Each tensor is decoded once, transiently, to check that its scales are finite."""
+    from gguf.quants import dequantize
+
+    from effijax.precision import GGML_BLOCKS, ggml_blocks
+
+    kept = {}
+    for path, (hf, _) in fmt.tensors.items():
+        if not (path.startswith("layers/") and path.endswith("/kernel")):
+            continue
+        layers = [tensors[to_gguf[hf.format(i=i)]] for i in range(config.n_layers)]
+        if not all(t.tensor_type.name in GGML_BLOCKS for t in layers):
+            continue  # F32/F16 or another type: dequantized as usual
+        for t in layers:
+            with np.errstate(all="ignore"):  # a forged scale overflows: said just below
+                check_finite(source, t.name, dequantize(t.data, t.tensor_type))
+        heads = (config.n_heads if hf.endswith(_Q) else config.n_kv_heads
+                 if hf.endswith(_K) else None)
+        rows = [np.asarray(t.data) if heads is None or not fmt.gguf_permuted
+                else unpermute(np.asarray(t.data), heads) for t in layers]
+        in_features = int(layers[0].shape[0])  # ggml order: (in, out)
+        kept[path] = ggml_blocks([(t.tensor_type.name, r) for t, r in zip(layers, rows,
+                                                                          strict=True)],
+                                 in_features, path=path)
+    return kept
+
+
 def load_gguf(path: str | os.PathLike, *, policy=None, shardings=None,
-              seq_len: int | None = None, pre: str | None = None) -> tuple[LlamaConfig, dict]:
+              seq_len: int | None = None, pre: str | None = None,
+              keep_blocks: bool = False) -> tuple[LlamaConfig, dict]:
     """Loads a GGUF file of a registered architecture (``general.architecture`` ``"llama"``,
-    ``"qwen2"``): config, tokenizer and dequantized parameters.
+    ``"qwen2"``, ``"gemma3"``): config, tokenizer and dequantized parameters.
 
     Args:
       path: the ``.gguf`` file.
@@ -314,9 +345,14 @@ def load_gguf(path: str | os.PathLike, *, policy=None, shardings=None,
         default: the default device.
       seq_len: the training window (default ``min({architecture}.context_length, 2048)``).
       pre: override the tokenizer's pre-tokenizer name (see :func:`gguf_tokenizer`).
+      keep_blocks: keep the layers' quantized kernels as the file's blocks
+        (:class:`~effijax.precision.GGMLBlocks`, a QLoRA base with no requantization: see
+        ``--frozen-dtype gguf``) instead of dequantizing them; a role the file holds in F32 or
+        F16 in some layer is dequantized as usual.
 
     Returns:
-      ``(config, params)``, ``params`` matching ``config.abstract_params(policy)``.
+      ``(config, params)``, ``params`` matching ``config.abstract_params(policy)`` (with
+      ``keep_blocks``, the kept kernels' shapes: :func:`~effijax.precision.dequantized_shapes`).
 
     Raises:
       FileNotFoundError: no such file.
@@ -364,5 +400,6 @@ def load_gguf(path: str | os.PathLike, *, policy=None, shardings=None,
             w = unpermute(w, config.n_kv_heads)
         return w
 
-    params = assemble(config, read, policy=policy, shardings=shardings)
+    kept = _kept_blocks(config, fmt, tensors, to_gguf, source) if keep_blocks else None
+    params = assemble(config, read, policy=policy, shardings=shardings, kept=kept)
     return config, params

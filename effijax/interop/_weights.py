@@ -144,8 +144,17 @@ def place(buffer: np.ndarray, sharding) -> jax.Array:
     return jax.make_array_from_callback(buffer.shape, sharding, lambda index: buffer[index])
 
 
+def _place_kept(blocks, sharding):
+    """A kernel kept as a GGUF file's blocks, its leaves placed like the kernel's sharding."""
+    from effijax.precision import ggml_sharding
+
+    if sharding is None:
+        return jax.tree.map(jax.device_put, blocks)
+    return jax.tree.map(place, blocks, ggml_sharding(sharding, blocks))
+
+
 def assemble(config: LlamaConfig, read: Callable[[str], np.ndarray], *, policy=None,
-             shardings=None) -> dict:
+             shardings=None, kept: dict | None = None) -> dict:
     """Builds the parameter tree one parameter at a time from tensors in torch's layout.
 
     Args:
@@ -154,6 +163,8 @@ def assemble(config: LlamaConfig, read: Callable[[str], np.ndarray], *, policy=N
       policy: gives each parameter's dtype (``config.abstract_params(policy)``).
       shardings: a tree of shardings like the parameters, one sharding for all, or None (the
         default device).
+      kept: ``{path: GGMLBlocks}``: kernels kept as a GGUF file's blocks (host arrays), used
+        as they are instead of read.
 
     Returns:
       The parameters, matching ``config.abstract_params(policy)`` in structure, shape, dtype.
@@ -162,6 +173,9 @@ def assemble(config: LlamaConfig, read: Callable[[str], np.ndarray], *, policy=N
     targets = _leaf_shardings(shardings, abstract)
     leaves = []
     for path, leaf in named_leaves(abstract):
+        if kept and path in kept:
+            leaves.append(_place_kept(kept[path], targets.get(path)))
+            continue
         buffer = np.empty(leaf.shape, leaf.dtype)
         for layer in _layers(path, config):
             w = to_flax(path, read(hf_name(path, layer)))

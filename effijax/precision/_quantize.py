@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from effijax.errors import ConfigError
 from effijax.paths import map_with_path
+from effijax.precision._ggml import GGMLBlocks, dequantize_blocks, ggml_sharding
 
 __all__ = ["NF4_CODES", "QUANTIZED_FORMATS", "Quantized", "ScaleCodes", "dequantize",
            "dequantize_kernels", "dequantized_shapes",
@@ -104,14 +105,15 @@ class Quantized(NamedTuple):
 
 
 def is_quantized(x: Any) -> bool:
-    """True for a :class:`Quantized` kernel (a pytree node, not an array).
+    """True for a quantized kernel (a pytree node, not an array): a :class:`Quantized` or a
+    GGUF file's blocks kept as they are (:class:`~effijax.precision.GGMLBlocks`).
 
     Example:
       >>> import jax.numpy as jnp
       >>> is_quantized(quantize(jnp.ones((4, 64)), "nf4")), is_quantized(jnp.ones(2))
       (True, False)
     """
-    return isinstance(x, Quantized)
+    return isinstance(x, (Quantized, GGMLBlocks))
 
 
 def _check(shape: tuple[int, ...], fmt: str, path: str) -> None:
@@ -187,8 +189,9 @@ def quantize(w: jax.Array, fmt: str, *, block: int = BLOCK, double_quant: bool =
 
 
 @functools.partial(jax.jit, static_argnames=("dtype",))
-def dequantize(q: Quantized, dtype: Any = jnp.float32) -> jax.Array:
-    """The kernel ``[..., D, F]`` a :class:`Quantized` stands for, in ``dtype``.
+def dequantize(q: Quantized | GGMLBlocks, dtype: Any = jnp.float32) -> jax.Array:
+    """The kernel ``[..., D, F]`` a :class:`Quantized` (or a GGUF file's
+    :class:`~effijax.precision.GGMLBlocks`) stands for, in ``dtype``.
 
     Example:
       >>> import jax.numpy as jnp
@@ -198,6 +201,8 @@ def dequantize(q: Quantized, dtype: Any = jnp.float32) -> jax.Array:
       >>> back.dtype, back.shape, bool(jnp.max(jnp.abs(back.astype(w.dtype) - w)) < 0.01)
       (dtype(bfloat16), (2, 64), True)
     """
+    if isinstance(q, GGMLBlocks):
+        return dequantize_blocks(q, dtype)
     shape = q.shape
     if q.format == "nf4":
         idx = jnp.stack([q.codes & 0xF, q.codes >> 4], axis=-1).reshape(shape)
@@ -239,7 +244,7 @@ def quantize_kernels(params, fmt: str, *, double_quant: bool = True):
 
 
 def dequantize_kernels(params, dtype: Any = jnp.float32):
-    """``params`` with every :class:`Quantized` kernel dequantized to ``dtype`` (e.g. to merge
+    """``params`` with every quantized kernel dequantized to ``dtype`` (e.g. to merge
     adapters into a quantized base for export); the rest unchanged.
 
     Example:
@@ -253,7 +258,7 @@ def dequantize_kernels(params, dtype: Any = jnp.float32):
 
 
 def dequantized_shapes(params):
-    """``params`` with every :class:`Quantized` kernel as the ``jax.ShapeDtypeStruct`` (f32) of
+    """``params`` with every quantized kernel as the ``jax.ShapeDtypeStruct`` (f32) of
     the kernel it stands for: what shape checks and parameter counts read.
 
     Example:
@@ -288,7 +293,8 @@ def quantized_bytes(shape: tuple[int, ...], fmt: str, *, block: int = BLOCK,
 
 def quantized_sharding(sharding: NamedSharding, q) -> Quantized:
     """Shardings of ``q``'s leaves from its kernel's: each axis split as the kernel's is,
-    where the leaf's length divides (else that axis is replicated).
+    where the leaf's length divides (else that axis is replicated); a GGUF file's blocks as
+    :func:`~effijax.precision.ggml_sharding` lays them out.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -299,6 +305,8 @@ def quantized_sharding(sharding: NamedSharding, q) -> Quantized:
       >>> sh.codes.spec, sh.scales.steps.spec
       (P(None, 'fsdp'), P(None, None))
     """
+    if isinstance(q, GGMLBlocks):
+        return ggml_sharding(sharding, q)
     spec, sizes = tuple(sharding.spec), dict(sharding.mesh.shape)
 
     def split(entry) -> int:

@@ -42,7 +42,7 @@ MAX_CONFIG_BYTES = 2**20
 # presets plus "auto" (bf16 on GPU/TPU, fp32 on CPU, where bf16 matmuls are emulated and
 # slower), with the memory estimator's aliases ("mixed", "float32", "half", ...).
 PRECISIONS = ("auto", *PRESET_NAMES)
-FROZEN_DTYPES = ("auto", "fp32", "bf16", "fp16", "nf4", "int8")
+FROZEN_DTYPES = ("auto", "fp32", "bf16", "fp16", "nf4", "int8", "gguf")
 DATA_FORMATS = ("auto", "text", "chat")
 DEFAULT_MODEL = "mini"
 # Launchers of effijax.distributed (kept here too: checking a config must not import jax; a
@@ -270,7 +270,8 @@ class TrainConfig:
     lora_dropout: float = _field(0.0, "dropout on the adapters' input", metavar="P",
                                  section="lora")
     frozen_dtype: str = _field("auto", "storage dtype of the frozen base (auto: the precision's "
-                               "compute dtype; nf4, int8: its layers' kernels quantized, QLoRA)",
+                               "compute dtype; nf4, int8: its layers' kernels quantized, QLoRA; "
+                               "gguf: a GGUF base's quantized blocks kept as they are)",
                                choices=FROZEN_DTYPES, section="lora")
     lora_random_base: bool = _field(False, "train adapters on a randomly initialised base (for "
                                     "experiments; LoRA normally adapts an init_from model)",

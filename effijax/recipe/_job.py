@@ -31,7 +31,7 @@ from effijax.data import batch_at, eval_batches
 from effijax.distributed import global_batch, process_rows
 from effijax.errors import ConfigError, whole_number
 from effijax.models import LanguageModel
-from effijax.paths import named_leaves
+from effijax.paths import map_with_path, named_leaves
 from effijax.precision import (
     QUANTIZED_FORMATS,
     Policy,
@@ -208,6 +208,7 @@ def plan_job(
     masked: bool = False,
     segmented: bool | None = None,
     sequence_parallel: bool = True,
+    kept_blocks: Any = None,
 ) -> Job:
     """Plans a training job without allocating or compiling anything.
 
@@ -224,7 +225,8 @@ def plan_job(
       frozen_dtype: with ``lora``, the base's storage dtype (default: the compute dtype), or a
         quantized format, ``"nf4"`` or ``"int8"`` (QLoRA: the layer stack's kernels stored
         quantized with double-quantized blockwise scales, dequantized per layer in the step;
-        the other leaves in the compute dtype; see :func:`effijax.precision.quantize`).
+        the other leaves in the compute dtype; see :func:`effijax.precision.quantize`), or
+        ``"gguf"``: the kernels a GGUF file holds in blocks kept as they are (``kept_blocks``).
       seed: seeds the parameters, the adapters, the dropout keys and the batch order.
       loss_multiplier: multiplies the training objective (the metric ``lm_loss`` keeps the
         unmultiplied loss); values far below 1 push gradients below fp16's range.
@@ -239,6 +241,10 @@ def plan_job(
         recommends: the same bytes communicated, ``1/tensor`` of the norm, dropout and residual
         activations); the tensor degree must then divide the model's ``seq_len``. Ignored
         without a ``tensor`` axis.
+      kept_blocks: with ``frozen_dtype="gguf"``, the base as
+        :func:`~effijax.interop.load_gguf` loads it with ``keep_blocks=True`` (or its
+        abstract shapes): its :class:`~effijax.precision.GGMLBlocks` kernels are the frozen
+        base's, decoded per layer in the step.
 
     Raises:
       ConfigError: a bad strategy, mesh or rules; a batch that does not split over the data
@@ -275,14 +281,15 @@ def plan_job(
     if lora is None:
         loss = model.loss_fn(sequence_parallel=sequence_parallel)
     else:
-        quantized = frozen_dtype in QUANTIZED_FORMATS
+        quantized = frozen_dtype in (*QUANTIZED_FORMATS, "gguf")
         dtype = (policy.compute_dtype if frozen_dtype is None or quantized
                  else parse_dtype(frozen_dtype))
         base = cast_floating(abstract, dtype)
         frozen_sh = kernel_sh = param_shardings(base, mesh, strategy, rules=rules,
                                                tensor_layout=layout)
         if quantized:
-            base = jax.eval_shape(lambda b: quantize_kernels(b, frozen_dtype), base)
+            base = (_with_kept_blocks(base, kept_blocks) if frozen_dtype == "gguf" else
+                    jax.eval_shape(lambda b: quantize_kernels(b, frozen_dtype), base))
             frozen_sh = jax.tree.map(
                 lambda q, sh: quantized_sharding(sh, q) if is_quantized(q) else sh,
                 base, frozen_sh, is_leaf=is_quantized)
@@ -371,6 +378,19 @@ def _batch_shardings(mesh, frozen_shardings, masked: bool = False,
     return out if frozen_shardings is None else {**out, "base": frozen_shardings}
 
 
+def _with_kept_blocks(base, kept_blocks):
+    """``base`` (abstract) with the kernels ``kept_blocks`` holds as a GGUF file's blocks."""
+    kept = {path: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), leaf)
+            for path, leaf in named_leaves(kept_blocks, is_leaf=is_quantized)
+            if is_quantized(leaf)} if kept_blocks is not None else {}
+    if not kept:
+        raise ConfigError("frozen_dtype", "gguf", "keeps a GGUF file's quantized blocks: load "
+                          "the base with load_gguf(..., keep_blocks=True) and pass it as "
+                          "kept_blocks (the file must hold its layers' kernels quantized)")
+    _check_params(dequantized_shapes(kept_blocks), base, "kept_blocks")
+    return map_with_path(lambda path, x: kept.get(path, x), base)
+
+
 def _check_params(params, abstract, field: str) -> None:
     """Given parameters must have exactly the model's paths and shapes."""
     want = dict(named_leaves(abstract))
@@ -452,7 +472,7 @@ def init_frozen(job: Job, base: Any = None) -> Any:
     if base is None:
         return jax.jit(lambda key: cast(job.model.init_params(key, job.policy)),
                        out_shardings=shardings)(_keys(job.seed)[0])
-    _check_params(base, dequantized_shapes(job.frozen), "base")
+    _check_params(dequantized_shapes(base), dequantized_shapes(job.frozen), "base")
     if not any(is_quantized(x) for x in jax.tree.leaves(job.frozen, is_leaf=is_quantized)):
         return jax.jit(cast, out_shardings=shardings)(base)
     # One leaf at a time: a quantized base never exists in full precision, not even while it
@@ -474,7 +494,8 @@ class _FrozenLeaf(NamedTuple):
     @classmethod
     def of(cls, leaf) -> _FrozenLeaf:
         if is_quantized(leaf):
-            return cls(None, leaf.format, not hasattr(leaf.scales, "shape"))
+            return cls(None, leaf.format, leaf.format != "gguf"
+                       and not hasattr(leaf.scales, "shape"))
         return cls(leaf.dtype, None, False)
 
 
@@ -483,6 +504,12 @@ def _to_frozen(want, x):
     want = want if isinstance(want, _FrozenLeaf) else _FrozenLeaf.of(want)
     if want.format is None:
         return x.astype(want.dtype)
+    if want.format == "gguf":  # a GGUF file's blocks, kept as loaded
+        if not is_quantized(x) or x.format != "gguf":
+            raise ConfigError("base", "floating", "the job keeps a GGUF file's blocks "
+                              "(frozen_dtype='gguf'): pass the base as load_gguf(..., "
+                              "keep_blocks=True) loads it")
+        return x
     return quantize(x, want.format, double_quant=want.double_quant)
 
 

@@ -28,7 +28,7 @@ from effijax.errors import ConfigError, FileError
 from effijax.interop import load_tokenizer
 from effijax.lora import load_adapters
 from effijax.models import model_from_dict
-from effijax.precision import QUANTIZED_FORMATS, quantize_kernels
+from effijax.precision import QUANTIZED_FORMATS, dequantized_shapes, quantize_kernels
 from effijax.recipe._config import BUNDLED
 from effijax.recipe._sources import bundled_path, load_params, missing_source, read_source
 
@@ -113,12 +113,14 @@ def _lora_run(path: Path, values: dict) -> Opened:
     if not origin:
         raise ConfigError("model_from", str(path), "is a LoRA run on a random base "
                           "(--lora-random-base): there is no base model to load")
-    base = open_model(origin["path"]) if "path" in origin else \
-        _load_path(Path(origin["run"]), origin.get("step"))
+    kept = values.get("frozen_dtype") == "gguf"  # trained on the GGUF's own blocks: use them
+    base = (_load_path(Path(origin["path"]), keep_blocks=True) if kept
+            else open_model(origin["path"]) if "path" in origin
+            else _load_path(Path(origin["run"]), origin.get("step")))
     if base.lora is not None:
         raise ConfigError("model_from", str(path), "adapts a LoRA run; generation takes one "
                           "set of adapters")
-    adapters, spec = load_adapters(file, base.params)
+    adapters, spec = load_adapters(file, dequantized_shapes(base.params))
     frozen = base.params
     if values.get("frozen_dtype") in QUANTIZED_FORMATS:  # trained on a quantized base: use it
         frozen = quantize_kernels(frozen, values["frozen_dtype"])
@@ -128,13 +130,13 @@ def _lora_run(path: Path, values: dict) -> Opened:
                   f"on {base.source})")
 
 
-def _load_path(path: Path, step: int | None = None) -> Opened:
+def _load_path(path: Path, step: int | None = None, keep_blocks: bool = False) -> Opened:
     values = _run_values(path)
     if values is not None:
         if values.get("lora_rank") is not None:
             return _lora_run(path, values)
         return _full_run(path, values, step)
-    source = read_source(str(path), None)
+    source = read_source(str(path), None, keep_blocks=keep_blocks)
     if not source.pretrained:  # pragma: no cover - a run directory is handled above
         raise ConfigError("model_from", str(path), "is not a model")
     return Opened(source.model, source.params, None, source.model.tokenizer, source.path)

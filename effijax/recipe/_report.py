@@ -79,7 +79,10 @@ def start(config, job, compiled, source, frozen, state, *, data: str = "") -> No
         from effijax.lora import trainable_report
 
         leaves = jax.tree.leaves(frozen, is_leaf=is_quantized)
-        dtypes = {f"{x.format} (kernels)" if is_quantized(x) else str(x.dtype) for x in leaves}
+        blocks = sorted({t for x in leaves if is_quantized(x) and x.format == "gguf"
+                         for t in x.types})  # a GGUF file's own block types
+        dtypes = {(f"gguf {'/'.join(blocks)}" if x.format == "gguf" else x.format)
+                  + " (kernels)" if is_quantized(x) else str(x.dtype) for x in leaves}
         print(f"effijax train: LoRA rank {job.lora.rank}, alpha {job.lora.alpha:g} on "
               f"{job.lora.targets!r}, frozen base in {'/'.join(sorted(dtypes))}; "
               + trainable_report(dequantized_shapes(frozen), state.params))

@@ -81,6 +81,11 @@ def check_paths(config: TrainConfig) -> None:
     if (config.init_from is not None and config.init_from not in BUNDLED
             and not Path(config.init_from).exists()):
         raise missing_source("init_from", config.init_from)
+    if config.frozen_dtype == "gguf" and (config.init_from is None or (
+            config.init_from not in BUNDLED and not _is_gguf(Path(config.init_from)))):
+        raise ConfigError("frozen_dtype", "gguf", f"keeps a GGUF file's quantized blocks, but "
+                          f"--from {config.init_from or '(none)'} is not a .gguf file; give a "
+                          "GGUF model (e.g. --from smollm2), or use --frozen-dtype nf4 or int8")
     if config.init_from is not None and Path(config.init_from).resolve() == out:
         raise ConfigError("out", config.out, "is the init_from run itself; write the new run to "
                           "another directory")
@@ -158,10 +163,16 @@ def _assembled(module, filename: str, wheel: str) -> Path:
     return target
 
 
+def _is_gguf(path: Path) -> bool:
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
 def _is_pretrained(path: Path) -> bool:
     if path.is_file():
-        with open(path, "rb") as f:
-            return f.read(4) == b"GGUF"
+        return _is_gguf(path)
     # Hugging Face names its weights model.safetensors or model-0000i-of-0000n.safetensors
     # (an effijax run directory holds adapters.safetensors, never those).
     return (path / "config.json").is_file() and any(path.glob("model*.safetensors"))
@@ -216,9 +227,10 @@ def architecture(spec: str, *, seq_len: int | None = None, field: str = "model")
         raise e.within(field, spec) from None
 
 
-def read_source(init_from: str, seq_len: int | None) -> Source:
+def read_source(init_from: str, seq_len: int | None, *, keep_blocks: bool = False) -> Source:
     """The source ``init_from`` names: a bundled model, a GGUF file or Hugging Face directory
-    (loaded now: architecture, tokenizer, weights on the host), or an earlier run."""
+    (loaded now: architecture, tokenizer, weights on the host; ``keep_blocks``: a GGUF's
+    quantized kernels kept as its blocks), or an earlier run."""
     path = Path(bundled_path(init_from) if init_from in BUNDLED else init_from)
     if not path.exists():
         raise missing_source("init_from", init_from)
@@ -227,7 +239,8 @@ def read_source(init_from: str, seq_len: int | None) -> Source:
     from effijax.interop import load, weight_files
 
     try:
-        model, params = load(path, seq_len=seq_len)
+        model, params = load(path, seq_len=seq_len, **({"keep_blocks": True} if keep_blocks
+                                                       else {}))
     except ConfigError as e:
         raise e.within("init_from", init_from) from None
     combined, weights = _weights_digests(path, weight_files(path))

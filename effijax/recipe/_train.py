@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 
@@ -76,13 +76,15 @@ def train(config: TrainConfig, *, argv: list[str] | None = None) -> TrainResult:
     _sources.check_paths(config)  # before any process joins or anything is created
     mesh = start(config)
     try:
-        source = _sources.read_source(config.init_from, config.seq_len) \
+        source = _sources.read_source(config.init_from, config.seq_len,
+                                      keep_blocks=config.frozen_dtype == "gguf") \
             if config.init_from else None
         model = model_for(config, source)
         config = resolve(config, mesh)
         data = load_data(config, model)
         optimizer = optimizer_for(config)
-        job = plan(config, model, optimizer, data, mesh)
+        job = plan(config, model, optimizer, data, mesh,
+                   None if source is None else source.params)
         origin = None
         if source is not None:  # its checkpoint checked against the plan, its params loaded
             origin, source = _sources.starting_point(source, model, mesh)
@@ -196,16 +198,20 @@ def load_data(config: TrainConfig, model) -> Dataset:
     return load_dataset(config.data, model, data_format=config.data_format)
 
 
-def plan(config: TrainConfig, model, optimizer, data: Dataset, mesh) -> _job.Job:
+def plan(config: TrainConfig, model, optimizer, data: Dataset, mesh,
+         base: Any = None) -> _job.Job:
     """The run's :class:`~effijax.recipe.Job` (:func:`~effijax.recipe.plan_job`): abstract
-    state, shardings and step for the config's precision, strategy, LoRA and batch."""
+    state, shardings and step for the config's precision, strategy, LoRA and batch
+    (``base``: the loaded pretrained parameters, whose kept GGUF blocks a ``gguf`` frozen base
+    uses)."""
     spec = config.lora_spec(model.lora_targets)
     with lora_fields():  # the spec's checks against the model: rank, targets
         return _job.plan_job(model, config.precision, optimizer, batch_size=config.batch_size,
                              mesh=mesh, strategy=config.strategy or "ddp", lora=spec,
                              seed=config.seed, frozen_dtype=None if config.frozen_dtype == "auto"
                              else config.frozen_dtype, masked=data.masked,
-                             segmented=data.segmented)
+                             segmented=data.segmented,
+                             kept_blocks=base if config.frozen_dtype == "gguf" else None)
 
 
 def compile_run(config: TrainConfig, job, initial: Initial, source, data: Dataset):
