@@ -85,8 +85,11 @@ def _batch(tokenizer_model, batch_size: int, seq_len: int):
 
 # effijax ---------------------------------------------------------------------------------------
 
-def _effijax_runner(model, params, batch, *, rank: int | None, unroll: bool = False):
-    """A zero-argument function running one effijax train step (blocking), and its first loss."""
+def _effijax_runner(model, params, batch, *, rank: int | None, unroll: bool = False,
+                    frozen_dtype: str | None = None):
+    """A zero-argument function running one effijax train step (blocking), and its first loss.
+    ``frozen_dtype``: the LoRA base's (``plan_job``'s; ``"gguf"`` takes ``params`` loaded with
+    their blocks kept)."""
     import dataclasses
 
     import jax
@@ -99,7 +102,9 @@ def _effijax_runner(model, params, batch, *, rank: int | None, unroll: bool = Fa
     spec = None if rank is None else LoraSpec(rank=rank, alpha=2 * rank,
                                               targets=model.lora_targets)
     optimizer = optax.adamw(LR, weight_decay=WEIGHT_DECAY)
-    job = plan_job(model, "fp32", optimizer, batch_size=batch[0].shape[0], lora=spec)
+    job = plan_job(model, "fp32", optimizer, batch_size=batch[0].shape[0], lora=spec,
+                   frozen_dtype=frozen_dtype,
+                   kept_blocks=params if frozen_dtype == "gguf" else None)
     state = init_state(job) if spec else init_state(job, params)
     frozen = init_frozen(job, params) if spec else None
     step = compile_job(job, census=False).step
@@ -112,6 +117,7 @@ def _effijax_runner(model, params, batch, *, rank: int | None, unroll: bool = Fa
         box["state"], metrics = step(box["state"], feed)
         return float(metrics["lm_loss"])  # blocks until the step is done
 
+    run.frozen = frozen  # the LoRA base as the step holds it (None for full training)
     return run
 
 

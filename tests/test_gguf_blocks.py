@@ -150,7 +150,8 @@ def loaded(tiny_file):
     return config, full, kept
 
 
-def test_loading_keeps_the_files_blocks_and_they_decode_to_the_dequantized_load(loaded):
+def test_loading_keeps_the_files_blocks_and_they_decode_to_the_dequantized_load(loaded,
+                                                                                tiny_file):
     _, full, kept = loaded
     attn, mlp = kept["layers"]["attn"], kept["layers"]["mlp"]
     assert attn["q_proj"]["kernel"].types == ("Q4_K", "Q5_0")
@@ -163,6 +164,11 @@ def test_loading_keeps_the_files_blocks_and_they_decode_to_the_dequantized_load(
     # Bit for bit the dequantized load, the Q/K rows unpermuted as the loader does.
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                  dequantize_kernels(kept), full)
+    # The header alone gives the loaded base's exact bytes (effijax memory's count).
+    from effijax.interop import gguf_kept_bytes
+    from effijax.memory import tree_bytes
+
+    assert tree_bytes(kept) == gguf_kept_bytes(tiny_file, dtype="fp32") < tree_bytes(full)
 
 
 @pytest.fixture(scope="module")
@@ -212,6 +218,27 @@ def test_plan_job_without_the_blocks_says_how_to_load_them():
     with pytest.raises(ConfigError, match=r"keep_blocks=True\) and pass it as kept_blocks"):
         plan_job(config, "fp32", optax.sgd(0.1), batch_size=2, frozen_dtype="gguf",
                  lora=lora.LoraSpec(rank=2, targets=config.lora_targets))
+
+
+def test_memory_counts_the_files_kept_blocks_exactly(tiny_file, capsys):
+    from effijax.cli import build_parser
+    from effijax.interop import gguf_kept_bytes
+
+    def memory(*argv):
+        args = build_parser().parse_args(["memory", *argv])
+        return args.func(args)
+
+    assert memory("--from", str(tiny_file), "--lora-rank", "4", "--frozen-dtype", "gguf",
+                  "--precision", "fp32", "--json") == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["frozen_bytes"] == gguf_kept_bytes(tiny_file, dtype="fp32")
+    assert out["params_bytes"] == out["frozen_bytes"] + 4 * out["trainable_params"]
+    for argv, said in [(("--params", "7B", "--lora-fraction", "0.01"), "instead of --params"),
+                       (("--model", "llama-tiny", "--lora-rank", "2"), "(or a bundled GGUF")]:
+        assert memory(*argv, "--frozen-dtype", "gguf") == 2
+        err = capsys.readouterr().err
+        assert ("--frozen-dtype='gguf': counts a GGUF file's own blocks: give the file with "
+                "--from FILE.gguf") in err and said in err
 
 
 def _effijax(*argv, cwd):

@@ -187,9 +187,9 @@ def add_parsers(sub) -> None:
     m.add_argument(
         "--frozen-dtype",
         default="bf16",
-        choices=tuple(FROZEN_DTYPES),
+        choices=(*FROZEN_DTYPES, "gguf"),
         help="storage of the frozen base under LoRA (nf4, int8: with their scales; exact "
-        "bytes with --model or --from)",
+        "bytes with --model or --from; gguf: the --from GGUF file's own blocks, exact)",
     )
     _add_shape_flags(m, "--batch-size", "sequences per device per micro-batch b")
     m.add_argument(
@@ -329,6 +329,9 @@ def _model_shape(args: argparse.Namespace, batch_name: str) -> dict:
         raise ConfigError("--lora-rank", args.lora_rank, f"needs --model or {_from.FLAG} (with "
                           "--params, give --lora-fraction)")
     if args.params is not None:
+        if getattr(args, "frozen_dtype", None) == "gguf":
+            raise ConfigError("--frozen-dtype", "gguf", f"counts a GGUF file's own blocks: give "
+                              f"the file with {_from.FLAG} FILE.gguf instead of --params")
         return {}
     given = [n for n in ("layers", "hidden", "heads") if getattr(args, n) is not None]
     if given:
@@ -346,17 +349,40 @@ def _model_shape(args: argparse.Namespace, batch_name: str) -> dict:
     if args.lora_rank is not None:
         args.lora_fraction = _adapter_count(model, args.lora_rank) / shape.num_params
     args.model_name = getattr(model, "name", args.model or args.init_from)
-    args.frozen_bytes = _quantized_base_bytes(model, getattr(args, "frozen_dtype", "bf16"))
+    args.frozen_bytes = _quantized_base_bytes(model, getattr(args, "frozen_dtype", "bf16"),
+                                              args.init_from, getattr(args, "precision", None))
     # layers, hidden and heads travel in args with the shape flags they stand for.
     return {k: v for k, v in shape.activation_args().items()
             if k not in ("layers", "hidden", "heads")}
 
 
-def _quantized_base_bytes(model, frozen_dtype: str) -> int | None:
+def _is_gguf(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:  # a directory, a missing file
+        return False
+
+
+def _quantized_base_bytes(model, frozen_dtype: str, source: str | None,
+                          precision: str | None) -> int | None:
     """Exact bytes of the model's base stored as a quantized ``frozen_dtype`` (codes, scales
-    and the unquantized leaves in bf16), from its shapes; None for a floating dtype."""
+    and the unquantized leaves in bf16), from its shapes, or for ``gguf`` from ``source``'s
+    header (the unquantized leaves in the compute dtype, as training holds them); None for a
+    floating dtype."""
     from effijax.memory import frozen_base_bytes  # imports JAX, which --params never needs
 
+    if frozen_dtype == "gguf":
+        from effijax.interop import gguf_kept_bytes
+        from effijax.recipe import BUNDLED, bundled_path
+
+        path = bundled_path(source) if source in BUNDLED else source
+        if path is None or not _is_gguf(path):
+            raise ConfigError("--frozen-dtype", "gguf", f"counts a GGUF file's own blocks: "
+                              f"give the file with {_from.FLAG} FILE.gguf (or a bundled GGUF "
+                              "model, e.g. smollm2)")
+        return gguf_kept_bytes(path, dtype="fp32" if precision in ("fp32", "f32", "float32")
+                               else "bf16")
     if frozen_dtype not in FROZEN_SCALE_BITS:
         return None
     return frozen_base_bytes(model.abstract_params(), frozen_dtype)

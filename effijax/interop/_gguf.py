@@ -23,8 +23,10 @@ means the head is tied to the embedding.
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
+from typing import Any
 
 import numpy as np
 
@@ -43,9 +45,10 @@ from effijax.models import (
     pretrained_format,
     sentencepiece_bpe,
 )
+from effijax.paths import named_leaves
 
-__all__ = ["load_gguf", "gguf_config", "gguf_tokenizer", "open_gguf", "permute", "unpermute",
-           "read_metadata"]
+__all__ = ["load_gguf", "gguf_config", "gguf_kept_bytes", "gguf_tokenizer", "open_gguf",
+           "permute", "unpermute", "read_metadata"]
 
 _Q, _K = "self_attn.q_proj.weight", "self_attn.k_proj.weight"
 
@@ -302,25 +305,35 @@ def gguf_config(path: str | os.PathLike, *, seq_len: int | None = None) -> Llama
                    source=source)
 
 
-def _kept_blocks(config, fmt: PretrainedFormat, tensors: dict, to_gguf: dict,
-                 source: str) -> dict:
-    """``{path: GGMLBlocks}``: each stacked kernel whose every layer the file holds in a block
-    type (:data:`~effijax.precision.GGML_BLOCKS`), rows as they are (Q/K rows unpermuted).
-    Each tensor is decoded once, transiently, to check that its scales are finite."""
-    from gguf.quants import dequantize
-
-    from effijax.precision import GGML_BLOCKS, ggml_blocks
+def _kept_layers(config, fmt: PretrainedFormat, tensors: dict) -> dict:
+    """``{path: [each layer's tensor]}``: the stacked kernels whose every layer the file holds
+    in a block type kept as it is (:data:`~effijax.precision.GGML_BLOCKS`); a role in F32 or
+    F16 in some layer is left out (dequantized as usual)."""
+    from effijax.precision import GGML_BLOCKS
 
     kept = {}
-    for path, (hf, _) in fmt.tensors.items():
-        if not (path.startswith("layers/") and path.endswith("/kernel")):
-            continue
-        layers = [tensors[to_gguf[hf.format(i=i)]] for i in range(config.n_layers)]
-        if not all(t.tensor_type.name in GGML_BLOCKS for t in layers):
-            continue  # F32/F16 or another type: dequantized as usual
+    for path, (_, gg) in fmt.tensors.items():
+        if path.startswith("layers/") and path.endswith("/kernel"):
+            layers = [tensors[gg.format(i=i)] for i in range(config.n_layers)]
+            if all(t.tensor_type.name in GGML_BLOCKS for t in layers):
+                kept[path] = layers
+    return kept
+
+
+def _kept_blocks(config, fmt: PretrainedFormat, tensors: dict, source: str) -> dict:
+    """``{path: GGMLBlocks}`` of :func:`_kept_layers`, rows as the file holds them (Q/K rows
+    unpermuted). Each tensor is decoded once, transiently, to check that its scales are
+    finite."""
+    from gguf.quants import dequantize
+
+    from effijax.precision import ggml_blocks
+
+    kept = {}
+    for path, layers in _kept_layers(config, fmt, tensors).items():
         for t in layers:
             with np.errstate(all="ignore"):  # a forged scale overflows: said just below
                 check_finite(source, t.name, dequantize(t.data, t.tensor_type))
+        hf = fmt.tensors[path][0]
         heads = (config.n_heads if hf.endswith(_Q) else config.n_kv_heads
                  if hf.endswith(_K) else None)
         rows = [np.asarray(t.data) if heads is None or not fmt.gguf_permuted
@@ -330,6 +343,38 @@ def _kept_blocks(config, fmt: PretrainedFormat, tensors: dict, to_gguf: dict,
                                                                           strict=True)],
                                  in_features, path=path)
     return kept
+
+
+def gguf_kept_bytes(path: str | os.PathLike, *, dtype: Any = "bf16") -> int:
+    """Exact bytes of a LoRA base loaded from a GGUF file with its blocks kept
+    (``--frozen-dtype gguf``): the kept kernels' rows (padded as
+    :class:`~effijax.precision.GGMLBlocks` pads them) and type indices, every other parameter
+    in ``dtype``. From the file's header alone (no tensor is read). The same count as the
+    loaded base's arrays' ``nbytes`` (tested).
+
+    Raises:
+      FileError: the file is malformed or describes an unsupported model.
+    """
+    from effijax.precision import GGML_BLOCKS, parse_dtype
+
+    itemsize = np.dtype(parse_dtype(dtype)).itemsize
+    source = os.fspath(path)
+    reader = open_gguf(source)
+    tensors = {t.name: t for t in reader.tensors}
+    shapes = {name: tuple(int(n) for n in reversed(t.shape)) for name, t in tensors.items()}
+    config = _config(read_metadata(reader), shapes, seq_len=None, tokenizer=None, source=source)
+    kept = _kept_layers(config, format_of(config), tensors)
+    total = 0
+    for name, leaf in named_leaves(config.abstract_params()):
+        if name in kept:
+            layers = kept[name]
+            d, f = leaf.shape[-2:]
+            width = max(d // GGML_BLOCKS[t.tensor_type.name][0] * GGML_BLOCKS[
+                t.tensor_type.name][1] for t in layers)
+            total += len(layers) * (f * width + 4)
+        else:
+            total += math.prod(leaf.shape) * itemsize
+    return total
 
 
 def load_gguf(path: str | os.PathLike, *, policy=None, shardings=None,
@@ -400,6 +445,6 @@ def load_gguf(path: str | os.PathLike, *, policy=None, shardings=None,
             w = unpermute(w, config.n_kv_heads)
         return w
 
-    kept = _kept_blocks(config, fmt, tensors, to_gguf, source) if keep_blocks else None
+    kept = _kept_blocks(config, fmt, tensors, source) if keep_blocks else None
     params = assemble(config, read, policy=policy, shardings=shardings, kept=kept)
     return config, params

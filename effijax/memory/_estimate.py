@@ -387,9 +387,11 @@ def model_states(
         fine-tuning.
       frozen_dtype: storage of the frozen base under LoRA: ``bf16``, ``fp16``, ``fp32``, ``fp8``,
         ``int8``, ``int4``/``nf4``. ``nf4`` and ``int8`` count their double-quantized scales
-        too (:data:`FROZEN_SCALE_BITS`: 4.127 bits per parameter for ``nf4``).
+        too (:data:`FROZEN_SCALE_BITS`: 4.127 bits per parameter for ``nf4``). ``gguf``: a
+        GGUF file's own blocks (``--frozen-dtype gguf``), whose ``frozen_bytes`` must be given.
       frozen_bytes: the whole frozen base's exact bytes, when known from the model's shapes
-        (``effijax.memory.frozen_base_bytes``); replaces ``num_params`` x the dtype's bits.
+        (``effijax.memory.frozen_base_bytes``) or file
+        (``effijax.interop.gguf_kept_bytes``); replaces ``num_params`` x the dtype's bits.
       tensor: the tensor-parallel degree (>= 1).
 
     Returns:
@@ -428,10 +430,15 @@ def model_states(
         trainable, frozen, frozen_units, frozen_bits = num_params, 0, 0, 0
     else:
         fraction = _check_fraction(lora_fraction)
-        frozen_dtype = _check_choice("frozen_dtype", frozen_dtype, FROZEN_DTYPES)
+        frozen_dtype = _check_choice("frozen_dtype", frozen_dtype, (*FROZEN_DTYPES, "gguf"))
+        if frozen_dtype == "gguf" and frozen_bytes is None:
+            raise ConfigError("frozen_dtype", "gguf", "a GGUF file's own blocks have no fixed "
+                              "width: give their exact frozen_bytes "
+                              "(effijax.interop.gguf_kept_bytes of the file)")
         trainable = max(1, round(fraction * num_params))
         frozen = frozen_units = num_params
-        frozen_bits = FROZEN_DTYPES[frozen_dtype] + FROZEN_SCALE_BITS.get(frozen_dtype, 0)
+        frozen_bits = (FROZEN_DTYPES.get(frozen_dtype, 0)
+                       + FROZEN_SCALE_BITS.get(frozen_dtype, 0))
         if frozen_bytes is not None:
             # Exact bytes, sharded bytewise (the quantized leaves shard like their kernels).
             frozen_units = whole_number("frozen_bytes", frozen_bytes, maximum=None)
