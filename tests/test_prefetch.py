@@ -118,7 +118,7 @@ def test_closing_waits_only_for_the_batch_being_built():
 
     def slow(step):
         started.set()
-        time.sleep(0.3)
+        time.sleep(0.2)
         return step
 
     batches = Prefetcher(slow, range(100), depth=2)
@@ -130,20 +130,20 @@ def test_closing_waits_only_for_the_batch_being_built():
 
 
 def test_the_caller_waits_less_for_prefetched_batches():
-    """A 40 ms batch behind a 100 ms step: built between the steps, every batch is waited
+    """A 30 ms batch behind an 80 ms step: built between the steps, every batch is waited
     for; prefetched, only the first (sleeps: no core is needed, so a busy machine agrees)."""
     def build(step):
-        time.sleep(0.04)
+        time.sleep(0.03)
         return step
 
     waited = {}
     for depth in (0, 2):
-        with Prefetcher(build, range(6), depth=depth) as batches:
-            for step in range(6):
+        with Prefetcher(build, range(5), depth=depth) as batches:
+            for step in range(5):
                 batches(step)
-                time.sleep(0.1)  # the step
+                time.sleep(0.08)  # the step
         waited[depth] = batches.waited_s
-    assert waited[0] >= 6 * 0.04
+    assert waited[0] >= 5 * 0.03
     assert waited[2] < waited[0] / 2, waited
 
 

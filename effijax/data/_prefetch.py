@@ -37,8 +37,8 @@ class Prefetcher:
       batch_fn: ``step -> batch``; called on the worker thread (with ``depth > 0``), so it must
         not depend on the caller's thread (a pure function of the step does not).
       steps: the steps to build, in the order they are asked for (a ``range``).
-      depth: how many batches may wait, built, for the caller (0: no thread; each call builds
-        its batch, as ``batch_fn`` would).
+      depth: how many built batches may wait for the caller (one more may be in the making;
+        0: no thread, each call builds its batch, as ``batch_fn`` would).
 
     Attributes:
       waited_s: seconds the caller spent in its calls so far, waiting for (or, with
