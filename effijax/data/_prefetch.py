@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -40,10 +39,6 @@ class Prefetcher:
       depth: how many built batches may wait for the caller (one more may be in the making;
         0: no thread, each call builds its batch, as ``batch_fn`` would).
 
-    Attributes:
-      waited_s: seconds the caller spent in its calls so far, waiting for (or, with
-        ``depth=0``, building) its batches: the data time the step did not hide.
-
     Example:
       >>> with Prefetcher(lambda step: step * step, range(3, 6), depth=2) as batches:
       ...     [batches(step) for step in range(3, 6)]
@@ -60,7 +55,6 @@ class Prefetcher:
             raise TypeError(f"steps must be a range of consecutive steps, got {steps!r}")
         whole_number("depth", depth, minimum=0)
         self.batch_fn, self.steps, self.depth = batch_fn, steps, depth
-        self.waited_s = 0.0
         self._next = steps.start
         self._error: BaseException | None = None
         self._stop = threading.Event()
@@ -96,17 +90,13 @@ class Prefetcher:
             raise ValueError(f"batches are read in the order of {self.steps}: expected step "
                              f"{self._next}, got {step}")
         self._next += 1
-        t0 = time.perf_counter()
-        try:
-            if self._thread is None:
-                return self.batch_fn(step)
-            batch, error = self._queue.get()
-            if error is not None:
-                self._error = error
-                raise error
-            return batch
-        finally:
-            self.waited_s += time.perf_counter() - t0
+        if self._thread is None:
+            return self.batch_fn(step)
+        batch, error = self._queue.get()
+        if error is not None:
+            self._error = error
+            raise error
+        return batch
 
     def close(self) -> None:
         """Stops the worker, drops the batches built for steps not asked for, and joins the

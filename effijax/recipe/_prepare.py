@@ -14,7 +14,8 @@ Text is tokenized as training tokenizes it in memory (:func:`effijax.data.encode
 document followed by the end-of-text token; a model without a tokenizer keeps the raw bytes),
 and chat records are rendered and masked with the model's chat template, or a
 ``--chat-template`` file's (:func:`effijax.data.render_chat`; the manifest records the file's
-sha256), so a store trains on the same tokens as the files it came from. The worker processes get plain values only (the tokenizer's fields, paths, ranges).
+sha256), so a store trains on the same tokens as the files it came from. The worker processes
+get plain values only (the tokenizer's fields, paths, ranges).
 """
 
 from __future__ import annotations
