@@ -12,11 +12,15 @@ Three measurements, one run:
   the data (``load_dataset``) and draw the first batch, and the peak RSS after drawing 200
   batches, with its private (``RssAnon``) and mapped-file (``RssFile``) parts.
   Goals: RSS difference < 100 MB, start-up difference < 2 s.
-* **data time per step**: assembling one batch of the default model (``mini``, batch 16) from the
-  large store, against that model's train step on this machine. Goal: < 2% (the loop already
-  builds batch ``n + 1`` while step ``n`` runs; this is the time it would take if it did not).
+* **data time per step** (its own section): the default model (``mini``, batch 16) trained by
+  :func:`effijax.run.train_loop` from the large store, with each batch built on the main thread
+  between the steps (``--prefetch 0``) and built ahead by :class:`effijax.data.Prefetcher`
+  (``--prefetch 2``, the default), side by side in rounds that alternate: the main thread's time
+  waiting for (or building) the next batch, and the time per step. Also the time to assemble one
+  batch alone. Goal: the data time not hidden behind the step < 2% of the step.
 
-Run: ``python benchmarks/data.py [--large-mb 2048] [--write]``.
+Run: ``python benchmarks/data.py [--large-mb 2048] [--only step] [--write]`` (``--only step``:
+only the data time per step, writing only its section).
 """
 
 from __future__ import annotations
@@ -127,33 +131,59 @@ def _open_in_fresh_process(store: Path) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _step_share(store: Path) -> list[object]:
-    """Batch assembly of the default model's batch vs its train step, both timed here."""
+def _step_share(store: Path, steps: int, rounds: int) -> tuple[str, list[list[object]]]:
+    """The default model's training loop on the store, its batches built between the steps
+    (depth 0) and ahead of them (depth 2), in alternating rounds from the same state, each call
+    for a batch timed; and one batch's assembly alone."""
     import jax
     import optax
 
-    from effijax.data import batch_at
+    from effijax.data import Prefetcher, batch_at
     from effijax.models import gpt_config
     from effijax.recipe import batch_fn, compile_job, init_state, load_dataset, plan_job
+    from effijax.run import train_loop
 
     model = gpt_config("mini")
     data = load_dataset(str(store), model)
     job = plan_job(model, "fp32", optax.adamw(1e-3), batch_size=16)
     step = compile_job(job, census=False).step
-    state = init_state(job)
     fetch = batch_fn(job, data.train)
-    state, metrics = step(state, fetch(0))
-    jax.block_until_ready(metrics)
-    t0 = time.perf_counter()
-    for i in range(1, 11):
-        state, metrics = step(state, fetch(i))
-        jax.block_until_ready(metrics)
-    step_s = (time.perf_counter() - t0) / 10
+    start = init_state(job)
+    jax.block_until_ready(step(jax.tree.map(lambda x: x.copy(), start), fetch(0)))  # warm
     t0 = time.perf_counter()
     for i in range(200):
         batch_at(data.train, seed=0, step=i, batch_size=16, seq_len=model.seq_len)
-    data_s = (time.perf_counter() - t0) / 200
-    return [f"{data_s * 1e3:.3f}", f"{step_s * 1e3:.1f}", f"{data_s / step_s:.2%}"]
+    assembly_ms = (time.perf_counter() - t0) / 200 * 1e3
+    totals = {depth: {"first": [], "later": [], "wall": 0.0, "step": []} for depth in (0, 2)}
+    for _ in range(rounds):
+        for depth, total in totals.items():
+            waits = []
+            with Prefetcher(fetch, range(steps), depth=depth) as batches:
+                def timed(step_no, batches=batches, waits=waits):
+                    t = time.perf_counter()
+                    batch = batches(step_no)
+                    waits.append(time.perf_counter() - t)
+                    return batch
+
+                t0 = time.perf_counter()
+                state, summary = train_loop(step, jax.tree.map(lambda x: x.copy(), start),
+                                            timed, num_steps=steps,
+                                            tokens_per_step=job.tokens_per_step,
+                                            progress=False)
+                jax.block_until_ready(state)
+                total["wall"] += time.perf_counter() - t0
+            total["first"].append(waits[0])
+            total["later"] += waits[1:]
+            total["step"].append(job.tokens_per_step / summary["tokens_per_s"])
+    rows = []
+    for depth, total in totals.items():
+        later_ms, step_ms = np.mean(total["later"]) * 1e3, np.median(total["step"]) * 1e3
+        rows.append([f"{depth}" + (" (between the steps)" if depth == 0 else " (ahead)"),
+                     f"{np.mean(total['first']) * 1e3:.2f}", f"{later_ms:.3f}",
+                     f"{np.max(total['later']) * 1e3:.2f}", f"{step_ms:.1f}",
+                     f"{total['wall'] / (steps * rounds) * 1e3:.1f}",
+                     f"{later_ms / step_ms:.3%}"])
+    return f"{assembly_ms:.3f}", rows
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -165,24 +195,53 @@ def main(argv: list[str] | None = None) -> None:
                         "(default 2048: the issue's >= 2 GB)")
     parser.add_argument("--dir", default=None, help="work folder (default: a temporary one, "
                         "removed at the end)")
+    parser.add_argument("--only", choices=("step",), default=None, help="step: measure (and "
+                        "write) only the data time per step")
+    parser.add_argument("--steps", type=int, default=20, help="training steps per round of the "
+                        "data time per step (default 20)")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds, each with and without "
+                        "prefetch (default 2)")
     add_write_flag(parser)
     args = parser.parse_args(argv)
     work = Path(args.dir or tempfile.mkdtemp(prefix="effijax-data-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()[0]  # other jobs on the same cores change every number below
+    step_only = args.only == "step"
     try:
-        rates = _prepare_rates(work, args.prepare_mb)
+        if not step_only:
+            rates = _prepare_rates(work, args.prepare_mb)
         stores = {name: _byte_store(work, name, mb)
-                  for name, mb in (("small", args.small_mb), ("large", args.large_mb))}
-        opened = {name: _open_in_fresh_process(path) for name, path in stores.items()}
-        share = _step_share(stores["large"])
+                  for name, mb in (("small", args.small_mb), ("large", args.large_mb))
+                  if name == "large" or not step_only}
+        if not step_only:
+            opened = {name: _open_in_fresh_process(path) for name, path in stores.items()}
+        assembly_ms, share = _step_share(stores["large"], args.steps, args.rounds)
     finally:
         if args.dir is None:
             shutil.rmtree(work, ignore_errors=True)
-    base = rates[-1][3]
-    body = [f"Device: {device_description()}; {os.cpu_count()} CPU cores, Python "
-            f"{sysconfig.get_python_version()}; load average {load:.1f} at the start, "
-            f"{os.getloadavg()[0]:.1f} at the end (other jobs share the cores).", "",
+    machine = (f"Device: {device_description()}; {os.cpu_count()} CPU cores, Python "
+               f"{sysconfig.get_python_version()}; load average {load:.1f} at the start, "
+               f"{os.getloadavg()[0]:.1f} at the end (other jobs share the cores).")
+    sections = [("Data time per step", "\n".join([
+        machine, "",
+        f"The default `mini` GPT (batch 16 x 256, fp32) trained by `effijax.run.train_loop` "
+        f"from a {args.large_mb} MiB byte store, {args.rounds} rounds of {args.steps} steps "
+        "each way, alternating, from the same state. The wait is the main thread's time in "
+        "`batch(step)`: building the batch (and putting it on the device) between the steps, "
+        "or taking the one a `effijax.data.Prefetcher` built ahead (`effijax train --prefetch "
+        "N`, default 2); the first batch of a run (nothing built yet: the worker thread starts) "
+        "apart from the others, whose mean and largest wait are shown. The step time is the "
+        "median over the steps after each round's first; `share` is the mean wait after the "
+        "first over the step time.", "",
+        markdown_table(["prefetch depth", "first batch wait (ms)", "later waits, mean (ms)",
+                        "largest later wait (ms)", "step (ms)", "wall per step (ms)",
+                        "share"], share), "",
+        f"Assembling one batch alone (`effijax.data.batch_at`, no device copy): {assembly_ms} "
+        "ms."]))]
+    if not step_only:
+        base = rates[-1][3]
+        sections.insert(0, ("Data at scale", "\n".join([
+            machine, "",
             f"Prepare throughput, SmolLM2's tokenizer, {args.prepare_mb} MiB of the standard "
             "library's source as a Parquet file:", "",
             markdown_table(["", "tokens", "seconds", "tokens/s", "vs datasets"],
@@ -201,10 +260,9 @@ def main(argv: list[str] | None = None) -> None:
             "kernel caches the file in large folios); each batch unmaps what it read "
             "(`effijax.data.release_pages`), so the peak is one batch's pages, whatever the "
             "store's size.", "",
-            "Data time per step (the default `mini` model, batch 16, fp32):", "",
-            markdown_table(["batch assembly (ms)", "train step (ms)", "share"], [share])]
-    publish("Data at scale", "\n".join(body), command=command_line(__file__, argv),
-            write=args.write)
+            "The data time per step: its own section, 'Data time per step'."])))
+    for name, body in sections:
+        publish(name, body, command=command_line(__file__, argv), write=args.write)
 
 
 if __name__ == "__main__":

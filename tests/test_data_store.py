@@ -371,3 +371,102 @@ def test_training_on_a_store_gives_the_losses_of_its_files(corpus, tmp_path):
             state, metrics = step(state, fetch(i))
             losses[name].append(float(jax.device_get(metrics["loss"])))
     assert losses["files"] == losses["store"] and len(set(losses["files"])) == 3
+
+
+# A chat template file at prepare time (effijax data prepare --chat-template) ----------------
+
+# The tiny template with each turn ended by <|endoftext|> instead of <|im_end|>.
+TURNS = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|endoftext|>\n"
+         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _sha256(text: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def test_a_base_tokenizer_prepares_chat_with_a_template_file_that_training_repeats(
+        corpus, tmp_path, llama):
+    base = dataclasses.replace(llama, tokenizer=dataclasses.replace(llama.tokenizer,
+                                                                    chat_template=None))
+    with pytest.raises(ConfigError, match=r"has no chat template \(a base model's\); render the "
+                                          "records with a template file: --chat-template FILE"):
+        prepare(corpus / "qa.jsonl", tmp_path / "s", tokenizer=base.tokenizer, processes=1)
+    template = tmp_path / "turns.jinja"
+    template.write_text(TURNS)
+    manifest = prepare(corpus / "qa.jsonl", tmp_path / "s", tokenizer=base.tokenizer,
+                       chat_template=str(template), processes=1)
+    assert manifest["data_format"] == "chat"
+    assert manifest["tokenizer"]["chat_template_sha256"] == _sha256(TURNS)
+    # The rows are the in-memory rows of a run with the same file (effijax train
+    # --chat-template turns.jinja): the turns end with <|endoftext|> (id 0), trained.
+    same = dataclasses.replace(base, tokenizer=dataclasses.replace(base.tokenizer,
+                                                                   chat_template=TURNS))
+    memory = load_dataset(str(corpus / "qa.jsonl"), same)
+    mapped = load_dataset(str(tmp_path / "s"), same)
+    for a, b in ((memory.train, mapped.train), (memory.val, mapped.val)):
+        np.testing.assert_array_equal(a.tokens_NW, b.tokens_NW[np.arange(len(b))])
+        np.testing.assert_array_equal(a.mask_NW, b.mask_NW[np.arange(len(b))])
+    assert (mapped.train.tokens_NW[mapped.train.mask_NW == 1] == 0).any()
+    # A run that renders chat otherwise is refused, in one line that says how to match.
+    sha = _sha256(TURNS)[:12]
+    own = _sha256(llama.tokenizer.chat_template)[:12]
+    for model, said in ((base, "no template"), (llama, f"the template of sha256 {own}..")):
+        with pytest.raises(ConfigError) as e:
+            load_dataset(str(tmp_path / "s"), model)
+        assert str(e.value) == (f"data={str(tmp_path / 's')!r}: its chat records were rendered "
+                                f"with the template of sha256 {sha}.. (effijax data prepare "
+                                f"--chat-template), but this run renders chat with {said}; "
+                                "train with --chat-template and the same file, or prepare the "
+                                "store again")
+    # The same file again: up to date; another file: another store.
+    lines = []
+    prepare(corpus / "qa.jsonl", tmp_path / "s", tokenizer=base.tokenizer,
+            chat_template=str(template), processes=1, print_fn=lines.append)
+    assert lines == [f"{tmp_path / 's'} is up to date (same sources, tokenizer and settings)"]
+    template.write_text(llama.tokenizer.chat_template)
+    other = prepare(corpus / "qa.jsonl", tmp_path / "s", tokenizer=base.tokenizer,
+                    chat_template=str(template), processes=1)
+    assert other["sha256"] != manifest["sha256"]
+    # The tokenizer's own template: the manifest records no file, as before the flag.
+    own = prepare(corpus / "qa.jsonl", tmp_path / "own", tokenizer=llama.tokenizer, processes=1)
+    assert set(own["tokenizer"]) == {"sha256", "vocab_size"}
+    # Training through the same template (as the file gave it) on that store is accepted.
+    assert load_dataset(str(tmp_path / "own"), llama).format == "chat"
+
+
+def test_prepare_checks_the_template_file_before_reading_the_model(corpus, tmp_path, llama,
+                                                                   capsys, monkeypatch):
+    import effijax.recipe
+    from effijax.cli import main as cli_main
+
+    base = tmp_path / "base-tokenizer"
+    dataclasses.replace(llama.tokenizer, chat_template=None).save(base)
+    missing = tmp_path / "no" / "such.jinja"
+    read = []  # the model's tokenizer is not read (Gemma 3's GGUF is assembled first)
+    monkeypatch.setattr(effijax.recipe, "prepare_tokenizer", read.append)
+    argv = ["data", "prepare", str(corpus / "qa.jsonl"), "--out", str(tmp_path / "s"),
+            "--from", str(base), "--processes", "1"]
+    assert cli_main([*argv, "--chat-template", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"effijax data prepare: error: --chat-template={str(missing)!r}: no such "
+                   "file; give a Jinja chat template file\n")
+    assert read == []
+    monkeypatch.undo()
+    template = tmp_path / "turns.jinja"
+    template.write_text(TURNS)
+    text = [*argv, "--chat-template", str(template)]
+    text[2] = str(corpus / "docs.jsonl")
+    assert cli_main(text) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"effijax data prepare: error: --chat-template={str(template)!r}: "
+                          "the source is read as text (documents), which no template "
+                          "renders; drop --chat-template, or read chat records with --format "
+                          "chat"), err
+    assert cli_main([*argv, "--chat-template", str(template)]) == 0
+    out = capsys.readouterr().out
+    assert f"train on it: effijax train --data {tmp_path / 's'} --from {base} " \
+           f"--chat-template {template}" in out
+    assert open_store(tmp_path / "s").manifest["tokenizer"]["chat_template_sha256"] == \
+        _sha256(TURNS)

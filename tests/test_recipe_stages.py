@@ -5,7 +5,9 @@ uses. One tiny job is planned and compiled once for the module (compilation domi
 import dataclasses
 import json
 import pathlib
+import threading
 
+import jax
 import optax
 import pytest
 
@@ -169,3 +171,54 @@ def test_a_failed_write_is_one_line_with_its_traceback_in_the_log(tmp_path):
 
 def test_last_good_without_checkpoints_says_so():
     assert checkpoint.last_good(None, lambda: None) == "no checkpoint (--no-checkpoints)"
+
+
+# the loop's prefetching -------------------------------------------------------------------------
+
+def _prefetch_threads():
+    return [t for t in threading.enumerate() if t.name == "effijax-prefetch"]
+
+
+def _loop_until_it_fails(planned, trained, tmp_path, step=None):
+    """The loop of a fresh run (no checkpoints) from a copy of the module's last state (step
+    2) to step 4, with the module's compiled step or ``step``."""
+    config, data, job = planned
+    compiled, _, result = trained
+    compiled = compiled if step is None else compiled._replace(step=step)
+    config = config.with_overrides(out=str(tmp_path / "out"), checkpoints=False, steps=4)
+    run = _rundir.open_run(config, job, _rundir.run_record(job, None, data))
+    initial = _state.Initial(jax.tree.map(lambda x: x.copy(), result.state))  # it is donated
+    with run.dir, _watch.watching(config, run.run_json, {}, 0) as watch:
+        _loop.loop(config, job, run, compiled, initial, data.train, watch)
+
+
+def test_the_loop_leaves_no_prefetch_thread_however_it_ends(planned, trained, tmp_path,
+                                                            monkeypatch):
+    assert not _prefetch_threads()  # after the module's loop ran to its last step
+    steps = []
+
+    def failing_step(state, batch):
+        steps.append(batch)
+        if len(steps) == 2:
+            raise RuntimeError("the step failed")
+        return trained[0].step(state, batch)
+
+    with pytest.raises(RuntimeError, match="^the step failed$"):
+        _loop_until_it_fails(planned, trained, tmp_path / "step", failing_step)
+    assert not _prefetch_threads()
+    # An error building a batch (on the worker thread) ends the loop with that error.
+    fetch = _loop._job.batch_fn
+    built = []
+
+    def failing_batch_fn(job, tokens, frozen):
+        def batch(step_no):
+            built.append(step_no)
+            if step_no == 3:
+                raise ConfigError("data", "corpus.txt", "changed while training")
+            return fetch(job, tokens, frozen)(step_no)
+        return batch
+
+    monkeypatch.setattr(_loop._job, "batch_fn", failing_batch_fn)
+    with pytest.raises(ConfigError, match=r"^data='corpus.txt': changed while training$"):
+        _loop_until_it_fails(planned, trained, tmp_path / "batch")
+    assert not _prefetch_threads() and built == [2, 3]

@@ -6,7 +6,8 @@ signatures and one-line summaries), answered from the running interpreter
 (:func:`effijax.data.stdlib_qa`): data that exists on every machine, for the fine-tuning
 examples. ``prepare``: text, JSONL, Parquet or Arrow files (or a ``datasets`` ``save_to_disk``
 folder) through a model's tokenizer into a memory-mapped store that ``effijax train --data
-STORE`` reads (:func:`effijax.recipe.prepare`).
+STORE`` reads (:func:`effijax.recipe.prepare`); chat records go through the model's chat
+template, or a ``--chat-template FILE`` (a base model has none), which training repeats.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ def add_parsers(sub) -> None:
                       help="the model whose tokenizer (and chat template) is used: a bundled "
                       "name (smollm2), a .gguf file or a Hugging Face folder (default: bytes, "
                       "for the byte-level GPT)")
+    prep.add_argument("--chat-template", default=None, metavar="FILE", help="a Jinja chat "
+                      "template file that renders chat records instead of the model's own (a "
+                      "base model has none); train on the store with the same file")
     prep.add_argument("--format", dest="data_format", default="auto",
                       choices=("auto", "text", "chat"), help="text (documents), chat (records "
                       "with messages, or prompt and response), or auto (chat when the first "
@@ -94,20 +98,25 @@ def run(args: argparse.Namespace) -> int:
 def run_prepare(args: argparse.Namespace) -> int:
     """Runs ``effijax data prepare``; returns the exit code (2: bad arguments or data)."""
     from effijax.data import check_columns, find_sources
-    from effijax.recipe import prepare, prepare_tokenizer
+    from effijax.recipe import check_template_file, prepare, prepare_tokenizer
 
     def say(line: str) -> None:
         print(f"effijax data prepare: {line}", flush=True)
 
     try:
-        # The columns first: a missing one is found in a second, before the model is read.
+        # The template file and the columns first: a missing one is found in a second, before
+        # the model is read.
+        check_template_file(args.chat_template)
         check_columns(find_sources(args.source), args.data_format, args.text_column)
         tokenizer = prepare_tokenizer(args.init_from)
         manifest = prepare(args.source, args.out, tokenizer=tokenizer,
+                           chat_template=args.chat_template,
                            data_format=args.data_format, text_column=args.text_column,
                            val_fraction=args.val_fraction, processes=args.processes,
                            print_fn=say)
     except ConfigError as e:
+        # The template's errors name its flag, as effijax train's do.
+        e = e.renamed("--chat-template") if e.field == "chat_template" else e
         print(f"effijax data prepare: error: {e}", file=sys.stderr)
         return 2
     split = manifest["split"]
@@ -119,5 +128,6 @@ def run_prepare(args: argparse.Namespace) -> int:
         f"{manifest['tokens']:,} tokens ({manifest['dtype']}), {parts}; "
         f"sha256 {manifest['sha256'][:16]}..")
     say(f"train on it: effijax train --data {args.out}"
-        + (f" --from {args.init_from}" if args.init_from else ""))
+        + (f" --from {args.init_from}" if args.init_from else "")
+        + (f" --chat-template {args.chat_template}" if args.chat_template else ""))
     return 0

@@ -18,6 +18,9 @@ token arrays and a manifest, memory-mapped when trained on) from text, JSONL, Pa
 files (:mod:`effijax.data._tables`); several corpora are drawn with weights as a
 :class:`Mixture`.
 
+Training builds the batches of the steps to come on a background thread while the step runs
+(:class:`Prefetcher`): the same batches, in the same order, as building each when it is needed.
+
 Everything read is bounded: data must be regular files or folders (a pipe or a device is
 refused, :func:`regular_path`), a JSONL record is one line of at most :data:`MAX_RECORD_BYTES`,
 and a chat template renders within :data:`RENDER_SECONDS` and :data:`MAX_RENDERED_CHARS`
@@ -40,6 +43,7 @@ __getattr__, __dir__, __all__ = attach(__name__, {
         "regular_path", "regular_size"),
     "effijax.data._examples": ("STDLIB_MODULES", "stdlib_qa", "write_jsonl"),
     "effijax.data._mixture": ("Mixture", "mixture"),
+    "effijax.data._prefetch": ("Prefetcher",),
     "effijax.data._store": ("STORE_FORMAT", "STORE_VERSION", "Store", "assemble", "commit_shard",
         "committed_shard", "is_store", "open_store", "release_pages", "remove_work", "store_rows",
         "store_split", "token_dtype", "verify_store"),

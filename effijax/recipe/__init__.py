@@ -35,5 +35,6 @@ __getattr__, __dir__, __all__ = attach(__name__, {
     "effijax.recipe._open": ("Opened", "open_model"),
     "effijax.recipe._preflight": ("check_memory",),
     "effijax.recipe._sources": ("architecture", "bundled_path", "read_source",
-        "load_params", "missing_source", "with_chat_template"),
+        "load_params", "missing_source", "check_template_file", "with_chat_template",
+        "tokenizer_with_template"),
 })

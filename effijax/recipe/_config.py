@@ -200,6 +200,9 @@ class TrainConfig:
                                        section="data")
     eval_batches: int = _field(8, "validation batches evaluated at the end (0: none)",
                                section="data")
+    prefetch: int = _field(2, "batches built ahead of the step on a background thread (and "
+                           "put on the devices) while the step runs; 0 builds each one between "
+                           "steps", metavar="N", section="data")
     # Devices and sharding.
     strategy: str | None = _field(None, "data-parallel sharding strategy over the mesh: ddp, "
                                   "zero1, zero2, fsdp (zero3); default: one device, or ddp with "
@@ -291,7 +294,7 @@ class TrainConfig:
         for name in ("steps", "batch_size", "accumulate", "checkpoint_every", "keep",
                      "join_timeout"):
             _at_least(name, getattr(self, name), 1)
-        for name in ("eval_batches", "max_non_finite", "seed"):
+        for name in ("eval_batches", "max_non_finite", "seed", "prefetch"):
             _at_least(name, getattr(self, name), 0)
         for name in ("seq_len", "num_processes", "lora_rank"):
             if getattr(self, name) is not None:

@@ -56,7 +56,7 @@ from effijax.data import (
 from effijax.errors import NO_VALUE, ConfigError, FileError
 
 __all__ = ["Dataset", "resolve_format", "load_dataset", "load_eval_data", "text_rows",
-           "mixture_spec"]
+           "mixture_spec", "template_digest"]
 
 VAL_FRACTION = 0.05
 
@@ -290,21 +290,42 @@ def mixture_spec(data: str | None) -> list[tuple[str, float]] | None:
     return parts
 
 
+def template_digest(template: str | None) -> str | None:
+    """The SHA-256 of a chat template's text (None: no template), as a store's manifest records
+    the ``--chat-template`` it was prepared with.
+
+    Example:
+      >>> template_digest("{{ messages }}")[:12], template_digest(None)
+      ('f24189f08c85', None)
+    """
+    return None if template is None else hashlib.sha256(template.encode("utf-8")).hexdigest()
+
+
 def _store_tokenizer(store, model, path: str) -> Any:
-    """The model's tokenizer, checked to be the one the store was prepared with."""
+    """The model's tokenizer, checked to be the one the store was prepared with (for chat, its
+    chat template too)."""
     tokenizer = getattr(model, "tokenizer", None)
     recorded = store.manifest["tokenizer"]
     chat = store.format == "chat"
     have = None if tokenizer is None else tokenizer.fingerprint(chat_template=chat)
     want = None if recorded is None else recorded["sha256"]
-    if have != want:
-        what = {None: "bytes (no tokenizer)"}
-        raise ConfigError("data", path, f"was prepared with tokenizer "
-                          f"{what.get(want, (want or '')[:12] + '..')}, but {model.name} "
-                          f"tokenizes with {what.get(have, (have or '')[:12] + '..')}; prepare "
-                          f"it again with the model you train (effijax data prepare ... --from "
-                          "MODEL)")
-    return tokenizer
+    if have == want:
+        return tokenizer
+    template = (recorded or {}).get("chat_template_sha256")
+    ours = template_digest(getattr(tokenizer, "chat_template", None))
+    if chat and template is not None and ours != template:
+        run_template = ("no template" if ours is None else
+                        f"the template of sha256 {ours[:12]}..")
+        raise ConfigError("data", path, f"its chat records were rendered with the template of "
+                          f"sha256 {template[:12]}.. (effijax data prepare --chat-template), but "
+                          f"this run renders chat with {run_template}; train with "
+                          "--chat-template and the same file, or prepare the store again")
+    what = {None: "bytes (no tokenizer)"}
+    raise ConfigError("data", path, f"was prepared with tokenizer "
+                      f"{what.get(want, (want or '')[:12] + '..')}, but {model.name} "
+                      f"tokenizes with {what.get(have, (have or '')[:12] + '..')}; prepare "
+                      f"it again with the model you train (effijax data prepare ... --from "
+                      f"MODEL{' [--chat-template FILE]' if chat else ''})")
 
 
 def _leading_bos(tokenizer) -> int | None:

@@ -1,5 +1,8 @@
 """The loop stage: trains to ``config.steps``, checkpointing, and saves the last state.
 
+Each step's batch is built ahead, while the steps before it run, by a
+:class:`~effijax.data.Prefetcher` (``config.prefetch`` batches deep; 0: between the steps).
+
 A signal (SIGTERM, SIGINT) stops the loop at a step boundary; the state is saved either way. A
 failed checkpoint write is one line (:class:`~effijax.errors.SaveError`,
 :mod:`effijax.checkpoint`), and a run that goes non-finite says which checkpoint is the last
@@ -15,6 +18,7 @@ import jax
 import numpy as np
 
 from effijax import checkpoint
+from effijax.data import Prefetcher
 from effijax.recipe import _job, _report
 from effijax.recipe._config import TrainConfig
 from effijax.recipe._rundir import RunStart
@@ -48,11 +52,14 @@ def loop(config: TrainConfig, job, run: RunStart, compiled, initial: Initial, to
     trained = _TrainedTokens()
     stop = StopFlag(jax.process_count())
     t0 = time.perf_counter()
-    with stop.installed(), checkpoint.orbax_log(config.out):
+    # The batches of the steps to come are built (and put on the devices) on a worker thread
+    # while each step runs; those built for steps that never run are dropped.
+    with stop.installed(), checkpoint.orbax_log(config.out), Prefetcher(
+            _job.batch_fn(job, tokens, initial.frozen),
+            range(int(initial.state.step), config.steps), depth=config.prefetch) as batches:
         try:
             state, summary = train_loop(
-                watch.step(compiled.step), initial.state,
-                _job.batch_fn(job, tokens, initial.frozen),
+                watch.step(compiled.step), initial.state, batches,
                 num_steps=config.steps, tokens_per_step=job.tokens_per_step, run_dir=run_dir,
                 progress=config.progress, should_stop=stop,
                 checkpoint=(lambda s: _save(run_dir, s)) if run_dir.ckpt else None,

@@ -12,9 +12,10 @@ bytes and hash, however many processes tokenized it.
 
 Text is tokenized as training tokenizes it in memory (:func:`effijax.data.encode_each`: each
 document followed by the end-of-text token; a model without a tokenizer keeps the raw bytes),
-and chat records are rendered and masked with the model's chat template
-(:func:`effijax.data.render_chat`), so a store trains on the same tokens as the files it came
-from. The worker processes get plain values only (the tokenizer's fields, paths, ranges).
+and chat records are rendered and masked with the model's chat template, or a
+``--chat-template`` file's (:func:`effijax.data.render_chat`; the manifest records the file's
+sha256), so a store trains on the same tokens as the files it came from. The worker processes
+get plain values only (the tokenizer's fields, paths, ranges).
 """
 
 from __future__ import annotations
@@ -50,8 +51,13 @@ from effijax.data import (
 )
 from effijax.errors import ConfigError, FileError
 from effijax.recipe._config import BUNDLED
-from effijax.recipe._data import _chat_examples
-from effijax.recipe._sources import bundled_path, missing_source
+from effijax.recipe._data import _chat_examples, template_digest
+from effijax.recipe._sources import (
+    bundled_path,
+    check_template_file,
+    missing_source,
+    tokenizer_with_template,
+)
 
 __all__ = ["SHARD_BYTES", "prepare", "prepare_tokenizer", "work_dir"]
 
@@ -248,7 +254,8 @@ def _run(tasks: list[dict], fields: dict | None, processes: int, report) -> None
 
 
 def prepare(source: str | os.PathLike, out: str | os.PathLike, *, tokenizer=None,
-            data_format: str = "auto", text_column: str = "text", val_fraction: float = 0.05,
+            chat_template: str | None = None, data_format: str = "auto",
+            text_column: str = "text", val_fraction: float = 0.05,
             processes: int | None = None, shard_bytes: int = SHARD_BYTES,
             print_fn=None) -> dict:
     """Tokenizes ``source`` into the store ``out`` (see the module docstring); returns its
@@ -258,6 +265,9 @@ def prepare(source: str | os.PathLike, out: str | os.PathLike, *, tokenizer=None
       source: a file, a folder of files, or a ``datasets`` ``save_to_disk`` folder.
       out: the store's folder (replaced whole when done).
       tokenizer: a :class:`~effijax.models.Tokenizer` (None: bytes, for the byte GPT).
+      chat_template: a Jinja chat template file that renders chat records in place of the
+        tokenizer's own template (a base model has none); the manifest records its sha256, and
+        a run must render chat with the same template to train on the store.
       data_format: ``auto``, ``text`` or ``chat`` (see :func:`effijax.data.check_columns`).
       text_column: the column (JSONL key) holding documents.
       val_fraction: held out for validation (recorded in the manifest).
@@ -269,7 +279,8 @@ def prepare(source: str | os.PathLike, out: str | os.PathLike, *, tokenizer=None
 
     Raises:
       ConfigError: a bad source (a missing column names the file and the columns it has), a
-        bad record (its file and where), chat data without a tokenizer with a chat template.
+        bad record (its file and where), chat data without a tokenizer with a chat template, a
+        ``chat_template`` file that is missing, fails, or is given for text.
 
     Example:
       >>> import pathlib, tempfile
@@ -291,15 +302,28 @@ def prepare(source: str | os.PathLike, out: str | os.PathLike, *, tokenizer=None
     if tokenizer is None and fmt == "chat":
         raise ConfigError("data_format", "chat", "chat records are rendered with a model's chat "
                           "template: name the model with --from (e.g. --from smollm2)")
+    if chat_template is not None:
+        check_template_file(chat_template)
+        if fmt != "chat":
+            raise ConfigError("chat_template", chat_template, f"the source is read as {fmt} "
+                              "(documents), which no template renders; drop --chat-template, "
+                              "or read chat records with --format chat")
+        tokenizer = tokenizer_with_template(tokenizer, chat_template)
     if fmt == "chat" and tokenizer.chat_template is None:
-        raise ConfigError("data_format", "chat", "the model's tokenizer has no chat template")
+        raise ConfigError("data_format", "chat", "the model's tokenizer has no chat template "
+                          "(a base model's); render the records with a template file: "
+                          "--chat-template FILE")
     fmt = "bytes" if tokenizer is None else fmt
     head = {
         "data_format": fmt,
         "dtype": token_dtype(256 if tokenizer is None else tokenizer.vocab_size).name,
         "tokenizer": None if tokenizer is None else {
             "sha256": tokenizer.fingerprint(chat_template=fmt == "chat"),
-            "vocab_size": tokenizer.vocab_size},
+            "vocab_size": tokenizer.vocab_size,
+            # Recorded only when given, so that a store prepared with the tokenizer's own
+            # template keeps its manifest, and its hash, as before.
+            **({} if chat_template is None else {
+                "chat_template_sha256": template_digest(tokenizer.chat_template)})},
         "text_column": None if fmt == "chat" else text_column,
         "val_fraction": val_fraction,
         "sources": [{"name": s.name, "kind": s.kind, "bytes": s.size,

@@ -32,8 +32,8 @@ from effijax.recipe._data import mixture_spec
 # ``effijax memory --model`` reads an architecture (:func:`architecture`) without them.
 
 __all__ = ["Source", "BUNDLED", "bundled_path", "check_paths", "read_source", "read_run",
-           "check_template_file", "with_chat_template", "model_for", "latest_step",
-           "starting_point", "load_params", "architecture"]
+           "check_template_file", "with_chat_template", "tokenizer_with_template", "model_for",
+           "latest_step", "starting_point", "load_params", "architecture"]
 
 
 
@@ -329,7 +329,7 @@ chat template file
 def with_chat_template(model, path: str):
     """``model`` whose tokenizer renders chat with the template file at ``path``
     (``--chat-template``): read, compiled and tried on a two-turn conversation now, before
-    anything is planned.
+    anything is planned (:func:`tokenizer_with_template`).
 
     Raises:
       ConfigError: ``field="chat_template"``: the model has no tokenizer, or the file cannot be
@@ -345,12 +345,31 @@ def with_chat_template(model, path: str):
       >>> with_chat_template(model, str(path)).tokenizer.chat_template[-13:]
       ';{% endfor %}'
     """
-    from effijax.models import read_chat_template
-
     tokenizer = getattr(model, "tokenizer", None)
     if tokenizer is None:
         raise ConfigError("chat_template", path, f"{model.name} has no tokenizer to render "
                           "chat with; start --from a pretrained model")
+    return dataclasses.replace(model, tokenizer=tokenizer_with_template(tokenizer, path))
+
+
+def tokenizer_with_template(tokenizer, path: str):
+    """``tokenizer`` rendering chat with the template file at ``path`` in place of its own:
+    read, compiled and tried on a two-turn conversation now.
+
+    Raises:
+      ConfigError: ``field="chat_template"``: the file cannot be read, does not compile or
+        fails on the conversation.
+
+    Example:
+      >>> import pathlib, tempfile
+      >>> from effijax.models import byte_level_bpe
+      >>> path = pathlib.Path(tempfile.mkdtemp()) / "turns.jinja"
+      >>> _ = path.write_text("{% for m in messages %}{{ m['content'] }};{% endfor %}")
+      >>> tokenizer_with_template(byte_level_bpe(["a", "b"], []), str(path)).chat_template[:6]
+      '{% for'
+    """
+    from effijax.models import read_chat_template
+
     try:
         tokenizer = dataclasses.replace(tokenizer, chat_template=read_chat_template(path))
         tokenizer.apply_chat_template([{"role": "user", "content": "Hi."},
@@ -363,7 +382,7 @@ def with_chat_template(model, path: str):
         problem = e.problem.replace("the model's chat template", "the template")
         raise ConfigError("chat_template", path, f"{problem.removesuffix(TEMPLATE_HINT)} on a "
                           "two-turn conversation; fix the file") from None
-    return dataclasses.replace(model, tokenizer=tokenizer)
+    return tokenizer
 
 
 def _architecture_for(config: TrainConfig, source: Source | None):
