@@ -119,16 +119,22 @@ def main(argv: list[str] | None = None) -> None:
             return run
         return build
 
+    try:
+        import bitsandbytes
+        variants, bnb = VARIANTS, f"bitsandbytes {bitsandbytes.__version__} (its CPU backend)"
+    except ImportError:  # an optional reference: the rest runs without it
+        variants = VARIANTS[:-1]
+        bnb = "bitsandbytes not installed (pip install bitsandbytes), so not compared"
     load_before = os.getloadavg()[0]
-    timing = time_interleaved({name: make(name) for name in VARIANTS}, rounds=args.rounds,
+    timing = time_interleaved({name: make(name) for name in variants}, rounds=args.rounds,
                               steps_per_round=args.steps_per_round, warmup=1)
     tokens = args.batch_size * args.seq_len
     rows = [[name, f"{timing[name]['median_s'] * 1e3:.0f}",
              f"{tokens / timing[name]['median_s']:.1f}", f"{first_loss[name]:.5f}",
-             f"{footprint[name] / 2**20:.0f}"] for name in VARIANTS]
+             f"{footprint[name] / 2**20:.0f}"] for name in variants]
     table = markdown_table(["variant", "median step ms", "tokens/s", "first loss",
                             "frozen base MiB"], rows)
-    step = {name: timing[name]["median_s"] for name in VARIANTS}
+    step = {name: timing[name]["median_s"] for name in variants}
     ratio = step["effijax, nf4 base"] / step["effijax, bf16 base"]
     lines = [
         f"- effijax nf4-base step / bf16-base step: {ratio:.2f}x "
@@ -139,16 +145,16 @@ def main(argv: list[str] | None = None) -> None:
         f"{step['effijax, nf4 base'] / step['effijax, f32 base']:.2f}x",
         f"- effijax GGUF-blocks step / f32-base step: "
         f"{step['effijax, GGUF blocks'] / step['effijax, f32 base']:.2f}x",
-        f"- effijax nf4 base vs peft + bitsandbytes nf4 base, tokens/s: "
-        f"{step['peft + bitsandbytes, nf4 base'] / step['effijax, nf4 base']:.2f}x",
         f"- effijax f32 base vs peft f32 base, tokens/s: "
         f"{step['peft, f32 base'] / step['effijax, f32 base']:.2f}x",
     ]
-    import bitsandbytes
+    if "peft + bitsandbytes, nf4 base" in step:
+        lines.append(f"- effijax nf4 base vs peft + bitsandbytes nf4 base, tokens/s: "
+                     f"{step['peft + bitsandbytes, nf4 base'] / step['effijax, nf4 base']:.2f}x")
     import torch
 
-    body = (f"On {device_description()}, torch {torch.__version__}, bitsandbytes "
-            f"{bitsandbytes.__version__} (its CPU backend) with {os.cpu_count()} threads; load "
+    body = (f"On {device_description()}, torch {torch.__version__}, {bnb}, with "
+            f"{os.cpu_count()} threads; load "
             f"average {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end. "
             f"{finetune.MODELS[args.model][0]}, batch {args.batch_size} x {args.seq_len} "
             f"tokens, LoRA rank {args.rank} (alpha {2 * args.rank}) on the seven projections, "
