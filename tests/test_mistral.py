@@ -74,6 +74,8 @@ def test_greedy_generation_past_the_window_is_transformers_generate(checkpoint):
     assert config.init_cache(1, 64).k_LBWGK.shape[:3] == (2, 1, WINDOW)  # no full-length slots
     prompts = [np.random.default_rng(i).integers(0, VOCAB, n) for i, n in enumerate((3, 5, 12))]
     out = generate(config, params, prompts, max_new_tokens=10)
+    # A cache of 64 positions (16 + 10 rounded up), of which each layer keeps WINDOW.
+    assert out.cache_bytes == 2 * (2 * 3 * WINDOW * 2 * 16 * 4) + 3 * 4  # k, v; + pad_B
     for prompt, new in zip(prompts, out.tokens, strict=True):
         with torch.no_grad():
             theirs = reference.generate(torch.tensor(prompt[None]), max_new_tokens=10,
