@@ -301,8 +301,10 @@ def test_cache_bytes_of_rolling_windows():
     config = _model("alternating")
     short = _masked_cache(config, 1, 24)
     short = short._replace(k_LBTGK=short.k_LBTGK[:1], v_LBTGK=short.v_LBTGK[:1])
-    with pytest.raises(ConfigError, match=r"^cache: has 1 full-length layers and 0 rolling .* "
-                                          r"need 2 and 0 .* init_cache\(batch, max_len\)"):
+    with pytest.raises(ConfigError, match=r"^cache: holds 1 full-length layers and no rings; "
+                       r"layers of windows \(6, None\) take 1 full-length layers and 1 rings of 6 "
+                       r"slots or 2 full-length layers and no rings at max_len 24: make it with "
+                       r"the model's init_cache\(batch, max_len\)"):
         jax.eval_shape(config.decode_fn(), config.abstract_params(), short,
                        jnp.zeros((1, 1), jnp.int32), jnp.int32(0))
 

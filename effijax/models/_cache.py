@@ -157,7 +157,8 @@ def init_cache(layers: int, batch: int, max_len: int, kv_heads: int, head_dim: i
 
 def cache_slots(cache: KVCache, windows: tuple[int | None, ...]) -> tuple[LayerSlot, ...]:
     """The layers' places in ``cache`` (:func:`layer_slots`), or a
-    :class:`~effijax.errors.ConfigError` when the cache was made for other layers.
+    :class:`~effijax.errors.ConfigError` when the cache was made for other layers. A cache
+    without rings (every layer ``max_len`` slots, the windows then masks) is accepted too.
 
     Example:
       >>> [s.ring for s in cache_slots(init_cache(2, 1, 16, 1, 4, windows=(4, None)), (4, None))]
@@ -165,19 +166,29 @@ def cache_slots(cache: KVCache, windows: tuple[int | None, ...]) -> tuple[LayerS
       >>> cache_slots(init_cache(2, 1, 16, 1, 4), (4, 4, 4))
       Traceback (most recent call last):
       ...
-      effijax.errors.ConfigError: cache: has 2 full-length layers and 0 rolling layers of None ...
+      effijax.errors.ConfigError: cache: holds 2 full-length layers and no rings; layers of ...
     """
     slots = layer_slots(windows, cache.max_len, rings=cache.k_LBWGK is not None)
-    local = [slot.window for slot in slots if slot.ring]
-    want = (len(slots) - len(local), len(local), max(local, default=None))
-    have = (cache.k_LBTGK.shape[0], 0 if cache.k_LBWGK is None else cache.k_LBWGK.shape[0],
-            cache.ring_len)
+    have = _layout(cache.k_LBTGK.shape[0],
+                   [] if cache.k_LBWGK is None else [cache.ring_len] * cache.k_LBWGK.shape[0])
+    want = _layout(len(slots) - sum(s.ring for s in slots), [s.window for s in slots if s.ring])
     if have != want:
-        raise ConfigError("cache", NO_VALUE, f"has {have[0]} full-length layers and {have[1]} "
-                          f"rolling layers of {have[2]} slots, but layers of windows {windows} "
-                          f"need {want[0]} and {want[1]} of {want[2]} at max_len "
-                          f"{cache.max_len}: make it with the model's init_cache(batch, max_len)")
+        rolling = layer_slots(windows, cache.max_len)
+        ring_windows = [s.window for s in rolling if s.ring]
+        layouts = [_layout(len(windows) - len(ring_windows), ring_windows)]
+        if ring_windows:
+            layouts.append(_layout(len(windows), []))
+        raise ConfigError("cache", NO_VALUE, f"holds {have}; layers of windows {windows} take "
+                          f"{' or '.join(layouts)} at max_len {cache.max_len}: make it with "
+                          "the model's init_cache(batch, max_len)")
     return slots
+
+
+def _layout(full: int, ring_windows: list[int]) -> str:
+    """A cache's layout in words: its full-length layers and rings (of the largest window)."""
+    rings = (f"{len(ring_windows)} rings of {max(ring_windows)} slots" if ring_windows
+             else "no rings")
+    return f"{full} full-length layers and {rings}"
 
 
 def row_positions(cache: KVCache, start: jax.Array, s: int) -> jax.Array:
