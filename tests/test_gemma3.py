@@ -182,14 +182,20 @@ def test_save_reload_is_bit_exact_and_loads_in_transformers(tmp_path, checkpoint
 @pytest.mark.slow  # compiles a prefill and a decode step: ~15 s
 def test_cached_decoding_of_ragged_prompts_is_the_full_pass_and_transformers(plain):
     _, reference, config, params = plain
-    prompts = [_tokens((1, 9), seed=3)[0], _tokens((1, 14), seed=4)[0]]  # both past the window
+    # Shorter than, as long as and longer than the window (5): the local layers' rings (5
+    # slots) are prefilled with fewer keys than they hold, all of them, the last 5 of 9 or 14.
+    prompts = [_tokens((1, n), seed=3 + i)[0] for i, n in enumerate((3, 5, 9, 14))]
+    assert config.init_cache(1, 64).ring_len == WINDOW
     out = generate(config, params, prompts, max_new_tokens=8)
-    for prompt, new in zip(prompts, out.tokens, strict=True):
+    # The full (uncached) pass predicts each generated token from what precedes it: one pass
+    # over the rows right-padded to the longest (padding after a token cannot change it).
+    fulls = [np.concatenate([prompt, new])[:-1] for prompt, new in zip(prompts, out.tokens,
+                                                                       strict=True)]
+    width = max(map(len, fulls))
+    logits = our_logits(config, params, np.stack([np.pad(f, (0, width - len(f))) for f in fulls]))
+    for prompt, new, row in zip(prompts, out.tokens, logits, strict=True):
         new = np.asarray(new)
-        full = np.concatenate([prompt, new])
-        # The full (uncached) pass predicts each generated token from what precedes it.
-        logits = our_logits(config, params, full[None, :-1])[0]
-        assert logits[len(prompt) - 1:].argmax(-1).tolist() == new.tolist()
+        assert row[len(prompt) - 1:len(prompt) + 7].argmax(-1).tolist() == new.tolist()
         with torch.no_grad():
             theirs = reference.generate(torch.tensor(prompt[None]), max_new_tokens=8,
                                         do_sample=False, eos_token_id=None, pad_token_id=0)

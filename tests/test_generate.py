@@ -11,6 +11,7 @@ runs on a tiny GGUF with a chat template and on training runs (full and LoRA).
 import functools
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -379,6 +380,7 @@ def test_cli_generates_from_a_gguf(tiny_gguf):
     expected = loaded.complete("the thin", max_new_tokens=6).text
     assert proc.stdout == expected + "\n"
     assert "tokens/s" in proc.stderr and "compile" in proc.stderr and "prefill" in proc.stderr
+    assert re.search(r", KV cache \d[\d.]* (B|KB|MB)\n", proc.stderr), proc.stderr
     chat = _cli("--from", str(tiny_gguf), "--prompt", "hi", "--chat",
                 "--max-new-tokens", "4", "--temperature", "0.8", "--top-p", "0.9", "--seed", "3")
     assert chat.returncode == 0, chat.stderr

@@ -64,6 +64,25 @@ def test_a_transformers_checkpoint_gives_transformers_logits_past_its_window(che
         x.size for x in jax.tree.leaves(params))
 
 
+@pytest.mark.slow  # compiles a prefill and a decode step: ~6 s
+def test_greedy_generation_past_the_window_is_transformers_generate(checkpoint):
+    """Ragged prompts shorter than, as long as and longer than the window, continued well past
+    it: every layer decodes from a ring of WINDOW slots, as transformers' sliding cache does."""
+    from effijax.generate import generate
+
+    _, reference, config, params = checkpoint
+    assert config.init_cache(1, 64).k_LBWGK.shape[:3] == (2, 1, WINDOW)  # no full-length slots
+    prompts = [np.random.default_rng(i).integers(0, VOCAB, n) for i, n in enumerate((3, 5, 12))]
+    out = generate(config, params, prompts, max_new_tokens=10)
+    # A cache of 64 positions (16 + 10 rounded up), of which each layer keeps WINDOW.
+    assert out.cache_bytes == 2 * (2 * 3 * WINDOW * 2 * 16 * 4) + 3 * 4  # k, v; + pad_B
+    for prompt, new in zip(prompts, out.tokens, strict=True):
+        with torch.no_grad():
+            theirs = reference.generate(torch.tensor(prompt[None]), max_new_tokens=10,
+                                        do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert np.asarray(new).tolist() == theirs[0, len(prompt):].tolist()
+
+
 def test_save_reload_is_bit_exact_and_loads_in_transformers(tmp_path, checkpoint):
     _, reference, config, params = checkpoint
     save_hf(tmp_path, config, params)

@@ -19,10 +19,20 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from effijax.models import Llama, attend, blockwise_attend, llama_config, xla_attend
+from effijax.errors import ConfigError
+from effijax.memory import tree_bytes
+from effijax.models import (
+    Llama,
+    attend,
+    blockwise_attend,
+    gemma3_config,
+    llama_config,
+    mistral_config,
+    xla_attend,
+)
 from effijax.models._attention import auto_attend, choose_attention
 from effijax.models._blockwise import tiles_visited
-from effijax.models._cache import split_layers
+from effijax.models._cache import init_cache, split_layers
 from effijax.models._decoder import LayerInputs
 
 ATOL = 1e-5
@@ -162,13 +172,11 @@ WINDOW = 6
 class _Alternating(Llama):
     """Gemma 3's pattern on the Llama: a local layer, then a global one."""
 
+
+class _AlternatingConfig(type(llama_config("llama-tiny"))):
     @property
     def layer_windows(self):
         return (WINDOW, None)
-
-
-class _AlternatingConfig(type(llama_config("llama-tiny"))):
-    pass
 
 
 _AlternatingConfig.decoder = _Alternating
@@ -221,23 +229,84 @@ def test_decoder_windows_per_layer(kind):
     np.testing.assert_allclose(logits, expected, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("kind", ["uniform", "alternating"])
-def test_cached_decode_past_the_window_equals_the_full_pass(kind):
+def _masked_cache(config, batch, max_len):
+    """The layout before rolling caches: every layer keeps ``max_len`` slots, windows masked."""
+    shape = config.shape()
+    return init_cache(shape.layers, batch, max_len, shape.kv_heads, shape.head_dim)
+
+
+@functools.cache
+def _decoded(kind: str, layout: str):
+    """Logits ``[3, 21, V]`` of three rows decoded into a ``layout`` cache: a prompt of 7, 6 and
+    4 tokens (longer than, equal to and shorter than the window, left-padded by 0, 1 and 3
+    slots), prefilled at once, then one token per step well past the window; each row's tokens
+    are the first row's, shifted. Also the unrolled step's logits at the last slot."""
     config, params, tokens = _model(kind), _params(), _tokens()
-    full = _logits_fn(kind)(params, tokens)
+    pad = jnp.array([0, 1, 3], jnp.int32)
+    rows = jnp.stack([jnp.concatenate([jnp.zeros(p, jnp.int32), tokens[0, :21 - p]])
+                      for p in (0, 1, 3)])
+    cache = (config.init_cache(3, 24) if layout == "ring" else _masked_cache(config, 3, 24))
     decode = jax.jit(config.decode_fn())
-    # Two rows, the second left-padded by 3 slots: its tokens are the first row's, shifted.
-    cache = config.init_cache(2, 24)._replace(pad_B=jnp.array([0, 3], jnp.int32))
-    rows = jnp.stack([tokens[0, :21], jnp.concatenate([jnp.zeros(3, jnp.int32), tokens[0, :18]])])
-    prefill = 7  # the first row's prompt: 7 tokens, the second's: 4
-    logits, cache = decode(params, cache, rows[:, :prefill], jnp.int32(0))
+    logits, cache = decode(params, cache._replace(pad_B=pad), rows[:, :7], jnp.int32(0))
     steps = [logits]
-    for slot in range(prefill, 21):  # one token at a time, well past the window
+    for slot in range(7, 20):
         logits, cache = decode(params, cache, rows[:, slot:slot + 1], jnp.int32(slot))
         steps.append(logits)
-    cached = jnp.concatenate(steps, axis=1)  # [2, 21, V]
-    np.testing.assert_allclose(cached[0], full[0, :21], atol=1e-4, rtol=0)
-    np.testing.assert_allclose(cached[1, 3:], full[0, :18], atol=1e-4, rtol=0)
+    unrolled, _ = decode(params, cache, rows[:, 20:], jnp.int32(20),
+                         layers=config.decode_fn().split_layers(params))
+    last, cache = decode(params, cache, rows[:, 20:], jnp.int32(20))
+    return jnp.concatenate([*steps, last], axis=1), unrolled, cache
+
+
+@pytest.mark.parametrize("kind", ["uniform", "alternating"])
+def test_cached_decode_past_the_window_equals_the_full_pass(kind):
+    full = _logits_fn(kind)(_params(), _tokens())
+    cached, unrolled, cache = _decoded(kind, "ring")
+    # The local layers keep a ring of WINDOW slots, the global one (alternating) 24.
+    assert cache.ring_len == WINDOW and cache.k_LBWGK.shape[0] == (2 if kind == "uniform" else 1)
+    assert cache.k_LBTGK.shape[:3] == (0 if kind == "uniform" else 1, 3, 24)
+    for row, pad in enumerate((0, 1, 3)):
+        np.testing.assert_allclose(cached[row, pad:], full[0, :21 - pad], atol=1e-4, rtol=0)
+    # The unrolled layers (one buffer each) read and write the same cache.
+    np.testing.assert_allclose(unrolled, cached[:, 20:], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["uniform", "alternating"])
+def test_rolling_cache_gives_the_masked_caches_logits(kind):
+    ring, _, _ = _decoded(kind, "ring")
+    masked, _, cache = _decoded(kind, "masked")
+    assert cache.k_LBWGK is None and cache.k_LBTGK.shape[:3] == (2, 3, 24)
+    # Not bitwise: a ring query sums its softmax over the keys in ring order, the masked cache in
+    # slot order (and over 24 + 1 entries, most of them exactly 0); f32 rounding apart.
+    # Observed: 1.8e-7 apart.
+    np.testing.assert_allclose(ring, masked, atol=1e-5, rtol=0)
+
+
+def test_cache_bytes_of_rolling_windows():
+    """Shapes only (nothing compiled): Gemma 3 270M at max_len 4096 keeps 3 global layers of
+    4096 slots and 15 rings of 512 instead of 18 x 4096; Mistral's layers are all local."""
+    def cache_bytes(config, max_len, ring=True):
+        make = config.init_cache if ring else functools.partial(_masked_cache, config)
+        return tree_bytes(jax.eval_shape(lambda: make(1, max_len)))
+
+    per_slot = 2 * 1 * 256 * 4  # keys and values, 1 kv head of 256, f32
+    gemma = gemma3_config("gemma-3-270m")
+    assert cache_bytes(gemma, 4096, ring=False) == 18 * 4096 * per_slot + 4  # + pad_B
+    assert cache_bytes(gemma, 4096) == (3 * 4096 + 15 * 512) * per_slot + 4  # 27% of it
+    assert cache_bytes(gemma, 512) == cache_bytes(gemma, 512, ring=False)  # window >= max_len
+    mistral = mistral_config("mistral-tiny")  # 2 layers, 2 kv heads of 16, window 8
+    assert cache_bytes(mistral, 256, ring=False) == 2 * 256 * 2 * 2 * 16 * 4 + 4
+    assert cache_bytes(mistral, 256) == 2 * 8 * 2 * 2 * 16 * 4 + 4
+    # A cache made for other layers is refused before tracing, with the fix.
+    config = _model("alternating")
+    short = _masked_cache(config, 1, 24)
+    short = short._replace(k_LBTGK=short.k_LBTGK[:1], v_LBTGK=short.v_LBTGK[:1])
+    with pytest.raises(ConfigError, match=r"^cache: holds 1 full-length layers and no rings; "
+                       r"layers of windows \(6, None\) take 1 full-length layers and 1 rings of 6 "
+                       r"slots or 2 full-length layers and no rings at max_len 24: make it with "
+                       r"the model's init_cache\(batch, max_len\)"):
+        jax.eval_shape(config.decode_fn(), config.abstract_params(), short,
+                       jnp.zeros((1, 1), jnp.int32), jnp.int32(0))
 
 
 def test_logits_match_transformers_mistral():

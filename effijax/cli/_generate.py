@@ -20,6 +20,7 @@ from effijax.cli import _from
 from effijax.data import bounded_lines, regular_path
 from effijax.errors import ConfigError, whole_number
 from effijax.generate import check_prompt_count
+from effijax.memory import format_bytes
 
 __all__ = ["add_parsers", "run"]
 
@@ -184,5 +185,6 @@ def run(args: argparse.Namespace) -> int:
         prefill = f"{int(g.prompt_lengths.sum())} tokens"
     print(f"effijax generate: {what}; load {load_s:.2f} s, compile {g.compile_s:.2f} s, "
           f"prefill {prefill} {g.prefill_s * 1e3:.0f} ms, decode {decode_rate:.1f} tokens/s, "
-          f"overall {n / (g.prefill_s + g.decode_s):.1f} tokens/s", file=sys.stderr, flush=True)
+          f"overall {n / (g.prefill_s + g.decode_s):.1f} tokens/s, KV cache "
+          f"{format_bytes(g.cache_bytes)}", file=sys.stderr, flush=True)
     return 0

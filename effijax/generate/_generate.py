@@ -66,6 +66,8 @@ class Generation(NamedTuple):
       prefill_s: seconds of the prefill (prompt and the first token).
       decode_s: seconds of the decode steps (every token after the first).
       prompt_lengths: int ``[B]``, tokens in each prompt.
+      cache_bytes: bytes of the key/value cache (its local layers' rings of ``window`` slots
+        and its global layers' ``max_len``, see :mod:`effijax.models._cache`).
     """
 
     tokens: np.ndarray
@@ -76,6 +78,7 @@ class Generation(NamedTuple):
     prefill_s: float
     decode_s: float
     prompt_lengths: np.ndarray
+    cache_bytes: int
 
     @property
     def outputs(self) -> list[np.ndarray]:
@@ -255,15 +258,17 @@ def _check(model, prompt, max_new_tokens, temperature, top_p, max_len
     return [row.astype(np.int32) for row in prompts], max_len
 
 
-def _fits(model, abstract_params, batch: int, max_len: int, dtype) -> None:
-    """Refuses, before compiling, a batch whose cache (with the parameters and a row of f32
-    logits per prompt) does not fit the device (:func:`effijax.recipe.check_memory`)."""
+def _fits(model, abstract_params, batch: int, max_len: int, dtype) -> int:
+    """The cache's bytes; refuses, before compiling, a batch whose cache (with the parameters and
+    a row of f32 logits per prompt) does not fit the device (:func:`effijax.recipe.check_memory`).
+    """
     cache = tree_bytes(jax.eval_shape(lambda: model.init_cache(batch, max_len, dtype)))
     held = tree_bytes(abstract_params)
     check_memory(held + cache + batch * model.vocab_size * 4, held,
             what=f"generating {batch:,} prompt(s) of up to {max_len:,} positions (a key/value "
             f"cache of {format_bytes(cache)})",
             fix="give fewer prompts per call, or fewer new tokens")
+    return cache
 
 
 def generate(model, params, prompt, *, max_new_tokens: int = 64, temperature: float = 0.0,
@@ -334,7 +339,7 @@ def generate(model, params, prompt, *, max_new_tokens: int = 64, temperature: fl
     padded = min(_round_up(longest, PROMPT_BUCKET), max_len - max_new_tokens)
     dtype = jnp.dtype(_compute_dtype(params, lora))
     abstract = jax.tree.map(_abstract, params)
-    _fits(model, abstract, batch, max_len, dtype)
+    cache_bytes = _fits(model, abstract, batch, max_len, dtype)
     signature = _signature(abstract)
     before = _compiled.cache_info().misses
     split, prefill, step, compile_s = _compiled(model, lora, signature, batch, padded, max_len,
@@ -377,4 +382,4 @@ def generate(model, params, prompt, *, max_new_tokens: int = 64, temperature: fl
     eos_B = tokens_BN[np.arange(batch), np.minimum(stops_B, tokens_BN.shape[1] - 1)]
     tokens_BN = np.where(after_BN, eos_B[:, None], tokens_BN).astype(np.int32)
     return Generation(tokens_BN, stops_B, is_eos_BN.any(1), longest, compile_s, prefill_s,
-                      decode_s, lengths_B)
+                      decode_s, lengths_B, cache_bytes)

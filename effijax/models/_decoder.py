@@ -34,10 +34,11 @@ How to add a family (say Gemma 3, Qwen2 or Mistral), in a file of its own:
    ``architecture``, ``build_positions``, ``embed_positions`` (learned positions, rotary
    tables, Gemma's ``sqrt(d_model)`` embedding scale), ``tied``, ``dropout`` and, for logit
    soft-capping, an override of ``head``. ``LayerInputs.positions`` is the family's own pytree
-   (Gemma 3: both rotary tables, local and global). Sliding windows: ``layer_windows`` (one
-   entry per layer, None for global attention; by default the config's ``sliding_window``, if
-   it has one, for every layer) reaches the attention as ``LayerInputs.window``, see
-   :meth:`Decoder.layer_windows`. A per-layer pattern of other static choices (Gemma 3's two
+   (Gemma 3: both rotary tables, local and global). Sliding windows: the config's
+   ``layer_windows`` (one entry per layer, None for global attention; by default its
+   ``sliding_window``, if it has one, for every layer) reaches the attention as
+   ``LayerInputs.window`` and sizes the KV cache's rings, see
+   :attr:`DecoderConfig.layer_windows`. A per-layer pattern of other static choices (Gemma 3's two
    rotary bases) is the family's: it can key them off the same window.
 4. Weight names: parameter paths are the module attribute names (``layers/attn/q_proj/kernel``);
    a family with pretrained files registers a :class:`~effijax.models.PretrainedFormat` (its
@@ -59,19 +60,19 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from effijax.errors import NO_VALUE, ConfigError, whole_number
+from effijax.errors import NO_VALUE, ConfigError
 from effijax.lora import LoraSpec
 from effijax.models._attention import ATTENTION
 from effijax.models._blockwise import REMAT_POLICIES
 from effijax.models._cache import (
     KVCache,
-    cached_attend,
+    attend_layer,
+    check_windows,
     init_cache,
     make_decode,
     row_positions,
     run_layers_cached,
     select_last,
-    write_cache,
 )
 from effijax.models._interface import LanguageModel
 from effijax.models._layers import (
@@ -185,6 +186,32 @@ class DecoderConfig(LanguageModel):
         """The longest sequence (or cache) the model takes: its ``context_field``."""
         return getattr(self, self.context_field)
 
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding attention window, None for global attention: query ``i`` sees
+        keys ``i - w < j <= i`` (Hugging Face's ``sliding_window`` convention). By default the
+        config's ``sliding_window`` (Mistral), if it has one, for every layer; a family with a
+        pattern overrides it (Gemma 3: ``w`` for five layers of six, None for the sixth).
+
+        How it reaches a scanned stack (``Decoder._windows``): equal windows stay a Python int
+        (or None) in ``LayerInputs.window``, so the kernels see a static window (cuDNN's and
+        XLA's window, the blockwise tiles' skipping); windows that differ are scanned as an int32
+        ``[L]`` array with the parameters, global layers getting ``max_context`` (a window
+        longer than any sequence is none), so one traced layer body serves every layer: the
+        masks and the blockwise loop bounds are built from the traced value (cuDNN's static
+        window is then unavailable; "auto" says so on a GPU). Grouping the layers by window
+        into several scans would keep it static at the price of one compiled body per run of
+        equal layers. Decoding does group them (one body per kind of layer, see
+        :mod:`effijax.models._cache`): its local layers keep a ring of ``window`` slots
+        (:meth:`init_cache`).
+
+        Example:
+          >>> from effijax.models import mistral_config
+          >>> mistral_config("mistral-tiny").layer_windows
+          (8, 8)
+        """
+        return (getattr(self, "sliding_window", None),) * self.n_layers
+
     def with_seq_len(self, seq_len: int):
         """The same architecture trained on windows of ``seq_len`` tokens."""
         return dataclasses.replace(self, seq_len=seq_len)
@@ -219,9 +246,18 @@ class DecoderConfig(LanguageModel):
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
         """An empty :class:`~effijax.models.KVCache`: ``kv_heads`` keys per position, for
-        ``max_len <= max_context`` positions."""
+        ``max_len <= max_context`` positions in the global layers and a ring of ``window``
+        slots in each layer whose window is shorter (:attr:`layer_windows`).
+
+        Example:
+          >>> from effijax.models import gemma3_config
+          >>> cache = gemma3_config("gemma3-tiny").init_cache(1, 64)  # windows (8, 8, None, 8)
+          >>> cache.k_LBTGK.shape, cache.k_LBWGK.shape
+          ((1, 1, 64, 2, 32), (3, 1, 8, 2, 32))
+        """
         shape = self.shape()
-        return init_cache(shape.layers, batch, max_len, shape.kv_heads, shape.head_dim, dtype)
+        return init_cache(shape.layers, batch, max_len, shape.kv_heads, shape.head_dim, dtype,
+                          windows=self.layer_windows)
 
     def decode_fn(self, lora: LoraSpec | None = None):
         """See :func:`effijax.models.make_decode` (cached forward pass, no dropout)."""
@@ -343,9 +379,9 @@ class Attention(nnx.Module):
 
     The q, k, v, o projections are ``_Dense`` layers named by ``spec.names``; ``rotate`` is the
     hook for position-dependent transforms of queries and keys (identity here). With a
-    ``cache`` (``(k_BTGK, v_BTGK, start, pad_B)``, decoding) this step's keys and values are
-    written into the cache slices, the queries attend to all of them, and the slices come back
-    with the output.
+    ``cache`` (a :class:`~effijax.models._cache.LayerCache`, decoding) this step's keys and
+    values are written into the layer's part of the cache, the queries attend to the keys
+    their window reaches, and the updated cache comes back with the output.
     """
 
     def __init__(self, spec: AttentionSpec, *, std: float, out_std: float,
@@ -385,11 +421,9 @@ class Attention(nnx.Module):
                 q_BSHK, k_BSGK, v_BSGK, causal=True, dropout_rate=spec.dropout,
                 dropout_key=key, segments_BS=inputs.segments_BS, window=inputs.window)
             return o_proj(out_BSHK.reshape(b, s, -1), o_lora)
-        # Decoding (effijax.models._cache): write this step's keys and values, attend to all.
-        k_BTGK, v_BTGK, start, pad_B = cache
-        k_BTGK, v_BTGK = write_cache(k_BTGK, k_BSGK, start), write_cache(v_BTGK, v_BSGK, start)
-        out_BSHK = cached_attend(q_BSHK, k_BTGK, v_BTGK, start, pad_B, window=inputs.window)
-        return o_proj(out_BSHK.reshape(b, s, -1), o_lora), (k_BTGK, v_BTGK)
+        # Decoding (effijax.models._cache): write this step's keys and values, attend.
+        out_BSHK, cache = attend_layer(cache, q_BSHK, k_BSGK, v_BSGK, inputs.window)
+        return o_proj(out_BSHK.reshape(b, s, -1), o_lora), cache
 
 
 class PreNormBlock(nnx.Module):
@@ -429,9 +463,10 @@ class PreNormBlock(nnx.Module):
     def __call__(self, x_BSD: jax.Array, key: jax.Array | None, lora: dict | None,
                  inputs: LayerInputs, cache: tuple | None = None,
                  window: jax.Array | None = None, sequence_parallel: bool = False):
-        """The layer's output; with a ``cache`` (decoding, no dropout) also the cache slices
-        with this step's keys and values written. ``window``: this layer's slice of the
-        scanned per-layer windows (it replaces ``inputs.window``). Without a cache the two
+        """The layer's output; with a ``cache`` (decoding, no dropout) also the cache with
+        this step's keys and values written. ``window``: this layer's window (its slice of the
+        scanned per-layer windows, or its own int when decoding; it replaces
+        ``inputs.window``). Without a cache the two
         norms' outputs and the residual sum between the attention and the MLP are pinned by
         ``_constrain`` (split along the sequence with ``sequence_parallel``); the layer's
         output is pinned by its caller."""
@@ -537,33 +572,14 @@ class Decoder(nnx.Module):
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
-        """Each layer's sliding attention window, None for global attention: query ``i`` sees
-        keys ``i - w < j <= i`` (Hugging Face's ``sliding_window`` convention). By default the
-        config's ``sliding_window`` (Mistral), if it has one, for every layer; a family with a
-        pattern overrides it (Gemma 3: ``w`` for five layers of six, None for the sixth).
-
-        How it reaches a scanned stack (:meth:`_windows`): equal windows stay a Python int (or
-        None) in ``LayerInputs.window``, so the kernels see a static window (cuDNN's and XLA's
-        window, the blockwise tiles' skipping); windows that differ are scanned as an int32
-        ``[L]`` array with the parameters, global layers getting ``max_context`` (a window
-        longer than any sequence is none), so one traced layer body serves every layer: the
-        masks and the blockwise loop bounds are built from the traced value (cuDNN's static
-        window is then unavailable; "auto" says so on a GPU). Grouping the layers by window
-        into several scans would keep it static at the price of one compiled body per run of
-        equal layers.
-        """
-        window = getattr(self.config, "sliding_window", None)
-        return (window,) * self.config.n_layers
+        """The config's :attr:`DecoderConfig.layer_windows`, checked: one int ``>= 1`` or None
+        per layer."""
+        return check_windows(self.config.layer_windows, self.config.n_layers)
 
     def _windows(self) -> tuple[int | None, jax.Array | None]:
         """``(window for every layer, None)`` when the layers' windows are equal, else
-        ``(None, windows_L)``, int32 ``[L]`` (see :attr:`layer_windows`)."""
-        windows = tuple(self.layer_windows)
-        if len(windows) != self.config.n_layers:
-            raise ConfigError("layer_windows", windows, f"expected one window per layer "
-                              f"({self.config.n_layers}), None for a global layer")
-        for window in windows:
-            whole_number("layer_windows", window, none=True)
+        ``(None, windows_L)``, int32 ``[L]`` (see :attr:`DecoderConfig.layer_windows`)."""
+        windows = self.layer_windows
         if len(set(windows)) == 1:
             return windows[0], None
         glob = self.config.max_context
@@ -652,14 +668,12 @@ class Decoder(nnx.Module):
                                                 row_positions(cache, start, s), t)
         graphdef, stacked = nnx.split(getattr(self, self.names.stack))
         layer_adapters = None if adapters is None else adapters.get(self.names.stack)
-        window, windows_L = self._windows()
         x_BSD, cache = run_layers_cached(_constrain(x_BSD), stacked, cache, start,
-                                         layer_adapters,
-                                         (LayerInputs(positions, None, window),),
+                                         layer_adapters, (LayerInputs(positions, None, None),),
                                          graphdef=graphdef,
                                          lora=None if layer_adapters is None else lora,
                                          path=self.names.stack, layers=layers,
-                                         windows_L=windows_L)
+                                         windows=self.layer_windows)
         return self.head(select_last(x_BSD, last)), cache
 
     def head(self, x_BSD: jax.Array) -> jax.Array:

@@ -13,8 +13,9 @@ Hugging Face's ``Gemma3ForCausalLM`` (``model_type: "gemma3_text"``) on the deco
 * layers in a pattern of ``sliding_window_pattern - 1`` local layers (a sliding window of
   ``sliding_window`` keys, rotary base ``rope_local_theta``, 1e4) then one global layer (every
   earlier key, rotary base ``rope_theta``, 1e6, optionally slowed linearly by
-  ``rope_linear_factor``): :attr:`Gemma3.layer_windows` gives the skeleton the windows and each
-  layer picks its rotary table by its window, so one scanned layer body serves both kinds;
+  ``rope_linear_factor``): :attr:`Gemma3Config.layer_windows` gives the skeleton the windows
+  and each layer picks its rotary table by its window, so one scanned layer body serves both
+  kinds (the KV cache keeps a ring of ``sliding_window`` slots for each local layer);
 * optional ``final_logit_softcapping``: ``cap · tanh(logits / cap)``.
 
 Parameter paths are Hugging Face's module names where they do not clash with the Llama's
@@ -143,6 +144,17 @@ class Gemma3Config(LlamaConfig):
         """Hugging Face's ``layer_types``: each layer's ``"sliding_attention"`` or
         ``"full_attention"``."""
         return layer_types(self.n_layers, self.sliding_window_pattern)
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """The local layers' ``sliding_window``, None for the global ones.
+
+        Example:
+          >>> gemma3_config("gemma3-tiny").layer_windows
+          (8, 8, None, 8)
+        """
+        return tuple(self.sliding_window if kind == _SLIDING else None
+                     for kind in self.layer_types)
 
     def shape(self) -> ModelShape:
         """The Llama's numbers (grouped-query attention, a gated MLP: GeGLU keeps what SwiGLU
@@ -317,13 +329,6 @@ class Gemma3(Llama):
     """
 
     layer_type = _Layer
-
-    @property
-    def layer_windows(self) -> tuple[int | None, ...]:
-        """The local layers' ``sliding_window``, None for the global ones."""
-        cfg = self.config
-        return tuple(cfg.sliding_window if kind == _SLIDING else None
-                     for kind in cfg.layer_types)
 
     def embed_positions(self, x_BSD, positions_BS, length):
         """The embedding times ``sqrt(d_model)`` (in the compute dtype) and the ``(local,

@@ -5,7 +5,8 @@ grouped-query attention with rotate-half rotary embeddings, SwiGLU, untied head)
 layer's query ``i`` attends to the keys ``i - sliding_window < j <= i`` (``sliding_window`` None:
 all earlier keys, as Mistral 7B v0.3 ships). The window is the Llama config's own field
 (:attr:`~effijax.models.LlamaConfig.sliding_window`, honoured by every attention
-implementation and by the KV cache), so this family is the Llama with its defaults (Mistral 7B
+implementation and by the KV cache, where each layer keeps a ring of ``sliding_window`` slots
+instead of ``max_len``), so this family is the Llama with its defaults (Mistral 7B
 v0.1's rotary base 1e4 and window 4096, transformers' defaults too) and its pretrained format:
 ``model_type: "mistral"``, the Llama's tensor names. llama.cpp writes Mistral models as
 ``general.architecture = 'llama'`` GGUFs without the window, so none is read here from GGUF.

@@ -56,6 +56,17 @@ class Qwen2Config(LlamaConfig):
         super().__post_init__()
         whole_number("max_window_layers", self.max_window_layers, minimum=0)
 
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """None for the first ``max_window_layers`` layers, ``sliding_window`` for the rest.
+
+        Example:
+          >>> qwen2_config("qwen2-tiny", sliding_window=16, max_window_layers=1).layer_windows
+          (None, 16)
+        """
+        return tuple(None if self.sliding_window is None or i < self.max_window_layers
+                     else self.sliding_window for i in range(self.n_layers))
+
 
 QWEN2_PRESETS: dict[str, Qwen2Config] = {
     # Compiles in about a second: for tests. GQA, tied head (as the small Qwen2.5s).
@@ -100,13 +111,6 @@ class Qwen2(Llama):
       ...       rngs=nnx.Rngs(0)).layer_windows
       (None, 16)
     """
-
-    @property
-    def layer_windows(self) -> tuple[int | None, ...]:
-        """None for the first ``max_window_layers`` layers, ``sliding_window`` for the rest."""
-        c = self.config
-        return tuple(None if c.sliding_window is None or i < c.max_window_layers
-                     else c.sliding_window for i in range(c.n_layers))
 
 
 Qwen2Config.decoder = Qwen2
