@@ -356,14 +356,6 @@ def _model_shape(args: argparse.Namespace, batch_name: str) -> dict:
             if k not in ("layers", "hidden", "heads")}
 
 
-def _is_gguf(path: str) -> bool:
-    try:
-        with open(path, "rb") as f:
-            return f.read(4) == b"GGUF"
-    except OSError:  # a directory, a missing file
-        return False
-
-
 def _quantized_base_bytes(model, frozen_dtype: str, source: str | None,
                           precision: str | None) -> int | None:
     """Exact bytes of the model's base stored as a quantized ``frozen_dtype`` (codes, scales
@@ -373,11 +365,11 @@ def _quantized_base_bytes(model, frozen_dtype: str, source: str | None,
     from effijax.memory import frozen_base_bytes  # imports JAX, which --params never needs
 
     if frozen_dtype == "gguf":
-        from effijax.interop import gguf_kept_bytes
+        from effijax.interop import gguf_kept_bytes, is_gguf
         from effijax.recipe import BUNDLED, bundled_path
 
         path = bundled_path(source) if source in BUNDLED else source
-        if path is None or not _is_gguf(path):
+        if path is None or not is_gguf(path):
             raise ConfigError("--frozen-dtype", "gguf", f"counts a GGUF file's own blocks: "
                               f"give the file with {_from.FLAG} FILE.gguf (or a bundled GGUF "
                               "model, e.g. smollm2)")

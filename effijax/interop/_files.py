@@ -31,7 +31,23 @@ from effijax.errors import ConfigError, FileError, whole_number
 
 __all__ = ["LIMITS", "MAX_PARAMS", "MAX_CONFIG_BYTES", "SafetensorsTensor",
            "safetensors_header", "shard_files", "check_finite", "check_size", "whole_field",
-           "number_field", "DTYPE_BYTES"]
+           "number_field", "DTYPE_BYTES", "is_gguf"]
+
+
+def is_gguf(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a file that starts as a GGUF file does (``b"GGUF"``).
+
+    Example:
+      >>> import tempfile
+      >>> with tempfile.NamedTemporaryFile(suffix=".gguf") as f:
+      ...     _ = f.write(b"GGUF" + bytes(20)); f.flush()
+      ...     is_gguf(f.name), is_gguf(tempfile.gettempdir())
+      (True, False)
+    """
+    if not os.path.isfile(path):
+        return False
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
 
 #: The largest size of each architecture field effijax believes a file about (far above any
 #: released model: Llama 3.1 405B has 126 layers, a 128,256 vocabulary and 16,384 wide layers).

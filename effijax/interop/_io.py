@@ -9,7 +9,7 @@ import os
 
 from effijax.data import read_json
 from effijax.errors import ConfigError, FileError
-from effijax.interop._files import MAX_CONFIG_BYTES
+from effijax.interop._files import MAX_CONFIG_BYTES, is_gguf
 from effijax.interop._gguf import gguf_config, gguf_tokenizer, load_gguf, open_gguf, read_metadata
 from effijax.interop._hf import _weight_files as _hf_weight_files
 from effijax.interop._hf import (  # noqa: F401 (hf_config, load_hf: the doctests)
@@ -26,13 +26,6 @@ __all__ = ["load", "weight_files", "read_config", "load_tokenizer", "save_peft",
            "export_adapters"]
 
 
-def _is_gguf(path: str) -> bool:
-    if not os.path.isfile(path):
-        return False
-    with open(path, "rb") as f:
-        return f.read(4) == b"GGUF"
-
-
 def load(path: str | os.PathLike, **kwargs) -> tuple[LlamaConfig, dict]:
     """Loads a pretrained model of a registered family (Llama, Qwen2): a ``.gguf`` file or a
     Hugging Face directory.
@@ -44,7 +37,7 @@ def load(path: str | os.PathLike, **kwargs) -> tuple[LlamaConfig, dict]:
       ``(config, params)``; ``config.tokenizer`` is the model's tokenizer when the source has one.
     """
     path = os.fspath(path)
-    if _is_gguf(path):
+    if is_gguf(path):
         return load_gguf(path, **kwargs)
     if os.path.isdir(path):
         return load_hf(path, **kwargs)
@@ -70,7 +63,7 @@ def weight_files(path: str | os.PathLike) -> list[str]:
       ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors']
     """
     path = os.fspath(path)
-    if _is_gguf(path):
+    if is_gguf(path):
         return [path]
     return sorted(set(_hf_weight_files(path).values()))
 
@@ -89,7 +82,7 @@ def read_config(path: str | os.PathLike, *, seq_len: int | None = None) -> Llama
       True
     """
     path = os.fspath(path)
-    if _is_gguf(path):
+    if is_gguf(path):
         return gguf_config(path, seq_len=seq_len)
     config_file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     if not os.path.isfile(config_file):
@@ -108,7 +101,7 @@ def load_tokenizer(path: str | os.PathLike, *, pre: str | None = None) -> Tokeni
       FileError: no tokenizer, or a malformed tokenizer file (naming it and the field).
     """
     path = os.fspath(path)
-    if _is_gguf(path):
+    if is_gguf(path):
         tokenizer = gguf_tokenizer(read_metadata(open_gguf(path)), pre=pre, source=path)
         if tokenizer is None:
             raise FileError(path, "tokenizer.ggml.model", "the GGUF file describes no "

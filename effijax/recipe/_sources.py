@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from effijax.errors import ConfigError, FileError
+from effijax.interop import is_gguf
 from effijax.recipe._config import BUNDLED, DEFAULT_MODEL, TrainConfig
 from effijax.recipe._data import mixture_spec
 
@@ -82,7 +83,7 @@ def check_paths(config: TrainConfig) -> None:
             and not Path(config.init_from).exists()):
         raise missing_source("init_from", config.init_from)
     if config.frozen_dtype == "gguf" and (config.init_from is None or (
-            config.init_from not in BUNDLED and not _is_gguf(Path(config.init_from)))):
+            config.init_from not in BUNDLED and not is_gguf(Path(config.init_from)))):
         raise ConfigError("frozen_dtype", "gguf", f"keeps a GGUF file's quantized blocks, but "
                           f"--from {config.init_from or '(none)'} is not a .gguf file; give a "
                           "GGUF model (e.g. --from smollm2), or use --frozen-dtype nf4 or int8")
@@ -163,16 +164,9 @@ def _assembled(module, filename: str, wheel: str) -> Path:
     return target
 
 
-def _is_gguf(path: Path) -> bool:
-    if not path.is_file():
-        return False
-    with open(path, "rb") as f:
-        return f.read(4) == b"GGUF"
-
-
 def _is_pretrained(path: Path) -> bool:
     if path.is_file():
-        return _is_gguf(path)
+        return is_gguf(path)
     # Hugging Face names its weights model.safetensors or model-0000i-of-0000n.safetensors
     # (an effijax run directory holds adapters.safetensors, never those).
     return (path / "config.json").is_file() and any(path.glob("model*.safetensors"))
