@@ -355,7 +355,7 @@ def gguf_kept_bytes(path: str | os.PathLike, *, dtype: Any = "bf16") -> int:
     Raises:
       FileError: the file is malformed or describes an unsupported model.
     """
-    from effijax.precision import GGML_BLOCKS, parse_dtype
+    from effijax.precision import ggml_row_bytes, parse_dtype
 
     itemsize = np.dtype(parse_dtype(dtype)).itemsize
     source = os.fspath(path)
@@ -369,8 +369,7 @@ def gguf_kept_bytes(path: str | os.PathLike, *, dtype: Any = "bf16") -> int:
         if name in kept:
             layers = kept[name]
             d, f = leaf.shape[-2:]
-            width = max(d // GGML_BLOCKS[t.tensor_type.name][0] * GGML_BLOCKS[
-                t.tensor_type.name][1] for t in layers)
+            width = max(ggml_row_bytes(t.tensor_type.name, d) for t in layers)
             total += len(layers) * (f * width + 4)
         else:
             total += math.prod(leaf.shape) * itemsize

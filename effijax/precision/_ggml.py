@@ -37,7 +37,8 @@ from jax.sharding import PartitionSpec as P
 
 from effijax.errors import ConfigError
 
-__all__ = ["GGML_BLOCKS", "GGMLBlocks", "dequantize_blocks", "ggml_blocks", "ggml_sharding"]
+__all__ = ["GGML_BLOCKS", "GGMLBlocks", "dequantize_blocks", "ggml_blocks", "ggml_row_bytes",
+           "ggml_sharding"]
 
 # ggml type -> (weights per block, bytes per block)
 GGML_BLOCKS: dict[str, tuple[int, int]] = {
@@ -79,9 +80,16 @@ class GGMLBlocks:
         return int(math.prod(self.rows.shape)) + 4 * int(math.prod(self.kinds.shape))
 
 
-def _row_bytes(kind: str, d: int) -> int:
+def ggml_row_bytes(kind: str, in_features: int) -> int:
+    """Bytes of one row of ``kind`` blocks over ``in_features`` inputs (a multiple of the
+    type's block).
+
+    Example:
+      >>> ggml_row_bytes("Q4_K", 2048), ggml_row_bytes("Q6_K", 2048)
+      (1152, 1680)
+    """
     block, size = GGML_BLOCKS[kind]
-    return d // block * size
+    return in_features // block * size
 
 
 def ggml_blocks(layers: list[tuple[str, np.ndarray]], in_features: int,
@@ -107,10 +115,10 @@ def ggml_blocks(layers: list[tuple[str, np.ndarray]], in_features: int,
             raise ConfigError(path, kind, f"is not a block type kept as it is; those are "
                               f"{', '.join(GGML_BLOCKS)} (use --frozen-dtype nf4 or int8)")
         block = GGML_BLOCKS[kind][0]
-        if in_features % block or rows.shape[-1] != _row_bytes(kind, in_features):
+        if in_features % block or rows.shape[-1] != ggml_row_bytes(kind, in_features):
             raise ConfigError(path, tuple(rows.shape), f"{kind} rows of {in_features} inputs "
-                              f"take {_row_bytes(kind, in_features)} bytes")
-    width = max(_row_bytes(kind, in_features) for kind in types)
+                              f"take {ggml_row_bytes(kind, in_features)} bytes")
+    width = max(ggml_row_bytes(kind, in_features) for kind in types)
     f = layers[0][1].shape[0]
     out = np.zeros((len(layers), f, width), np.uint8)
     for i, (_, rows) in enumerate(layers):
@@ -212,7 +220,7 @@ _DECODE: dict[str, Callable[[jax.Array], jax.Array]] = {
 def _decode_rows(kind: str, d: int, rows: jax.Array) -> jax.Array:
     """``uint8 [F, R]`` rows of ``kind`` (padded) as the f32 weights ``[F, D]``."""
     block, size = GGML_BLOCKS[kind]
-    x = rows[:, :_row_bytes(kind, d)].reshape(rows.shape[0], d // block, size)
+    x = rows[:, :ggml_row_bytes(kind, d)].reshape(rows.shape[0], d // block, size)
     return _DECODE[kind](x).reshape(rows.shape[0], d)
 
 
