@@ -4,13 +4,14 @@ The unit tests set a launcher's variables with monkeypatch and ask
 :func:`effijax.distributed.plan` (nothing connects). The slow ones start `effijax train` under
 Open MPI's `mpirun -np 2` and under an emulated `srun` (its variables set for two local
 processes), 4 CPU devices each, and compare with one process of 8 devices: the check of
-tests/test_multihost.py, with the launcher instead of flags. All traffic stays on the loopback
-interface: each test checks the coordinator address before anything starts.
+tests/test_multihost.py, with the launcher instead of flags, against the same run of one process
+of 8 (conftest's ``one_process_of_eight``, launched once for both modules; tests/_launch.py).
+All traffic stays on the loopback interface: each test checks the coordinator address before
+anything starts.
 """
 
 import importlib.util
 import ipaddress
-import json
 import os
 import random
 import re
@@ -22,10 +23,9 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 from _gloo import not_gloo
-from _run_env import compilation_cache
+from _launch import ARGS, EVERY, LAUNCHER_PREFIXES, STEPS, env, metrics, same_run, train, wait
 
 from effijax import distributed
 from effijax.errors import ConfigError
@@ -33,14 +33,10 @@ from effijax.recipe._config import CLUSTERS
 
 TIMEOUT_S = 300
 LONG_S = 900  # the SIGTERM test's runs, on a 2-core machine that other jobs share
-# Every real launch trains this run; the SIGTERM test's signal comes at step >= 8 (its first
-# checkpoint) and its ranks get it by step ~30 (see GRACE_S): they stop before STEPS.
-STEPS, EVERY = 48, 8
-COMMON = ["--model", "tiny", "--seq-len", "32", "--batch-size", "8", "--steps", str(STEPS),
-          "--strategy", "fsdp", "--eval-batches", "1", "--no-progress", "--checkpoint-every",
-          str(EVERY)]
-LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMIX_", "EFFIJAX_", "JAX_COORDINATOR", "JAX_LOCAL",
-                     "KUBERNETES_", "JOB_COMPLETION_INDEX", "XLA_FLAGS")
+# Every real launch trains tests/_launch.py's run (ARGS); the SIGTERM test's signal comes at
+# step >= EVERY (its first checkpoint) and its ranks get it by step ~30 (see GRACE_S): they stop
+# before STEPS.
+MESH = {"data": 1, "fsdp": 8, "tensor": 1}
 MPIRUN = ["mpirun", "-np", "2", "--allow-run-as-root", "--oversubscribe", "--tag-output",
           "--mca", "oob_tcp_if_include", "lo", "--mca", "btl_tcp_if_include", "lo"]
 
@@ -180,9 +176,8 @@ def test_forced_launchers_and_ids_the_launcher_owns(clean_env):
 
 
 def test_the_cli_refuses_an_unknown_launcher_before_starting_jax():
-    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES)}
     proc = subprocess.run([sys.executable, "-m", "effijax", "train", "--cluster", "pbs"],
-                          capture_output=True, text=True, env=env, timeout=120)
+                          capture_output=True, text=True, env=env(), timeout=120)
     assert proc.returncode == 2 and "invalid choice: 'pbs'" in proc.stderr
 
 
@@ -190,86 +185,15 @@ def test_the_cli_refuses_an_unknown_launcher_before_starting_jax():
 # Real launches: mpirun and an emulated srun, each against one process of 8 devices
 # --------------------------------------------------------------------------------------------
 
-def _env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES)}
-    env["JAX_PLATFORMS"] = "cpu"
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
-
-
-def _wait(procs, timeout=TIMEOUT_S):
-    """Waits for all; on a timeout kills them (only the processes started here)."""
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=timeout))
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-            p.communicate()
-        pytest.fail(f"a process did not finish within {timeout}s (hang?)")
-    for p, (out, err) in zip(procs, outs, strict=True):
-        assert p.returncode == 0, f"exit {p.returncode}\nstdout:\n{out}\nstderr:\n{err}"
-    return outs
-
-
-def _train(args, env=None, prefix=()):
-    return subprocess.Popen([*prefix, sys.executable, "-m", "effijax", "train", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env or _env(), start_new_session=True)
-
-
-def _metrics(run):
-    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_text("".join(f"def f{i}(x):\n    return x * {i} + 1\n" for i in range(400)))
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def cached(tmp_path_factory) -> dict:
-    """The variables under which the launches share JAX's persistent compilation cache: the
-    first one compiles the programs around the step (initialisation, evaluation), the later ones
-    load them; each run's step is compiled afresh for its collective census, which its summary
-    lists."""
-    return compilation_cache(tmp_path_factory.mktemp("jax-cache"))
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, corpus, cached):
-    """One process, 8 CPU devices: what the 2 x 4 launches must reproduce."""
-    out = tmp_path_factory.mktemp("ref") / "1x8"
-    _wait([_train([*COMMON, "--data", corpus, "--out", str(out), "--cpu-devices", "8"],
-                  _env(**cached))])
-    return out
-
-
-@pytest.fixture(scope="module")
-def under_mpirun(tmp_path_factory, corpus, cached):
+def under_mpirun(tmp_path_factory, launch_corpus, launch_cache):
     """The run under ``mpirun -np 2``, 4 devices each, uninterrupted: its directory and
     mpirun's tagged stdout. One launch serves the comparison with one process of 8 devices and
     the SIGTERM test's bitwise reference."""
     out = tmp_path_factory.mktemp("mpirun") / "straight"
-    (stdout, _), = _wait([_train([*COMMON, "--data", corpus, "--out", str(out),
-                                  "--cpu-devices", "4"], _env(**cached), MPIRUN)],
-                         timeout=LONG_S)
+    (stdout, _), = wait([train([*ARGS, "--data", launch_corpus, "--out", str(out),
+                                "--cpu-devices", "4"], env(**launch_cache), MPIRUN)], LONG_S)
     return out, stdout
-
-
-def _same_run(multi, single):
-    m2, m1 = _metrics(multi), _metrics(single)
-    assert [r["step"] for r in m2] == [r["step"] for r in m1] == list(range(1, STEPS + 1))
-    np.testing.assert_allclose([r["loss"] for r in m2], [r["loss"] for r in m1], rtol=1e-5)
-    s2 = json.loads((multi / "summary.json").read_text())
-    s1 = json.loads((single / "summary.json").read_text())
-    np.testing.assert_allclose(s2["eval_loss"], s1["eval_loss"], rtol=1e-5)
-    c2 = json.loads((multi / "config.json").read_text())
-    assert c2["run"]["process_count"] == 2 and len(c2["run"]["devices"]) == 8
-    assert s2["collectives"] and s2["collectives"] == s1["collectives"]
 
 
 _TAG = re.compile(r"\[1,(\d+)\]<std(?:out|err)>:")
@@ -297,7 +221,7 @@ needs_mpirun = pytest.mark.skipif(shutil.which("mpirun") is None, reason=(
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_mpirun_two_processes_of_four_devices_match_one_process_of_eight(
-        under_mpirun, reference):
+        under_mpirun, one_process_of_eight):
     # Before anything trains: both ranks see one loopback coordinator, from mpirun alone.
     # One write per rank: mpirun --tag-output tags each chunk it reads, so print's separate
     # writes (under PYTHONUNBUFFERED, as in CI) interleaved the two ranks mid-line.
@@ -305,7 +229,7 @@ def test_mpirun_two_processes_of_four_devices_match_one_process_of_eight(
         [*MPIRUN, sys.executable, "-c", "import os; from effijax.distributed import plan; "
          "l = plan(); os.write(1, ' '.join(map(str, (l.launcher, *l.settings))).encode() + "
          "b'\\n')"],
-        capture_output=True, text=True, env=_env(), timeout=TIMEOUT_S)
+        capture_output=True, text=True, env=env(), timeout=TIMEOUT_S)
     assert probe.returncode == 0, probe.stderr
     seen = {tuple(lines[-1].split()) for lines in _by_rank(probe.stdout).values()}
     assert len(seen) == 2, probe.stdout
@@ -317,7 +241,7 @@ def test_mpirun_two_processes_of_four_devices_match_one_process_of_eight(
     assert any(x.startswith("effijax train: process 0 of 2 (launcher ompi), coordinator "
                             "127.0.0.1:") for x in lines[0]), stdout
     assert any(f"done: {STEPS} steps" in x for x in lines[0]) and not_gloo(lines[1]) == [], stdout
-    _same_run(out, reference)
+    same_run(out, one_process_of_eight, STEPS, MESH)
 
 
 def _free_slurm_job_id() -> int:
@@ -337,7 +261,7 @@ def _free_slurm_job_id() -> int:
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_emulated_srun_two_processes_match_one_process_of_eight(
-        tmp_path, corpus, reference, clean_env, cached):
+        tmp_path, launch_corpus, one_process_of_eight, clean_env, launch_cache):
     job_id = _free_slurm_job_id()
     slurm = {"SLURM_JOB_ID": job_id, "SLURM_NTASKS": 2, "SLURM_STEP_NODELIST": "localhost",
              "SLURM_STEP_NUM_NODES": 1, "SLURM_NNODES": 1, "SLURM_JOB_NODELIST": "localhost"}
@@ -348,14 +272,14 @@ def test_emulated_srun_two_processes_match_one_process_of_eight(
     assert _is_loopback(launch.settings.coordinator_address)  # before anything starts
 
     out = tmp_path / "srun"
-    procs = [_train([*COMMON, "--data", corpus, "--out", str(out), "--cpu-devices", "4"],
-                    env=_env(**slurm, **cached, SLURM_PROCID=i, SLURM_LOCALID=i))
+    procs = [train([*ARGS, "--data", launch_corpus, "--out", str(out), "--cpu-devices", "4"],
+                   env(**slurm, **launch_cache, SLURM_PROCID=i, SLURM_LOCALID=i))
              for i in range(2)]
-    (out0, _), (out1, _) = _wait(procs)
+    (out0, _), (out1, _) = wait(procs, TIMEOUT_S)
     assert (f"effijax train: process 0 of 2 (launcher slurm), coordinator "
             f"{launch.settings.coordinator_address}") in out0
     assert f"done: {STEPS} steps" in out0 and not_gloo(out1.splitlines()) == []
-    _same_run(out, reference)
+    same_run(out, one_process_of_eight, STEPS, MESH)
 
 
 # Open MPI 4.1's mpirun, on SIGTERM, sends SIGTERM to every rank after odls_base_sigkill_timeout
@@ -401,7 +325,7 @@ def _wait_for_ranks(proc: subprocess.Popen, timeout: float) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
             break
         if time.monotonic() > deadline:
-            _wait([proc], timeout=1)  # kills, fails
+            wait([proc], 1)  # kills, fails
         time.sleep(0.05)
     proc.communicate(timeout=timeout)
 
@@ -410,8 +334,8 @@ def _wait_for_ranks(proc: subprocess.Popen, timeout: float) -> None:
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_sigterm_through_mpirun_stops_both_at_one_step_and_resumes_exactly(
-        tmp_path, corpus, cached, under_mpirun):
-    args = [*COMMON, "--data", corpus, "--cpu-devices", "4"]
+        tmp_path, launch_corpus, launch_cache, under_mpirun):
+    args = [*ARGS, "--data", launch_corpus, "--cpu-devices", "4"]
     # Its session directory under tmp_path: mpirun, killed once its ranks are done (see
     # _wait_for_ranks), leaves it behind.
     launcher = [*MPIRUN, "--mca", "odls_base_sigkill_timeout", str(GRACE_S),
@@ -419,7 +343,7 @@ def test_sigterm_through_mpirun_stops_both_at_one_step_and_resumes_exactly(
     run = tmp_path / "run"
     # The helper runs as a script: put this checkout's package first on its path.
     repo = str(SLOW_BATCHES.resolve().parents[1])
-    slow = _env(**cached, EFFIJAX_TEST_BATCH_DELAY_S=BATCH_DELAY_S, PYTHONPATH=os.pathsep.join(
+    slow = env(**launch_cache, EFFIJAX_TEST_BATCH_DELAY_S=BATCH_DELAY_S, PYTHONPATH=os.pathsep.join(
         [repo, *filter(None, [os.environ.get("PYTHONPATH")])]))
     said = tmp_path / "ranks"
     said.mkdir()
@@ -431,11 +355,11 @@ def test_sigterm_through_mpirun_stops_both_at_one_step_and_resumes_exactly(
     while not (checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())):
         assert proc.poll() is None, "mpirun exited before the first checkpoint"
         if time.monotonic() > deadline:
-            _wait([proc], timeout=1)  # kills, fails
+            wait([proc], 1)  # kills, fails
         time.sleep(0.01)
     proc.send_signal(signal.SIGTERM)  # to mpirun, as a scheduler's preemption does
     _wait_for_ranks(proc, timeout=LONG_S)
-    last = _metrics(run)[-1]["step"]
+    last = metrics(run)[-1]["step"]
     assert EVERY <= last < STEPS, f"stopped at {last}: the signal must land mid-run"
     out0, out1 = ((said / f"{rank}.out").read_text() for rank in (0, 1))
     assert f"effijax train: stopped at step {last} by SIGTERM; saved; resume with: " \
@@ -444,10 +368,9 @@ def test_sigterm_through_mpirun_stops_both_at_one_step_and_resumes_exactly(
 
     # The resumed run reads its batches at full speed and loads the programs around the step
     # from the cache: its steps must still agree bit for bit with the uninterrupted run's.
-    (out, _), = _wait([_train([*args, "--out", str(run)], _env(**cached), MPIRUN)],
-                      timeout=LONG_S)
+    (out, _), = wait([train([*args, "--out", str(run)], env(**launch_cache), MPIRUN)], LONG_S)
     assert f"resuming from step {last}" in out and f"done: {STEPS} steps" in out
     straight, _ = under_mpirun
-    resumed, reference = _metrics(run), _metrics(straight)
+    resumed, reference = metrics(run), metrics(straight)
     assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in resumed] == [r["loss"] for r in reference]

@@ -1,0 +1,82 @@
+"""What the real multi-process launches of tests/test_multihost.py (flags) and
+tests/test_launchers.py (mpirun, an emulated srun) share: one run, ``ARGS`` (a tiny GPT, FSDP,
+``STEPS`` steps, a checkpoint every ``EVERY``), its corpus, the environment its processes start
+in, and :func:`same_run`, the check that a run of 2 processes of 4 CPU devices trained as the
+one process of 8 devices that conftest's ``one_process_of_eight`` runs once per test process
+for both modules.
+
+The SIGTERM tests signal a run once its first checkpoint (step ``EVERY``) exists; the processes
+agree to stop every 10 steps, so the run stops at 10, 20 or 30, well before ``STEPS``, and its
+resumption has steps left to compare bit for bit.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+STEPS, EVERY = 48, 8
+ARGS = ["--model", "tiny", "--seq-len", "32", "--batch-size", "8", "--steps", str(STEPS),
+        "--strategy", "fsdp", "--eval-batches", "1", "--no-progress", "--checkpoint-every",
+        str(EVERY)]
+CORPUS = "".join(f"def f{i}(x):\n    return x * {i} + 1\n" for i in range(400))
+# The machine's own launcher variables (a test run inside a SLURM job, say) must not reach the
+# processes: each test says how they find each other.
+LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMIX_", "EFFIJAX_", "JAX_COORDINATOR", "JAX_LOCAL",
+                     "KUBERNETES_", "JOB_COMPLETION_INDEX", "XLA_FLAGS")
+
+
+def env(**extra) -> dict:
+    """This process's environment without launcher variables, on CPU, plus ``extra``."""
+    out = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES)}
+    out["JAX_PLATFORMS"] = "cpu"
+    out.update({k: str(v) for k, v in extra.items()})
+    return out
+
+
+def train(args, environment, prefix=()) -> subprocess.Popen:
+    """``effijax train ARGS`` started in its own session (``prefix``: a launcher)."""
+    return subprocess.Popen([*prefix, sys.executable, "-m", "effijax", "train", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=environment, start_new_session=True)
+
+
+def wait(procs, timeout: float) -> list[tuple[str, str]]:
+    """Waits for all; on a timeout kills them (only the processes started here). Every one
+    must exit 0; returns their ``(stdout, stderr)``."""
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+            p.communicate()
+        pytest.fail(f"a process did not finish within {timeout}s (hang?)")
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, f"exit {p.returncode}\nstdout:\n{out}\nstderr:\n{err}"
+    return outs
+
+
+def metrics(run) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def same_run(multi, single, steps: int, mesh: dict) -> None:
+    """The 2 x 4 run ``multi`` trained as the 1 x 8 run ``single`` on ``mesh``: the same
+    losses (gloo's all-reduces sum in another order than one process's: f32 rounding), the same
+    partitioned program (per-device parameter bytes, collectives)."""
+    m2, m1 = metrics(multi), metrics(single)
+    assert [r["step"] for r in m2] == [r["step"] for r in m1] == list(range(1, steps + 1))
+    np.testing.assert_allclose([r["loss"] for r in m2], [r["loss"] for r in m1], rtol=1e-5)
+    s2 = json.loads((multi / "summary.json").read_text())
+    s1 = json.loads((single / "summary.json").read_text())
+    np.testing.assert_allclose(s2["eval_loss"], s1["eval_loss"], rtol=1e-5)
+    c2 = json.loads((multi / "config.json").read_text())
+    assert c2["run"]["process_count"] == 2 and len(c2["run"]["devices"]) == 8
+    assert c2["mesh"] == s1["mesh"] == mesh and c2["strategy"] == "fsdp"
+    assert s2["memory"]["params"] == s1["memory"]["params"]
+    assert s2["collectives"] and s2["collectives"] == s1["collectives"]
