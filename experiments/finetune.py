@@ -48,6 +48,9 @@ class Config:
     lora_lr: float = 2e-3
     full_lr: float = 1e-4
     ranks: tuple[int, ...] = (4, 16)
+    # The LoRA base's storage (--frozen-dtypes): "auto" (the compute dtype), or several to
+    # compare QLoRA's bases (bf16, nf4, int8, the GGUF's own blocks "gguf") at each rank.
+    frozen_dtypes: tuple[str, ...] = ("auto",)
     full: bool = True
     held_out: int = 17  # held-out questions scored (at most the validation split's size)
     max_new_tokens: int = 32
@@ -93,10 +96,11 @@ def score(loaded, items, max_new_tokens: int) -> tuple[float, list[str]]:
     return hits / len(items), answers
 
 
-def variants(cfg: Config) -> list[tuple[str, int | None, float]]:
-    """``(name, LoRA rank or None for full fine-tuning, learning rate)``."""
-    out = [(f"LoRA r={r}", r, cfg.lora_lr) for r in cfg.ranks]
-    return out + ([("full", None, cfg.full_lr)] if cfg.full else [])
+def variants(cfg: Config) -> list[tuple[str, int | None, float, str]]:
+    """``(name, LoRA rank or None for full fine-tuning, learning rate, frozen dtype)``."""
+    out = [(f"LoRA r={r}" + ("" if cfg.frozen_dtypes == ("auto",) else f", {d} base"), r,
+            cfg.lora_lr, d) for r in cfg.ranks for d in cfg.frozen_dtypes]
+    return out + ([("full", None, cfg.full_lr, "auto")] if cfg.full else [])
 
 
 def main(cfg: Config) -> dict:
@@ -118,12 +122,13 @@ def main(cfg: Config) -> dict:
 
     results = {"config": dataclasses.asdict(cfg), "records": count, "scored": len(items),
                "base": {"exact_match": base_match, "answers": base_answers}, "variants": {}}
-    for name, rank, lr in variants(cfg):
-        run_dir = out / name.replace(" ", "").replace("=", "")
+    for name, rank, lr, frozen in variants(cfg):
+        run_dir = out / name.replace(" ", "").replace("=", "").replace(",", "-")
         result = train(TrainConfig(
             init_from=cfg.init_from, data=str(data), chat_template=cfg.chat_template,
-            lora_rank=rank,
-            **({} if rank is None else {"lora_alpha": 2.0 * rank}), seq_len=cfg.seq_len,
+            lora_rank=rank, **({} if rank is None else {"lora_alpha": 2.0 * rank,
+                                                        "frozen_dtype": frozen}),
+            seq_len=cfg.seq_len,
             batch_size=cfg.batch_size, steps=cfg.steps, lr=lr, seed=cfg.seed,
             eval_batches=cfg.eval_batches, unroll_layers=cfg.unroll_layers,
             progress=cfg.progress, out=str(run_dir)))
@@ -195,9 +200,19 @@ if __name__ == "__main__":
     ap.add_argument("--out", help="output directory (default: the preset's)")
     ap.add_argument("--from", dest="init_from", help="the pretrained model, as effijax train "
                     "--from takes it (default: smollm2)")
+    ap.add_argument("--ranks", help="LoRA ranks, comma-separated (default: the preset's)")
+    ap.add_argument("--frozen-dtypes", help="the LoRA bases to compare, comma-separated, e.g. "
+                    "bf16,nf4,gguf (default: auto, the compute dtype)")
+    ap.add_argument("--no-full", dest="full", action="store_false", default=None,
+                    help="leave full fine-tuning out")
     args = ap.parse_args()
     model, sizes = MODELS[args.model]
     cfg = dataclasses.replace(PRESETS[args.preset], **model,
                               **(sizes if args.preset == "default" else {}))
-    overrides = {k: v for k, v in (("out", args.out), ("init_from", args.init_from)) if v}
+    overrides = {k: v for k, v in (("out", args.out), ("init_from", args.init_from),
+                                   ("full", args.full)) if v is not None}
+    if args.ranks:
+        overrides["ranks"] = tuple(int(r) for r in args.ranks.split(","))
+    if args.frozen_dtypes:
+        overrides["frozen_dtypes"] = tuple(args.frozen_dtypes.split(","))
     main(dataclasses.replace(cfg, **overrides))
