@@ -18,7 +18,7 @@ differ only in how the frozen base is held:
 Steps are timed interleaved. The frozen base's bytes are the effijax frozen tree's, or the
 torch model's ``get_memory_footprint()`` (embeddings included in both).
 
-Goal (issue #24): the 4-bit-base step <= 1.25x the bf16-base step. Reported too: effijax's NF4
+Goal: the 4-bit-base step <= 1.25x the bf16-base step. Reported too: effijax's NF4
 step against peft + bitsandbytes'.
 
 Run: ``python benchmarks/qlora.py [--model smollm2|gemma3-270m] [--batch-size 4 --seq-len 128
