@@ -373,8 +373,7 @@ def _quantized_base_bytes(model, frozen_dtype: str, source: str | None,
             raise ConfigError("--frozen-dtype", "gguf", f"counts a GGUF file's own blocks: "
                               f"give the file with {_from.FLAG} FILE.gguf (or a bundled GGUF "
                               "model, e.g. smollm2)")
-        return gguf_kept_bytes(path, dtype="fp32" if precision in ("fp32", "f32", "float32")
-                               else "bf16")
+        return gguf_kept_bytes(path, dtype="fp32" if precision == "fp32" else "bf16")
     if frozen_dtype not in FROZEN_SCALE_BITS:
         return None
     return frozen_base_bytes(model.abstract_params(), frozen_dtype)

@@ -298,11 +298,17 @@ def gguf_config(path: str | os.PathLike, *, seq_len: int | None = None) -> Llama
     Raises:
       FileError: the file is malformed or describes an unsupported or implausible model.
     """
-    source = os.fspath(path)
+    return _header(os.fspath(path), seq_len)[0]
+
+
+def _header(source: str, seq_len: int | None) -> tuple[LlamaConfig, dict]:
+    """``(config, {name: tensor})`` from the file's metadata and tensor table (no tensor
+    read, no tokenizer built)."""
     reader = open_gguf(source)
-    shapes = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
+    tensors = {t.name: t for t in reader.tensors}
+    shapes = {name: tuple(int(n) for n in reversed(t.shape)) for name, t in tensors.items()}
     return _config(read_metadata(reader), shapes, seq_len=seq_len, tokenizer=None,
-                   source=source)
+                   source=source), tensors
 
 
 def _kept_layers(config, fmt: PretrainedFormat, tensors: dict) -> dict:
@@ -355,22 +361,16 @@ def gguf_kept_bytes(path: str | os.PathLike, *, dtype: Any = "bf16") -> int:
     Raises:
       FileError: the file is malformed or describes an unsupported model.
     """
-    from effijax.precision import ggml_row_bytes, parse_dtype
+    from effijax.precision import ggml_blocks_bytes, parse_dtype
 
     itemsize = np.dtype(parse_dtype(dtype)).itemsize
-    source = os.fspath(path)
-    reader = open_gguf(source)
-    tensors = {t.name: t for t in reader.tensors}
-    shapes = {name: tuple(int(n) for n in reversed(t.shape)) for name, t in tensors.items()}
-    config = _config(read_metadata(reader), shapes, seq_len=None, tokenizer=None, source=source)
+    config, tensors = _header(os.fspath(path), None)
     kept = _kept_layers(config, format_of(config), tensors)
     total = 0
     for name, leaf in named_leaves(config.abstract_params()):
         if name in kept:
-            layers = kept[name]
-            d, f = leaf.shape[-2:]
-            width = max(ggml_row_bytes(t.tensor_type.name, d) for t in layers)
-            total += len(layers) * (f * width + 4)
+            total += ggml_blocks_bytes([t.tensor_type.name for t in kept[name]],
+                                       *leaf.shape[-2:])
         else:
             total += math.prod(leaf.shape) * itemsize
     return total

@@ -32,7 +32,14 @@ from flax import nnx
 from effijax.errors import NO_VALUE, ConfigError
 from effijax.lora import LoraSpec, pairs, validate
 from effijax.models._dense import materialize, matmul
-from effijax.precision import cross_entropy, dequantize, dot, is_quantized, masked_mean
+from effijax.precision import (
+    cross_entropy,
+    dequantize,
+    dequantized_shapes,
+    dot,
+    is_quantized,
+    masked_mean,
+)
 from effijax.sharding import constrain_activations
 
 INIT_STD = 0.02  # GPT-2's and Hugging Face's ``initializer_range``
@@ -409,9 +416,7 @@ def check_call(module: nnx.Module, tokens_BS: jax.Array, adapters, lora, *, adap
             if not adaptable.match(path):
                 raise ConfigError("adapters", path, f"{adaptable_text}; fold other adapters in "
                                   "with effijax.lora.merge")
-        params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32)
-                              if is_quantized(x) else x,
-                              nnx.to_pure_dict(nnx.state(module, nnx.Param)), is_leaf=is_quantized)
+        params = dequantized_shapes(nnx.to_pure_dict(nnx.state(module, nnx.Param)))
         validate(params, adapters, lora)
     if tokens_BS.ndim != 2 or not jnp.issubdtype(tokens_BS.dtype, jnp.integer):
         raise ConfigError("tokens_BS", NO_VALUE, "expected integer ids of shape [batch, seq], "

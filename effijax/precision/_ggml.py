@@ -37,8 +37,8 @@ from jax.sharding import PartitionSpec as P
 
 from effijax.errors import ConfigError
 
-__all__ = ["GGML_BLOCKS", "GGMLBlocks", "dequantize_blocks", "ggml_blocks", "ggml_row_bytes",
-           "ggml_sharding"]
+__all__ = ["GGML_BLOCKS", "GGMLBlocks", "dequantize_blocks", "ggml_blocks", "ggml_blocks_bytes",
+           "ggml_row_bytes", "ggml_sharding"]
 
 # ggml type -> (weights per block, bytes per block)
 GGML_BLOCKS: dict[str, tuple[int, int]] = {
@@ -75,10 +75,6 @@ class GGMLBlocks:
         *lead, f, _ = self.rows.shape
         return (*lead, self.in_features, f)
 
-    @property
-    def nbytes(self) -> int:
-        return int(math.prod(self.rows.shape)) + 4 * int(math.prod(self.kinds.shape))
-
 
 def ggml_row_bytes(kind: str, in_features: int) -> int:
     """Bytes of one row of ``kind`` blocks over ``in_features`` inputs (a multiple of the
@@ -90,6 +86,18 @@ def ggml_row_bytes(kind: str, in_features: int) -> int:
     """
     block, size = GGML_BLOCKS[kind]
     return in_features // block * size
+
+
+def ggml_blocks_bytes(kinds: list[str], in_features: int, out_features: int) -> int:
+    """Bytes of :func:`ggml_blocks`' result for layers of types ``kinds`` (one per layer): every
+    row padded to the widest type's, and one int32 type index per layer.
+
+    Example:
+      >>> ggml_blocks_bytes(["Q4_K", "Q6_K"], 2048, 640)  # 2 x (640 rows x 1680 B + 4)
+      2150408
+    """
+    width = max(ggml_row_bytes(kind, in_features) for kind in kinds)
+    return len(kinds) * (out_features * width + 4)
 
 
 def ggml_blocks(layers: list[tuple[str, np.ndarray]], in_features: int,
