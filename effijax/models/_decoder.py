@@ -233,9 +233,11 @@ class DecoderConfig(LanguageModel):
         sharded."""
         return split_params(self.decoder(self, policy=policy, rngs=nnx.Rngs(params=key)))[1]
 
-    def loss_fn(self, lora: LoraSpec | None = None, *, sequence_parallel: bool = True):
+    def loss_fn(self, lora: LoraSpec | None = None, *, sequence_parallel: bool = True,
+                frozen_base: bool = False):
         """See :func:`effijax.models.make_loss_fn` (masked mean cross-entropy in f32)."""
-        return make_loss_fn(_graphdef(self), lora, sequence_parallel=sequence_parallel)
+        return make_loss_fn(_graphdef(self), lora, sequence_parallel=sequence_parallel,
+                            frozen_base=frozen_base)
 
     def logits_fn(self, lora: LoraSpec | None = None):
         """``logits_fn(params, tokens_BS, segments_BS=None) -> logits_BSV`` in the policy's
@@ -682,7 +684,7 @@ class Decoder(nnx.Module):
         if self.tied:  # the embedding as stored (V, D): see effijax.models._dense
             logits_BSV = _dense(x_BSD, self.embed.embedding[...], None, transposed=True)
         else:
-            logits_BSV = _dense(x_BSD, self.lm_head.kernel[...], None)
+            logits_BSV = _dense(x_BSD, self.lm_head.kernel.get_value(), None)  # array or Kept
         return logits_BSV.astype(self.policy.output_dtype)
 
     # Shared pieces ----------------------------------------------------------------------------

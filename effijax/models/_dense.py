@@ -80,6 +80,80 @@ def cpu_layout(dtype) -> bool:
     return target_backend() == "cpu" and jnp.dtype(dtype) in _HALF
 
 
+@jax.tree_util.register_pytree_node_class
+class Kept:
+    """A 16-bit float array held as its integer bits (``uint16``) and its dtype (static)."""
+
+    def __init__(self, bits: jax.Array, dtype):
+        self.bits, self.dtype = bits, dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.bits.shape
+
+    @property
+    def ndim(self) -> int:
+        return self.bits.ndim
+
+    def tree_flatten(self):
+        return (self.bits,), self.dtype
+
+    @classmethod
+    def tree_unflatten(cls, dtype, children):
+        return cls(children[0], dtype)
+
+
+def keep(x: jax.Array | None):
+    """``x`` as a residual a hand-written backward reads: a 16-bit float array in a trace made
+    for the CPU becomes :class:`Kept` bits (the same bytes, nothing rounded); anything else is
+    returned as it is. :func:`unkeep` gives the array back.
+
+    Why: a scan stacks the residuals of each layer for the backward, one dynamic update per
+    layer. XLA:CPU carries out a dynamic update of a bf16 array in f32, converting the whole
+    stacked buffer there and back at every layer: an O(L²) copy, measured at a quarter of
+    SmolLM2's bf16 LoRA step. A dynamic update of integers is done in place.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> kept = keep(jnp.full(2, 1.5, jnp.bfloat16))
+      >>> kept.bits.dtype, unkeep(kept).tolist()
+      (dtype('uint16'), [1.5, 1.5])
+      >>> keep(jnp.ones(2)).dtype  # f32 is kept as it is
+      dtype('float32')
+    """
+    if x is None or jnp.dtype(x.dtype) not in _HALF or target_backend() != "cpu":
+        return x
+    return Kept(jax.lax.bitcast_convert_type(x, jnp.uint16), x.dtype)
+
+
+def kept_shapes(tree):
+    """``tree`` with each :class:`Kept` leaf as the ``jax.ShapeDtypeStruct`` of its array (for
+    checks that read shapes and dtypes).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> kept_shapes({"k": keep(jnp.ones(2, jnp.bfloat16))})["k"].dtype
+      dtype(bfloat16)
+    """
+    return jax.tree.map(lambda k: jax.ShapeDtypeStruct(k.shape, k.dtype)
+                        if isinstance(k, Kept) else k, tree,
+                        is_leaf=lambda n: isinstance(n, Kept))
+
+
+def unkeep(residual):
+    """The array :func:`keep` made ``residual`` from (``residual`` itself when it is not
+    :class:`Kept`).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> unkeep(None) is None
+      True
+    """
+    if isinstance(residual, Kept):
+        return jax.lax.bitcast_convert_type(residual.bits, residual.dtype)
+    return residual
+
+
 def matmul(x_ND: jax.Array, w: jax.Array, *, transposed: bool = False) -> jax.Array:
     """``x @ w`` (``x @ wᵀ`` with ``transposed``) with f32 accumulation, in ``x``'s dtype, with
     the CPU backward for 16-bit operands (see the module docstring).
@@ -98,6 +172,8 @@ def matmul(x_ND: jax.Array, w: jax.Array, *, transposed: bool = False) -> jax.Ar
       >>> dx.tolist()[0], dw.tolist()[0]
       ([2.0, 2.0, 2.0], [4.0, 4.0])
     """
+    if isinstance(w, Kept):  # a frozen kernel held as bits (freeze_kernels)
+        return _kept_matmul(x_ND, w.bits, transposed, w.dtype)
     if not cpu_layout(x_ND.dtype):
         return dot("nd,fd->nf" if transposed else "nd,df->nf", x_ND, w)
     return _cpu_matmul(x_ND, w, transposed)
@@ -113,12 +189,12 @@ def _cpu_matmul_fwd(x_ND, w, transposed):
     # the kernel for dx, xᵀ for dw (None when that input is not differentiated).
     x, kernel = x_ND.value, w.value
     y_NF = dot("nd,fd->nf" if transposed else "nd,df->nf", x, kernel)
-    x_DN = materialize(x.T) if w.perturbed else None
+    x_DN = keep(materialize(x.T)) if w.perturbed else None
     return y_NF, (x_DN, kernel if x_ND.perturbed else None)
 
 
 def _cpu_matmul_bwd(transposed, residuals, dy_NF):
-    x_DN, kernel = residuals
+    x_DN, kernel = unkeep(residuals[0]), residuals[1]
     if isinstance(dy_NF, SymbolicZero):
         return None, None
     dx_ND = None
@@ -132,3 +208,48 @@ def _cpu_matmul_bwd(transposed, residuals, dy_NF):
 
 
 _cpu_matmul.defvjp(_cpu_matmul_fwd, _cpu_matmul_bwd, symbolic_zeros=True)
+
+
+# A frozen kernel's matmul from its bits: the backward computes dx only, from the kernel's bits
+# as the step received them (the scan's own slice, which it forwards instead of stacking a copy).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _kept_matmul(x_ND: jax.Array, bits: jax.Array, transposed: bool, dtype) -> jax.Array:
+    kernel = jax.lax.bitcast_convert_type(bits, dtype)
+    return dot("nd,fd->nf" if transposed else "nd,df->nf", x_ND, kernel)
+
+
+def _kept_matmul_fwd(x_ND, bits, transposed, dtype):
+    return _kept_matmul(x_ND, bits, transposed, dtype), bits
+
+
+def _kept_matmul_bwd(transposed, dtype, bits, dy_NF):
+    kernel = jax.lax.bitcast_convert_type(bits, dtype)
+    return dot("nf,fd->nd" if transposed else "nf,df->nd", dy_NF, kernel), None
+
+
+_kept_matmul.defvjp(_kept_matmul_fwd, _kept_matmul_bwd)
+
+
+def freeze_kernels(base):
+    """A frozen base as a LoRA step uses it: no gradient reaches it (``stop_gradient``), and in
+    a trace made for the CPU its 16-bit ``kernel`` leaves are held as :class:`Kept` bits, which
+    every parameter matmul (:func:`matmul`) takes. XLA:CPU slices a stacked bf16 kernel through
+    f32 (see :func:`keep`): it converted SmolLM2's whole bf16 base to f32 and back at every
+    step; bits are sliced as they are, and the backward reads the scan's own slice.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> base = freeze_kernels({"q": {"kernel": jnp.ones((2, 3, 3), jnp.bfloat16)},
+      ...                        "norm": {"scale": jnp.ones(3, jnp.bfloat16)}})
+      >>> type(base["q"]["kernel"]).__name__, base["norm"]["scale"].dtype
+      ('Kept', dtype(bfloat16))
+    """
+    base = jax.lax.stop_gradient(base)
+    if target_backend() != "cpu":
+        return base
+
+    def freeze(path, leaf):
+        named = getattr(path[-1], "key", None) == "kernel" if path else False
+        return keep(leaf) if named and isinstance(leaf, jax.Array) else leaf
+
+    return jax.tree_util.tree_map_with_path(freeze, base)

@@ -41,6 +41,7 @@ from flax import nnx
 
 from effijax.errors import ConfigError, whole_number
 from effijax.models._decoder import AttentionSpec, LayerInputs, PreNormBlock, preset_config
+from effijax.models._dense import keep, unkeep
 from effijax.models._interface import (
     ModelShape,
     PretrainedFormat,
@@ -219,11 +220,11 @@ def _geglu(g_BSF: jax.Array, u_BSF: jax.Array) -> jax.Array:
 
 
 def _geglu_fwd(g_BSF, u_BSF):
-    return _geglu(g_BSF, u_BSF), (g_BSF, u_BSF)
+    return _geglu(g_BSF, u_BSF), (keep(g_BSF), keep(u_BSF))
 
 
 def _geglu_bwd(residuals, dy_BSF):
-    g_BSF, u_BSF = residuals
+    g_BSF, u_BSF = (unkeep(r) for r in residuals)
     g, u, dy = (t.astype(jnp.float32) for t in (g_BSF, u_BSF, dy_BSF))
     gelu, gelu_vjp = jax.vjp(functools.partial(jax.nn.gelu, approximate=True), g)
     return gelu_vjp(dy * u)[0].astype(g_BSF.dtype), (dy * gelu).astype(u_BSF.dtype)

@@ -49,6 +49,7 @@ from effijax.models._decoder import (
     preset_config,
     split_params,
 )
+from effijax.models._dense import keep, unkeep
 from effijax.models._interface import ModelShape, register_family
 from effijax.models._layers import INIT_STD, _Dense, _Embed, make_apply, make_loss_fn
 from effijax.precision import Policy, layer_norm
@@ -223,11 +224,11 @@ def _gelu(x: jax.Array) -> jax.Array:
 
 
 def _gelu_fwd(x):
-    return jax.nn.gelu(x), x
+    return jax.nn.gelu(x), keep(x)
 
 
 def _gelu_bwd(x, g):
-    return jax.vjp(jax.nn.gelu, x)[1](g)
+    return jax.vjp(jax.nn.gelu, unkeep(x))[1](g)
 
 
 _gelu.defvjp(_gelu_fwd, _gelu_bwd)

@@ -129,14 +129,15 @@ class LanguageModel(abc.ABC):
         sharded)."""
 
     @abc.abstractmethod
-    def loss_fn(self, lora: Any = None, *, sequence_parallel: bool = True
-                ) -> Callable[..., tuple[Any, dict]]:
+    def loss_fn(self, lora: Any = None, *, sequence_parallel: bool = True,
+                frozen_base: bool = False) -> Callable[..., tuple[Any, dict]]:
         """``loss_fn(params, batch, rng=None) -> (loss, aux)``: mean cross-entropy in f32 over
         the trained positions; ``aux`` holds f32 scalars (e.g. ``accuracy``). Dropout runs when
         ``rng`` is a key. With ``lora`` (a :class:`~effijax.lora.LoraSpec`) ``params`` is
         ``{"base": ..., "adapters": ...}``. ``sequence_parallel``: on a ``tensor > 1`` mesh,
         split the activations between the blocks along the sequence
-        (:func:`effijax.sharding.activation_spec`)."""
+        (:func:`effijax.sharding.activation_spec`). ``frozen_base``: with ``lora``, no gradient
+        reaches the base (see :func:`effijax.models.make_apply`)."""
 
     @abc.abstractmethod
     def logits_fn(self, lora: Any = None) -> Callable[..., Any]:

@@ -31,7 +31,14 @@ from flax import nnx
 
 from effijax.errors import NO_VALUE, ConfigError
 from effijax.lora import LoraSpec, pairs, validate
-from effijax.models._dense import materialize, matmul
+from effijax.models._dense import (
+    freeze_kernels,
+    keep,
+    kept_shapes,
+    materialize,
+    matmul,
+    unkeep,
+)
 from effijax.precision import (
     cross_entropy,
     dequantize,
@@ -87,7 +94,7 @@ def _dense(x_BSD: jax.Array, kernel_DF: jax.Array, bias_F: jax.Array | None,
     x_ND = x_BSD.reshape(-1, x_BSD.shape[-1])
     if is_quantized(kernel_DF):  # a QLoRA base's frozen kernel (never the tied head)
         y_NF = _dot_quantized(x_ND, kernel_DF)
-    else:
+    else:  # an array, or a frozen kernel's bits (freeze_kernels): matmul takes both
         y_NF = matmul(x_ND.astype(kernel_DF.dtype), kernel_DF, transposed=transposed)
     if lora is not None:
         xa_ND = _dropout(x_ND, lora.dropout, lora.key).astype(lora.a_DR.dtype)
@@ -130,11 +137,11 @@ def _lora_delta_fwd(x_ND, a_DR, b_RF, scale):
     as_DR = a_DR * jnp.asarray(scale, a_DR.dtype)
     h_NR = dot("nd,dr->nr", x_ND, as_DR)
     u_NF = dot("nr,rf->nf", h_NR, b_RF)
-    return u_NF, (x_ND, materialize(h_NR.T), as_DR, b_RF)
+    return u_NF, (keep(x_ND), keep(materialize(h_NR.T)), as_DR, b_RF)
 
 
 def _lora_delta_bwd(scale, residuals, du_NF):
-    x_ND, h_RN, as_DR, b_RF = residuals
+    x_ND, h_RN, as_DR, b_RF = (unkeep(r) for r in residuals)
     dh_RN = dot("rf,nf->rn", b_RF, du_NF)
     dx_ND = dot("nr,dr->nd", materialize(dh_RN.T), as_DR)
     das_RD = dot("rn,nd->rd", dh_RN, x_ND) * jnp.asarray(scale, x_ND.dtype)
@@ -193,7 +200,7 @@ class _Dense(nnx.Module):
     def __call__(self, x: jax.Array, lora: dict | None = None) -> jax.Array:
         hook = None if lora is None else lora.get("kernel")
         bias = self.bias[...] if hasattr(self, "bias") else None
-        return _dense(x, self.kernel.get_value(), bias, hook)  # an array or a Quantized
+        return _dense(x, self.kernel.get_value(), bias, hook)  # an array, Quantized or Kept
 
 
 
@@ -320,7 +327,8 @@ def lm_loss_fn(apply: Callable[..., jax.Array]) -> Callable[..., tuple[jax.Array
 
 
 def make_apply(graphdef: nnx.GraphDef, lora: LoraSpec | None = None, *,
-               sequence_parallel: bool = True) -> Callable[..., jax.Array]:
+               sequence_parallel: bool = True, frozen_base: bool = False
+               ) -> Callable[..., jax.Array]:
     """Returns ``apply(params, tokens_BS, *, rng=None, deterministic=True, segments_BS=None)
     -> logits_BSV``.
 
@@ -331,7 +339,10 @@ def make_apply(graphdef: nnx.GraphDef, lora: LoraSpec | None = None, *,
     With ``lora`` (a :class:`~effijax.lora.LoraSpec`), ``params`` is ``{"base": params,
     "adapters": adapters}`` and the adapted kernels compute ``x w + s·(x a) b`` (factored: no
     ``d_in × d_out`` delta is formed). To train only the adapters, see
-    :func:`effijax.lora.freeze_base`.
+    :func:`effijax.lora.freeze_base`. ``frozen_base=True`` declares the base frozen: no gradient
+    reaches it, and on the CPU its 16-bit kernels run from their bits
+    (:func:`~effijax.models._dense.freeze_kernels`: XLA:CPU would slice them through f32),
+    which the LoRA train step of :func:`effijax.recipe.plan_job` uses.
 
     ``segments_BS`` (int ``[B, S]``, packed rows) keeps each segment's attention within itself
     and restarts its positions (see :func:`segment_positions`). ``sequence_parallel`` is the
@@ -365,7 +376,7 @@ def make_apply(graphdef: nnx.GraphDef, lora: LoraSpec | None = None, *,
             return model(tokens_BS, deterministic=deterministic, rngs=rng,
                          segments_BS=segments_BS, sequence_parallel=sequence_parallel)
         base, adapters = _split_lora_params(params)
-        model = nnx.merge(graphdef, base)
+        model = nnx.merge(graphdef, freeze_kernels(base) if frozen_base else base)
         return model(tokens_BS, deterministic=deterministic, rngs=rng, adapters=adapters,
                      lora=lora, segments_BS=segments_BS, sequence_parallel=sequence_parallel)
 
@@ -373,7 +384,8 @@ def make_apply(graphdef: nnx.GraphDef, lora: LoraSpec | None = None, *,
 
 
 def make_loss_fn(graphdef: nnx.GraphDef, lora: LoraSpec | None = None, *,
-                 sequence_parallel: bool = True) -> Callable[..., tuple[jax.Array, dict]]:
+                 sequence_parallel: bool = True, frozen_base: bool = False
+                 ) -> Callable[..., tuple[jax.Array, dict]]:
     """Returns ``loss_fn(params, batch, rng=None) -> (loss, {"accuracy": acc})``.
 
     ``batch`` is ``{"inputs": int32[B, S], "targets": int32[B, S]}``; the loss is the mean token
@@ -383,7 +395,8 @@ def make_loss_fn(graphdef: nnx.GraphDef, lora: LoraSpec | None = None, *,
     :func:`effijax.lora.freeze_base` to differentiate only the adapters. An optional
     ``batch["mask"]`` (``[B, S]``) restricts both to the positions where it is nonzero; an
     optional ``batch["segments"]`` (int ``[B, S]``) runs the packed examples of each row as if
-    alone (see :func:`make_apply`, which also says what ``sequence_parallel`` does).
+    alone (see :func:`make_apply`, which also says what ``sequence_parallel`` and
+    ``frozen_base`` do).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -396,7 +409,8 @@ def make_loss_fn(graphdef: nnx.GraphDef, lora: LoraSpec | None = None, *,
       >>> loss.dtype, sorted(aux)
       (dtype('float32'), ['accuracy'])
     """
-    return lm_loss_fn(make_apply(graphdef, lora, sequence_parallel=sequence_parallel))
+    return lm_loss_fn(make_apply(graphdef, lora, sequence_parallel=sequence_parallel,
+                                 frozen_base=frozen_base))
 
 
 def check_call(module: nnx.Module, tokens_BS: jax.Array, adapters, lora, *, adaptable,
@@ -416,7 +430,8 @@ def check_call(module: nnx.Module, tokens_BS: jax.Array, adapters, lora, *, adap
             if not adaptable.match(path):
                 raise ConfigError("adapters", path, f"{adaptable_text}; fold other adapters in "
                                   "with effijax.lora.merge")
-        params = dequantized_shapes(nnx.to_pure_dict(nnx.state(module, nnx.Param)))
+        params = dequantized_shapes(kept_shapes(nnx.to_pure_dict(nnx.state(module,
+                                                                            nnx.Param))))
         validate(params, adapters, lora)
     if tokens_BS.ndim != 2 or not jnp.issubdtype(tokens_BS.dtype, jnp.integer):
         raise ConfigError("tokens_BS", NO_VALUE, "expected integer ids of shape [batch, seq], "

@@ -43,6 +43,7 @@ from effijax.models._decoder import (
     check_run_choices,
     preset_config,
 )
+from effijax.models._dense import keep, unkeep
 from effijax.models._interface import (
     ModelShape,
     PretrainedFormat,
@@ -327,11 +328,11 @@ def _swiglu(g_BSF: jax.Array, u_BSF: jax.Array) -> jax.Array:
 
 
 def _swiglu_fwd(g_BSF, u_BSF):
-    return _swiglu(g_BSF, u_BSF), (g_BSF, u_BSF)
+    return _swiglu(g_BSF, u_BSF), (keep(g_BSF), keep(u_BSF))
 
 
 def _swiglu_bwd(residuals, dy_BSF):
-    g_BSF, u_BSF = residuals
+    g_BSF, u_BSF = (unkeep(r) for r in residuals)
     g, u, dy = (t.astype(jnp.float32) for t in (g_BSF, u_BSF, dy_BSF))
     sig = jax.nn.sigmoid(g)
     dg = dy * u * sig * (1.0 + g * (1.0 - sig))

@@ -297,7 +297,8 @@ def plan_job(
         # The adapters' own rules first: a rule for the base kernels ('.*/kernel') also matches
         # the adapters' paths ('.../kernel/a').
         rules = lora_lib.adapter_rules(kernel_sh, trainable) + list(rules or [])
-        loss = lora_lib.freeze_base(model.loss_fn(lora, sequence_parallel=sequence_parallel))
+        loss = lora_lib.freeze_base(model.loss_fn(lora, sequence_parallel=sequence_parallel,
+                                                  frozen_base=True))
     specs = partition_specs(abstract_state.params, mesh, rules=rules,
                             tensor_layout=layout)  # warns once per leaf
     with warnings.catch_warnings():
