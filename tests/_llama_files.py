@@ -6,6 +6,8 @@ under llama.cpp's names, ``attn_q``/``attn_k`` rows permuted (:func:`llama_cpp_p
 here from the converter's description rather than taken from effijax), optionally quantized.
 """
 
+import math
+
 import gguf
 import numpy as np
 
@@ -76,6 +78,25 @@ def llama_cpp_permute(w, n_head, n_head_kv=None):
             .swapaxes(1, 2).reshape(w.shape))
 
 
+def llama_cpp_rope_freqs(head_dim, theta, factor, low, high, original):
+    """convert_hf_to_gguf.py's LlamaModel ``rope_freqs.weight`` for Llama 3's scaling: the
+    frequencies in f32, each one's divisor from Python floats, stored f32."""
+    freqs = 1.0 / (np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32)
+                                         / np.float32(head_dim)))
+    low_wavelen, high_wavelen = original / low, original / high
+    out = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            out.append(1.0)
+        elif wavelen > low_wavelen:
+            out.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, np.float32)
+
+
 def torch_tensors(model, params):
     """``{hf name: (path, torch-layout f32 array)}`` of a model's parameters."""
     out = {}
@@ -111,7 +132,8 @@ def write_tokenizer_gguf(path, values: dict, architecture: str = "llama"):
 
 
 def write_gguf(file, model, params, *, pre="smollm", qtype=None, drop=(), extra=None,
-               reshape=None, architecture="llama", permuted=True, qtypes=None, raw=None):
+               reshape=None, architecture="llama", permuted=True, qtypes=None, raw=None,
+               fields=None):
     """Writes ``model`` with ``params`` as a llama.cpp-style GGUF file.
 
     Args:
@@ -123,6 +145,7 @@ def write_gguf(file, model, params, *, pre="smollm", qtype=None, drop=(), extra=
         ``{name: shape}`` to write a tensor with the wrong shape (for error tests).
       architecture: ``general.architecture`` and the metadata keys' prefix; permuted: Q/K rows
         in llama.cpp's Llama order (its converter leaves Qwen2's in Hugging Face's order).
+      fields: more metadata, ``{key: (value, gguf.GGUFValueType)}``.
     """
     writer = gguf.GGUFWriter(str(file), architecture)
     writer.add_name("tiny-llama")
@@ -148,6 +171,8 @@ def write_gguf(file, model, params, *, pre="smollm", qtype=None, drop=(), extra=
     writer.add_pad_token_id(2)
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHAT_TEMPLATE)
+    for key, (value, kind) in (fields or {}).items():
+        writer.add_key_value(key, value, kind)
     # The family's own table: a Hugging Face name may have another GGUF name in another family
     # (Gemma 3's post_attention_layernorm is its post_attention_norm, the Llama's ffn_norm).
     names = {hf.format(i=i): gg.format(i=i) for hf, gg in format_of(model).tensors.values()

@@ -17,6 +17,21 @@ def torch_logits(model, tokens):
         return model(torch.tensor(tokens)).logits.float().numpy()
 
 
+def randomized(model):
+    """``model`` (a ``transformers`` model) with visible random weights from torch's generator
+    (the caller seeds it), in eval mode: matrices normal with std 0.2, vectors (norm scales)
+    uniform in [0.5, 1.5]."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim > 1:
+                p.normal_(0.0, 0.2)
+            else:
+                p.uniform_(0.5, 1.5)
+    return model.eval()
+
+
 @functools.cache
 def _logits_fn(config, spec):
     return jax.jit(config.logits_fn(spec))  # compiled once per model (and LoRA spec)

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from _adapters import random_adapters
 from _llama_files import VOCAB_SIZE, write_gguf
+from _parity import randomized
 
 torch = pytest.importorskip("torch", reason="parity tests need torch (effijax[interop])")
 transformers = pytest.importorskip("transformers", reason="parity tests need transformers "
@@ -40,14 +41,7 @@ def _hf_model(seed=0, **overrides):
                   rope_theta=500.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
     fields.update(overrides)
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields)).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim > 1:
-                p.normal_(0.0, 0.2)
-            else:
-                p.uniform_(0.5, 1.5)
-    return model
+    return randomized(transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields)))
 
 
 def _tokens(vocab, shape=(2, 24), seed=0):

@@ -5,13 +5,15 @@ and exports that Hugging Face loads.
   :class:`~effijax.models.PretrainedFormat`), a ``.gguf`` file (:func:`load_gguf`; quantized
   tensors are dequantized) or a Hugging Face ``LlamaForCausalLM`` / ``Qwen2ForCausalLM``
   directory (:func:`load_hf`), into ``(config, params)``, parameter by parameter, straight onto
-  the shardings asked for.
+  the shardings asked for. Llama 3's rotary scaling is read from either: ``config.json``'s
+  ``llama3`` rope type, or the ``rope_freqs.weight`` tensor llama.cpp's converter writes.
   The config carries the tokenizer (``config.encode(data)`` tokenizes).
 * :func:`save_hf` writes a directory ``transformers.AutoModelForCausalLM.from_pretrained`` loads
   (weights, ``config.json``, tokenizer files with the chat template), LoRA adapters merged in if
   given; :func:`save_peft` writes the adapters alone for ``peft.PeftModel.from_pretrained``;
   :func:`save_gguf` writes one GGUF file (f32, f16, bf16 or a block quantization such as
-  ``q8_0``) that llama.cpp, Ollama and ``transformers`` load, adapters merged in.
+  ``q8_0``) that llama.cpp, Ollama and ``transformers`` load, adapters merged in (Llama 3's
+  rotary scaling as ``rope_freqs.weight``).
 
 Every file is checked before it is trusted (GGUF layouts, safetensors headers, ``config.json``,
 tokenizer files, shard indexes that must stay inside the model directory); a bad one is one

@@ -19,6 +19,13 @@ permutes the rows of ``attn_q``/``attn_k`` so that each head's rotary pairs are 
 (``(x0, x1), (x2, x3), ...``) instead of Hugging Face's halves (``x_i`` with ``x_{i+K/2}``); the
 loader undoes it (:func:`unpermute`; Qwen2's converter does not permute). No ``output.weight``
 means the head is tied to the embedding.
+
+Llama 3.1/3.2's rotary scaling is stored by llama.cpp's converter as a tensor,
+``rope_freqs.weight``: what each rotary frequency is divided by. It is not a parameter: the
+loader recovers the config's ``rope_scaling`` from it (:func:`effijax.models.llama3_scaling`,
+which checks that the four numbers give the file's factors back), so the model computes the
+file's frequencies with its own rule. Other ``{architecture}.rope.scaling.type`` values (linear,
+YaRN) are refused.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from effijax.models import (
     Tokenizer,
     byte_level_bpe,
     format_of,
+    llama3_scaling,
     pretrained_format,
     sentencepiece_bpe,
 )
@@ -51,6 +59,10 @@ __all__ = ["load_gguf", "gguf_config", "gguf_kept_bytes", "gguf_tokenizer", "ope
            "permute", "unpermute", "read_metadata"]
 
 _Q, _K = "self_attn.q_proj.weight", "self_attn.k_proj.weight"
+
+#: The tensor in which llama.cpp's converter stores Llama 3's rotary scaling: what each rotary
+#: frequency is divided by (:func:`~effijax.models.rope_factors`), f32, ``[head_dim / 2]``.
+ROPE_FREQS = "rope_freqs.weight"
 
 
 def _dequantized() -> frozenset:
@@ -241,21 +253,41 @@ def gguf_tokenizer(metadata: dict, *, pre: str | None = None,
                         f"vocabulary ({str(e).splitlines()[0] if str(e) else e!r})") from None
 
 
-def _config(metadata: dict, tensors: dict, *, seq_len, tokenizer, source) -> LlamaConfig:
+def _config(metadata: dict, tensors: dict, *, seq_len, tokenizer, source,
+            rope_freqs) -> LlamaConfig:
     """The architecture; every field checked (naming the file and the key) before it is used."""
     try:
         fmt = pretrained_format(gguf_architecture=metadata.get("general.architecture"))
         config = _block_config(fmt, metadata, tensors, seq_len=seq_len, tokenizer=tokenizer,
-                               source=source)
+                               source=source, rope_freqs=rope_freqs)
     except ConfigError as e:
         raise FileError.of(source, e) from None
     check_size(config, source)
     return config
 
 
+def _read_rope_freqs(tensors: dict, source: str) -> np.ndarray | None:
+    """The values of the file's :data:`ROPE_FREQS` tensor (``head_dim / 2`` floats, the one
+    tensor read for the config), or None when it has none."""
+    from gguf.quants import dequantize
+
+    t = tensors.get(ROPE_FREQS)
+    if t is None:
+        return None
+    if t.tensor_type not in _dequantized():
+        raise FileError(source, f"tensor {ROPE_FREQS!r}", f"type {t.tensor_type.name} is not "
+                        "one effijax reads (llama.cpp writes it F32)")
+    with np.errstate(all="ignore"):
+        values = dequantize(t.data, t.tensor_type).reshape(tuple(int(n) for n in
+                                                                 reversed(t.shape)))
+    check_finite(source, ROPE_FREQS, values)
+    return values
+
+
 def _block_config(fmt: PretrainedFormat, metadata: dict, tensors: dict, *, seq_len, tokenizer,
-                  source) -> LlamaConfig:
-    """A Llama-block family's config from its ``{architecture}.*`` keys."""
+                  source, rope_freqs) -> LlamaConfig:
+    """A Llama-block family's config from its ``{architecture}.*`` keys (and Llama 3's rotary
+    scaling from ``rope_freqs``, the values of the file's :data:`ROPE_FREQS`, if any)."""
     arch = fmt.gguf_architecture
 
     def whole(key, default=None):  # bounded as the config field the key holds
@@ -265,12 +297,11 @@ def _block_config(fmt: PretrainedFormat, metadata: dict, tensors: dict, *, seq_l
     def number(key, default=None):
         return _f32(number_field(metadata, f"{arch}.{key}", source, default))
 
-    if metadata.get(f"{arch}.rope.scaling.type", "none") not in ("none", None) or \
-            "rope_freqs.weight" in tensors:
-        raise ConfigError(f"{arch}.rope.scaling.type",
-                          metadata.get(f"{arch}.rope.scaling.type", "rope_freqs.weight"),
-                          "rotary scaling from GGUF is not supported; load the "
-                          "Hugging Face checkpoint instead")
+    kind = metadata.get(f"{arch}.rope.scaling.type", "none")
+    if kind not in ("none", None):
+        raise ConfigError(f"{arch}.rope.scaling.type", kind, "effijax reads Llama 3's rotary "
+                          f"scaling ({ROPE_FREQS}) from GGUF, no other; load the Hugging Face "
+                          "checkpoint instead")
     d, heads = whole("embedding_length"), whole("attention.head_count")
     head_dim = whole("attention.key_length", max(d // heads, 1))
     rope_dim = whole("rope.dimension_count", head_dim)
@@ -281,10 +312,18 @@ def _block_config(fmt: PretrainedFormat, metadata: dict, tensors: dict, *, seq_l
     vocab = (tensors["token_embd.weight"][0] if "token_embd.weight" in tensors else
              len(metadata.get("tokenizer.ggml.tokens") or ()))
     max_position = whole("context_length", 2048)
+    theta = number("rope.freq_base", 10000.0)
+    scaling = None
+    if rope_freqs is not None:  # the frequencies are the file's: the numbers that give them
+        try:
+            scaling = llama3_scaling(rope_freqs, head_dim, theta, name=ROPE_FREQS)
+        except ConfigError as e:
+            raise ConfigError(e.field, e.value, f"{e.problem}; load the Hugging Face "
+                              "checkpoint instead") from None
     return fmt.config(
         vocab_size=whole("vocab_size", vocab), d_model=d, n_layers=whole("block_count"),
         n_heads=heads, n_kv_heads=whole("attention.head_count_kv", heads), head_dim=head_dim,
-        d_ff=whole("feed_forward_length"), rope_theta=number("rope.freq_base", 10000.0),
+        d_ff=whole("feed_forward_length"), rope_theta=theta, rope_scaling=scaling,
         rms_eps=number("attention.layer_norm_rms_epsilon"),
         tie_embeddings="output.weight" not in tensors,
         seq_len=min(max_position, DEFAULT_SEQ_LEN) if seq_len is None else seq_len,
@@ -292,8 +331,10 @@ def _block_config(fmt: PretrainedFormat, metadata: dict, tensors: dict, *, seq_l
 
 
 def gguf_config(path: str | os.PathLike, *, seq_len: int | None = None) -> LlamaConfig:
-    """The architecture a GGUF file describes, from its metadata and tensor shapes alone (no
-    tensor is read, no tokenizer built): what :func:`effijax.memory` needs of a model.
+    """The architecture a GGUF file describes, from its metadata and tensor shapes (no weight
+    is read, no tokenizer built; only Llama 3's rotary factors, the ``head_dim / 2`` floats of
+    ``rope_freqs.weight``, when the file has them): what :func:`effijax.memory` needs of a
+    model.
 
     Raises:
       FileError: the file is malformed or describes an unsupported or implausible model.
@@ -302,13 +343,13 @@ def gguf_config(path: str | os.PathLike, *, seq_len: int | None = None) -> Llama
 
 
 def _header(source: str, seq_len: int | None) -> tuple[LlamaConfig, dict]:
-    """``(config, {name: tensor})`` from the file's metadata and tensor table (no tensor
+    """``(config, {name: tensor})`` from the file's metadata and tensor table (no weight
     read, no tokenizer built)."""
     reader = open_gguf(source)
     tensors = {t.name: t for t in reader.tensors}
     shapes = {name: tuple(int(n) for n in reversed(t.shape)) for name, t in tensors.items()}
     return _config(read_metadata(reader), shapes, seq_len=seq_len, tokenizer=None,
-                   source=source), tensors
+                   source=source, rope_freqs=_read_rope_freqs(tensors, source)), tensors
 
 
 def _kept_layers(config, fmt: PretrainedFormat, tensors: dict) -> dict:
@@ -413,7 +454,8 @@ def load_gguf(path: str | os.PathLike, *, policy=None, shardings=None,
     # ggml lists dimensions fastest-first: reversed, they are torch's (out, in).
     shapes = {name: tuple(int(n) for n in reversed(t.shape)) for name, t in tensors.items()}
     config = _config(metadata, shapes, seq_len=seq_len,
-                     tokenizer=gguf_tokenizer(metadata, pre=pre, source=source), source=source)
+                     tokenizer=gguf_tokenizer(metadata, pre=pre, source=source), source=source,
+                     rope_freqs=_read_rope_freqs(tensors, source))
     # The reader's parsed fields (a numpy array per vocabulary string: ~200 MB for SmolLM2's
     # 49152 tokens and 48900 merges) are not needed past this point; the tensors keep the map.
     del reader, metadata
@@ -423,7 +465,8 @@ def load_gguf(path: str | os.PathLike, *, policy=None, shardings=None,
         for layer in (range(config.n_layers) if path_.startswith("layers/") else [None]):
             to_gguf[hf.format(i=layer)] = gg.format(i=layer)
     expected = {to_gguf[name]: shape for name, (_, _, shape) in expected_hf_shapes(config).items()}
-    check_tensors(expected, shapes, source=source)
+    # The rotary factors are in the config now, not a parameter.
+    check_tensors(expected, shapes, source=source, ignored=lambda name: name == ROPE_FREQS)
     dequantized = _dequantized()
     for name in expected:
         if tensors[name].tensor_type not in dequantized:

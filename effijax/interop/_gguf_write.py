@@ -4,11 +4,12 @@ Ollama and ``transformers`` load.
 :func:`save_gguf` is :func:`~effijax.interop.load_gguf` backwards, in the layout llama.cpp's
 own converter writes: the family's ``general.architecture`` and ``{architecture}.*``
 hyperparameters, the tensors under their GGUF names in ggml's order (the Llama's ``attn_q`` /
-``attn_k`` rows permuted as llama.cpp expects them), the tokenizer's ``tokenizer.ggml.*``
-fields and chat template. Matrices are stored as ``dtype`` asks (``f32``, ``f16``, ``bf16``,
-or a block quantization ``q8_0``, ``q5_0``, ``q5_1``, ``q4_0``, ``q4_1``, quantized by the
-``gguf`` package, the reference implementation); norms and biases stay f32, as llama.cpp keeps
-them, and a matrix whose rows do not split into whole blocks is stored f16. The k-quants
+``attn_k`` rows permuted as llama.cpp expects them; Llama 3's rotary scaling as the f32 tensor
+``rope_freqs.weight``, first), the tokenizer's ``tokenizer.ggml.*`` fields and chat template.
+Matrices are stored as ``dtype`` asks (``f32``, ``f16``, ``bf16``, or a block quantization
+``q8_0``, ``q5_0``, ``q5_1``, ``q4_0``, ``q4_1``, quantized by the ``gguf`` package, the
+reference implementation); norms and biases stay f32, as llama.cpp keeps them, and a matrix
+whose rows do not split into whole blocks is stored f16. The k-quants
 (``Q4_K``, ``Q6_K``, ...) are not written: ``gguf`` has no quantizer for them.
 
 The file is written tensor by tensor (one parameter on the host at a time, as
@@ -28,7 +29,7 @@ import numpy as np
 
 from effijax import atomic
 from effijax.errors import ConfigError
-from effijax.interop._gguf import permute
+from effijax.interop._gguf import ROPE_FREQS, permute
 from effijax.interop._gguf_types import GGUF_DTYPES, GGUF_HYPERPARAMETERS
 from effijax.interop._hf import _merged_leaf, export_leaves
 from effijax.interop._weights import host_array, to_hf
@@ -37,7 +38,9 @@ from effijax.models import (
     Tokenizer,
     byte_level_bpe,
     format_of,
+    llama3_scaling,
     pretrained_format,
+    rope_factors,
 )
 
 __all__ = ["save_gguf", "gguf_format", "gguf_tokenizer_fields"]
@@ -65,8 +68,8 @@ def _check_dtype(dtype: Any) -> str:
 def gguf_format(model):
     """The :class:`~effijax.models.PretrainedFormat` ``model`` is written to GGUF as, once
     everything :func:`save_gguf` would refuse about it is checked (a family without a GGUF
-    architecture, rotary scaling, a tokenizer of another kind): what ``effijax train
-    --export-gguf`` checks before training.
+    architecture, rotary scaling outside a ``llama`` file, a tokenizer of another kind): what
+    ``effijax train --export-gguf`` checks before training.
 
     Example:
       >>> from effijax.models import mistral_config, gpt_config
@@ -87,18 +90,35 @@ def gguf_format(model):
 def _architecture(model):
     """The format ``model`` is written as, once its family and rotary embeddings are checked
     (:func:`gguf_format` without the metadata and the tokenizer, which :func:`save_gguf`
-    builds, and so checks, itself)."""
+    builds, and so checks, itself). Llama 3's scaling goes into ``rope_freqs.weight``, which
+    llama.cpp reads in ``llama`` files only."""
     fmt = format_of(model)
     if fmt.gguf_architecture is None and fmt.model_type not in _WRITTEN_AS:
         raise ConfigError("model", model.name, f"the {model.family} family has no GGUF "
                           "architecture")
     if fmt.gguf_architecture is None:  # written, and read back, as that architecture's
         fmt = pretrained_format(gguf_architecture=_WRITTEN_AS[fmt.model_type])
-    if getattr(model, "rope_scaling", None) is not None:
-        raise ConfigError("rope_scaling", model.rope_scaling, "rotary scaling is not written "
-                          "to GGUF (llama.cpp stores Llama 3.1's as a rope_freqs tensor, which "
-                          "effijax does not read either); export the Hugging Face directory")
+    rope_freqs = _rope_freqs(model)
+    if rope_freqs is not None and fmt.gguf_architecture != "llama":
+        raise ConfigError("rope_scaling", model.rope_scaling, f"llama.cpp reads Llama 3's "
+                          f"rotary scaling ({ROPE_FREQS}) in 'llama' files only, not "
+                          f"{fmt.gguf_architecture!r} ones; export the Hugging Face directory")
+    if rope_freqs is not None:  # a file effijax could not read back is not written
+        try:
+            llama3_scaling(rope_freqs, model.head_dim, model.rope_theta, name=ROPE_FREQS)
+        except ConfigError as e:
+            raise ConfigError("rope_scaling", model.rope_scaling, f"as {ROPE_FREQS}, it would "
+                              f"not be read back: the tensor {e.problem}; export the Hugging "
+                              "Face directory") from None
     return fmt
+
+
+def _rope_freqs(model) -> np.ndarray | None:
+    """The ``rope_freqs.weight`` llama.cpp's converter writes for Llama 3's scaling (each
+    frequency's divisor, f32), or None for a model without one."""
+    if getattr(model, "rope_scaling", None) is None:
+        return None
+    return rope_factors(model.head_dim, model.rope_theta, model.rope_scaling).astype(np.float32)
 
 
 def _pre_name(backend) -> str:
@@ -267,10 +287,13 @@ def _encoded(w: np.ndarray, kind) -> np.ndarray:
     return quantize(np.ascontiguousarray(w, np.float32), kind)
 
 
-def _write_body(writer, plan, leaves, fmt, model, adapters, lora) -> None:
-    """The metadata, the tensor infos, then each tensor (one parameter on the host at a time)."""
+def _write_body(writer, plan, leaves, fmt, model, adapters, lora, rope_freqs) -> None:
+    """The metadata, the tensor infos, then each tensor (one parameter on the host at a time),
+    after ``rope_freqs`` if the model has them (first, as llama.cpp's converter writes them)."""
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
+    if rope_freqs is not None:
+        writer.write_tensor_data(rope_freqs)
     host: dict[str, np.ndarray] = {}
     for path, layer, gg, _, kind in plan:
         if path not in host:
@@ -295,7 +318,10 @@ def save_gguf(path: str | os.PathLike, model, params, *, adapters=None, lora=Non
       path: the ``.gguf`` file to write (its folder must exist); replaced whole.
       model: the architecture of a family with a GGUF format (Llama, Qwen2; Mistral is
         written as llama.cpp writes it, a ``llama`` without its sliding window) and,
-        for a file llama.cpp can run, its tokenizer (a byte-level BPE one).
+        for a file llama.cpp can run, its tokenizer (a byte-level BPE one). A Llama's
+        ``rope_scaling`` (Llama 3's) is written as llama.cpp's converter writes it, the tensor
+        ``rope_freqs.weight`` (:func:`~effijax.models.rope_factors`), which
+        :func:`~effijax.interop.load_gguf` reads back to the same config.
       params: its parameters (sharded or not).
       adapters, lora: LoRA adapters and their spec, merged into the weights; or neither.
       dtype: the matrices' type, one of :data:`GGUF_DTYPES`.
@@ -306,8 +332,8 @@ def save_gguf(path: str | os.PathLike, model, params, *, adapters=None, lora=Non
 
     Raises:
       ConfigError: an unknown ``dtype``, a family without a GGUF architecture, a model
-        feature GGUF cannot hold (rotary scaling), a tokenizer of another kind; raised before
-        anything is written.
+        feature GGUF cannot hold (rotary scaling in a Qwen2), a tokenizer of another kind;
+        raised before anything is written.
 
     Example:
       >>> import tempfile, os, jax, numpy as np
@@ -333,6 +359,7 @@ def save_gguf(path: str | os.PathLike, model, params, *, adapters=None, lora=Non
     if model.tokenizer is not None:
         fields.update(gguf_tokenizer_fields(model.tokenizer, model.vocab_size))
     plan = _tensor_plan(model, fmt, leaves, qtype_name)
+    rope_freqs = _rope_freqs(model)
     file_type = gguf.LlamaFileType[GGUF_DTYPES[qtype_name][1]]
 
     def fill(tmp) -> None:
@@ -343,13 +370,16 @@ def save_gguf(path: str | os.PathLike, model, params, *, adapters=None, lora=Non
         writer.add_file_type(int(file_type))
         if qtype_name not in ("f32", "f16", "bf16"):
             writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        if rope_freqs is not None:
+            writer.add_tensor_info(ROPE_FREQS, rope_freqs.shape, rope_freqs.dtype,
+                                   rope_freqs.nbytes, raw_dtype=gguf.GGMLQuantizationType.F32)
         for _, _, gg, shape, kind in plan:
             block, size = gguf.GGML_QUANT_SIZES[kind]
             nbytes = math.prod(shape) // block * size
             writer.add_tensor_info(gg, shape, np.dtype(np.float32), nbytes, raw_dtype=kind)
         writer.write_header_to_file(path=tmp)
         try:
-            _write_body(writer, plan, leaves, fmt, model, adapters, lora)
+            _write_body(writer, plan, leaves, fmt, model, adapters, lora, rope_freqs)
         finally:
             writer.close()  # on a failure too (the temporary file is then removed)
 

@@ -67,6 +67,7 @@ from effijax.models._layers import segment_positions
 from effijax.models._llama import LLAMA_PRESETS, Llama, LlamaConfig, llama_config
 from effijax.models._mistral import MISTRAL_PRESETS, Mistral, MistralConfig, mistral_config
 from effijax.models._qwen2 import QWEN2_PRESETS, Qwen2, Qwen2Config, qwen2_config
+from effijax.models._rotary import llama3_scaling, rope_factors
 from effijax.models._sentencepiece import sentencepiece_bpe
 from effijax.models._tokenizer import (
     PRE_TOKENIZERS,
@@ -98,6 +99,8 @@ __all__ = [
     "LlamaConfig",
     "llama_config",
     "LLAMA_PRESETS",
+    "rope_factors",
+    "llama3_scaling",
     "Qwen2",
     "Qwen2Config",
     "qwen2_config",

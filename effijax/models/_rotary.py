@@ -4,6 +4,9 @@ A rotary family's :class:`~effijax.models._decoder.Decoder` computes the ``cos``
 (:func:`rope_tables`, cached per shape) in its ``embed_positions`` hook, takes the rows at the
 tokens' positions for packed rows and decoding, and hands them to its layers in
 ``LayerInputs.positions``; :class:`RotaryAttention` rotates the queries and keys with them.
+Llama 3's frequency scaling is one rule, :func:`inv_freq`'s; :func:`rope_factors` gives what it
+divides each frequency by (llama.cpp stores that as a tensor) and :func:`llama3_scaling` the
+scaling's numbers back from those factors.
 
 Shape suffixes: ``B`` batch, ``S`` sequence, ``H`` heads, ``K`` head width.
 """
@@ -17,9 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from effijax.errors import NO_VALUE, ConfigError
 from effijax.models._decoder import Attention
 
-__all__ = ["RotaryAttention", "inv_freq", "rope", "rope_tables", "rope_positions"]
+__all__ = ["RotaryAttention", "inv_freq", "rope", "rope_factors", "llama3_scaling", "rope_tables",
+           "rope_positions"]
 
 
 def inv_freq(head_dim: int, theta: float, scaling: tuple | None = None) -> np.ndarray:
@@ -45,6 +50,90 @@ def inv_freq(head_dim: int, theta: float, scaling: tuple | None = None) -> np.nd
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= original / high) & (wavelen <= original / low)
     return np.where(medium, smoothed, scaled)
+
+
+def rope_factors(head_dim: int, theta: float, scaling: tuple) -> np.ndarray:
+    """What ``scaling`` divides each rotary frequency by, ``[K/2]`` in f64: the unscaled
+    :func:`inv_freq` over the scaled one. For Llama 3's scaling these are the values llama.cpp
+    stores as the tensor ``rope_freqs.weight`` (1 for short wavelengths, ``factor`` for long
+    ones, between them in between).
+
+    Example:
+      >>> rope_factors(8, 10000.0, (4.0, 1.0, 4.0, 1000)).round(4).tolist()  # wavelengths 2π·10^i
+      [1.0, 1.0, 2.5133, 4.0]
+    """
+    return inv_freq(head_dim, theta) / inv_freq(head_dim, theta, scaling)
+
+
+# How far a factor read back may sit from the one recomputed: f32 storage (2^-24), plus the few
+# ulps llama.cpp's converter adds by computing the frequencies in f32 (measured: at most 4.6 ulps
+# for Llama 3.1's and 3.2's shapes); a value changed by more than this is not Llama 3's.
+_FACTOR_RTOL = 1e-6
+
+
+def llama3_scaling(factors, head_dim: int, theta: float, *,
+                   name: str = "factors") -> tuple | None:
+    """Llama 3's ``(factor, low_freq_factor, high_freq_factor, original_max_position)`` whose
+    :func:`rope_factors` are ``factors`` (``[K/2]``, e.g. llama.cpp's ``rope_freqs.weight``);
+    None when every factor is 1 (no frequency changes).
+
+    ``factor`` is the largest value. A value between 1 and ``factor`` is
+    ``1 / ((1 - s) / factor + s)`` with ``s`` linear in the frequency, which fixes
+    ``original / (high - low)`` and ``low / (high - low)``; only those two ratios matter, so
+    ``low_freq_factor`` is taken as 1 and the others follow (``original`` rounded to a whole
+    number, ``high`` to the fewest decimals that still reproduce ``factors``). The numbers found
+    are then put through :func:`rope_factors` and must give ``factors`` back to f32 rounding.
+
+    Raises:
+      ConfigError: named ``name``: a length other than ``head_dim / 2``, a value that is not a
+        positive finite number, fewer than two values between 1 and ``factor`` (the four
+        numbers are then not determined), or factors that no Llama 3 scaling gives (saying
+        where the closest one differs).
+
+    Example:
+      >>> llama3_scaling(rope_factors(128, 500000.0, (8.0, 1.0, 4.0, 8192)), 128, 500000.0)
+      (8.0, 1.0, 4.0, 8192)
+      >>> llama3_scaling(rope_factors(32, 1e3, (4.0, 2.0, 8.0, 64)), 32, 1e3)  # the same ratios
+      (4.0, 1.0, 4.0, 32)
+    """
+    values = np.asarray(factors, np.float64)
+    if values.shape != (head_dim // 2,):
+        raise ConfigError(name, NO_VALUE, f"has shape {values.shape}; expected "
+                          f"({head_dim // 2},): one factor per rotary frequency (head_dim "
+                          f"{head_dim} / 2)")
+    if not (np.isfinite(values).all() and (values > 0).all()):
+        raise ConfigError(name, NO_VALUE, "holds a value that is not a positive finite number")
+    if (values == 1).all():
+        return None
+    factor = float(str(np.float32(values.max())))  # the shortest decimal of the f32: 8.0
+    between = (values > 1) & (values < factor)
+    if between.sum() < 2:
+        raise ConfigError(name, NO_VALUE, f"has {int(between.sum())} value(s) between 1 and its "
+                          f"factor {factor}; two are needed to determine Llama 3's scaling")
+    # s = (original / wavelength - low) / (high - low): a line in 1 / wavelength.
+    per_wavelength = inv_freq(head_dim, theta)[between] / (2 * math.pi)
+    s = (1 / values[between] - 1 / factor) / (1 - 1 / factor)
+    slope, intercept = np.polyfit(per_wavelength, s, 1)  # original / (high - low), -low / (...)
+    best = None  # (relative error, scaling, frequency where it is largest, its factor there)
+    if slope > 0 and intercept < 0:
+        high, original = float(1 - 1 / intercept), int(round(slope / -intercept))
+        for rounded in sorted({round(high, d) for d in range(7)} | {high},
+                              key=lambda h: (len(repr(h)), h)):
+            if rounded <= 1 or original < 1:
+                continue
+            scaling = (factor, 1.0, rounded, original)
+            ours = rope_factors(head_dim, theta, scaling)
+            error = np.abs(ours - values) / values
+            worst = int(np.argmax(error))
+            if error[worst] <= _FACTOR_RTOL:
+                return scaling
+            if best is None or error[worst] < best[0]:
+                best = (error[worst], scaling, worst, ours[worst])
+    where = ("its values between 1 and the factor do not fall on Llama 3's curve" if
+             best is None else f"the closest, {best[1]}, gives {best[3]:.7g} at frequency "
+             f"{best[2]} where it has {values[best[2]]:.7g}")
+    raise ConfigError(name, NO_VALUE, f"is not Llama 3's rotary scaling of theta {theta:g}, "
+                      f"head_dim {head_dim}: {where}")
 
 
 @functools.lru_cache(maxsize=16)
