@@ -14,6 +14,7 @@ from effijax.precision import (
     Policy,
     cast_floating,
     cross_entropy,
+    cross_entropy_and_accuracy,
     dot,
     get_policy,
     layer_norm,
@@ -167,6 +168,39 @@ def test_cross_entropy_errors():
     with pytest.raises(ValueError, match="does not match logits") as e:
         cross_entropy(jnp.zeros((2, 4)), jnp.zeros(3, jnp.int32))
     assert not isinstance(e.value, ConfigError)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_cross_entropy_backward_and_accuracy_are_autodiffs_and_argmaxs(dtype):
+    # The hand-written backward against autodiff of log_softmax + pick; the accuracy against
+    # jnp.argmax, with ties (bf16 logits rounded to few values) and a mask.
+    logits = (jax.random.normal(jax.random.key(0), (4, 16, 64)) * 2).round().astype(dtype)
+    labels = jax.random.randint(jax.random.key(1), (4, 16), 0, 64)
+    where = jax.random.bernoulli(jax.random.key(2), 0.7, (4, 16))
+
+    def autodiff(x):
+        nll = -jnp.take_along_axis(log_softmax(x), labels[..., None], axis=-1)[..., 0]
+        return jnp.sum(jnp.where(where, nll, 0.0)) / jnp.sum(where).astype(jnp.float32)
+
+    def ours(x):
+        return cross_entropy_and_accuracy(x, labels, where=where)[0]
+
+    want, want_grad = jax.value_and_grad(autodiff)(logits)
+    got, grad = jax.value_and_grad(ours)(logits)
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+    assert grad.dtype == dtype
+    np.testing.assert_allclose(np.asarray(grad, np.float32), np.asarray(want_grad, np.float32),
+                               rtol=1e-6, atol=1e-9)
+    assert float(jnp.abs(grad).sum()) > 0
+    ties = jnp.sum(logits == jnp.max(logits, axis=-1, keepdims=True), axis=-1)
+    assert int(jnp.max(ties)) > 1  # the case argmax's first-index rule decides
+    hits = (jnp.argmax(logits, axis=-1) == labels) & where
+    acc = cross_entropy_and_accuracy(logits, labels, where=where)[1]
+    assert float(acc) == float(jnp.sum(hits)) / float(jnp.sum(where))
+    # A label that is the argmax counts; one tied with an earlier maximum does not.
+    tied = jnp.zeros((1, 3))
+    assert float(cross_entropy_and_accuracy(tied, jnp.array([0]))[1]) == 1.0
+    assert float(cross_entropy_and_accuracy(tied, jnp.array([2]))[1]) == 0.0
 
 
 def test_layer_norm_statistics_in_f32():

@@ -56,6 +56,7 @@ from effijax.models._blockwise import (
     is_traced_window,
     target_backend,
 )
+from effijax.models._dense import cpu_layout, kept_vjp
 from effijax.models._layers import _dropout
 from effijax.precision import dot, softmax
 
@@ -114,8 +115,6 @@ def attend(q_BSHK: jax.Array, k_BTHK: jax.Array, v_BTHK: jax.Array, *, causal: b
     if groups > 1:  # grouped-query attention; autodiff of the repeat sums each group's gradients
         k_BTHK = jnp.repeat(k_BTHK, groups, axis=2)
         v_BTHK = jnp.repeat(v_BTHK, groups, axis=2)
-    q_BSHK = q_BSHK * jnp.asarray(1.0 / math.sqrt(q_BSHK.shape[-1]), q_BSHK.dtype)
-    scores_BHST = dot("bshk,bthk->bhst", q_BSHK, k_BTHK)
     mask_ST = None
     if causal:
         s, t = q_BSHK.shape[1], k_BTHK.shape[1]
@@ -124,6 +123,15 @@ def attend(q_BSHK: jax.Array, k_BTHK: jax.Array, v_BTHK: jax.Array, *, causal: b
         mask_ST = mask_ST & window_mask(window, q_BSHK.shape[1])
     if segments_BS is not None:
         mask_ST = segment_mask(segments_BS, mask_ST)  # [B, 1, S, T]
+    core = functools.partial(_attend_core, dropout_rate=dropout_rate)
+    if cpu_layout(q_BSHK.dtype):  # its 16-bit residuals cross the layers' scan as bits
+        core = kept_vjp(core)
+    return core(q_BSHK, k_BTHK, v_BTHK, mask_ST, dropout_key)
+
+
+def _attend_core(q_BSHK, k_BTHK, v_BTHK, mask_ST, dropout_key, *, dropout_rate: float):
+    q_BSHK = q_BSHK * jnp.asarray(1.0 / math.sqrt(q_BSHK.shape[-1]), q_BSHK.dtype)
+    scores_BHST = dot("bshk,bthk->bhst", q_BSHK, k_BTHK)
     probs_BHST = softmax(scores_BHST, axis=-1, where=mask_ST)
     probs_BHST = _dropout(probs_BHST, dropout_rate, dropout_key)
     return dot("bhst,bthk->bshk", probs_BHST, v_BTHK)

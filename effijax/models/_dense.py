@@ -154,6 +154,35 @@ def unkeep(residual):
     return residual
 
 
+def kept_vjp(fn):
+    """``fn`` with its own autodiff backward, whose saved 16-bit arrays are :func:`keep`-ed
+    (integer bits on the CPU): for a function of activations only, such as attention's
+    scores, softmax and weighted sum, whose residuals a scan of the layers would otherwise
+    stack through f32 (see :func:`keep`). The same arithmetic; elsewhere a no-op wrapper.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> f = kept_vjp(lambda x, y: (x * y).astype(jnp.float32).sum())
+      >>> x = jnp.full(3, 2.0, jnp.bfloat16)
+      >>> jax.grad(f)(x, x).tolist()
+      [2.0, 2.0, 2.0]
+    """
+
+    @jax.custom_vjp
+    def wrapped(*args):
+        return fn(*args)
+
+    def fwd(*args):
+        out, vjp = jax.vjp(fn, *args)
+        return out, jax.tree.map(keep, vjp)
+
+    def bwd(residuals, cotangent):
+        return jax.tree.map(unkeep, residuals, is_leaf=lambda n: isinstance(n, Kept))(cotangent)
+
+    wrapped.defvjp(fwd, bwd)
+    return wrapped
+
+
 def matmul(x_ND: jax.Array, w: jax.Array, *, transposed: bool = False) -> jax.Array:
     """``x @ w`` (``x @ wᵀ`` with ``transposed``) with f32 accumulation, in ``x``'s dtype, with
     the CPU backward for 16-bit operands (see the module docstring).

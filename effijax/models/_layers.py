@@ -40,12 +40,11 @@ from effijax.models._dense import (
     unkeep,
 )
 from effijax.precision import (
-    cross_entropy,
+    cross_entropy_and_accuracy,
     dequantize,
     dequantized_shapes,
     dot,
     is_quantized,
-    masked_mean,
 )
 from effijax.sharding import constrain_activations
 
@@ -293,7 +292,8 @@ def lm_loss_fn(apply: Callable[..., jax.Array]) -> Callable[..., tuple[jax.Array
 
     Returns ``loss_fn(params, batch, rng=None) -> (loss, {"accuracy": acc})``: the mean token
     cross-entropy in f32 over the positions where ``batch["mask"]`` (optional, ``[B, S]``) is
-    nonzero, and the f32 fraction of argmax hits there. Dropout runs when ``rng`` is a key.
+    nonzero, and the f32 fraction of top-1 hits there
+    (:func:`~effijax.precision.cross_entropy_and_accuracy`). Dropout runs when ``rng`` is a key.
     A batch of packed rows carries ``batch["segments"]`` (int ``[B, S]``), passed on to
     ``apply`` as ``segments_BS`` (not passed when absent).
 
@@ -319,9 +319,8 @@ def lm_loss_fn(apply: Callable[..., jax.Array]) -> Callable[..., tuple[jax.Array
         logits_BSV = apply(params, batch["inputs"], rng=rng, deterministic=rng is None, **extra)
         mask_BS = batch.get("mask")
         trained_BS = None if mask_BS is None else mask_BS != 0
-        loss = cross_entropy(logits_BSV, targets_BS, where=trained_BS)
-        hits_BS = jnp.argmax(logits_BSV, axis=-1) == targets_BS
-        return loss, {"accuracy": masked_mean(hits_BS, trained_BS)}
+        loss, accuracy = cross_entropy_and_accuracy(logits_BSV, targets_BS, where=trained_BS)
+        return loss, {"accuracy": accuracy}
 
     return loss_fn
 

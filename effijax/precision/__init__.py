@@ -19,6 +19,7 @@ __getattr__, __dir__, __all__ = attach(__name__, {
     "effijax.precision._ggml": ("GGML_BLOCKS", "GGMLBlocks", "dequantize_blocks", "ggml_blocks",
         "ggml_blocks_bytes", "ggml_row_bytes", "ggml_sharding"),
     "effijax.precision._islands": ("dot", "softmax", "log_softmax", "cross_entropy",
+        "cross_entropy_and_accuracy",
         "masked_mean", "layer_norm", "rms_norm"),
     "effijax.precision._loss_scale": ("dynamic_loss_scale", "static_loss_scale",
         "DynamicLossScaleState", "StaticLossScaleState", "loss_scale_of", "skipped_steps_of",
