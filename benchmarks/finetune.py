@@ -373,8 +373,9 @@ def main(argv: list[str] | None = None) -> None:
             "(runtime, tokenizer, the host copy of the loaded weights).\n\n"
             f"{table}\n\n" + "\n".join(lines))
     title = f"Fine-tuning {MODELS[args.model][0]} on the CPU"
-    if precisions != ["fp32"]:
-        title += f" in {' and '.join(precisions)}"
+    if precisions != ["fp32"]:  # one section per precisions and shape
+        title += (f" in {' and '.join(precisions)}, {args.batch_size} x {args.seq_len} "
+                  "tokens")
     publish(f"{title}: effijax vs transformers + PEFT", body,
             command=command_line(__file__, argv), write=args.write)
 
