@@ -1,4 +1,5 @@
-"""The parameter matmul ``x @ w``, with a backward whose dots XLA:CPU runs on its bf16 GEMM.
+"""The parameter matmul ``x @ w``, with a backward whose dots XLA:CPU runs on its bf16 GEMM, and
+16-bit arrays carried across the layers' scan as integer bits.
 
 XLA:CPU runs a bf16 dot on its native GEMM (YNNPACK, about twice its f32 rate) only when both
 operands are bf16 and laid out row-major with the left one contracting its last axis; any other
@@ -33,6 +34,12 @@ than the row-major GEMM would), and so does every backend but the CPU: GPUs and 
 layout natively. The backend is the one the trace is made for
 (:func:`~effijax.models.target_backend`), so a step exported for ``cuda`` or ``tpu`` from a CPU
 host carries exactly the plain dots.
+
+The layers' scan meets a second XLA:CPU rule: a slice, dynamic slice or dynamic update of a
+stacked 16-bit array is carried out in f32 (the whole stacked buffer converted there and back).
+So on the CPU 16-bit arrays cross the scan as their integer bits: :func:`keep` for the residuals
+of the hand-written backwards (and :func:`kept_vjp` for attention's), :func:`freeze_kernels`
+for a LoRA step's frozen kernels, which :func:`matmul` takes as :class:`Kept` bits.
 
 Shape suffixes: ``N`` flattened tokens, ``D`` input width, ``F`` output width.
 """
