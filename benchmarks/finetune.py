@@ -32,10 +32,15 @@ Goals, in each precision: effijax LoRA >= 1.3x the tokens/s of peft LoRA; effija
 torch full; effijax LoRA step <= 0.75x the effijax full step. Each is reported for the scanned
 and the unrolled layer loop. With both precisions: effijax bf16 >= 1.7x effijax f32 (LoRA and
 full), and torch's own bf16 / f32 beside it.
+
+With ``--busy N`` the variants, once timed quiet, are timed again while N other processes each
+spin one core (a shared machine: a laptop, a CI runner, Colab), and the section reports each
+variant's slowdown; goal: effijax's no larger than torch's.
+
 Run: ``python benchmarks/finetune.py [--model smollm2|gemma3-270m] [--batch-size 4 --seq-len 128
---rank 8] [--precisions fp32,bf16] [--variants "effijax LoRA,peft LoRA"] [--write]``; without
-``--write`` it only prints. Each model and set of precisions has its own section in
-``RESULTS.md``.
+--rank 8] [--precisions fp32,bf16] [--variants "effijax LoRA,peft LoRA"] [--busy N]
+[--write]``; without ``--write`` it only prints. Each model and set of precisions (and each
+``--busy``) has its own section in ``RESULTS.md``.
 """
 
 from __future__ import annotations
@@ -287,9 +292,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps-per-round", type=int, default=3, help="timed steps per turn")
     ap.add_argument("--no-memory", dest="memory", action="store_false",
                     help="skip the peak-memory child processes")
+    ap.add_argument("--busy", type=int, default=0, metavar="N",
+                    help="after the quiet rounds, time every variant again while N processes "
+                         "each spin a core (a shared machine): each variant's slowdown")
     ap.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     from harness import (
         add_write_flag,
+        busy_processes,
         command_line,
         device_description,
         markdown_table,
@@ -306,6 +315,8 @@ def main(argv: list[str] | None = None) -> None:
         wrong = [x for x in given if x not in allowed] or ([] if given else ["(none)"])
         if wrong:
             ap.error(f"{flag}: {', '.join(wrong)} not among {', '.join(allowed)}")
+    if args.busy < 0:
+        ap.error(f"--busy: {args.busy} is negative; give the number of busy processes (0: none)")
     if args.child:
         return _child(args.model, args.child, args.batch_size, args.seq_len, args.rank,
                       precisions[0])
@@ -319,13 +330,18 @@ def main(argv: list[str] | None = None) -> None:
     runs = {_key(name, precision, precisions): (name, precision)
             for precision in precisions for name in variants}
 
+    built: dict = {}  # each variant compiles once: the --busy rounds reuse the quiet ones' steps
+
     def make(key):
         def build():
+            if key in built:
+                return built[key]
             t0 = time.perf_counter()
             run = _runner(*runs[key][:1], gguf, batch, args.rank, loaded, runs[key][1])
             first_loss[key] = run()  # compiles effijax's step; warms torch's allocator
             print(f"{key}: first loss {first_loss[key]:.6f}, set up in "
                   f"{time.perf_counter() - t0:.1f} s", flush=True)
+            built[key] = run
             return run
         return build
 
@@ -333,6 +349,13 @@ def main(argv: list[str] | None = None) -> None:
                               steps_per_round=args.steps_per_round, warmup=1)
     tokens = args.batch_size * args.seq_len
     speed = {n: tokens / t["median_s"] for n, t in timing.items()}
+    if args.busy:
+        with busy_processes(args.busy):
+            loaded_timing = time_interleaved({key: make(key) for key in runs},
+                                             rounds=args.rounds,
+                                             steps_per_round=args.steps_per_round, warmup=1)
+            load = os.getloadavg()[0]
+        return _publish_busy(args, argv, runs, timing, loaded_timing, load, precisions)
 
     peaks, estimates = {}, {}
     if args.memory:
@@ -378,6 +401,41 @@ def main(argv: list[str] | None = None) -> None:
                   "tokens")
     publish(f"{title}: effijax vs transformers + PEFT", body,
             command=command_line(__file__, argv), write=args.write)
+
+
+def _publish_busy(args, argv, runs, timing, loaded, load, precisions) -> None:
+    """The ``--busy`` section: every variant quiet and beside ``args.busy`` spinning processes."""
+    from harness import command_line, device_description, markdown_table, publish
+
+    tokens = args.batch_size * args.seq_len
+    slowdown = {k: loaded[k]["median_s"] / timing[k]["median_s"] for k in runs}
+    rows = [[k, f"{timing[k]['median_s'] * 1e3:.0f}", f"{loaded[k]['median_s'] * 1e3:.0f}",
+             f"{tokens / timing[k]['median_s']:.0f}", f"{tokens / loaded[k]['median_s']:.0f}",
+             f"{slowdown[k]:.2f}x"] for k in runs]
+    table = markdown_table(["variant", "quiet median step ms", "busy median step ms",
+                            "quiet tokens/s", "busy tokens/s", "slowdown"], rows)
+    lines = []
+    for precision in precisions:
+        k = functools.partial(_key, precision=precision, precisions=precisions)
+        for ours, theirs in (("effijax LoRA", "peft LoRA"), ("effijax full", "torch full")):
+            a, b = k(ours), k(theirs)
+            if a in slowdown and b in slowdown:
+                busy_ratio = loaded[b]["median_s"] / loaded[a]["median_s"]
+                lines.append(f"- {a} slowdown / {b} slowdown: "
+                             f"{_goal(slowdown[a] / slowdown[b], 1.0, higher=False)}; "
+                             f"busy tokens/s {busy_ratio:.2f}x {b}'s")
+    body = (f"On {device_description()}, torch {_torch_version()} with {os.cpu_count()} "
+            f"threads. {MODELS[args.model][1]}, batch {args.batch_size} x {args.seq_len} "
+            f"tokens, LoRA rank {args.rank} (alpha {2 * args.rank}), AdamW, in "
+            f"{' and '.join(precisions)}. Each variant is timed quiet "
+            f"({timing[next(iter(runs))]['n']} interleaved steps), then "
+            f"again while {args.busy} other processes each spin one core (`while True: pass`; "
+            f"load average {load:.1f} at the end): a shared machine. The slowdown is busy / "
+            f"quiet median step; goal: effijax slows no more than torch.\n\n"
+            f"{table}\n\n" + "\n".join(lines))
+    title = (f"Fine-tuning {MODELS[args.model][0]} on a shared CPU, {args.busy} busy "
+             "processes: effijax vs transformers + PEFT")
+    publish(title, body, command=command_line(__file__, argv), write=args.write)
 
 
 def _torch_version() -> str:

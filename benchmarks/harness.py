@@ -8,10 +8,12 @@ taken between variants of the same run, never across runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import platform
 import re
 import shlex
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -23,10 +25,26 @@ RESULTS = Path(__file__).with_name("RESULTS.md")
 
 
 def device_description() -> str:
-    """One line naming the backend, device kind and count, and the host."""
+    """One line naming the backend, device kind and count, and the host (its CPU's widest
+    vector extension: 16-bit matmuls are native only with AVX512_BF16 or AMX)."""
     d = jax.devices()
     return (f"{jax.default_backend()} x{len(d)} ({d[0].device_kind}), "
-            f"{platform.machine()} host, jax {jax.__version__}")
+            f"{platform.machine()} host{cpu_extensions()}, jax {jax.__version__}")
+
+
+def cpu_extensions() -> str:
+    """``" with AVX2"``, ``" with AVX512_BF16"``, ...: the widest of the host CPU's vector
+    extensions that decide matmul speed (from /proc/cpuinfo; empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f
+                          if line.startswith("flags")), [])
+    except OSError:
+        return ""
+    for flag in ("amx_bf16", "avx512_bf16", "avx512f", "avx2"):
+        if flag in flags:
+            return f" with {flag.upper()}"
+    return ""
 
 
 def time_interleaved(
@@ -67,6 +85,23 @@ def time_interleaved(
             "n": len(ts),
         }
     return out
+
+
+@contextlib.contextmanager
+def busy_processes(n: int):
+    """A shared machine, on purpose: ``n`` processes that each spin one core while inside.
+
+    Each is a Python interpreter running ``while True: pass`` (no memory, no I/O: it competes
+    for CPU time only); they are killed and reaped on the way out, however it is left.
+    """
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield procs
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait()
 
 
 def write_section(name: str, body: str) -> None:
