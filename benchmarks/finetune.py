@@ -294,14 +294,13 @@ def main(argv: list[str] | None = None) -> None:
                     help="skip the peak-memory child processes")
     ap.add_argument("--busy", type=int, default=0, metavar="N",
                     help="after the quiet rounds, time every variant again while N processes "
-                         "each spin a core (a shared machine): each variant's slowdown")
+                         "each spin a core (a shared machine): each variant's slowdown "
+                         "(no peak-memory children then)")
     ap.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     from harness import (
         add_write_flag,
         busy_processes,
         command_line,
-        device_description,
-        markdown_table,
         publish,
         time_interleaved,
     )
@@ -347,16 +346,25 @@ def main(argv: list[str] | None = None) -> None:
 
     timing = time_interleaved({key: make(key) for key in runs}, rounds=args.rounds,
                               steps_per_round=args.steps_per_round, warmup=1)
-    tokens = args.batch_size * args.seq_len
-    speed = {n: tokens / t["median_s"] for n, t in timing.items()}
     if args.busy:
         with busy_processes(args.busy):
             loaded_timing = time_interleaved({key: make(key) for key in runs},
                                              rounds=args.rounds,
                                              steps_per_round=args.steps_per_round, warmup=1)
             load = os.getloadavg()[0]
-        return _publish_busy(args, argv, runs, timing, loaded_timing, load, precisions)
+        title, body = _busy_section(args, runs, timing, loaded_timing, load, precisions)
+    else:
+        title, body = _quiet_section(args, runs, timing, first_loss, loaded, variants, precisions)
+    publish(title, body, command=command_line(__file__, argv), write=args.write)
 
+
+def _quiet_section(args, runs, timing, first_loss, loaded, variants, precisions) -> tuple[str, str]:
+    """The quiet run's section title and body: step times, peak memory (child processes
+    unless ``--no-memory``) and the goals."""
+    from harness import device_description, markdown_table
+
+    tokens = args.batch_size * args.seq_len
+    speed = {n: tokens / t["median_s"] for n, t in timing.items()}
     peaks, estimates = {}, {}
     if args.memory:
         model = loaded["effijax"][0] if "effijax" in loaded else None
@@ -399,13 +407,13 @@ def main(argv: list[str] | None = None) -> None:
     if precisions != ["fp32"]:  # one section per precisions and shape
         title += (f" in {' and '.join(precisions)}, {args.batch_size} x {args.seq_len} "
                   "tokens")
-    publish(f"{title}: effijax vs transformers + PEFT", body,
-            command=command_line(__file__, argv), write=args.write)
+    return f"{title}: effijax vs transformers + PEFT", body
 
 
-def _publish_busy(args, argv, runs, timing, loaded, load, precisions) -> None:
-    """The ``--busy`` section: every variant quiet and beside ``args.busy`` spinning processes."""
-    from harness import command_line, device_description, markdown_table, publish
+def _busy_section(args, runs, timing, loaded, load, precisions) -> tuple[str, str]:
+    """The ``--busy`` section's title and body: every variant quiet and beside ``args.busy``
+    spinning processes."""
+    from harness import device_description, markdown_table
 
     tokens = args.batch_size * args.seq_len
     slowdown = {k: loaded[k]["median_s"] / timing[k]["median_s"] for k in runs}
@@ -435,7 +443,7 @@ def _publish_busy(args, argv, runs, timing, loaded, load, precisions) -> None:
             f"{table}\n\n" + "\n".join(lines))
     title = (f"Fine-tuning {MODELS[args.model][0]} on a shared CPU, {args.busy} busy "
              "processes: effijax vs transformers + PEFT")
-    publish(title, body, command=command_line(__file__, argv), write=args.write)
+    return title, body
 
 
 def _torch_version() -> str:
