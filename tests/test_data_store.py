@@ -156,6 +156,25 @@ def test_prepare_is_idempotent_whatever_the_shards(corpus, tmp_path, tok):
         verify_store(tmp_path / "b")
 
 
+def test_a_small_source_is_cut_into_shards_for_every_core(tmp_path):
+    """2 MiB of documents in one Parquet row group: about SHARDS_WANTED shards by default (with
+    one 8 MiB shard, a second process had nothing to do), and the store of one shard."""
+    rng = np.random.default_rng(0)
+    docs = ["".join(map(chr, rng.integers(97, 123, 2048))) for _ in range(1024)]
+    pq.write_table(pa.table({"text": docs}), tmp_path / "docs.parquet")  # one row group
+    lines = []
+    cut = prepare(tmp_path / "docs.parquet", tmp_path / "cut", processes=1,
+                  print_fn=lines.append)
+    whole = prepare(tmp_path / "docs.parquet", tmp_path / "whole", processes=1,
+                    shard_bytes=_prepare.SHARD_BYTES)
+    size = (tmp_path / "docs.parquet").stat().st_size
+    assert _prepare.default_shard_bytes(size) == _prepare.MIN_SHARD_BYTES < size // 4
+    shards = int(lines[0].split(", ")[1].split()[0])
+    assert 8 <= shards <= 2 * _prepare.SHARDS_WANTED, lines[0]
+    assert cut["sha256"] == whole["sha256"] and cut["documents"] == 1024
+    assert _files(tmp_path / "cut") == _files(tmp_path / "whole")
+
+
 @pytest.mark.slow
 def test_a_pool_of_processes_writes_the_same_store(corpus, tmp_path, tok):
     """Two worker processes (spawned: each imports the tokenizer's module, seconds on a

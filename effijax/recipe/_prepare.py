@@ -2,8 +2,9 @@
 
 The source (a text file, JSONL, Parquet, Arrow, a folder of them, a ``datasets``
 ``save_to_disk`` folder) is checked first (its columns, :func:`effijax.data.check_columns`),
-then cut into pieces of about :data:`SHARD_BYTES` (:func:`effijax.data.plan_pieces`) that a pool
-of processes tokenizes, each committing its shard whole beside the store
+then cut into pieces (:func:`effijax.data.plan_pieces`) of :func:`default_shard_bytes` (up to
+8 MiB; less for a small source, so that every core gets several) that a pool of processes
+tokenizes, each committing its shard whole beside the store
 (``.<store>.prepare/``). A killed prepare keeps its committed shards: the same command
 continues where it stopped. The plan (the sources' hashes, the tokenizer, the settings, the
 pieces) names the shards, so a changed source or tokenizer starts over. The shards are then
@@ -59,11 +60,30 @@ from effijax.recipe._sources import (
     tokenizer_with_template,
 )
 
-__all__ = ["SHARD_BYTES", "prepare", "prepare_tokenizer", "work_dir"]
+__all__ = ["MIN_SHARD_BYTES", "SHARD_BYTES", "SHARDS_WANTED", "default_shard_bytes", "prepare",
+           "prepare_tokenizer", "work_dir"]
 
-#: The source bytes one shard covers: big enough that a process' start is amortised, small
+#: The most source bytes one shard covers: big enough that a process' start is amortised, small
 #: enough that a killed prepare loses little and a worker's memory stays small.
 SHARD_BYTES = 8 * 2**20
+#: The fewest: a small source is cut into about :data:`SHARDS_WANTED` shards of at least this.
+MIN_SHARD_BYTES = 256 * 2**10
+#: Shards a source smaller than ``SHARDS_WANTED x SHARD_BYTES`` is cut into, so that a few
+#: megabytes still keep every core busy to the end (with 2 shards, 2 processes gained 1.3x).
+SHARDS_WANTED = 32
+
+
+def default_shard_bytes(source_bytes: int) -> int:
+    """The source bytes per shard for ``source_bytes`` in all: :data:`SHARD_BYTES` for a large
+    source, about 1/:data:`SHARDS_WANTED` of a small one, never under :data:`MIN_SHARD_BYTES`.
+    It depends on the source alone, not on the processes, so a killed prepare continues its
+    shards under another ``processes``; the store's bytes do not depend on it at all.
+
+    Example:
+      >>> default_shard_bytes(10 * 2**30) == SHARD_BYTES, default_shard_bytes(8 * 2**20)
+      (True, 262144)
+    """
+    return int(min(SHARD_BYTES, max(MIN_SHARD_BYTES, source_bytes // SHARDS_WANTED)))
 
 _worker_tokenizer: Any = None
 
@@ -256,7 +276,7 @@ def _run(tasks: list[dict], fields: dict | None, processes: int, report) -> None
 def prepare(source: str | os.PathLike, out: str | os.PathLike, *, tokenizer=None,
             chat_template: str | None = None, data_format: str = "auto",
             text_column: str = "text", val_fraction: float = 0.05,
-            processes: int | None = None, shard_bytes: int = SHARD_BYTES,
+            processes: int | None = None, shard_bytes: int | None = None,
             print_fn=None) -> dict:
     """Tokenizes ``source`` into the store ``out`` (see the module docstring); returns its
     manifest.
@@ -274,7 +294,8 @@ def prepare(source: str | os.PathLike, out: str | os.PathLike, *, tokenizer=None
       processes: worker processes (default: the machine's cores). More than one are started
         with ``spawn`` (a forked JAX process may deadlock), which imports the calling script
         again in each worker: call ``prepare`` under ``if __name__ == "__main__":`` in a script.
-      shard_bytes: source bytes per shard.
+      shard_bytes: source bytes per shard (None: :func:`default_shard_bytes` of the
+        sources' size).
       print_fn: progress lines (None: quiet).
 
     Raises:
@@ -332,6 +353,8 @@ def prepare(source: str | os.PathLike, out: str | os.PathLike, *, tokenizer=None
     if is_store(out) and _same_head(open_store(out).manifest, head):
         say(f"{out} is up to date (same sources, tokenizer and settings)")
         return open_store(out).manifest
+    if shard_bytes is None:
+        shard_bytes = default_shard_bytes(sum(s.size for s in sources))
     pieces = _shards([(i, a, b) for i, s in enumerate(sources)
                       for a, b in plan_pieces(s, shard_bytes)], sources, shard_bytes)
     plan = hashlib.sha256(json.dumps([head, pieces], sort_keys=True).encode()).hexdigest()
