@@ -139,6 +139,11 @@ def _files(store):
     return {p.name: p.read_bytes() for p in sorted(pathlib.Path(store).iterdir())}
 
 
+def _shard_count(line: str) -> int:
+    """The shards prepare's first progress line announces ("1 file(s), 9 shard(s); ...")."""
+    return int(line.split(", ")[1].split()[0])
+
+
 def test_prepare_is_idempotent_whatever_the_shards(corpus, tmp_path, tok):
     one = prepare(corpus / "docs.jsonl", tmp_path / "a", tokenizer=tok, processes=1)
     again = prepare(corpus / "docs.jsonl", tmp_path / "a", tokenizer=tok, processes=1)
@@ -169,7 +174,7 @@ def test_a_small_source_is_cut_into_shards_for_every_core(tmp_path):
                     shard_bytes=_prepare.SHARD_BYTES)
     size = (tmp_path / "docs.parquet").stat().st_size
     assert _prepare.default_shard_bytes(size) == _prepare.MIN_SHARD_BYTES < size // 4
-    shards = int(lines[0].split(", ")[1].split()[0])
+    shards = _shard_count(lines[0])
     assert 8 <= shards <= 2 * _prepare.SHARDS_WANTED, lines[0]
     assert cut["sha256"] == whole["sha256"] and cut["documents"] == 1024
     assert _files(tmp_path / "cut") == _files(tmp_path / "whole")
@@ -208,7 +213,7 @@ def test_a_killed_prepare_continues_to_the_same_store(corpus, tmp_path, tok, mon
     lines = []
     resumed = prepare(corpus / "docs.jsonl", tmp_path / "s", tokenizer=tok, processes=1,
                       shard_bytes=500, print_fn=lines.append)
-    shards = len(clean["sources"]) and int(lines[0].split(", ")[1].split()[0])
+    shards = len(clean["sources"]) and _shard_count(lines[0])
     assert "3 already committed by an earlier run" in lines[0]
     assert sorted(tokenized) == list(range(3, shards))  # only the shards not committed
     assert resumed["sha256"] == clean["sha256"]
