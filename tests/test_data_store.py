@@ -270,10 +270,12 @@ def test_column_and_format_errors_name_the_file_before_anything_runs(corpus, tmp
     with pytest.raises(ConfigError, match="chat records are rendered with a model's chat "
                                           "template: name the model with --from"):
         prepare(corpus / "qa.jsonl", tmp_path / "s")
-    # --data never reads a table as bytes: refused with the command that prepares it.
+    # load_dataset never reads a table as bytes: refused with the commands that prepare it
+    # (effijax train prepares it itself: test_prepared_data).
     for source in (corpus / "docs.parquet", corpus / "docs.arrow", tmp_path):
-        with pytest.raises(ConfigError, match=r"holds Parquet/Arrow data .*effijax data prepare "
-                                              rf"{source} --out .*--from MODEL"):
+        with pytest.raises(ConfigError, match=r"holds Parquet/Arrow data .*effijax train --data "
+                                              rf"prepares .*effijax data prepare {source} --out "
+                                              ".*--from MODEL"):
             load_dataset(str(source), BYTES)
     assert not (tmp_path / "s").exists()
     # The store is replaced whole: never a folder that is not one, never inside the source.

