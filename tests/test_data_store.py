@@ -496,3 +496,16 @@ def test_prepare_checks_the_template_file_before_reading_the_model(corpus, tmp_p
            f"--chat-template {template}" in out
     assert open_store(tmp_path / "s").manifest["tokenizer"]["chat_template_sha256"] == \
         _sha256(TURNS)
+
+
+def test_a_worker_whose_tokenizer_fails_answers_each_shard_with_the_reason(monkeypatch):
+    """A pool would start a worker whose initializer raises again and again, for ever: the
+    failure is the worker's answer instead, raised by the prepare as one line."""
+    monkeypatch.setattr(_prepare, "_worker_tokenizer", None)
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # restored after (the worker sets it)
+    _prepare._init_worker({"spec": "not a tokenizer", "eos_id": 0, "bos_id": None,
+                           "add_bos": False}, chat=False)
+    result = _prepare._tokenize({"index": 0})
+    with pytest.raises(ConfigError, match=r"could not be built in a tokenizing process "
+                                          r"\(Exception: .*\); effijax data prepare --processes 1"):
+        _prepare._raise(result["error"])

@@ -21,7 +21,6 @@ get plain values only (the tokenizer's fields, paths, ranges).
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import hashlib
@@ -29,6 +28,9 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -142,27 +144,70 @@ class _TextTokenizer(NamedTuple):
     add_bos: bool
 
 
-def _init_worker(fields: dict | None, chat: bool) -> None:
+def _exit_with(parent: int) -> None:
+    """Ends this worker with ``parent`` (the prepare's process): the pool's queues hold both
+    ends of their pipes in every worker, so an orphan would wait on them for ever. On Linux the
+    kernel kills it as the parent ends (before it could write a result into a broken pipe and
+    print the traceback); elsewhere a thread looks five times a second."""
+    if sys.platform == "linux":
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # it ended before the line above
+        os._exit(1)
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.2)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _init_worker(fields: dict | None, chat: bool, parent: int | None = None) -> None:
     """Each worker builds the tokenizer once, and runs it on one thread (the pool is the
-    parallelism: threads of their own would fight over the same cores)."""
+    parallelism: threads of their own would fight over the same cores). In a pool (``parent``
+    given) it leaves Ctrl-C to the prepare's process, which stops the pool, and it ends when
+    that process ends (killed, or the ``effijax`` program's exit on Ctrl-C)."""
     global _worker_tokenizer
+    if parent is not None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        _exit_with(parent)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        _worker_tokenizer = _build_tokenizer(fields, chat)
+    except Exception as e:  # noqa: BLE001 (a pool respawns a worker whose initializer raises,
+        # for ever): the failure is each task's answer instead, raised by the prepare
+        _worker_tokenizer = _Failed(f"{type(e).__name__}: {e}")
+
+
+class _Failed(NamedTuple):
+    """A worker whose tokenizer could not be built: what went wrong."""
+
+    reason: str
+
+
+def _build_tokenizer(fields: dict | None, chat: bool):
     if fields is None:
-        _worker_tokenizer = None
-    elif chat:  # rendering needs the whole Tokenizer (its chat template)
+        return None
+    if chat:  # rendering needs the whole Tokenizer (its chat template)
         from effijax.models import Tokenizer
 
-        _worker_tokenizer = Tokenizer(**fields)
-    else:
-        from tokenizers import Tokenizer as Backend
+        return Tokenizer(**fields)
+    from tokenizers import Tokenizer as Backend
 
-        _worker_tokenizer = _TextTokenizer(Backend.from_str(fields["spec"]), fields["eos_id"],
-                                           fields["bos_id"], fields["add_bos"])
+    return _TextTokenizer(Backend.from_str(fields["spec"]), fields["eos_id"], fields["bos_id"],
+                          fields["add_bos"])
 
 
 def _tokenize(task: dict) -> dict:
     """Tokenizes one shard's pieces and commits it; returns ``{"index", "tokens"}`` or, for a
     bad record, ``{"error": [kind, ...]}`` (exceptions are passed back as plain values)."""
+    if isinstance(_worker_tokenizer, _Failed):
+        return {"error": ["config", "from", "(the model's tokenizer)", "could not be built "
+                          f"in a tokenizing process ({_worker_tokenizer.reason}); effijax data "
+                          "prepare --processes 1 tokenizes in its own process"]}
     try:
         items = []
         for path, name, kind, size, start, stop in task["pieces"]:
@@ -244,6 +289,27 @@ def _single_threaded_tokenizers():
             os.environ["TOKENIZERS_PARALLELISM"] = before
 
 
+# What multiprocessing's resource tracker says when a process ended by Ctrl-C (the effijax
+# program exits at once, see effijax.cli._interrupt) leaves it the pool's semaphores to
+# remove: it removes them, and the warning would follow the program's one line.
+_TRACKER_WARNING = "ignore::UserWarning:multiprocessing.resource_tracker"
+
+
+@contextlib.contextmanager
+def _quiet_tracker():
+    """The resource tracker (started with the pool's first semaphore, from this environment)
+    removes what it is left without a warning."""
+    before = os.environ.get("PYTHONWARNINGS")
+    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, (before, _TRACKER_WARNING)))
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PYTHONWARNINGS", None)
+        else:
+            os.environ["PYTHONWARNINGS"] = before
+
+
 def _run(tasks: list[dict], fields: dict | None, processes: int, report) -> None:
     if not tasks:
         return
@@ -263,15 +329,23 @@ def _run(tasks: list[dict], fields: dict | None, processes: int, report) -> None
                 _worker_tokenizer = saved
         return
     # spawn: a forked JAX process (the tests', a notebook's) may deadlock in its threads.
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(processes, mp_context=context,
-                                                initializer=_init_worker,
-                                                initargs=(fields, chat)) as pool:
-        for result in pool.map(_tokenize, tasks):
+    with _quiet_tracker():
+        pool = multiprocessing.get_context("spawn").Pool(
+            processes, initializer=_init_worker, initargs=(fields, chat, os.getpid()))
+    try:
+        for result in pool.imap(_tokenize, tasks):
             if "error" in result:
-                pool.shutdown(cancel_futures=True)
                 _raise(result["error"])
             report(result)
+    except BaseException:
+        # A bad record, Ctrl-C (KeyboardInterrupt): the workers stop now, mid-shard (a shard
+        # is committed whole or not at all), rather than after every shard still queued.
+        pool.terminate()
+        raise
+    else:
+        pool.close()
+    finally:
+        pool.join()
 
 
 def prepare(source: str | os.PathLike, out: str | os.PathLike, *, tokenizer=None,
