@@ -8,10 +8,10 @@
 with
 ``gguf.quants.dequantize`` (Q4_1, Q8_0, F16, ... to f32, then the parameter dtype). The file is
 memory-mapped, so a tensor is read when its parameter is assembled. Nothing in the file is
-trusted before it is checked: the layout by :func:`~effijax.interop._gguf_check.check_gguf`
-(counts, lengths and offsets against the file's size), the hyperparameters and tokenizer fields
-here (types, ranges, a model-size bound), the tensors' types and finiteness as they are read;
-each failure is one :class:`~effijax.errors.FileError` naming the file.
+trusted before it is checked: the layout by :func:`~effijax.interop._gguf_check.read_gguf` as
+it reads the file (counts, lengths and offsets against the file's size), the hyperparameters
+and tokenizer fields here (types, ranges, a model-size bound), the tensors' types and finiteness
+as they are read; each failure is one :class:`~effijax.errors.FileError` naming the file.
 
 Two conventions differ from Hugging Face's. GGUF lists shapes in ggml order (``(in, out)``), but
 the dequantized arrays are row-major ``(out, in)``, torch's layout. And llama.cpp's converter
@@ -39,7 +39,7 @@ import numpy as np
 
 from effijax.errors import ConfigError, FileError, whole_number
 from effijax.interop._files import LIMITS, check_finite, check_size, number_field, whole_field
-from effijax.interop._gguf_check import check_gguf
+from effijax.interop._gguf_check import GgufFile, read_gguf
 from effijax.interop._gguf_types import GGUF_HYPERPARAMETERS
 from effijax.interop._hf import DEFAULT_SEQ_LEN
 from effijax.interop._weights import assemble, check_tensors, expected_hf_shapes
@@ -98,24 +98,17 @@ def unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, k // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def read_metadata(reader) -> dict:
-    """A GGUF reader's key/value fields as plain Python values."""
-    return {name: field.contents() for name, field in reader.fields.items()
-            if not name.startswith("GGUF.")}
+def read_metadata(reader: GgufFile) -> dict:
+    """A GGUF file's key/value metadata as plain Python values (arrays are lists)."""
+    return reader.metadata
 
 
-def open_gguf(source: str):
-    """A ``gguf.GGUFReader`` of a file whose layout :func:`check_gguf` has checked first."""
-    import gguf
-
+def open_gguf(source: str) -> GgufFile:
+    """A GGUF file's metadata and tensors (:func:`~effijax.interop._gguf_check.read_gguf`:
+    its layout checked as it is read; the tensors' data memory-mapped)."""
     if not os.path.isfile(source):
         raise FileNotFoundError(f"no GGUF file at {source!r}")
-    check_gguf(source)
-    try:
-        return gguf.GGUFReader(source)
-    # The layout is checked, so this is a backstop for what the check does not look at.
-    except (ValueError, KeyError, IndexError, TypeError, OverflowError) as e:
-        raise FileError(source, "file", f"the gguf reader refuses it ({e})") from None
+    return read_gguf(source)
 
 
 def _f32(value) -> float:
@@ -456,8 +449,8 @@ def load_gguf(path: str | os.PathLike, *, policy=None, shardings=None,
     config = _config(metadata, shapes, seq_len=seq_len,
                      tokenizer=gguf_tokenizer(metadata, pre=pre, source=source), source=source,
                      rope_freqs=_read_rope_freqs(tensors, source))
-    # The reader's parsed fields (a numpy array per vocabulary string: ~200 MB for SmolLM2's
-    # 49152 tokens and 48900 merges) are not needed past this point; the tensors keep the map.
+    # The metadata (the vocabulary's strings, scores and merges: tens of MB for Gemma 3's
+    # 262,144 tokens) is not needed past this point; the tensors keep the file mapped.
     del reader, metadata
     fmt = format_of(config)
     to_gguf = {}

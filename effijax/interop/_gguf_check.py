@@ -6,9 +6,15 @@ count, length and offset in it is a number a damaged or forged file can set to a
 reader that believes them loops or allocates without bound (a 437 KB file declaring 10^9 of
 something). :func:`check_gguf` walks the layout with each number bounded by the bytes that are
 actually left and by sane limits, and checks that every tensor's bytes lie inside the file,
-aligned and apart from the others, before ``gguf.GGUFReader`` (or anything) reads it. A failure
-is one :class:`~effijax.errors.FileError` naming the file, the field or byte offset and what was
+aligned and apart from the others, before anything reads it. A failure is one
+:class:`~effijax.errors.FileError` naming the file, the field or byte offset and what was
 expected.
+
+:func:`read_gguf` is the same walk keeping what it reads: the metadata as Python values and each
+tensor as a view into the memory-mapped file (the layout ``gguf.GGUFReader`` gives: F32, F16,
+F64 and integer tensors as their numbers, block types as their bytes). It replaces the reader,
+which builds a numpy view per metadata item: 27 s for Gemma 3's 262,144-token vocabulary, where
+this walk takes about a second.
 """
 
 from __future__ import annotations
@@ -18,11 +24,14 @@ import mmap
 import os
 import struct
 from collections import Counter
-from typing import NamedTuple
+from typing import Any, NamedTuple
+
+import numpy as np
 
 from effijax.errors import FileError
 
-__all__ = ["check_gguf", "GgufTensor", "MAX_STRING", "MAX_ITEMS", "MAX_TENSORS"]
+__all__ = ["check_gguf", "read_gguf", "GgufTensor", "GgufArray", "GgufFile", "MAX_STRING",
+           "MAX_ITEMS", "MAX_TENSORS"]
 
 #: The longest string a GGUF may hold (a chat template is tens of KB; a key far less).
 MAX_STRING = 16 * 2**20
@@ -48,6 +57,31 @@ class GgufTensor(NamedTuple):
     type: int
     start: int
     nbytes: int
+
+
+class GgufArray(NamedTuple):
+    """One tensor of a :class:`GgufFile`: ``shape`` in ggml order (fastest dimension first),
+    its ``tensor_type`` (a ``gguf.GGMLQuantizationType``) and ``data``, a read-only view into
+    the memory-mapped file: the numbers (F32, F16, F64, I8-I64) in torch's order, or the blocks'
+    bytes, one row per output row."""
+
+    name: str
+    shape: tuple[int, ...]
+    tensor_type: Any
+    data: np.ndarray
+
+
+class GgufFile(NamedTuple):
+    """A GGUF file read by :func:`read_gguf`: ``metadata`` (key: Python value; arrays are lists)
+    and ``tensors`` (:class:`GgufArray`, in the file's order)."""
+
+    metadata: dict
+    tensors: list[GgufArray]
+
+
+# The numbers a tensor of these ggml types holds; every other type is read as its bytes.
+_NUMBERS = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8,
+            "I16": np.int16, "I32": np.int32, "I64": np.int64}
 
 
 class _Cursor:
@@ -94,6 +128,28 @@ class _Cursor:
             return raw.decode("utf-8")
         except UnicodeDecodeError:
             self.fail(f"byte {at:,}", f"{what} is not UTF-8 text")
+
+    def value(self, kind: int, what: str, depth: int = 0):
+        """One metadata value of GGUF type ``kind``, as Python reads it (an array: a list)."""
+        if kind in _SCALARS:
+            return self.number(_SCALARS[kind], what)
+        if kind == _STRING:
+            return self.string(what)
+        if kind == _ARRAY and depth < _MAX_DEPTH:
+            item = self.number("I", f"the item type of {what}")
+            if item not in _SCALARS and item not in (_STRING, _ARRAY):
+                self.fail(what, f"unknown array item type {item}; expected one of 0-12")
+            size = struct.calcsize(_SCALARS[item]) if item in _SCALARS else 8
+            n = self.count(f"the length of {what}", size, MAX_ITEMS)
+            if item in _SCALARS:  # one read for the whole array
+                self.need(n * size, what)
+                dtype = np.dtype(self.endian + _SCALARS[item])
+                values = np.frombuffer(self.buffer, dtype, n, self.at).tolist()
+                self.at += n * size
+                return values
+            return [self.value(item, f"{what}[{k}]", depth + 1) for k in range(n)]
+        self.fail(what, f"unknown value type {kind}; expected one of 0-12 (arrays nested "
+                  f"at most {_MAX_DEPTH} deep)")
 
     def skip_value(self, kind: int, what: str, depth: int = 0) -> None:
         """Steps over one metadata value of GGUF type ``kind``."""
@@ -168,8 +224,9 @@ def _header(cursor: _Cursor) -> tuple[int, int]:
     return tensors, kvs
 
 
-def _metadata(cursor: _Cursor, kvs: int) -> int:
-    """Walks the key/value pairs; returns ``general.alignment`` (32 when absent)."""
+def _metadata(cursor: _Cursor, kvs: int, values: dict | None = None) -> int:
+    """Walks the key/value pairs, keeping each in ``values`` (when given); returns
+    ``general.alignment`` (32 when absent)."""
     keys, alignment = set(), 32
     for k in range(kvs):
         key = cursor.string(f"the key of metadata entry {k}")
@@ -183,6 +240,10 @@ def _metadata(cursor: _Cursor, kvs: int) -> int:
             alignment = cursor.number("I", key)
             if alignment < 1 or alignment & (alignment - 1) or alignment > 2**16:
                 cursor.fail(key, f"{alignment}; expected a power of two up to 65536")
+            if values is not None:
+                values[key] = alignment
+        elif values is not None:
+            values[key] = cursor.value(kind, key)
         else:
             cursor.skip_value(kind, key)
     return alignment
@@ -210,6 +271,26 @@ def _check_data(cursor: _Cursor, records, alignment: int) -> list[GgufTensor]:
     return out
 
 
+def _walk(path: str, buffer, values: dict | None) -> tuple[list[GgufTensor], str]:
+    """The checked tensor records and the byte order (``<`` or ``>``)."""
+    cursor = _Cursor(buffer, path, "<")
+    tensors, kvs = _header(cursor)
+    alignment = _metadata(cursor, kvs, values)
+    records = [_tensor(cursor, k) for k in range(tensors)]
+    twice = [n for n, seen in Counter(r[0] for r in records).items() if seen > 1]
+    if twice:
+        raise FileError(path, f"tensor {twice[0]!r}", "appears twice")
+    return _check_data(cursor, records, alignment), cursor.endian
+
+
+def _open(path: str):
+    f = open(path, "rb")  # noqa: SIM115 (closed by the caller's with block)
+    if os.fstat(f.fileno()).st_size == 0:
+        f.close()
+        raise FileError(path, "byte 0", "the file is empty; expected a GGUF header")
+    return f
+
+
 def check_gguf(path: str | os.PathLike) -> list[GgufTensor]:
     """Checks a GGUF file's layout (see the module docstring); returns its tensor records.
 
@@ -229,15 +310,48 @@ def check_gguf(path: str | os.PathLike) -> list[GgufTensor]:
       effijax.errors.FileError: .../x.gguf: byte 8: tensor_count is 1,099,511,627,776; expected...
     """
     path = os.fspath(path)
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            raise FileError(path, "byte 0", "the file is empty; expected a GGUF header")
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
-            cursor = _Cursor(buffer, path, "<")
-            tensors, kvs = _header(cursor)
-            alignment = _metadata(cursor, kvs)
-            records = [_tensor(cursor, k) for k in range(tensors)]
-            twice = [n for n, seen in Counter(r[0] for r in records).items() if seen > 1]
-            if twice:
-                raise FileError(path, f"tensor {twice[0]!r}", "appears twice")
-            return _check_data(cursor, records, alignment)
+    with _open(path) as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
+        return _walk(path, buffer, None)[0]
+
+
+def _array(data: np.ndarray, record: GgufTensor, endian: str) -> GgufArray:
+    """A tensor's bytes in ``data`` (the file) as :class:`GgufArray` (a view, nothing copied)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quant_shape_to_byte_shape
+
+    kind = GGMLQuantizationType(record.type)
+    shape = tuple(reversed(record.shape))
+    raw = data[record.start:record.start + record.nbytes]
+    if kind.name in _NUMBERS:
+        values = raw.view(np.dtype(_NUMBERS[kind.name]).newbyteorder(endian)).reshape(shape)
+    else:
+        values = raw.reshape(quant_shape_to_byte_shape(shape, kind))
+    return GgufArray(record.name, record.shape, kind, values)
+
+
+def read_gguf(path: str | os.PathLike) -> GgufFile:
+    """A GGUF file's metadata and tensors, its layout checked as :func:`check_gguf` checks it
+    (see the module docstring); the tensors' data stay in the file, memory-mapped.
+
+    Raises:
+      FileError: as :func:`check_gguf`.
+
+    Example:
+      >>> import os, tempfile, gguf, numpy as np
+      >>> path = os.path.join(tempfile.mkdtemp(), "x.gguf")
+      >>> w = gguf.GGUFWriter(path, "llama")
+      >>> w.add_array("tokenizer.ggml.scores", [0.5, -1.0])
+      >>> w.add_tensor("w", np.arange(6, dtype=np.float32).reshape(2, 3))
+      >>> w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+      >>> f = read_gguf(path)
+      >>> f.metadata["general.architecture"], f.metadata["tokenizer.ggml.scores"]
+      ('llama', [0.5, -1.0])
+      >>> t = f.tensors[0]; t.name, t.shape, t.tensor_type.name, t.data.tolist()
+      ('w', (3, 2), 'F32', [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]])
+    """
+    path = os.fspath(path)
+    metadata: dict = {}
+    with _open(path) as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
+        records, endian = _walk(path, buffer, metadata)
+    data = np.memmap(path, np.uint8, mode="r")
+    return GgufFile(metadata, [_array(data, r, endian) for r in records])
