@@ -195,7 +195,7 @@ class TrainConfig:
                               section="data")
     text_column: str = _field("text", "the column (JSONL key) holding the documents of a "
                               "Parquet, Arrow or datasets --data, which the run tokenizes into "
-                              "a store in effijax's cache first (default: text)", metavar="NAME",
+                              "a store in effijax's cache first", metavar="NAME",
                               section="data")
     chat_template: str | None = _field(None, "a Jinja chat template file that renders chat "
                                        "data (and the run's --chat generation) instead of the "

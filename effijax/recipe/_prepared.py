@@ -14,7 +14,7 @@ and the held-out fraction. So another model, or ``--text-column``, prepares anot
 it. Once prepared, a stamp records every source file's size and modification time with the store's
 hash: a later run whose files are unchanged uses the store at once, without reading the sources
 again (start-up does not grow with the corpus); a changed file goes back through ``prepare``, which
-hashes the sources and tokenizes again only what changed.
+hashes the sources: the same content is the same store, other content is tokenized again.
 
 Preparing takes a lock on the store's name and waits for it (:func:`waiting_lock`): the processes of
 a multi-process run on one machine, or two runs, prepare one store once; the others find it done.
