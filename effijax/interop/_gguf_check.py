@@ -136,20 +136,30 @@ class _Cursor:
         if kind == _STRING:
             return self.string(what)
         if kind == _ARRAY and depth < _MAX_DEPTH:
-            item = self.number("I", f"the item type of {what}")
-            if item not in _SCALARS and item not in (_STRING, _ARRAY):
-                self.fail(what, f"unknown array item type {item}; expected one of 0-12")
-            size = struct.calcsize(_SCALARS[item]) if item in _SCALARS else 8
-            n = self.count(f"the length of {what}", size, MAX_ITEMS)
-            if item in _SCALARS:  # one read for the whole array
-                self.need(n * size, what)
-                dtype = np.dtype(self.endian + _SCALARS[item])
-                values = np.frombuffer(self.buffer, dtype, n, self.at).tolist()
-                self.at += n * size
-                return values
-            return [self.value(item, f"{what}[{k}]", depth + 1) for k in range(n)]
-        self.fail(what, f"unknown value type {kind}; expected one of 0-12 (arrays nested "
-                  f"at most {_MAX_DEPTH} deep)")
+            item, n = self.array(what)
+            if item not in _SCALARS:
+                return [self.value(item, f"{what}[{k}]", depth + 1) for k in range(n)]
+            dtype = np.dtype(self.endian + _SCALARS[item])  # one read for the whole array
+            values = np.frombuffer(self.buffer, dtype, n, self.at).tolist()
+            self.at += n * dtype.itemsize
+            return values
+        self.unknown(what, kind)
+
+    def array(self, what: str) -> tuple[int, int]:
+        """An array's item type and length; the bytes of an array of numbers checked to be
+        there."""
+        item = self.number("I", f"the item type of {what}")
+        if item not in _SCALARS and item not in (_STRING, _ARRAY):
+            self.fail(what, f"unknown array item type {item}; expected one of 0-12")
+        size = struct.calcsize(_SCALARS[item]) if item in _SCALARS else 8
+        n = self.count(f"the length of {what}", size, MAX_ITEMS)
+        if item in _SCALARS:
+            self.need(n * size, what)
+        return item, n
+
+    def unknown(self, what: str, kind: int):
+        self.fail(what, f"unknown value type {kind}; expected one of 0-12 (arrays nested at "
+                  f"most {_MAX_DEPTH} deep)")
 
     def skip_value(self, kind: int, what: str, depth: int = 0) -> None:
         """Steps over one metadata value of GGUF type ``kind``."""
@@ -159,20 +169,14 @@ class _Cursor:
         elif kind == _STRING:
             self.string(what)
         elif kind == _ARRAY and depth < _MAX_DEPTH:
-            item = self.number("I", f"the item type of {what}")
-            if item not in _SCALARS and item not in (_STRING, _ARRAY):
-                self.fail(what, f"unknown array item type {item}; expected one of 0-12")
-            size = struct.calcsize(_SCALARS[item]) if item in _SCALARS else 8
-            n = self.count(f"the length of {what}", size, MAX_ITEMS)
+            item, n = self.array(what)
             if item in _SCALARS:
-                self.need(n * size, what)
-                self.at += n * size
+                self.at += n * struct.calcsize(_SCALARS[item])
             else:
                 for k in range(n):
                     self.skip_value(item, f"{what}[{k}]", depth + 1)
         else:
-            self.fail(what, f"unknown value type {kind}; expected one of 0-12 (arrays nested "
-                      f"at most {_MAX_DEPTH} deep)")
+            self.unknown(what, kind)
 
 
 def _tensor_bytes(path: str, name: str, shape: tuple[int, ...], kind: int) -> int:

@@ -276,17 +276,22 @@ def _raise(error: list):
 
 
 @contextlib.contextmanager
-def _single_threaded_tokenizers():
-    """The in-process path runs the tokenizers on one thread too (1 process means 1 core)."""
-    before = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+def _environ(name: str, value: str):
+    """``os.environ[name]`` is ``value`` for the block, then what it was (or unset)."""
+    before = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
         if before is None:
-            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+            os.environ.pop(name, None)
         else:
-            os.environ["TOKENIZERS_PARALLELISM"] = before
+            os.environ[name] = before
+
+
+def _single_threaded_tokenizers():
+    """The in-process path runs the tokenizers on one thread too (1 process means 1 core)."""
+    return _environ("TOKENIZERS_PARALLELISM", "false")
 
 
 # What multiprocessing's resource tracker says when a process ended by Ctrl-C (the effijax
@@ -295,19 +300,11 @@ def _single_threaded_tokenizers():
 _TRACKER_WARNING = "ignore::UserWarning:multiprocessing.resource_tracker"
 
 
-@contextlib.contextmanager
 def _quiet_tracker():
     """The resource tracker (started with the pool's first semaphore, from this environment)
     removes what it is left without a warning."""
     before = os.environ.get("PYTHONWARNINGS")
-    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, (before, _TRACKER_WARNING)))
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("PYTHONWARNINGS", None)
-        else:
-            os.environ["PYTHONWARNINGS"] = before
+    return _environ("PYTHONWARNINGS", ",".join(filter(None, (before, _TRACKER_WARNING))))
 
 
 def _run(tasks: list[dict], fields: dict | None, processes: int, report) -> None:
