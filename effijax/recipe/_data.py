@@ -277,13 +277,14 @@ def _longest_window(n: int, val_fraction: float) -> int:
 
 
 def mixture_spec(data: str | None) -> list[tuple[str, float]] | None:
-    """``[(path, weight), ...]`` of a mixture ``a:0.7,b:0.3``; None for one path.
+    """``[(path, weight), ...]`` of a mixture ``a:0.7,b:0.3``; None for one path (a path that
+    exists is one path, whatever colons it holds).
 
     Example:
       >>> mixture_spec("a.store:0.7,b.store:0.3"), mixture_spec("notes.txt")
       ([('a.store', 0.7), ('b.store', 0.3)], None)
     """
-    if data is None or ":" not in data:
+    if data is None or ":" not in data or Path(data).exists():
         return None
     parts = []
     for item in data.split(","):
@@ -428,7 +429,7 @@ def load_dataset(path: str | None, model, *, seq_len: int | None = None,
     """
     seq_len = model.seq_len if seq_len is None else seq_len
     parts = mixture_spec(path)
-    if parts is not None and not Path(path).exists():
+    if parts is not None:
         return _mixture_dataset(parts, model, seq_len)
     if is_store(path):
         return _store_dataset(path, model, seq_len)

@@ -75,8 +75,7 @@ def _key(source: Path, tokenizer, fmt: str, text_column: str) -> str:
 
 def _stamp(source: Path) -> list:
     """Every file of ``source`` with its size and modification time (nanoseconds)."""
-    return [[str(s.path), s.path.stat().st_size, s.path.stat().st_mtime_ns]
-            for s in find_sources(source)]
+    return [[str(s.path), s.size, s.path.stat().st_mtime_ns] for s in find_sources(source)]
 
 
 def _stamped(store: Path, stamp_file: Path, stamp: list) -> bool:
@@ -185,7 +184,7 @@ def _raw_parts(data: str | None) -> list[str]:
     if data is None:
         return []
     parts = mixture_spec(data)
-    if parts is None or Path(data).exists():
+    if parts is None:
         return [data] if needs_preparing(data) else []
     return [path for path, _ in parts if not is_store(path)]
 
@@ -223,10 +222,10 @@ def training_data(data: str | None, tokenizer, *, chat_template: str | None = No
                                 print_fn=print_fn))
 
     raw = _raw_parts(data)
+    parts = mixture_spec(data)
     if not raw:
         return data
-    parts = mixture_spec(data)
-    if parts is None or Path(data).exists():
+    if parts is None:
         return store_of(data)
     return ",".join(f"{store_of(path) if path in raw else path}:{weight!r}"
                     for path, weight in parts)

@@ -60,8 +60,7 @@ def check_paths(config: TrainConfig) -> None:
     """The data exists, ``out`` can be written and hold checkpoints (nothing is created yet),
     ``init_from`` is another directory."""
     parts = mixture_spec(config.data)
-    paths = ([config.data] if parts is None or Path(config.data).exists()
-             else [p for p, _ in parts])
+    paths = [config.data] if parts is None else [p for p, _ in parts]
     for path in paths if config.data is not None else []:
         if not Path(path).exists():
             raise ConfigError("data", path, "no such file or folder")
