@@ -58,7 +58,10 @@ linux = pytest.mark.skipif(not sys.platform.startswith("linux"),
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    return run_env(tmp_path_factory.mktemp("ctrl_c"))
+    out = run_env(tmp_path_factory.mktemp("ctrl_c"))
+    # A compilation as long as a user's, to be interrupted (see tests/conftest.py).
+    out["env"].pop("JAX_DISABLE_MOST_OPTIMIZATIONS", None)
+    return out
 
 
 @pytest.fixture(scope="module")

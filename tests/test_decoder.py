@@ -217,6 +217,7 @@ MACHINE = "AMD EPYC avx512f jax 0.10.2"  # where EXPECTED was recorded
 
 
 @pytest.mark.slow  # 9 models compiled three ways each: ~2 min on 2 cores
+@pytest.mark.optimized  # the bits of a user's build
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_bit_identical_to_the_recorded_run(name):
     if machine() != MACHINE:
