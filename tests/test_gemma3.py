@@ -25,10 +25,11 @@ from _parity import (
     our_logits,
     torch_logits,
 )
+from _reference import reference
 
-torch = pytest.importorskip("torch", reason="Gemma 3 parity tests need torch (effijax[interop])")
-transformers = pytest.importorskip("transformers", reason="Gemma 3 parity tests need "
-                                   "transformers (pip install effijax[interop])")
+torch = reference("torch", reason="Gemma 3 parity tests need torch (effijax[interop])")
+transformers = reference("transformers", reason="Gemma 3 parity tests need "
+                         "transformers (pip install effijax[interop])")
 gguf = pytest.importorskip("gguf", reason="GGUF tests need gguf (effijax[interop])")
 
 from effijax.cli import build_parser  # noqa: E402

@@ -17,15 +17,16 @@ import numpy as np
 import pytest
 from _llama_files import VOCAB_SIZE, llama_cpp_rope_freqs, write_gguf
 from _parity import our_logits, randomized, torch_logits
+from _reference import reference
 
 from effijax.errors import ConfigError, FileError
 from effijax.interop import gguf_config, gguf_format, load_gguf, load_hf, save_gguf
 from effijax.models import llama3_scaling, qwen2_config, rope_factors
 from effijax.paths import named_leaves
 
-torch = pytest.importorskip("torch", reason="the parity test needs torch (effijax[interop])")
-transformers = pytest.importorskip("transformers", reason="the parity test needs transformers "
-                                   "(pip install effijax[interop])")
+torch = reference("torch", reason="the parity test needs torch (effijax[interop])")
+transformers = reference("transformers", reason="the parity test needs transformers "
+                         "(pip install effijax[interop])")
 
 ATOL = 1e-4  # f32 logits through two layers, as tests/test_hf_parity.py
 HEAD_DIM, THETA, SCALING = 32, 1000.0, (4.0, 1.0, 4.0, 32)  # wavelengths 2π·1000^(i/16)

@@ -21,11 +21,12 @@ import pytest
 from _adapters import random_adapters
 from _llama_files import VOCAB_SIZE, write_gguf
 from _parity import randomized
+from _reference import reference
 
-torch = pytest.importorskip("torch", reason="parity tests need torch (effijax[interop])")
-transformers = pytest.importorskip("transformers", reason="parity tests need transformers "
-                                   "(pip install effijax[interop])")
-peft = pytest.importorskip("peft", reason="PEFT export tests need peft (effijax[interop])")
+torch = reference("torch", reason="parity tests need torch (effijax[interop])")
+transformers = reference("transformers", reason="parity tests need transformers "
+                         "(pip install effijax[interop])")
+peft = reference("peft", reason="PEFT export tests need peft (effijax[interop])")
 
 from effijax import lora  # noqa: E402
 from effijax.interop import load, load_gguf, load_hf, load_tokenizer, save_hf, save_peft  # noqa: E402

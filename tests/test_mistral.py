@@ -13,10 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _reference import reference
 
-torch = pytest.importorskip("torch", reason="Mistral parity tests need torch (effijax[interop])")
-transformers = pytest.importorskip("transformers", reason="Mistral parity tests need "
-                                   "transformers (pip install effijax[interop])")
+torch = reference("torch", reason="Mistral parity tests need torch (effijax[interop])")
+transformers = reference("transformers", reason="Mistral parity tests need "
+                         "transformers (pip install effijax[interop])")
 
 from effijax.errors import ConfigError  # noqa: E402
 from effijax.interop import config_from_hf, hf_config, load_hf, save_hf  # noqa: E402

@@ -22,11 +22,12 @@ from _parity import (
     our_logits,
     torch_logits,
 )
+from _reference import reference
 
-torch = pytest.importorskip("torch", reason="Qwen2 parity tests need torch (effijax[interop])")
-transformers = pytest.importorskip("transformers", reason="Qwen2 parity tests need "
-                                   "transformers (pip install effijax[interop])")
-peft = pytest.importorskip("peft", reason="PEFT export tests need peft (effijax[interop])")
+torch = reference("torch", reason="Qwen2 parity tests need torch (effijax[interop])")
+transformers = reference("transformers", reason="Qwen2 parity tests need "
+                         "transformers (pip install effijax[interop])")
+peft = reference("peft", reason="PEFT export tests need peft (effijax[interop])")
 
 from effijax.errors import ConfigError, FileError  # noqa: E402
 from effijax.generate import generate  # noqa: E402
