@@ -17,7 +17,7 @@ The suite compiles with ``JAX_DISABLE_MOST_OPTIMIZATIONS=1`` (XLA's lowest backe
 no expensive LLVM passes), and so do the ``effijax`` processes tests start, which inherit the
 variable: the suite's models are tiny, so compiling is most of a test's time, and a program
 compiled this way computes the same operations (measured over the whole suite on 2 cores:
-109 -> 79 minutes of test time, 55 -> 40 minutes of wall time). The rounding of a fused
+109 -> 79 and 88 minutes of test time in two runs, 55 -> 40 and 44 minutes of wall time). The rounding of a fused
 expression can differ in its last bits (LLVM contracts fewer multiply-adds), so the tests that
 compare with another library's numbers to f32 rounding, or with bits recorded from a user's
 build, carry ``@pytest.mark.optimized`` and compile as a user's run does; so do the processes
@@ -64,7 +64,9 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _optimization(request):
     """Compiles a test marked ``@pytest.mark.optimized`` at XLA's default optimisation, as a
-    user's run does (every other test: see the module's docstring)."""
+    user's run does (every other test: see the module's docstring). This holds for what the
+    test compiles; a program that ``jax.jit`` compiled earlier in the process for the same
+    function and shapes is reused as it is (the flag is not part of jit's key)."""
     if request.node.get_closest_marker("optimized") is None:
         yield
         return
