@@ -19,8 +19,8 @@ variable: the suite's models are tiny, so compiling is most of a test's time, an
 compiled this way computes the same operations (measured over the whole suite on 2 cores:
 109 -> 79 and 88 minutes of test time in two runs, 55 -> 40 and 44 minutes of wall time). The
 rounding of a fused expression can differ in its last bits (LLVM contracts fewer multiply-adds),
-so the tests that compare with another library's numbers to f32 rounding, or with bits
-recorded from a user's build, carry ``@pytest.mark.optimized`` and compile as a user's run
+so the tests that compare a real model with another library's (logits, greedy ids), or with
+bits recorded from a user's build, carry ``@pytest.mark.optimized`` and compile as a user's run
 does; so do the processes of tests that interrupt a compilation (test_ctrl_c), which need one
 long enough to interrupt.
 """

@@ -380,6 +380,7 @@ PROMPT = [2, 818, 5279, 529, 7001, 563]  # <bos>The capital of France is
 # peft 0.21 reads transformers 5's deprecated `is_gradient_checkpointing`: their warning, not ours.
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 @pytest.mark.slow  # assembles 253 MB, dequantizes it twice (effijax, transformers): ~120 s
+@pytest.mark.optimized  # a real model against transformers (logits, greedy ids)
 def test_gemma3_270m_gguf_gives_transformers_logits_and_greedy_ids(gemma3_gguf):
     config, params = load_gguf(gemma3_gguf, seq_len=64)
     assert config.num_params == sum(x.size for x in jax.tree.leaves(params)) == 268_098_176

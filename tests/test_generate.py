@@ -515,6 +515,7 @@ def _transformers_greedy(reference, torch, ids, n):
 
 
 @pytest.mark.slow
+@pytest.mark.optimized  # a real model against transformers (logits, greedy ids)
 def test_smollm2_greedy_generation_matches_transformers_generate(smollm2):
     loaded, reference, torch = smollm2
     prompt = "The capital of France is"
@@ -529,6 +530,7 @@ def test_smollm2_greedy_generation_matches_transformers_generate(smollm2):
 
 
 @pytest.mark.slow
+@pytest.mark.optimized  # a real model against transformers (logits, greedy ids)
 def test_smollm2_prompts_of_different_lengths_match_transformers_generate_alone(smollm2):
     loaded, reference, torch = smollm2
     prompts = ["The capital of France is", "Water boils at a temperature of",

@@ -165,6 +165,7 @@ def test_a_failed_export_leaves_the_earlier_file_whole(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.optimized  # a real model against transformers (logits, greedy ids)
 def test_smollm2_at_q8_0_continues_in_transformers_as_in_effijax(tmp_path):
     torch = pytest.importorskip("torch", reason="parity needs torch (effijax[interop])")
     transformers = pytest.importorskip("transformers", reason="parity needs transformers")

@@ -198,6 +198,7 @@ def _greedy(config, params, prompt_ids, n):
 
 
 @pytest.mark.slow
+@pytest.mark.optimized  # a real model against transformers (logits, greedy ids)
 def test_smollm2_logits_match_transformers(smollm2, smollm2_hf):
     _, config, params = smollm2
     assert config.name == "smollm2-135m" and config.tie_embeddings
@@ -210,6 +211,7 @@ def test_smollm2_logits_match_transformers(smollm2, smollm2_hf):
 
 
 @pytest.mark.slow
+@pytest.mark.optimized  # a real model against transformers (logits, greedy ids)
 def test_smollm2_greedy_continuation_matches_transformers(smollm2, smollm2_hf):
     _, config, params = smollm2
     prompt = config.tokenizer.encode(PROMPT)
