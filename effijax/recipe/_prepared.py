@@ -222,9 +222,9 @@ def training_data(data: str | None, tokenizer, *, chat_template: str | None = No
                                 print_fn=print_fn))
 
     raw = _raw_parts(data)
-    parts = mixture_spec(data)
     if not raw:
         return data
+    parts = mixture_spec(data)
     if parts is None:
         return store_of(data)
     return ",".join(f"{store_of(path) if path in raw else path}:{weight!r}"
