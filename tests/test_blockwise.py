@@ -58,6 +58,27 @@ def test_matches_naive_f32(s, block_q, block_k):
     chex.assert_trees_all_close(grads, ref_grads, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize(
+    ("block_q", "block_k", "window", "packed"),
+    [(16, 16, None, False), (16, 32, 20, False), (32, 16, 7, True), (16, 16, "traced", True)],
+)
+def test_grouped_heads_windows_and_segments_match_naive(block_q, block_k, window, packed):
+    """The kernel's tile kinds: interior tiles without a mask, diagonal, window-edge and
+    padded-key tiles with one, segments (every tile masked), three query heads per kv head."""
+    s, groups = 50, 3  # 50 keys: the last key block is padding in part for every block size
+    q, _, _, w = _qkvw(s, h=6)
+    _, k, v, _ = _qkvw(s, h=2, seed=1)
+    segments = jnp.asarray([[1] * 20 + [2] * 25 + [3] * 5, [1] * 35 + [2] * 15]) if packed else None
+    win = jnp.int32(9) if window == "traced" else window
+    kw = dict(segments_BS=segments, window=win)
+    bw = functools.partial(blockwise_attend, block_q=block_q, block_k=block_k, **kw)
+    out, grads = _value_and_grads(bw, q, k, v, w)
+    ref_out, ref_grads = _value_and_grads(functools.partial(attend, **kw), q, k, v, w)
+    assert q.shape[2] // k.shape[2] == groups
+    chex.assert_trees_all_close(out, ref_out, atol=1e-5, rtol=0)
+    chex.assert_trees_all_close(grads, ref_grads, atol=1e-5, rtol=0)
+
+
 def test_cross_attention_different_lengths():
     q, k, v, _ = _qkvw(40, 72)
     out, ref = jax.jit(lambda q, k, v: (
@@ -92,7 +113,7 @@ def test_dropout_matches_dense_reference_with_the_same_masks():
     # The kernel's tiles, assembled into one [B, H, S, T] keep-mask (the padded keys cut off).
     @jax.jit
     def assemble(key):
-        rows = [jnp.concatenate([_keep_mask(spec, key, i, j, nk, (1, 2, bq, bk))
+        rows = [jnp.concatenate([_keep_mask(spec, key, i, j, nk, (1, 2, bq, bk), 1)
                                  for j in range(nk)], axis=-1) for i in range(nq)]
         return jnp.concatenate(rows, axis=-2)[..., :s]
 
@@ -184,12 +205,15 @@ def test_remat_policies_keep_the_attention_forward_out_of_the_recomputation():
 
     x, w = jnp.ones((64, 16)), jnp.full((16, 16), 0.01)
 
-    def loops(policy):  # while loops in the gradient's jaxpr: 2 = forward + backward kernel
+    def loops(policy):  # while loops (the kernel's tile loops) in the gradient's jaxpr
         f = layer if policy is None else jax.checkpoint(layer, policy=policy)
         jaxpr = jax.make_jaxpr(jax.grad(lambda w: jnp.sum(f(x, w))))(w)
         return str(jaxpr).count("while[")
 
-    assert loops(None) == 2
-    assert loops(jax.checkpoint_policies.nothing_saveable) == 3  # the forward runs twice
+    forward = str(jax.make_jaxpr(layer)(x, w)).count("while[")
+    assert forward >= 1
+    backward = loops(None) - forward
+    assert backward >= 1
+    assert loops(jax.checkpoint_policies.nothing_saveable) == 2 * forward + backward  # twice
     for policy in REMAT_POLICIES.values():
-        assert loops(policy) == 2
+        assert loops(policy) == forward + backward

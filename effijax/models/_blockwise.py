@@ -41,16 +41,26 @@ scalar (a per-layer window scanned with the layers): it is a loop bound, not a s
 
 Grouped-query attention: ``k`` and ``v`` may have fewer heads than ``q`` (``H_kv`` dividing
 ``H``; query head ``h`` reads kv head ``h // (H // H_kv)``, Hugging Face Llama's ``repeat_kv``).
-The kv heads are repeated before the kernel, so its custom VJP is the multi-head one and autodiff
-of the repeat sums each group's gradients; that costs ``O(B·T·H·K)`` extra bytes, linear in the
-sequence like the rest of the kernel's residuals.
+The kv heads are never repeated: the kernel works in the layout ``q [B, H_kv, S, G, K]``,
+``k, v [B, H_kv, T, K]`` (``G = H / H_kv``; one transpose in and out), and a tile stacks the
+``G`` heads of a query block's rows, ``[Q·G, K]`` against ``[C, K]`` per kv head, so the
+group's ``dk, dv`` are summed inside the tile's own contraction.
+
+Tiles that need no mask (every key before every query of the block, inside every row's window,
+no padded keys, no segments) run in their own loop without one; only the tiles on the diagonal,
+the window's edge or the padding build and apply the mask. Measured on XLA:CPU (2 cores, f32,
+SmolLM2's 9 heads over 3 kv heads of 64, 4 x 512 tokens, forward + backward): 145 ms with this
+layout and 64 x 64 blocks (the default) against 279 ms for the kernel that repeated the kv
+heads and masked every tile with 128 x 128 blocks, and 119 ms for ``torch``'s
+``scaled_dot_product_attention``; 475 vs 796 ms (``torch`` 339) at 1,024 tokens.
 
 On a GPU, bf16/f16 inputs without dropout, segments or a traced window go to
 ``jax.nn.dot_product_attention(..., implementation="cudnn")`` (cuDNN's fused flash attention,
 grouped heads and a static window included) unless ``implementation="jax"``.
 
 Shape suffixes: ``B`` batch, ``S`` queries, ``T`` keys, ``H`` heads, ``K`` head width,
-``Q``/``C`` a query/key block.
+``Q``/``C`` a query/key block, ``N`` kv heads, ``G`` query heads per kv head, ``R`` a tile's
+``Q·G`` rows.
 """
 
 from __future__ import annotations
@@ -106,7 +116,7 @@ class _Spec(NamedTuple):
 
 
 def blockwise_attend(q_BSHK: jax.Array, k_BTHK: jax.Array, v_BTHK: jax.Array, *,
-                     causal: bool = True, block_q: int = 128, block_k: int = 128,
+                     causal: bool = True, block_q: int = 64, block_k: int = 64,
                      dropout_rate: float = 0.0, dropout_key: jax.Array | None = None,
                      implementation: str | None = None,
                      segments_BS: jax.Array | None = None,
@@ -194,9 +204,6 @@ def blockwise_attend(q_BSHK: jax.Array, k_BTHK: jax.Array, v_BTHK: jax.Array, *,
     if pad_t:
         k_BTHK = jnp.pad(k_BTHK, ((0, 0), (0, pad_t), (0, 0), (0, 0)))
         v_BTHK = jnp.pad(v_BTHK, ((0, 0), (0, pad_t), (0, 0), (0, 0)))
-    if groups > 1:  # grouped-query attention: the transpose of the repeat sums the gradients
-        k_BTHK = jnp.repeat(k_BTHK, groups, axis=2)
-        v_BTHK = jnp.repeat(v_BTHK, groups, axis=2)
     key = dropout_key if dropout else None
     if segmented:  # padded queries and keys get id -1 (padded keys are masked anyway)
         segments_BS = segments_BS.astype(jnp.int32)
@@ -207,7 +214,14 @@ def blockwise_attend(q_BSHK: jax.Array, k_BTHK: jax.Array, v_BTHK: jax.Array, *,
         segments = None
     # A window of T or more keys is no window; clamping keeps the loop bounds' sums in int32.
     win = None if window is None else jnp.minimum(jnp.asarray(window, jnp.int32), t)
-    out_BSHK = _flash(spec, q_pad, k_BTHK, v_BTHK, key, segments, win)
+    # The kernel's layout: kv heads ahead of the sequence, each query row's group of heads
+    # (those sharing a kv head) next to it, so a tile is one batched [Q·G, C] product per kv head.
+    b, s_pad, h, d = q_pad.shape
+    n = h // groups
+    q_BNSGK = q_pad.reshape(b, s_pad, n, groups, d).transpose(0, 2, 1, 3, 4)
+    out_BNSGK = _flash(spec, q_BNSGK, k_BTHK.transpose(0, 2, 1, 3), v_BTHK.transpose(0, 2, 1, 3),
+                       key, segments, win)
+    out_BSHK = out_BNSGK.transpose(0, 2, 1, 3, 4).reshape(b, s_pad, h, d)
     return out_BSHK[:, :s] if pad_s else out_BSHK
 
 
@@ -401,10 +415,11 @@ def cudnn_unusable_reason(q_BSHK, dropout: bool, backend: str | None = None, *,
 # The kernel: padded inputs, static spec.
 
 
-def _tile_mask(spec: _Spec, i, j, segments=None, win=None) -> jax.Array:
-    """Which (query, key) pairs of tile (i, j) take part: ``[Q, C]`` bool, or with
-    ``segments`` (the padded ``(seg_q_BS, seg_k_BT)``) ``[B, 1, Q, C]``, broadcasting over
-    heads. ``win``: the sliding window (int32 scalar) when ``spec.windowed``."""
+def _tile_mask(spec: _Spec, i, j, groups: int, segments=None, win=None) -> jax.Array:
+    """Which (query, key) pairs of tile (i, j) take part: ``[Q·G, C]`` bool (row ``q·G + g`` is
+    query ``q``'s head ``g`` of its group), or with ``segments`` (the padded
+    ``(seg_q_BS, seg_k_BT)``) ``[B, 1, Q·G, C]``, broadcasting over kv heads. ``win``: the
+    sliding window (int32 scalar) when ``spec.windowed``."""
     rows = i * spec.block_q + jnp.arange(spec.block_q)
     cols = j * spec.block_k + jnp.arange(spec.block_k)
     mask_QC = cols[None, :] < spec.seq_k  # padded keys never count
@@ -412,18 +427,53 @@ def _tile_mask(spec: _Spec, i, j, segments=None, win=None) -> jax.Array:
         mask_QC = mask_QC & (cols[None, :] <= rows[:, None])
     if spec.windowed:
         mask_QC = mask_QC & (cols[None, :] > rows[:, None] - win)
-    if segments is None:
-        return mask_QC
-    seg_q_BS, seg_k_BT = segments
-    seg_BQ = _slice(seg_q_BS, i * spec.block_q, spec.block_q)
-    seg_BC = _slice(seg_k_BT, j * spec.block_k, spec.block_k)
-    return (mask_QC[None] & (seg_BQ[:, :, None] == seg_BC[:, None, :]))[:, None]
+    if segments is not None:
+        seg_q_BS, seg_k_BT = segments
+        seg_BQ = _slice(seg_q_BS, i * spec.block_q, spec.block_q)
+        seg_BC = _slice(seg_k_BT, j * spec.block_k, spec.block_k)
+        mask_QC = (mask_QC[None] & (seg_BQ[:, :, None] == seg_BC[:, None, :]))[:, None]
+    if groups > 1 and mask_QC.shape[-2] > 1:  # a [1, C] mask (no causal rows) broadcasts
+        mask_QC = jnp.repeat(mask_QC, groups, axis=-2)
+    return mask_QC
 
 
-def _keep_mask(spec: _Spec, key, i, j, num_k_blocks: int, shape) -> jax.Array:
-    """The tile's dropout keep-mask, regenerated identically in the forward and backward pass."""
+def _keep_mask(spec: _Spec, key, i, j, num_k_blocks: int, shape_BNRC, groups: int) -> jax.Array:
+    """The tile's dropout keep-mask ``[B, N, Q·G, C]``, regenerated identically in the forward
+    and backward pass. Drawn as ``[B, H, Q, C]`` (``H = N·G``), so the draws do not depend on
+    how the kernel lays the heads out."""
+    b, n, _, c = shape_BNRC
     tile_key = jax.random.fold_in(key, i * num_k_blocks + j)
-    return jax.random.bernoulli(tile_key, 1.0 - spec.dropout_rate, shape)
+    keep_BHQC = jax.random.bernoulli(tile_key, 1.0 - spec.dropout_rate,
+                                     (b, n * groups, spec.block_q, c))
+    keep = keep_BHQC.reshape(b, n, groups, spec.block_q, c).transpose(0, 1, 3, 2, 4)
+    return keep.reshape(shape_BNRC)
+
+
+def _split_range(lo, hi, free_lo, free_hi):
+    """``[lo, hi)`` cut into ``[lo, a)``, ``[a, b)``, ``[b, hi)`` with ``[a, b)`` the part of
+    ``[free_lo, free_hi)`` inside it (possibly empty): the tiles that need no mask."""
+    a = jnp.clip(free_lo, lo, hi)
+    return a, jnp.clip(free_hi, a, hi)
+
+
+def _unmasked_k_blocks(spec: _Spec, i, num_k_blocks: int, win):
+    """Key blocks whose tile with query block ``i`` needs no mask (every pair visible):
+    ``[first, end)``, where every key precedes every query (causal), lies inside every row's
+    window and is a real key (not padding)."""
+    end = (i * spec.block_q + 1) // spec.block_k if spec.causal else num_k_blocks
+    end = jnp.minimum(end, spec.seq_k // spec.block_k)
+    if not spec.windowed:
+        return 0, end
+    first = -(-((i + 1) * spec.block_q - win) // spec.block_k)  # ceil: the window's first
+    return jnp.maximum(first, 0), end
+
+
+def _unmasked_q_blocks(spec: _Spec, j, num_q_blocks: int, win):
+    """Query blocks whose tile with key block ``j`` needs no mask: ``[first, end)`` (empty
+    when the key block holds padding)."""
+    first = -(-((j + 1) * spec.block_k - 1) // spec.block_q) if spec.causal else 0
+    end = (j * spec.block_k + win) // spec.block_q if spec.windowed else num_q_blocks
+    return first, jnp.where((j + 1) * spec.block_k <= spec.seq_k, end, 0)
 
 
 def _num_k_blocks_for(spec: _Spec, i, num_k_blocks: int):
@@ -456,7 +506,7 @@ def _q_blocks_end_for(spec: _Spec, j, num_q_blocks: int, win):
     return jnp.minimum(((j + 1) * spec.block_k + win - 2) // spec.block_q + 1, num_q_blocks)
 
 
-def tiles_visited(s: int, *, block_q: int = 128, block_k: int = 128,
+def tiles_visited(s: int, *, block_q: int = 64, block_k: int = 64,
                   window: int | None = None) -> tuple[int, int]:
     """How many ``(query block, key block)`` tiles the causal kernel computes for ``S = T = s``:
     ``(forward, backward)``, from the loop bounds the kernel itself uses.
@@ -482,138 +532,174 @@ def _slice(x, start, size, axis=1):
     return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
 
 
-def _forward(spec: _Spec, q_BSHK, k_BTHK, v_BTHK, key, segments=None, win=None):
-    """Returns the output ``[B, S, H, K]`` (input dtype) and the row log-sum-exp ``[B, H, S]``."""
-    b, s_pad, h, d = q_BSHK.shape
-    nq, nk = s_pad // spec.block_q, k_BTHK.shape[1] // spec.block_k
+def _tile_loops(body, lo, hi, free, *, lead: bool, trail: bool, masked_only: bool, init):
+    """Runs ``body(j, acc, masked)`` for ``j`` in ``[lo, hi)``: the tiles in ``free`` (a range,
+    see :func:`_split_range`) without a mask, the others with it. ``lead``/``trail``: whether
+    masked tiles can precede/follow the free ones (static; a loop that is always empty is not
+    traced). ``masked_only``: one masked loop (segments: every tile needs its mask)."""
+    def run(start, stop, masked, acc):
+        return jax.lax.fori_loop(start, stop, lambda j, a: body(j, a, masked), acc)
+
+    if masked_only:
+        return run(lo, hi, True, init)
+    a, b = _split_range(lo, hi, *free)
+    if not lead:
+        a = lo
+    if not trail:
+        b = hi
+    acc = run(lo, a, True, init) if lead else init
+    acc = run(a, b, False, acc)
+    return run(b, hi, True, acc) if trail else acc
+
+
+def _rows(x_BNSGK, i, size):
+    """Query block ``i`` as ``[B, N, Q·G, K]`` rows (``q·G + g``), or ``[B, N, Q·G]``."""
+    block = _slice(x_BNSGK, i * size, size, axis=2)
+    return block.reshape(block.shape[:2] + (-1,) + block.shape[4:])
+
+
+def _forward(spec: _Spec, q_BNSGK, k_BNTK, v_BNTK, key, segments=None, win=None):
+    """Returns the output ``[B, N, S, G, K]`` (input dtype) and the row log-sum-exp
+    ``[B, N, S, G]`` (f32). Each query block's ``Q·G`` rows (the ``G`` query heads sharing a kv
+    head) meet each key block in one ``[Q·G, C]`` tile."""
+    b, n, s_pad, g, d = q_BNSGK.shape
+    nq, nk = s_pad // spec.block_q, k_BNTK.shape[2] // spec.block_k
     bq, bk = spec.block_q, spec.block_k
     scale = jnp.float32(1.0 / math.sqrt(d))
     keep = 1.0 - spec.dropout_rate
 
     def query_block(i, carry):
-        out_BSHK, lse_BHS = carry
-        q_BQHK = _slice(q_BSHK, i * bq, bq).astype(jnp.float32) * scale
+        out_BNSGK, lse_BNSG = carry
+        q_BNRK = _rows(q_BNSGK, i, bq).astype(jnp.float32) * scale
 
-        def key_block(j, acc):
-            m_BHQ, l_BHQ, o_BHQK = acc
-            k_BCHK = _slice(k_BTHK, j * bk, bk).astype(jnp.float32)
-            v_BCHK = _slice(v_BTHK, j * bk, bk).astype(jnp.float32)
-            s_BHQC = jnp.einsum("bqhk,bchk->bhqc", q_BQHK, k_BCHK)
-            mask_QC = _tile_mask(spec, i, j, segments, win)  # [B, 1, Q, C] with segments
-            s_BHQC = jnp.where(mask_QC, s_BHQC, _MASKED)
-            m_new_BHQ = jnp.maximum(m_BHQ, jnp.max(s_BHQC, axis=-1))
-            p_BHQC = jnp.where(mask_QC, jnp.exp(s_BHQC - m_new_BHQ[..., None]), 0.0)
-            alpha_BHQ = jnp.exp(m_BHQ - m_new_BHQ)
-            l_BHQ = alpha_BHQ * l_BHQ + jnp.sum(p_BHQC, axis=-1)
+        def key_block(j, acc, masked):
+            m_BNR, l_BNR, o_BNRK = acc
+            k_BNCK = _slice(k_BNTK, j * bk, bk, axis=2).astype(jnp.float32)
+            v_BNCK = _slice(v_BNTK, j * bk, bk, axis=2).astype(jnp.float32)
+            s_BNRC = jnp.einsum("bnrk,bnck->bnrc", q_BNRK, k_BNCK)
+            if masked:
+                mask_RC = _tile_mask(spec, i, j, g, segments, win)  # [B, 1, R, C] with segments
+                s_BNRC = jnp.where(mask_RC, s_BNRC, _MASKED)
+            m_new_BNR = jnp.maximum(m_BNR, jnp.max(s_BNRC, axis=-1))
+            p_BNRC = jnp.exp(s_BNRC - m_new_BNR[..., None])
+            if masked:
+                p_BNRC = jnp.where(mask_RC, p_BNRC, 0.0)
+            alpha_BNR = jnp.exp(m_BNR - m_new_BNR)
+            l_BNR = alpha_BNR * l_BNR + jnp.sum(p_BNRC, axis=-1)
             if key is not None:  # the denominator uses the undropped probabilities
-                drop = _keep_mask(spec, key, i, j, nk, p_BHQC.shape)
-                p_BHQC = jnp.where(drop, p_BHQC / keep, 0.0)
-            o_BHQK = alpha_BHQ[..., None] * o_BHQK + jnp.einsum("bhqc,bchk->bhqk", p_BHQC, v_BCHK)
-            return m_new_BHQ, l_BHQ, o_BHQK
+                drop = _keep_mask(spec, key, i, j, nk, p_BNRC.shape, g)
+                p_BNRC = jnp.where(drop, p_BNRC / keep, 0.0)
+            o_BNRK = alpha_BNR[..., None] * o_BNRK + jnp.einsum("bnrc,bnck->bnrk", p_BNRC,
+                                                                  v_BNCK)
+            return m_new_BNR, l_BNR, o_BNRK
 
-        init = (
-            jnp.full((b, h, bq), _MASKED, jnp.float32),
-            jnp.zeros((b, h, bq), jnp.float32),
-            jnp.zeros((b, h, bq, d), jnp.float32),
-        )
-        m_BHQ, l_BHQ, o_BHQK = jax.lax.fori_loop(
-            _first_k_block_for(spec, i, win), _num_k_blocks_for(spec, i, nk), key_block, init
-        )
+        rows = bq * g
+        init = (jnp.full((b, n, rows), _MASKED, jnp.float32), jnp.zeros((b, n, rows), jnp.float32),
+                jnp.zeros((b, n, rows, d), jnp.float32))
+        m_BNR, l_BNR, o_BNRK = _tile_loops(
+            key_block, _first_k_block_for(spec, i, win), _num_k_blocks_for(spec, i, nk),
+            _unmasked_k_blocks(spec, i, nk, win), lead=spec.windowed,
+            trail=spec.causal or spec.seq_k % bk != 0, masked_only=segments is not None,
+            init=init)
         # Padded query rows may see no key at all (l = 0); they are sliced off, keep them finite.
-        l_BHQ = jnp.where(l_BHQ > 0.0, l_BHQ, 1.0)
-        o_BQHK = jnp.transpose(o_BHQK / l_BHQ[..., None], (0, 2, 1, 3)).astype(out_BSHK.dtype)
-        out_BSHK = jax.lax.dynamic_update_slice_in_dim(out_BSHK, o_BQHK, i * bq, axis=1)
-        lse_BHS = jax.lax.dynamic_update_slice_in_dim(
-            lse_BHS, m_BHQ + jnp.log(l_BHQ), i * bq, axis=2
+        l_BNR = jnp.where(l_BNR > 0.0, l_BNR, 1.0)
+        o_BNQGK = (o_BNRK / l_BNR[..., None]).reshape(b, n, bq, g, d).astype(out_BNSGK.dtype)
+        out_BNSGK = jax.lax.dynamic_update_slice_in_dim(out_BNSGK, o_BNQGK, i * bq, axis=2)
+        lse_BNSG = jax.lax.dynamic_update_slice_in_dim(
+            lse_BNSG, (m_BNR + jnp.log(l_BNR)).reshape(b, n, bq, g), i * bq, axis=2
         )
-        return out_BSHK, lse_BHS
+        return out_BNSGK, lse_BNSG
 
-    init = (jnp.zeros_like(q_BSHK), jnp.zeros((b, h, s_pad), jnp.float32))
+    init = (jnp.zeros_like(q_BNSGK), jnp.zeros((b, n, s_pad, g), jnp.float32))
     return jax.lax.fori_loop(0, nq, query_block, init)
 
 
-def _backward(spec: _Spec, q_BSHK, k_BTHK, v_BTHK, key, segments, win, out_BSHK, lse_BHS,
-              dout_BSHK):
+def _backward(spec: _Spec, q_BNSGK, k_BNTK, v_BNTK, key, segments, win, out_BNSGK, lse_BNSG,
+              dout_BNSGK):
     """FlashAttention-2's backward: loops over key blocks, then over the query blocks that see
-    them, recomputing ``P = exp(S - lse)`` per tile; returns f32 ``dq, dk, dv``."""
-    b, s_pad, h, d = q_BSHK.shape
-    t_pad = k_BTHK.shape[1]
+    them, recomputing ``P = exp(S - lse)`` per tile; returns f32 ``dq, dk, dv``. The gradients
+    of the ``G`` query heads sharing a kv head are summed inside the tile's contraction."""
+    b, n, s_pad, g, d = q_BNSGK.shape
+    t_pad = k_BNTK.shape[2]
     nq, nk = s_pad // spec.block_q, t_pad // spec.block_k
     bq, bk = spec.block_q, spec.block_k
     scale = jnp.float32(1.0 / math.sqrt(d))
     keep = 1.0 - spec.dropout_rate
     # D_i = rowsum(dO_i * O_i) = sum_j P_ij dP_ij (also with dropout: O uses the dropped P).
-    delta_BHS = jnp.einsum(
-        "bshk,bshk->bhs", dout_BSHK.astype(jnp.float32), out_BSHK.astype(jnp.float32)
+    delta_BNSG = jnp.einsum(
+        "bnsgk,bnsgk->bnsg", dout_BNSGK.astype(jnp.float32), out_BNSGK.astype(jnp.float32)
     )
 
     def key_block(j, carry):
-        dq_BSHK, dk_BTHK, dv_BTHK = carry
-        k_BCHK = _slice(k_BTHK, j * bk, bk).astype(jnp.float32)
-        v_BCHK = _slice(v_BTHK, j * bk, bk).astype(jnp.float32)
+        dq_BNSGK, dk_BNTK, dv_BNTK = carry
+        k_BNCK = _slice(k_BNTK, j * bk, bk, axis=2).astype(jnp.float32)
+        v_BNCK = _slice(v_BNTK, j * bk, bk, axis=2).astype(jnp.float32)
 
-        def query_block(i, acc):
-            dq_BSHK, dk_BCHK, dv_BCHK = acc
-            q_BQHK = _slice(q_BSHK, i * bq, bq).astype(jnp.float32) * scale
-            do_BQHK = _slice(dout_BSHK, i * bq, bq).astype(jnp.float32)
-            lse_BHQ = _slice(lse_BHS, i * bq, bq, axis=2)
-            delta_BHQ = _slice(delta_BHS, i * bq, bq, axis=2)
-            s_BHQC = jnp.einsum("bqhk,bchk->bhqc", q_BQHK, k_BCHK)
-            mask_QC = _tile_mask(spec, i, j, segments, win)
-            p_BHQC = jnp.where(mask_QC, jnp.exp(s_BHQC - lse_BHQ[..., None]), 0.0)
-            dp_BHQC = jnp.einsum("bqhk,bchk->bhqc", do_BQHK, v_BCHK)
+        def query_block(i, acc, masked):
+            dq_BNSGK, dk_BNCK, dv_BNCK = acc
+            q_BNRK = _rows(q_BNSGK, i, bq).astype(jnp.float32) * scale
+            do_BNRK = _rows(dout_BNSGK, i, bq).astype(jnp.float32)
+            lse_BNR = _rows(lse_BNSG, i, bq)
+            delta_BNR = _rows(delta_BNSG, i, bq)
+            s_BNRC = jnp.einsum("bnrk,bnck->bnrc", q_BNRK, k_BNCK)
+            p_BNRC = jnp.exp(s_BNRC - lse_BNR[..., None])
+            if masked:
+                p_BNRC = jnp.where(_tile_mask(spec, i, j, g, segments, win), p_BNRC, 0.0)
+            dp_BNRC = jnp.einsum("bnrk,bnck->bnrc", do_BNRK, v_BNCK)
             if key is not None:
-                drop = _keep_mask(spec, key, i, j, nk, p_BHQC.shape)
-                pd_BHQC = jnp.where(drop, p_BHQC / keep, 0.0)
-                dp_BHQC = jnp.where(drop, dp_BHQC / keep, 0.0)
+                drop = _keep_mask(spec, key, i, j, nk, p_BNRC.shape, g)
+                pd_BNRC = jnp.where(drop, p_BNRC / keep, 0.0)
+                dp_BNRC = jnp.where(drop, dp_BNRC / keep, 0.0)
             else:
-                pd_BHQC = p_BHQC
-            dv_BCHK = dv_BCHK + jnp.einsum("bhqc,bqhk->bchk", pd_BHQC, do_BQHK)
-            ds_BHQC = p_BHQC * (dp_BHQC - delta_BHQ[..., None])
-            dk_BCHK = dk_BCHK + jnp.einsum("bhqc,bqhk->bchk", ds_BHQC, q_BQHK)
-            dq_BQHK = jnp.einsum("bhqc,bchk->bqhk", ds_BHQC, k_BCHK) * scale
-            dq_BSHK = jax.lax.dynamic_update_slice_in_dim(
-                dq_BSHK, _slice(dq_BSHK, i * bq, bq) + dq_BQHK, i * bq, axis=1
+                pd_BNRC = p_BNRC
+            dv_BNCK = dv_BNCK + jnp.einsum("bnrc,bnrk->bnck", pd_BNRC, do_BNRK)
+            ds_BNRC = p_BNRC * (dp_BNRC - delta_BNR[..., None])
+            dk_BNCK = dk_BNCK + jnp.einsum("bnrc,bnrk->bnck", ds_BNRC, q_BNRK)
+            dq_BNQGK = (jnp.einsum("bnrc,bnck->bnrk", ds_BNRC, k_BNCK) * scale).reshape(
+                b, n, bq, g, d)
+            dq_BNSGK = jax.lax.dynamic_update_slice_in_dim(
+                dq_BNSGK, _slice(dq_BNSGK, i * bq, bq, axis=2) + dq_BNQGK, i * bq, axis=2
             )
-            return dq_BSHK, dk_BCHK, dv_BCHK
+            return dq_BNSGK, dk_BNCK, dv_BNCK
 
-        zeros_BCHK = jnp.zeros((b, bk, h, d), jnp.float32)
-        dq_BSHK, dk_BCHK, dv_BCHK = jax.lax.fori_loop(
-            _first_q_block_for(spec, j), _q_blocks_end_for(spec, j, nq, win), query_block,
-            (dq_BSHK, zeros_BCHK, zeros_BCHK)
-        )
-        dk_BTHK = jax.lax.dynamic_update_slice_in_dim(dk_BTHK, dk_BCHK, j * bk, axis=1)
-        dv_BTHK = jax.lax.dynamic_update_slice_in_dim(dv_BTHK, dv_BCHK, j * bk, axis=1)
-        return dq_BSHK, dk_BTHK, dv_BTHK
+        zeros_BNCK = jnp.zeros((b, n, bk, d), jnp.float32)
+        dq_BNSGK, dk_BNCK, dv_BNCK = _tile_loops(
+            query_block, _first_q_block_for(spec, j), _q_blocks_end_for(spec, j, nq, win),
+            _unmasked_q_blocks(spec, j, nq, win), lead=spec.causal,
+            trail=spec.windowed or spec.seq_k % bk != 0, masked_only=segments is not None,
+            init=(dq_BNSGK, zeros_BNCK, zeros_BNCK))
+        dk_BNTK = jax.lax.dynamic_update_slice_in_dim(dk_BNTK, dk_BNCK, j * bk, axis=2)
+        dv_BNTK = jax.lax.dynamic_update_slice_in_dim(dv_BNTK, dv_BNCK, j * bk, axis=2)
+        return dq_BNSGK, dk_BNTK, dv_BNTK
 
     init = (
-        jnp.zeros((b, s_pad, h, d), jnp.float32),
-        jnp.zeros((b, t_pad, h, d), jnp.float32),
-        jnp.zeros((b, t_pad, h, d), jnp.float32),
+        jnp.zeros((b, n, s_pad, g, d), jnp.float32),
+        jnp.zeros((b, n, t_pad, d), jnp.float32),
+        jnp.zeros((b, n, t_pad, d), jnp.float32),
     )
     return jax.lax.fori_loop(0, nk, key_block, init)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(spec: _Spec, q_BSHK, k_BTHK, v_BTHK, key, segments=None, win=None):
-    out_BSHK, _ = _forward(spec, q_BSHK, k_BTHK, v_BTHK, key, segments, win)
-    return out_BSHK
+def _flash(spec: _Spec, q_BNSGK, k_BNTK, v_BNTK, key, segments=None, win=None):
+    out_BNSGK, _ = _forward(spec, q_BNSGK, k_BNTK, v_BNTK, key, segments, win)
+    return out_BNSGK
 
 
-def _flash_fwd(spec: _Spec, q_BSHK, k_BTHK, v_BTHK, key, segments=None, win=None):
-    out_BSHK, lse_BHS = _forward(spec, q_BSHK, k_BTHK, v_BTHK, key, segments, win)
+def _flash_fwd(spec: _Spec, q_BNSGK, k_BNTK, v_BNTK, key, segments=None, win=None):
+    out_BNSGK, lse_BNSG = _forward(spec, q_BNSGK, k_BNTK, v_BNTK, key, segments, win)
     # Named so that a remat policy (REMAT_POLICIES) can keep them across a checkpoint boundary.
-    out_BSHK = checkpoint_name(out_BSHK, "attention_out")
-    lse_BHS = checkpoint_name(lse_BHS, "attention_lse")
-    return out_BSHK, (q_BSHK, k_BTHK, v_BTHK, key, segments, win, out_BSHK, lse_BHS)
+    out_BNSGK = checkpoint_name(out_BNSGK, "attention_out")
+    lse_BNSG = checkpoint_name(lse_BNSG, "attention_lse")
+    return out_BNSGK, (q_BNSGK, k_BNTK, v_BNTK, key, segments, win, out_BNSGK, lse_BNSG)
 
 
-def _flash_bwd(spec: _Spec, residuals, dout_BSHK):
-    q_BSHK, k_BTHK, v_BTHK, key, segments, win, out_BSHK, lse_BHS = residuals
-    dq, dk, dv = _backward(spec, q_BSHK, k_BTHK, v_BTHK, key, segments, win, out_BSHK,
-                           lse_BHS, dout_BSHK)
+def _flash_bwd(spec: _Spec, residuals, dout_BNSGK):
+    q_BNSGK, k_BNTK, v_BNTK, key, segments, win, out_BNSGK, lse_BNSG = residuals
+    dq, dk, dv = _backward(spec, q_BNSGK, k_BNTK, v_BNTK, key, segments, win, out_BNSGK,
+                           lse_BNSG, dout_BNSGK)
     no_segments = None if segments is None else (None, None)
-    return (dq.astype(q_BSHK.dtype), dk.astype(k_BTHK.dtype), dv.astype(v_BTHK.dtype), None,
+    return (dq.astype(q_BNSGK.dtype), dk.astype(k_BNTK.dtype), dv.astype(v_BNTK.dtype), None,
             no_segments, None)
 
 
