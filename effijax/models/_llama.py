@@ -114,7 +114,10 @@ class LlamaConfig(DecoderConfig):
         query ``i`` attends to keys ``i - sliding_window < j <= i``; None (Llama): all earlier
         keys.
       remat: ``jax.checkpoint`` policy by name, see :data:`~effijax.models.REMAT`.
-      attention: the attention implementation's name in :data:`~effijax.models.ATTENTION`.
+      attention: the attention implementation's name in :data:`~effijax.models.ATTENTION`;
+        ``"auto"`` (the default) runs cuDNN's fused kernel on a GPU where it applies and the
+        blockwise (flash) kernel on a CPU: SmolLM2's LoRA step at 4 x 512 tokens took 19.5 s
+        with it against 23.5 s with ``"naive"`` (2-core AVX2 CPU, f32; 4.0 vs 4.2 s at 4 x 128).
       unroll_layers: unroll the loop over the layers instead of scanning it. The same arithmetic;
         the compiled program grows with the depth (SmolLM2's 30 layers compile in about 3x the
         time) but skips the scan's per-layer slicing of stacked parameters and residuals. On a
@@ -148,7 +151,7 @@ class LlamaConfig(DecoderConfig):
     max_position: int = 4096
     sliding_window: int | None = None
     remat: str = "none"
-    attention: str = "naive"
+    attention: str = "auto"
     unroll_layers: bool = False
     tokenizer: Tokenizer | None = dataclasses.field(default=None, compare=False, repr=False)
 
