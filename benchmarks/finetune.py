@@ -404,7 +404,8 @@ def _quiet_section(args, runs, timing, first_loss, loaded, variants, precisions)
             "(runtime, tokenizer, the host copy of the loaded weights).\n\n"
             f"{table}\n\n" + "\n".join(lines))
     title = f"Fine-tuning {MODELS[args.model][0]} on the CPU"
-    if precisions != ["fp32"]:  # one section per precisions and shape
+    default_shape = (args.batch_size, args.seq_len) == (4, 128)
+    if precisions != ["fp32"] or not default_shape:  # one section per precisions and shape
         title += (f" in {' and '.join(precisions)}, {args.batch_size} x {args.seq_len} "
                   "tokens")
     return f"{title}: effijax vs transformers + PEFT", body
