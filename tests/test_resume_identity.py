@@ -207,6 +207,18 @@ def test_not_recorded_fields_are_not_compared_and_recorded_ones_are():
     assert "init_from" not in str(e.value)
 
 
+def test_the_attention_implementation_is_a_run_choice_the_architecture_is_not():
+    def run(**model):
+        config = {"family": "llama", "seq_len": 64, "d_model": 64, **model}
+        return {"seed": 0, "run": {"corpus_sha256": "c", "model_config": config}}
+
+    # A run recorded with the Llama family's earlier default resumes under "auto".
+    assert _identity.differences(run(attention="naive"), run(attention="auto")) == {}
+    assert _identity.differences(run(unroll_layers=True), run(unroll_layers=False)) == {}
+    assert _identity.differences(run(d_model=64), run(d_model=32)) == {
+        "model": ({"d_model": 64}, {"d_model": 32})}
+
+
 def test_a_byte_model_records_no_tokenizer_and_no_weights():
     model = gpt_config("tiny", seq_len=16)
     job = types.SimpleNamespace(model=model, num_params=1, trainable_params=1)

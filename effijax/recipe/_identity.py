@@ -82,8 +82,11 @@ def identity(run_json: dict) -> dict[str, Any]:
         "seed": run_json.get("seed"),
         "batch_size": run_json.get("batch_size"),
         "seq_len": model.get("seq_len"),
-        # Unrolling the layer loop changes the program, not the arithmetic.
-        "model": {k: v for k, v in model.items() if k not in ("seq_len", "unroll_layers")},
+        # Unrolling the layer loop changes the program, not the arithmetic. The attention
+        # implementation changes only rounding (each computes the same softmax): a run recorded
+        # with the Llama family's earlier default ("naive") resumes under "auto".
+        "model": {k: v for k, v in model.items()
+                  if k not in ("seq_len", "unroll_layers", "attention")},
         "precision": run_json.get("precision"),
         "loss_scale": run_json.get("loss_scale"),
         "optimizer": run_json.get("optimizer", LEGACY["optimizer"]),
