@@ -7,12 +7,13 @@ the online softmax of Milakov & Gimelshein (2018) extended to ``o`` (as derived 
 notes "LLM Training Acceleration", "From Online Softmax To Flash Attention"). Only
 ``[block_q, block_k]`` scores exist at any time.
 
-The backward pass is FlashAttention-2's (Dao 2023, algorithm 2): a :func:`jax.custom_vjp` saves ``q,
-k, v``, the output ``o`` and the log-sum-exp ``lse = m + log l`` (f32, one per query row and head),
-and recomputes each block's probabilities as ``exp(s - lse)``. With ``D = rowsum(dO * O)``, ``dV +=
-Pᵀ dO``, ``dP = dO Vᵀ``, ``dS = P * (dP - D)``, ``dQ += dS K``, ``dK += dSᵀ Q``; the ``s x s``
-matrix is never stored. Under causal masking the blocks entirely above the diagonal are skipped (the
-loops' bounds depend on the block index), not just masked.
+The backward pass is FlashAttention-2's (Dao 2023, algorithm 2): a :func:`jax.custom_vjp` saves
+``q, k, v``, the output ``o`` and the log-sum-exp ``lse = m + log l`` (f32, one per query row
+and head), and recomputes each block's probabilities as ``exp(s - lse)``. With
+``D = rowsum(dO * O)``: ``dV += Pᵀ dO``, ``dP = dO Vᵀ``, ``dS = P * (dP - D)``,
+``dQ += dS K``, ``dK += dSᵀ Q``; the ``s x s`` matrix is never stored. Under causal masking the
+blocks entirely above the diagonal are skipped (the loops' bounds depend on the block index),
+not just masked.
 
 Sequence lengths that do not divide by the block sizes are padded up to a multiple (padded keys
 are masked, padded query rows are sliced off); blocks never exceed the sequence, so short
