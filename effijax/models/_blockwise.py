@@ -450,13 +450,6 @@ def _keep_mask(spec: _Spec, key, i, j, num_k_blocks: int, shape_BNRC, groups: in
     return keep.reshape(shape_BNRC)
 
 
-def _split_range(lo, hi, free_lo, free_hi):
-    """``[lo, hi)`` cut into ``[lo, a)``, ``[a, b)``, ``[b, hi)`` with ``[a, b)`` the part of
-    ``[free_lo, free_hi)`` inside it (possibly empty): the tiles that need no mask."""
-    a = jnp.clip(free_lo, lo, hi)
-    return a, jnp.clip(free_hi, a, hi)
-
-
 def _unmasked_k_blocks(spec: _Spec, i, num_k_blocks: int, win):
     """Key blocks whose tile with query block ``i`` needs no mask (every pair visible):
     ``[first, end)``, where every key precedes every query (causal), lies inside every row's
@@ -534,20 +527,18 @@ def _slice(x, start, size, axis=1):
 
 
 def _tile_loops(body, lo, hi, free, *, lead: bool, trail: bool, masked_only: bool, init):
-    """Runs ``body(j, acc, masked)`` for ``j`` in ``[lo, hi)``: the tiles in ``free`` (a range,
-    see :func:`_split_range`) without a mask, the others with it. ``lead``/``trail``: whether
-    masked tiles can precede/follow the free ones (static; a loop that is always empty is not
-    traced). ``masked_only``: one masked loop (segments: every tile needs its mask)."""
+    """Runs ``body(j, acc, masked)`` for ``j`` in ``[lo, hi)``, cut into ``[lo, a)``,
+    ``[a, b)``, ``[b, hi)``: ``[a, b)`` is the part of ``free`` (a ``(first, end)`` range,
+    possibly empty) inside it, run without a mask, the others with it. ``lead``/``trail``:
+    whether masked tiles can precede/follow the free ones (static; a loop that is always empty
+    is not traced). ``masked_only``: one masked loop (segments: every tile needs its mask)."""
     def run(start, stop, masked, acc):
         return jax.lax.fori_loop(start, stop, lambda j, a: body(j, a, masked), acc)
 
     if masked_only:
         return run(lo, hi, True, init)
-    a, b = _split_range(lo, hi, *free)
-    if not lead:
-        a = lo
-    if not trail:
-        b = hi
+    a = jnp.clip(free[0], lo, hi) if lead else lo
+    b = jnp.clip(free[1], a, hi) if trail else hi
     acc = run(lo, a, True, init) if lead else init
     acc = run(a, b, False, acc)
     return run(b, hi, True, acc) if trail else acc
