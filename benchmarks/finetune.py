@@ -55,6 +55,8 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+# The default shape: its fp32 run is the section without a shape in its title.
+BATCH_SIZE, SEQ_LEN = 4, 128
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LR, WEIGHT_DECAY = 1e-4, 0.01
 VARIANTS = ("effijax LoRA", "effijax LoRA unrolled", "effijax full", "effijax full unrolled",
@@ -281,8 +283,8 @@ def _goal_lines(speed: dict, timing: dict, variants: list[str], precisions: list
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--model", choices=MODELS, default="smollm2", help="the bundled model")
-    ap.add_argument("--batch-size", type=int, default=4, help="sequences per step")
-    ap.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    ap.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="sequences per step")
+    ap.add_argument("--seq-len", type=int, default=SEQ_LEN, help="tokens per sequence")
     ap.add_argument("--rank", type=int, default=8, help="LoRA rank (alpha = 2 x rank)")
     ap.add_argument("--precisions", default="fp32",
                     help="comma-separated, of fp32 and bf16 (every variant in each)")
@@ -404,7 +406,7 @@ def _quiet_section(args, runs, timing, first_loss, loaded, variants, precisions)
             "(runtime, tokenizer, the host copy of the loaded weights).\n\n"
             f"{table}\n\n" + "\n".join(lines))
     title = f"Fine-tuning {MODELS[args.model][0]} on the CPU"
-    default_shape = (args.batch_size, args.seq_len) == (4, 128)
+    default_shape = (args.batch_size, args.seq_len) == (BATCH_SIZE, SEQ_LEN)
     if precisions != ["fp32"] or not default_shape:  # one section per precisions and shape
         title += (f" in {' and '.join(precisions)}, {args.batch_size} x {args.seq_len} "
                   "tokens")
