@@ -3,6 +3,7 @@
 import doctest
 import importlib
 import pkgutil
+import tempfile
 
 import pytest
 
@@ -22,7 +23,10 @@ def _modules():
 
 
 @pytest.mark.parametrize("name", _modules())
-def test_docstring_examples(name):
+def test_docstring_examples(name, monkeypatch, tmp_path):
+    # The examples' tempfile.mkdtemp() folders are made under the test's own, which pytest
+    # removes, instead of accumulating in the system's temporary folder.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     module = importlib.import_module(name)
     # A package re-exports lazily (effijax._lazy.attach): its examples see every name it
     # exports, as a user's `from effijax.interop import *` would, whatever ran before.

@@ -64,13 +64,14 @@ def _local_paths(nb) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_runs(path, monkeypatch):
+def test_notebook_runs(path, monkeypatch, tmp_path):
     if path.name in REQUIRES:
         module, install = REQUIRES[path.name]
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"{path.name} needs the {module} package: {install}")
     monkeypatch.setenv("EFFIJAX_SMOKE", "1")
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the kernel's temporary folders go with the test
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(nb, timeout=600, kernel_name="python3",
                             resources={"metadata": {"path": str(path.parent)}})
