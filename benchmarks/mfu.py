@@ -30,10 +30,12 @@ malloc tunables do not change it. The model's own matmuls run alone at 1.0-1.7x 
 (they fit in cache), so the matmul rate is not the limit; the weight-gradient dots (left operand
 contracted over its leading axis) leave XLA:CPU's YNNPACK path (``dot.*`` rather than
 ``ynn_fusion.*``) and are 1.2-2x slower than the same product with the transpose materialised.
-Blockwise attention (no ``[L, B, H, S, S]`` buffer) measured 0.37-0.40 on the same step.
+Blockwise attention (no ``[L, B, H, S, S]`` buffer) measured 0.37-0.40 on the same step; it
+is what the presets' default ``attention="auto"`` runs on a CPU now, and this script's default
+(the recorded section says which attention it measured).
 
 Run: ``python benchmarks/mfu.py [--quick] [--models tiny,mini,small] [--base]
-[--precisions fp32,bf16] [--attention naive] [--profile] [--write]``. Without ``--write`` it only
+[--precisions fp32,bf16] [--attention auto] [--profile] [--write]``. Without ``--write`` it only
 prints; with it, it replaces its own section of ``benchmarks/RESULTS.md``.
 """
 
@@ -158,7 +160,7 @@ def _step_variant(config, precision: str, batch_size: int):
 
 
 def measure(models=("tiny", "mini", "small"), precisions=("fp32",), *, batch_size: int = 16,
-            attention: str = "naive", matmul_n: int = 2048, rounds: int = 5,
+            attention: str = "auto", matmul_n: int = 2048, rounds: int = 5,
             steps_per_round: int = 5, warmup: int = 2) -> tuple[list[dict], dict[str, float]]:
     """Times every (model, precision) train step and the matmuls, interleaved.
 
@@ -290,7 +292,7 @@ def _thunk_breakdown(run, steps: int = 5) -> dict[str, float] | None:
 
 
 def profile(model: str = "mini", precision: str = "fp32", batch_size: int = 16,
-            attention: str = "naive", rounds: int = 5, steps: int = 4) -> str:
+            attention: str = "auto", rounds: int = 5, steps: int = 4) -> str:
     """Where the default step's time goes: forward, forward + backward and the full step; the
     model's own matmul shapes run alone; and the step's XLA:CPU thunks by kind."""
     config = dataclasses.replace(gpt_config(model), attention=attention)
@@ -351,7 +353,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--base", action="store_true", help="add the base preset (~100M parameters)")
     ap.add_argument("--precisions", default="fp32,bf16", help="policy presets, comma-separated")
     ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--attention", default="naive", help="GPTConfig.attention for every model")
+    ap.add_argument("--attention", default="auto",
+                    help="GPTConfig.attention for every model; auto is the presets' own")
     ap.add_argument("--matmul-n", type=int, default=None,
                     help="size of the peak matmul (default 2048 on a CPU, 8192 elsewhere)")
     ap.add_argument("--rounds", type=int, default=5)
@@ -377,7 +380,7 @@ def main(argv: list[str] | None = None) -> None:
            else f"{args.rounds} rounds x {args.steps_per_round} steps")
     body = "\n".join([
         f"On {device_description()}; batch {batch_size} x the preset's seq_len, "
-        f"attention={'naive' if args.quick else args.attention}, random tokens; {how}, train "
+        f"attention={'auto' if args.quick else args.attention}, random tokens; {how}, train "
         f"steps and matmuls interleaved ({time.perf_counter() - t0:.0f} s).",
         "",
         render(rows, peaks, matmul_n=matmul_n, batch_size=batch_size),

@@ -60,7 +60,7 @@ class Case:
     dropout_rng: bool = False  # pass a key to the loss (dropout on where the model has it)
 
 
-_GPT = gpt_config("tiny", seq_len=16, n_layers=2)
+_GPT = gpt_config("tiny", seq_len=16, n_layers=2, attention="naive")  # the recorded default
 _LLAMA = llama_config("llama-tiny", seq_len=16, attention="naive")  # the recorded default
 
 CASES = {

@@ -22,7 +22,7 @@ from effijax.precision import dot, get_policy
 
 SEQ, BATCH = 16, 2
 # GPT: LayerNorm, GELU, tied head (the transposed kernel); Llama: RMSNorm, SwiGLU, own head.
-MODELS = {"gpt": gpt_config("tiny").with_seq_len(SEQ),
+MODELS = {"gpt": gpt_config("tiny", attention="naive").with_seq_len(SEQ),
           "llama": llama_config("llama-tiny", attention="naive").with_seq_len(SEQ)}
 
 

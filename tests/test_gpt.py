@@ -190,13 +190,19 @@ def test_output_shapes_and_dtypes_per_policy(tiny, name):
     assert logits.shape == (B, S, 256)
     assert logits.dtype == policy.output_dtype
     assert bool(jnp.all(jnp.isfinite(logits)))
-    # Every matmul runs in the compute dtype (f32 accumulation is inside `dot`).
-    jaxpr = jax.make_jaxpr(apply)(compute, tokens)
-    dots = _eqns(jaxpr.jaxpr, "dot_general")
-    assert len(dots) >= 8
-    for eqn in dots:
-        assert {v.aval.dtype for v in eqn.invars} == {np.dtype(policy.compute_dtype)}
-        assert eqn.params["preferred_element_type"] == np.float32
+    # Every matmul of the naive attention's model runs in the compute dtype (f32 accumulation
+    # is inside `dot`). The default ("auto": the blockwise kernel on a CPU) computes the scores
+    # and their products in f32 inside the kernel, an f32 island: only those dots may be f32.
+    naive, _ = abstract_split(dataclasses.replace(TINY, attention="naive"))
+    compute_dtype, f32 = np.dtype(policy.compute_dtype), np.dtype(np.float32)
+    for graph, allowed in ((naive, {compute_dtype}), (graphdef, {compute_dtype, f32})):
+        jaxpr = jax.make_jaxpr(make_apply(graph))(compute, tokens)
+        dots = _eqns(jaxpr.jaxpr, "dot_general")
+        assert len(dots) >= 8
+        for eqn in dots:
+            (dtype,) = {v.aval.dtype for v in eqn.invars}  # never mixed
+            assert dtype in allowed
+            assert eqn.params["preferred_element_type"] == np.float32
 
 
 def _eqns(jaxpr, name):

@@ -17,7 +17,7 @@ from effijax.paths import named_leaves
 
 # Naive attention: the blockwise kernel has loops of its own (its tiles), whatever the layers do.
 MODELS = {"llama": llama_config("llama-tiny", seq_len=16, attention="naive"),
-          "gpt": gpt_config("tiny", seq_len=16)}
+          "gpt": gpt_config("tiny", seq_len=16, attention="naive")}
 
 
 def _batch(model, b=2):
@@ -75,7 +75,7 @@ def test_unroll_is_a_run_choice_not_architecture():
     model = MODELS["llama"]
     unrolled = dataclasses.replace(model, unroll_layers=True)
     assert unrolled.name == model.name and model_from_dict(unrolled.to_dict()) == unrolled
-    assert dataclasses.replace(MODELS["gpt"], unroll_layers=True).name == "tiny GPT"
+    assert dataclasses.replace(gpt_config("tiny"), unroll_layers=True).name == "tiny GPT"
     with pytest.raises(ConfigError, match="unroll_layers"):
         dataclasses.replace(model, unroll_layers="yes")
     with pytest.raises(ValueError, match="unroll_layers"):

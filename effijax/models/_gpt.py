@@ -95,7 +95,9 @@ class GPTConfig(DecoderConfig):
         (save only the non-batched matmul outputs), see :data:`REMAT`.
       attention: the attention implementation, a name in :data:`ATTENTION`: ``"naive"``,
         ``"blockwise"``, ``"xla"`` (``jax.nn.dot_product_attention``; no dropout) or ``"auto"``
-        (cuDNN's fused kernel on a GPU where it applies, else the best fallback).
+        (the default: cuDNN's fused kernel on a GPU where it applies, else the best fallback;
+        the blockwise kernel on a CPU, where the default ``effijax train`` run of the mini
+        preset took 83 s against 101 s with ``"naive"``, 2-core AVX2 CPU, f32).
       unroll_layers: unroll the loop over the blocks instead of scanning it (see
         :class:`~effijax.models.LlamaConfig`); the same arithmetic.
 
@@ -117,7 +119,7 @@ class GPTConfig(DecoderConfig):
     dropout: float = 0.0
     ln_eps: float = 1e-5
     remat: str = "none"
-    attention: str = "naive"
+    attention: str = "auto"
     unroll_layers: bool = False
 
     def __post_init__(self):
