@@ -45,13 +45,13 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 # default threshold (1 s of compile time) keeps the many quick programs off the disk.
 _JAX_CACHE = tempfile.mkdtemp(prefix="effijax-tests-jax-cache-")
 atexit.register(shutil.rmtree, _JAX_CACHE, ignore_errors=True)
+jax.config.update("jax_compilation_cache_dir", _JAX_CACHE)
 
 
 def pytest_unconfigure(config):
     """Removes this process's compilation cache: a pytest-xdist worker ends without running
     ``atexit`` handlers, which left each worker's cache (tens of MB) in the temporary folder."""
     shutil.rmtree(_JAX_CACHE, ignore_errors=True)
-jax.config.update("jax_compilation_cache_dir", _JAX_CACHE)
 
 
 _SLOW_LIST = os.path.join(os.path.dirname(__file__), "slow_tests.txt")
