@@ -84,7 +84,7 @@ def identity(run_json: dict) -> dict[str, Any]:
         "seq_len": model.get("seq_len"),
         # Unrolling the layer loop changes the program, not the arithmetic. The attention
         # implementation changes only rounding (each computes the same softmax): a run recorded
-        # with the Llama family's earlier default ("naive") resumes under "auto".
+        # with the models' earlier default ("naive") resumes under "auto".
         "model": {k: v for k, v in model.items()
                   if k not in ("seq_len", "unroll_layers", "attention")},
         "precision": run_json.get("precision"),
