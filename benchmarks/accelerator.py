@@ -92,6 +92,7 @@ from effijax.models import (
     attend,
     blockwise_attend,
     choose_attention,
+    keeps_scores,
     param_count,
     xla_attend,
 )
@@ -280,9 +281,12 @@ def _attention_used(config: GPTConfig, dtype) -> str:
     """What the model's attention setting runs for ``dtype`` on this device."""
     if config.attention != "auto":
         return config.attention
-    q = jax.ShapeDtypeStruct((1, config.seq_len, config.n_heads, config.head_dim), dtype)
-    choice = choose_attention(q, dropout=False)
+    choice = choose_attention(_queries(config, dtype), dropout=False)
     return "cuDNN fused" if choice.fused else choice.name
+
+
+def _queries(config: GPTConfig, dtype) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct((1, config.seq_len, config.n_heads, config.head_dim), dtype)
 
 
 def _params(config: GPTConfig) -> str:
@@ -326,7 +330,8 @@ def _estimate(config: GPTConfig, batch_size: int):
                            param_dtype=policy.param_dtype, compute_dtype=policy.compute_dtype)
     acts = activation_bytes(**config.shape().activation_args(), seq_len=config.seq_len,
                             batch_size=batch_size, bytes_per_value=2, dropout=False,
-                            blockwise_attention=_attention_used(config, jnp.bfloat16) != "naive")
+                            blockwise_attention=not keeps_scores(
+                                config.attention, _queries(config, jnp.bfloat16), dropout=False))
     return states, acts
 
 

@@ -175,7 +175,7 @@ def test_memory_of_a_preset_uses_its_exact_count_and_grouped_query_shape(capsys)
     from effijax.models import preset
 
     out = run_json(["memory", "--model", "llama-2-70b", "--zero", "3", "--devices", "8",
-                    "--seq-len", "4096", "--batch-size", "1"], capsys)
+                    "--seq-len", "4096", "--batch-size", "1", "--attention", "naive"], capsys)
     model = preset("llama-2-70b")
     assert model.num_params == 68_976_648_192  # Llama-2-70B's published 69.0e9
     assert out["params_bytes"] == 2 * model.num_params // 8
@@ -321,3 +321,70 @@ def test_plan_with_a_pinned_tensor_and_sequence_parallelism(capsys):
     assert capsys.readouterr().err == (
         "effijax plan: error: --tensor=3: does not divide the 8 devices (they are counted in "
         "all: for 8 groups of 3 devices, give 24)\n")
+
+
+# Attention: the model's own by default --------------------------------------------------------
+
+SMALL = ["--seq-len", "512", "--batch-size", "2"]
+
+
+def test_a_models_auto_attention_counts_what_train_runs_here(capsys):
+    """The preset's attention is "auto", which on this CPU is the blockwise kernel: no s x s
+    scores. --attention naive counts them; --blockwise-attention is --attention blockwise."""
+    import jax
+
+    from effijax.memory import activation_bytes
+    from effijax.models import choose_attention, preset
+
+    assert jax.default_backend() == "cpu"
+    model = preset("smollm2-135m")
+    assert model.attention == "auto"
+    q = jax.ShapeDtypeStruct((2, 512, model.shape().heads, model.shape().head_dim),
+                             jax.numpy.bfloat16)
+    assert choose_attention(q, dropout=False).name == "blockwise"
+    shape = {**model.shape().activation_args(), "seq_len": 512, "batch_size": 2,
+             "dropout": False}
+    by_default = run_json(["memory", "--model", "smollm2-135m", *SMALL], capsys)
+    assert by_default["activation_bytes"] == activation_bytes(**shape, blockwise_attention=True)
+    naive = run_json(["memory", "--model", "smollm2-135m", *SMALL, "--attention", "naive"], capsys)
+    assert naive["activation_bytes"] == activation_bytes(**shape)
+    assert naive["activation_bytes"] > by_default["activation_bytes"]
+    for flags in (["--attention", "blockwise"], ["--blockwise-attention"],
+                  ["--attention", "auto"]):
+        again = run_json(["memory", "--model", "smollm2-135m", *SMALL, *flags], capsys)
+        assert again["activation_bytes"] == by_default["activation_bytes"], flags
+    assert run_json(["memory", "--model", "smollm2-135m", *SMALL, "--attention", "xla"],
+                    capsys)["activation_bytes"] == naive["activation_bytes"]
+
+
+def test_the_table_says_which_attention_it_counted(capsys):
+    assert run(["memory", "--model", "smollm2-135m", *SMALL]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.endswith("; attention auto = blockwise on cpu (no s x s scores)"), first
+    assert run(["memory", "--model", "smollm2-135m", *SMALL, "--attention", "naive"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.endswith("; attention naive (s x s scores stored)"), first
+
+
+def test_without_a_model_the_formula_counts_naive_scores_unless_told(capsys):
+    shape = ["--params", "7B", "--layers", "32", "--hidden", "4096", "--heads", "32",
+             "--seq-len", "2048", "--batch-size", "1"]
+    naive = run_json(["memory", *shape], capsys)["activation_bytes"]
+    blockwise = run_json(["memory", *shape, "--attention", "blockwise"], capsys)
+    assert blockwise["activation_bytes"] < naive
+    assert run_json(["memory", *shape, "--attention", "naive"], capsys)["activation_bytes"] == naive
+
+
+def test_attention_flags_exclude_each_other_and_name_the_models_choices(capsys):
+    from effijax.models import ATTENTION
+
+    assert set(_memory._ATTENTION) == set(ATTENTION)
+    for flags, said in (
+        (["--attention", "blockwise", "--blockwise-attention"],
+         "argument --blockwise-attention: not allowed with argument --attention"),
+        (["--attention", "flash"], "argument --attention: invalid choice: 'flash'"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            run(["memory", "--model", "tiny", *flags])
+        assert exc.value.code == 2
+        assert said in capsys.readouterr().err

@@ -37,6 +37,9 @@ from effijax.memory import (
 __all__ = ["add_parsers", "memory_command", "plan_command"]
 
 _SHAPE_FLAGS = ("layers", "hidden", "heads", "seq_len")
+# effijax.models.ATTENTION's names, spelled here so that --params runs never import JAX (a test
+# checks they are the same).
+_ATTENTION = ("auto", "naive", "blockwise", "xla")
 
 
 def _argtype(parse, what: str):
@@ -120,11 +123,15 @@ def _add_shape_flags(p: argparse.ArgumentParser, batch_flag: str, batch_help: st
         action="store_false",
         help="no dropout masks in the activations",
     )
-    g.add_argument(
-        "--blockwise-attention",
-        action="store_true",
-        help="flash/blockwise attention: no s x s scores stored",
-    )
+    which = g.add_mutually_exclusive_group()
+    which.add_argument("--attention", choices=_ATTENTION, default=None,
+                       help="the attention the run uses, for its stored s x s scores: naive and "
+                       "xla store them, blockwise (flash) keeps only row statistics, auto "
+                       "resolves as effijax train does on this machine (blockwise on a CPU, "
+                       "cuDNN's fused kernel on a GPU where it applies); default: the model's "
+                       "own with --model or --from, else naive")
+    which.add_argument("--blockwise-attention", dest="attention", action="store_const",
+                       const="blockwise", help="the same as --attention blockwise")
 
 
 def _add_model_flags(p: argparse.ArgumentParser, params_help: str) -> None:
@@ -349,6 +356,8 @@ def _model_shape(args: argparse.Namespace, batch_name: str) -> dict:
     if args.lora_rank is not None:
         args.lora_fraction = _adapter_count(model, args.lora_rank) / shape.num_params
     args.model_name = getattr(model, "name", args.model or args.init_from)
+    if args.attention is None:
+        args.attention = getattr(model, "attention", "naive")
     args.frozen_bytes = _quantized_base_bytes(model, getattr(args, "frozen_dtype", "bf16"),
                                               args.init_from, getattr(args, "precision", None))
     # layers, hidden and heads travel in args with the shape flags they stand for.
@@ -397,8 +406,31 @@ def _shape(args: argparse.Namespace, batch_name: str) -> dict:
     :func:`~effijax.memory.plan` both take them (after :func:`_model_shape`)."""
     extra = _model_shape(args, batch_name)
     _check_shape(args, batch_name)
-    names = (*_SHAPE_FLAGS, batch_name, "dropout", "blockwise_attention")
-    return {**{name: getattr(args, name) for name in names}, **extra}
+    names = (*_SHAPE_FLAGS, batch_name, "dropout")
+    shape = {**{name: getattr(args, name) for name in names}, **extra}
+    if args.attention is None:
+        args.attention = "naive"  # no model: the formula of Korthikanti et al. (2022)
+    shape["blockwise_attention"] = args.layers is not None and not _keeps_scores(args, shape)
+    return shape
+
+
+def _keeps_scores(args: argparse.Namespace, shape: dict) -> bool:
+    """Whether ``args.attention`` stores the s x s scores; ``"auto"`` resolved as on this
+    machine for the precision's compute dtype (bf16 for ``plan``, which runs mixed)."""
+    if args.attention != "auto":
+        return args.attention != "blockwise"
+    import jax
+    import jax.numpy as jnp
+
+    from effijax.models import choose_attention, keeps_scores
+
+    dtype = {"fp32": jnp.float32, "fp16": jnp.float16}.get(getattr(args, "precision", None),
+                                                           jnp.bfloat16)
+    head_dim = shape.get("head_dim") or args.hidden // args.heads
+    q = jax.ShapeDtypeStruct((1, args.seq_len, args.heads, head_dim), dtype)
+    choice = choose_attention(q, dropout=args.dropout)
+    args.attention_used = "cuDNN's fused kernel" if choice.fused else choice.name
+    return keeps_scores("auto", q, dropout=args.dropout)
 
 
 def memory_command(args: argparse.Namespace) -> int:
@@ -444,7 +476,7 @@ def _memory_text(args: argparse.Namespace, shape: dict, states, acts: int | None
         f"{args.model_name}: {args.layers} layers, width {args.hidden}, {args.heads} heads "
         f"({shape['kv_heads']} key/value), {'SwiGLU ' if shape['gated_mlp'] else 'MLP '}"
         f"{shape['ffn']}, vocabulary {shape['vocab']:,}; seq_len {args.seq_len}, batch "
-        f"{args.batch_size}\n")
+        f"{args.batch_size}; attention {_attention_text(args, shape)}\n")
     lines = [f"{model}{args.params:,} params, {args.optimizer}, {args.precision}{lora}, "
              f"ZeRO-{args.zero} on {args.devices} device(s)"
              + (f" x tensor {args.tensor}{' (sequence-parallel)' if args.sequence_parallel else ''}"
@@ -461,6 +493,19 @@ def _memory_text(args: argparse.Namespace, shape: dict, states, acts: int | None
         rows += [("activations", acts), ("total", total)]
     lines += [f"  {name:<22}{format_bytes(value):>12}  {value:>18,}" for name, value in rows]
     return "\n".join(lines)
+
+
+def _attention_text(args: argparse.Namespace, shape: dict) -> str:
+    """'naive (s x s scores stored)', 'auto = blockwise here (no s x s scores)', ..."""
+    if shape["blockwise_attention"]:
+        kept = "no s x s scores"
+    else:
+        kept = "s x s scores stored"
+    if args.attention != "auto":
+        return f"{args.attention} ({kept})"
+    import jax
+
+    return f"auto = {args.attention_used} on {jax.default_backend()} ({kept})"
 
 
 def plan_command(args: argparse.Namespace) -> int:

@@ -279,17 +279,13 @@ class ActivationPoint:
         return None if not self.formula_bytes else self.activation_bytes / self.formula_bytes
 
 
-def _keeps_no_scores(cfg, shape, batch_size: int, seq_len: int, policy) -> bool:
-    """Whether ``cfg.attention`` keeps no ``s x s`` scores for the backward pass: the blockwise
-    kernel, or ``"auto"`` where it picks that kernel (a CPU) or cuDNN's fused one."""
-    if cfg.attention != "auto":
-        return cfg.attention == "blockwise"
-    from effijax.models import choose_attention
+def _keeps_scores(cfg, shape, batch_size: int, seq_len: int, policy) -> bool:
+    """Whether ``cfg.attention`` stores ``s x s`` scores for the backward pass here."""
+    from effijax.models import keeps_scores
 
     q = jax.ShapeDtypeStruct((batch_size, seq_len, shape.heads, shape.head_dim),
                              policy.compute_dtype)
-    choice = choose_attention(q, dropout=getattr(cfg, "dropout", 0) > 0)
-    return choice.name == "blockwise" or choice.fused
+    return keeps_scores(cfg.attention, q, dropout=getattr(cfg, "dropout", 0) > 0)
 
 
 def _check_seq_lens(seq_lens: Sequence[int]) -> tuple[int, ...]:
@@ -381,7 +377,7 @@ def activation_measure(
                     **shape.activation_args(), seq_len=s, batch_size=batch_size,
                     bytes_per_value=bytes_per_value, dropout=getattr(cfg, "dropout", 0) > 0,
                     checkpointing=cfg.remat,
-                    blockwise_attention=_keeps_no_scores(cfg, shape, batch_size, s, policy),
+                    blockwise_attention=not _keeps_scores(cfg, shape, batch_size, s, policy),
                 )
             rows = compare(states, measurement, activation_bytes=formula,
                            other_argument_bytes=tree_bytes((batch, state.step, state.rng)))

@@ -30,6 +30,7 @@ from effijax.models._attention import (
     attend,
     auto_attend,
     choose_attention,
+    keeps_scores,
     segment_mask,
     xla_attend,
 )
@@ -128,6 +129,7 @@ __all__ = [
     "xla_attend",
     "auto_attend",
     "choose_attention",
+    "keeps_scores",
     "attention_backend",
     "target_backend",
     "segment_mask",

@@ -49,6 +49,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from effijax.errors import ConfigError
 from effijax.models._blockwise import (
     blockwise_attend,
     check_qkv,
@@ -363,6 +364,36 @@ def auto_attend(q_BSHK: jax.Array, k_BTHK: jax.Array, v_BTHK: jax.Array, *, caus
                                   dropout_rate=dropout_rate, dropout_key=dropout_key,
                                   segments_BS=segments_BS, window=window)
 
+
+
+def keeps_scores(attention: str, q_BSHK, *, dropout: bool, backend: str | None = None) -> bool:
+    """Whether the attention setting ``attention`` stores the ``S x S`` scores for the backward
+    pass with these queries on ``backend`` (default: this process's, as
+    :func:`choose_attention`): what the activation formula's ``blockwise_attention`` is the
+    negation of.
+
+    ``"naive"`` stores them; ``"blockwise"`` keeps only the rows' softmax statistics;
+    ``"auto"`` keeps none where :func:`choose_attention` picks the blockwise kernel (a CPU) or
+    cuDNN's fused one, and stores them where it falls back to a composed attention. ``"xla"``
+    named explicitly counts as storing them (XLA's composition does; a GPU may still hand it to
+    cuDNN, which would not: a high estimate, never a low one).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> q = jax.ShapeDtypeStruct((1, 512, 8, 64), jnp.float32)
+      >>> keeps_scores("auto", q, dropout=False, backend="cpu")
+      False
+      >>> keeps_scores("auto", q, dropout=False, backend="gpu")  # f32: no cuDNN, 'xla'
+      True
+      >>> keeps_scores("naive", q, dropout=False)
+      True
+    """
+    if attention == "auto":
+        choice = choose_attention(q_BSHK, dropout=dropout, backend=backend)
+        return not (choice.fused or choice.name == "blockwise")
+    if attention not in ATTENTION:
+        raise ConfigError("attention", attention, f"expected one of {sorted(ATTENTION)}")
+    return attention != "blockwise"
 
 # Attention implementations by a config's ``attention`` name, all with ``attend``'s signature.
 ATTENTION: dict[str, Callable[..., jax.Array]] = {
