@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from effijax.cli import _interrupt
+from effijax.cli import _hugepages, _interrupt
 
 __all__ = ["main", "build_parser"]
 
@@ -127,9 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     owns the process: from its first line on, Ctrl-C prints one line (``effijax COMMAND:
     interrupted``; ``effijax train`` says what its run directory holds) and exits 130 at once,
     instead of a traceback (and, with XLA's threads at work, a segmentation fault). Called
-    with ``argv`` (a test, a notebook), Ctrl-C stays Python's ``KeyboardInterrupt``.
+    with ``argv`` (a test, a notebook), Ctrl-C stays Python's ``KeyboardInterrupt``. As the
+    program it first re-executes itself once with glibc's transparent-huge-page tunable on Linux
+    (:mod:`effijax.cli._hugepages`; ``EFFIJAX_HUGEPAGES=0`` turns that off).
     """
     if argv is None:
+        _hugepages.reexec_with_hugepages()  # returns only where it does not re-execute
         argv = sys.argv[1:]
         _interrupt.install(argv[0] if argv and not argv[0].startswith("-") else None)
     parser = build_parser()
