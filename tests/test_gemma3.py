@@ -318,7 +318,8 @@ def test_memory_and_plan_count_gemma3_270m_exactly(capsys):
         assert args.func(args) == 0
         return json.loads(capsys.readouterr().out)
 
-    out = run(["memory", "--model", "gemma-3-270m", "--seq-len", "512", "--batch-size", "2"])
+    shape = ["--model", "gemma-3-270m", "--seq-len", "512", "--batch-size", "2"]
+    out = run(["memory", *shape, "--attention", "naive"])
     assert out["trainable_params"] == 268_098_176
     # By hand, per layer (p 2, s 512, b 2; h 640, q 4·256, k 1·256, GeGLU f 2048): attention
     # h + 2q + 2k, MLP h + 3f, norms 2h, Gemma's extra norms 2h + q + k; naive scores 2p·a·s²·b;
@@ -326,6 +327,8 @@ def test_memory_and_plan_count_gemma3_270m_exactly(capsys):
     width = (640 + 2 * 1024 + 2 * 256) + (640 + 3 * 2048) + 2 * 640 + (2 * 640 + 1024 + 256)
     per_layer = 2 * 512 * 2 * width + 2 * 2 * 4 * 512 * 512 * 2
     assert out["activation_bytes"] == 18 * per_layer + 4 * 512 * 2 * 262_144
+    # The model's own attention ("auto": the blockwise kernel on this CPU) stores no scores.
+    assert run(["memory", *shape])["activation_bytes"] < out["activation_bytes"]
     plan = run(["plan", "--model", "gemma-3-270m", "--devices", "1", "--device-memory", "16GB",
                 "--global-batch", "8"])
     assert plan["num_params"] == 268_098_176 and plan["fits"]

@@ -38,14 +38,22 @@ def test_nothing_happens_where_it_cannot_help(environ, libc, platform, thp):
     assert reexec_command(environ, ARGV, PY, libc, platform, thp) is None
 
 
+@pytest.mark.parametrize("orig_argv", [["python3", "my_script.py"], ["python3", "-c", "..."],
+                                       ["python3", "-m", "my_package"], []])
+def test_only_the_program_itself_re_executes(orig_argv):
+    """A user's script calling effijax.cli.main() would run its own code twice."""
+    assert reexec_command({}, orig_argv, PY, "glibc 2.36", "linux", THP) is None
+
+
 def _eligible() -> bool:
     try:
         with open(_hugepages._THP) as f:
             thp = f.read()
     except OSError:
         return False
-    return reexec_command({}, ["python"], sys.executable, os.confstr("CS_GNU_LIBC_VERSION")
-                          if hasattr(os, "confstr") else "", sys.platform, thp) is not None
+    libc = os.confstr("CS_GNU_LIBC_VERSION") if hasattr(os, "confstr") else ""
+    return reexec_command({}, ["python", "-m", "effijax"], sys.executable, libc or "",
+                          sys.platform, thp) is not None
 
 
 PROBE = ("import os, sys\n"
@@ -58,11 +66,13 @@ PROBE = ("import os, sys\n"
 @pytest.mark.skipif(not _eligible(), reason="needs Linux, glibc >= 2.35 and transparent huge "
                     "pages not set to never")
 @pytest.mark.parametrize("switch", ["1", "0"])
-def test_the_process_re_executes_once_with_the_same_id(switch):
+def test_the_process_re_executes_once_with_the_same_id(switch, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
     env[_hugepages.SWITCH] = switch
-    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True,
-                         timeout=120, check=True).stdout.split("\n")
+    program = tmp_path / "effijax"  # what the console script is called
+    program.write_text(PROBE)
+    out = subprocess.run([sys.executable, str(program)], env=env, capture_output=True,
+                         text=True, timeout=120, check=True).stdout.split("\n")
     pid = out[0].split()[-1]
     if switch == "1":
         assert out[:3] == [f"start None {pid}", f"start {TUNABLE} {pid}", f"on {TUNABLE} {pid}"]

@@ -16,8 +16,10 @@ glibc reads its tunables once, when the process starts, so the ``effijax`` progr
 itself with the tunable added to ``GLIBC_TUNABLES`` before it imports anything heavy: same
 interpreter, same arguments, same process id. ``EFFIJAX_HUGEPAGES=0`` turns this off; nothing
 happens where the tunable is already set, off Linux, under another C library, or where the
-kernel's transparent huge pages are ``never``. A library user (a notebook, a script) starts
-Python with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` for the same effect.
+kernel's transparent huge pages are ``never``, nor in a Python program of the user's that
+calls :func:`effijax.cli.main` (its code before the call would run twice). A library user (a
+notebook, a script) starts Python with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` for the same
+effect.
 """
 
 from __future__ import annotations
@@ -63,11 +65,21 @@ def reexec_command(environ: Mapping[str, str], orig_argv: Sequence[str], executa
     version = re.fullmatch(r"glibc (\d+)\.(\d+).*", libc or "")
     if version is None or (int(version[1]), int(version[2])) < (2, 35):
         return None
-    if thp is None or "[never]" in thp or not executable or not orig_argv:
+    if thp is None or "[never]" in thp or not executable or not _runs_effijax(orig_argv):
         return None
     tunables = environ.get("GLIBC_TUNABLES", "")
     env = {**environ, "GLIBC_TUNABLES": f"{tunables}:{TUNABLE}" if tunables else TUNABLE}
     return [executable, *orig_argv[1:]], env
+
+
+def _runs_effijax(orig_argv: Sequence[str]) -> bool:
+    """Whether the interpreter runs the program itself (``python -m effijax``, the console
+    script): a user's script that calls ``effijax.cli.main()`` is not re-executed, since its own
+    code before that call would run twice."""
+    args = list(orig_argv[1:])
+    if any(a == "-m" and b == "effijax" for a, b in zip(args, args[1:], strict=False)):
+        return True
+    return any(os.path.basename(a) == "effijax" and os.path.isfile(a) for a in args[:3])
 
 
 def reexec_with_hugepages() -> None:

@@ -496,7 +496,7 @@ def _memory_text(args: argparse.Namespace, shape: dict, states, acts: int | None
 
 
 def _attention_text(args: argparse.Namespace, shape: dict) -> str:
-    """'naive (s x s scores stored)', 'auto = blockwise here (no s x s scores)', ..."""
+    """'naive (s x s scores stored)', 'auto = blockwise on cpu (no s x s scores)', ..."""
     if shape["blockwise_attention"]:
         kept = "no s x s scores"
     else:
