@@ -12,14 +12,15 @@ code with and without the tunable: the LoRA step of Gemma 3 270M at 4 x 128 toke
 (median), SmolLM2's at 4 x 512 21.1 -> 19.2 s; ``transformers`` + ``peft`` in the same process
 gains as much on SmolLM2 (22.1 -> 19.9 s), so the ratio between the two stays where it was.
 
-glibc reads its tunables once, when the process starts, so the ``effijax`` program re-executes
-itself with the tunable added to ``GLIBC_TUNABLES`` before it imports anything heavy: same
-interpreter, same arguments, same process id. ``EFFIJAX_HUGEPAGES=0`` turns this off; nothing
-happens where the tunable is already set, off Linux, under another C library, or where the
-kernel's transparent huge pages are ``never``, nor in a Python program of the user's that
-calls :func:`effijax.cli.main` (its code before the call would run twice). A library user (a
-notebook, a script) starts Python with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` for the same
-effect.
+glibc reads its tunables once, when the process starts, so the ``effijax`` commands that run
+compiled steps (:data:`COMMANDS`) re-execute themselves with the tunable added to
+``GLIBC_TUNABLES`` before they import anything heavy: same interpreter, same arguments, same
+process id (``memory``, ``plan``, ``data`` and ``--help`` start once, as before).
+``EFFIJAX_HUGEPAGES=0`` turns this off; nothing happens where the tunable is already set, off
+Linux, under another C library, or where the kernel's transparent huge pages are ``never``, nor
+in a Python program of the user's that calls :func:`effijax.cli.main` (its code before the call
+would run twice). A library user (a notebook, a script) starts Python with
+``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` for the same effect.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ import re
 import sys
 from collections.abc import Mapping, Sequence
 
-__all__ = ["SWITCH", "TUNABLE", "reexec_command", "reexec_with_hugepages"]
+__all__ = ["COMMANDS", "SWITCH", "TUNABLE", "reexec_command", "reexec_with_hugepages"]
 
+# The subcommands whose steps allocate XLA's temporaries over and over.
+COMMANDS = ("train", "eval", "generate")
 TUNABLE = "glibc.malloc.hugetlb=1"
 SWITCH = "EFFIJAX_HUGEPAGES"
 _THP = "/sys/kernel/mm/transparent_hugepage/enabled"

@@ -128,13 +128,16 @@ def main(argv: list[str] | None = None) -> int:
     interrupted``; ``effijax train`` says what its run directory holds) and exits 130 at once,
     instead of a traceback (and, with XLA's threads at work, a segmentation fault). Called
     with ``argv`` (a test, a notebook), Ctrl-C stays Python's ``KeyboardInterrupt``. As the
-    program it first re-executes itself once with glibc's transparent-huge-page tunable on Linux
+    program, the commands that run compiled steps (``train``, ``eval``, ``generate``) first
+    re-execute themselves once with glibc's transparent-huge-page tunable on Linux
     (:mod:`effijax.cli._hugepages`; ``EFFIJAX_HUGEPAGES=0`` turns that off).
     """
     if argv is None:
-        _hugepages.reexec_with_hugepages()  # returns only where it does not re-execute
         argv = sys.argv[1:]
-        _interrupt.install(argv[0] if argv and not argv[0].startswith("-") else None)
+        command = argv[0] if argv and not argv[0].startswith("-") else None
+        if command in _hugepages.COMMANDS:
+            _hugepages.reexec_with_hugepages()  # returns only where it does not re-execute
+        _interrupt.install(command)
     parser = build_parser()
     argv = parser.rewrite(list(argv))  # a run records, and asks to be rerun with, --from
     args, extras = parser.parse_known_args(argv)

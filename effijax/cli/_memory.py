@@ -422,14 +422,15 @@ def _keeps_scores(args: argparse.Namespace, shape: dict) -> bool:
     import jax
     import jax.numpy as jnp
 
-    from effijax.models import choose_attention, keeps_scores
+    from effijax.models import choose_attention, keeps_scores, target_backend
 
     dtype = {"fp32": jnp.float32, "fp16": jnp.float16}.get(getattr(args, "precision", None),
                                                            jnp.bfloat16)
     head_dim = shape.get("head_dim") or args.hidden // args.heads
     q = jax.ShapeDtypeStruct((1, args.seq_len, args.heads, head_dim), dtype)
     choice = choose_attention(q, dropout=args.dropout)
-    args.attention_used = "cuDNN's fused kernel" if choice.fused else choice.name
+    name = "cuDNN's fused kernel" if choice.fused else choice.name
+    args.attention_used = f"{name} on {target_backend()}"  # for the table's model line
     return keeps_scores("auto", q, dropout=args.dropout)
 
 
@@ -503,9 +504,7 @@ def _attention_text(args: argparse.Namespace, shape: dict) -> str:
         kept = "s x s scores stored"
     if args.attention != "auto":
         return f"{args.attention} ({kept})"
-    import jax
-
-    return f"auto = {args.attention_used} on {jax.default_backend()} ({kept})"
+    return f"auto = {args.attention_used} ({kept})"
 
 
 def plan_command(args: argparse.Namespace) -> int:

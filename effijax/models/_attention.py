@@ -365,6 +365,14 @@ def auto_attend(q_BSHK: jax.Array, k_BTHK: jax.Array, v_BTHK: jax.Array, *, caus
                                   segments_BS=segments_BS, window=window)
 
 
+# Attention implementations by a config's ``attention`` name, all with ``attend``'s signature.
+ATTENTION: dict[str, Callable[..., jax.Array]] = {
+    "naive": attend,
+    "blockwise": blockwise_attend,
+    "xla": xla_attend,
+    "auto": auto_attend,
+}
+
 
 def keeps_scores(attention: str, q_BSHK, *, dropout: bool, backend: str | None = None) -> bool:
     """Whether the attention setting ``attention`` stores the ``S x S`` scores for the backward
@@ -394,11 +402,3 @@ def keeps_scores(attention: str, q_BSHK, *, dropout: bool, backend: str | None =
     if attention not in ATTENTION:
         raise ConfigError("attention", attention, f"expected one of {sorted(ATTENTION)}")
     return attention != "blockwise"
-
-# Attention implementations by a config's ``attention`` name, all with ``attend``'s signature.
-ATTENTION: dict[str, Callable[..., jax.Array]] = {
-    "naive": attend,
-    "blockwise": blockwise_attend,
-    "xla": xla_attend,
-    "auto": auto_attend,
-}
