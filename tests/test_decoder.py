@@ -139,14 +139,14 @@ def run(case: Case) -> dict[str, str]:
 
 
 # Per host (see machine()): XLA:CPU's bits depend on the instruction set.
-# AVX-512: gradients re-recorded when the loss got its own backward
+# AMD EPYC AVX-512: gradients re-recorded when the loss got its own backward
 # (precision.cross_entropy_and_accuracy: the same products, summed in another order; every loss,
 # logit and decode unchanged) and 16-bit residuals crossed the scan as bits (models._dense.keep).
 # None: a digest the code has changed since and that host has not recorded again. The blockwise
 # kernel's grouped-query layout (models._blockwise: a group's dk and dv are summed inside the
 # tile's contraction, not after a repeat) changed llama-tied-blockwise-remat's gradients on the
-# AVX2 host (every other digest there unchanged), so it is None on the AVX-512 one.
-# AVX2: recorded after that change.
+# AVX2 host (every other digest there unchanged), so it is None on the AMD AVX-512 one.
+# AVX2 and the Intel Xeon (AVX-512): recorded after that change.
 EXPECTED = {
     "AMD EPYC avx512f jax 0.10.2": {
         'gpt-bf16-dropout-lora-dropout': {
@@ -200,6 +200,62 @@ EXPECTED = {
         'llama-tied-blockwise-remat': {
             'loss': 'ba15c69f2b7af2568e35c243',
             'grads': None,
+            'logits': 'ec1e07ccea434d70ca3b88a9',
+            'decode': '99aa4bc794e9e4a5fc3d2442',
+        },
+    },
+    "Intel(R) Xeon(R) Processor @ 2.50GHz avx512f jax 0.10.2": {
+        'gpt-bf16-dropout-lora-dropout': {
+            'loss': 'a69bab3a62f6dcccefca5e2b',
+            'grads': 'f132ef839a8581daacb133dd',
+            'logits': 'f23c9090a40719859cf921be',
+            'decode': '433cc73fabfd2cfc587cad84',
+        },
+        'gpt-bf16-lora': {
+            'loss': 'de9c011684594e30cee3d98b',
+            'grads': 'ef7457684fc222e32ba90d37',
+            'logits': 'f23c9090a40719859cf921be',
+            'decode': '433cc73fabfd2cfc587cad84',
+        },
+        'gpt-blockwise-remat-unrolled': {
+            'loss': '7c3c245227b9f9332be0327e',
+            'grads': '7978e4ec19ddf9273be45f70',
+            'logits': '17bf7faf681f866a4d0d947e',
+            'decode': 'c31338fc8e20cf4a1fab04c9',
+        },
+        'gpt-fp32': {
+            'loss': '2c00be35d7f8936b3206b797',
+            'grads': 'e09207d3c0de413cad5646f0',
+            'logits': '1ff3a097c5b0588da93df0db',
+            'decode': 'c31338fc8e20cf4a1fab04c9',
+        },
+        'gpt-fp32-dropout-packed': {
+            'loss': 'a6bccf64c2dc0ac93ecf41ab',
+            'grads': '243b1f4e87e8a593f91d4b0e',
+            'logits': 'c2a415caebdc564c0a43ac31',
+            'decode': 'c31338fc8e20cf4a1fab04c9',
+        },
+        'llama-bf16-lora-dropout': {
+            'loss': 'daf704bc8e64b89314b6f78b',
+            'grads': '43f5317b27f41c285ca55fb5',
+            'logits': '2bfece67b729e5b258c9b16f',
+            'decode': 'e5a3a5b78e4b9091baa3336b',
+        },
+        'llama-fp32': {
+            'loss': 'c7dcf36409e14e5b92de9fd5',
+            'grads': '1a139b6b88ed13f44c4895ec',
+            'logits': 'd89d52250d37b40a42a2039b',
+            'decode': '346cb08665e1b532e8a8e35b',
+        },
+        'llama-fp32-packed': {
+            'loss': '708d594056b593386e4b5949',
+            'grads': '5c169a927091fa2e0c74449b',
+            'logits': '5709a9022eca1470c89ffc32',
+            'decode': '346cb08665e1b532e8a8e35b',
+        },
+        'llama-tied-blockwise-remat': {
+            'loss': 'ba15c69f2b7af2568e35c243',
+            'grads': '29dfeff2bed6953a38bd44f0',
             'logits': 'ec1e07ccea434d70ca3b88a9',
             'decode': '99aa4bc794e9e4a5fc3d2442',
         },
