@@ -33,6 +33,17 @@ torch full; effijax LoRA step <= 0.75x the effijax full step. Each is reported f
 and the unrolled layer loop. With both precisions: effijax bf16 >= 1.7x effijax f32 (LoRA and
 full), and torch's own bf16 / f32 beside it.
 
+The f32 ceiling (unless ``--no-ceiling``): XLA's count of the effijax step's floating-point
+operations (the job compiled from abstract shapes with the layer loop unrolled, since XLA's cost
+analysis counts a loop's body once), the time that takes at XLA's own f32 rate on a 2048³
+matmul (best of 7, beside torch's), and the ratio to the torch job such a step would reach:
+whether a goal lies within this CPU's matmul rate at all. A bound: the model's thinner matmuls
+run below the square one's rate.
+
+Run as a script, it first re-executes itself the way ``effijax train`` runs
+(``effijax.cli.reexec_with_hugepages``: glibc's transparent huge pages for XLA's buffers), so
+both frameworks, sharing the process, are timed with it; the section's first line says which.
+
 With ``--busy N`` the variants, once timed quiet, are timed again while N other processes each
 spin one core (a shared machine: a laptop, a CI runner, Colab), and the section reports each
 variant's slowdown; goal: effijax's no larger than torch's.
@@ -239,6 +250,83 @@ def _estimate(model, batch_size: int, seq_len: int, rank: int | None,
     return states.model_state_bytes + acts
 
 
+# the f32 ceiling ------------------------------------------------------------------------------
+
+def _step_gflop(model, batch_size: int, rank: int | None) -> float:
+    """XLA's count of the effijax f32 train step's floating-point operations (GFLOP): the job
+    planned and compiled from abstract shapes (nothing allocated), with the layer loop unrolled
+    (XLA's cost analysis counts a loop's body once)."""
+    import dataclasses
+
+    import optax
+
+    from effijax.lora import LoraSpec
+    from effijax.recipe import compile_job, plan_job
+
+    model = dataclasses.replace(model, unroll_layers=True)
+    spec = None if rank is None else LoraSpec(rank=rank, alpha=2 * rank,
+                                              targets=model.lora_targets)
+    job = plan_job(model, "fp32", optax.adamw(LR, weight_decay=WEIGHT_DECAY),
+                   batch_size=batch_size, lora=spec)
+    cost = compile_job(job, census=False).step.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return float(cost["flops"]) / 1e9
+
+
+def _matmul_rates(n: int = 2048, repeats: int = 7) -> dict[str, float]:
+    """The best f32 rate (GFLOP/s) of an ``n``³ matmul in XLA (``jnp.matmul``, jitted) and in
+    torch, ``repeats`` turns each, alternating."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    a = jnp.ones((n, n), jnp.float32)
+    xla = jax.jit(jnp.matmul)
+    ta = torch.ones((n, n), dtype=torch.float32)
+    runs = {"XLA": lambda: xla(a, a).block_until_ready(), "torch": lambda: torch.mm(ta, ta)}
+    best = {name: float("inf") for name in runs}
+    for run in runs.values():
+        run()  # compiles; warms the allocator
+    for _ in range(repeats):
+        for name, run in runs.items():
+            t0 = time.perf_counter()
+            run()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return {name: 2 * n**3 / t / 1e9 for name, t in best.items()}
+
+
+def _ceiling_lines(model, args, timing: dict, precisions: list[str]) -> list[str]:
+    """How fast each timed effijax f32 job could be: its step's FLOPs at XLA's own f32 matmul
+    rate, and the ratio to the torch job that rate would give (a bound: the model's thinner
+    matmuls run below the square matmul's rate)."""
+    k = functools.partial(_key, precision="fp32", precisions=precisions)
+    pairs = [(job, rank, k(f"effijax {job}"), k(theirs))
+             for job, rank, theirs in (("LoRA", args.rank, "peft LoRA"),
+                                       ("full", None, "torch full"))
+             if k(f"effijax {job}") in timing]
+    if "fp32" not in precisions or not pairs:
+        return []
+    rates = _matmul_rates()
+    lines = []
+    for job, rank, ours, theirs in pairs:
+        gflop = _step_gflop(model, args.batch_size, rank)
+        bound_s = gflop / rates["XLA"]
+        measured_s = timing[ours]["median_s"]
+        text = (f"- f32 ceiling, {job}: the effijax step is {gflop:.1f} GFLOP (XLA's count of "
+                f"the compiled step, layer loop unrolled), {bound_s:.2f} s at XLA's own 2048³ "
+                f"f32 matmul rate ({rates['XLA']:.0f} GFLOP/s, best of 7; torch's "
+                f"{rates['torch']:.0f}); measured {measured_s:.2f} s "
+                f"({bound_s / measured_s:.2f} of that rate)")
+        if theirs in timing:
+            best = timing[theirs]["median_s"] / bound_s
+            target = 1.3 if job == "LoRA" else 1.0
+            text += (f". A step at that rate would be {best:.2f}x {theirs}'s tokens/s: the goal "
+                     f"{target}x is " + ("within this CPU's f32 matmul rate" if best >= target
+                                         else "beyond this CPU's f32 matmul rate"))
+        lines.append(text + ".")
+    return lines
+
+
 def _key(name: str, precision: str, precisions: list[str]) -> str:
     """A timed variant's row name: the variant, with its precision when several are timed."""
     return name if len(precisions) == 1 else f"{name} {precision}"
@@ -281,6 +369,10 @@ def _goal_lines(speed: dict, timing: dict, variants: list[str], precisions: list
 
 
 def main(argv: list[str] | None = None) -> None:
+    from harness import run_like_effijax
+
+    if argv is None:  # as a script: measure what `effijax train` runs
+        run_like_effijax()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--model", choices=MODELS, default="smollm2", help="the bundled model")
     ap.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="sequences per step")
@@ -294,6 +386,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps-per-round", type=int, default=3, help="timed steps per turn")
     ap.add_argument("--no-memory", dest="memory", action="store_false",
                     help="skip the peak-memory child processes")
+    ap.add_argument("--no-ceiling", dest="ceiling", action="store_false",
+                    help="skip the f32 ceiling: the effijax step's FLOPs (XLA's count) at the "
+                         "measured matmul rate")
     ap.add_argument("--busy", type=int, default=0, metavar="N",
                     help="after the quiet rounds, time every variant again while N processes "
                          "each spin a core (a shared machine): each variant's slowdown "
@@ -394,6 +489,8 @@ def _quiet_section(args, runs, timing, first_loss, loaded, variants, precisions)
     table = markdown_table(["variant", "median step ms", "p10-p90 ms", "tokens/s",
                             "first loss", "peak RSS MiB", "effijax memory estimate MiB"], rows)
     lines = _goal_lines(speed, timing, variants, precisions)
+    if args.ceiling and "effijax" in loaded:
+        lines += _ceiling_lines(loaded["effijax"][0], args, timing, precisions)
     described = ("AdamW in f32" if precisions == ["fp32"] else
                  f"AdamW on f32 master weights, compute in {' and '.join(precisions)}")
     body = (f"On {device_description()}, torch {_torch_version()} with "

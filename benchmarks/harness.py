@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import platform
 import re
 import shlex
@@ -26,10 +27,25 @@ RESULTS = Path(__file__).with_name("RESULTS.md")
 
 def device_description() -> str:
     """One line naming the backend, device kind and count, and the host (its CPU's widest
-    vector extension: 16-bit matmuls are native only with AVX512_BF16 or AMX)."""
+    vector extension: 16-bit matmuls are native only with AVX512_BF16 or AMX; on a CPU, whether
+    malloc serves XLA's buffers on transparent huge pages, see :func:`run_like_effijax`)."""
     d = jax.devices()
+    pages = ""
+    if jax.default_backend() == "cpu":
+        on = "glibc.malloc.hugetlb=1" in os.environ.get("GLIBC_TUNABLES", "")
+        pages = ", huge pages" if on else ", no huge pages"
     return (f"{jax.default_backend()} x{len(d)} ({d[0].device_kind}), "
-            f"{platform.machine()} host{cpu_extensions()}, jax {jax.__version__}")
+            f"{platform.machine()} host{cpu_extensions()}{pages}, jax {jax.__version__}")
+
+
+def run_like_effijax() -> None:
+    """Re-executes the benchmark script once the way the ``effijax`` program runs its steps:
+    with glibc's transparent-huge-page tunable (``effijax.cli.reexec_with_hugepages``; on
+    Linux with glibc >= 2.35, off with ``EFFIJAX_HUGEPAGES=0``). Call it first thing in a
+    script's ``main`` when run as a script: the script restarts from its top."""
+    from effijax.cli import reexec_with_hugepages
+
+    reexec_with_hugepages(script=True)
 
 
 def cpu_extensions() -> str:

@@ -45,6 +45,16 @@ def test_only_the_program_itself_re_executes(orig_argv):
     assert reexec_command({}, orig_argv, PY, "glibc 2.36", "linux", THP) is None
 
 
+def test_a_benchmark_asks_for_its_own_script():
+    """benchmarks/finetune.py measures what `effijax train` runs: it re-executes itself."""
+    found = reexec_command({}, ["python3", "benchmarks/finetune.py", "--write"], PY, "glibc 2.36",
+                           "linux", THP, script=True)
+    assert found == ([PY, "benchmarks/finetune.py", "--write"], {"GLIBC_TUNABLES": TUNABLE})
+    assert reexec_command({_hugepages.SWITCH: "0"}, ["python3", "b.py"], PY, "glibc 2.36",
+                          "linux", THP, script=True) is None
+    assert reexec_command({}, [], PY, "glibc 2.36", "linux", THP, script=True) is None
+
+
 def _eligible() -> bool:
     try:
         with open(_hugepages._THP) as f:

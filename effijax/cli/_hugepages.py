@@ -15,12 +15,14 @@ gains as much on SmolLM2 (22.1 -> 19.9 s), so the ratio between the two stays wh
 glibc reads its tunables once, when the process starts, so the ``effijax`` commands that run
 compiled steps (:data:`COMMANDS`) re-execute themselves with the tunable added to
 ``GLIBC_TUNABLES`` before they import anything heavy: same interpreter, same arguments, same
-process id (``memory``, ``plan``, ``data`` and ``--help`` start once, as before).
-``EFFIJAX_HUGEPAGES=0`` turns this off; nothing happens where the tunable is already set, off
-Linux, under another C library, or where the kernel's transparent huge pages are ``never``, nor
-in a Python program of the user's that calls :func:`effijax.cli.main` (its code before the call
-would run twice). A library user (a notebook, a script) starts Python with
-``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` for the same effect.
+process id (``memory``, ``plan``, ``data`` and ``--help`` start once, as before). A benchmark
+that measures what ``effijax train`` runs calls
+``effijax.cli.reexec_with_hugepages(script=True)`` first. ``EFFIJAX_HUGEPAGES=0`` turns this
+off; nothing happens where the tunable is already set, off Linux, under another C library, or
+where the kernel's transparent huge pages are ``never``, nor in a Python program of the user's
+that calls :func:`effijax.cli.main` (its code before the call would run twice). A library user
+(a notebook, a script) starts Python with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` for the same
+effect.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ _THP = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
 def reexec_command(environ: Mapping[str, str], orig_argv: Sequence[str], executable: str,
-                   libc: str, platform: str, thp: str | None
+                   libc: str, platform: str, thp: str | None, *, script: bool = False
                    ) -> tuple[list[str], dict[str, str]] | None:
     """The command line and environment to re-execute the program with, or None to go on as is.
 
@@ -51,6 +53,8 @@ def reexec_command(environ: Mapping[str, str], orig_argv: Sequence[str], executa
       libc: ``os.confstr("CS_GNU_LIBC_VERSION")`` (``"glibc 2.36"``), ``""`` where unknown.
       platform: ``sys.platform``.
       thp: the kernel's transparent huge page setting (the file's text), None where unreadable.
+      script: re-execute whatever program the interpreter runs (a script that calls this first
+        thing), not only ``effijax`` itself.
 
     Example:
       >>> cmd, env = reexec_command({"PATH": "/bin"}, ["python3", "-m", "effijax", "train"],
@@ -68,7 +72,9 @@ def reexec_command(environ: Mapping[str, str], orig_argv: Sequence[str], executa
     version = re.fullmatch(r"glibc (\d+)\.(\d+).*", libc or "")
     if version is None or (int(version[1]), int(version[2])) < (2, 35):
         return None
-    if thp is None or "[never]" in thp or not executable or not _runs_effijax(orig_argv):
+    if thp is None or "[never]" in thp or not executable or not orig_argv:
+        return None
+    if not script and not _runs_effijax(orig_argv):
         return None
     tunables = environ.get("GLIBC_TUNABLES", "")
     env = {**environ, "GLIBC_TUNABLES": f"{tunables}:{TUNABLE}" if tunables else TUNABLE}
@@ -85,9 +91,17 @@ def _runs_effijax(orig_argv: Sequence[str]) -> bool:
     return any(os.path.basename(a) == "effijax" and os.path.isfile(a) for a in args[:3])
 
 
-def reexec_with_hugepages() -> None:
+def reexec_with_hugepages(*, script: bool = False) -> None:
     """Replaces this process with the same command under :data:`TUNABLE` where
-    :func:`reexec_command` says so; returns (doing nothing) otherwise, or if the exec fails."""
+    :func:`reexec_command` says so; returns (doing nothing) otherwise, or if the exec fails.
+
+    ``script=True`` re-executes a Python program of the caller's own (a benchmark measuring
+    what ``effijax train`` runs): call it first thing, since the program restarts from its top.
+
+    Example:
+      >>> from effijax.cli import reexec_with_hugepages
+      >>> reexec_with_hugepages()  # in a test: not the effijax program, so it returns
+    """
     try:
         libc = os.confstr("CS_GNU_LIBC_VERSION") or ""
     except (ValueError, OSError, AttributeError):
@@ -98,7 +112,7 @@ def reexec_with_hugepages() -> None:
     except OSError:
         thp = None
     found = reexec_command(os.environ, getattr(sys, "orig_argv", []), sys.executable, libc,
-                           sys.platform, thp)
+                           sys.platform, thp, script=script)
     if found is None:
         return
     command, env = found
