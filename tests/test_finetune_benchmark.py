@@ -39,6 +39,7 @@ def _matmul_flops(lora: bool) -> int:
     return 2 * forward - 2 * t * 3 * D * D
 
 
+@pytest.mark.slow  # compiles the step unrolled: ~5 s each on 2 cores
 @pytest.mark.parametrize("rank", [None, 1])
 def test_the_step_is_counted_as_its_matmuls(finetune, rank):
     gflop = finetune._step_gflop(MODEL, B, rank)
