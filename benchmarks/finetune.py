@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import os
 import pathlib
@@ -451,20 +452,26 @@ def main(argv: list[str] | None = None) -> None:
             load = os.getloadavg()[0]
         title, body = _busy_section(args, runs, timing, loaded_timing, load, precisions)
     else:
-        title, body = _quiet_section(args, runs, timing, first_loss, loaded, variants, precisions)
+        # Free every model and train state before the peak-memory children start: Gemma's six
+        # variants held in this process plus a child's own run exceeded a 24 GiB host's memory.
+        built.clear()
+        model = loaded["effijax"][0] if "effijax" in loaded else None  # a config: no weights
+        loaded.clear()
+        gc.collect()
+        title, body = _quiet_section(args, runs, timing, first_loss, model, variants, precisions)
     publish(title, body, command=command_line(__file__, argv), write=args.write)
 
 
-def _quiet_section(args, runs, timing, first_loss, loaded, variants, precisions) -> tuple[str, str]:
+def _quiet_section(args, runs, timing, first_loss, model, variants, precisions) -> tuple[str, str]:
     """The quiet run's section title and body: step times, peak memory (child processes
-    unless ``--no-memory``) and the goals."""
+    unless ``--no-memory``) and the goals; ``model``: the effijax model's config (None where no
+    effijax variant ran)."""
     from harness import device_description, markdown_table
 
     tokens = args.batch_size * args.seq_len
     speed = {n: tokens / t["median_s"] for n, t in timing.items()}
     peaks, estimates = {}, {}
     if args.memory:
-        model = loaded["effijax"][0] if "effijax" in loaded else None
         for key, (name, precision) in runs.items():
             out = subprocess.run(
                 [sys.executable, __file__, "--model", args.model, "--child", name,
@@ -489,8 +496,8 @@ def _quiet_section(args, runs, timing, first_loss, loaded, variants, precisions)
     table = markdown_table(["variant", "median step ms", "p10-p90 ms", "tokens/s",
                             "first loss", "peak RSS MiB", "effijax memory estimate MiB"], rows)
     lines = _goal_lines(speed, timing, variants, precisions)
-    if args.ceiling and "effijax" in loaded:
-        lines += _ceiling_lines(loaded["effijax"][0], args, timing, precisions)
+    if args.ceiling and model is not None:
+        lines += _ceiling_lines(model, args, timing, precisions)
     described = ("AdamW in f32" if precisions == ["fp32"] else
                  f"AdamW on f32 master weights, compute in {' and '.join(precisions)}")
     body = (f"On {device_description()}, torch {_torch_version()} with "
