@@ -4,29 +4,24 @@ finite positive numbers, RESULTS.md left alone without ``--write``)."""
 
 import dataclasses
 import doctest
-import importlib
 import json
 import math
-import pathlib
 import sys
 import time
 
 import pytest
+from _benchmarks import BENCHMARKS, benchmark_script
 
 from effijax.models import GPTConfig
 
-BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 # Examples that compile a train step: run by the dry-run test, after the run compiled it.
 COMPILING_EXAMPLES = ("train_variant", "hand_written_fp16_variant")
 
 
 @pytest.fixture(scope="module")
 def accelerator():
-    sys.path.insert(0, str(BENCHMARKS))  # the scripts import their shared `harness` module
-    try:
-        yield importlib.import_module("accelerator")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    with benchmark_script("accelerator") as module:
+        yield module
 
 
 def _run_examples(module, names=None) -> int:

@@ -1,15 +1,12 @@
 """``benchmarks/finetune.py``'s f32 ceiling: XLA's FLOP count of the step against a hand count,
 and the lines it prints (finetune.py's timing itself needs the bundled model and torch)."""
 
-import importlib
-import pathlib
-import sys
 
 import pytest
+from _benchmarks import benchmark_script
 
 from effijax.models import LlamaConfig
 
-BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 # Wide enough that the matmuls are nearly all of the step's FLOPs.
 B, S, D, L, H, F, V = 2, 64, 128, 2, 4, 512, 512
 MODEL = LlamaConfig(vocab_size=V, d_model=D, n_layers=L, n_heads=H, d_ff=F, seq_len=S,
@@ -18,11 +15,8 @@ MODEL = LlamaConfig(vocab_size=V, d_model=D, n_layers=L, n_heads=H, d_ff=F, seq_
 
 @pytest.fixture(scope="module")
 def finetune():
-    sys.path.insert(0, str(BENCHMARKS))  # the scripts import their shared `harness` module
-    try:
-        yield importlib.import_module("finetune")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    with benchmark_script("finetune") as module:
+        yield module
 
 
 def _matmul_flops(lora: bool) -> int:

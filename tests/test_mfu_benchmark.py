@@ -1,24 +1,17 @@
 """``benchmarks/mfu.py``: the FLOP formula on hand-computed cases, the peak table, a smoke run."""
 
 import doctest
-import importlib
-import pathlib
-import sys
 
 import pytest
+from _benchmarks import benchmark_script
 
 from effijax.models import GPTConfig, gpt_config
-
-BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
 def mfu():
-    sys.path.insert(0, str(BENCHMARKS))  # the scripts import their shared `harness` module
-    try:
-        yield importlib.import_module("mfu")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    with benchmark_script("mfu") as module:
+        yield module
 
 
 def test_flop_formula_by_hand(mfu):
