@@ -121,8 +121,9 @@ class LlamaConfig(DecoderConfig):
       unroll_layers: unroll the loop over the layers instead of scanning it. The same arithmetic;
         the compiled program grows with the depth (SmolLM2's 30 layers compile in about 3x the
         time) but skips the scan's per-layer slicing of stacked parameters and residuals. On a
-        2-core CPU SmolLM2's LoRA step was no faster for it interleaved with the scanned one in
-        ``benchmarks/finetune.py`` (2.40 vs 2.42 s), and its peak memory grew by 822 MiB.
+        2-core AMD CPU (AVX2) SmolLM2's LoRA step was no faster for it interleaved with the
+        scanned one in ``benchmarks/finetune.py`` (2.40 vs 2.42 s), and its peak memory grew by
+        822 MiB; on a 2-core Intel Xeon (AVX-512) 3.24 vs 3.60 s, at 1,071 MiB more.
       tokenizer: the model's :class:`Tokenizer`, or None (see above).
 
     Example:
