@@ -23,6 +23,12 @@ so the tests that compare a real model with another library's (logits, greedy id
 bits recorded from a user's build, carry ``@pytest.mark.optimized`` and compile as a user's run
 does; so do the processes of tests that interrupt a compilation (test_ctrl_c), which need one
 long enough to interrupt.
+
+The processes the suite starts (pytest-xdist's workers, which start after this file is read, and
+the ``effijax`` processes tests run) get glibc's huge-page tunable in their environment, as the
+``effijax`` program gives itself (``effijax.cli.reexec_with_hugepages``; where it applies, and
+not with ``EFFIJAX_HUGEPAGES=0``): XLA:CPU's buffers stop faulting 4 KiB pages. Measured with
+``-n 2 -m "not slow"`` on a 2-core host: 2 min 52 s against 3 min 34 s and 3 min 56 s without.
 """
 
 import atexit
@@ -33,6 +39,26 @@ import tempfile
 # Must happen before jax initialises its backends.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")  # see above
+
+
+def _huge_pages_for_what_the_suite_starts() -> None:
+    from effijax.cli._hugepages import _THP, reexec_command
+
+    try:
+        with open(_THP) as f:
+            thp = f.read()
+        libc = os.confstr("CS_GNU_LIBC_VERSION") or ""
+    except (OSError, ValueError, AttributeError):
+        return
+    import sys
+
+    found = reexec_command(os.environ, ["python", "-m", "effijax"], sys.executable, libc,
+                           sys.platform, thp)
+    if found is not None:
+        os.environ["GLIBC_TUNABLES"] = found[1]["GLIBC_TUNABLES"]
+
+
+_huge_pages_for_what_the_suite_starts()
 
 import _launch  # noqa: E402
 import jax  # noqa: E402
