@@ -276,24 +276,19 @@ def _step_gflop(model, batch_size: int, rank: int | None) -> float:
 
 def _matmul_rates(n: int = 2048, repeats: int = 7) -> dict[str, float]:
     """The best f32 rate (GFLOP/s) of an ``n``³ matmul in XLA (``jnp.matmul``, jitted) and in
-    torch, ``repeats`` turns each, alternating."""
+    torch, ``repeats`` turns each, interleaved (``harness.time_interleaved``)."""
     import jax
     import jax.numpy as jnp
     import torch
+    from harness import time_interleaved
 
     a = jnp.ones((n, n), jnp.float32)
     xla = jax.jit(jnp.matmul)
     ta = torch.ones((n, n), dtype=torch.float32)
-    runs = {"XLA": lambda: xla(a, a).block_until_ready(), "torch": lambda: torch.mm(ta, ta)}
-    best = {name: float("inf") for name in runs}
-    for run in runs.values():
-        run()  # compiles; warms the allocator
-    for _ in range(repeats):
-        for name, run in runs.items():
-            t0 = time.perf_counter()
-            run()
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return {name: 2 * n**3 / t / 1e9 for name, t in best.items()}
+    runs = {"XLA": lambda: lambda: xla(a, a).block_until_ready(),
+            "torch": lambda: lambda: torch.mm(ta, ta)}
+    timing = time_interleaved(runs, rounds=repeats, steps_per_round=1, warmup=1)
+    return {name: 2 * n**3 / t["min_s"] / 1e9 for name, t in timing.items()}
 
 
 def _ceiling_lines(model, args, timing: dict, precisions: list[str]) -> list[str]:

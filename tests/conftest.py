@@ -44,14 +44,9 @@ os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")  # see above
 
 
 def _huge_pages_for_what_the_suite_starts() -> None:
-    from effijax.cli._hugepages import _THP, reexec_command
+    from effijax.cli._hugepages import host, reexec_command
 
-    try:
-        with open(_THP) as f:
-            thp = f.read()
-        libc = os.confstr("CS_GNU_LIBC_VERSION") or ""
-    except (OSError, ValueError, AttributeError):
-        return
+    libc, thp = host()
     found = reexec_command(os.environ, ["python", "-m", "effijax"], sys.executable, libc,
                            sys.platform, thp)
     if found is not None:

@@ -56,14 +56,9 @@ def test_a_benchmark_asks_for_its_own_script():
 
 
 def _eligible() -> bool:
-    try:
-        with open(_hugepages._THP) as f:
-            thp = f.read()
-    except OSError:
-        return False
-    libc = os.confstr("CS_GNU_LIBC_VERSION") if hasattr(os, "confstr") else ""
-    return reexec_command({}, ["python", "-m", "effijax"], sys.executable, libc or "",
-                          sys.platform, thp) is not None
+    libc, thp = _hugepages.host()
+    return reexec_command({}, ["python", "-m", "effijax"], sys.executable, libc, sys.platform,
+                          thp) is not None
 
 
 PROBE = ("import os, sys\n"

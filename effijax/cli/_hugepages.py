@@ -32,7 +32,8 @@ import re
 import sys
 from collections.abc import Mapping, Sequence
 
-__all__ = ["COMMANDS", "SWITCH", "TUNABLE", "reexec_command", "reexec_with_hugepages"]
+__all__ = ["COMMANDS", "SWITCH", "TUNABLE", "host", "reexec_command",
+           "reexec_with_hugepages"]
 
 # The subcommands whose steps allocate XLA's temporaries over and over.
 COMMANDS = ("train", "eval", "generate")
@@ -91,6 +92,27 @@ def _runs_effijax(orig_argv: Sequence[str]) -> bool:
     return any(os.path.basename(a) == "effijax" and os.path.isfile(a) for a in args[:3])
 
 
+def host() -> tuple[str, str | None]:
+    """This host's C library and transparent-huge-page setting, as :func:`reexec_command` takes
+    them: ``(libc, thp)``, ``""`` and None where they cannot be read.
+
+    Example:
+      >>> libc, thp = host()
+      >>> isinstance(libc, str)
+      True
+    """
+    try:
+        libc = os.confstr("CS_GNU_LIBC_VERSION") or ""
+    except (ValueError, OSError, AttributeError):
+        libc = ""
+    try:
+        with open(_THP) as f:
+            thp = f.read()
+    except OSError:
+        thp = None
+    return libc, thp
+
+
 def reexec_with_hugepages(*, script: bool = False) -> None:
     """Replaces this process with the same command under :data:`TUNABLE` where
     :func:`reexec_command` says so; returns (doing nothing) otherwise, or if the exec fails.
@@ -102,15 +124,7 @@ def reexec_with_hugepages(*, script: bool = False) -> None:
       >>> from effijax.cli import reexec_with_hugepages
       >>> reexec_with_hugepages()  # in a test: not the effijax program, so it returns
     """
-    try:
-        libc = os.confstr("CS_GNU_LIBC_VERSION") or ""
-    except (ValueError, OSError, AttributeError):
-        libc = ""
-    try:
-        with open(_THP) as f:
-            thp = f.read()
-    except OSError:
-        thp = None
+    libc, thp = host()
     found = reexec_command(os.environ, getattr(sys, "orig_argv", []), sys.executable, libc,
                            sys.platform, thp, script=script)
     if found is None:
