@@ -11,9 +11,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _load(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
+    # "experiment_" keeps it apart from the benchmark script of the same name in one worker
+    module_name = f"experiment_{name}"
+    spec = importlib.util.spec_from_file_location(module_name, ROOT / "experiments" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the file executes
+    sys.modules[module_name] = module  # dataclasses look their module up while it executes
     spec.loader.exec_module(module)
     return module
 
