@@ -203,6 +203,26 @@ def test_cross_entropy_backward_and_accuracy_are_autodiffs_and_argmaxs(dtype):
     assert float(cross_entropy_and_accuracy(tied, jnp.array([2]))[1]) == 0.0
 
 
+
+def test_the_accuracy_of_a_large_vocabulary_takes_jnp_argmaxs_first_maximum():
+    # 4096 classes: the argmax is taken in chunks of 512 (_first_argmax). Ties across and
+    # inside chunks, a row of -inf but one class, and rows whose maximum sits in the last chunk.
+    logits = (jax.random.normal(jax.random.key(0), (3, 40, 4096)) * 1.5).round()
+    logits = logits.at[0, 0].set(-jnp.inf).at[0, 0, 4000].set(0.0)
+    logits = logits.at[1, :, 4095].set(9.0).at[1, :5, 1500].set(9.0)  # tie across chunks
+    labels = jnp.where(jnp.arange(40) % 2 == 0, jnp.argmax(logits, axis=-1), 1500)
+    hits = jnp.argmax(logits, axis=-1) == labels
+    assert 0 < int(hits.sum()) < hits.size
+    where = jnp.broadcast_to(jnp.arange(40) % 3 != 0, hits.shape)
+    assert float(cross_entropy_and_accuracy(logits, labels)[1]) == float(np.mean(hits))
+    want = float(np.float32(np.sum(hits & where)) / np.float32(np.sum(where)))
+    assert float(cross_entropy_and_accuracy(logits, labels, where=where)[1]) == want
+    # Logits that are not all finite take jnp.argmax itself: a NaN is its maximum.
+    nan = logits.at[2, 7, 3000].set(jnp.nan)
+    acc = cross_entropy_and_accuracy(nan, jnp.full((3, 40), 3000))[1]
+    assert float(acc) == float(jnp.mean(jnp.argmax(nan, axis=-1) == 3000)) == np.float32(1 / 120)
+
+
 def test_layer_norm_statistics_in_f32():
     # A large mean with a small spread: bf16 statistics would lose the spread entirely.
     x = (256.0 + jnp.linspace(-1.0, 1.0, 64)).astype(jnp.bfloat16)[None]
