@@ -97,13 +97,13 @@ def cross_entropy_and_accuracy(
     from one function: the loss's backward is a single elementwise pass (see below).
 
     The argmax is taken in two levels (:func:`_first_argmax`): the maximum of each chunk of
-    up to 2048 classes (a plain max reduction, which XLA:CPU vectorises and runs on every
-    core), the first chunk holding the row's maximum, then the first maximum inside that chunk.
-    ``jnp.argmax`` over the whole class axis is a reduction over (value, index) pairs that
-    XLA:CPU runs unvectorised on one thread: 48 ms against 6.5 ms for SmolLM2's 49152 classes x
-    512 tokens, 253 ms against 27 ms for Gemma 3's 262144 (2-core Xeon). The index is the same,
-    ties included; a step whose logits are not all finite (NaN, inf) takes ``jnp.argmax``
-    itself, since XLA:CPU's max reduction may skip a NaN that ``jnp.argmax`` would pick.
+    up to 2048 classes (a plain max reduction), the first chunk holding the row's maximum, then
+    the first maximum inside that chunk. ``jnp.argmax`` over the whole class axis is a
+    reduction over (value, index) pairs that XLA:CPU runs far slower: 48 ms against 6.5 ms for
+    SmolLM2's 49152 classes x 512 tokens, 253 ms against 27 ms for Gemma 3's 262144 (2-core
+    Xeon). The index is the same, ties included; a step whose loss is not finite at some
+    position (a NaN or +inf logit) takes ``jnp.argmax`` itself, since XLA:CPU's max reduction
+    may skip a NaN that ``jnp.argmax`` would pick.
 
     Example:
       >>> import jax.numpy as jnp
