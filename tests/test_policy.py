@@ -203,7 +203,6 @@ def test_cross_entropy_backward_and_accuracy_are_autodiffs_and_argmaxs(dtype):
     assert float(cross_entropy_and_accuracy(tied, jnp.array([2]))[1]) == 0.0
 
 
-
 def test_the_accuracy_of_a_large_vocabulary_takes_jnp_argmaxs_first_maximum():
     # 4096 classes: the argmax is taken in chunks of 512 (_first_argmax). Ties across and
     # inside chunks, a row of -inf but one class, and rows whose maximum sits in the last chunk.
