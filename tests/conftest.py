@@ -92,18 +92,25 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _optimization(request):
     """Compiles a test marked ``@pytest.mark.optimized`` at XLA's default optimisation, as a
-    user's run does (every other test: see the module's docstring). This holds for what the
-    test compiles; a program that ``jax.jit`` compiled earlier in the process for the same
-    function and shapes is reused as it is (the flag is not part of jit's key)."""
+    user's run does (every other test: see the module's docstring).
+
+    JAX's in-memory caches are cleared on the way in and out: the flag is not part of their
+    keys, and what an earlier test of the process had compiled unoptimised changed an optimised
+    test's bits (test_decoder's GPT digests, after test_unroll, test_scan_bits or
+    test_sliding_window ran in the same worker), and the reverse would change the bits of the
+    unoptimised tests that compare two programs. The persistent cache on disk is keyed by the
+    compile options, the flag's included."""
     if request.node.get_closest_marker("optimized") is None:
         yield
         return
     disabled = jax.config.values["jax_disable_most_optimizations"]
+    jax.clear_caches()
     jax.config.update("jax_disable_most_optimizations", False)
     try:
         yield
     finally:
         jax.config.update("jax_disable_most_optimizations", disabled)
+        jax.clear_caches()
 
 
 @pytest.fixture(autouse=True)
