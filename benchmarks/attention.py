@@ -7,7 +7,13 @@ at the preset's shape, since the step's other work dilutes the differences. ``"a
 timed separately: it runs one of the others (``effijax.models.choose_attention`` says which); this
 measurement is what its CPU choice (``CPU_ATTENTION`` in ``effijax/models/_attention.py``) rests on.
 
-Run: ``python benchmarks/attention.py [--models mini,small] [--precision fp32] [--write]``.
+``--blocks`` times instead the blockwise kernel alone (forward + backward) at the pretrained
+families' head shapes (SmolLM2: 9 heads over 3 kv heads of 64; Gemma 3 270M: 4 over 1 of 256)
+from 128 to 2,048 tokens, with each block size and with ``default_block_size``'s choice: the
+measurement that rule rests on (its own section of RESULTS.md).
+
+Run: ``python benchmarks/attention.py [--models mini,small] [--precision fp32] [--write]``, or
+``python benchmarks/attention.py --blocks [--lengths 128,256,512,1024,2048] [--write]``.
 Without ``--write`` it only prints; with it, it replaces its section of RESULTS.md.
 """
 
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -29,10 +36,21 @@ from harness import (
 from mfu import train_optimizer
 
 from effijax.data import batch_at, load_corpus
-from effijax.models import ATTENTION, choose_attention, gpt_config
+from effijax.models import (
+    ATTENTION,
+    blockwise_attend,
+    choose_attention,
+    default_block_size,
+    gpt_config,
+)
 from effijax.step import init_train_state, make_train_step
 
 IMPLEMENTATIONS = ("naive", "blockwise", "xla")
+
+# --blocks: (name, query heads, kv heads, head width) of the pretrained families' attention.
+HEAD_SHAPES = (("SmolLM2", 9, 3, 64), ("Gemma 3 270M", 4, 1, 256))
+BLOCK_SIZES = (64, 128, 256)
+TOKENS_PER_BATCH = 2048  # batch x length: 4 x 512 down to 1 x 2048, capped at 4 rows
 
 
 def _step_variant(config, impl, policy, batch, params0):
@@ -63,8 +81,73 @@ def _op_variant(fn, shape, dtype):
     return make
 
 
+def _gqa_op_variant(shape_q, kv_heads, block):
+    """Forward + backward of ``blockwise_attend`` with ``block`` x ``block`` tiles (None: the
+    default) on queries ``shape_q`` over ``kv_heads`` key/value heads, f32."""
+    def make():
+        b, s, _, k = shape_q
+        keys = jax.random.split(jax.random.key(0), 4)
+        q, w = (jax.random.normal(kk, shape_q) for kk in keys[:2])
+        kv = [jax.random.normal(kk, (b, s, kv_heads, k)) for kk in keys[2:]]
+        fn = functools.partial(blockwise_attend, block_q=block, block_k=block)
+        grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v) * w), argnums=(0, 1, 2)))
+
+        def run():
+            jax.block_until_ready(grad(q, *kv))
+        return run
+    return make
+
+
+def block_sizes(lengths, *, rounds: int, steps_per_round: int) -> str:
+    """The blockwise kernel timed per block size at each length and head shape: the section's
+    text."""
+    rows = []
+    for name, heads, kv_heads, width in HEAD_SHAPES:
+        for length in lengths:
+            batch = max(1, min(4, TOKENS_PER_BATCH // length))
+            shape = (batch, length, heads, width)
+            sizes = [b for b in BLOCK_SIZES if b < length] + [length]
+            res = time_interleaved(
+                {b: _gqa_op_variant(shape, kv_heads, b) for b in sizes},
+                rounds=rounds, steps_per_round=steps_per_round, warmup=1)
+            best = min(sizes, key=lambda b: res[b]["median_s"])
+            chosen = default_block_size(length)
+            tile = {length: "one tile"}
+            rows.append([name, f"{batch} x {length}", *_cells(res, length),
+                         tile.get(chosen, str(chosen)), tile.get(best, str(best)),
+                         f"{res[chosen]['median_s'] / res[best]['median_s']:.2f}",
+                         f"{res[64]['median_s'] / res[chosen]['median_s']:.2f}"
+                         if 64 in res and chosen != 64 else "-"])
+    body = "\n".join([
+        f"On {device_description()}; f32, forward + backward w.r.t. q, k, v of the causal "
+        f"kernel alone, blocks of the same size for queries and keys. Interleaved: {rounds} "
+        f"rounds x {steps_per_round} calls per block size; median ms.",
+        "",
+        markdown_table(["heads", "batch x tokens", *(f"{b}" for b in BLOCK_SIZES),
+                        "one tile", "default", "fastest", "default / fastest",
+                        "64 / default"], rows),
+        "",
+        "- default: `default_block_size(length)`, the block the kernel takes when none is "
+        "given; `default / fastest` is its time over the fastest size's, `64 / default` the "
+        "64 x 64 tiles' (every length's default before) over its.",
+    ])
+    return body
+
+
+def _cells(res, length):
+    """The table's time cells: one per block size below ``length``, then one tile (the whole
+    sequence); '-' where that size is not below the length."""
+    cells = [f"{1e3 * res[b]['median_s']:.1f}" if b in res and b < length else "-"
+             for b in BLOCK_SIZES]
+    return [*cells, f"{1e3 * res[length]['median_s']:.1f}"]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    ap.add_argument("--blocks", action="store_true",
+                    help="time the blockwise kernel's block sizes instead of the implementations")
+    ap.add_argument("--lengths", default="128,256,512,1024,2048",
+                    help="with --blocks: sequence lengths, comma-separated")
     ap.add_argument("--models", default="mini,small")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--precision", default="fp32", help="policy preset (fp32, bf16, ...)")
@@ -72,7 +155,18 @@ def main(argv=None):
     ap.add_argument("--steps-per-round", type=int, default=4)
     add_write_flag(ap)
     args = ap.parse_args(argv)
+    if args.blocks:
+        lengths = [int(n) for n in args.lengths.split(",")]
+        name = "Blockwise attention: block sizes"
+        body = block_sizes(lengths, rounds=args.rounds, steps_per_round=args.steps_per_round)
+    else:
+        name, body = "Attention implementations on this device", implementations(args)
+    publish(name, body, command=command_line(__file__, argv), write=args.write)
 
+
+def implementations(args) -> str:
+    """The GPT presets' train step and attention op with each implementation: the section's
+    text."""
     tokens = load_corpus(max_bytes=1_000_000)
     rows, lines = [], []
     for name in args.models.split(","):
@@ -111,8 +205,7 @@ def main(argv=None):
         "",
         *lines,
     ])
-    publish("Attention implementations on this device", body, command=command_line(__file__, argv),
-            write=args.write)
+    return body
 
 
 if __name__ == "__main__":

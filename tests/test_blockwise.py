@@ -17,7 +17,13 @@ import numpy as np
 import pytest
 
 from effijax.models import ATTENTION, abstract_split, attend, gpt_config, init_params, make_loss_fn
-from effijax.models._blockwise import REMAT_POLICIES, _keep_mask, _Spec, blockwise_attend
+from effijax.models._blockwise import (
+    REMAT_POLICIES,
+    _keep_mask,
+    _Spec,
+    blockwise_attend,
+    default_block_size,
+)
 
 
 def _qkvw(s, t=None, *, b=2, h=3, k=8, seed=0):
@@ -85,6 +91,27 @@ def test_cross_attention_different_lengths():
         blockwise_attend(q, k, v, causal=False, block_q=16, block_k=32),
         attend(q, k, v, causal=False)))(q, k, v)
     chex.assert_trees_all_close(out, ref, atol=1e-5, rtol=0)
+
+
+def test_default_blocks_are_each_lengths_default_block_size():
+    assert [default_block_size(n) for n in (1, 63, 64, 1023, 1024, 8192)] == [
+        1, 63, 64, 64, 256, 256]
+    q, k, v, w = _qkvw(1100, 1100)
+    default = _value_and_grads(blockwise_attend, q, k, v, w)
+    explicit = _value_and_grads(
+        functools.partial(blockwise_attend, block_q=256, block_k=256), q, k, v, w)
+    small = _value_and_grads(
+        functools.partial(blockwise_attend, block_q=64, block_k=64), q, k, v, w)
+    chex.assert_trees_all_equal(default, explicit)  # the same program: the same bits
+    chex.assert_trees_all_close(default, small, atol=1e-5, rtol=0)
+    # Cross attention: each side's own length (40 queries: one block; 1,100 keys: 256).
+    q, k, v, _ = _qkvw(40, 1100)
+    default, explicit = jax.jit(lambda q, k, v: (
+        blockwise_attend(q, k, v, causal=False),
+        blockwise_attend(q, k, v, causal=False, block_q=40, block_k=256)))(q, k, v)
+    np.testing.assert_array_equal(default, explicit)
+    with pytest.raises(ValueError, match="length=0: must be an integer >= 1"):
+        default_block_size(0)
 
 
 def test_bf16_matches_f32_reference_and_is_no_worse_than_naive():
@@ -177,6 +204,9 @@ def test_memory_is_linear_in_sequence_length():
     growth = (block[2] - block[1]) / (block[1] - block[0])
     assert 1.5 < growth < 2.5, growth
     assert naive[-1] > 50 * block[-1]
+    # The default blocks (256 from 1,024 tokens) stay linear too.
+    default = [_fwd_bwd_temp_bytes(blockwise_attend, s) for s in (1024, 2048, 4096)]
+    assert all(b / a <= 2.0 for a, b in zip(default, default[1:], strict=False)), default
 
 
 def test_gpt_with_blockwise_attention_matches_naive(monkeypatch):

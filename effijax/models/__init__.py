@@ -34,7 +34,12 @@ from effijax.models._attention import (
     segment_mask,
     xla_attend,
 )
-from effijax.models._blockwise import attention_backend, blockwise_attend, target_backend
+from effijax.models._blockwise import (
+    attention_backend,
+    blockwise_attend,
+    default_block_size,
+    target_backend,
+)
 from effijax.models._cache import KVCache, cached_attend, make_decode, split_layers
 from effijax.models._gpt import (
     GPT,
@@ -126,6 +131,7 @@ __all__ = [
     "PRE_TOKENIZERS",
     "attend",
     "blockwise_attend",
+    "default_block_size",
     "xla_attend",
     "auto_attend",
     "choose_attention",

@@ -51,9 +51,13 @@ Tiles that need no mask (every key before every query of the block, inside every
 no padded keys, no segments) run in their own loop without one; only the tiles on the diagonal,
 the window's edge or the padding build and apply the mask. Measured on XLA:CPU (2 cores, f32,
 SmolLM2's 9 heads over 3 kv heads of 64, 4 x 512 tokens, forward + backward): 145 ms with this
-layout and 64 x 64 blocks (the default) against 279 ms for the kernel that repeated the kv
-heads and masked every tile with 128 x 128 blocks, and 119 ms for ``torch``'s
-``scaled_dot_product_attention``; 475 vs 796 ms (``torch`` 339) at 1,024 tokens.
+layout and 64 x 64 blocks against 279 ms for the kernel that repeated the kv heads and masked
+every tile with 128 x 128 blocks, and 119 ms for ``torch``'s ``scaled_dot_product_attention``;
+475 vs 796 ms (``torch`` 339) at 1,024 tokens.
+
+Block sizes default to :func:`default_block_size` of each length: 64 below 1,024 tokens, 256
+from there (``benchmarks/attention.py --blocks``: on XLA:CPU tiles of 256 ran the forward +
+backward 1.3-1.8x faster than tiles of 64 from 1,024 tokens).
 
 On a GPU, bf16/f16 inputs without dropout, segments or a traced window go to
 ``jax.nn.dot_product_attention(..., implementation="cudnn")`` (cuDNN's fused flash attention,
@@ -79,7 +83,8 @@ from jax.ad_checkpoint import checkpoint_name
 from effijax.errors import ConfigError, whole_number
 
 __all__ = ["IMPLEMENTATIONS", "REMAT_POLICIES", "attention_backend", "blockwise_attend",
-           "check_qkv", "cudnn_unusable_reason", "target_backend", "tiles_visited"]
+           "check_qkv", "cudnn_unusable_reason", "default_block_size", "target_backend",
+           "tiles_visited"]
 
 # ``implementation=`` values: None picks cuDNN where it applies, else the pure-JAX kernel.
 IMPLEMENTATIONS = (None, "jax", "cudnn")
@@ -104,6 +109,31 @@ REMAT_POLICIES = {
 }
 
 
+# default_block_size's rule: blocks of SHORT tokens below LONG tokens, of LONG_BLOCK from there
+# (benchmarks/attention.py --blocks measures it).
+SHORT, LONG_BLOCK, LONG = 64, 256, 1024
+
+
+def default_block_size(length: int) -> int:
+    """The query (or key) block size :func:`blockwise_attend` takes for ``length`` queries (or
+    keys) when none is given: 64 below 1,024 (the whole sequence when shorter), 256 from there.
+
+    Measured on XLA:CPU (2 cores, f32, forward + backward, SmolLM2's and Gemma 3's head shapes;
+    ``benchmarks/attention.py --blocks``): from 1,024 tokens tiles of 256 ran 1.3-1.8x faster
+    than tiles of 64 (their matmuls are larger; the upper triangle's skipped share stays large),
+    and a SmolLM2 LoRA train step of 2 x 1,024 tokens took 15.4 s instead of 21.2 (medians of 3
+    interleaved steps). Below 1,024 no size won at every shape: one tile or 128 ran the op up to
+    1.4x faster at 4 rows of 128-512 tokens, but 64 was the fastest at 8 rows of 512, so 64
+    stays there until whole steps are measured.
+
+    Example:
+      >>> [default_block_size(n) for n in (16, 64, 512, 1023, 1024, 8192)]
+      [16, 64, 64, 64, 256, 256]
+    """
+    length = whole_number("length", length)
+    return min(length, SHORT) if length < LONG else LONG_BLOCK
+
+
 class _Spec(NamedTuple):
     """Static description of one padded problem (hashable: a ``custom_vjp`` nondiff argument)."""
 
@@ -117,7 +147,8 @@ class _Spec(NamedTuple):
 
 
 def blockwise_attend(q_BSHK: jax.Array, k_BTHK: jax.Array, v_BTHK: jax.Array, *,
-                     causal: bool = True, block_q: int = 64, block_k: int = 64,
+                     causal: bool = True, block_q: int | None = None,
+                     block_k: int | None = None,
                      dropout_rate: float = 0.0, dropout_key: jax.Array | None = None,
                      implementation: str | None = None,
                      segments_BS: jax.Array | None = None,
@@ -134,7 +165,8 @@ def blockwise_attend(q_BSHK: jax.Array, k_BTHK: jax.Array, v_BTHK: jax.Array, *,
       causal: query ``i`` sees keys ``0..i`` (needs ``S == T``); blocks above the diagonal are
         skipped.
       block_q, block_k: query and key block sizes (capped at ``S`` and ``T``); lengths that do not
-        divide are padded up to a multiple.
+        divide are padded up to a multiple. None (the default): :func:`default_block_size` of
+        ``S`` and of ``T``.
       dropout_rate: probability of dropping an attention probability (inverted dropout).
       dropout_key: PRNG key for the dropout masks; ``None`` disables dropout (as in ``attend``).
       implementation: ``None`` (cuDNN flash attention on a GPU for bf16/f16 without dropout
@@ -172,8 +204,8 @@ def blockwise_attend(q_BSHK: jax.Array, k_BTHK: jax.Array, v_BTHK: jax.Array, *,
     groups = check_qkv("blockwise_attend", q_BSHK, k_BTHK, v_BTHK, causal=causal,
                        segments_BS=segments_BS, window=window)
     s, t = q_BSHK.shape[1], k_BTHK.shape[1]
-    block_q = min(whole_number("block_q", block_q), s)
-    block_k = min(whole_number("block_k", block_k), t)
+    block_q = min(default_block_size(s) if block_q is None else whole_number("block_q", block_q), s)
+    block_k = min(default_block_size(t) if block_k is None else whole_number("block_k", block_k), t)
     if not isinstance(dropout_rate, int | float) or not 0.0 <= dropout_rate < 1.0:
         raise ValueError(f"dropout_rate: expected a rate in [0, 1), got {dropout_rate!r}")
     if implementation not in IMPLEMENTATIONS:
@@ -500,18 +532,22 @@ def _q_blocks_end_for(spec: _Spec, j, num_q_blocks: int, win):
     return jnp.minimum(((j + 1) * spec.block_k + win - 2) // spec.block_q + 1, num_q_blocks)
 
 
-def tiles_visited(s: int, *, block_q: int = 64, block_k: int = 64,
+def tiles_visited(s: int, *, block_q: int | None = None, block_k: int | None = None,
                   window: int | None = None) -> tuple[int, int]:
     """How many ``(query block, key block)`` tiles the causal kernel computes for ``S = T = s``:
-    ``(forward, backward)``, from the loop bounds the kernel itself uses.
+    ``(forward, backward)``, from the loop bounds the kernel itself uses (block sizes as
+    :func:`blockwise_attend` takes them: None is :func:`default_block_size`).
 
     Example:
       >>> tiles_visited(1024, block_q=64, block_k=64)  # 16 x 17 / 2: the lower triangle
       (136, 136)
       >>> tiles_visited(1024, block_q=64, block_k=64, window=64)  # two per query block
       (31, 31)
+      >>> tiles_visited(1024)  # the default blocks from 1,024 tokens, 256: 4 x 5 / 2
+      (10, 10)
     """
-    block_q, block_k = min(block_q, s), min(block_k, s)
+    block_q = min(default_block_size(s) if block_q is None else block_q, s)
+    block_k = min(default_block_size(s) if block_k is None else block_k, s)
     spec = _Spec(True, block_q, block_k, s, s, 0.0, window is not None)
     nq, nk = -(-s // block_q), -(-s // block_k)
     win = None if window is None else min(window, s)
