@@ -8,9 +8,10 @@ timed separately: it runs one of the others (``effijax.models.choose_attention``
 measurement is what its CPU choice (``CPU_ATTENTION`` in ``effijax/models/_attention.py``) rests on.
 
 ``--blocks`` times instead the blockwise kernel alone (forward + backward) at the pretrained
-families' head shapes (SmolLM2: 9 heads over 3 kv heads of 64; Gemma 3 270M: 4 over 1 of 256)
-from 128 to 2,048 tokens, with each block size and with ``default_block_size``'s choice: the
-measurement that rule rests on (its own section of RESULTS.md).
+families' head shapes (SmolLM2: 9 heads over 3 kv heads of 64; Gemma 3 270M: 4 over 1 of 256,
+also under its sliding window of 512) from 128 to 2,048 tokens, with each block size and with
+``default_block_size``'s choice: the measurement that rule rests on (its own section of
+RESULTS.md).
 
 Run: ``python benchmarks/attention.py [--models mini,small] [--precision fp32] [--write]``, or
 ``python benchmarks/attention.py --blocks [--lengths 128,256,512,1024,2048] [--write]``.
@@ -47,8 +48,10 @@ from effijax.step import init_train_state, make_train_step
 
 IMPLEMENTATIONS = ("naive", "blockwise", "xla")
 
-# --blocks: (name, query heads, kv heads, head width) of the pretrained families' attention.
-HEAD_SHAPES = (("SmolLM2", 9, 3, 64), ("Gemma 3 270M", 4, 1, 256))
+# --blocks: (name, query heads, kv heads, head width, sliding window) of the pretrained
+# families' attention; a windowed shape is timed at the lengths longer than its window.
+HEAD_SHAPES = (("SmolLM2", 9, 3, 64, None), ("Gemma 3 270M", 4, 1, 256, None),
+               ("Gemma 3 270M, window 512", 4, 1, 256, 512))
 BLOCK_SIZES = (64, 128, 256)
 TOKENS_PER_BATCH = 2048  # batch x length: 4 x 512 down to 1 x 2048, capped at 4 rows
 
@@ -81,15 +84,15 @@ def _op_variant(fn, shape, dtype):
     return make
 
 
-def _gqa_op_variant(shape_q, kv_heads, block):
+def _gqa_op_variant(shape_q, kv_heads, block, window=None):
     """Forward + backward of ``blockwise_attend`` with ``block`` x ``block`` tiles (None: the
-    default) on queries ``shape_q`` over ``kv_heads`` key/value heads, f32."""
+    default) on queries ``shape_q`` over ``kv_heads`` key/value heads, f32, under ``window``."""
     def make():
         b, s, _, k = shape_q
         keys = jax.random.split(jax.random.key(0), 4)
         q, w = (jax.random.normal(kk, shape_q) for kk in keys[:2])
         kv = [jax.random.normal(kk, (b, s, kv_heads, k)) for kk in keys[2:]]
-        fn = functools.partial(blockwise_attend, block_q=block, block_k=block)
+        fn = functools.partial(blockwise_attend, block_q=block, block_k=block, window=window)
         grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v) * w), argnums=(0, 1, 2)))
 
         def run():
@@ -102,13 +105,13 @@ def block_sizes(lengths, *, rounds: int, steps_per_round: int) -> str:
     """The blockwise kernel timed per block size at each length and head shape: the section's
     text."""
     rows = []
-    for name, heads, kv_heads, width in HEAD_SHAPES:
-        for length in lengths:
+    for name, heads, kv_heads, width, window in HEAD_SHAPES:
+        for length in [n for n in lengths if window is None or n > window]:
             batch = max(1, min(4, TOKENS_PER_BATCH // length))
             shape = (batch, length, heads, width)
             sizes = [b for b in BLOCK_SIZES if b < length] + [length]
             res = time_interleaved(
-                {b: _gqa_op_variant(shape, kv_heads, b) for b in sizes},
+                {b: _gqa_op_variant(shape, kv_heads, b, window) for b in sizes},
                 rounds=rounds, steps_per_round=steps_per_round, warmup=1)
             best = min(sizes, key=lambda b: res[b]["median_s"])
             chosen = default_block_size(length)

@@ -57,7 +57,7 @@ every tile with 128 x 128 blocks, and 119 ms for ``torch``'s ``scaled_dot_produc
 
 Block sizes default to :func:`default_block_size` of each length: 64 below 1,024 tokens, 256
 from there (``benchmarks/attention.py --blocks``: on XLA:CPU tiles of 256 ran the forward +
-backward 1.3-1.8x faster than tiles of 64 from 1,024 tokens).
+backward 1.3-1.9x faster than tiles of 64 from 1,024 tokens).
 
 On a GPU, bf16/f16 inputs without dropout, segments or a traced window go to
 ``jax.nn.dot_product_attention(..., implementation="cudnn")`` (cuDNN's fused flash attention,
@@ -119,12 +119,12 @@ def default_block_size(length: int) -> int:
     keys) when none is given: 64 below 1,024 (the whole sequence when shorter), 256 from there.
 
     Measured on XLA:CPU (2 cores, f32, forward + backward, SmolLM2's and Gemma 3's head shapes;
-    ``benchmarks/attention.py --blocks``): from 1,024 tokens tiles of 256 ran 1.3-1.8x faster
+    ``benchmarks/attention.py --blocks``): from 1,024 tokens tiles of 256 ran 1.3-1.9x faster
     than tiles of 64 (their matmuls are larger; the upper triangle's skipped share stays large),
-    and a SmolLM2 LoRA train step of 2 x 1,024 tokens took 15.4 s instead of 21.2 (medians of 3
-    interleaved steps). Below 1,024 no size won at every shape: one tile or 128 ran the op up to
-    1.4x faster at 4 rows of 128-512 tokens, but 64 was the fastest at 8 rows of 512, so 64
-    stays there until whole steps are measured.
+    1.4-1.5x under Gemma 3's sliding window of 512, and a SmolLM2 LoRA train step of 2 x 1,024
+    tokens took 15.4 s instead of 21.2 (medians of 3 interleaved steps). Below 1,024 no size won
+    at every shape: one tile or 128 ran the op up to 1.5x faster at 4 rows of 128-512 tokens, but
+    64 was the fastest at 8 rows of 512, so 64 stays there until whole steps are measured.
 
     Example:
       >>> [default_block_size(n) for n in (16, 64, 512, 1023, 1024, 8192)]
