@@ -71,34 +71,28 @@ def _step_variant(config, impl, policy, batch, params0):
     return make
 
 
-def _op_variant(fn, shape, dtype):
+def _op_variant(fn, shape, dtype, kv_heads=None):
+    """Forward + backward of the attention ``fn`` on queries ``shape`` over ``kv_heads``
+    key/value heads (None: as many as the queries')."""
     def make():
+        b, s, h, k = shape
         keys = jax.random.split(jax.random.key(0), 4)
-        q, k, v, w = (jax.random.normal(kk, shape, dtype) for kk in keys)
+        q, w = (jax.random.normal(kk, shape, dtype) for kk in keys[:2])
+        kv = [jax.random.normal(kk, (b, s, kv_heads or h, k), dtype) for kk in keys[2:]]
         grad = jax.jit(jax.grad(
             lambda q, k, v: jnp.sum((fn(q, k, v) * w).astype(jnp.float32)), argnums=(0, 1, 2)))
-
-        def run():
-            jax.block_until_ready(grad(q, k, v))
-        return run
-    return make
-
-
-def _gqa_op_variant(shape_q, kv_heads, block, window=None):
-    """Forward + backward of ``blockwise_attend`` with ``block`` x ``block`` tiles (None: the
-    default) on queries ``shape_q`` over ``kv_heads`` key/value heads, f32, under ``window``."""
-    def make():
-        b, s, _, k = shape_q
-        keys = jax.random.split(jax.random.key(0), 4)
-        q, w = (jax.random.normal(kk, shape_q) for kk in keys[:2])
-        kv = [jax.random.normal(kk, (b, s, kv_heads, k)) for kk in keys[2:]]
-        fn = functools.partial(blockwise_attend, block_q=block, block_k=block, window=window)
-        grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v) * w), argnums=(0, 1, 2)))
 
         def run():
             jax.block_until_ready(grad(q, *kv))
         return run
     return make
+
+
+def _blockwise_variant(shape_q, kv_heads, block, window=None):
+    """:func:`_op_variant` of ``blockwise_attend`` with ``block`` x ``block`` tiles under
+    ``window``, f32."""
+    fn = functools.partial(blockwise_attend, block_q=block, block_k=block, window=window)
+    return _op_variant(fn, shape_q, jnp.float32, kv_heads)
 
 
 def block_sizes(lengths, *, rounds: int, steps_per_round: int) -> str:
@@ -111,7 +105,7 @@ def block_sizes(lengths, *, rounds: int, steps_per_round: int) -> str:
             shape = (batch, length, heads, width)
             sizes = [b for b in BLOCK_SIZES if b < length] + [length]
             res = time_interleaved(
-                {b: _gqa_op_variant(shape, kv_heads, b, window) for b in sizes},
+                {b: _blockwise_variant(shape, kv_heads, b, window) for b in sizes},
                 rounds=rounds, steps_per_round=steps_per_round, warmup=1)
             best = min(sizes, key=lambda b: res[b]["median_s"])
             chosen = default_block_size(length)
@@ -121,7 +115,7 @@ def block_sizes(lengths, *, rounds: int, steps_per_round: int) -> str:
                          f"{res[chosen]['median_s'] / res[best]['median_s']:.2f}",
                          f"{res[64]['median_s'] / res[chosen]['median_s']:.2f}"
                          if 64 in res and chosen != 64 else "-"])
-    body = "\n".join([
+    return "\n".join([
         f"On {device_description()}; f32, forward + backward w.r.t. q, k, v of the causal "
         f"kernel alone, blocks of the same size for queries and keys. Interleaved: {rounds} "
         f"rounds x {steps_per_round} calls per block size; median ms.",
@@ -134,7 +128,6 @@ def block_sizes(lengths, *, rounds: int, steps_per_round: int) -> str:
         "given; `default / fastest` is its time over the fastest size's, `64 / default` the "
         "64 x 64 tiles' (every length's default before) over its.",
     ])
-    return body
 
 
 def _cells(res, length):

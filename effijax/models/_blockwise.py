@@ -134,6 +134,12 @@ def default_block_size(length: int) -> int:
     return min(length, SHORT) if length < LONG else LONG_BLOCK
 
 
+def _block_size(name: str, block: int | None, length: int) -> int:
+    """Argument ``name``'s block size for ``length`` positions: ``block`` checked, or
+    :func:`default_block_size` when None; capped at ``length``."""
+    return min(default_block_size(length) if block is None else whole_number(name, block), length)
+
+
 class _Spec(NamedTuple):
     """Static description of one padded problem (hashable: a ``custom_vjp`` nondiff argument)."""
 
@@ -204,8 +210,7 @@ def blockwise_attend(q_BSHK: jax.Array, k_BTHK: jax.Array, v_BTHK: jax.Array, *,
     groups = check_qkv("blockwise_attend", q_BSHK, k_BTHK, v_BTHK, causal=causal,
                        segments_BS=segments_BS, window=window)
     s, t = q_BSHK.shape[1], k_BTHK.shape[1]
-    block_q = min(default_block_size(s) if block_q is None else whole_number("block_q", block_q), s)
-    block_k = min(default_block_size(t) if block_k is None else whole_number("block_k", block_k), t)
+    block_q, block_k = _block_size("block_q", block_q, s), _block_size("block_k", block_k, t)
     if not isinstance(dropout_rate, int | float) or not 0.0 <= dropout_rate < 1.0:
         raise ValueError(f"dropout_rate: expected a rate in [0, 1), got {dropout_rate!r}")
     if implementation not in IMPLEMENTATIONS:
@@ -546,8 +551,7 @@ def tiles_visited(s: int, *, block_q: int | None = None, block_k: int | None = N
       >>> tiles_visited(1024)  # the default blocks from 1,024 tokens, 256: 4 x 5 / 2
       (10, 10)
     """
-    block_q = min(default_block_size(s) if block_q is None else block_q, s)
-    block_k = min(default_block_size(s) if block_k is None else block_k, s)
+    block_q, block_k = _block_size("block_q", block_q, s), _block_size("block_k", block_k, s)
     spec = _Spec(True, block_q, block_k, s, s, 0.0, window is not None)
     nq, nk = -(-s // block_q), -(-s // block_k)
     win = None if window is None else min(window, s)
