@@ -129,3 +129,27 @@ def test_a_kept_kernel_matmul_is_the_kernels(transposed):
     got, dx = jax.value_and_grad(loss)(x, keep(w))
     want, want_dx = jax.value_and_grad(loss)(x, jax.lax.stop_gradient(w))
     assert np.array_equal(got, want) and np.array_equal(dx, want_dx)
+
+
+def test_blockwise_attention_residuals_cross_the_scan_as_bits():
+    # The blockwise kernel's own backward saves q, k, v and the output: bf16 residuals that a
+    # scan of layers stacks. Kept as bits, no stacked buffer is converted to f32.
+    from effijax.models import blockwise_attend
+
+    layers, shape = 3, (BATCH, SEQ, 2, 8)
+    x = jax.random.normal(jax.random.key(0), shape).astype(jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(1), (layers, 8, 8)).astype(jnp.bfloat16)
+
+    def loss(w, x):
+        def body(x, w):
+            q = jnp.einsum("bshk,kj->bshj", x, w)
+            return blockwise_attend(q, x, x, block_q=8, block_k=8), None
+
+        return jnp.sum(jax.lax.scan(body, x, w)[0].astype(jnp.float32) ** 2)
+
+    hlo = jax.jit(jax.grad(loss)).lower(w, x).compile().as_text()
+    # The kernel's layouts, stacked: q and the output [L, B, N, S, G, K], k and v [L, B, N, T, K].
+    shapes = [f"[{layers},{BATCH},2,{SEQ},1,8]", f"[{layers},{BATCH},2,{SEQ},8]"]
+    assert all(f"u16{s}" in hlo for s in shapes)  # stacked as bits
+    assert not any(re.search(rf"= f32{re.escape(s)}\{{[\d,]+\}} (convert|fusion)\(", hlo)
+                   for s in shapes)

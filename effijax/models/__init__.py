@@ -34,12 +34,8 @@ from effijax.models._attention import (
     segment_mask,
     xla_attend,
 )
-from effijax.models._blockwise import (
-    attention_backend,
-    blockwise_attend,
-    default_block_size,
-    target_backend,
-)
+from effijax.models._backend import attention_backend, target_backend
+from effijax.models._blockwise import blockwise_attend, default_block_size
 from effijax.models._cache import KVCache, cached_attend, make_decode, split_layers
 from effijax.models._gpt import (
     GPT,

@@ -70,10 +70,8 @@ Shape suffixes: ``B`` batch, ``S`` queries, ``T`` keys, ``H`` heads, ``K`` head 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
-from collections.abc import Iterator
 from typing import NamedTuple
 
 import jax
@@ -81,10 +79,11 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from effijax.errors import ConfigError, whole_number
+from effijax.models._backend import target_backend
+from effijax.models._dense import keep, unkeep
 
-__all__ = ["IMPLEMENTATIONS", "REMAT_POLICIES", "attention_backend", "blockwise_attend",
-           "check_qkv", "cudnn_unusable_reason", "default_block_size", "target_backend",
-           "tiles_visited"]
+__all__ = ["IMPLEMENTATIONS", "REMAT_POLICIES", "blockwise_attend", "check_qkv",
+           "cudnn_unusable_reason", "default_block_size", "tiles_visited"]
 
 # ``implementation=`` values: None picks cuDNN where it applies, else the pure-JAX kernel.
 IMPLEMENTATIONS = (None, "jax", "cudnn")
@@ -349,67 +348,6 @@ def is_traced_window(window) -> bool:
       (False, False, True)
     """
     return isinstance(window, jax.Array)
-
-
-# The backend whose attention choices a trace makes, when it is not this process' own: set only
-# by attention_backend, for the length of a with-block. A jax user context, not a plain
-# variable: jax keys its trace, lowering and compilation caches on it, so a function traced
-# outside the block is traced again inside instead of reusing the other backend's choice.
-_TARGET_BACKEND = jax.make_user_context(None)
-# jax.export's platform names and the jax.default_backend() name of each.
-_BACKEND_OF_PLATFORM = {"cpu": "cpu", "cuda": "gpu", "rocm": "gpu", "gpu": "gpu", "tpu": "tpu"}
-
-
-@contextlib.contextmanager
-def attention_backend(platform: str) -> Iterator[str]:
-    """Inside the block, attention is chosen for ``platform``, not for this process' backend.
-
-    The implementations pick what runs when they are traced, from ``jax.default_backend()``:
-    cuDNN's fused kernel or a fallback on a GPU, the pure-JAX kernels elsewhere. A step traced
-    here for another platform (``jax.export.export(step, platforms=["cuda"])`` on a CPU host)
-    needs that platform's choice instead, or its module is the CPU program under a cuda label.
-    Traces made inside the block choose for ``platform`` (jax's trace caches tell the block's
-    traces from the others, so a step traced outside is traced again inside). The models' 16-bit
-    matmuls choose their backward the same way (``effijax.models._dense``: a CPU form, or the
-    plain ``dot_general`` elsewhere).
-
-    Args:
-      platform: a ``jax.export`` platform (``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"``) or a
-        ``jax.default_backend()`` name (``"gpu"``).
-
-    Yields:
-      The backend name the choices use (``"gpu"`` for ``"cuda"``).
-
-    Raises:
-      ConfigError: an unknown platform, before anything is traced.
-
-    Example:
-      >>> import jax, jax.numpy as jnp
-      >>> q = jax.ShapeDtypeStruct((1, 8, 2, 64), jnp.float32)
-      >>> with attention_backend("cuda") as backend:
-      ...     backend, cudnn_unusable_reason(q, dropout=False)
-      ('gpu', 'float32 inputs (cuDNN needs bf16 or f16)')
-      >>> target_backend()  # outside the block: this process' backend again
-      'cpu'
-    """
-    if platform not in _BACKEND_OF_PLATFORM:
-        raise ConfigError("platform", platform, f"unknown; choose one of "
-                          f"{', '.join(_BACKEND_OF_PLATFORM)}")
-    backend = _BACKEND_OF_PLATFORM[platform]
-    with _TARGET_BACKEND(backend):
-        yield backend
-
-
-def target_backend() -> str:
-    """The backend attention is chosen for: :func:`attention_backend`'s inside its block, else
-    ``jax.default_backend()``.
-
-    Example:
-      >>> target_backend() == jax.default_backend()
-      True
-    """
-    backend = _TARGET_BACKEND.value
-    return jax.default_backend() if backend is None else backend
 
 
 def cudnn_unusable_reason(q_BSHK, dropout: bool, backend: str | None = None, *,
@@ -723,11 +661,15 @@ def _flash_fwd(spec: _Spec, q_BNSGK, k_BNTK, v_BNTK, key, segments=None, win=Non
     # Named so that a remat policy (REMAT_POLICIES) can keep them across a checkpoint boundary.
     out_BNSGK = checkpoint_name(out_BNSGK, "attention_out")
     lse_BNSG = checkpoint_name(lse_BNSG, "attention_lse")
-    return out_BNSGK, (q_BNSGK, k_BNTK, v_BNTK, key, segments, win, out_BNSGK, lse_BNSG)
+    # 16-bit residuals cross the layers' scan as their bits on a CPU (models._dense.keep):
+    # XLA:CPU stacked them through f32, 6% of SmolLM2's bf16 LoRA step at 4 x 512 tokens.
+    return out_BNSGK, (keep(q_BNSGK), keep(k_BNTK), keep(v_BNTK), key, segments, win,
+                       keep(out_BNSGK), lse_BNSG)
 
 
 def _flash_bwd(spec: _Spec, residuals, dout_BNSGK):
-    q_BNSGK, k_BNTK, v_BNTK, key, segments, win, out_BNSGK, lse_BNSG = residuals
+    q_BNSGK, k_BNTK, v_BNTK, key, segments, win, out_BNSGK, lse_BNSG = (
+        unkeep(r) for r in residuals)
     dq, dk, dv = _backward(spec, q_BNSGK, k_BNTK, v_BNTK, key, segments, win, out_BNSGK,
                            lse_BNSG, dout_BNSGK)
     no_segments = None if segments is None else (None, None)

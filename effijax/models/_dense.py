@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from effijax.models._blockwise import target_backend
+from effijax.models._backend import target_backend
 from effijax.precision import dot
 
 # Operand dtypes that take the CPU backward: bf16 (native GEMM) and f16 (no native GEMM here,
