@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from effijax import lora
-from effijax.models import attention_backend, llama_config
+from effijax.models import attention_backend, blockwise_attend, llama_config
 from effijax.models._dense import Kept, freeze_kernels
 from effijax.precision import get_policy
 
@@ -134,8 +134,6 @@ def test_a_kept_kernel_matmul_is_the_kernels(transposed):
 def test_blockwise_attention_residuals_cross_the_scan_as_bits():
     # The blockwise kernel's own backward saves q, k, v and the output: bf16 residuals that a
     # scan of layers stacks. Kept as bits, no stacked buffer is converted to f32.
-    from effijax.models import blockwise_attend
-
     layers, shape = 3, (BATCH, SEQ, 2, 8)
     x = jax.random.normal(jax.random.key(0), shape).astype(jnp.bfloat16)
     w = jax.random.normal(jax.random.key(1), (layers, 8, 8)).astype(jnp.bfloat16)

@@ -67,8 +67,8 @@ def attention_backend(platform: str) -> Iterator[str]:
 
 
 def target_backend() -> str:
-    """The backend attention is chosen for: :func:`attention_backend`'s inside its block, else
-    ``jax.default_backend()``.
+    """The backend a trace chooses attention and the 16-bit matmuls' form for:
+    :func:`attention_backend`'s inside its block, else ``jax.default_backend()``.
 
     Example:
       >>> target_backend() == jax.default_backend()
