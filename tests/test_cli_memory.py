@@ -215,7 +215,7 @@ def test_plan_of_a_real_model_counts_its_logits(capsys):
     assert run(["plan", "--model", "llama-2-70b", "--devices", "8", "--device-memory", "80GB",
                 "--global-batch", "64"]) == 0
     text = capsys.readouterr().out
-    assert "f32 logits" in text and "-> plan: LoRA" in text
+    assert "fused head and loss" in text and "-> plan: LoRA" in text
 
 
 @pytest.mark.parametrize("argv, expected", [

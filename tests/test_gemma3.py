@@ -323,10 +323,12 @@ def test_memory_and_plan_count_gemma3_270m_exactly(capsys):
     assert out["trainable_params"] == 268_098_176
     # By hand, per layer (p 2, s 512, b 2; h 640, q 4·256, k 1·256, GeGLU f 2048): attention
     # h + 2q + 2k, MLP h + 3f, norms 2h, Gemma's extra norms 2h + q + k; naive scores 2p·a·s²·b;
-    # then the f32 logits 4·s·b·V.
+    # then the head fused with its loss: one chunk's f32 logits 4·c·b·V (c = 256 positions of
+    # the 2 rows) and the final hidden states' gradient p·s·b·h.
     width = (640 + 2 * 1024 + 2 * 256) + (640 + 3 * 2048) + 2 * 640 + (2 * 640 + 1024 + 256)
     per_layer = 2 * 512 * 2 * width + 2 * 2 * 4 * 512 * 512 * 2
-    assert out["activation_bytes"] == 18 * per_layer + 4 * 512 * 2 * 262_144
+    assert out["activation_bytes"] == (18 * per_layer + 4 * 256 * 2 * 262_144
+                                        + 2 * 512 * 2 * 640)
     # The model's own attention ("auto": the blockwise kernel on this CPU) stores no scores.
     assert run(["memory", *shape])["activation_bytes"] < out["activation_bytes"]
     plan = run(["plan", "--model", "gemma-3-270m", "--devices", "1", "--device-memory", "16GB",

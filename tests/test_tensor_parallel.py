@@ -380,7 +380,10 @@ def test_activation_bytes_follow_korthikanti_with_tensor_and_sequence_parallelis
     assert tp == L * s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
     sp = activation_bytes(**shape, tensor=t, sequence_parallel=True)
     assert sp == L * s * b * h * (34 / t + 5 * a * s / (h * t))
-    assert activation_bytes(**shape, tensor=t, vocab=32000) - tp == 4 * s * b * 32000 // t
+    # The head fused with its loss: one chunk's vocabulary-parallel f32 logits (256 positions
+    # of the 2 rows) and the final hidden states' gradient (p = 2 bytes, whole on each device).
+    assert (activation_bytes(**shape, tensor=t, vocab=32000) - tp
+            == 4 * 256 * b * 32000 // t + 2 * s * b * h)
 
 
 def test_kv_heads_that_do_not_split_stay_whole_in_the_activation_count():

@@ -13,7 +13,10 @@ Per layer, with s sequence length, b (micro-)batch, h hidden size, a heads, p by
 
 Switches remove or replace exactly the terms they affect (see :func:`activation_bytes`).
 Embeddings, the final norm and the logits are not counted, as in Korthikanti et al., unless
-``vocab`` is given (the f32 logits the cross-entropy keeps for the backward pass, ``4·s·b·V``).
+``vocab`` is given. effijax's models compute the output head and the cross-entropy together in
+chunks of ``c`` positions (:mod:`effijax.models._head`), so what they add is one chunk's f32
+logits, ``4·c·b·V``, and the hidden states' gradient the forward keeps, ``p·s·b·h``, where a
+loss of whole logits keeps ``4·s·b·V``.
 
 Llama-family layers generalise the linear terms (Ainslie et al. 2023 grouped-query attention,
 Shazeer 2020 SwiGLU): with query width ``q = a·d_head``, key/value width ``k = a_kv·d_head`` and
@@ -28,11 +31,11 @@ divides the key/value heads, else each device holds all of them), the attention 
 MLP's inner activations and the scores, but keeps whole on every device the block inputs, the
 norms and the dropout masks: per layer ``sbh(10 + 24/t + 5as/(ht))`` for the formula above.
 Sequence parallelism (``sequence_parallel=True``) splits that remainder along the sequence:
-``sbh(34/t + 5as/(ht))``. The vocabulary-parallel logits are ``4sbV/t``. Gemma 3's sandwich norms
-(``sandwich_norms``: a norm after the attention and after the MLP too, and one on every query and
-key head) keep their inputs as well: ``p·s·b·(2h + q + k)`` more (the query and key norms'
-inside the tensor-parallel regions, the other two outside). (Its GeGLU keeps what SwiGLU
-keeps: gate, up, product.)
+``sbh(34/t + 5as/(ht))``. The vocabulary-parallel chunk of logits is ``4cbV/t``. Gemma 3's
+sandwich norms (``sandwich_norms``: a norm after the attention and after the MLP too, and one
+on every query and key head) keep their inputs as well: ``p·s·b·(2h + q + k)`` more (the query
+and key norms' inside the tensor-parallel regions, the other two outside). (Its GeGLU keeps
+what SwiGLU keeps: gate, up, product.)
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import dataclasses
 
 from effijax.errors import ConfigError, whole_number
 from effijax.memory._estimate import _check_choice
+from effijax.precision import loss_chunk_positions
 
 __all__ = ["CHECKPOINTING", "activation_bytes"]
 
@@ -122,10 +126,15 @@ class _Layer:
         return self._outside(self.bytes_per_value * self.seq_len * self.batch_size * self.hidden)
 
     def logits_bytes(self, vocab: int | None) -> int:
-        """The f32 logits, 4·s·b·V/t (0 when ``vocab`` is None: not counted)."""
+        """The output head fused with its loss (0 when ``vocab`` is None: not counted): one
+        chunk's f32 logits, 4·c·b·V/t (``c`` positions, :func:`~effijax.precision.
+        loss_chunk_positions`), and the gradient of the final hidden states the forward
+        forms for the backward, p·s·b·h."""
         if vocab is None:
             return 0
-        return _split(4 * self.seq_len * self.batch_size * vocab, self.tensor)
+        s, b = self.seq_len, self.batch_size
+        chunk = _split(4 * loss_chunk_positions(b, s) * b * vocab, self.tensor)
+        return chunk + self._outside(self.bytes_per_value * s * b * self.hidden)
 
 
 def _split(nbytes: int, t: int) -> int:
@@ -215,8 +224,9 @@ def activation_bytes(
       head_dim: width of one head (default ``hidden // heads``).
       ffn: MLP hidden width (default ``4 * hidden``).
       gated_mlp: a gated MLP (SwiGLU: gate, up, down) instead of up, GeLU, down.
-      vocab: count the f32 logits, ``4·s·b·vocab`` bytes (default: not counted, as in
-        Korthikanti et al.'s formula).
+      vocab: count the output head fused with its loss: one chunk's f32 logits,
+        ``4·c·b·vocab`` bytes, and the final hidden states' gradient, ``p·s·b·h`` (default:
+        not counted, as in Korthikanti et al.'s formula).
       tensor: the tensor-parallel degree ``t``: the regions inside the attention and the MLP
         are split ``t`` ways, the rest stays whole (see the module docstring); must divide
         ``heads``.

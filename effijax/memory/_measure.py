@@ -316,7 +316,7 @@ def activation_measure(
     for ``dataclasses.replace(config, seq_len=s, **variants[name])`` on abstract state and
     batch (nothing is allocated or run) and reads :func:`measure`. The formula takes the
     model's :meth:`~effijax.models.LanguageModel.shape` (grouped-query attention and a gated
-    MLP for the Llama family) and counts its f32 logits.
+    MLP for the Llama family) and counts its fused head and loss.
 
     Args:
       config: any :class:`effijax.models.LanguageModel` with ``seq_len``, ``remat`` and

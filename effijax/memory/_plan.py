@@ -391,7 +391,7 @@ def _activations(workload: _Workload, micro: int, checkpointing: str) -> _Acts:
             f"inputs + {per_layer} for the block being recomputed"
         )
     if workload.vocab is not None:
-        how += f" + {format_bytes(layer.logits_bytes(workload.vocab))} f32 logits"
+        how += f" + {format_bytes(layer.logits_bytes(workload.vocab))} fused head and loss"
     return _Acts(total, f"activations {format_bytes(total)} ({how}, micro-batch {micro})")
 
 

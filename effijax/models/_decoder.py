@@ -74,12 +74,12 @@ from effijax.models._cache import (
     run_layers_cached,
     select_last,
 )
+from effijax.models._head import head_cross_entropy, head_logits
 from effijax.models._interface import LanguageModel
 from effijax.models._layers import (
     INIT_STD,
     _constrain,
     _Dense,
-    _dense,
     _dropout,
     _Embed,
     _run_layers,
@@ -625,6 +625,46 @@ class Decoder(nnx.Module):
             activations divide by the tensor degree. Without a mesh, or where ``tensor`` does
             not divide ``S``, the stream is batch-split only. False: batch-split only.
         """
+        return self.head(self._trunk(tokens_BS, deterministic, rngs, adapters, lora,
+                                     segments_BS, sequence_parallel))
+
+    def loss(self, tokens_BS: jax.Array, targets_BS: jax.Array, where_BS: jax.Array | None = None,
+             *, deterministic: bool = True, rngs: nnx.Rngs | jax.Array | None = None,
+             adapters: dict | None = None, lora: LoraSpec | None = None,
+             segments_BS: jax.Array | None = None, sequence_parallel: bool = True
+             ) -> tuple[jax.Array, jax.Array]:
+        """``(loss, accuracy)`` of predicting ``targets_BS``: the mean f32 cross-entropy and the
+        top-1 accuracy over the positions ``where_BS`` marks (all when None), with the head
+        fused with the loss (:func:`~effijax.models._head.head_cross_entropy`: no ``[B, S, V]``
+        logits are kept). The other arguments are :meth:`__call__`'s.
+
+        Example:
+          >>> import jax.numpy as jnp
+          >>> from flax import nnx
+          >>> from effijax.models import gpt_config
+          >>> from effijax.models._gpt import GPT
+          >>> from effijax.precision import cross_entropy_and_accuracy
+          >>> model = GPT(gpt_config("tiny"), rngs=nnx.Rngs(0))
+          >>> tokens, targets = jnp.zeros((2, 8), jnp.int32), jnp.ones((2, 8), jnp.int32)
+          >>> loss, accuracy = model.loss(tokens, targets)
+          >>> bool(loss == cross_entropy_and_accuracy(model(tokens), targets)[0])
+          True
+        """
+        x_BSD = self._trunk(tokens_BS, deterministic, rngs, adapters, lora, segments_BS,
+                            sequence_parallel)
+        x_BSD = getattr(self, self.names.final_norm)(x_BSD)
+        kernel, transposed = self._head_kernel()
+        return head_cross_entropy(x_BSD, kernel, targets_BS, where_BS, transposed=transposed,
+                                  cap=self.logit_cap, output_dtype=self.policy.output_dtype)
+
+    @property
+    def logit_cap(self) -> float | None:
+        """The head's logit soft-capping (``cap · tanh(logits / cap)``); None: not capped."""
+        return None
+
+    def _trunk(self, tokens_BS, deterministic, rngs, adapters, lora, segments_BS,
+               sequence_parallel) -> jax.Array:
+        """The residual stream after the last layer (before the final norm)."""
         cfg = self.config
         self._check(tokens_BS, adapters, lora, segments_BS)
         s = tokens_BS.shape[1]
@@ -650,7 +690,7 @@ class Decoder(nnx.Module):
                             lora=None if layer_adapters is None else lora,
                             path=self.names.stack, unroll=cfg.unroll_layers,
                             windows_L=windows_L, sequence_parallel=sequence_parallel)
-        return self.head(x_BSD)
+        return x_BSD
 
     def decode(self, tokens_BS: jax.Array, cache: KVCache, start: jax.Array, *,
                last: jax.Array | None = None, adapters: dict | None = None,
@@ -681,11 +721,16 @@ class Decoder(nnx.Module):
     def head(self, x_BSD: jax.Array) -> jax.Array:
         """Final norm and the (tied) output head: logits in the policy's output dtype."""
         x_BSD = getattr(self, self.names.final_norm)(x_BSD)
-        if self.tied:  # the embedding as stored (V, D): see effijax.models._dense
-            logits_BSV = _dense(x_BSD, self.embed.embedding[...], None, transposed=True)
-        else:
-            logits_BSV = _dense(x_BSD, self.lm_head.kernel.get_value(), None)  # array or Kept
-        return logits_BSV.astype(self.policy.output_dtype)
+        kernel, transposed = self._head_kernel()
+        return head_logits(x_BSD, kernel, transposed=transposed, cap=self.logit_cap,
+                           output_dtype=self.policy.output_dtype)
+
+    def _head_kernel(self):
+        """``(kernel, transposed)``: the tied embedding as stored (V, D), transposed (see
+        effijax.models._dense), or the head's own kernel (an array, bits or quantized)."""
+        if self.tied:
+            return self.embed.embedding[...], True
+        return self.lm_head.kernel.get_value(), False
 
     # Shared pieces ----------------------------------------------------------------------------
 

@@ -341,14 +341,11 @@ class Gemma3(Llama):
         glob = rope_positions(cfg.head_dim, cfg.rope_theta, linear, length, positions_BS)
         return x_BSD * scale, (local, glob)
 
-    def head(self, x_BSD: jax.Array) -> jax.Array:
-        """The tied head's logits, soft-capped (in f32) when the config says so."""
-        logits_BSV = super().head(x_BSD)
-        cap = self.config.final_logit_softcapping
-        if cap is None:
-            return logits_BSV
-        capped = cap * jnp.tanh(logits_BSV.astype(jnp.float32) / cap)
-        return capped.astype(logits_BSV.dtype)
+    @property
+    def logit_cap(self) -> float | None:
+        """``final_logit_softcapping``: the head's logits become ``cap · tanh(logits / cap)``
+        (in f32); None: not capped."""
+        return self.config.final_logit_softcapping
 
 
 Gemma3Config.decoder = Gemma3

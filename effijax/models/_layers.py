@@ -307,12 +307,7 @@ def lm_loss_fn(apply: Callable[..., jax.Array]) -> Callable[..., tuple[jax.Array
     """
 
     def loss_fn(params, batch, rng=None):
-        missing = {"inputs", "targets"} - set(batch)
-        if missing:
-            raise KeyError(
-                f"batch is missing {sorted(missing)}; expected "
-                "{'inputs': int32[B, S], 'targets': int32[B, S]}"
-            )
+        _check_batch(batch)
         targets_BS = batch["targets"]
         segments_BS = batch.get("segments")
         extra = {} if segments_BS is None else {"segments_BS": segments_BS}
@@ -370,14 +365,9 @@ def make_apply(graphdef: nnx.GraphDef, lora: LoraSpec | None = None, *,
         raise TypeError(f"lora: expected a LoraSpec or None, got {type(lora).__name__}")
 
     def apply(params, tokens_BS, *, rng=None, deterministic=True, segments_BS=None):
-        if lora is None:
-            model = nnx.merge(graphdef, params)
-            return model(tokens_BS, deterministic=deterministic, rngs=rng,
-                         segments_BS=segments_BS, sequence_parallel=sequence_parallel)
-        base, adapters = _split_lora_params(params)
-        model = nnx.merge(graphdef, freeze_kernels(base) if frozen_base else base)
-        return model(tokens_BS, deterministic=deterministic, rngs=rng, adapters=adapters,
-                     lora=lora, segments_BS=segments_BS, sequence_parallel=sequence_parallel)
+        model, adapted = _merge(graphdef, params, lora, frozen_base)
+        return model(tokens_BS, deterministic=deterministic, rngs=rng, segments_BS=segments_BS,
+                     sequence_parallel=sequence_parallel, **adapted)
 
     return apply
 
@@ -395,7 +385,8 @@ def make_loss_fn(graphdef: nnx.GraphDef, lora: LoraSpec | None = None, *,
     ``batch["mask"]`` (``[B, S]``) restricts both to the positions where it is nonzero; an
     optional ``batch["segments"]`` (int ``[B, S]``) runs the packed examples of each row as if
     alone (see :func:`make_apply`, which also says what ``sequence_parallel`` and
-    ``frozen_base`` do).
+    ``frozen_base`` do). The output head is fused with the loss
+    (:func:`~effijax.models._head.head_cross_entropy`): the step keeps no ``[B, S, V]`` logits.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -408,8 +399,40 @@ def make_loss_fn(graphdef: nnx.GraphDef, lora: LoraSpec | None = None, *,
       >>> loss.dtype, sorted(aux)
       (dtype('float32'), ['accuracy'])
     """
-    return lm_loss_fn(make_apply(graphdef, lora, sequence_parallel=sequence_parallel,
-                                 frozen_base=frozen_base))
+    if lora is not None and not isinstance(lora, LoraSpec):
+        raise TypeError(f"lora: expected a LoraSpec or None, got {type(lora).__name__}")
+
+    def loss_fn(params, batch, rng=None):
+        _check_batch(batch)
+        model, adapted = _merge(graphdef, params, lora, frozen_base)
+        segments_BS, mask_BS = batch.get("segments"), batch.get("mask")
+        loss, accuracy = model.loss(batch["inputs"], batch["targets"],
+                                    None if mask_BS is None else mask_BS != 0,
+                                    deterministic=rng is None, rngs=rng,
+                                    segments_BS=segments_BS,
+                                    sequence_parallel=sequence_parallel, **adapted)
+        return loss, {"accuracy": accuracy}
+
+    return loss_fn
+
+
+def _check_batch(batch) -> None:
+    missing = {"inputs", "targets"} - set(batch)
+    if missing:
+        raise KeyError(
+            f"batch is missing {sorted(missing)}; expected "
+            "{'inputs': int32[B, S], 'targets': int32[B, S]}"
+        )
+
+
+def _merge(graphdef: nnx.GraphDef, params, lora: LoraSpec | None, frozen_base: bool):
+    """The model of ``params`` (``{"base", "adapters"}`` with ``lora``) and the keyword
+    arguments that pass its adapters on (none without ``lora``)."""
+    if lora is None:
+        return nnx.merge(graphdef, params), {}
+    base, adapters = _split_lora_params(params)
+    model = nnx.merge(graphdef, freeze_kernels(base) if frozen_base else base)
+    return model, {"adapters": adapters, "lora": lora}
 
 
 def check_call(module: nnx.Module, tokens_BS: jax.Array, adapters, lora, *, adaptable,

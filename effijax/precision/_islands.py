@@ -141,6 +141,24 @@ def _nll_and_hits(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.
 
 
 def _nll_fwd(logits, labels):
+    nll, hits, lse = token_nll(logits, labels)
+    return (nll, hits), (logits, labels, lse)
+
+
+def token_nll(logits: jax.Array, labels: jax.Array
+              ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per position: the f32 negative log-likelihood of the label, whether the label is the
+    first argmax (the top-1 hit), and the log-sum-exp of the shifted logits (what
+    :func:`token_nll_grad` needs): the arithmetic of :func:`cross_entropy_and_accuracy`, with no
+    backward of its own, for callers that form ``d logits`` themselves (the output head fused
+    with its loss, :mod:`effijax.models._head`).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> nll, hits, lse = token_nll(jnp.array([[0.0, 2.0, 1.0]]), jnp.array([1]))
+      >>> round(float(nll[0]), 4), bool(hits[0]), lse.shape
+      (0.4076, True, (1, 1))
+    """
     x = logits.astype(jnp.float32)
     top = jnp.max(x, axis=-1, keepdims=True)
     shifted = x - jax.lax.stop_gradient(top)
@@ -148,7 +166,28 @@ def _nll_fwd(logits, labels):
     picked = jnp.take_along_axis(shifted, labels[..., None], axis=-1)
     nll = -(picked - lse)[..., 0]
     hits = _first_argmax(x, finite=jnp.isfinite(nll).all()) == labels
-    return (nll, hits), (logits, labels, lse)
+    return nll, hits, lse
+
+
+def token_nll_grad(logits: jax.Array, labels: jax.Array, lse: jax.Array,
+                   dnll: jax.Array) -> jax.Array:
+    """``d logits = (softmax - onehot(label)) · d nll`` in one elementwise pass, in ``logits``'
+    dtype: the backward of :func:`token_nll`'s ``nll`` (``lse`` is its third result, ``dnll``
+    the per-position cotangent). The products are autodiff's, so the numbers are the same.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> logits, labels = jnp.zeros((1, 4)), jnp.array([2])
+      >>> lse = token_nll(logits, labels)[2]
+      >>> token_nll_grad(logits, labels, lse, jnp.ones(1)).tolist()
+      [[0.25, 0.25, -0.75, 0.25]]
+    """
+    x = logits.astype(jnp.float32)
+    shifted = x - jnp.max(x, axis=-1, keepdims=True)
+    onehot = jnp.arange(x.shape[-1], dtype=labels.dtype) == labels[..., None]
+    dnll = dnll[..., None]
+    dx = jnp.exp(shifted - lse) * dnll - jnp.where(onehot, dnll, 0.0)
+    return dx.astype(logits.dtype)
 
 
 def _chunk_width(classes: int) -> int | None:
@@ -181,12 +220,7 @@ def _first_argmax(x: jax.Array, finite: jax.Array) -> jax.Array:
 
 def _nll_bwd(residuals, cotangents):
     logits, labels, lse = residuals
-    dnll = cotangents[0][..., None]
-    x = logits.astype(jnp.float32)
-    shifted = x - jnp.max(x, axis=-1, keepdims=True)
-    onehot = jnp.arange(x.shape[-1], dtype=labels.dtype) == labels[..., None]
-    dx = jnp.exp(shifted - lse) * dnll - jnp.where(onehot, dnll, 0.0)
-    return dx.astype(logits.dtype), None
+    return token_nll_grad(logits, labels, lse, cotangents[0]), None
 
 
 _nll_and_hits.defvjp(_nll_fwd, _nll_bwd)
