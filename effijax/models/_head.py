@@ -175,7 +175,6 @@ def _chunks(x_BSD, kernel, targets_BS, dnll_BS, static, *, dkernel: bool):
     # The kernel's gradient is summed as (D, V), the layout its dot writes, and transposed
     # once at the end for a tied head.
     transposed = static[0]
-    zero = jnp.zeros((d, kernel.shape[0 if transposed else 1]), jnp.float32) if dkernel else None
 
     def out(dk_DV):
         return dk_DV.T if dk_DV is not None and transposed else dk_DV
@@ -191,6 +190,7 @@ def _chunks(x_BSD, kernel, targets_BS, dnll_BS, static, *, dkernel: bool):
         return None if a is None else jnp.moveaxis(a, 0, 1).reshape(b, s, *a.shape[3:])
 
     xs = (split(x_BSD), split(targets_BS), split(dnll_BS) if grads else None)
+    zero = jnp.zeros((d, kernel.shape[0 if transposed else 1]), jnp.float32) if dkernel else None
     dk, (nll, hits, dx) = jax.lax.scan(chunk, zero, xs)
     return join(nll), join(hits), join(dx), out(dk)
 

@@ -5,8 +5,9 @@ Every parameter matmul of a model goes through :func:`_dense`, which adds a LoRA
 ``s·(x a) b`` with a hand-written backward (:func:`_lora_delta`) and never forms ``a b``. A
 model's layers are one module constructed with a leading stack axis ``L``; :func:`_run_layers`
 scans it over the residual stream, building each layer's LoRA hooks from that layer's slice of
-the adapters (:func:`_lora_hooks`), under a ``jax.checkpoint`` policy. :func:`lm_loss_fn` turns a
-logits function into the masked mean cross-entropy every family's ``loss_fn`` returns.
+the adapters (:func:`_lora_hooks`), under a ``jax.checkpoint`` policy. :func:`make_loss_fn` is
+the masked mean cross-entropy every family's ``loss_fn`` returns, its output head fused with the
+loss (:mod:`effijax.models._head`).
 
 Packed rows: a batch may carry ``"segments"`` (int32 ``[B, S]``, the inputs' example ids, 0 for
 padding). The segments are the one source of truth for a packed row: the attention masks keys of
@@ -40,7 +41,6 @@ from effijax.models._dense import (
     unkeep,
 )
 from effijax.precision import (
-    cross_entropy_and_accuracy,
     dequantize,
     dequantized_shapes,
     dot,
@@ -287,39 +287,6 @@ def segment_positions(segments_BS: jax.Array) -> jax.Array:
     return index_BS - jax.lax.cummax(jnp.where(starts_BS, index_BS, 0), axis=1)
 
 
-def lm_loss_fn(apply: Callable[..., jax.Array]) -> Callable[..., tuple[jax.Array, dict]]:
-    """The language-model loss of ``apply(params, tokens_BS, *, rng, deterministic)``.
-
-    Returns ``loss_fn(params, batch, rng=None) -> (loss, {"accuracy": acc})``: the mean token
-    cross-entropy in f32 over the positions where ``batch["mask"]`` (optional, ``[B, S]``) is
-    nonzero, and the f32 fraction of top-1 hits there
-    (:func:`~effijax.precision.cross_entropy_and_accuracy`). Dropout runs when ``rng`` is a key.
-    A batch of packed rows carries ``batch["segments"]`` (int ``[B, S]``), passed on to
-    ``apply`` as ``segments_BS`` (not passed when absent).
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> apply = lambda params, tokens, **_: jnp.zeros((*tokens.shape, 4))
-      >>> batch = {"inputs": jnp.zeros((1, 3), jnp.int32), "targets": jnp.ones((1, 3), jnp.int32)}
-      >>> loss, aux = lm_loss_fn(apply)(None, batch)
-      >>> round(float(loss), 4), float(aux["accuracy"])  # log(4); argmax 0 never hits 1
-      (1.3863, 0.0)
-    """
-
-    def loss_fn(params, batch, rng=None):
-        _check_batch(batch)
-        targets_BS = batch["targets"]
-        segments_BS = batch.get("segments")
-        extra = {} if segments_BS is None else {"segments_BS": segments_BS}
-        logits_BSV = apply(params, batch["inputs"], rng=rng, deterministic=rng is None, **extra)
-        mask_BS = batch.get("mask")
-        trained_BS = None if mask_BS is None else mask_BS != 0
-        loss, accuracy = cross_entropy_and_accuracy(logits_BSV, targets_BS, where=trained_BS)
-        return loss, {"accuracy": accuracy}
-
-    return loss_fn
-
-
 def make_apply(graphdef: nnx.GraphDef, lora: LoraSpec | None = None, *,
                sequence_parallel: bool = True, frozen_base: bool = False
                ) -> Callable[..., jax.Array]:
@@ -361,8 +328,7 @@ def make_apply(graphdef: nnx.GraphDef, lora: LoraSpec | None = None, *,
       >>> bool(jnp.all(logits == make_apply(graphdef)(params, tokens)))  # b = 0 at init
       True
     """
-    if lora is not None and not isinstance(lora, LoraSpec):
-        raise TypeError(f"lora: expected a LoraSpec or None, got {type(lora).__name__}")
+    _check_lora(lora)
 
     def apply(params, tokens_BS, *, rng=None, deterministic=True, segments_BS=None):
         model, adapted = _merge(graphdef, params, lora, frozen_base)
@@ -399,11 +365,15 @@ def make_loss_fn(graphdef: nnx.GraphDef, lora: LoraSpec | None = None, *,
       >>> loss.dtype, sorted(aux)
       (dtype('float32'), ['accuracy'])
     """
-    if lora is not None and not isinstance(lora, LoraSpec):
-        raise TypeError(f"lora: expected a LoraSpec or None, got {type(lora).__name__}")
+    _check_lora(lora)
 
     def loss_fn(params, batch, rng=None):
-        _check_batch(batch)
+        missing = {"inputs", "targets"} - set(batch)
+        if missing:
+            raise KeyError(
+                f"batch is missing {sorted(missing)}; expected "
+                "{'inputs': int32[B, S], 'targets': int32[B, S]}"
+            )
         model, adapted = _merge(graphdef, params, lora, frozen_base)
         segments_BS, mask_BS = batch.get("segments"), batch.get("mask")
         loss, accuracy = model.loss(batch["inputs"], batch["targets"],
@@ -416,13 +386,9 @@ def make_loss_fn(graphdef: nnx.GraphDef, lora: LoraSpec | None = None, *,
     return loss_fn
 
 
-def _check_batch(batch) -> None:
-    missing = {"inputs", "targets"} - set(batch)
-    if missing:
-        raise KeyError(
-            f"batch is missing {sorted(missing)}; expected "
-            "{'inputs': int32[B, S], 'targets': int32[B, S]}"
-        )
+def _check_lora(lora) -> None:
+    if lora is not None and not isinstance(lora, LoraSpec):
+        raise TypeError(f"lora: expected a LoraSpec or None, got {type(lora).__name__}")
 
 
 def _merge(graphdef: nnx.GraphDef, params, lora: LoraSpec | None, frozen_base: bool):
