@@ -4,7 +4,8 @@ Tolerances: f32 values and gradients agree with ``attend`` to 1e-5 (absolute, O(
 observed <= 1.5e-6). bf16 inputs are checked against an f32 reference on the same (bf16-rounded)
 inputs: outputs and gradients within 2^-7 of the reference's largest magnitude (two bf16 ulps;
 observed ~one), and never worse than naive bf16 attention, which rounds scores and probabilities
-to bf16 where the blockwise kernel keeps them in f32.
+to bf16 where the blockwise kernel keeps its scores in f32 (it rounds ``P`` and ``dS`` to bf16
+before their matmuls, as FlashAttention-2 does).
 """
 
 import dataclasses
@@ -12,6 +13,7 @@ import functools
 
 import chex
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -129,6 +131,48 @@ def test_bf16_matches_f32_reference_and_is_no_worse_than_naive():
         naive_err = float(jnp.max(jnp.abs(up(naive) - ref)))
         assert err <= 2.0**-7 * float(jnp.max(jnp.abs(ref))), err
         assert err <= naive_err * 1.0001, (err, naive_err)
+
+
+@pytest.mark.parametrize("case", ["padded-gqa", "window", "segments", "dropout", "cross"])
+def test_bf16_tiles_multiply_in_bf16_and_stay_within_two_ulps(case):
+    # Every tile shape XLA:CPU may lower differently: padding, grouped heads, a window, packed
+    # segments, dropout and cross attention. A bf16 x bf16 matmul XLA:CPU cannot run raises.
+    s, t, h_kv, kw = 72, None, 1, {"block_q": 16, "block_k": 32}
+    if case == "cross":
+        t, kw = 40, {"block_q": 32, "block_k": 16, "causal": False}
+    q, k, v, w = _qkvw(s, t, b=2, h=3, k=16)
+    k, v = (x[:, :, :h_kv] for x in (k, v)) if case != "cross" else (k, v)
+    if case == "window":
+        kw["window"] = 20
+    if case == "segments":
+        kw["segments_BS"] = jnp.repeat(jnp.arange(3), 24)[None].repeat(2, axis=0)
+    ref_kw = dict(kw)
+    if case == "dropout":  # no reference with the same masks: rate 0 through the same branch
+        kw.update(dropout_rate=0.0, dropout_key=jax.random.key(1))
+    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    up = lambda x: x.astype(jnp.float32)
+    bw = lambda dtype: lambda q, k, v: blockwise_attend(
+        q.astype(dtype), k.astype(dtype), v.astype(dtype), **kw)
+    out, grads = _value_and_grads(bw(jnp.bfloat16), q, k, v, w)
+    ref_out, ref_grads = _value_and_grads(
+        lambda q, k, v: blockwise_attend(up(q), up(k), up(v), **ref_kw), q, k, v, w)
+    for got, ref in zip((out, *grads), (ref_out, *ref_grads), strict=True):
+        err = float(jnp.max(jnp.abs(up(got) - up(ref))))
+        assert err <= 2.0**-7 * float(jnp.max(jnp.abs(ref))), (case, err)
+    # The tile matmuls (2 forward, 5 backward) take bf16 operands: the fast ones, not f32.
+    jaxpr = jax.make_jaxpr(jax.grad(lambda q, k, v: jnp.sum(
+        bw(jnp.bfloat16)(q, k, v).astype(jnp.float32) * w), argnums=(0, 1, 2)))(q, k, v)
+    dots = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"
+            and e.invars[0].aval.ndim == 4]
+    assert sum(e.invars[0].aval.dtype == jnp.bfloat16 for e in dots) >= 7, dots
+
+
+def _eqns(jaxpr):
+    """Every equation of ``jaxpr``, those of its sub-jaxprs (loops, custom VJPs) included."""
+    for e in jaxpr.eqns:
+        yield e
+        for sub in jax.extend.core.jaxprs_in_params(e.params):
+            yield from _eqns(sub)
 
 
 def test_dropout_matches_dense_reference_with_the_same_masks():
