@@ -693,12 +693,13 @@ def _backward(spec: _Spec, q_BNSGK, k_BNTK, v_BNTK, key, segments, win, out_BNSG
             )
             return dq_BNSGK, dk_BNCK, dv_BNCK
 
-        zeros_BNCK = jnp.zeros((b, n, d, bk) if flip else (b, n, bk, d), jnp.float32)
+        # dK and dV of the key block, [B, N, C, K] (held [B, N, K, C] while flipped)
+        zeros = jnp.zeros((b, n, d, bk) if flip else (b, n, bk, d), jnp.float32)
         dq_BNSGK, dk_BNCK, dv_BNCK = _tile_loops(
             query_block, _first_q_block_for(spec, j), _q_blocks_end_for(spec, j, nq, win),
             _unmasked_q_blocks(spec, j, nq, win), lead=spec.causal,
             trail=spec.windowed or spec.seq_k % bk != 0, masked_only=segments is not None,
-            init=(dq_BNSGK, zeros_BNCK, zeros_BNCK))
+            init=(dq_BNSGK, zeros, zeros))
         if flip:
             dk_BNCK, dv_BNCK = jnp.swapaxes(dk_BNCK, 2, 3), jnp.swapaxes(dv_BNCK, 2, 3)
         dk_BNTK = jax.lax.dynamic_update_slice_in_dim(dk_BNTK, dk_BNCK * after, j * bk, axis=2)
