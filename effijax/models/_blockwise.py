@@ -543,8 +543,7 @@ def _add_xt_y(acc, x_BNRC, y_BNRK, yT_BNKR):
     of ``xᵀ``) was upcast to f32 (3x slower on a bf16 tile of 192 x 64 rows). Otherwise one
     matmul in ``[B, N, C, K]`` (f32 tiles: the same bits as before)."""
     if yT_BNKR is None:
-        return acc + jnp.einsum("bnrc,bnrk->bnck", x_BNRC.astype(y_BNRK.dtype), y_BNRK,
-                                preferred_element_type=jnp.float32)
+        return acc + _mm("bnrc,bnrk->bnck", x_BNRC.astype(y_BNRK.dtype), y_BNRK)
     return acc + _mm("bnkr,bnrc->bnkc", yT_BNKR, x_BNRC)
 
 
