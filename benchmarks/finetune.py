@@ -25,8 +25,11 @@ Each timed step is forward, backward and optimizer update on the same batch, wit
 the mean cross-entropy of the f32 logits against the shifted tokens; the first losses of the
 two frameworks are printed side by side (they agree to about 1e-5: the same model and batch).
 Steps are timed interleaved (the variants take turns) so that the machine's load falls on all
-of them alike. Then each variant runs alone in a child process for its peak resident memory
-(``VmHWM``) next to ``effijax memory``'s estimate of the same configuration.
+of them alike; each turn starts with ``--settle`` untimed steps (1 by default): the first step
+after another variant's pays for the memory and caches that one left behind (up to 2 s more at
+4 x 512 tokens, most of it in the kernel), where a training run repeats its own step. Then each
+variant runs alone in a child process for its peak resident memory (``VmHWM``) next to
+``effijax memory``'s estimate of the same configuration.
 
 Goals, in each precision: effijax LoRA >= 1.3x the tokens/s of peft LoRA; effijax full >= 1.0x
 torch full; effijax LoRA step <= 0.75x the effijax full step. Each is reported for the scanned
@@ -380,6 +383,8 @@ def main(argv: list[str] | None = None) -> None:
                     help=f"comma-separated, of: {', '.join(VARIANTS)}")
     ap.add_argument("--rounds", type=int, default=5, help="turns of every variant")
     ap.add_argument("--steps-per-round", type=int, default=3, help="timed steps per turn")
+    ap.add_argument("--settle", type=int, default=1,
+                    help="untimed steps at the start of each turn (after another variant's)")
     ap.add_argument("--no-memory", dest="memory", action="store_false",
                     help="skip the peak-memory child processes")
     ap.add_argument("--no-ceiling", dest="ceiling", action="store_false",
@@ -407,6 +412,9 @@ def main(argv: list[str] | None = None) -> None:
         wrong = [x for x in given if x not in allowed] or ([] if given else ["(none)"])
         if wrong:
             ap.error(f"{flag}: {', '.join(wrong)} not among {', '.join(allowed)}")
+    if args.settle < 0:
+        ap.error(f"--settle: {args.settle} is negative; give the untimed steps per turn (0: "
+                 "none)")
     if args.busy < 0:
         ap.error(f"--busy: {args.busy} is negative; give the number of busy processes (0: none)")
     if args.child:
@@ -438,12 +446,14 @@ def main(argv: list[str] | None = None) -> None:
         return build
 
     timing = time_interleaved({key: make(key) for key in runs}, rounds=args.rounds,
-                              steps_per_round=args.steps_per_round, warmup=1)
+                              steps_per_round=args.steps_per_round, warmup=1,
+                              settle=args.settle)
     if args.busy:
         with busy_processes(args.busy):
             loaded_timing = time_interleaved({key: make(key) for key in runs},
                                              rounds=args.rounds,
-                                             steps_per_round=args.steps_per_round, warmup=1)
+                                             steps_per_round=args.steps_per_round, warmup=1,
+                                             settle=args.settle)
             load = os.getloadavg()[0]
         title, body = _busy_section(args, runs, timing, loaded_timing, load, precisions)
     else:
@@ -500,7 +510,8 @@ def _quiet_section(args, runs, timing, first_loss, model, variants, precisions) 
             f"{MODELS[args.model][1]}, batch {args.batch_size} x "
             f"{args.seq_len} tokens, LoRA rank {args.rank} "
             f"(alpha {2 * args.rank}) on {', '.join(TARGETS)}, {described}; "
-            f"{timing[next(iter(runs))]['n']} interleaved steps per variant. The estimate is "
+            f"{timing[next(iter(runs))]['n']} interleaved steps per variant"
+            f"{_settled(args.settle)}. The estimate is "
             "`effijax memory`'s model states + activations, without the process' own "
             "(runtime, tokenizer, the host copy of the loaded weights).\n\n"
             f"{table}\n\n" + "\n".join(lines))
@@ -538,7 +549,7 @@ def _busy_section(args, runs, timing, loaded, load, precisions) -> tuple[str, st
             f"threads. {MODELS[args.model][1]}, batch {args.batch_size} x {args.seq_len} "
             f"tokens, LoRA rank {args.rank} (alpha {2 * args.rank}), AdamW, in "
             f"{' and '.join(precisions)}. Each variant is timed quiet "
-            f"({timing[next(iter(runs))]['n']} interleaved steps), then "
+            f"({timing[next(iter(runs))]['n']} interleaved steps{_settled(args.settle)}), then "
             f"again while {args.busy} other processes each spin one core (`while True: pass`; "
             f"load average {load:.1f} at the end): a shared machine. The slowdown is busy / "
             f"quiet median step; goal: effijax slows no more than torch.\n\n"
@@ -546,6 +557,13 @@ def _busy_section(args, runs, timing, loaded, load, precisions) -> tuple[str, st
     title = (f"Fine-tuning {MODELS[args.model][0]} on a shared CPU, {args.busy} busy "
              "processes: effijax vs transformers + PEFT")
     return title, body
+
+
+def _settled(settle: int) -> str:
+    """The section's words for ``--settle``: how many untimed steps start each turn."""
+    if not settle:
+        return ""
+    return f", each turn after {settle} untimed step{'s' if settle > 1 else ''} of its own"
 
 
 def _torch_version() -> str:

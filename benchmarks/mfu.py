@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import time
 
 import jax
@@ -62,7 +63,7 @@ from harness import (
 )
 
 from effijax.models import gpt_config, param_count
-from effijax.precision import get_policy
+from effijax.precision import dot, get_policy
 from effijax.step import init_train_state, make_optimizer, make_train_step
 
 FORMULA = ("model FLOPs/token = 6·N + 12·L·H·K·S (PaLM appendix B; N = parameters that multiply "
@@ -126,7 +127,9 @@ def _matmul_variant(n: int, dtype):
     def make():
         a = jax.random.normal(jax.random.key(0), (n, n), dtype)
         b = jax.random.normal(jax.random.key(1), (n, n), dtype)
-        mm = jax.jit(jnp.matmul)
+        # The models' own matmul (f32 accumulation, the result in the operands' dtype): XLA:CPU
+        # runs it on its bf16 GEMM, where a plain bf16 jnp.matmul takes the f32 rate.
+        mm = jax.jit(functools.partial(dot, "ij,jk->ik"))
 
         def run():
             mm(a, b).block_until_ready()

@@ -79,3 +79,28 @@ def test_a_default_run_leaves_results_alone_and_write_records_the_command(harnes
     assert "Command: `python benchmarks/mfu.py --quick`" in capsys.readouterr().out
     mfu.main(["--quick", "--write"])
     assert "Command: `python benchmarks/mfu.py --quick --write`" in harness.RESULTS.read_text()
+
+
+def test_interleaved_timing_leaves_each_turns_settling_steps_untimed(harness, monkeypatch):
+    """Every variant gets ``warmup`` untimed steps once, then per round ``settle`` untimed and
+    ``steps_per_round`` timed ones; the median is of the timed ones alone. A fake clock: a
+    turn's first step (after the other variant's) costs 100, the ones after it 1."""
+    clock, calls = [0.0], []
+
+    def make(name):
+        def run():
+            calls.append(name)
+            clock[0] += 100.0 if len(calls) == 1 or calls[-2] != name else 1.0
+        return lambda: run
+
+    monkeypatch.setattr(harness.time, "perf_counter", lambda: clock[0])
+    timing = harness.time_interleaved({"a": make("a"), "b": make("b")}, rounds=3,
+                                      steps_per_round=2, warmup=1, settle=1)
+    assert calls == ["a", "b"] + (["a"] * 3 + ["b"] * 3) * 3
+    assert {k: (t["n"], t["median_s"], t["p90_s"]) for k, t in timing.items()} == {
+        "a": (6, 1.0, 1.0), "b": (6, 1.0, 1.0)}
+    calls.clear()
+    unsettled = harness.time_interleaved({"a": make("a"), "b": make("b")}, rounds=3,
+                                         steps_per_round=2, warmup=1)
+    assert len(calls) == 2 + 12
+    assert unsettled["a"]["p90_s"] == 100.0  # each turn's first step, timed

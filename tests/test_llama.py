@@ -235,6 +235,46 @@ def test_rope_scaling_changes_only_low_frequencies():
     np.testing.assert_allclose(b[-1], a[-1] / 8.0)  # the slowest is slowed by the factor
 
 
+@pytest.mark.parametrize("per_row", [False, True], ids=["shared-tables", "per-row-tables"])
+def test_rope_bf16_backward_on_the_cpu_is_autodiffs(per_row):
+    """On the CPU, bf16 queries take rope's hand-written backward: the forward is the same op,
+    the gradient autodiff's to one rounding of the bf16 result (and the exact transposed
+    rotation's, from float64, to half an ulp); f32, and a trace for another backend, keep
+    autodiff's."""
+    from effijax.models import attention_backend
+    from effijax.models._rotary import rope, rope_tables
+
+    b, s, h, k = 2, 24, 3, 16
+    cos, sin = (jnp.asarray(t) for t in rope_tables(k, 10000.0, None, s))
+    if per_row:  # packed rows: each row's own positions
+        positions = jnp.asarray(np.random.default_rng(0).integers(0, s, (b, s)))
+        cos, sin = jnp.take(cos, positions, axis=0), jnp.take(sin, positions, axis=0)
+    keys = jax.random.split(jax.random.key(3))
+    x, dout = (jax.random.normal(kk, (b, s, h, k), jnp.bfloat16) for kk in keys)
+
+    def run(x, dout):
+        out, vjp = jax.vjp(lambda x: rope(x, cos, sin), x)
+        return out, vjp(dout)[0]
+
+    jaxpr = lambda x: str(jax.make_jaxpr(lambda x: rope(x, cos, sin))(x))  # noqa: E731
+    assert "custom_vjp" in jaxpr(x)
+    assert "custom_vjp" not in jaxpr(x.astype(jnp.float32))
+    with attention_backend("cuda"):
+        assert "custom_vjp" not in jaxpr(x)
+        out_ref, grad_ref = jax.jit(run)(x, dout)
+    out, grad = jax.jit(run)(x, dout)
+    assert bool(jnp.all(out == out_ref))
+    grad, grad_ref = np.asarray(grad, np.float64), np.asarray(grad_ref, np.float64)
+    ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(grad_ref), 1e-30))) - 7)
+    assert np.all(np.abs(grad - grad_ref) <= ulp), np.abs(grad - grad_ref).max()
+    d = np.asarray(dout, np.float64)
+    c, sn = (np.asarray(t, np.float64)[..., None, :] for t in (cos, sin))
+    ds = d * sn
+    exact = d * c + np.concatenate([ds[..., k // 2:], -ds[..., :k // 2]], axis=-1)
+    assert np.all(np.abs(grad - exact) <= 0.5 * ulp + 1e-6 * np.abs(exact))
+    assert not np.allclose(grad, d * c, atol=1e-2)  # the rotated half is there
+
+
 # --------------------------------------------------------------------------------------------
 # LoRA.
 # --------------------------------------------------------------------------------------------
