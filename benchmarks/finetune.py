@@ -26,7 +26,7 @@ the mean cross-entropy of the f32 logits against the shifted tokens; the first l
 two frameworks are printed side by side (they agree to about 1e-5: the same model and batch).
 Steps are timed interleaved (the variants take turns) so that the machine's load falls on all
 of them alike; each turn starts with ``--settle`` untimed steps (1 by default): the first step
-after another variant's pays for the memory and caches that one left behind (up to 2 s more at
+after another variant's pays for faulting in again the memory it freed (up to 2 s more at
 4 x 512 tokens, most of it in the kernel), where a training run repeats its own step. Then each
 variant runs alone in a child process for its peak resident memory (``VmHWM``) next to
 ``effijax memory``'s estimate of the same configuration.

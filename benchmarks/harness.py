@@ -79,12 +79,13 @@ def time_interleaved(
       rounds: how many times every variant gets its turn.
       steps_per_round: timed steps per turn.
       warmup: untimed steps per variant before the first round (compilation).
-      settle: untimed steps at the start of every turn. A turn's first step pays for what the
-        previous variant's steps left behind: freed memory the kernel then compacts into huge
-        pages again, evicted caches. Measured on SmolLM2's LoRA step at 4 x 512 tokens: the
+      settle: untimed steps at the start of every turn. A step returns the buffers it frees
+        to the kernel, and faulting them in again cost more after other work or a pause than
+        right after the same step. Measured on SmolLM2's LoRA step at 4 x 512 tokens: the
         first effijax step after a ``peft`` step took 11.4-12.2 s, 4.7-4.9 s of it in the
-        kernel, where the next ones took 9.3-9.7 s (0.7-0.9 s in the kernel). A training run
-        repeats one step, so with ``settle=1`` the median is of steps that follow their own.
+        kernel, where the next ones took 9.3-9.7 s (0.7-0.9 s in the kernel); at 4 x 128 in
+        bf16, 2.1 s after a pause of 1 s against 1.2 s back to back. A training run repeats
+        one step, so with ``settle=1`` the median is of steps that follow their own.
     """
     runners = {name: make() for name, make in variants.items()}
     for run in runners.values():
