@@ -186,8 +186,8 @@ def rope(x_BSHK: jax.Array, cos_SK: jax.Array, sin_SK: jax.Array) -> jax.Array:
     same products and sums, but XLA:CPU ran autodiff's form (its pads and slices of the halves)
     about 10x slower: 2.6 ms instead of 0.25 for SmolLM2's queries at 4 x 512 tokens, about
     0.15 s of a 6 s bf16 LoRA step. The forward is the same op; the gradient agrees with
-    autodiff's to the last bit of the 16-bit result (XLA may fuse a product and a sum into one
-    rounding in either). f32 keeps autodiff, bit for bit.
+    autodiff's to within one rounding of the 16-bit result (XLA may fuse a product and a sum
+    into one rounding in either). f32 keeps autodiff, bit for bit.
 
     Example:
       >>> import jax.numpy as jnp
