@@ -13,10 +13,10 @@ import functools
 
 import chex
 import jax
-import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _jaxprs import eqns
 
 from effijax.models import ATTENTION, abstract_split, attend, gpt_config, init_params, make_loss_fn
 from effijax.models._blockwise import (
@@ -161,17 +161,8 @@ def test_bf16_tiles_multiply_in_bf16_and_stay_within_two_ulps(case):
     # The tile matmuls (2 forward, 5 backward) take bf16 operands: the fast ones, not f32.
     jaxpr = jax.make_jaxpr(jax.grad(lambda q, k, v: jnp.sum(
         bw(jnp.bfloat16)(q, k, v).astype(jnp.float32) * w), argnums=(0, 1, 2)))(q, k, v)
-    dots = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"
-            and e.invars[0].aval.ndim == 4]
+    dots = [e for e in eqns(jaxpr.jaxpr, "dot_general") if e.invars[0].aval.ndim == 4]
     assert sum(e.invars[0].aval.dtype == jnp.bfloat16 for e in dots) >= 7, dots
-
-
-def _eqns(jaxpr):
-    """Every equation of ``jaxpr``, those of its sub-jaxprs (loops, custom VJPs) included."""
-    for e in jaxpr.eqns:
-        yield e
-        for sub in jax.extend.core.jaxprs_in_params(e.params):
-            yield from _eqns(sub)
 
 
 def test_dropout_matches_dense_reference_with_the_same_masks():

@@ -7,11 +7,11 @@ import math
 
 import chex
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _jaxprs import eqns
 from flax import nnx
 
 from effijax.errors import ConfigError
@@ -197,22 +197,12 @@ def test_output_shapes_and_dtypes_per_policy(tiny, name):
     compute_dtype, f32 = np.dtype(policy.compute_dtype), np.dtype(np.float32)
     for graph, allowed in ((naive, {compute_dtype}), (graphdef, {compute_dtype, f32})):
         jaxpr = jax.make_jaxpr(make_apply(graph))(compute, tokens)
-        dots = _eqns(jaxpr.jaxpr, "dot_general")
+        dots = eqns(jaxpr.jaxpr, "dot_general")
         assert len(dots) >= 8
         for eqn in dots:
             (dtype,) = {v.aval.dtype for v in eqn.invars}  # never mixed
             assert dtype in allowed
             assert eqn.params["preferred_element_type"] == np.float32
-
-
-def _eqns(jaxpr, name):
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == name:
-            found.append(eqn)
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            found += _eqns(sub, name)
-    return found
 
 
 def test_causality(tiny):
@@ -288,11 +278,11 @@ def test_dropout(tiny):
     # The loss fn turns dropout on exactly when it gets a key (checked on the jaxpr: no compile).
     loss_fn = make_loss_fn(graphdef)
     batch = _batch(3)
-    n_random = lambda *args: len(_eqns(jax.make_jaxpr(loss_fn)(*args).jaxpr, "random_bits"))
+    n_random = lambda *args: len(eqns(jax.make_jaxpr(loss_fn)(*args).jaxpr, "random_bits"))
     assert n_random(params, batch) == 0
     assert n_random(params, batch, k1) > 0
     no_dropout_graphdef = abstract_split(TINY)[0]
-    assert len(_eqns(jax.make_jaxpr(make_loss_fn(no_dropout_graphdef))(params, batch, k1).jaxpr,
+    assert len(eqns(jax.make_jaxpr(make_loss_fn(no_dropout_graphdef))(params, batch, k1).jaxpr,
                      "random_bits")) == 0
     # NNX style: an nnx.Rngs works too, and dropout without any rng is an error.
     model = nnx.merge(graphdef, params)
@@ -308,14 +298,14 @@ def none_grads(tiny):
     batch = _batch(4)
     fn = _jit(jax.value_and_grad(make_loss_fn(graphdef), has_aux=True))
     (loss, _), grads = fn(params, batch)
-    assert not _remat_eqns(graphdef, params, batch)
+    assert not _remateqns(graphdef, params, batch)
     return params, batch, loss, grads
 
 
-def _remat_eqns(graphdef, params, batch):
+def _remateqns(graphdef, params, batch):
     jaxpr = jax.make_jaxpr(make_loss_fn(graphdef))(params, batch).jaxpr
     # jax.checkpoint's primitive has been called "remat2" and "checkpoint" across versions.
-    return [e for name in ("remat2", "checkpoint", "remat") for e in _eqns(jaxpr, name)]
+    return [e for name in ("remat2", "checkpoint", "remat") for e in eqns(jaxpr, name)]
 
 
 @pytest.mark.parametrize("remat", ["block", "dots"])
@@ -324,7 +314,7 @@ def test_remat_matches_none(none_grads, remat):
     graphdef, _ = abstract_split(dataclasses.replace(TINY, remat=remat))
     fn = _jit(jax.value_and_grad(make_loss_fn(graphdef), has_aux=True))
     (loss_r, _), grads_r = fn(params, batch)
-    remats = _remat_eqns(graphdef, params, batch)
+    remats = _remateqns(graphdef, params, batch)
     assert len(remats) == 1 and remats[0].params["policy"] is _gpt.REMAT[remat]
     np.testing.assert_allclose(loss_r, loss, rtol=1e-6)
     chex.assert_trees_all_close(grads_r, grads, rtol=1e-6, atol=1e-6)

@@ -11,11 +11,11 @@ import pathlib
 import re
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import safetensors.numpy
+from _jaxprs import eqns
 
 from effijax import lora
 from effijax.errors import ConfigError
@@ -280,27 +280,17 @@ def test_gpt_rejects_bad_adapter_trees(gpt):
         make_apply(graphdef, "q,v")
 
 
-def _eqns(jaxpr, name):
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == name:
-            found.append(eqn)
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            found += _eqns(sub, name)
-    return found
-
-
 def test_lora_dropout_runs_on_the_adapter_input_only_with_a_key(gpt):
     graphdef, params, _ = gpt
     spec = lora.LoraSpec(dropout=0.1)
     adapters = lora.init(jax.random.key(0), params, spec)
     loss_fn = make_loss_fn(graphdef, lora=spec)
     batch, both = _batch(0, 2, 16), {"base": params, "adapters": adapters}
-    n_random = lambda *args: len(_eqns(jax.make_jaxpr(loss_fn)(*args).jaxpr, "random_bits"))
+    n_random = lambda *args: len(eqns(jax.make_jaxpr(loss_fn)(*args).jaxpr, "random_bits"))
     assert n_random(both, batch) == 0  # no key: deterministic
     assert n_random(both, batch, jax.random.key(1)) > 0  # config.dropout is 0: only LoRA's
     no_dropout = make_loss_fn(graphdef, lora=lora.LoraSpec())
-    assert len(_eqns(jax.make_jaxpr(no_dropout)(both, batch, jax.random.key(1)).jaxpr,
+    assert len(eqns(jax.make_jaxpr(no_dropout)(both, batch, jax.random.key(1)).jaxpr,
                      "random_bits")) == 0
 
 
@@ -355,7 +345,7 @@ def test_gradients_exist_only_for_the_adapters(gpt, steps):
 
 
 def _kernel_shaped_dots(jaxpr, shapes):
-    return [e for e in _eqns(jaxpr.jaxpr, "dot_general") if e.outvars[0].aval.shape in shapes]
+    return [e for e in eqns(jaxpr.jaxpr, "dot_general") if e.outvars[0].aval.shape in shapes]
 
 
 def test_no_frozen_weight_gradient_is_computed_or_buffered(gpt, steps):
