@@ -24,6 +24,9 @@ master weights, in each precision of ``--precisions`` (``fp32``; ``bf16``: effij
 Each timed step is forward, backward and optimizer update on the same batch, with the loss as
 the mean cross-entropy of the f32 logits against the shifted tokens; the first losses of the
 two frameworks are printed side by side (they agree to about 1e-5: the same model and batch).
+Each framework runs in a process of its own, a worker that runs one step on request, as a user
+runs one framework per process: sharing one process, the two frameworks' allocators handed each
+other the memory they freed, which slowed effijax's steps and sped up torch's (``_Worker``).
 Steps are timed interleaved (the variants take turns) so that the machine's load falls on all
 of them alike; each turn starts with ``--settle`` untimed steps (1 by default): the first step
 after another variant's pays for faulting in again the memory it freed (up to 2 s more at
@@ -44,8 +47,9 @@ whether a goal lies within this CPU's matmul rate at all. A bound: the model's t
 run below the square one's rate.
 
 Run as a script, it first re-executes itself the way ``effijax train`` runs
-(``effijax.cli.reexec_with_hugepages``: glibc's transparent huge pages for XLA's buffers), so
-both frameworks, sharing the process, are timed with it; the section's first line says which.
+(``effijax.cli.reexec_with_hugepages``: glibc's transparent huge pages for XLA's buffers), and
+effijax's worker inherits it; the section's first line says which. torch's worker (and its
+peak-memory child) runs without that tunable, as a torch user's program starts.
 
 With ``--busy N`` the variants, once timed quiet, are timed again while N other processes each
 spin one core (a shared machine: a laptop, a CI runner, Colab), and the section reports each
@@ -61,7 +65,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gc
 import json
 import os
 import pathlib
@@ -210,6 +213,97 @@ def _runner(name: str, gguf: pathlib.Path, batch, rank: int, loaded: dict,
     # Each torch variant trains (mutates) its own copy of the model.
     return _torch_runner(_torch_model(gguf), batch, rank=rank if "LoRA" in name else None,
                          precision=precision)
+
+
+# each framework in a process of its own -------------------------------------------------------
+
+_REPLY = "@finetune-worker "  # the prefix of a worker's replies among its stdout's lines
+# How the sections say it.
+APART = ("each framework in a process of its own (torch's without the huge-page tunable "
+         "effijax adds)")
+
+
+def _framework(name: str) -> str:
+    """The framework a variant runs in: ``"effijax"`` or ``"torch"``."""
+    return "effijax" if name.startswith("effijax") else "torch"
+
+
+def _environ(framework: str) -> dict[str, str]:
+    """The environment a framework's processes run in: effijax's as ``effijax train`` runs it
+    (glibc's huge-page tunable), torch's as the user started this script (the tunable that
+    this script's re-execution added taken out again)."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    if framework == "torch":
+        from effijax.cli import SWITCH, TUNABLE
+
+        kept = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t and t != TUNABLE]
+        env.pop("GLIBC_TUNABLES", None)
+        if kept:
+            env["GLIBC_TUNABLES"] = ":".join(kept)
+        env[SWITCH] = "0"
+    return env
+
+
+def _serve(model: str, batch_size: int, seq_len: int, rank: int) -> None:
+    """A worker's loop: one JSON request per line of stdin, one reply line on stdout.
+
+    ``{"build": key, "name": variant, "precision": p}`` builds the variant and runs its first
+    step (compiling effijax's; warming torch's allocator); ``{"run": key}`` runs one step. The
+    reply, after :data:`_REPLY`: ``{"loss": ...}``. It ends at the end of its input."""
+    gguf = _gguf(model)
+    from effijax.interop import load_tokenizer
+
+    batch = _batch(load_tokenizer(gguf), batch_size, seq_len)
+    loaded: dict = {}
+    runners: dict = {}
+    for line in sys.stdin:
+        request = json.loads(line)
+        key = request.get("build") or request["run"]
+        if "build" in request:
+            runners[key] = _runner(request["name"], gguf, batch, rank, loaded,
+                                   request["precision"])
+        print(_REPLY + json.dumps({"loss": runners[key]()}), flush=True)
+
+
+class _Worker:
+    """One framework's variants in a process of their own (:func:`_serve`), stepped on request.
+
+    Sharing one process, the two frameworks' allocators hand each other the memory they free,
+    and the timing depended on it: SmolLM2's bf16 LoRA step at 4 x 128 tokens took 1.2-1.5 s
+    after ``peft``'s steps in one process and 1.16-1.35 s in a process of its own, while
+    ``peft``'s took 1.45-1.6 s beside effijax and 1.6-1.8 s alone. A user runs one framework
+    per process; the variants still take turns, so the machine's load falls on all alike.
+    """
+
+    def __init__(self, framework: str, args):
+        self.framework = framework
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--worker", framework, "--model", args.model,
+             "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
+             "--rank", str(args.rank)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
+            env=_environ(framework))
+
+    def ask(self, request: dict) -> float:
+        """Sends ``request``; returns the step's loss once the worker has run it."""
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        for line in self.proc.stdout:
+            if line.startswith(_REPLY):
+                return json.loads(line[len(_REPLY):])["loss"]
+            print(line, end="")  # whatever else the worker's libraries printed
+        raise RuntimeError(f"the {self.framework} worker exited (status {self.proc.wait()}) "
+                           f"during {request}; its error is above")
+
+    def close(self) -> None:
+        """Ends the worker (its input closed) and waits for it."""
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
 
 # peak memory in a child process ----------------------------------------------------------------
@@ -395,6 +489,7 @@ def main(argv: list[str] | None = None) -> None:
                          "each spin a core (a shared machine): each variant's slowdown "
                          "(no peak-memory children then)")
     ap.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=("effijax", "torch"), help=argparse.SUPPRESS)
     from harness import (
         add_write_flag,
         busy_processes,
@@ -420,49 +515,54 @@ def main(argv: list[str] | None = None) -> None:
     if args.child:
         return _child(args.model, args.child, args.batch_size, args.seq_len, args.rank,
                       precisions[0])
-
-    from effijax.interop import load_tokenizer
+    if args.worker:
+        return _serve(args.model, args.batch_size, args.seq_len, args.rank)
 
     gguf = _gguf(args.model)
-    batch = _batch(load_tokenizer(gguf), args.batch_size, args.seq_len)
-    loaded: dict = {}
     first_loss = {}
     runs = {_key(name, precision, precisions): (name, precision)
             for precision in precisions for name in variants}
-
-    built: dict = {}  # each variant compiles once: the --busy rounds reuse the quiet ones' steps
+    workers = {fw: _Worker(fw, args) for fw in sorted({_framework(n) for n in variants})}
+    built: set = set()  # each variant compiles once: the --busy rounds reuse the quiet ones'
 
     def make(key):
+        name, precision = runs[key]
+        worker = workers[_framework(name)]
+
         def build():
-            if key in built:
-                return built[key]
-            t0 = time.perf_counter()
-            run = _runner(*runs[key][:1], gguf, batch, args.rank, loaded, runs[key][1])
-            first_loss[key] = run()  # compiles effijax's step; warms torch's allocator
-            print(f"{key}: first loss {first_loss[key]:.6f}, set up in "
-                  f"{time.perf_counter() - t0:.1f} s", flush=True)
-            built[key] = run
-            return run
+            if key not in built:
+                t0 = time.perf_counter()
+                first_loss[key] = worker.ask({"build": key, "name": name,
+                                              "precision": precision})
+                print(f"{key}: first loss {first_loss[key]:.6f}, set up in "
+                      f"{time.perf_counter() - t0:.1f} s", flush=True)
+                built.add(key)
+            return lambda: worker.ask({"run": key})
         return build
 
-    timing = time_interleaved({key: make(key) for key in runs}, rounds=args.rounds,
-                              steps_per_round=args.steps_per_round, warmup=1,
-                              settle=args.settle)
+    try:
+        timing = time_interleaved({key: make(key) for key in runs}, rounds=args.rounds,
+                                  steps_per_round=args.steps_per_round, warmup=1,
+                                  settle=args.settle)
+        if args.busy:
+            with busy_processes(args.busy):
+                loaded_timing = time_interleaved({key: make(key) for key in runs},
+                                                 rounds=args.rounds,
+                                                 steps_per_round=args.steps_per_round,
+                                                 warmup=1, settle=args.settle)
+                load = os.getloadavg()[0]
+    finally:
+        # The workers end before the peak-memory children start: Gemma's six variants held
+        # at once plus a child's own run exceeded a 24 GiB host's memory.
+        for worker in workers.values():
+            worker.close()
     if args.busy:
-        with busy_processes(args.busy):
-            loaded_timing = time_interleaved({key: make(key) for key in runs},
-                                             rounds=args.rounds,
-                                             steps_per_round=args.steps_per_round, warmup=1,
-                                             settle=args.settle)
-            load = os.getloadavg()[0]
         title, body = _busy_section(args, runs, timing, loaded_timing, load, precisions)
     else:
-        # Free every model and train state before the peak-memory children start: Gemma's six
-        # variants held in this process plus a child's own run exceeded a 24 GiB host's memory.
-        built.clear()
-        model = loaded["effijax"][0] if "effijax" in loaded else None  # a config: no weights
-        loaded.clear()
-        gc.collect()
+        from effijax.interop import read_config
+
+        model = (read_config(gguf, seq_len=args.seq_len)
+                 if any(_framework(n) == "effijax" for n in variants) else None)
         title, body = _quiet_section(args, runs, timing, first_loss, model, variants, precisions)
     publish(title, body, command=command_line(__file__, argv), write=args.write)
 
@@ -482,8 +582,8 @@ def _quiet_section(args, runs, timing, first_loss, model, variants, precisions) 
                 [sys.executable, __file__, "--model", args.model, "--child", name,
                  "--batch-size", str(args.batch_size), "--precisions", precision,
                  "--seq-len", str(args.seq_len), "--rank", str(args.rank)],
-                capture_output=True, text=True, check=True, cwd=ROOT,
-                env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)})
+                capture_output=True, text=True, check=True, cwd=ROOT, env=_environ(
+                    _framework(name)))
             peaks[key] = json.loads(out.stdout.strip().splitlines()[-1])["peak_mib"]
             if name.startswith("effijax"):
                 estimates[key] = _estimate(model, args.batch_size, args.seq_len,
@@ -511,7 +611,7 @@ def _quiet_section(args, runs, timing, first_loss, model, variants, precisions) 
             f"{args.seq_len} tokens, LoRA rank {args.rank} "
             f"(alpha {2 * args.rank}) on {', '.join(TARGETS)}, {described}; "
             f"{timing[next(iter(runs))]['n']} interleaved steps per variant"
-            f"{_settled(args.settle)}. The estimate is "
+            f"{_settled(args.settle)}, {APART}. The estimate is "
             "`effijax memory`'s model states + activations, without the process' own "
             "(runtime, tokenizer, the host copy of the loaded weights).\n\n"
             f"{table}\n\n" + "\n".join(lines))
@@ -549,7 +649,8 @@ def _busy_section(args, runs, timing, loaded, load, precisions) -> tuple[str, st
             f"threads. {MODELS[args.model][1]}, batch {args.batch_size} x {args.seq_len} "
             f"tokens, LoRA rank {args.rank} (alpha {2 * args.rank}), AdamW, in "
             f"{' and '.join(precisions)}. Each variant is timed quiet "
-            f"({timing[next(iter(runs))]['n']} interleaved steps{_settled(args.settle)}), then "
+            f"({timing[next(iter(runs))]['n']} interleaved steps{_settled(args.settle)}, "
+            f"{APART}), then "
             f"again while {args.busy} other processes each spin one core (`while True: pass`; "
             f"load average {load:.1f} at the end): a shared machine. The slowdown is busy / "
             f"quiet median step; goal: effijax slows no more than torch.\n\n"

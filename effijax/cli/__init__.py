@@ -18,5 +18,5 @@ from effijax._lazy import attach
 # from `_main` on first use (PEP 562), so `import effijax.cli` itself costs nothing.
 __getattr__, __dir__, __all__ = attach(__name__, {
     "effijax.cli._main": ("main", "build_parser"),
-    "effijax.cli._hugepages": ("reexec_with_hugepages",),
+    "effijax.cli._hugepages": ("reexec_with_hugepages", "SWITCH", "TUNABLE"),
 })
