@@ -64,6 +64,7 @@ Run: ``python benchmarks/finetune.py [--model smollm2|gemma3-270m] [--batch-size
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -269,10 +270,14 @@ class _Worker:
     """One framework's variants in a process of their own (:func:`_serve`), stepped on request.
 
     Sharing one process, the two frameworks' allocators hand each other the memory they free,
-    and the timing depended on it: SmolLM2's bf16 LoRA step at 4 x 128 tokens took 1.2-1.5 s
-    after ``peft``'s steps in one process and 1.16-1.35 s in a process of its own, while
-    ``peft``'s took 1.45-1.6 s beside effijax and 1.6-1.8 s alone. A user runs one framework
-    per process; the variants still take turns, so the machine's load falls on all alike.
+    and effijax's timing depended on it. SmolLM2's bf16 LoRA step at 4 x 128 tokens, the same
+    hour: after three ``peft`` steps, in one process, effijax's next three took 1.18-1.82 s;
+    after a pause as long, in a process of its own, 1.16-1.35 s (the first step after either
+    is left out: it pays for faulting in again the memory it freed, ``--settle``). ``peft``'s
+    took 1.45-2.1 s beside effijax, 1.54-1.93 s in a process of its own, 1.5-3.1 s there with
+    effijax's huge-page tunable (so torch's worker runs without it: side by side, 2.07 s with
+    it and 1.89 s without, medians of 10). A user runs one framework per process; the variants
+    still take turns, so the machine's load falls on all alike.
     """
 
     def __init__(self, framework: str, args):
@@ -286,8 +291,9 @@ class _Worker:
 
     def ask(self, request: dict) -> float:
         """Sends ``request``; returns the step's loss once the worker has run it."""
-        self.proc.stdin.write(json.dumps(request) + "\n")
-        self.proc.stdin.flush()
+        with contextlib.suppress(BrokenPipeError):  # a worker that died: said below
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
         for line in self.proc.stdout:
             if line.startswith(_REPLY):
                 return json.loads(line[len(_REPLY):])["loss"]
@@ -296,14 +302,15 @@ class _Worker:
                            f"during {request}; its error is above")
 
     def close(self) -> None:
-        """Ends the worker (its input closed) and waits for it."""
-        if self.proc.poll() is None:
+        """Ends the worker (its input closed), waits for it and closes its pipes."""
+        with contextlib.suppress(BrokenPipeError):
             self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
 
 
 # peak memory in a child process ----------------------------------------------------------------

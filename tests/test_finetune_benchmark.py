@@ -1,6 +1,10 @@
-"""``benchmarks/finetune.py``'s f32 ceiling: XLA's FLOP count of the step against a hand count,
-and the lines it prints (finetune.py's timing itself needs the bundled model and torch)."""
+"""``benchmarks/finetune.py``'s f32 ceiling (XLA's FLOP count of the step against a hand count,
+and the lines it prints) and its workers' protocol (finetune.py's timing itself needs the
+bundled model and torch)."""
 
+import json
+import subprocess
+import sys
 
 import pytest
 from _benchmarks import benchmark_script
@@ -55,3 +59,73 @@ def test_the_ceiling_says_whether_the_goal_is_within_reach(finetune, monkeypatch
     assert "3.00 s at XLA's own" in full
     assert "1.17x torch full's tokens/s: the goal 1.0x is within" in full
     assert finetune._ceiling_lines(None, args, timing, ["bf16"]) == []
+
+
+def test_a_worker_answers_each_request_with_its_steps_loss(finetune, monkeypatch, capsys):
+    """The worker's protocol (``_serve``): a build runs the variant's first step, a run one
+    more, each answered by one reply line with that step's loss."""
+    import io
+
+    import effijax.interop
+
+    built = []
+
+    def runner(name, gguf, batch, rank, loaded, precision):
+        built.append((name, precision, rank))
+        losses = iter([3.5, 3.25, 3.0])
+        return lambda: next(losses)
+
+    monkeypatch.setattr(finetune, "_gguf", lambda model: "model.gguf")
+    monkeypatch.setattr(effijax.interop, "load_tokenizer", lambda path: None)
+    monkeypatch.setattr(finetune, "_batch", lambda tokenizer, b, s: ("inputs", "targets"))
+    monkeypatch.setattr(finetune, "_runner", runner)
+    requests = [{"build": "peft LoRA bf16", "name": "peft LoRA", "precision": "bf16"},
+                {"run": "peft LoRA bf16"}, {"run": "peft LoRA bf16"}]
+    monkeypatch.setattr("sys.stdin", io.StringIO("".join(f"{json.dumps(r)}\n"
+                                                         for r in requests)))
+    finetune._serve("smollm2", 4, 128, 8)
+    replies = [json.loads(line.removeprefix(finetune._REPLY))
+               for line in capsys.readouterr().out.splitlines()]
+    assert replies == [{"loss": 3.5}, {"loss": 3.25}, {"loss": 3.0}]
+    assert built == [("peft LoRA", "bf16", 8)]  # built once, then stepped
+
+
+def test_torch_runs_without_the_huge_page_tunable_effijax_adds(finetune, monkeypatch):
+    from effijax.cli import SWITCH, TUNABLE
+
+    monkeypatch.setenv("GLIBC_TUNABLES", f"glibc.malloc.arena_max=2:{TUNABLE}")
+    torch_env, effijax_env = finetune._environ("torch"), finetune._environ("effijax")
+    assert torch_env["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2"  # the user's kept
+    assert torch_env[SWITCH] == "0"  # and its worker does not re-execute itself with it
+    assert effijax_env["GLIBC_TUNABLES"] == f"glibc.malloc.arena_max=2:{TUNABLE}"
+    monkeypatch.setenv("GLIBC_TUNABLES", TUNABLE)
+    assert "GLIBC_TUNABLES" not in finetune._environ("torch")
+
+
+def _fake_worker(finetune, code: str):
+    worker = object.__new__(finetune._Worker)
+    worker.framework = "torch"
+    worker.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, text=True)
+    return worker
+
+
+def test_a_worker_passes_its_libraries_lines_on_and_returns_the_reply(finetune, capsys):
+    worker = _fake_worker(finetune, (
+        "import json, sys\n"
+        "for line in sys.stdin:\n"
+        "    print('a library talks', flush=True)\n"
+        f"    print({finetune._REPLY!r} + json.dumps({{'loss': len(line)}}), flush=True)\n"))
+    assert worker.ask({"run": "x"}) == len(json.dumps({"run": "x"})) + 1
+    assert worker.ask({"run": "xy"}) == len(json.dumps({"run": "xy"})) + 1
+    worker.close()
+    assert worker.proc.returncode == 0
+    assert capsys.readouterr().out == "a library talks\n" * 2
+
+
+def test_a_worker_that_dies_is_an_error_naming_it(finetune):
+    worker = _fake_worker(finetune, "import sys; sys.stdin.readline(); sys.exit(3)")
+    with pytest.raises(RuntimeError, match=r"the torch worker exited \(status 3\) during "
+                                           r"\{'run': 'x'\}"):
+        worker.ask({"run": "x"})
+    worker.close()

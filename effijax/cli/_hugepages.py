@@ -10,7 +10,9 @@ malloc asks the kernel for transparent huge pages on its mappings (``madvise``),
 step faults about 12,000 times. Measured with ``benchmarks/finetune.py`` on that host, the same
 code with and without the tunable: the LoRA step of Gemma 3 270M at 4 x 128 tokens 8.64 -> 7.96 s
 (median), SmolLM2's at 4 x 512 21.1 -> 19.2 s; ``transformers`` + ``peft`` in the same process
-gains as much on SmolLM2 (22.1 -> 19.9 s), so the ratio between the two stays where it was.
+gains as much on SmolLM2 (22.1 -> 19.9 s), so the ratio between the two stays where it was. In
+a process of its own, peft's bf16 LoRA step at 4 x 128 is slower with it (2.07 s against 1.89,
+side by side), so the benchmark times torch without it.
 
 glibc reads its tunables once, when the process starts, so the ``effijax`` commands that run
 compiled steps (:data:`COMMANDS`) re-execute themselves with the tunable added to
