@@ -25,8 +25,8 @@ Each timed step is forward, backward and optimizer update on the same batch, wit
 the mean cross-entropy of the f32 logits against the shifted tokens; the first losses of the
 two frameworks are printed side by side (they agree to about 1e-5: the same model and batch).
 Each framework runs in a process of its own, a worker that runs one step on request, as a user
-runs one framework per process: sharing one process, the two frameworks' allocators handed each
-other the memory they freed, which slowed effijax's steps and sped up torch's (``_Worker``).
+runs one framework per process: sharing one process (and its malloc heap) with torch, effijax's
+steps ran slower and spread wider (``_Worker``).
 Steps are timed interleaved (the variants take turns) so that the machine's load falls on all
 of them alike; each turn starts with ``--settle`` untimed steps (1 by default): the first step
 after another variant's pays for faulting in again the memory it freed (up to 2 s more at
@@ -269,11 +269,11 @@ def _serve(model: str, batch_size: int, seq_len: int, rank: int) -> None:
 class _Worker:
     """One framework's variants in a process of their own (:func:`_serve`), stepped on request.
 
-    Sharing one process, the two frameworks' allocators hand each other the memory they free,
-    and effijax's timing depended on it. SmolLM2's bf16 LoRA step at 4 x 128 tokens, the same
-    hour: after three ``peft`` steps, in one process, effijax's next three took 1.18-1.82 s;
-    after a pause as long, in a process of its own, 1.16-1.35 s (the first step after either
-    is left out: it pays for faulting in again the memory it freed, ``--settle``). ``peft``'s
+    Sharing one process (and its malloc heap) with torch, effijax's steps ran slower and spread
+    wider. SmolLM2's bf16 LoRA step at 4 x 128 tokens, the same hour: after three ``peft``
+    steps, in one process, effijax's next three took 1.18-1.82 s; after a pause as long, in a
+    process of its own, 1.16-1.35 s (the first step after either is left out: it pays for
+    faulting in again the memory it freed, ``--settle``). ``peft``'s
     took 1.45-2.1 s beside effijax, 1.54-1.93 s in a process of its own, 1.5-3.1 s there with
     effijax's huge-page tunable (so torch's worker runs without it: side by side, 2.07 s with
     it and 1.89 s without, medians of 10). A user runs one framework per process; the variants
