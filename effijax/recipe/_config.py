@@ -39,8 +39,9 @@ __all__ = ["TrainConfig", "PRECISIONS", "CLUSTERS", "WANDB_MODES", "PRECISION_AL
 MAX_CONFIG_BYTES = 2**20
 
 # The precision vocabulary of every command (`effijax train`, `memory`, `plan`): the policy
-# presets plus "auto" (bf16 on GPU/TPU, fp32 on CPU, where bf16 matmuls are emulated and
-# slower), with the memory estimator's aliases ("mixed", "float32", "half", ...).
+# presets plus "auto" (bf16 on GPU/TPU, fp32 on CPU: bf16 pays there only with native bf16
+# matmuls, AVX512_BF16 or AMX, and a model wide enough; not yet chosen by "auto"), with the
+# memory estimator's aliases ("mixed", "float32", "half", ...).
 PRECISIONS = ("auto", *PRESET_NAMES)
 FROZEN_DTYPES = ("auto", "fp32", "bf16", "fp16", "nf4", "int8", "gguf")
 DATA_FORMATS = ("auto", "text", "chat")
