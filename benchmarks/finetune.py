@@ -115,6 +115,14 @@ def _batch(tokenizer_model, batch_size: int, seq_len: int):
     return windows[:, :-1].astype(np.int32), windows[:, 1:].astype(np.int32)
 
 
+def _inputs(model: str, batch_size: int, seq_len: int):
+    """The bundled model's file and the batch every variant trains on (a worker's, a child's)."""
+    from effijax.interop import load_tokenizer
+
+    gguf = _gguf(model)
+    return gguf, _batch(load_tokenizer(gguf), batch_size, seq_len)
+
+
 # effijax ---------------------------------------------------------------------------------------
 
 def _effijax_runner(model, params, batch, *, rank: int | None, unroll: bool = False,
@@ -251,10 +259,7 @@ def _serve(model: str, batch_size: int, seq_len: int, rank: int) -> None:
     ``{"build": key, "name": variant, "precision": p}`` builds the variant and runs its first
     step (compiling effijax's; warming torch's allocator); ``{"run": key}`` runs one step. The
     reply, after :data:`_REPLY`: ``{"loss": ...}``. It ends at the end of its input."""
-    gguf = _gguf(model)
-    from effijax.interop import load_tokenizer
-
-    batch = _batch(load_tokenizer(gguf), batch_size, seq_len)
+    gguf, batch = _inputs(model, batch_size, seq_len)
     loaded: dict = {}
     runners: dict = {}
     for line in sys.stdin:
@@ -318,10 +323,7 @@ class _Worker:
 def _child(model: str, name: str, batch_size: int, seq_len: int, rank: int,
            precision: str) -> None:
     """Runs 3 steps of one variant alone; prints its peak RSS (MiB) as JSON."""
-    gguf = _gguf(model)
-    from effijax.interop import load_tokenizer
-
-    batch = _batch(load_tokenizer(gguf), batch_size, seq_len)
+    gguf, batch = _inputs(model, batch_size, seq_len)
     run = _runner(name, gguf, batch, rank, {}, precision)
     for _ in range(3):
         run()

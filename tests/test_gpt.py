@@ -283,7 +283,7 @@ def test_dropout(tiny):
     assert n_random(params, batch, k1) > 0
     no_dropout_graphdef = abstract_split(TINY)[0]
     assert len(eqns(jax.make_jaxpr(make_loss_fn(no_dropout_graphdef))(params, batch, k1).jaxpr,
-                     "random_bits")) == 0
+                    "random_bits")) == 0
     # NNX style: an nnx.Rngs works too, and dropout without any rng is an error.
     model = nnx.merge(graphdef, params)
     out = nnx.eval_shape(lambda m: m(tokens, deterministic=False, rngs=nnx.Rngs(dropout=1)), model)
@@ -298,11 +298,11 @@ def none_grads(tiny):
     batch = _batch(4)
     fn = _jit(jax.value_and_grad(make_loss_fn(graphdef), has_aux=True))
     (loss, _), grads = fn(params, batch)
-    assert not _remateqns(graphdef, params, batch)
+    assert not _remat_eqns(graphdef, params, batch)
     return params, batch, loss, grads
 
 
-def _remateqns(graphdef, params, batch):
+def _remat_eqns(graphdef, params, batch):
     jaxpr = jax.make_jaxpr(make_loss_fn(graphdef))(params, batch).jaxpr
     # jax.checkpoint's primitive has been called "remat2" and "checkpoint" across versions.
     return [e for name in ("remat2", "checkpoint", "remat") for e in eqns(jaxpr, name)]
@@ -314,7 +314,7 @@ def test_remat_matches_none(none_grads, remat):
     graphdef, _ = abstract_split(dataclasses.replace(TINY, remat=remat))
     fn = _jit(jax.value_and_grad(make_loss_fn(graphdef), has_aux=True))
     (loss_r, _), grads_r = fn(params, batch)
-    remats = _remateqns(graphdef, params, batch)
+    remats = _remat_eqns(graphdef, params, batch)
     assert len(remats) == 1 and remats[0].params["policy"] is _gpt.REMAT[remat]
     np.testing.assert_allclose(loss_r, loss, rtol=1e-6)
     chex.assert_trees_all_close(grads_r, grads, rtol=1e-6, atol=1e-6)

@@ -291,7 +291,7 @@ def test_lora_dropout_runs_on_the_adapter_input_only_with_a_key(gpt):
     assert n_random(both, batch, jax.random.key(1)) > 0  # config.dropout is 0: only LoRA's
     no_dropout = make_loss_fn(graphdef, lora=lora.LoraSpec())
     assert len(eqns(jax.make_jaxpr(no_dropout)(both, batch, jax.random.key(1)).jaxpr,
-                     "random_bits")) == 0
+                    "random_bits")) == 0
 
 
 # --- only the adapters are differentiated ----------------------------------------------------
