@@ -428,6 +428,7 @@ class StopFlag:
 
     def __init__(self, num_processes: int = 1, every: int = 10):
         self.signal_name: str | None = None
+        self.signum = 0
         self.num_processes = num_processes
         self.every = every
         self.polls = 0
@@ -443,13 +444,19 @@ class StopFlag:
             return False
         from jax.experimental import multihost_utils
 
-        flags = multihost_utils.process_allgather(np.int32(local))
-        self.stopped = bool(np.any(flags))
+        # Each process's signal number (0: none), so every process can name the signal it
+        # stops for. A launcher that forwards one signal to every rank (``mpirun``) may reach
+        # some only after the exchange: they report it as the signal to the one that had it.
+        signums = np.asarray(multihost_utils.process_allgather(np.int32(self.signum if local
+                                                                         else 0)))
+        self.stopped = bool(np.any(signums))
         if self.stopped and not local:
-            self.signal_name = f"a signal to process {int(np.argmax(flags))}"
+            first = int(np.argmax(signums != 0))
+            self.signal_name = f"{signal.Signals(int(signums[first])).name} to process {first}"
         return self.stopped
 
     def _handle(self, signum, frame) -> None:
+        self.signum = signum  # before the name: __call__ reads the name, then the number
         self.signal_name = signal.Signals(signum).name
 
     @contextlib.contextmanager

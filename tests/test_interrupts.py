@@ -222,3 +222,27 @@ def test_a_store_fed_run_killed_and_resumed_is_the_file_fed_run(env, reference):
     assert read + _hashes(log) == reference["hashes"]
     assert _metrics(out) == reference["metrics"]
     _assert_bitwise(_leaves(out), reference["leaves"])
+
+
+@pytest.mark.parametrize("own, everyone, said", [
+    (0, [0, 15], "SIGTERM to process 1"),  # not signalled (yet): names the signal and where
+    (2, [2, 15], "SIGINT"),  # its own signal, whatever the others had
+    (0, [0, 0], None),  # no one: runs on
+])
+def test_processes_agree_to_stop_and_name_the_signal(monkeypatch, own, everyone, said):
+    """Two processes' stop flags, the exchange replaced by its result: the first process with
+    a signal names it (a launcher that forwards SIGTERM to each rank in turn may reach this one
+    only after the exchange; it must still say SIGTERM)."""
+    from jax.experimental import multihost_utils
+
+    from effijax.run import StopFlag
+
+    sent = []
+    monkeypatch.setattr(multihost_utils, "process_allgather",
+                        lambda x: sent.append(int(x)) or np.asarray(everyone, np.int32))
+    flag = StopFlag(num_processes=2, every=2)
+    if own:
+        flag._handle(own, None)
+    assert flag() is False and sent == []  # between exchanges: no collective, no stop
+    assert flag() is (said is not None) and sent == [own]
+    assert flag.stopped is (said is not None) and flag.signal_name == said

@@ -362,8 +362,10 @@ def test_sigterm_through_mpirun_stops_both_at_one_step_and_resumes_exactly(
     last = metrics(run)[-1]["step"]
     assert EVERY <= last < STEPS, f"stopped at {last}: the signal must land mid-run"
     out0, out1 = ((said / f"{rank}.out").read_text() for rank in (0, 1))
-    assert f"effijax train: stopped at step {last} by SIGTERM; saved; resume with: " \
-        "effijax train" in out0, out0 + out1
+    # mpirun forwards the signal to each rank in turn: rank 0 has it by the processes' exchange,
+    # or hears of it there as rank 1's. Either way it names the signal, and both stop together.
+    assert re.search(rf"effijax train: stopped at step {last} by SIGTERM( to process 1)?; "
+                     "saved; resume with: effijax train", out0), out0 + out1
     assert max(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) == last
 
     # The resumed run reads its batches at full speed and loads the programs around the step

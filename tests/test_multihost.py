@@ -81,7 +81,7 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_one_step_and_resumes_exac
     (out0, _), _ = wait(procs, TIMEOUT_S)  # both exit 0
     last = metrics(run)[-1]["step"]
     assert last < STEPS, "the run finished before the signal; make it longer"
-    assert f"stopped at step {last} by a signal to process 1; saved" in out0
+    assert f"stopped at step {last} by SIGTERM to process 1; saved" in out0
     # Both processes saved that step together (orbax commits it only when all have written).
     assert max(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) == last
 
