@@ -347,6 +347,26 @@ def test_lora_on_chat_jsonl_counts_trained_tokens_and_resumes_exactly(gguf, tmp_
     assert whole.summary["eval_loss"] < whole.summary["eval_loss_start"]
 
 
+def test_a_full_fine_tune_is_evaluated_with_the_tokenizer_it_started_from(gguf, tmp_path):
+    """A full run of a pretrained model keeps no tokenizer of its own: evaluating it reads
+    chat and text through the tokenizer of the model it started from, not as bytes."""
+    files = gguf
+    from effijax.recipe import TrainConfig, train
+
+    out = tmp_path / "full"
+    train(TrainConfig(init_from=str(files / "tiny.gguf"), data=str(files / "qa.jsonl"),
+                      seq_len=SEQ, batch_size=2, steps=2, eval_batches=1, progress=False,
+                      out=str(out)))
+    text = files / "notes.txt"
+    text.write_text("the end in the 1 hi\n" * 30)
+    for data in (files / "qa.jsonl", text):
+        tuned = evaluate_model(str(out), str(data), batch_size=4, seq_len=SEQ)
+        base = evaluate_model(str(files / "tiny.gguf"), str(data), batch_size=4, seq_len=SEQ)
+        assert (tuned.format, tuned.tokens, tuned.fingerprint) == \
+            (base.format, base.tokens, base.fingerprint), data.name
+        assert np.isfinite(tuned.loss) and tuned.loss != base.loss
+
+
 @pytest.mark.slow
 def test_train_cli_fine_tunes_on_jsonl_and_prints_validation_loss_before_and_after(gguf,
                                                                                   tmp_path):

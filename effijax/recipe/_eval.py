@@ -12,6 +12,7 @@ weighted by its scored tokens) and the perplexity its exponential.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -75,7 +76,12 @@ def load_model(ref: str, *, seq_len: int | None = None) -> tuple[Any, Any, Any, 
         raise ConfigError("model", ref, e.problem) from None
     except (OSError, ValueError) as e:
         raise ConfigError("model", ref, f"cannot read it ({e})") from None
-    model = loaded.model if seq_len is None else loaded.model.with_seq_len(seq_len)
+    model = loaded.model
+    if loaded.tokenizer is not None and loaded.tokenizer is not getattr(model, "tokenizer", None):
+        # A full run's model is rebuilt from its config.json without one; a LoRA run's may
+        # carry the run's --chat-template: what the run read its data with.
+        model = dataclasses.replace(model, tokenizer=loaded.tokenizer)
+    model = model if seq_len is None else model.with_seq_len(seq_len)
     adapted = "" if loaded.lora is None else f" + LoRA r={loaded.lora.rank} adapters"
     return model, loaded.params, loaded.lora, f"{model.name} from {ref}{adapted}"
 
