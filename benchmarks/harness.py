@@ -51,12 +51,9 @@ def run_like_effijax() -> None:
 def cpu_extensions() -> str:
     """``" with AVX2"``, ``" with AVX512_BF16"``, ...: the widest of the host CPU's vector
     extensions that decide matmul speed (from /proc/cpuinfo; empty where it cannot be read)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f
-                          if line.startswith("flags")), [])
-    except OSError:
-        return ""
+    from effijax.precision import cpu_flags
+
+    flags = cpu_flags()
     for flag in ("amx_bf16", "avx512_bf16", "avx512f", "avx2"):
         if flag in flags:
             return f" with {flag.upper()}"

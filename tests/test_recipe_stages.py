@@ -44,7 +44,7 @@ def planned(corpus, tmp_path_factory):
     config = TrainConfig(**TINY, data=corpus, out=str(out))
     mesh = _train.start(config)
     model = _train.model_for(config, None)
-    config = _train.resolve(config, mesh)
+    config = _train.resolve(config, mesh, _train.decide_precision(config, model).precision)
     data = _train.load_data(config, model)
     job = _train.plan(config, model, optimizer_for(config), data, mesh)
     return config, data, job

@@ -14,6 +14,8 @@ from effijax._lazy import attach
 # flag checks, a config's validation) does not import JAX. __all__ lists every name.
 __getattr__, __dir__, __all__ = attach(__name__, {
     "effijax.precision._accumulate": ("accumulate",),
+    "effijax.precision._auto": ("AutoPrecision", "auto_precision", "cpu_flags", "native_bf16",
+        "NATIVE_BF16_FLAGS", "AUTO_BF16_MIN_WIDTH"),
     "effijax.precision._cast": ("cast_floating", "is_floating"),
     "effijax.precision._dtypes": ("parse_dtype",),
     "effijax.precision._ggml": ("GGML_BLOCKS", "GGMLBlocks", "dequantize_blocks", "ggml_blocks",

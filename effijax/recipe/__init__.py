@@ -26,7 +26,7 @@ __getattr__, __dir__, __all__ = attach(__name__, {
     "effijax.recipe._job": ("Job", "CompiledStep", "plan_job", "abstract_state",
         "abstract_batch", "init_state", "init_frozen", "batch_fn", "evaluate", "compile_job",
         "LMJob", "build_lm_job"),
-    "effijax.recipe._train": ("TrainResult", "train", "resolve"),
+    "effijax.recipe._train": ("TrainResult", "train", "decide_precision", "resolve"),
     "effijax.recipe._optimizer": ("optimizer_for",),
     "effijax.recipe._report": ("summary_step",),
     "effijax.recipe._data": ("Dataset", "load_dataset", "load_eval_data", "mixture_spec"),

@@ -29,7 +29,7 @@ from effijax.errors import ConfigError, whole_number
 from effijax.interop import GGUF_DTYPES
 from effijax.memory import PRECISION_ALIASES
 from effijax.optimizers import OPTIMIZERS, SCHEDULES, decay_mask, hyperparameters
-from effijax.precision import PRESET_NAMES
+from effijax.precision import AUTO_BF16_MIN_WIDTH, PRESET_NAMES
 
 __all__ = ["TrainConfig", "PRECISIONS", "CLUSTERS", "WANDB_MODES", "PRECISION_ALIASES",
            "DEFAULT_MODEL", "RECORD_KEYS", "flag_of", "field_kind", "lora_fields"]
@@ -39,9 +39,9 @@ __all__ = ["TrainConfig", "PRECISIONS", "CLUSTERS", "WANDB_MODES", "PRECISION_AL
 MAX_CONFIG_BYTES = 2**20
 
 # The precision vocabulary of every command (`effijax train`, `memory`, `plan`): the policy
-# presets plus "auto" (bf16 on GPU/TPU, fp32 on CPU: bf16 pays there only with native bf16
-# matmuls, AVX512_BF16 or AMX, and a model wide enough; not yet chosen by "auto"), with the
-# memory estimator's aliases ("mixed", "float32", "half", ...).
+# presets plus "auto" (effijax.precision.auto_precision: bf16 on GPU/TPU, and on a CPU with
+# native bf16 matmuls for a model wide enough; fp32 elsewhere), with the memory estimator's
+# aliases ("mixed", "float32", "half", ...).
 PRECISIONS = ("auto", *PRESET_NAMES)
 FROZEN_DTYPES = ("auto", "fp32", "bf16", "fp16", "nf4", "int8", "gguf")
 DATA_FORMATS = ("auto", "text", "chat")
@@ -141,7 +141,9 @@ class TrainConfig:
     # Precision.
     precision: str = _field("auto", "precision policy: auto, fp32, bf16, fp16 or pure_bf16 "
                             "(aliases such as mixed, float32, half accepted); auto = bf16 on "
-                            "GPU/TPU, fp32 on CPU (where bf16 matmuls are emulated and slower)",
+                            f"GPU/TPU and, for a model {AUTO_BF16_MIN_WIDTH} wide or wider, on "
+                            "a CPU with native bf16 matmuls (AVX512_BF16, AMX); fp32 elsewhere; "
+                            "a resumed run keeps its own",
                             section="precision")
     loss_scale: str | float = _field("auto", "'auto' (dynamic for fp16, none otherwise), "
                                      "'dynamic', 'none', or a number for a static scale",

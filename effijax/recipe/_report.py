@@ -48,9 +48,10 @@ def _where(config, job) -> str:
             f"{jax.process_count()} process(es)")
 
 
-def start(config, job, compiled, source, frozen, state, *, data: str = "") -> None:
-    """The start-up lines: model and placement, per-device memory, the source, LoRA, the
-    data (``data``: a line about it, or empty)."""
+def start(config, job, compiled, source, frozen, state, *, data: str = "", why: str = "") -> None:
+    """The start-up lines: model, precision (``why``: how ``auto`` decided it, or empty) and
+    placement, per-device memory, the source, LoRA, the data (``data``: a line about it, or
+    empty)."""
     if not _main():
         return
     import jax
@@ -60,7 +61,8 @@ def start(config, job, compiled, source, frozen, state, *, data: str = "") -> No
     from effijax.sharding import census_records
 
     print(f"effijax train: {job.model.name}, {job.num_params:,} params, precision "
-          f"{config.precision}, {_where(config, job)} -> {config.out}", flush=True)
+          f"{config.precision}{f' ({why})' if why else ''}, {_where(config, job)} -> "
+          f"{config.out}", flush=True)
     m = compiled.memory
     what = "adapters" if job.lora is not None else "params"
     line = (f"per device: {what} {format_bytes(m.params)}, grads {format_bytes(m.grads or 0)}, "

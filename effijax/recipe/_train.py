@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 
 from effijax import distributed
 from effijax.errors import ConfigError
 from effijax.models import format_of
+from effijax.precision import PRESET_NAMES, AutoPrecision, auto_precision, cpu_flags, native_bf16
 from effijax.recipe import _finish, _job, _preflight, _report, _resume, _sources, _watch
 from effijax.recipe._config import TrainConfig, lora_fields
 from effijax.recipe._data import Dataset, load_dataset
@@ -29,8 +32,8 @@ from effijax.recipe._rundir import open_run, run_record
 from effijax.recipe._state import Initial, initial_state
 from effijax.sharding import make_mesh
 
-__all__ = ["train", "TrainResult", "start", "model_for", "resolve", "load_data", "plan",
-           "compile_run"]
+__all__ = ["train", "TrainResult", "start", "model_for", "decide_precision", "resolve",
+           "load_data", "plan", "compile_run"]
 
 
 class TrainResult(NamedTuple):
@@ -70,7 +73,7 @@ def train(config: TrainConfig, *, argv: list[str] | None = None) -> TrainResult:
       >>> cfg = TrainConfig(model="tiny", seq_len=16, steps=4, batch_size=2, eval_batches=1,
       ...                   checkpoints=False, progress=False, out=tempfile.mkdtemp())
       >>> result = train(cfg)  # doctest: +ELLIPSIS
-      effijax train: tiny GPT, ... params, precision fp32, 1 device -> ...
+      effijax train: tiny GPT, ... params, precision fp32 (auto: ...), 1 device -> ...
       >>> result.status, result.summary["steps"]
       ('done', 4)
     """
@@ -82,7 +85,8 @@ def train(config: TrainConfig, *, argv: list[str] | None = None) -> TrainResult:
                                       keep_blocks=config.frozen_dtype == "gguf") \
             if config.init_from else None
         model = model_for(config, source)
-        config = resolve(config, mesh)
+        precision = decide_precision(config, model)
+        config = resolve(config, mesh, precision.precision)
         data = load_data(config, model)
         optimizer = optimizer_for(config)
         job = plan(config, model, optimizer, data, mesh,
@@ -102,7 +106,7 @@ def train(config: TrainConfig, *, argv: list[str] | None = None) -> TrainResult:
                 # The loaded weights now live in the state or the frozen base (quantized, or
                 # cast): drop the source's full-precision copy rather than hold it all run.
                 source = source._replace(params=None)
-            compiled = compile_run(config, job, initial, source, data)
+            compiled = compile_run(config, job, initial, source, data, precision.reason)
             memory = _report.summary_extras(job, compiled)["memory"]
             with _watch.watching(config, run.run_json, memory, run.resume_step or 0) as watch:
                 resumed = run.resume_step is not None
@@ -174,16 +178,53 @@ def model_for(config: TrainConfig, source):
     return model
 
 
-def resolve(config: TrainConfig, mesh) -> TrainConfig:
-    """Every ``auto`` decided: precision from the backend, the strategy, warm-up, loss scale
-    and the mesh's actual shape (what ``config.json`` records).
+def decide_precision(config: TrainConfig, model) -> AutoPrecision:
+    """``config.precision`` decided (:func:`effijax.precision.auto_precision` for ``auto``:
+    the backend, the model's width, the CPU's native bf16) and why, for the start-up line.
+
+    ``auto`` keeps the precision of the run ``config.out`` already holds (its resume on
+    another machine continues as it began; a run without checkpoints starts afresh). With
+    several processes, every process takes process 0's view of the run directory, and bf16 on
+    a CPU needs every process' CPU to have native bf16: they must run one program.
+    """
+    if config.precision != "auto":
+        return AutoPrecision(config.precision, "")
+    saved = _saved_precision(config) if jax.process_index() == 0 else None
+    kept = -1 if saved is None else PRESET_NAMES.index(saved)
+    flags = cpu_flags()
+    native = native_bf16(flags) is not None
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        rows = np.asarray(multihost_utils.process_allgather(np.array([kept, native], np.int32)))
+        kept, native = int(rows[0, 0]), bool(rows[:, 1].all())
+    if kept >= 0:
+        return AutoPrecision(PRESET_NAMES[kept], "auto: the run's own")
+    return auto_precision(jax.default_backend(), model.shape().hidden,
+                          flags if native else frozenset())
+
+
+def _saved_precision(config: TrainConfig) -> str | None:
+    """The precision in ``config.out``'s ``config.json`` (None: no such file, or no checkpoints
+    to resume from it). A file that cannot be read is reported when the run is opened."""
+    saved = Path(config.out) / "config.json"
+    if not config.checkpoints or not saved.is_file():
+        return None
+    try:
+        precision = _resume.read_run_json(saved, need_model=False).get("precision")
+    except ConfigError:
+        return None
+    return precision if precision in PRESET_NAMES else None
+
+
+def resolve(config: TrainConfig, mesh, precision: str) -> TrainConfig:
+    """Every ``auto`` decided: the precision (``precision``, a preset's name: what
+    :func:`decide_precision` decided), the strategy, warm-up, loss scale and the mesh's actual
+    shape (what ``config.json`` records).
 
     A warm-up left to its default follows ``steps``: when a resume may change ``steps``
     (``allow_changes``), it may change the derived warm-up too, without a second name.
     """
-    precision = config.precision
-    if precision == "auto":
-        precision = "fp32" if jax.default_backend() == "cpu" else "bf16"
     allow = config.allowed_changes
     if config.warmup is None and "steps" in allow and "warmup" not in allow:
         allow = (*allow, "warmup")
@@ -223,10 +264,13 @@ def plan(config: TrainConfig, model, optimizer, data: Dataset, mesh,
                              kept_blocks=base if config.frozen_dtype == "gguf" else None)
 
 
-def compile_run(config: TrainConfig, job, initial: Initial, source, data: Dataset):
+def compile_run(config: TrainConfig, job, initial: Initial, source, data: Dataset,
+                why: str = ""):
     """Compiles the step (a :class:`~effijax.recipe.CompiledStep`), checks its memory against
-    every process' devices and prints the start-up lines."""
+    every process' devices and prints the start-up lines (``why``: how ``auto`` decided the
+    precision, as :func:`decide_precision` says)."""
     compiled = _job.compile_job(job)
     _resume.agree(_preflight.memory, compiled.memory, job, config.device_memory, config.steps)
-    _report.start(config, job, compiled, source, initial.frozen, initial.state, data=data.note)
+    _report.start(config, job, compiled, source, initial.frozen, initial.state, data=data.note,
+                  why=why)
     return compiled
