@@ -13,8 +13,8 @@ loss over the held-out assistant tokens, bf16 against fp32): LoRA +0.005 after 4
 +0.031 after 8 steps at lr 1e-3; full fine-tuning +0.023 to +0.037 after 30 steps in three
 seeds, whose fp32 losses themselves spread over 0.134. Some of it is the evaluation's own bf16
 forward pass: the same fp32-trained weights score 0.020 higher on the whole file evaluated
-in bf16. It is the
-trade ``auto`` makes on a GPU; ``--precision fp32`` keeps f32 where it matters.
+in bf16. It is the trade ``auto`` makes on a GPU; ``--precision fp32`` keeps f32 where it
+matters.
 
 The probe reads the CPU's flags from ``/proc/cpuinfo`` (Linux); elsewhere it finds none and
 ``auto`` stays fp32 on the CPU, as before.
