@@ -176,7 +176,8 @@ def test_a_run_recorded_before_the_digests_resumes_and_records_them(trained, tmp
     again = train(TrainConfig(init_from=str(model_dir), steps=STEPS,
                               **{**settings, "out": str(run)}))
     assert again.status == "finished_before"
-    _, job, initial, _, _, _ = _resume_until_compiling(trained, model_dir, monkeypatch, out=str(run))
+    _, job, initial, _, _, _ = _resume_until_compiling(trained, model_dir, monkeypatch,
+                                                       out=str(run))
     assert int(initial.state.step) == STEPS
     # Its weights are still compared, through the digest of all its files.
     weights = model_dir / "model.safetensors"
