@@ -8,7 +8,8 @@ several widths, in fp32 and in bf16, every variant interleaved with the others i
 the loss stay whole), so the whole table takes minutes.
 
 Models (``--models``): the GPT presets ``tiny`` (width 64), ``mini`` (128), ``small`` (384) and
-``base`` (768), on bytes, and ``smollm2`` (576, a 49,152-token vocabulary; random weights).
+``base`` (768), on bytes, ``gpt:WIDTH`` (``mini`` at another width, 64 per head), and
+``smollm2`` (576, a 49,152-token vocabulary; random weights).
 Each row says what ``auto`` picks for that width on this CPU; the rule is right where bf16 /
 f32 > 1 exactly on the rows it marks bf16.
 
@@ -36,7 +37,7 @@ from effijax.models import gpt_config, llama_config
 from effijax.precision import AUTO_BF16_MIN_WIDTH, auto_precision, cpu_flags
 from effijax.recipe import compile_job, init_state, plan_job
 
-MODELS = ("tiny", "mini", "small", "base", "smollm2")
+MODELS = ("tiny", "mini", "gpt:256", "small", "base", "smollm2")
 PRECISIONS = ("fp32", "bf16")
 
 
@@ -47,9 +48,16 @@ def model_of(name: str, layers: int, seq_len: int):
       >>> m = model_of("small", 2, 32)
       >>> m.shape().hidden, m.n_layers, m.seq_len
       (384, 2, 32)
+      >>> m = model_of("gpt:256", 2, 32)
+      >>> m.shape().hidden, m.n_heads
+      (256, 4)
     """
     if name == "smollm2":
         return llama_config("smollm2-135m", n_layers=layers).with_seq_len(seq_len)
+    if name.startswith("gpt:"):
+        width = int(name.removeprefix("gpt:"))
+        return gpt_config("mini", d_model=width, n_heads=max(1, width // 64),
+                          n_layers=layers).with_seq_len(seq_len)
     return gpt_config(name, n_layers=layers).with_seq_len(seq_len)
 
 
@@ -112,7 +120,8 @@ def render(rows: list[dict], *, layers: int, batch_size: int, seq_len: int, roun
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--models", default=",".join(MODELS),
-                    help=f"comma-separated, of {', '.join(MODELS)} (default: all)")
+                    help=f"comma-separated, of {', '.join(MODELS)} or gpt:WIDTH (default: "
+                    "those listed)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
@@ -121,9 +130,11 @@ def main(argv: list[str] | None = None) -> None:
     add_write_flag(ap)
     args = ap.parse_args(argv)
     names = args.models.split(",")
-    unknown = sorted(set(names) - set(MODELS))
+    unknown = sorted(n for n in set(names) - set(MODELS)
+                     if not (n.startswith("gpt:") and n[4:].isdigit() and int(n[4:]) >= 8))
     if unknown:
-        ap.error(f"--models: unknown {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+        ap.error(f"--models: unknown {', '.join(unknown)}; choose from {', '.join(MODELS)}, "
+                 "or gpt:WIDTH")
 
     load_before = os.getloadavg()[0]
     models = {n: model_of(n, args.layers, args.seq_len) for n in names}

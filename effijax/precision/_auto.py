@@ -2,19 +2,19 @@
 
 On a GPU or TPU, bf16 compute (f32 master weights, f32 islands) is the fast path: ``auto``
 picks it. On a CPU, bf16 pays only where the CPU multiplies bf16 natively (the AVX512_BF16 or
-AMX_BF16 instructions) and the model is wide enough for its matmuls to dominate the step.
-Measured with ``effijax train`` on a 2-core AMD EPYC with AVX512_BF16 (tokens/s of bf16 over
-fp32, ``benchmarks/RESULTS.md`` and the README): the mini GPT (width 128) 0.90-1.00x, the small
-GPT (384) 1.21-1.32x, SmolLM2-135M (576) 1.42-1.86x. Without those instructions a bf16 matmul
-has no native kernel to run on, and ``auto`` keeps fp32.
+AMX_BF16 instructions) and the model is wide enough for its matmuls to outweigh the rest of the
+step. ``benchmarks/auto_precision.py`` measures the bound (the full training step's bf16 / fp32
+tokens/s, a 2-core AMD EPYC with AVX512_BF16): 0.78x at width 64, 0.94x at 128, 1.16x at 256,
+1.30x at 384, 1.34x for SmolLM2-135M's 576, 1.52x at 768. Without those instructions a bf16
+matmul has no native kernel to run on, and ``auto`` keeps fp32.
 
 What bf16 costs in loss, on the Q&A fine-tune (``effijax data make-example``, SmolLM2, eval
-loss over the held-out assistant tokens, bf16 against fp32): LoRA +0.005 after 40 steps and
-+0.031 after 8 steps at lr 1e-3; full fine-tuning +0.023 to +0.037 after 30 steps in three
-seeds, whose fp32 losses themselves spread over 0.134. Some of it is the evaluation's own bf16
-forward pass: the same fp32-trained weights score 0.020 higher on the whole file evaluated
-in bf16. It is the trade ``auto`` makes on a GPU; ``--precision fp32`` keeps f32 where it
-matters.
+loss over the held-out assistant tokens, bf16 against fp32): LoRA +0.005 and +0.012 after 40
+steps (two seeds) and +0.031 after 8 steps at lr 1e-3; full fine-tuning +0.023 to +0.037 after
+30 steps in three seeds, whose fp32 losses themselves spread over 0.134. Some of it is the
+evaluation's own bf16 forward pass: the same fp32-trained weights score 0.020 higher on the
+whole file evaluated in bf16. It is the trade ``auto`` makes on a GPU; ``--precision fp32``
+keeps f32 where it matters.
 
 The probe reads the CPU's flags from ``/proc/cpuinfo`` (Linux); elsewhere it finds none and
 ``auto`` stays fp32 on the CPU, as before.
@@ -31,9 +31,9 @@ __all__ = ["AutoPrecision", "auto_precision", "cpu_flags", "native_bf16",
 # The CPU flags (as /proc/cpuinfo spells them) of native bf16 matmul instructions, the widest
 # first.
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
-# The narrowest residual width at which ``auto`` picks bf16 on such a CPU: below it the step is
-# mostly work bf16 does not speed up (norms, the head's softmax, casts, small matmuls).
-AUTO_BF16_MIN_WIDTH = 384
+# The narrowest residual width at which ``auto`` picks bf16 on such a CPU: the narrowest at which
+# bf16 was measured faster (1.16x; 0.94x at 128).
+AUTO_BF16_MIN_WIDTH = 256
 
 
 class AutoPrecision(NamedTuple):
@@ -93,7 +93,7 @@ def auto_precision(backend: str, width: int, flags: Iterable[str] = ()) -> AutoP
       >>> auto_precision("cpu", 576, {"avx512_bf16"})
       AutoPrecision(precision='bf16', reason='auto: CPU with AVX512_BF16, width 576')
       >>> auto_precision("cpu", 128, {"avx512_bf16"}).reason
-      'auto: width 128 < 384 on a CPU'
+      'auto: width 128 < 256 on a CPU'
       >>> auto_precision("cpu", 576, {"avx2"}).reason
       'auto: CPU without native bf16'
     """
