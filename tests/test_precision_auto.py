@@ -103,3 +103,25 @@ def test_an_unreadable_run_config_leaves_the_decision_to_the_cpu(cpu, tmp_path):
     cpu(AVX512_BF16)
     decided = _train.decide_precision(TrainConfig(**TINY, out=str(out)), preset("smollm2-135m"))
     assert decided.precision == "bf16" and "the run's own" not in decided.reason
+
+
+@pytest.mark.parametrize("rows, expected", [
+    # Process 1's CPU has no native bf16: one program for both, so fp32.
+    ([[-1, 1], [-1, 0]], AutoPrecision("fp32", "auto: CPU without native bf16")),
+    ([[-1, 1], [-1, 1]], AutoPrecision("bf16", "auto: CPU with AVX512_BF16, width 576")),
+    # Process 0 found the run's config.json (bf16, index 1): every process keeps it.
+    ([[1, 0], [-1, 0]], AutoPrecision("bf16", "auto: the run's own")),
+])
+def test_processes_agree_on_what_auto_decides(cpu, monkeypatch, tmp_path, rows, expected):
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    cpu(AVX512_BF16)
+    sent = []
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(multihost_utils, "process_allgather",
+                        lambda x: sent.append(np.asarray(x).tolist()) or np.asarray(rows))
+    config = TrainConfig(**TINY, out=str(tmp_path / "run"))
+    assert _train.decide_precision(config, preset("smollm2-135m")) == expected
+    assert sent == [[-1, 1]]  # this process (0): no run there, native bf16
