@@ -261,10 +261,11 @@ def test_train_then_generate_on_the_kept_blocks(tiny_file, tmp_path):
     data = tmp_path / "notes.txt"
     data.write_text("the thin cat sat on the mat. " * 200)
     out = tmp_path / "run"
-    result = _effijax("train", "--from", str(tiny_file), "--lora-rank", "4", "--frozen-dtype",
-                      "gguf", "--data", str(data), "--steps", "3", "--batch-size", "2",
-                      "--seq-len", "32", "--eval-batches", "1", "--no-progress", "--out", str(out),
-                      cwd=tmp_path)
+    # fp32 named: the model is 256 wide, where auto is bf16 on a CPU with native bf16.
+    result = _effijax("train", "--from", str(tiny_file), "--precision", "fp32", "--lora-rank",
+                      "4", "--frozen-dtype", "gguf", "--data", str(data), "--steps", "3",
+                      "--batch-size", "2", "--seq-len", "32", "--eval-batches", "1",
+                      "--no-progress", "--out", str(out), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert ("frozen base in float32/gguf Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 (kernels)"
             in result.stdout)
