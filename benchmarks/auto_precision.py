@@ -23,7 +23,7 @@ import argparse
 import os
 
 import jax
-import optax
+from cpu_bf16 import train_step
 from harness import (
     add_write_flag,
     command_line,
@@ -35,7 +35,6 @@ from harness import (
 
 from effijax.models import gpt_config, llama_config
 from effijax.precision import AUTO_BF16_MIN_WIDTH, auto_precision, cpu_flags
-from effijax.recipe import compile_job, init_state, plan_job
 
 MODELS = ("tiny", "mini", "gpt:256", "small", "base", "smollm2")
 PRECISIONS = ("fp32", "bf16")
@@ -59,25 +58,6 @@ def model_of(name: str, layers: int, seq_len: int):
         return gpt_config("mini", d_model=width, n_heads=max(1, width // 64),
                           n_layers=layers).with_seq_len(seq_len)
     return gpt_config(name, n_layers=layers).with_seq_len(seq_len)
-
-
-def _step(model, precision: str, batch_size: int):
-    """A variant running one full training step of ``model`` in ``precision``."""
-    def make():
-        job = plan_job(model, precision, optax.adamw(1e-4, weight_decay=0.01),
-                       batch_size=batch_size)
-        state = init_state(job)
-        step = compile_job(job, census=False).step
-        keys = jax.random.split(jax.random.key(2))
-        feed = {k: jax.random.randint(key, (batch_size, model.seq_len), 0, model.vocab_size)
-                for k, key in zip(("inputs", "targets"), keys, strict=True)}
-        box = [state]
-
-        def run():
-            box[0], metrics = step(box[0], feed)
-            float(metrics["lm_loss"])
-        return run
-    return make
 
 
 def rows_of(models: dict, timing: dict, tokens: int, flags) -> list[dict]:
@@ -138,7 +118,8 @@ def main(argv: list[str] | None = None) -> None:
 
     load_before = os.getloadavg()[0]
     models = {n: model_of(n, args.layers, args.seq_len) for n in names}
-    variants = {f"{n} {p}": _step(m, p, args.batch_size)
+    params = {n: m.init_params(jax.random.key(0)) for n, m in models.items()}
+    variants = {f"{n} {p}": train_step(m, params[n], p, False, "cpu", args.batch_size)
                 for n, m in models.items() for p in PRECISIONS}
     timing = time_interleaved(variants, rounds=args.rounds,
                               steps_per_round=args.steps_per_round, warmup=1, settle=1)

@@ -61,8 +61,10 @@ def _matmul(n: int, lhs_axis: int, rhs_axis: int, lhs_dtype, rhs_dtype):
     return make
 
 
-def _step(model, params, precision: str, lora: bool, backend: str, batch_size: int):
-    """A variant running one train step of the job, traced for ``backend``'s dots."""
+def train_step(model, params, precision: str, lora: bool, backend: str, batch_size: int):
+    """A variant (harness) running one train step of ``model``, AdamW, in ``precision``: of
+    LoRA rank 8 adapters on every projection (``lora``) or of all of ``params``, traced for
+    ``backend``'s dots, on a fixed batch of random tokens."""
     def make():
         spec = LoraSpec(rank=8, alpha=16, targets=model.lora_targets) if lora else None
         with attention_backend(backend):
@@ -104,11 +106,11 @@ def main(argv: list[str] | None = None) -> None:
     params = model.init_params(jax.random.key(0))
     steps = {}
     for mode in ("LoRA", "full"):
-        steps[(mode, "f32")] = _step(model, params, "fp32", mode == "LoRA", "cpu",
+        steps[(mode, "f32")] = train_step(model, params, "fp32", mode == "LoRA", "cpu",
                                      args.batch_size)
-        steps[(mode, "bf16 plain")] = _step(model, params, "bf16", mode == "LoRA", "tpu",
+        steps[(mode, "bf16 plain")] = train_step(model, params, "bf16", mode == "LoRA", "tpu",
                                             args.batch_size)
-        steps[(mode, "bf16")] = _step(model, params, "bf16", mode == "LoRA", "cpu",
+        steps[(mode, "bf16")] = train_step(model, params, "bf16", mode == "LoRA", "cpu",
                                       args.batch_size)
     variants.update({f"{mode} {p}": make for (mode, p), make in steps.items()})
     timing = time_interleaved(variants, rounds=args.rounds,
