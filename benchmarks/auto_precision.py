@@ -4,14 +4,14 @@
 ``effijax.precision.AUTO_BF16_MIN_WIDTH`` wide, fp32 otherwise. This script measures the rule's
 ground: the full training step (AdamW, what ``effijax train`` runs without LoRA) of models of
 several widths, in fp32 and in bf16, every variant interleaved with the others in one process
-(harness). Layers are cut to ``--layers`` (the ratio is per layer: the head, the embedding and
-the loss stay whole), so the whole table takes minutes.
+(harness). Layers are cut to ``--layers`` (the embedding, the head and the loss stay whole), so
+the whole table takes minutes.
 
 Models (``--models``): the GPT presets ``tiny`` (width 64), ``mini`` (128), ``small`` (384) and
 ``base`` (768), on bytes, ``gpt:WIDTH`` (``mini`` at another width, 64 per head), and
 ``smollm2`` (576, a 49,152-token vocabulary; random weights).
-Each row says what ``auto`` picks for that width on this CPU; the rule is right where bf16 /
-f32 > 1 exactly on the rows it marks bf16.
+Each row says what ``auto`` picks for that width on this CPU; the rule holds here when bf16 is
+faster on exactly the rows marked bf16 (the section's last line says whether it did).
 
 Run: ``python benchmarks/auto_precision.py [--models mini,small,smollm2] [--layers 4]
 [--batch-size 8 --seq-len 128] [--write]``.
