@@ -107,11 +107,11 @@ def main(argv: list[str] | None = None) -> None:
     steps = {}
     for mode in ("LoRA", "full"):
         steps[(mode, "f32")] = train_step(model, params, "fp32", mode == "LoRA", "cpu",
-                                     args.batch_size)
+                                          args.batch_size)
         steps[(mode, "bf16 plain")] = train_step(model, params, "bf16", mode == "LoRA", "tpu",
-                                            args.batch_size)
+                                                 args.batch_size)
         steps[(mode, "bf16")] = train_step(model, params, "bf16", mode == "LoRA", "cpu",
-                                      args.batch_size)
+                                           args.batch_size)
     variants.update({f"{mode} {p}": make for (mode, p), make in steps.items()})
     timing = time_interleaved(variants, rounds=args.rounds,
                               steps_per_round=args.steps_per_round, warmup=1)

@@ -278,11 +278,11 @@ class _Worker:
     wider. SmolLM2's bf16 LoRA step at 4 x 128 tokens, the same hour: after three ``peft``
     steps, in one process, effijax's next three took 1.18-1.82 s; after a pause as long, in a
     process of its own, 1.16-1.35 s (the first step after either is left out: it pays for
-    faulting in again the memory it freed, ``--settle``). ``peft``'s
-    took 1.45-2.1 s beside effijax, 1.54-1.93 s in a process of its own, 1.5-3.1 s there with
-    effijax's huge-page tunable (so torch's worker runs without it: side by side, 2.07 s with
-    it and 1.89 s without, medians of 10). A user runs one framework per process; the variants
-    still take turns, so the machine's load falls on all alike.
+    faulting in again the memory it freed, ``--settle``). ``peft``'s took 1.45-2.1 s beside
+    effijax, 1.54-1.93 s in a process of its own, 1.5-3.1 s there with effijax's huge-page
+    tunable (so torch's worker runs without it: side by side, 2.07 s with it and 1.89 s
+    without, medians of 10). A user runs one framework per process; the variants still take
+    turns, so the machine's load falls on all alike.
     """
 
     def __init__(self, framework: str, args):
