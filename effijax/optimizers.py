@@ -169,9 +169,8 @@ def _base(optimizer: str, schedule, weight_decay: float, mask, hyper: dict):
             learning_rate=schedule, b1=hyper["b1"], b2=hyper["b2"], weight_decay=weight_decay,
             mask=mask)
     if optimizer == "adafactor":
-        return optax.inject_hyperparams(optax.adafactor, static_args=("weight_decay_mask",))(
-            learning_rate=schedule, eps=hyper["eps"], weight_decay_rate=weight_decay or None,
-            weight_decay_mask=mask)
+        return optax.inject_hyperparams(_adafactor, static_args=("mask",))(
+            learning_rate=schedule, eps=hyper["eps"], weight_decay=weight_decay, mask=mask)
     if optimizer == "adam":
         inner = optax.inject_hyperparams(optax.adam)(learning_rate=schedule, b1=hyper["b1"],
                                                      b2=hyper["b2"], eps=hyper["eps"])
@@ -183,6 +182,22 @@ def _base(optimizer: str, schedule, weight_decay: float, mask, hyper: dict):
     # Adam and SGD have no decay of their own: L2 decay added to the gradient, as torch's
     # weight_decay does for them (use adamw for the decoupled kind).
     return optax.chain(optax.add_decayed_weights(weight_decay, mask), inner)
+
+
+def _adafactor(learning_rate, eps, weight_decay, mask):
+    """optax's adafactor with its defaults and decoupled weight decay: the update is
+    ``-lr * (adafactor's direction + weight_decay * W)``, as AdamW's and Lion's are.
+
+    Only these four are injected: optax's own ``inject_hyperparams(optax.adafactor)`` also
+    turns its shape arguments (``min_dim_size_to_factor``) into arrays, which its factoring
+    compares with shapes in Python, so no jitted step could run. optax's ``weight_decay_rate``
+    adds ``rate * W`` after the learning rate, a decay of ``rate`` per step whatever the
+    learning rate; here it is scaled by the learning rate of the step.
+    """
+    import optax
+
+    return optax.chain(optax.adafactor(learning_rate, eps=eps),
+                       optax.add_decayed_weights(-learning_rate * weight_decay, mask))
 
 
 def make_optimizer(
