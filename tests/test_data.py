@@ -210,6 +210,37 @@ def test_led_windows_start_with_the_bos_and_reach_the_corpus_end():
         batch_at(Led(corpus, first=2), seed=0, step=0, batch_size=1, seq_len=21)
 
 
+def test_no_window_holds_the_bos_twice_where_the_corpus_has_its_own():
+    """A BOS tokenizer's stream starts each document with the BOS: a training window, an
+    evaluation batch or an evaluation row drawn at a document's start holds it once (at
+    position 0, untrained), never ``BOS, BOS``; every other token stays a target of the rows."""
+    from effijax.data import Led, eval_batches
+    from effijax.recipe._data import text_rows
+
+    docs = [np.arange(10 + 7 * d, 10 + 7 * d + 3 + d % 4) for d in range(12)]
+    stream = np.concatenate([np.concatenate([[2], doc, [1]]) for doc in docs])  # BOS doc EOT
+    led = Led(stream, first=2)
+    for step in range(60):
+        inputs = batch_at(led, seed=3, step=step, batch_size=8, seq_len=5)["inputs"]
+        assert (inputs[:, 0] == 2).all() and not (inputs[:, 1] == 2).any(), inputs
+    every = eval_batches(led, batch_size=len(stream) - 5, seq_len=5, num_batches=1)[0]
+    assert not (every["inputs"][:, 1] == 2).any()  # every start, the BOS ones moved on
+    rows = text_rows(stream, 5, first=2)
+    assert (rows.tokens_NW[:, 0] == 2).all() and not (rows.tokens_NW[:, 1] == 2).any()
+    targets = rows.tokens_NW[rows.mask_NW == 1].tolist()
+    # Every token a target once, in order; only BOS tokens left out (those leading a row),
+    # the stream's first among them.
+    left_out, j = [], 0
+    for i, token in enumerate(stream.tolist()):
+        if j < len(targets) and targets[j] == token:
+            j += 1
+        else:
+            assert token == 2, (i, token)
+            left_out.append(i)
+    assert j == len(targets) and left_out[0] == 0
+    assert rows.filled == len(stream)
+
+
 def test_text_data_of_a_bos_tokenizer_is_led_by_its_bos(tmp_path):
     """Gemma's tokenizer starts every text with <bos>: so does every training and evaluation
     window of text data; a tokenizer without (SmolLM2's) draws plain windows."""

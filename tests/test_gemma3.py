@@ -417,7 +417,13 @@ def test_gemma3_270m_gguf_gives_transformers_logits_and_greedy_ids(gemma3_gguf):
     text.write_text("def mean(xs):\n    return sum(xs) / len(xs)  # 3.14 ±0.01\n\n"
                     "Ünïcödé façade, 東京 and     four spaces.\n" * 6)
     rows, _, _ = load_eval_data(str(text), config, data_format="text")
-    assert (rows.tokens_NW[:, 0] == config.tokenizer.bos_id).all()
+    bos = config.tokenizer.bos_id
+    assert (rows.tokens_NW[:, 0] == bos).all() and not (rows.tokens_NW[:, 1] == bos).any()
+    # One document: its BOS leads the first row, untrained (never BOS, BOS); every token after
+    # it is a target once, in order (the text's ids, then the end of text).
+    ids = config.tokenizer.encode(text.read_text()).tolist()
+    assert rows.tokens_NW[0, 1:].tolist() == ids[:rows.tokens_NW.shape[1] - 1]
+    assert rows.tokens_NW[:, 1:][rows.mask_NW[:, 1:] == 1].tolist()[:-1] == ids
     scored = _scorer(config.loss_fn(), get_policy("fp32"), params, rows, len(rows))
     ours_loss = float(scored(params, {"inputs": rows.tokens_NW[:, :-1],
                                       "targets": rows.tokens_NW[:, 1:],

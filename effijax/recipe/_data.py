@@ -447,7 +447,9 @@ def text_rows(tokens: np.ndarray, seq_len: int, *, pad_id: int = 0, first: int |
     token, as :class:`~effijax.data.Packed` rows: each token after the first is a target exactly
     once; the last row is padded (padding untrained). With ``first`` (a BOS, see
     :class:`~effijax.data.Led`), each row is ``first`` and the next ``seq_len`` tokens, every
-    token of the stream a target once.
+    token of the stream a target once, except where the stream holds ``first`` itself (a
+    document's BOS): a row that would start there starts with that BOS, untrained, as the
+    model reads a text (never ``first`` twice in a row).
 
     Example:
       >>> import numpy as np
@@ -456,16 +458,14 @@ def text_rows(tokens: np.ndarray, seq_len: int, *, pad_id: int = 0, first: int |
       ([[0, 1, 2, 3], [3, 4, 5, 6]], 6)
       >>> text_rows(np.arange(7), 3, first=9).tokens_NW.tolist()
       [[9, 0, 1, 2], [9, 3, 4, 5], [9, 6, 0, 0]]
+      >>> text_rows(np.array([9, 1, 2, 3, 9, 4, 5]), 3, first=9).tokens_NW.tolist()
+      [[9, 1, 2, 3], [9, 4, 5, 0]]
     """
     tokens = np.asarray(tokens).astype(np.int32)
     if tokens.ndim != 1 or tokens.size < 2:
         raise ConfigError("data", tokens.size, "tokens: at least 2 are needed to evaluate")
     if first is not None:
-        tokens = np.concatenate([[first], tokens]).astype(np.int32)
-        rows = text_rows(tokens, seq_len, pad_id=pad_id)
-        rows.tokens_NW[:, 0] = first  # each row's untrained first position: the BOS
-        return Packed(rows.tokens_NW, rows.mask_NW, examples=rows.examples,
-                      filled=int(tokens.size - 1))
+        return _led_rows(tokens, seq_len, pad_id, first)
     n = -(-(tokens.size - 1) // seq_len)
     tokens_NW = np.full((n, seq_len + 1), pad_id, np.int32)
     mask_NW = np.zeros((n, seq_len + 1), np.int32)
@@ -474,6 +474,25 @@ def text_rows(tokens: np.ndarray, seq_len: int, *, pad_id: int = 0, first: int |
         tokens_NW[i, : len(row)] = row
         mask_NW[i, 1: len(row)] = 1
     return Packed(tokens_NW, mask_NW, examples=n, filled=int(tokens.size))
+
+
+def _led_rows(tokens: np.ndarray, seq_len: int, pad_id: int, first: int) -> Packed:
+    """:func:`text_rows` with ``first``: a row is ``first`` (untrained) and the next
+    ``seq_len`` tokens as targets, or, where the next token is ``first`` itself, that token
+    (untrained) and the ``seq_len`` after it."""
+    rows, masks, at = [], [], 0
+    while at < tokens.size:
+        own = tokens[at] == first
+        body = tokens[at + own: at + own + seq_len]
+        row = np.full(seq_len + 1, pad_id, np.int32)
+        row[0], row[1: 1 + body.size] = first, body
+        mask = np.zeros(seq_len + 1, np.int32)
+        mask[1: 1 + body.size] = 1
+        if body.size:
+            rows.append(row)
+            masks.append(mask)
+        at += own + seq_len
+    return Packed(np.stack(rows), np.stack(masks), examples=len(rows), filled=int(tokens.size))
 
 
 def load_eval_data(path: str, model, *, seq_len: int | None = None,
