@@ -37,6 +37,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 
 # Must happen before jax initialises its backends.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -55,6 +56,7 @@ def _huge_pages_for_what_the_suite_starts() -> None:
 
 _huge_pages_for_what_the_suite_starts()
 
+import _budget  # noqa: E402
 import _launch  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -62,31 +64,189 @@ from _run_env import compilation_cache  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_dtype_promotion", "strict")
-# Before anything compiles: JAX decides once per process whether the cache is used. The
-# default threshold (1 s of compile time) keeps the many quick programs off the disk.
-_JAX_CACHE = tempfile.mkdtemp(prefix="effijax-tests-jax-cache-")
-atexit.register(shutil.rmtree, _JAX_CACHE, ignore_errors=True)
-jax.config.update("jax_compilation_cache_dir", _JAX_CACHE)
+# Before anything compiles: JAX decides once per process whether the cache is used. One
+# directory for the run, made by the process that starts pytest-xdist's workers (they inherit
+# its name), so a program one worker compiled the other loads. JAX writes an entry in place;
+# here it is written beside and renamed (_atomic_put), so a worker never reads another's half.
+_CACHE_VARIABLE = "EFFIJAX_TESTS_JAX_CACHE"
+_OWNS_CACHE = _CACHE_VARIABLE not in os.environ
+if _OWNS_CACHE:
+    os.environ[_CACHE_VARIABLE] = tempfile.mkdtemp(prefix="effijax-tests-jax-cache-")
+    atexit.register(shutil.rmtree, os.environ[_CACHE_VARIABLE], ignore_errors=True)
+jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_VARIABLE])
+jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                  float(os.environ.get("EFFIJAX_TESTS_CACHE_MIN_S", "1")))
+
+
+def _atomic_put(self, key: str, value: bytes) -> None:
+    """JAX's ``LRUCache.put`` (no eviction: the cache lives for one run) writing a temporary
+    file and renaming it into place."""
+    path = self.path / f"{key}-cache"
+    if path.exists():
+        return
+    partial = self.path / f".{key}.{os.getpid()}.partial"
+    partial.write_bytes(value)
+    os.replace(partial, path)
+
+
+def _install_atomic_put() -> None:
+    from jax._src import lru_cache
+
+    assert lru_cache._CACHE_SUFFIX == "-cache", "JAX renamed its cache files: see _atomic_put"
+    lru_cache.LRUCache.put = _atomic_put
+
+
+_install_atomic_put()
 
 
 def pytest_unconfigure(config):
-    """Removes this process's compilation cache: a pytest-xdist worker ends without running
-    ``atexit`` handlers, which left each worker's cache (tens of MB) in the temporary folder."""
-    shutil.rmtree(_JAX_CACHE, ignore_errors=True)
+    """Removes the run's compilation cache once (a pytest-xdist worker ends without running
+    ``atexit`` handlers)."""
+    if _OWNS_CACHE:
+        shutil.rmtree(os.environ[_CACHE_VARIABLE], ignore_errors=True)
+
+
+# The budget (tests/_budget.py): what each test process compiled and started, attached to each
+# test's reports; the process that prints the run's summary (pytest-xdist's controller, or the
+# only one) adds them up per module.
+_COSTS = {"compile_s": 0.0, "processes": 0}
+_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
+                   "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                   "/jax/core/compile/backend_compile_duration")
+
+
+def _count_compile(event: str, seconds: float, **_) -> None:
+    if event in _COMPILE_EVENTS:
+        _COSTS["compile_s"] += seconds
+
+
+def _count_processes(event: str, _args) -> None:
+    if event == "subprocess.Popen":
+        _COSTS["processes"] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compile)
+sys.addaudithook(_count_processes)
+_REPORTED = dict(_COSTS)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Attaches to each phase's report what this process compiled and started since the last."""
+    outcome = yield
+    report = outcome.get_result()
+    for key, value in _COSTS.items():
+        report.user_properties.append((f"effijax_{key}", value - _REPORTED[key]))
+        _REPORTED[key] = value
+
+
+def _summarises(config) -> bool:
+    return not hasattr(config, "workerinput")  # not a pytest-xdist worker
+
+
+_RUN: dict = {}  # in the summarising process: "start" (monotonic seconds), "times", "verdict"
+
+
+def pytest_sessionstart(session):
+    if _summarises(session.config):
+        _RUN.update(start=time.monotonic(), times=_budget.ModuleTimes())
+
+
+def pytest_runtest_logreport(report):
+    if "times" in _RUN:
+        costs = {k.removeprefix("effijax_"): v for k, v in report.user_properties
+                 if k.startswith("effijax_")}
+        _RUN["times"].add(report.nodeid, report.when, report.duration, **costs)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Under CI (``CI`` set), a run past the ceiling fails; the summary prints why."""
+    if "times" not in _RUN:
+        return
+    _RUN["verdict"] = _budget.verdict(time.monotonic() - _RUN["start"], _RUN["times"].modules)
+    session.exitstatus = _budget.exit_status(session.exitstatus, _RUN["verdict"][1],
+                                             ci=bool(os.environ.get("CI")))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The 15 slowest modules (``EFFIJAX_TEST_TIMES=FILE`` writes every one to FILE), and the
+    budget's verdict."""
+    if "times" not in _RUN or not _RUN["times"].modules:
+        return
+    modules = _RUN["times"].modules
+    terminalreporter.write_sep("=", "slowest modules (tests/_budget.py)")
+    for line in _budget.table(modules, rows=15):
+        terminalreporter.write_line(line)
+    if os.environ.get("EFFIJAX_TEST_TIMES"):
+        with open(os.environ["EFFIJAX_TEST_TIMES"], "w") as f:
+            f.write("\n".join(_budget.table(modules)) + "\n")
+    line, over = _RUN.get("verdict", (None, False))
+    if line is not None:
+        terminalreporter.write_line(line, red=over, yellow=not over, bold=True)
 
 
 _SLOW_LIST = os.path.join(os.path.dirname(__file__), "slow_tests.txt")
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects, and before xdist renames the ids
 def pytest_collection_modifyitems(config, items):
     """Marks the tests listed in slow_tests.txt (modules or node ids) as slow, so that
-    ``-m "not slow"`` is the fast tier."""
+    ``-m "not slow"`` is the fast tier; groups the tests that share a fixture (see
+    :func:`_sharing_groups`)."""
     with open(_SLOW_LIST) as f:
         listed = {line.strip() for line in f if line.strip() and not line.startswith("#")}
     for item in items:
         module = item.nodeid.split("::")[0]
         if item.nodeid in listed or module in listed:
             item.add_marker(pytest.mark.slow)
+    for item, group in _sharing_groups(items).items():
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
+# Session fixtures cheap enough to build in each worker (a file copied or written in a second),
+# which would otherwise tie their modules into one group.
+_BUILT_IN_EACH_WORKER = {"gemma3_gguf", "launch_corpus"}
+
+
+def _shared_fixtures(item) -> list[str]:
+    """The suite's own fixtures wider than a test that ``item`` uses (module, package or
+    session scope; pytest's own, such as ``tmp_path_factory``, are not the suite's)."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return []
+    return sorted(name for name, defs in info.name2fixturedefs.items()
+                  if defs and defs[-1].scope != "function" and defs[-1].baseid)
+
+
+def _sharing_groups(items) -> dict:
+    """Each test that uses a shared fixture, and the group of tests that run in one pytest-xdist
+    worker (``--dist loadgroup``, in pyproject's addopts), so that each fixture is built once
+    per run: the tests of a module that use one of its fixtures, and across modules, every test
+    of the modules that use the same conftest fixture (test_multihost and test_launchers share
+    their one process of 8 devices and their compilation cache). Tests that share nothing are
+    spread one by one.
+
+    Example: the module of test_interrupts builds its uninterrupted 120-step run once, where
+    two workers each built it when its tests were spread."""
+    parent: dict[str, str] = {}
+
+    def root(x: str) -> str:
+        while parent.setdefault(x, x) != x:
+            x = parent[x]
+        return x
+
+    sharing = {}
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        names = _shared_fixtures(item)
+        if not names:
+            continue
+        sharing[item] = module
+        for name in names:
+            scope = item._fixtureinfo.name2fixturedefs[name][-1].scope
+            if scope == "session" and name not in _BUILT_IN_EACH_WORKER:
+                parent[root(f"fixture {name}")] = root(module)
+    return {item: root(module) for item, module in sharing.items()}
 
 
 @pytest.fixture(autouse=True)
