@@ -74,8 +74,6 @@ if _OWNS_CACHE:
     os.environ[_CACHE_VARIABLE] = tempfile.mkdtemp(prefix="effijax-tests-jax-cache-")
     atexit.register(shutil.rmtree, os.environ[_CACHE_VARIABLE], ignore_errors=True)
 jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_VARIABLE])
-jax.config.update("jax_persistent_cache_min_compile_time_secs",
-                  float(os.environ.get("EFFIJAX_TESTS_CACHE_MIN_S", "1")))
 
 
 def _atomic_put(self, key: str, value: bytes) -> None:
