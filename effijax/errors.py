@@ -61,6 +61,21 @@ class ConfigError(ValueError):
         return ConfigError(field, value, f"{self.field}={self.value!r}: {self.problem}")
 
 
+def all_of(errors: list[ConfigError]) -> ConfigError:
+    """One error for several found together, so that one run names every reason: the first's
+    field and value, then each other's ``field=value: problem``.
+
+    Example:
+      >>> str(all_of([ConfigError("a", 1, "must be 2"), ConfigError("b", 3, "must be 4")]))
+      'a=1: must be 2; and b=3: must be 4'
+    """
+    first, *rest = errors
+    if not rest:
+        return first
+    return ConfigError(first.field, first.value,
+                       "; and ".join([first.problem, *(str(e) for e in rest)]))
+
+
 def _one_line(text: str, limit: int) -> str:
     """``text`` printable on one line (control characters escaped) and at most ``limit``
     characters: a forged file's names and values are the attacker's text."""

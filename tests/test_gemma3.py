@@ -264,8 +264,27 @@ def test_llama_cpp_style_gguf_loads_as_the_directory(tmp_path, plain):
     assert again_config == config
     assert_same_params(again, loaded)
     with pytest.raises(ConfigError, match=r"^sliding_window_pattern=3: a Gemma 3 GGUF has 6 "
-                       r"\(what llama.cpp assumes\); export the Hugging Face directory"):
+                       r"\(what llama.cpp assumes\); and query_pre_attn_scalar=24.0: a Gemma 3 "
+                       r"GGUF has 32.0 \(what llama.cpp assumes\); export the Hugging Face "
+                       r"directory instead$"):
         save_gguf(tmp_path / "no.gguf", gemma3_config("gemma3-tiny"), params)
+    assert not (tmp_path / "no.gguf").exists()
+
+
+def test_a_gguf_refusal_names_every_reason_at_once():
+    """Three settings a Gemma 3 GGUF cannot hold: one refusal names all three (not one per
+    run), then the fix."""
+    from effijax.interop import gguf_format
+
+    model = gemma3_config("gemma-3-270m", rope_local_theta=5e4, final_logit_softcapping=30.0,
+                          sliding_window_pattern=3)
+    with pytest.raises(ConfigError) as e:
+        gguf_format(model)
+    assert str(e.value) == (
+        "sliding_window_pattern=3: a Gemma 3 GGUF has 6 (what llama.cpp assumes); and "
+        "rope_local_theta=50000.0: a Gemma 3 GGUF has 10000.0 (what llama.cpp assumes); and "
+        "final_logit_softcapping=30.0: a Gemma 3 GGUF has None (what llama.cpp assumes); "
+        "export the Hugging Face directory instead")
 
 
 def _hf_fields(**overrides):

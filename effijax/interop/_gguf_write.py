@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from effijax import atomic
-from effijax.errors import ConfigError
+from effijax.errors import ConfigError, all_of
 from effijax.interop._gguf import ROPE_FREQS, permute
 from effijax.interop._gguf_types import GGUF_DTYPES, GGUF_HYPERPARAMETERS
 from effijax.interop._hf import _merged_leaf, export_leaves
@@ -80,24 +80,42 @@ def gguf_format(model):
       ...
       effijax.errors.ConfigError: model='tiny GPT': the gpt family has no Hugging Face ...
     """
-    fmt = _architecture(model)
-    fmt.gguf_metadata(model)  # refuses what the family's GGUF cannot describe
-    if model.tokenizer is not None:
-        gguf_tokenizer_fields(model.tokenizer, model.vocab_size)
-    return fmt
+    return _checked(model)[0]
 
 
-def _architecture(model):
-    """The format ``model`` is written as, once its family and rotary embeddings are checked
-    (:func:`gguf_format` without the metadata and the tokenizer, which :func:`save_gguf`
-    builds, and so checks, itself). Llama 3's scaling goes into ``rope_freqs.weight``, which
-    llama.cpp reads in ``llama`` files only."""
+def _checked(model) -> tuple[Any, dict, dict]:
+    """``(format, family metadata, tokenizer fields)`` of ``model``, every check run before
+    any refusal, so that one error names every reason (a family without a GGUF architecture
+    stops at once: nothing else applies)."""
+    fmt = _written_format(model)
+    errors, results = [], []
+    for check in (lambda: _check_rope(model, fmt), lambda: fmt.gguf_metadata(model),
+                  lambda: {} if model.tokenizer is None else
+                  gguf_tokenizer_fields(model.tokenizer, model.vocab_size)):
+        try:
+            results.append(check())
+        except ConfigError as e:
+            errors.append(e)
+    if errors:
+        raise all_of(errors)
+    return fmt, results[1], results[2]
+
+
+def _written_format(model):
+    """The format ``model`` is written as (Mistral as a Llama, see ``_WRITTEN_AS``); refuses a
+    family without a GGUF architecture."""
     fmt = format_of(model)
     if fmt.gguf_architecture is None and fmt.model_type not in _WRITTEN_AS:
         raise ConfigError("model", model.name, f"the {model.family} family has no GGUF "
                           "architecture")
     if fmt.gguf_architecture is None:  # written, and read back, as that architecture's
         fmt = pretrained_format(gguf_architecture=_WRITTEN_AS[fmt.model_type])
+    return fmt
+
+
+def _check_rope(model, fmt) -> None:
+    """Llama 3's scaling goes into ``rope_freqs.weight``, which llama.cpp reads in ``llama``
+    files only, and only where effijax can read it back."""
     rope_freqs = _rope_freqs(model)
     if rope_freqs is not None and fmt.gguf_architecture != "llama":
         raise ConfigError("rope_scaling", model.rope_scaling, f"llama.cpp reads Llama 3's "
@@ -110,7 +128,6 @@ def _architecture(model):
             raise ConfigError("rope_scaling", model.rope_scaling, f"as {ROPE_FREQS}, it would "
                               f"not be read back: the tensor {e.problem}; export the Hugging "
                               "Face directory") from None
-    return fmt
 
 
 def _rope_freqs(model) -> np.ndarray | None:
@@ -352,12 +369,10 @@ def save_gguf(path: str | os.PathLike, model, params, *, adapters=None, lora=Non
 
     qtype_name = _check_dtype(dtype)
     leaves = export_leaves(model, params, adapters, lora)
-    fmt = _architecture(model)  # the metadata and tokenizer fields are checked as they are built
+    fmt, metadata, tokenizer_fields = _checked(model)
     arch = fmt.gguf_architecture
     fields = {"general.architecture": arch, "general.name": name or model.name,
-              **_hyperparameters(model, arch, fmt.gguf_metadata(model))}
-    if model.tokenizer is not None:
-        fields.update(gguf_tokenizer_fields(model.tokenizer, model.vocab_size))
+              **_hyperparameters(model, arch, metadata), **tokenizer_fields}
     plan = _tensor_plan(model, fmt, leaves, qtype_name)
     rope_freqs = _rope_freqs(model)
     file_type = gguf.LlamaFileType[GGUF_DTYPES[qtype_name][1]]

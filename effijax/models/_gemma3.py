@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from effijax.errors import ConfigError, whole_number
+from effijax.errors import ConfigError, all_of, whole_number
 from effijax.models._decoder import AttentionSpec, LayerInputs, PreNormBlock, preset_config
 from effijax.models._dense import keep, unkeep
 from effijax.models._interface import (
@@ -494,13 +494,18 @@ def _gguf_metadata(model: Gemma3Config) -> dict:
                           "gemma3.block_count": model.n_layers,
                           "gemma3.embedding_length": model.d_model,
                           "gemma3.attention.head_count": model.n_heads})
-    for name, value in (("sliding_window_pattern", fixed["sliding_window_pattern"]),
-                        ("rope_local_theta", fixed["rope_local_theta"]),
-                        ("query_pre_attn_scalar", fixed["query_pre_attn_scalar"]),
-                        ("rope_linear_factor", None), ("final_logit_softcapping", None)):
-        if getattr(model, name) != value:
-            raise ConfigError(name, getattr(model, name), f"a Gemma 3 GGUF has {value} (what "
-                              "llama.cpp assumes); export the Hugging Face directory instead")
+    wrong = [ConfigError(name, getattr(model, name), f"a Gemma 3 GGUF has {value} (what "
+                         "llama.cpp assumes)")
+             for name, value in (("sliding_window_pattern", fixed["sliding_window_pattern"]),
+                                 ("rope_local_theta", fixed["rope_local_theta"]),
+                                 ("query_pre_attn_scalar", fixed["query_pre_attn_scalar"]),
+                                 ("rope_linear_factor", None),
+                                 ("final_logit_softcapping", None))
+             if getattr(model, name) != value]
+    if wrong:  # every reason at once, then the one fix
+        error = all_of(wrong)
+        raise ConfigError(error.field, error.value, f"{error.problem}; export the Hugging Face "
+                          "directory instead")
     return {"gemma3.attention.sliding_window": model.sliding_window}
 
 
