@@ -9,6 +9,10 @@ durations (tests/test_budget.py), never with a timed test.
   (the first test to use a shared fixture pays for building it). Its compile time is what JAX
   reported compiling in the test's own process (tracing, lowering, XLA), not in the processes a
   test starts, which are counted apart.
+* The fast tier (``-m "not slow"``) leaves out the tests marked slow and those
+  tests/slow_tests.txt lists, by one rule: a test of ``FAST_LIMIT_S`` (4 s) or more on 2 cores,
+  or a module whose shared fixtures compile for 20 s or more. Each run names the tests of the
+  fast tier that broke the rule (:meth:`ModuleTimes.strays`), so the list does not drift.
 * ``GOAL_S`` (25 minutes of wall time for the whole suite on 2 cores): past it, one warning line
   names the five slowest modules. ``CEILING_S`` (60 minutes, two thirds of CI's 90): past it,
   the same line is an error, and under CI (``CI`` set) the run fails, so a change that doubles a
@@ -18,9 +22,11 @@ durations (tests/test_budget.py), never with a timed test.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 GOAL_S = 25 * 60
 CEILING_S = 60 * 60
+FAST_LIMIT_S = 4.0  # a test that takes this long on 2 cores belongs outside the fast tier
 
 
 @dataclasses.dataclass
@@ -58,14 +64,61 @@ class ModuleTimes:
 
     def __init__(self):
         self.modules: dict[str, Module] = {}
+        self.fast: dict[str, float] = {}  # the seconds of each fast-tier test (not slow)
 
     def add(self, nodeid: str, when: str, seconds: float, *, compile_s: float = 0.0,
-            processes: int = 0) -> None:
+            processes: int = 0, slow: bool = False) -> None:
+        nodeid = test_id(nodeid)
         module = self.modules.setdefault(module_of(nodeid), Module())
         module.tests += when == "call"
         module.seconds += seconds
         module.compile_s += compile_s
         module.processes += processes
+        if not slow:
+            self.fast[nodeid] = self.fast.get(nodeid, 0.0) + seconds
+
+    def strays(self, limit_s: float = FAST_LIMIT_S) -> list[tuple[str, float]]:
+        """The fast-tier tests that took ``limit_s`` or more, slowest first: what the fast
+        tier's rule leaves out (tests/slow_tests.txt) but no mark or line does yet.
+
+        Example:
+          >>> times = ModuleTimes()
+          >>> times.add("tests/test_a.py::test_x", "setup", 3.0)
+          >>> times.add("tests/test_a.py::test_x", "call", 2.5)
+          >>> times.add("tests/test_a.py::test_y", "call", 9.0, slow=True)
+          >>> times.add("tests/test_a.py::test_z", "call", 1.0)
+          >>> times.strays()
+          [('tests/test_a.py::test_x', 5.5)]
+        """
+        return sorted(((k, v) for k, v in self.fast.items() if v >= limit_s),
+                      key=lambda kv: -kv[1])
+
+
+def test_id(nodeid: str) -> str:
+    """A test's id without the group pytest-xdist appends under ``--dist loadgroup``.
+
+    Example:
+      >>> test_id("tests/test_a.py::test_x[1]@tests/test_a.py")
+      'tests/test_a.py::test_x[1]'
+    """
+    return re.sub(r"@tests/[\w/]+\.py$", "", nodeid)
+
+
+def strays_line(strays: list[tuple[str, float]], limit_s: float = FAST_LIMIT_S) -> str | None:
+    """One line naming the fast-tier tests over the limit (None when there are none).
+
+    Example:
+      >>> strays_line([("tests/test_a.py::test_x", 5.5)])
+      'fast tier: 1 test outside tests/slow_tests.txt took 4 s or more: \
+tests/test_a.py::test_x 5.5 s (list it there, mark it slow, or make it cheaper)'
+    """
+    if not strays:
+        return None
+    names = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in strays[:10])
+    more = f" and {len(strays) - 10} more" if len(strays) > 10 else ""
+    tests, it = ("test", "it") if len(strays) == 1 else ("tests", "them")
+    return (f"fast tier: {len(strays)} {tests} outside tests/slow_tests.txt took {limit_s:g} s "
+            f"or more: {names}{more} (list {it} there, mark {it} slow, or make {it} cheaper)")
 
 
 def minutes(seconds: float) -> str:

