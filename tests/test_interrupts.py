@@ -134,21 +134,34 @@ def _wait_for_batches(proc, log: Path, count: int, timeout=300.0) -> None:
 
 def _wait_for(proc, event, what: str, timeout=300.0) -> None:
     """Until ``event()`` holds; fails naming ``what`` if the process ends or ``timeout`` passes
-    first."""
+    first (the process is killed then: no test after this one inherits it)."""
     deadline = time.monotonic() + timeout
-    while not event():
-        if proc.poll() is not None:
-            stdout, stderr = proc.communicate()
-            raise AssertionError(f"the run ended (exit {proc.returncode}) before {what}:\n"
-                                 f"{stdout}\n{stderr[-3000:]}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {what} in {timeout:.0f} s")
-        time.sleep(0.005)
+    try:
+        while not event():
+            if proc.poll() is not None:
+                raise AssertionError(f"the run ended (exit {proc.returncode}) before {what}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {what} in {timeout:.0f} s")
+            time.sleep(0.005)
+    except BaseException:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        print(stdout, stderr[-3000:])
+        raise
+
+
+def _committed(checkpoints: Path) -> int:
+    """The newest committed step, from the names alone (orbax renames a step's temporary
+    directory to its number when it commits; the run deletes old steps as this looks)."""
+    try:
+        return max((int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()), default=0)
+    except FileNotFoundError:  # no directory yet
+        return 0
 
 
 def _wait_for_commit(proc, checkpoints: Path, start: int) -> None:
     """Until the process has committed a step past ``start``."""
-    _wait_for(proc, lambda: (latest_step(checkpoints) or 0) > start,
+    _wait_for(proc, lambda: _committed(checkpoints) > start,
               f"a checkpoint past step {start} was committed")
 
 

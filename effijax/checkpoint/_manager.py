@@ -576,6 +576,16 @@ def latest_step(directory: str | os.PathLike) -> int | None:
       0
     """
     directory = Path(directory)
+    tries = 3  # a running run may delete an old step while this reads the list
+    for attempt in range(1, tries + 1):
+        try:
+            return _newest(directory)
+        except FileNotFoundError:
+            if attempt == tries:
+                raise
+
+
+def _newest(directory: Path) -> int | None:
     if not directory.is_dir():
         return None
     manager = _manager(directory, every=1, keep=None, async_save=False, reader=True)
