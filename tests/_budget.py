@@ -7,8 +7,8 @@ durations (tests/test_budget.py), never with a timed test.
 
 * A module's time is the sum of its tests' setup, call and teardown: what a worker spent on it
   (the first test to use a shared fixture pays for building it). Its compile time is what JAX
-  reported compiling in the test's own process (tracing, lowering, XLA), not in the processes a
-  test starts, which are counted apart.
+  reported lowering and compiling (XLA) in the test's own process, not in the processes a test
+  starts, which are counted apart.
 * The fast tier (``-m "not slow"``) leaves out the tests marked slow and those
   tests/slow_tests.txt lists, by one rule: a test of ``FAST_LIMIT_S`` (4 s) or more on 2 cores,
   or a module whose shared fixtures compile for 20 s or more. Each run names the tests of the

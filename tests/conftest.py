@@ -109,8 +109,9 @@ def pytest_unconfigure(config):
 # test's reports; the process that prints the run's summary (pytest-xdist's controller, or the
 # only one) adds them up per module.
 _COSTS = {"compile_s": 0.0, "processes": 0}
-_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
-                   "/jax/core/compile/jaxpr_to_mlir_module_duration",
+# Lowering and XLA's compilation (tracing is left out: a jit traced inside another's trace
+# reports its own duration inside the outer one's, which would count twice).
+_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_to_mlir_module_duration",
                    "/jax/core/compile/backend_compile_duration")
 
 
