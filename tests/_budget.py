@@ -74,7 +74,7 @@ class ModuleTimes:
         module.seconds += seconds
         module.compile_s += compile_s
         module.processes += processes
-        if not slow:
+        if not slow and when == "call":  # a shared fixture's setup is its module's cost
             self.fast[nodeid] = self.fast.get(nodeid, 0.0) + seconds
 
     def strays(self, limit_s: float = FAST_LIMIT_S) -> list[tuple[str, float]]:
@@ -83,12 +83,12 @@ class ModuleTimes:
 
         Example:
           >>> times = ModuleTimes()
-          >>> times.add("tests/test_a.py::test_x", "setup", 3.0)
-          >>> times.add("tests/test_a.py::test_x", "call", 2.5)
+          >>> times.add("tests/test_a.py::test_x", "setup", 3.0)  # a fixture: the module's
+          >>> times.add("tests/test_a.py::test_x", "call", 4.5)
           >>> times.add("tests/test_a.py::test_y", "call", 9.0, slow=True)
           >>> times.add("tests/test_a.py::test_z", "call", 1.0)
           >>> times.strays()
-          [('tests/test_a.py::test_x', 5.5)]
+          [('tests/test_a.py::test_x', 4.5)]
         """
         return sorted(((k, v) for k, v in self.fast.items() if v >= limit_s),
                       key=lambda kv: -kv[1])

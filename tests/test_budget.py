@@ -72,9 +72,10 @@ def test_the_ceiling_fails_a_run_under_ci_only(wall_s, ci, status, expected):
 
 def test_fast_tier_tests_over_the_limit_are_named():
     times = _budget.ModuleTimes()
-    # A fixture's setup counts towards the test that built it; xdist's group suffix is dropped.
-    times.add("tests/test_a.py::test_x[1]@tests/test_a.py", "setup", 2.5)
-    times.add("tests/test_a.py::test_x[1]@tests/test_a.py", "call", 1.0)
+    # A test's own call counts (its setup builds fixtures: the module's cost, in its total);
+    # xdist's group suffix is dropped.
+    times.add("tests/test_a.py::test_x[1]@tests/test_a.py", "setup", 20.0)
+    times.add("tests/test_a.py::test_x[1]@tests/test_a.py", "call", 4.0)
     times.add("tests/test_a.py::test_x[1]@tests/test_a.py", "teardown", 0.5)
     times.add("tests/test_a.py::test_y", "call", 3.9)
     times.add("tests/test_b.py::test_z", "call", 30.0, slow=True)
@@ -82,6 +83,7 @@ def test_fast_tier_tests_over_the_limit_are_named():
     assert times.strays() == [("tests/test_b.py::test_w", 12.0),
                               ("tests/test_a.py::test_x[1]", 4.0)]
     assert times.modules["tests/test_a.py"].tests == 2
+    assert times.modules["tests/test_a.py"].seconds == 28.4
     line = _budget.strays_line(times.strays())
     assert line.startswith("fast tier: 2 tests outside tests/slow_tests.txt took 4 s or more: "
                            "tests/test_b.py::test_w 12.0 s, tests/test_a.py::test_x[1] 4.0 s")
