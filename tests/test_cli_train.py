@@ -62,6 +62,8 @@ def test_auto_precision_is_fp32_on_cpu_and_accumulation_runs(tmp_path, corpus):
         (["--steps", "5", "--accumulate", "2"], "--steps=5: must be a multiple of accumulate=2: "
          "e.g. 6"),
         (["--out", "{file}/run"], "cannot write there"),
+        (["--out", ""], "--out='': is empty (an unset shell variable?); name the run "
+         "directory, e.g. --out runs/mine"),
     ],
 )
 def test_bad_flags_fail_before_compiling(flags, message, capsys, tmp_path):

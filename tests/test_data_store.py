@@ -270,6 +270,9 @@ def test_column_and_format_errors_name_the_file_before_anything_runs(corpus, tmp
     with pytest.raises(ConfigError, match="chat records are rendered with a model's chat "
                                           "template: name the model with --from"):
         prepare(corpus / "qa.jsonl", tmp_path / "s")
+    for processes in (0, -1, 1.5):  # 0 once meant every core, silently
+        with pytest.raises(ConfigError, match=rf"^processes={processes}: must be an integer"):
+            prepare(corpus / "txt", tmp_path / "s", processes=processes)
     # load_dataset never reads a table as bytes: refused with the commands that prepare it
     # (effijax train prepares it itself: test_prepared_data).
     for source in (corpus / "docs.parquet", corpus / "docs.arrow", tmp_path):

@@ -298,6 +298,9 @@ class TrainConfig:
 
     def __post_init__(self):
         _check_types(self)
+        if not self.out.strip():  # "" would write config.json and loss.png into "."
+            raise ConfigError("out", self.out, "is empty (an unset shell variable?); name the "
+                              "run directory, e.g. --out runs/mine")
         for name in ("steps", "batch_size", "accumulate", "checkpoint_every", "keep",
                      "join_timeout"):
             _at_least(name, getattr(self, name), 1)

@@ -52,7 +52,7 @@ from effijax.data import (
     remove_work,
     token_dtype,
 )
-from effijax.errors import ConfigError, FileError
+from effijax.errors import ConfigError, FileError, whole_number
 from effijax.recipe._config import BUNDLED
 from effijax.recipe._data import _chat_examples, template_digest
 from effijax.recipe._sources import (
@@ -386,6 +386,8 @@ def prepare(source: str | os.PathLike, out: str | os.PathLike, *, tokenizer=None
     if (isinstance(val_fraction, bool) or not isinstance(val_fraction, int | float)
             or not 0.0 < val_fraction < 1.0):
         raise ConfigError("val_fraction", val_fraction, "expected a fraction in (0, 1), e.g. 0.05")
+    if processes is not None:  # 0 is no count of processes (it once meant "every core")
+        whole_number("processes", processes)
     processes = processes or os.cpu_count() or 1
     say = print_fn or (lambda line: None)
     out = Path(out)
