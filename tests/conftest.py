@@ -3,15 +3,19 @@
 Every test in the suite sees the same 8 CPU devices, so no test forces a device count of its own
 (that would split the run). Strict promotion makes silent upcasts (bf16 + f32 -> f32) errors.
 
-Each test process keeps JAX's persistent compilation cache in a directory of its own, removed
-when it exits: the suite builds the same small models' programs in many tests (a fresh
-``jax.jit`` each time), and a program that took a second or more to compile is loaded, not
-compiled, the next time any test of that process builds it (measured: 14% less CPU time over
-test_step, test_sharded_training, test_lora and test_decoder; within noise over test_sharding,
-test_packing, test_memory_measure, test_attention_impl and test_census, which repeat few
-programs). The cached executable is the one XLA compiled; nothing a test computes changes. Only
-this process uses it: subprocesses that tests start get no cache unless the test gives them one
-(a killed process can leave a partial entry behind), so what they compile is as before.
+The test processes of a run (pytest-xdist's workers) share JAX's persistent compilation cache
+in one directory, removed when the run ends: the suite builds the same small models' programs in
+many tests (a fresh ``jax.jit`` each time), and a program that took a second or more to compile
+is loaded, not compiled, the next time any test of either worker builds it (measured: 14% less
+CPU time over test_step, test_sharded_training, test_lora and test_decoder with a cache per
+process; the fast tier 2 min 55 s -> 2 min 28-38 s once the workers shared one). The cached
+executable is the one XLA compiled; nothing a test computes changes. Subprocesses that tests
+start get no cache unless the test gives them one (a killed process can leave a partial entry
+behind), so what they compile is as before.
+
+Every run ends with the table of its slowest modules and the budget's verdict
+(tests/_budget.py, tests/README.md), and with ``-n`` distributes by ``--dist loadgroup``: tests
+that share a fixture run in one worker.
 
 The suite compiles with ``JAX_DISABLE_MOST_OPTIMIZATIONS=1`` (XLA's lowest backend optimisation,
 no expensive LLVM passes), and so do the ``effijax`` processes tests start, which inherit the
@@ -192,6 +196,26 @@ def pytest_terminal_summary(terminalreporter):
 _SLOW_LIST = os.path.join(os.path.dirname(__file__), "slow_tests.txt")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist turns -n into --dist load
+def pytest_cmdline_main(config):
+    """``-n N`` distributes with ``--dist loadgroup`` unless a ``--dist`` is given, so that the
+    tests that share a fixture run in one worker (:func:`_sharing_groups`)."""
+    if getattr(config.option, "numprocesses", None) and config.option.dist == "no":
+        config.option.dist = "loadgroup"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """Tells each worker the controller's choice: a worker reads the command line again, where
+    ``--dist`` was not written."""
+    node.workerinput["effijax_loadgroup"] = node.config.option.dist == "loadgroup"
+
+
+def pytest_configure(config):
+    if getattr(config, "workerinput", {}).get("effijax_loadgroup"):
+        config.option.loadgroup = True  # the worker names its grouped tests' ids by group
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects, and before xdist renames the ids
 def pytest_collection_modifyitems(config, items):
     """Marks the tests listed in slow_tests.txt (modules or node ids) as slow, so that
@@ -224,11 +248,11 @@ def _shared_fixtures(item) -> list[str]:
 
 def _sharing_groups(items) -> dict:
     """Each test that uses a shared fixture, and the group of tests that run in one pytest-xdist
-    worker (``--dist loadgroup``, in pyproject's addopts), so that each fixture is built once
-    per run: the tests of a module that use one of its fixtures, and across modules, every test
-    of the modules that use the same conftest fixture (test_multihost and test_launchers share
-    their one process of 8 devices and their compilation cache). Tests that share nothing are
-    spread one by one.
+    worker (``--dist loadgroup``, see :func:`pytest_cmdline_main`), so that each fixture is
+    built once per run: the tests of a module that use one of its fixtures, and across modules,
+    every test of the modules that use the same conftest fixture (test_multihost and
+    test_launchers share their one process of 8 devices and their compilation cache). Tests
+    that share nothing are spread one by one.
 
     Example: the module of test_interrupts builds its uninterrupted 120-step run once, where
     two workers each built it when its tests were spread."""
