@@ -81,10 +81,13 @@ if _OWNS_CACHE:
 jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_VARIABLE])
 
 
+from jax._src import lru_cache  # noqa: E402  (JAX's persistent cache, patched below)
+
+
 def _atomic_put(self, key: str, value: bytes) -> None:
     """JAX's ``LRUCache.put`` (no eviction: the cache lives for one run) writing a temporary
-    file and renaming it into place."""
-    path = self.path / f"{key}-cache"
+    file and renaming it into place, under the name JAX reads."""
+    path = self.path / f"{key}{lru_cache._CACHE_SUFFIX}"
     if path.exists():
         return
     partial = self.path / f".{key}.{os.getpid()}.partial"
@@ -92,14 +95,7 @@ def _atomic_put(self, key: str, value: bytes) -> None:
     os.replace(partial, path)
 
 
-def _install_atomic_put() -> None:
-    from jax._src import lru_cache
-
-    assert lru_cache._CACHE_SUFFIX == "-cache", "JAX renamed its cache files: see _atomic_put"
-    lru_cache.LRUCache.put = _atomic_put
-
-
-_install_atomic_put()
+lru_cache.LRUCache.put = _atomic_put
 
 
 def pytest_unconfigure(config):
