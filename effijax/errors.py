@@ -5,7 +5,7 @@ from __future__ import annotations
 import numbers
 
 __all__ = ["ConfigError", "FileError", "SaveError", "WriteError", "NO_VALUE", "whole_number",
-           "INT32_MAX"]
+           "INT32_MAX", "all_of"]
 
 INT32_MAX = 2**31 - 1  # steps, batches, seeds and sizes that reach the device are int32
 
