@@ -5,7 +5,7 @@ from __future__ import annotations
 import numbers
 
 __all__ = ["ConfigError", "FileError", "SaveError", "WriteError", "NO_VALUE", "whole_number",
-           "INT32_MAX", "all_of"]
+           "INT32_MAX", "all_of", "path_name", "NAME_MAX", "PATH_MAX"]
 
 INT32_MAX = 2**31 - 1  # steps, batches, seeds and sizes that reach the device are int32
 
@@ -205,3 +205,45 @@ def whole_number(field: str, value, *, minimum: int = 1, maximum: int | None = I
         raise ConfigError(field, value, f"must be an integer {bound}" +
                           (" (or None)" if none else ""))
     return int(value)
+
+
+NAME_MAX, PATH_MAX = 255, 4095  # bytes in one file name, and in a whole path (Linux)
+
+
+def path_name(field: str, value: str) -> str:
+    """``value`` when the operating system can take it as a path, else a :class:`ConfigError`
+    naming ``field``: a NUL character, bytes that are not UTF-8 (an argument Python could not
+    decode; every file effijax writes records its paths in JSON), a name over 255 bytes or a
+    path over 4,095. Nothing is read from the disk.
+
+    Example:
+      >>> path_name("out", "runs/mine")
+      'runs/mine'
+      >>> path_name("out", "runs/" + "x" * 300)  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ...
+      effijax.errors.ConfigError: out=...: the name ... is 300 bytes, over the 255 ...
+    """
+    if "\0" in value:
+        raise ConfigError(field, value, "holds a NUL character, which no path can; check where "
+                          "the value came from")
+    try:
+        encoded = value.encode("utf-8")
+    except UnicodeEncodeError:
+        shown = value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        raise ConfigError(field, NO_VALUE, f"'{_shown(shown)}' holds bytes that are not UTF-8 "
+                          "(run records keep their paths as text); name it in UTF-8") from None
+    if len(encoded) > PATH_MAX:
+        raise ConfigError(field, _shown(value), f"is {len(encoded):,} bytes long, over the "
+                          f"{PATH_MAX:,} a path may have; use a shorter path")
+    for name in value.split("/"):
+        if len(name.encode("utf-8")) > NAME_MAX:
+            raise ConfigError(field, _shown(value), f"the name {_shown(name)!r} is "
+                              f"{len(name.encode('utf-8')):,} bytes, over the {NAME_MAX} a file "
+                              "name may have; use a shorter name")
+    return value
+
+
+def _shown(text: str, limit: int = 60) -> str:
+    """A long value shortened for a message (its start and length say which it is)."""
+    return text if len(text) <= limit else text[:limit - 3] + "..."

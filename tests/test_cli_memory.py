@@ -106,6 +106,9 @@ def test_plan_that_does_not_fit_exits_1(capsys):
             ["argument --device-memory: '80': a size needs a unit: write e.g. '80GB' "
              "(10**9 bytes), '80GiB' (2**30 bytes), '512MiB', or '80B' for bytes"],
         ),
+        (["memory", "--params", "1e30"], ["argument --params: '1e30': is more than 1e15"]),
+        (["plan", "--model", "tiny", "--devices", "8", "--device-memory", "1e400GB"],
+         ["argument --device-memory: '1e400GB': is more than 1e18 bytes"]),
     ],
 )
 def test_bad_flags_exit_2(argv, expected, capsys):

@@ -64,9 +64,20 @@ def test_auto_precision_is_fp32_on_cpu_and_accumulation_runs(tmp_path, corpus):
         (["--out", "{file}/run"], "cannot write there"),
         (["--out", ""], "--out='': is empty (an unset shell variable?); name the run "
          "directory, e.g. --out runs/mine"),
+        # Hostile settings: each a line, nothing traced or written.
+        (["--lr", "1e308"], "--lr=1e+308: must be > 0 and at most 10"),
+        (["--prefetch", "1000000000"], "--prefetch=1000000000: must be at most 64"),
+        (["--batch-size", "1000000000"], "1,000,000,000 sequences of 128 tokens is "
+         "128,000,000,000 tokens a step, over the 2,147,483,647 a step counts; use at most "
+         "16,777,215"),
+        (["--out", "runs/" + "x" * 300], "is 300 bytes, over the 255 a file name may have"),
+        (["--out", "runs/\udcff\udcfe"], "--out: 'runs/\\xff\\xfe' holds bytes that are not "
+         "UTF-8"),
+        (["--data", "/tmp/" + "d" * 5000], "is 5,005 bytes long, over the 4,095 a path may have"),
     ],
 )
-def test_bad_flags_fail_before_compiling(flags, message, capsys, tmp_path):
+def test_bad_flags_fail_before_compiling(flags, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a run directory that slipped through lands here, not in ours
     a_file = tmp_path / "a-file"
     a_file.write_text("")
     flags = [f.replace("{file}", str(a_file)) for f in flags]
@@ -75,6 +86,23 @@ def test_bad_flags_fail_before_compiling(flags, message, capsys, tmp_path):
     assert compiled == []  # pre-flight: nothing was compiled
     err = capsys.readouterr().err
     assert message in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # nothing written
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("run.toml", "", "holds no settings; give the file of settings you meant, or leave --config "
+     "out"),
+    ("run.toml", "# only a comment\n", "holds no settings"),
+    ("run.json", '{"data": "a\\u0000b"}', "data='a\\x00b': holds a NUL character"),
+])
+def test_a_config_file_that_cannot_be_meant_is_one_line(name, text, message, capsys, tmp_path):
+    config = tmp_path / name
+    config.write_text(text)
+    assert main(["train", "--config", str(config), "--out", str(tmp_path / "r")]) == 2
+    assert not (tmp_path / "r").exists()
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.slow

@@ -288,6 +288,7 @@ def test_model_states_rejects_non_positive_counts(bad, match):
         (7_000_000_000, 7_000_000_000),
         (7e9, 7_000_000_000),
         ("0", 0),
+        ("1000T", 10**15),  # the largest taken
     ],
 )
 def test_parse_count(text, expected):
@@ -307,6 +308,7 @@ def test_parse_count(text, expected):
         ("1024 b", 1024),
         ("2KB", 2000),
         ("0.5KiB", 512),
+        ("1000000TB", 10**18),  # the largest taken
     ],
 )
 def test_parse_bytes(text, expected):
@@ -325,6 +327,8 @@ def test_parse_bytes(text, expected):
         (parse_count, None, "expected an int"),
         (parse_count, True, "expected a number"),
         (parse_count, float("nan"), "expected a finite number"),
+        (parse_count, "1e30", r"is more than 1e15 \(1,000T\), far beyond any model"),
+        (parse_count, "1001T", "is more than 1e15"),
         (parse_bytes, "-1GB", "must be non-negative"),
         (parse_bytes, "80GiBs", r"unknown unit 'GiBs'.*KiB, MiB, GiB"),
         (parse_bytes, "eighty", "cannot parse"),
@@ -334,6 +338,8 @@ def test_parse_bytes(text, expected):
         (parse_bytes, 80 * 10**9, r"a size needs a unit: write e.g. '80000000000GB'"),
         (parse_bytes, 2.5, "a size needs a unit"),
         (parse_bytes, None, "expected a size with a unit"),
+        (parse_bytes, "1e400GB", r"is more than 1e18 bytes \(1,000,000 TB\), far beyond any "
+         "device"),
     ],
 )
 def test_parse_errors(parse, bad, match):

