@@ -509,3 +509,40 @@ def test_truncate_metrics(tmp_path):
     assert len(said) == 1 and "line 2 is not a metrics record" in said[0], said
     assert read_metrics(tmp_path / "bad.jsonl") == [{"step": 1}]
     assert os.path.exists(tmp_path / "bad.jsonl")
+
+
+def test_truncate_metrics_says_which_steps_are_lost_and_puts_the_rest_in_order(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    lines = [f'{{"step": {s}, "loss": {1.0 / s}}}\n' for s in (6, 2, 1, 2, 9, 4, 7)]
+    path.write_text("".join(lines))
+    said = []
+    # Steps 7 and 9 are past the checkpoint, step 2 is recorded twice: three dropped.
+    assert truncate_metrics(path, 6, report=said.append) == 3
+    assert [r["step"] for r in read_metrics(path)] == [1, 2, 4, 6]
+    assert said == [f"effijax: {path}: records out of step order; put them back in order",
+                    f"effijax: {path}: holds no record of 2 of steps 1-6 (3, 5); the run's "
+                    "whole-run numbers (summary.json, loss.png) leave them out, and "
+                    "summary.json counts them as missing_metrics"]
+    said.clear()
+    assert truncate_metrics(path, 6, report=said.append) == 0  # in order now; 3, 5 still lost
+    assert len(said) == 1 and "holds no record of 2 of steps 1-6 (3, 5)" in said[0]
+    path.unlink()
+    assert truncate_metrics(path, 4, report=said.append) == 0
+    assert said[-1] == (f"effijax: {path}: missing, so the run's whole-run numbers "
+                        "(summary.json, loss.png) leave out steps 1-4; summary.json counts them "
+                        "as missing_metrics")
+    said.clear()
+    assert truncate_metrics(path, 0, report=said.append) == 0 and said == []  # nothing to lose
+
+
+def test_the_whole_run_numbers_count_the_steps_without_records(tmp_path):
+    from effijax.recipe._finish import _whole_run
+
+    records = [{"step": s, "loss": float(s), "tokens": 10} for s in (5, 1, 2, 6)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    whole = _whole_run(tmp_path, {"steps": 6, "start_step": 4})
+    assert whole == {"final_loss": 3.5, "final_loss_steps": 4, "trained_tokens": 40,
+                     "missing_metrics": 2}
+    records += [{"step": s, "loss": float(s), "tokens": 10} for s in (3, 4)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert "missing_metrics" not in _whole_run(tmp_path, {"steps": 6, "start_step": 4})

@@ -8,7 +8,9 @@ then completes the run's end, and its exports are byte-equal to an uninterrupted
 
 import errno
 import os
+import re
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from effijax.checkpoint import ROOM_FILE, lock_run_dir
 from effijax.cli import main
 from effijax.errors import ConfigError, WriteError
 from effijax.recipe import TrainConfig, train
+from effijax.recipe._report import summary_step
 
 TINY = dict(model="tiny", seq_len=16, batch_size=2, eval_batches=1, progress=False, steps=3,
             checkpoint_every=2)
@@ -120,10 +123,79 @@ def test_a_run_directory_with_a_planted_link_is_refused(tmp_path, corpus, name):
     out.mkdir()
     outside.write_text("precious")
     os.symlink(outside, out / name)
-    with pytest.raises(ConfigError, match=f"holds symbolic links where effijax writes "
-                       rf"\({name} -> {outside}\)"):
+    with pytest.raises(ConfigError, match=f"holds what effijax never writes there: "
+                       rf"{name} -> {outside} \(a symbolic link\)"):
         train(TrainConfig(data=corpus, out=str(out), **TINY))
     assert outside.read_text() == "precious"
+
+
+def _outside_dir(out):
+    """A folder outside the run directory with a file in it, and the run directory."""
+    outside = out.parent / "outside"
+    outside.mkdir()
+    (outside / "precious.txt").write_text("precious")
+    out.mkdir()
+    return outside
+
+
+def _link_checkpoints(out, outside):
+    os.symlink(outside, out / "checkpoints")
+    return "checkpoints -> {outside} (a symbolic link)"
+
+
+def _link_a_step(out, outside):
+    (out / "checkpoints").mkdir()
+    os.symlink(outside, out / "checkpoints" / "2")
+    return "checkpoints/2 -> {outside} (a symbolic link)"
+
+
+def _hard_link_the_lock(out, outside):
+    os.link(outside / "precious.txt", out / ".effijax.lock")
+    return ".effijax.lock (a file with 2 names: hard links to it are elsewhere)"
+
+
+def _hard_link_the_metrics(out, outside):
+    os.link(outside / "precious.txt", out / "metrics.jsonl")
+    return "metrics.jsonl (a file with 2 names"
+
+
+def _fifo_summary(out, outside):
+    os.mkfifo(out / "summary.json")
+    return "summary.json (a FIFO, where effijax writes a file)"
+
+
+@pytest.mark.parametrize("plant", [_link_checkpoints, _link_a_step, _hard_link_the_lock,
+                                   _hard_link_the_metrics, _fifo_summary])
+def test_a_run_directory_holding_what_effijax_never_writes_is_refused(tmp_path, corpus, plant):
+    out = tmp_path / "run"
+    outside = _outside_dir(out)
+    said = plant(out, outside).format(outside=outside)
+    with pytest.raises(ConfigError, match="holds what effijax never writes there: .*"
+                       + re.escape(said)):
+        train(TrainConfig(data=corpus, out=str(out), **TINY))
+    assert [p.name for p in outside.iterdir()] == ["precious.txt"]
+    assert (outside / "precious.txt").read_text() == "precious"
+
+
+def test_a_new_run_directory_keeps_an_export_folder_it_did_not_write(tmp_path, corpus):
+    out = tmp_path / "run"
+    (out / "hf").mkdir(parents=True)
+    (out / "hf" / "mine.txt").write_text("mine")
+    with pytest.raises(ConfigError, match=re.escape("holds hf/ but no effijax run (no "
+                                                    "config.json): the run's exports would "
+                                                    "replace them")):
+        train(TrainConfig(data=corpus, out=str(out), **TINY))
+    assert (out / "hf" / "mine.txt").read_text() == "mine"
+
+
+def test_the_finished_check_never_blocks_on_a_fifo(tmp_path):
+    os.mkfifo(tmp_path / "summary.json")
+    seen = []
+    reader = threading.Thread(target=lambda: seen.append(summary_step(tmp_path)), daemon=True)
+    reader.start()
+    reader.join(10)
+    assert not reader.is_alive(), "summary_step opened the FIFO and waits for a writer"
+    assert seen == [None]
 
 
 def test_the_lock_never_opens_a_link(tmp_path):

@@ -40,6 +40,9 @@ def truncate_metrics(metrics_path: str | os.PathLike, step: int, *,
     whole-number ``"step"``: a last line cut short by a kill, or a line edited or corrupted
     anywhere) is dropped too, and said in one line to ``report`` unless it is the last: the
     log is rebuilt from the records up to the checkpoint's step, and a resume never stops on it.
+    The records kept are put in step order (a step recorded twice keeps its last record), and
+    steps of ``1..step`` with no record (a deleted or damaged file) are said in one line: the
+    whole-run numbers computed from the file leave them out, and ``summary.json`` counts them.
 
     Args:
       metrics_path: the ``metrics.jsonl`` file, or the run directory holding it.
@@ -69,11 +72,15 @@ def truncate_metrics(metrics_path: str | os.PathLike, step: int, *,
     path = Path(metrics_path)
     if path.is_dir():
         path = path / "metrics.jsonl"
-    if not path.exists():
-        return 0
     report = report or (lambda line: print(line, file=sys.stderr, flush=True))
+    if not path.exists():
+        if step:
+            report(f"effijax: {path}: missing, so the run's whole-run numbers (summary.json, "
+                   f"loss.png) leave out steps 1-{step:,}; summary.json counts them as "
+                   "missing_metrics")
+        return 0
     lines = path.read_bytes().splitlines(keepends=True)
-    kept, dropped = [], 0
+    kept, dropped = {}, 0
     for i, line in enumerate(lines):
         if not line.strip():
             continue
@@ -82,10 +89,31 @@ def truncate_metrics(metrics_path: str | os.PathLike, step: int, *,
             shown = line.decode("utf-8", "replace").strip()[:80]
             report(f"effijax: {path}: line {i + 1} is not a metrics record ({shown!r}); "
                    "dropped it")
-        if record_step is None or record_step > step:
+        if record_step is None or not 1 <= record_step <= step:
             dropped += 1
-        else:
-            kept.append(line if line.endswith(b"\n") else line + b"\n")
-    with write_errors(path.parent):
-        atomic.write_bytes(path, b"".join(kept))  # never through a link planted at its temp name
+        else:  # a step recorded twice keeps its last record
+            dropped += record_step in kept
+            kept[record_step] = line if line.endswith(b"\n") else line + b"\n"
+    if list(kept) != sorted(kept):
+        report(f"effijax: {path}: records out of step order; put them back in order")
+    missing = step - len(kept)
+    if missing:
+        report(f"effijax: {path}: holds no record of {missing:,} of steps 1-{step:,} "
+               f"({_ranges(sorted(set(range(1, step + 1)) - set(kept)))}); the run's whole-run "
+               "numbers (summary.json, loss.png) leave them out, and summary.json counts them "
+               "as missing_metrics")
+    with write_errors(path.parent):  # never through a link planted at its temporary name
+        atomic.write_bytes(path, b"".join(kept[s] for s in sorted(kept)))
     return dropped
+
+
+def _ranges(steps: list[int], most: int = 4) -> str:
+    """``[1, 2, 3, 7]`` as ``"1-3, 7"`` (the first ``most`` ranges, then how many more)."""
+    runs: list[list[int]] = []
+    for s in steps:
+        if runs and s == runs[-1][1] + 1:
+            runs[-1][1] = s
+        else:
+            runs.append([s, s])
+    shown = [f"{a}-{b}" if b > a else f"{a}" for a, b in runs[:most]]
+    return ", ".join(shown) + (f" and {len(runs) - most} more" if len(runs) > most else "")

@@ -3,7 +3,7 @@
 TensorBoard's events go to ``OUT/tensorboard`` and the profiler's traces to ``OUT/profile``
 (the profiler's writer adds ``plugins/profile/<time>/`` below it). A link planted at any of them
 would send those writes to a file elsewhere, so it is refused in one line, as the run
-directory's own files are (``effijax.recipe``'s ``refuse_links``); the files inside are created
+directory's own files are (``effijax.recipe``'s ``refuse_planted``); the files inside are created
 by their writers without following links.
 """
 

@@ -145,10 +145,14 @@ def _whole_run(out: Path, summary: dict) -> dict:
         return {}  # another process of the run, or a file it cannot read: this session's
     if not records:
         return {}
+    records = sorted(records, key=lambda r: r.get("step", 0))
     tail = [float(r["loss"]) for r in records[-10:] if "loss" in r]
     whole = {"final_loss": float(np.mean(tail)) if tail else float("nan"),
              "final_loss_steps": len(tail),
              "trained_tokens": int(sum(r.get("tokens", 0) for r in records))}
+    missing = summary["steps"] - len({r.get("step") for r in records})
+    if missing > 0:  # lost or damaged before a resume: the numbers above leave them out
+        whole["missing_metrics"] = missing
     if summary["steps"] == summary["start_step"]:
         rates = [float(r["tokens_per_s"]) for r in records[1:] if "tokens_per_s" in r]
         whole["tokens_per_s"] = float(np.median(rates)) if rates else float("nan")

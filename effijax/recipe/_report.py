@@ -7,12 +7,13 @@ This module imports no JAX (the CLI's Ctrl-C handler calls :func:`summary_step`)
 from __future__ import annotations
 
 import dataclasses
-import json
 import shlex
 import sys
 from pathlib import Path
 
-from effijax.recipe._config import BUNDLED
+from effijax.data import read_json
+from effijax.errors import ConfigError
+from effijax.recipe._config import BUNDLED, MAX_CONFIG_BYTES
 
 __all__ = ["start", "eval_start", "done", "stopped", "finished_before", "warn", "title",
            "summary_extras", "summary_step"]
@@ -135,8 +136,14 @@ def done(config, summary: dict) -> None:
     print(f"done: {steps} in {summary['wall_time_s']:.1f}s, final loss "
           f"{summary['final_loss']:.4f} ({_mean_of(summary)}){ev}, "
           f"{summary['tokens_per_s']:.0f} tokens/s{_trained(summary)}, "
-          f"{summary['skipped_steps']} skipped; "
+          f"{summary['skipped_steps']} skipped{_missing(summary)}; "
           f"wrote {config.out}/", flush=True)
+
+
+def _missing(summary: dict) -> str:
+    """What the whole-run numbers leave out: steps whose metrics records were lost."""
+    n = summary.get("missing_metrics")
+    return f", {n} steps without metrics records (left out of the loss and tokens)" if n else ""
 
 
 def _mean_of(summary: dict) -> str:
@@ -184,8 +191,8 @@ def summary_step(out) -> int | None:
       >>> summary_step(d)
       6
     """
-    try:
-        step = json.loads((Path(out) / "summary.json").read_text()).get("steps")
-    except (OSError, ValueError, AttributeError):
+    try:  # bounded and regular files only: a FIFO planted there would block forever
+        step = read_json(Path(out) / "summary.json", limit=MAX_CONFIG_BYTES).get("steps")
+    except ConfigError:
         return None
     return step if isinstance(step, int) else None

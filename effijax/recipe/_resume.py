@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +28,11 @@ from effijax.checkpoint import (
     restore_target,
     set_aside,
 )
+from effijax.data import read_json
 from effijax.errors import ConfigError
 from effijax.models import model_from_dict
 from effijax.recipe import _identity, _report
-from effijax.recipe._config import TrainConfig
+from effijax.recipe._config import MAX_CONFIG_BYTES, TrainConfig
 
 __all__ = ["agree", "lock", "read_run_json", "restore", "set_aside_bad", "no_intact_step"]
 
@@ -88,14 +88,7 @@ def read_run_json(path: Path, *, need_model: bool = True) -> dict:
       ...
       effijax.errors.ConfigError: .../config.json:steps=-3: must be an integer >= 1
     """
-    try:
-        values = json.loads(path.read_text())
-    except OSError as e:
-        raise ConfigError(str(path), None, f"cannot read it ({e.strerror})") from None
-    except ValueError as e:
-        raise ConfigError(str(path), None, f"not valid JSON ({e})") from None
-    if not isinstance(values, dict):
-        raise ConfigError(str(path), type(values).__name__, "expected a JSON object")
+    values = read_json(path, limit=MAX_CONFIG_BYTES)  # a FIFO or a 3 GB file is never read
     try:
         TrainConfig.from_dict(values)
     except ConfigError as e:

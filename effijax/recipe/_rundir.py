@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import stat
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -29,7 +30,7 @@ from effijax.recipe._finish import missing_exports
 from effijax.recipe._report import summary_step
 from effijax.run import RunDir
 
-__all__ = ["RunStart", "run_record", "open_run", "refuse_links"]
+__all__ = ["RunStart", "run_record", "open_run", "refuse_planted"]
 
 
 class RunStart(NamedTuple):
@@ -106,10 +107,10 @@ def open_run(config: TrainConfig, job, record: dict) -> RunStart:
     """
     out = Path(config.out).resolve()
     run_json = {**config.to_dict(), "run": record}
+    _resume.agree(refuse_planted, out)  # before anything there is read, locked or written
     done = _finished(config, job, run_json, out / "checkpoints")
     if done is not None:  # the same run, trained this far: not even its lock is touched
         return RunStart(RunDir(config.out), run_json, done, finished=True)
-    _resume.agree(refuse_links, out)  # before the lock file is opened
     run_dir = RunDir(config.out, lock=_resume.lock(out))
     try:
         start = _restored(config, job, run_dir, run_json, out / "checkpoints")
@@ -207,34 +208,79 @@ def _finished_step(config: TrainConfig, job, run_json: dict, ckpt_dir: Path) -> 
     return found.step if summary_step(config.out) == found.step else None
 
 
-# The files a run writes in place (appends, the lock) or through a temporary name: a link at
-# any of them is refused, as it could only have been planted (effijax never writes one).
-_OWN_FILES = (LOCK_FILE, "metrics.jsonl", "error.log", "orbax.log", ROOM_FILE,
-              *(atomic.temporary_name(name) for name in (
-                  "config.json", "summary.json", "loss.png", "metrics.jsonl",
-                  "adapters.safetensors", "peft", "hf")))
+# What a run writes in a run directory, by how: files written in place (appended to, the
+# lock), files written under a temporary name and renamed over the old one, and folders.
+_IN_PLACE = (LOCK_FILE, "metrics.jsonl", "error.log", "orbax.log", ROOM_FILE)
+_RENAMED = ("config.json", "summary.json", "loss.png", "metrics.jsonl", "adapters.safetensors",
+            "model.gguf")
+_FOLDERS = ("checkpoints", "hf", "peft")  # the observers' own: effijax.observe checks them
+# The exports a run replaces at its end: in a directory that holds no run yet, they are not
+# the run's own, and replacing them would lose the user's files.
+_EXPORTS = ("hf", "peft", "adapters.safetensors", "model.gguf")
+_KIND = {stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a device",
+         stat.S_IFBLK: "a device", stat.S_IFDIR: "a folder", stat.S_IFREG: "a file"}
 
 
-def refuse_links(out: Path) -> None:
-    """Refuses a run directory holding a symbolic link where effijax writes (its lock, its
-    logs, its temporary files): writing there would overwrite a file elsewhere.
+def _planted(path: Path, folder: bool, in_place: bool) -> str | None:
+    """What is wrong with the entry at ``path`` (a link, the wrong kind, a second name of a file
+    elsewhere), or None: missing, or what effijax would have written there. A link at a file
+    that is replaced by a rename (``in_place`` false) is replaced, never followed."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        return (f"{path.name} -> {os.readlink(path)} (a symbolic link)"
+                if in_place or folder else None)
+    kind = _KIND.get(stat.S_IFMT(st.st_mode), "a special file")
+    if folder != stat.S_ISDIR(st.st_mode) or kind not in ("a file", "a folder"):
+        return f"{path.name} ({kind}, where effijax writes {'a folder' if folder else 'a file'})"
+    if in_place and st.st_nlink > 1:  # writing in place would change the file's other names
+        return f"{path.name} (a file with {st.st_nlink} names: hard links to it are elsewhere)"
+    return None
+
+
+def refuse_planted(out: Path) -> None:
+    """Refuses a run directory holding, where effijax writes, what effijax never puts there: a
+    symbolic link (at a file written in place, a folder or a checkpoint step; a link at a file
+    replaced by a rename is replaced, never followed), a pipe, socket or device, a file
+    with other names (a hard link written in place would change them too), or, in a directory
+    that holds no run yet, an export (``hf/``, ``peft/``, ``model.gguf``) the run would replace.
+    Only looks: nothing is opened, so nothing can block.
 
     Raises:
-      ConfigError: naming each link and where it points.
+      ConfigError: naming each entry and what it is, and the fix.
 
     Example:
       >>> import os, tempfile, pathlib
       >>> d = pathlib.Path(tempfile.mkdtemp())
       >>> os.symlink("/etc/hostname", d / ".config.json.tmp")
+      >>> os.mkfifo(d / "summary.json")
       >>> try:
-      ...     refuse_links(d)
+      ...     refuse_planted(d)
       ... except ConfigError as e:
-      ...     print(e.problem.split("; ")[0])
-      holds symbolic links where effijax writes (.config.json.tmp -> /etc/hostname)
+      ...     print(e.problem.split(": remove")[0])  # doctest: +NORMALIZE_WHITESPACE
+      holds what effijax never writes there: summary.json (a FIFO, where effijax writes a
+      file), .config.json.tmp -> /etc/hostname (a symbolic link)
     """
-    found = atomic.links(out, _OWN_FILES)
+    checks = [*((n, False, True) for n in _IN_PLACE),
+              *((n, False, False) for n in _RENAMED if n not in _IN_PLACE),
+              *((atomic.temporary_name(n), False, True) for n in _RENAMED),
+              *((n, True, False) for n in _FOLDERS),
+              *((atomic.temporary_name(n), True, False) for n in ("hf", "peft"))]
+    found = [what for name, folder, in_place in checks
+             if (what := _planted(out / name, folder, in_place))]
+    steps = out / "checkpoints"
+    if steps.is_dir() and not steps.is_symlink():
+        found += [f"checkpoints/{p.name} -> {os.readlink(p)} (a symbolic link)"
+                  for p in sorted(steps.iterdir()) if p.is_symlink()]
     if found:
-        shown = ", ".join(f"{n} -> {os.readlink(out / n)}" for n in found)
-        raise ConfigError("out", str(out), f"holds symbolic links where effijax writes "
-                          f"({shown}); effijax never writes through links in a run "
-                          "directory: remove them")
+        raise ConfigError("out", str(out), f"holds what effijax never writes there: "
+                          f"{', '.join(found)}: remove them (effijax writes only inside its run "
+                          "directory, never through links), or choose another --out")
+    if not (out / "config.json").exists():
+        foreign = [n + "/" * (out / n).is_dir() for n in _EXPORTS if os.path.lexists(out / n)]
+        if foreign:
+            raise ConfigError("out", str(out), f"holds {', '.join(foreign)} but no effijax run "
+                              "(no config.json): the run's exports would replace them; move "
+                              "them away, or choose another --out")

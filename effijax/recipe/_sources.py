@@ -18,15 +18,15 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
 import tempfile
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from effijax.data import read_json
 from effijax.errors import ConfigError, FileError
 from effijax.interop import is_gguf
-from effijax.recipe._config import BUNDLED, DEFAULT_MODEL, TrainConfig
+from effijax.recipe._config import BUNDLED, DEFAULT_MODEL, MAX_CONFIG_BYTES, TrainConfig
 from effijax.recipe._data import mixture_spec
 
 # JAX, orbax and the file formats are imported inside the functions that use them:
@@ -214,10 +214,7 @@ def architecture(spec: str, *, seq_len: int | None = None, field: str = "model")
                           f"model ({', '.join(BUNDLED)}), nor an existing file or directory")
     run_config = path / "config.json"
     if path.is_dir() and run_config.is_file():
-        try:
-            record = json.loads(run_config.read_text()).get("run")
-        except (OSError, ValueError, AttributeError) as e:
-            raise ConfigError(field, spec, f"cannot read {run_config} ({e})") from None
+        record = read_json(run_config, limit=MAX_CONFIG_BYTES).get("run")
         if isinstance(record, dict) and isinstance(record.get("model_config"), dict):
             model = model_from_dict(record["model_config"])  # an effijax run
             return model if seq_len is None else model.with_seq_len(seq_len)
