@@ -136,7 +136,10 @@ def test_chat_store_packs_the_rows_pack_examples_packs(corpus, tmp_path, llama):
 
 
 def _files(store):
-    return {p.name: p.read_bytes() for p in sorted(pathlib.Path(store).iterdir())}
+    """A store's files by name, but its record of what was verified (``.verified.json``:
+    this copy's inodes and times, not the store's content)."""
+    return {p.name: p.read_bytes() for p in sorted(pathlib.Path(store).iterdir())
+            if p.name != ".verified.json"}
 
 
 def _shard_count(line: str) -> int:
@@ -154,7 +157,7 @@ def test_prepare_is_idempotent_whatever_the_shards(corpus, tmp_path, tok):
     prepare(corpus / "docs.jsonl", tmp_path / "a", tokenizer=tok, print_fn=lines.append)
     assert lines == [f"{tmp_path / 'a'} is up to date (same sources, tokenizer and settings)"]
     assert _files(tmp_path / "a") == _files(tmp_path / "b")
-    assert verify_store(tmp_path / "b") == one["sha256"]
+    assert verify_store(tmp_path / "b").sha256 == one["sha256"]
     assert not _prepare.work_dir(tmp_path / "a").exists()  # the shards are cleaned up
     (tmp_path / "b" / "tokens.bin").write_bytes(b"\0" * (2 * one["tokens"]))
     with pytest.raises(ConfigError, match="tokens.bin: sha256: differs from the manifest"):
@@ -512,3 +515,233 @@ def test_a_worker_whose_tokenizer_fails_answers_each_shard_with_the_reason(monke
     with pytest.raises(ConfigError, match=r"could not be built in a tokenizing process "
                                           r"\(Exception: .*\); effijax data prepare --processes 1"):
         _prepare._raise(result["error"])
+
+
+# A store that cannot be trusted ends in one line naming its file (issue #49) ----------------
+
+def _bytes_store(tmp_path, name="a", text=b"hello store " * 500):
+    (tmp_path / f"{name}.txt").write_bytes(text)
+    prepare(tmp_path / f"{name}.txt", tmp_path / f"{name}.store", processes=1)
+    return tmp_path / f"{name}.store"
+
+
+def _forge(store, drop=(), **fields):
+    """Rewrites the manifest with ``fields`` (and without ``drop``), its own hash recomputed:
+    what a hostile manifest looks like, past the check of its hash."""
+    from effijax.data import _store
+
+    manifest = json.loads((store / "manifest.json").read_text())
+    manifest = {k: v for k, v in {**manifest, **fields}.items() if k not in drop}
+    manifest["sha256"] = _store._manifest_digest(manifest)
+    (store / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _resign(store, name):
+    """Records ``name``'s present sha256 in the manifest (a forged store whose hashes agree)."""
+    import hashlib
+
+    manifest = json.loads((store / "manifest.json").read_text())
+    files = dict(manifest["files"])
+    files[name] = {**files[name], "sha256": hashlib.sha256((store / name).read_bytes()).hexdigest()}
+    _forge(store, files=files)
+
+
+def test_a_manifest_with_wrong_fields_is_refused_naming_each_one(tmp_path):
+    from effijax.errors import FileError
+
+    store = _bytes_store(tmp_path)
+    where = store / "manifest.json"
+    original = where.read_text()
+    split = {"train_tokens": 5700, "val_fraction": 0.05, "val_tokens": 300}
+    cases = [
+        ({"drop": ("tokens", "split", "tokenizer")}, "tokens",
+         "tokens: is missing; and tokenizer: is missing; and split: is missing"),
+        ({"tokens": "6000"}, "tokens", "tokens='6000': must be an integer >= 0"),
+        ({"dtype": "int7", "data_format": "video"}, "data_format",
+         "data_format='video': is not one of bytes, text, chat; and dtype='int7': is not one "
+         "of uint8, uint16, uint32"),
+        ({"split": {**split, "train_tokens": -3, "val_tokens": 6003}}, "split.train_tokens",
+         "split.train_tokens=-3: must be an integer >= 0"),
+        ({"split": {**split, "val_tokens": 301}}, "split",
+         f"split={ {**split, 'val_tokens': 301}!r}: train_tokens + val_tokens is not the 6,000 "
+         "tokens"),
+        ({"tokenizer": "gpt2"}, "tokenizer", "tokenizer='gpt2': expected null (bytes) or "
+         '{"sha256": 64 hex digits, "vocab_size": an integer >= 1}'),
+        ({"tokenizer": {"sha256": "0" * 64, "vocab_size": 70000}}, "dtype",
+         "dtype='uint8': cannot hold the tokenizer's 70,000 ids"),
+    ]
+    for fields, field, problem in cases:
+        where.write_text(original)
+        _forge(store, **fields)
+        with pytest.raises(FileError) as e:
+            load_dataset(str(store), BYTES)
+        assert (e.value.path, e.value.field) == (str(where), field)
+        assert str(e.value) == f"{where}: {problem}"
+    # A hand-edited manifest (its hash not recomputed): the edit itself is refused.
+    where.write_text(original.replace('"text_column": "text"', '"text_column": "body"'))
+    with pytest.raises(FileError) as e:
+        open_store(store)
+    assert str(e.value) == (f"{where}: sha256: differs from the manifest's content: the "
+                            "manifest was changed after it was prepared; prepare the store again")
+
+
+def test_offsets_out_of_order_or_past_the_tokens_are_refused(tmp_path):
+    from effijax.errors import FileError
+
+    (tmp_path / "docs").mkdir()
+    for i in range(3):
+        (tmp_path / "docs" / f"{i}.txt").write_bytes(b"document %d " % i * 20)
+    prepare(tmp_path / "docs", tmp_path / "s", processes=1)
+    offsets = tmp_path / "s" / "offsets.bin"
+    assert np.fromfile(offsets, np.int64).tolist() == [0, 220, 440, 660]
+    for values, where, problem in (
+            ([0, 220, 440, 661], "offsets", "run from 0 to 661; expected 0 to the 660 tokens"),
+            ([5, 220, 440, 660], "offsets", "run from 5 to 660; expected 0 to the 660 tokens"),
+            ([0, 440, 220, 660], "offset 2", "220 is below the one before it (440)")):
+        offsets.write_bytes(np.array(values, np.int64).tobytes())
+        with pytest.raises(FileError) as e:
+            open_store(tmp_path / "s")
+        assert (e.value.path, e.value.where) == (str(offsets), where)
+        assert str(e.value) == (f"{offsets}: {where}: {problem}: the store is damaged; "
+                                "prepare it again")
+
+
+def test_a_store_changed_after_it_was_prepared_is_refused_naming_the_file(tmp_path,
+                                                                          monkeypatch):
+    from effijax.data import _store
+    from effijax.errors import FileError
+
+    store = _bytes_store(tmp_path)
+    scans = []
+    real_scan = _store._scan
+    monkeypatch.setattr(_store, "_scan", lambda path, dtype: scans.append(path.name) or
+                        real_scan(path, dtype))
+    # Just prepared: each file is hashed, and again next time (changed within 2 s of its
+    # hashing, a same-size write in the same clock tick would keep its times).
+    assert verify_store(store).max_id == ord("t")
+    assert verify_store(store).sha256 == open_store(store).manifest["sha256"]
+    assert sorted(scans) == ["offsets.bin", "offsets.bin", "tokens.bin", "tokens.bin"]
+    # Files last changed long before their hashing: recorded, and not hashed again.
+    monkeypatch.setattr(_store, "_RACY_NS", 0)
+    for name in ("tokens.bin", "offsets.bin"):
+        os.utime(store / name, ns=(10**18, 10**18))
+    scans.clear()
+    verify_store(store)
+    assert sorted(scans) == ["offsets.bin", "tokens.bin"]
+    scans.clear()
+    assert load_dataset(str(store), BYTES).tokens == 6000 and scans == []
+    # tokens.bin rewritten in place, same size, manifest untouched: hashed again, refused.
+    with open(store / "tokens.bin", "r+b") as f:
+        f.write(b"j")
+    with pytest.raises(FileError) as e:
+        load_dataset(str(store), BYTES)
+    assert scans == ["tokens.bin"]
+    assert (e.value.path, e.value.where) == (str(store / "tokens.bin"), "sha256")
+    assert str(e.value) == (f"{store / 'tokens.bin'}: sha256: differs from the manifest: the "
+                            "store was changed after it was prepared; prepare it again")
+
+
+def test_a_resumed_run_refuses_a_store_changed_since_the_run_started(tmp_path):
+    """A run loads its data on every start (before its checkpoint is opened), so a resume
+    verifies the store again; the fingerprint it records (the manifest's hash) could not tell."""
+    from effijax.errors import FileError
+    from effijax.recipe import TrainConfig
+    from effijax.recipe._train import load_data
+
+    store = _bytes_store(tmp_path)
+    config = TrainConfig(model="tiny", seq_len=SEQ, data=str(store))
+    started = load_data(config, BYTES)
+    (store / "tokens.bin").write_bytes(b"HELLO STORE " * 500)  # same size
+    with pytest.raises(FileError, match=r"tokens\.bin: sha256: differs from the manifest: the "
+                                        "store was changed after it was prepared"):
+        load_data(config, BYTES)
+    assert started.fingerprint == f"store:{open_store(store).manifest['sha256']}"  # unchanged
+
+
+def test_ids_beyond_the_models_vocabulary_are_refused(tmp_path):
+    from effijax.errors import FileError
+
+    store = _bytes_store(tmp_path)
+    small = gpt_config("tiny", seq_len=SEQ, vocab_size=100)
+    with pytest.raises(FileError) as e:
+        load_dataset(str(store), small)
+    assert str(e.value) == (f"{store / 'tokens.bin'}: token id: 116 is not below the "
+                            "vocabulary of GPT d64 L2 (100 ids): the store was tokenized for "
+                            "another model; prepare it again with --from the model you train")
+    # A forged store whose hashes agree with its ids is refused the same way.
+    (store / "tokens.bin").write_bytes(bytes([7] * 5999 + [200]))
+    _resign(store, "tokens.bin")
+    with pytest.raises(FileError, match=r"tokens\.bin: token id: 200 is not below"):
+        load_dataset(str(store), small)
+    assert load_dataset(str(store), BYTES).tokens == 6000  # 256 ids: 200 is one
+
+
+def test_a_chat_store_that_trains_on_nothing_is_refused(corpus, tmp_path, llama):
+    from effijax.errors import FileError
+
+    store = tmp_path / "chat.store"
+    prepare(corpus / "qa.jsonl", store, tokenizer=llama.tokenizer, processes=1)
+    mask = store / "mask.bin"
+    assert verify_store(store).trained == int(np.fromfile(mask, np.uint8).sum()) > 0
+    mask.write_bytes(bytes(mask.stat().st_size))  # every byte 0
+    with pytest.raises(FileError, match=r"mask\.bin: sha256: differs from the manifest"):
+        load_dataset(str(store), llama)
+    _resign(store, "mask.bin")  # forged: the hashes agree, the mask still trains nothing
+    with pytest.raises(FileError) as e:
+        load_dataset(str(store), llama)
+    assert str(e.value) == (f"{mask}: mask: marks no token to train on (every byte is 0): "
+                            "nothing would be trained; prepare it again from records with "
+                            "assistant turns")
+    mask.write_bytes(bytes([2]) * mask.stat().st_size)  # a mask is 0 or 1
+    _resign(store, "mask.bin")
+    with pytest.raises(FileError, match=r"mask\.bin: mask: holds the value 2; a mask is 0 or 1 "
+                                        "per token"):
+        load_dataset(str(store), llama)
+
+
+def test_prepare_prepares_a_changed_store_again(tmp_path):
+    store = _bytes_store(tmp_path)
+    clean = _files(store)
+    (store / "tokens.bin").write_bytes(bytes(6000))
+    lines = []
+    prepare(tmp_path / "a.txt", store, processes=1, print_fn=lines.append)
+    assert lines[0] == (f"{store} is damaged or was changed after it was prepared "
+                        f"({store / 'tokens.bin'}: sha256); preparing it again")
+    assert _files(store) == clean
+    lines.clear()
+    prepare(tmp_path / "a.txt", store, processes=1, print_fn=lines.append)
+    assert lines == [f"{store} is up to date (same sources, tokenizer and settings)"]
+
+
+def test_mixture_weights_are_ratios_whatever_their_size(tmp_path):
+    a, b = _bytes_store(tmp_path, "a"), _bytes_store(tmp_path, "b", b"other store " * 500)
+    data = load_dataset(f"{a}:1e308,{b}:1e308", BYTES)  # their sum overflows
+    assert data.train.weights == (0.5, 0.5)
+    assert batch_at(data.train, seed=0, step=0, batch_size=4, seq_len=8)["inputs"].shape == (4, 8)
+    with pytest.raises(ConfigError, match=r"^data=\[1e\+308, 1e-308\]: the weight 1e-308 is 0 "
+                                          "next to the largest, 1e\\+308: that corpus would "
+                                          "never be drawn"):
+        load_dataset(f"{a}:1e308,{b}:1e-308", BYTES)
+
+
+def test_a_damaged_store_ends_the_command_in_one_line(tmp_path, capsys):
+    """effijax train and effijax data prepare, each given a store they cannot trust: exit 2,
+    one line on stderr, nothing compiled."""
+    from _compiles import compiles
+
+    from effijax.cli import main as cli_main
+
+    store = _bytes_store(tmp_path)
+    _forge(store, drop=("split",), dtype="float32")
+    with compiles() as compiled:
+        assert cli_main(["train", "--model", "tiny", "--seq-len", "16", "--data", str(store),
+                         "--out", str(tmp_path / "run"), "--steps", "1"]) == 2
+    assert compiled == []
+    err = capsys.readouterr().err
+    assert err == (f"effijax train: error: {store / 'manifest.json'}: dtype='float32': is not "
+                   "one of uint8, uint16, uint32; and split: is missing\n")
+    # effijax data prepare writes it again (a store is rebuilt whole from its source).
+    assert cli_main(["data", "prepare", str(tmp_path / "a.txt"), "--out", str(store),
+                     "--processes", "1"]) == 0
+    assert "is damaged or was changed after it was prepared" in capsys.readouterr().out
+    assert verify_store(store).max_id == ord("t")

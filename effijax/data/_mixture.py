@@ -32,23 +32,48 @@ class Mixture(NamedTuple):
 def mixture(parts, weights) -> Mixture:
     """A :class:`Mixture` of ``parts`` with ``weights`` normalised to sum to 1.
 
+    Weights are relative: only their ratios matter, so any finite positive floats do (weights
+    whose sum overflows, ``1e308`` twice, are scaled by the largest first); a ratio
+    so extreme that a weight rounds to 0 is refused (that corpus would never be drawn).
+
     Raises:
-      ConfigError: no part, a weight that is not positive, as many weights as parts not given.
+      ConfigError: no part, a weight that is not a positive finite number, a weight that is 0
+        next to the others, as many weights as parts not given.
 
     Example:
       >>> import numpy as np
       >>> mixture([np.arange(10), np.arange(5)], [3, 1]).weights
       (0.75, 0.25)
+      >>> mixture([np.arange(10), np.arange(5)], [1e308, 1e308]).weights
+      (0.5, 0.5)
+      >>> mixture([np.arange(10), np.arange(5)], [1e308, 1e-308])  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ...
+      effijax.errors.ConfigError: data=[1e+308, 1e-308]: the weight 1e-308 is 0 next to ...
     """
-    parts, weights = tuple(parts), [float(w) for w in weights]
+    parts = tuple(parts)
+    try:
+        weights = [float(w) for w in weights]
+    except (TypeError, ValueError, OverflowError):
+        raise ConfigError("data", weights, "mixture weights must be positive numbers, e.g. "
+                          "a:0.7,b:0.3") from None
     if not parts or len(parts) != len(weights):
         raise ConfigError("data", len(weights), f"weights for {len(parts)} corpora; give one "
                           "weight per corpus")
     if not all(np.isfinite(w) and w > 0 for w in weights):
         raise ConfigError("data", weights, "mixture weights must be positive numbers, e.g. "
                           "a:0.7,b:0.3")
-    total = sum(weights)
-    return Mixture(parts, tuple(w / total for w in weights))
+    largest, scaled = max(weights), weights
+    if not np.isfinite(sum(weights)):  # 1e308 + 1e308: scaled first, each to (0, 1]
+        scaled = [w / largest for w in weights]
+    total = sum(scaled)  # as it always was where it is finite: a run's identity keeps it
+    normalised = tuple(w / total for w in scaled)
+    for w, share in zip(weights, normalised, strict=True):
+        if not share > 0:
+            raise ConfigError("data", weights, f"the weight {w!r} is 0 next to the largest, "
+                              f"{largest!r}: that corpus would never be drawn; give weights "
+                              "within a factor of 1e300 of each other")
+    return Mixture(parts, normalised)
 
 
 def draw(data: Mixture, rng: np.random.Generator, batch_size: int, size_of) -> tuple:

@@ -19,9 +19,18 @@ time whatever the size, and the page cache shares it between the processes of a 
 batches stay a pure function of ``(seed, step)`` (:func:`~effijax.data.batch_at`), which is
 what Grain's sampler state would otherwise hold.
 
-:func:`open_store` opens a store without reading its arrays (a size check against the
-manifest, never a hash: start-up does not grow with the corpus; :func:`verify_store` hashes);
-a batch's reads unmap what they mapped (:func:`release_pages`), so a long run's RSS stays one
+Trust: :func:`open_store` checks what costs nothing at every open: the manifest's fields
+(every wrong one named at once) and its own hash, each array file's size, the offsets (from 0,
+never decreasing, ending at the token count). :func:`verify_store` checks the content: each
+array file hashed against the manifest, its largest id and its mask counted in the same pass (a
+run refuses ids beyond its model's vocabulary, and a chat store that trains on nothing). A run
+verifies at every start, resumes included, but hashes a file only on its first use and once it
+changed: the store's ``.verified.json`` records each file hashed with its size, times, inode
+and device (a same-size rewrite changes its times), so start-up does not grow with the corpus.
+A file changed within 2 s of its hashing is hashed again next time (git's "racily clean" files:
+one clock tick can hide a second write); a store effijax cannot write into is hashed at every
+start.
+A batch's reads unmap what they mapped (:func:`release_pages`), so a long run's RSS stays one
 batch's, not every page it ever read.
 Text stores train on windows of the stream (:func:`store_split`: the last ``val_fraction`` of
 the tokens is validation, as for in-memory corpora); chat stores on their examples packed into
@@ -39,6 +48,7 @@ import json
 import mmap
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -47,12 +57,12 @@ import numpy as np
 from effijax import atomic
 from effijax.data._chat import Packed
 from effijax.data._corpus import val_count
-from effijax.data._files import read_json
-from effijax.errors import ConfigError, FileError
+from effijax.data._files import read_json, regular_size
+from effijax.errors import NO_VALUE, ConfigError, FileError, all_of
 
-__all__ = ["STORE_FORMAT", "STORE_VERSION", "Store", "token_dtype", "is_store", "open_store",
-           "verify_store", "store_split", "store_rows", "commit_shard", "committed_shard",
-           "assemble", "remove_work", "release_pages"]
+__all__ = ["STORE_FORMAT", "STORE_VERSION", "Store", "Contents", "token_dtype", "is_store",
+           "open_store", "verify_store", "store_split", "store_rows", "commit_shard",
+           "committed_shard", "assemble", "remove_work", "release_pages"]
 
 STORE_FORMAT = "effijax-token-store"
 STORE_VERSION = 1
@@ -114,15 +124,114 @@ def is_store(path: str | os.PathLike | None) -> bool:
         return False
 
 
+_DTYPES = ("uint8", "uint16", "uint32")
+_FORMATS = ("bytes", "text", "chat")
+_SPLIT = {"chat": ("train_examples", "val_examples", "train_trained_tokens",
+                   "val_trained_tokens"),
+          "text": ("train_tokens", "val_tokens")}
+_HEX = frozenset("0123456789abcdef")
+
+
+def _array_files(data_format: str, dtype: str, tokens: int, documents: int) -> dict:
+    """Each array file a store of this shape holds: ``{name: (dtype, count)}``."""
+    files = {"tokens.bin": (dtype, tokens), "offsets.bin": ("int64", documents + 1)}
+    if data_format == "chat":
+        files |= {"mask.bin": ("uint8", tokens), "val.bin": ("uint8", documents)}
+    return files
+
+
+def _is_sha256(value) -> bool:
+    return isinstance(value, str) and len(value) == 64 and set(value) <= _HEX
+
+
+def _is_count(value) -> bool:
+    return type(value) is int and value >= 0  # JSON's true is no count
+
+
+def _is_tokenizer(value) -> bool:
+    """Whether ``value`` is a manifest's record of a tokenizer (null: bytes)."""
+    if value is None:
+        return True
+    if not isinstance(value, dict) or not _is_sha256(value.get("sha256")):
+        return False
+    template = value.get("chat_template_sha256")
+    return (_is_count(value.get("vocab_size")) and value["vocab_size"] >= 1
+            and (template is None or _is_sha256(template)))
+
+
+def _is_entry(value, size: int) -> bool:
+    """Whether ``value`` is a manifest's record of an array file of ``size`` bytes."""
+    return isinstance(value, dict) and value.get("bytes") == size and _is_sha256(
+        value.get("sha256"))
+
+
+def _manifest_errors(manifest: dict) -> list[ConfigError]:
+    """Every field of a store's manifest (of this version) that is missing, of the wrong type
+    or range, or inconsistent with another: one :class:`~effijax.errors.ConfigError` each,
+    naming the field (``[]``: none).
+
+    Example:
+      >>> [str(e) for e in _manifest_errors({"tokens": "12", "data_format": "text",
+      ...                                   "dtype": "int8"})][:3]
+      ["tokens='12': must be an integer >= 0", 'documents: is missing', "dtype='int8': \
+is not one of uint8, uint16, uint32"]
+    """
+    errors = []
+
+    def field(name, ok, expected, within=manifest, prefix=""):
+        """``within[name]`` when it is there and ``ok``; else None, and the error noted."""
+        if name not in within:
+            errors.append(ConfigError(prefix + name, NO_VALUE, "is missing"))
+        elif not ok(within[name]):
+            errors.append(ConfigError(prefix + name, within[name], expected))
+        else:
+            return within[name]
+        return None
+
+    count = "must be an integer >= 0"
+    tokens = field("tokens", _is_count, count)
+    documents = field("documents", _is_count, count)
+    fmt = field("data_format", _FORMATS.__contains__, f"is not one of {', '.join(_FORMATS)}")
+    dtype = field("dtype", _DTYPES.__contains__, f"is not one of {', '.join(_DTYPES)}")
+    tokenizer = field("tokenizer", _is_tokenizer, 'expected null (bytes) or {"sha256": 64 hex '
+                      'digits, "vocab_size": an integer >= 1}')
+    field("sha256", _is_sha256, "expected 64 hex digits")
+    split = field("split", lambda v: isinstance(v, dict), "expected an object of counts")
+    files = field("files", lambda v: isinstance(v, dict), "expected an object of array files")
+    if tokenizer and dtype and tokenizer["vocab_size"] > np.iinfo(dtype).max + 1:
+        errors.append(ConfigError("dtype", dtype, f"cannot hold the tokenizer's "
+                                  f"{tokenizer['vocab_size']:,} ids"))
+    if split is not None and fmt is not None:
+        names = _SPLIT["chat" if fmt == "chat" else "text"]
+        counts = [field(name, _is_count, count, split, "split.") for name in names]
+        total, what = (documents, "documents") if fmt == "chat" else (tokens, "tokens")
+        if None not in counts and total is not None and counts[0] + counts[1] != total:
+            errors.append(ConfigError("split", split, f"{names[0]} + {names[1]} is not the "
+                                      f"{total:,} {what}"))
+    if files is not None and None not in (fmt, dtype, tokens, documents):
+        want = _array_files(fmt, dtype, tokens, documents)
+        if set(files) != set(want):
+            errors.append(ConfigError("files", sorted(files), f"expected {sorted(want)} (a "
+                                      f"{fmt} store's)"))
+        for name, (kind, n) in want.items():
+            size = n * np.dtype(kind).itemsize
+            if name in files and not _is_entry(files[name], size):
+                errors.append(ConfigError(f"files.{name}", files[name], f'expected {{"bytes": '
+                                          f'{size}, "sha256": 64 hex digits}}'))
+    return errors
+
+
 def _map(path: Path, dtype, count: int) -> np.ndarray:
-    size = os.stat(path).st_size if path.exists() else None
-    if size != count * np.dtype(dtype).itemsize:
-        raise FileError(path, "file", f"is {size} bytes; the manifest says "
-                        f"{count * np.dtype(dtype).itemsize:,} ({count:,} x {np.dtype(dtype)}): "
-                        "the store is damaged; prepare it again")
+    size, want = regular_size(path), count * np.dtype(dtype).itemsize
+    if size != want:
+        raise FileError(path, "file", f"is {size:,} bytes; the manifest says {want:,} ({count:,} x "
+                        f"{np.dtype(dtype)}): the store is damaged; prepare it again")
     if not count:
         return np.zeros(0, dtype)
-    array = np.memmap(path, dtype=dtype, mode="r", shape=(count,))
+    try:
+        array = np.memmap(path, dtype=dtype, mode="r", shape=(count,))
+    except OSError as e:
+        raise FileError(path, "file", f"cannot be read ({e.strerror})") from None
     # Training reads windows at random places: no read-ahead (megabytes per fault on some
     # disks) for pages that are not in the page cache yet.
     with contextlib.suppress(OSError, ValueError):
@@ -130,27 +239,73 @@ def _map(path: Path, dtype, count: int) -> np.ndarray:
     return array
 
 
+# Offsets read this many at a time (8 MiB): a store's size never sets the memory used.
+_OFFSETS_CHUNK = 2**20
+
+
+def _check_offsets(path: Path, offsets: np.ndarray, tokens: int) -> None:
+    """Each document's start: from 0, never decreasing, the last at ``tokens`` (so no slice
+    reaches past ``tokens.bin``)."""
+    if int(offsets[0]) != 0 or int(offsets[-1]) != tokens:
+        raise FileError(path, "offsets", f"run from {int(offsets[0]):,} to "
+                        f"{int(offsets[-1]):,}; expected 0 to the {tokens:,} tokens: the store "
+                        "is damaged; prepare it again")
+    for at in range(0, len(offsets) - 1, _OFFSETS_CHUNK):
+        piece = np.asarray(offsets[at:at + _OFFSETS_CHUNK + 1])  # one shared with the next
+        steps = np.diff(piece)
+        if (steps < 0).any():
+            i = at + int(np.argmax(steps < 0))
+            raise FileError(path, f"offset {i + 1:,}", f"{int(offsets[i + 1]):,} is below the "
+                            f"one before it ({int(offsets[i]):,}): the store is damaged; "
+                            "prepare it again")
+    release_pages(offsets)
+
+
 def open_store(path: str | os.PathLike) -> Store:
-    """The store at ``path``, its arrays memory-mapped (nothing read but the manifest).
+    """The store at ``path``, its arrays memory-mapped: nothing read but the manifest and the
+    offsets (see the module docstring: :func:`verify_store` reads the rest).
 
     Raises:
-      FileError: no manifest, another format or version, an array file of the wrong size.
+      FileError: no manifest, another format or version, a field of the manifest missing or
+        wrong (every such field named at once), a manifest changed since it was written, an
+        array file of the wrong size, offsets out of order or past the tokens.
+
+    Example:
+      >>> import numpy as np, tempfile, pathlib
+      >>> work = pathlib.Path(tempfile.mkdtemp())
+      >>> commit_shard(work, 0, "p", np.arange(100, dtype=np.uint8), np.array([60, 40]))
+      >>> head = {"data_format": "bytes", "dtype": "uint8", "tokenizer": None, "val_fraction": 0.1}
+      >>> store = open_store(assemble(work, work / "s", 1, head))
+      >>> store.offsets.tolist()
+      [0, 60, 100]
+      >>> _ = (work / "s" / "offsets.bin").write_bytes(np.array([0, 60, 101]).tobytes())
+      >>> open_store(work / "s")  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ...
+      effijax.errors.FileError: .../s/offsets.bin: offsets: run from 0 to 101; expected 0 to \
+the 100 tokens: the store is damaged; prepare it again
     """
     path = Path(path)
-    manifest = read_json(path / _MANIFEST)
+    where = path / _MANIFEST
+    manifest = read_json(where)
     if manifest.get("format") != STORE_FORMAT:
-        raise FileError(path / _MANIFEST, "format", f"{manifest.get('format')!r}; expected "
+        raise FileError(where, "format", f"{manifest.get('format')!r}; expected "
                         f"{STORE_FORMAT!r} (a folder written by effijax data prepare)")
-    if manifest.get("version") != STORE_VERSION:
-        raise FileError(path / _MANIFEST, "version", f"{manifest.get('version')!r}; this "
+    if manifest.get("version") != STORE_VERSION or isinstance(manifest.get("version"), bool):
+        raise FileError(where, "version", f"{manifest.get('version')!r}; this "
                         f"effijax reads version {STORE_VERSION}: prepare the store again")
+    errors = _manifest_errors(manifest)
+    if errors:
+        raise FileError.of(where, all_of(errors))
+    if _manifest_digest(manifest) != manifest["sha256"]:
+        raise FileError(where, "sha256", "differs from the manifest's content: the manifest "
+                        "was changed after it was prepared; prepare the store again")
     n, docs = manifest["tokens"], manifest["documents"]
-    tokens = _map(path / "tokens.bin", manifest["dtype"], n)
-    offsets = _map(path / "offsets.bin", np.int64, docs + 1)
-    if manifest.get("data_format") != "chat":
-        return Store(path, manifest, tokens, offsets)
-    return Store(path, manifest, tokens, offsets, _map(path / "mask.bin", np.uint8, n),
-                 _map(path / "val.bin", np.uint8, docs))
+    arrays = {name: _map(path / name, kind, count) for name, (kind, count) in _array_files(
+        manifest["data_format"], manifest["dtype"], n, docs).items()}
+    _check_offsets(path / "offsets.bin", arrays["offsets.bin"], n)
+    return Store(path, manifest, arrays["tokens.bin"], arrays["offsets.bin"],
+                 arrays.get("mask.bin"), arrays.get("val.bin"))
 
 
 def release_pages(array) -> None:
@@ -170,33 +325,141 @@ def release_pages(array) -> None:
             array.madvise(mmap.MADV_DONTNEED)
 
 
-def _file_digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _manifest_digest(manifest: dict) -> str:
     body = {k: v for k, v in manifest.items() if k != "sha256"}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode("utf-8")).hexdigest()
 
 
-def verify_store(path: str | os.PathLike) -> str:
-    """Hashes every array of the store against its manifest; returns the store's sha256.
+class Contents(NamedTuple):
+    """What :func:`verify_store` found in a store's arrays: the store's ``sha256`` (its
+    manifest's), the largest token id ``max_id`` (-1: no token) and the ``trained`` tokens
+    (chat: those its mask marks; text: every token)."""
+
+    sha256: str
+    max_id: int
+    trained: int
+
+
+# Where a store records the files it verified (see the module docstring).
+_STAMP = ".verified.json"
+# A file changed this close to its hashing is hashed again: a second write within one tick
+# of the file system's clock (or a skewed network clock) may leave its times as they were.
+_RACY_NS = 2 * 10**9
+# The files whose bytes are flags (0 or 1): their 1s are counted while they are hashed.
+_FLAGS = ("mask.bin", "val.bin")
+
+
+def _identity(path: Path) -> list[int]:
+    """What changes whenever a file's content may have: size, modification and change times
+    (the latter set by the kernel on every write, never by ``touch``), inode and device."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise FileError(path, "file", f"cannot be read ({e.strerror})") from None
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+
+
+def _scan(path: Path, dtype: str) -> dict:
+    """One pass over an array file: its sha256, its largest value and (flags) its 1s."""
+    digest, top, ones = hashlib.sha256(), -1, 0
+    width = np.dtype(dtype).itemsize
+    buffer = bytearray(_CHUNK)  # one buffer, read into again and again: 16 MiB of memory
+    try:
+        with open(path, "rb") as f:
+            while n := f.readinto(buffer):
+                digest.update(memoryview(buffer)[:n])
+                values = np.frombuffer(buffer, dtype, n // width)
+                if values.size:
+                    top = max(top, int(values.max()))
+                    if path.name in _FLAGS:
+                        ones += int(np.count_nonzero(values == 1))
+    except OSError as e:
+        raise FileError(path, "file", f"cannot be read ({e.strerror})") from None
+    return {"sha256": digest.hexdigest(), "max": top, "ones": ones}
+
+
+def _trusted(record, sha256: str, identity: list[int]) -> dict | None:
+    """The stamp's ``record`` of a file, if it is of this ``identity`` and hash and was taken
+    long enough after the file last changed (None: hash the file)."""
+    try:
+        if (record["identity"] == identity and record["sha256"] == sha256
+                and record["at"] - max(identity[1], identity[2]) >= _RACY_NS
+                and all(type(record[k]) is int for k in ("max", "ones"))):
+            return record
+    except (KeyError, TypeError):
+        pass
+    return None
+
+
+def verify_store(path: str | os.PathLike | Store, *, again: bool = False) -> Contents:
+    """The content of a store checked against its manifest: each array file hashed (on its
+    first use, and again once it changed: see the module docstring; every time with
+    ``again``), its largest id and its flags counted in the same pass.
 
     Raises:
-      FileError: an array or the manifest does not match its recorded hash.
+      FileError: what :func:`open_store` raises; an array file whose sha256 is not the
+        manifest's (naming it), a mask that trains on nothing or holds other values than 0
+        and 1, validation flags that are not the manifest's split.
+
+    Example:
+      >>> import numpy as np, tempfile, pathlib
+      >>> work = pathlib.Path(tempfile.mkdtemp())
+      >>> commit_shard(work, 0, "p", np.arange(100, dtype=np.uint8), np.array([100]))
+      >>> head = {"data_format": "bytes", "dtype": "uint8", "tokenizer": None, "val_fraction": 0.1}
+      >>> contents = verify_store(assemble(work, work / "s", 1, head))
+      >>> contents.max_id, contents.trained, (work / "s" / ".verified.json").is_file()
+      (99, 100, True)
+      >>> _ = (work / "s" / "tokens.bin").write_bytes(bytes(100))  # same size, other bytes
+      >>> verify_store(work / "s")  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ...
+      effijax.errors.FileError: .../s/tokens.bin: sha256: differs from the manifest: the \
+store was changed after it was prepared; prepare it again
     """
-    store = open_store(path)
-    for name, entry in store.manifest["files"].items():
-        if _file_digest(store.path / name) != entry["sha256"]:
-            raise FileError(store.path / name, "sha256", "differs from the manifest: the store "
-                            "was changed or damaged; prepare it again")
-    if _manifest_digest(store.manifest) != store.manifest["sha256"]:
-        raise FileError(store.path / _MANIFEST, "sha256", "differs from the manifest's content")
-    return store.manifest["sha256"]
+    store = path if isinstance(path, Store) else open_store(path)
+    manifest = store.manifest
+    try:
+        stamp = {} if again else read_json(store.path / _STAMP)
+    except FileError:  # none yet, or unreadable: every file is hashed
+        stamp = {}
+    records, fresh = {}, False
+    for name, (dtype, _) in _array_files(manifest["data_format"], manifest["dtype"],
+                                         manifest["tokens"], manifest["documents"]).items():
+        file, want = store.path / name, manifest["files"][name]["sha256"]
+        at, identity = time.time_ns(), _identity(file)
+        record = _trusted(stamp.get(name), want, identity)
+        if record is None:
+            record, fresh = {**_scan(file, dtype), "identity": identity, "at": at}, True
+            if record["sha256"] != want:
+                raise FileError(file, "sha256", "differs from the manifest: the store was "
+                                "changed after it was prepared; prepare it again")
+        records[name] = record
+    trained = _check_flags(store, records)
+    if fresh:
+        with contextlib.suppress(OSError):  # a store effijax cannot write: hashed every time
+            atomic.write_text(store.path / _STAMP, json.dumps(records, sort_keys=True))
+    return Contents(manifest["sha256"], records["tokens.bin"]["max"], trained)
+
+
+def _check_flags(store: Store, records: dict) -> int:
+    """The trained tokens, after the chat flags are checked: a mask of 0s and 1s that marks
+    some token, a validation flag per example (0 or 1) as many as the split says."""
+    if store.format != "chat":
+        return store.manifest["tokens"]
+    mask, val, split = records["mask.bin"], records["val.bin"], store.manifest["split"]
+    if mask["max"] > 1:
+        raise FileError(store.path / "mask.bin", "mask", f"holds the value {mask['max']}; a "
+                        "mask is 0 or 1 per token: the store is damaged; prepare it again")
+    if not mask["ones"]:
+        raise FileError(store.path / "mask.bin", "mask", "marks no token to train on (every "
+                        "byte is 0): nothing would be trained; prepare it again from records "
+                        "with assistant turns")
+    if val["max"] > 1 or val["ones"] != split["val_examples"]:
+        raise FileError(store.path / "val.bin", "val", f"flags {val['ones']:,} validation "
+                        f"examples (largest flag {val['max']}); the manifest's split says "
+                        f"{split['val_examples']:,} (flags are 0 or 1): the store is damaged; "
+                        "prepare it again")
+    return mask["ones"]
 
 
 def store_split(store: Store) -> tuple[np.ndarray, np.ndarray]:
@@ -206,7 +469,7 @@ def store_split(store: Store) -> tuple[np.ndarray, np.ndarray]:
       >>> import numpy as np, tempfile, pathlib
       >>> work = pathlib.Path(tempfile.mkdtemp())
       >>> commit_shard(work, 0, "p", np.arange(100, dtype=np.uint8), np.array([100]))
-      >>> head = {"data_format": "bytes", "dtype": "uint8", "val_fraction": 0.1}
+      >>> head = {"data_format": "bytes", "dtype": "uint8", "tokenizer": None, "val_fraction": 0.1}
       >>> store = open_store(assemble(work, work / "s", 1, head))
       >>> [len(part) for part in store_split(store)], isinstance(store.tokens, np.memmap)
       ([90, 10], True)

@@ -53,6 +53,7 @@ from effijax.data import (
     split_records,
     store_rows,
     store_split,
+    verify_store,
 )
 from effijax.errors import NO_VALUE, ConfigError, FileError
 
@@ -351,12 +352,24 @@ def _led(tokens: np.ndarray, tokenizer):
 
 
 def _store_dataset(path: str, model, seq_len: int) -> Dataset:
-    """A store's data (memory-mapped), checked against the model's tokenizer and ``seq_len``."""
-    try:
-        store = open_store(path)
-    except FileError as e:
-        raise ConfigError("data", path, str(e)) from None
+    """A store's data (memory-mapped), checked against the model's tokenizer, vocabulary and
+    ``seq_len``, its content against its manifest (:func:`~effijax.data.verify_store`: hashed
+    on first use and once changed, so a run, and its resume, refuse a store changed since it
+    was prepared).
+
+    Raises:
+      FileError: a damaged or changed store, naming its file; ids beyond the vocabulary.
+      ConfigError: ``field="data"``: another tokenizer, a split too small for ``seq_len``.
+    """
+    store = open_store(path)
     tokenizer = _store_tokenizer(store, model, path)
+    contents = verify_store(store)
+    vocab = getattr(model, "vocab_size", None)
+    if vocab is not None and contents.max_id >= vocab:
+        raise FileError(store.path / "tokens.bin", "token id", f"{contents.max_id:,} is not "
+                        f"below the vocabulary of {model.name} ({vocab:,} ids): the store was "
+                        "tokenized for another model; prepare it again with --from the model "
+                        "you train")
     split, fmt = store.manifest["split"], store.format
     if fmt == "chat":
         if not split["train_trained_tokens"] or not split["val_trained_tokens"]:

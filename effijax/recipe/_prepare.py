@@ -51,6 +51,7 @@ from effijax.data import (
     read_piece,
     remove_work,
     token_dtype,
+    verify_store,
 )
 from effijax.errors import ConfigError, FileError, whole_number
 from effijax.recipe._config import BUNDLED
@@ -265,6 +266,22 @@ def _same_head(manifest: dict, head: dict) -> bool:
     return all(manifest.get(k) == v for k, v in head.items())
 
 
+def _up_to_date(out: Path, head: dict, say) -> bool:
+    """Whether the store ``out`` was prepared from this head and is still what was prepared
+    (:func:`effijax.data.verify_store`: hashed unless unchanged since it last was); a
+    damaged or changed store is said and prepared again, never trusted."""
+    try:
+        store = open_store(out)
+        if not _same_head(store.manifest, head):
+            return False
+        verify_store(store)
+    except FileError as e:
+        say(f"{out} is damaged or was changed after it was prepared ({e.path}: {e.where}); "
+            "preparing it again")
+        return False
+    return True
+
+
 def _join(arrays, dtype) -> np.ndarray:
     return np.concatenate(arrays).astype(dtype) if arrays else np.zeros(0, dtype)
 
@@ -424,7 +441,7 @@ def prepare(source: str | os.PathLike, out: str | os.PathLike, *, tokenizer=None
         "sources": [{"name": s.name, "kind": s.kind, "bytes": s.size,
                      "sha256": _file_sha256(s.path)} for s in sources],
     }
-    if is_store(out) and _same_head(open_store(out).manifest, head):
+    if is_store(out) and _up_to_date(out, head, say):
         say(f"{out} is up to date (same sources, tokenizer and settings)")
         return open_store(out).manifest
     if shard_bytes is None:

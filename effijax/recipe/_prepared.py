@@ -14,7 +14,8 @@ and the held-out fraction. So another model, or ``--text-column``, prepares anot
 it. Once prepared, a stamp records every source file's size and modification time with the store's
 hash: a later run whose files are unchanged uses the store at once, without reading the sources
 again (start-up does not grow with the corpus); a changed file goes back through ``prepare``, which
-hashes the sources: the same content is the same store, other content is tokenized again.
+hashes the sources: the same content is the same store, other content is tokenized again. A store
+changed or damaged in the cache (:func:`effijax.data.verify_store`) is prepared again too.
 
 Preparing takes a lock on the store's name and waits for it (:func:`waiting_lock`): the processes of
 a multi-process run on one machine, or two runs, prepare one store once; the others find it done.
@@ -32,7 +33,7 @@ import time
 from pathlib import Path
 
 from effijax import atomic
-from effijax.data import check_columns, find_sources, is_store, open_store
+from effijax.data import check_columns, find_sources, is_store, verify_store
 from effijax.errors import ConfigError
 from effijax.recipe._data import VAL_FRACTION, _tables_in, mixture_spec
 from effijax.recipe._prepare import prepare
@@ -79,12 +80,14 @@ def _stamp(source: Path) -> list:
 
 
 def _stamped(store: Path, stamp_file: Path, stamp: list) -> bool:
-    """Whether ``store`` is the one prepared from files with exactly ``stamp``."""
+    """Whether ``store`` is the one prepared from files with exactly ``stamp``, and still
+    holds what was prepared (:func:`effijax.data.verify_store`; a damaged one is prepared
+    again)."""
     try:
         recorded = json.loads(stamp_file.read_text())
         return (is_store(store) and recorded["files"] == stamp
-                and recorded["sha256"] == open_store(store).manifest["sha256"])
-    except (OSError, ValueError, KeyError, TypeError):
+                and recorded["sha256"] == verify_store(store).sha256)
+    except (OSError, ValueError, KeyError, TypeError):  # FileError is a ValueError
         return False
 
 
