@@ -4,6 +4,9 @@
 evaluates its base with its adapters); ``DATA`` a text file or folder, or a ``.jsonl`` file of
 ``{"messages": [...]}`` or ``{"prompt": ..., "response": ...}`` records, scored on the
 assistant's tokens as training does (:func:`effijax.recipe.evaluate_model`).
+
+The result line says how much was measured (windows and scored tokens); a measure over few
+tokens (:attr:`~effijax.recipe.EvalResult.caution`) adds one warning line on standard error.
 """
 
 from __future__ import annotations
@@ -84,10 +87,23 @@ def run(args: argparse.Namespace) -> int:
         print(f"effijax eval: error: {e.renamed(_flag(e.field))}", file=sys.stderr, flush=True)
         return 2
     if args.json:
-        print(json.dumps(result.to_dict()))
-        return 0
-    what = "assistant tokens" if result.format == "chat" else "tokens"
-    print(f"effijax eval: {result.model} on {args.data} ({result.format}, {result.rows} windows "
-          f"of {result.seq_len}): loss {result.loss:.4f}, perplexity {result.perplexity:.3f} "
-          f"over {result.tokens:,} {what}", flush=True)
+        print(json.dumps(result.to_dict()), flush=True)
+    else:
+        what = "assistant token" if result.format == "chat" else "token"
+        print(f"effijax eval: {result.model} on {args.data} ({result.format}, "
+              f"{_count(result.rows, 'window')} of {result.seq_len}): loss {result.loss:.4f}, "
+              f"perplexity {result.perplexity:.3f} over {_count(result.tokens, what)}",
+              flush=True)
+    if result.caution is not None:  # on stderr: the result line (or JSON) stays as it is
+        print(f"effijax eval: warning: {result.caution}", file=sys.stderr, flush=True)
     return 0
+
+
+def _count(n: int, what: str) -> str:
+    """``n`` things, in words.
+
+    Example:
+      >>> _count(1, "window"), _count(4880, "token")
+      ('1 window', '4,880 tokens')
+    """
+    return f"{n:,} {what}{'' if n == 1 else 's'}"

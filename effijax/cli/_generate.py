@@ -7,6 +7,12 @@ a bundled model (``smollm2``, ``gemma3-270m``). The prompts (``--prompt``, repea
 output as text; several go as JSON lines, ``{"prompt": ..., "completion": ...}`` in order. The
 timings (compile, prefill, decode, tokens/s) go to standard error. Flags and the prompts file
 are checked before JAX is imported.
+
+A prompt must be text that UTF-8 can write, and one that is not is refused (exit 2), naming
+it, never decoded with replacement: a model given U+FFFD for the bytes it was meant to read
+continues another prompt than the one asked for, and says nothing. So are a command line's
+bytes that are not UTF-8 (which Python hands over as lone surrogates), a ``.jsonl`` prompt
+with an unpaired ``\ud800`` escape, and a text prompts file's line that is not UTF-8.
 """
 
 from __future__ import annotations
@@ -92,6 +98,34 @@ def read_prompts(file: str) -> list[str]:
     return prompts
 
 
+def _shown(text: str, limit: int = 40) -> str:
+    """The start of a prompt, for a message."""
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _not_text(text: str) -> str | None:
+    r"""Why ``text`` is no prompt (None: it is UTF-8 text): a lone surrogate, which no UTF-8
+    text holds. Python writes a command line's bytes that are not UTF-8 as U+DC80..U+DCFF
+    (``surrogateescape``); JSON can spell any (``"\ud800"``).
+
+    Example:
+      >>> _not_text("héllo") is None
+      True
+      >>> _not_text("ok \udcff")
+      'character 4 is the byte 0xff, which is not UTF-8'
+      >>> _not_text("a\ud800b")
+      "character 2 is a lone surrogate ('\\ud800'), which no UTF-8 text holds"
+    """
+    try:
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError as e:
+        c = text[e.start]
+        if "\udc80" <= c <= "\udcff":
+            return f"character {e.start + 1} is the byte {ord(c) - 0xDC00:#04x}, which is not UTF-8"
+        return f"character {e.start + 1} is a lone surrogate ({c!r}), which no UTF-8 text holds"
+
+
 def _json_prompt(line: str, n: int, file: str) -> str:
     try:
         record = json.loads(line)
@@ -102,12 +136,27 @@ def _json_prompt(line: str, n: int, file: str) -> str:
     if not isinstance(record, str):
         raise ConfigError("--prompts-file", file, f"line {n}: expected a JSON string "
                           'or an object with a "prompt" string')
+    why = _not_text(record)
+    if why is not None:
+        raise ConfigError("--prompts-file", f"{file}:{n}", f"the prompt on line {n} is not "
+                          f"text: {why} (a JSON escape of half a surrogate pair?); write it as "
+                          "UTF-8 text")
     return record
 
 
 def _check(args: argparse.Namespace) -> list[str]:
     """Flag errors that need no model (and no JAX); returns the prompts."""
     prompts = list(args.prompt or [])
+    for i, prompt in enumerate(prompts):
+        why = _not_text(prompt)
+        if why is not None:
+            raise ConfigError("--prompt", _shown(prompt), f"prompt {i + 1} of {len(prompts)} "
+                              f"is not text: {why} (a terminal or script in another encoding?); "
+                              "pass it as UTF-8")
+    why = None if args.system is None else _not_text(args.system)
+    if why is not None:
+        raise ConfigError("--system", _shown(args.system), f"is not text: {why}; pass it as "
+                          "UTF-8")
     if args.prompts_file is not None:
         prompts += read_prompts(args.prompts_file)
     check_prompt_count(len(prompts), "--prompts-file" if args.prompts_file else "--prompt")

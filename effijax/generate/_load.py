@@ -104,12 +104,28 @@ class Loaded(Opened):
         :meth:`complete`; each row stops at its EOS, and generation when all have.
 
         Raises:
-          ConfigError: no prompts, or one that encodes to no tokens.
+          ConfigError: no prompts, one that is not text UTF-8 can write (a lone surrogate:
+            bytes decoded with ``surrogateescape``, an unpaired JSON escape), or one that
+            encodes to no tokens.
+
+        Example:
+          >>> from effijax.models import gpt_config
+          >>> import jax
+          >>> model = gpt_config("tiny")
+          >>> Loaded(model, model.init_params(jax.random.key(0))).complete_batch(["ok", "\\udcff"])
+          Traceback (most recent call last):
+          ...
+          effijax.errors.ConfigError: prompt='\\udcff': prompt 2 of 2: character 1 is a lone \
+surrogate ('\\udcff'), which no UTF-8 text holds; decode its bytes as UTF-8 (errors="replace" \
+to accept U+FFFD for what is not)
         """
         if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts or \
                 not all(isinstance(p, str) for p in prompts):
             raise ConfigError("prompts", prompts if isinstance(prompts, str) else
                               type(prompts).__name__, "expected a non-empty list of texts")
+        for i, text in enumerate([*prompts, *([] if system is None else [system])]):
+            _check_text(text, "system" if i == len(prompts) else
+                        f"prompt {i + 1} of {len(prompts)}")
         texts = [self.chat_prompt(p, system) if chat else p for p in prompts]
         # A chat prompt is ids as the training rendered them: the template writes its own BOS
         # (Gemma's), which the tokenizer would add a second time.
@@ -121,6 +137,18 @@ class Loaded(Opened):
                        lora=self.lora, **kwargs)
         return [Completion(text, self.decode(row), out, b)
                 for b, (text, row) in enumerate(zip(texts, out.outputs, strict=True))]
+
+
+def _check_text(text: str, what: str) -> None:
+    """Refuses a text UTF-8 cannot write (a lone surrogate), before a tokenizer fails on it
+    with a ``TypeError``."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ConfigError("prompt", text if len(text) <= 40 else text[:37] + "...",
+                          f"{what}: character {e.start + 1} is a lone surrogate "
+                          f"({text[e.start]!r}), which no UTF-8 text holds; decode its bytes as "
+                          'UTF-8 (errors="replace" to accept U+FFFD for what is not)') from None
 
 
 def load(model_from: str) -> Loaded:

@@ -7,7 +7,9 @@ base with its adapters (``adapters.safetensors``, factored, not merged). The dat
 windows, or a chat / instruction JSONL file's every record, scored on the assistant's tokens
 only, each packed example attending only to itself with positions from its own start (as if
 alone). The loss is the mean cross-entropy over the scored tokens (each batch's masked mean
-weighted by its scored tokens) and the perplexity its exponential.
+weighted by its scored tokens) and the perplexity its exponential. A perplexity measured over
+few tokens (fewer than :data:`FEW_TOKENS`, or text shorter than one window, which the model
+never reads with a full context) is a rough figure: :attr:`EvalResult.caution` says so.
 """
 
 from __future__ import annotations
@@ -29,7 +31,11 @@ from effijax.recipe._open import open_model
 from effijax.recipe._preflight import check_memory
 from effijax.recipe._sources import check_template_file, with_chat_template
 
-__all__ = ["EvalResult", "load_model", "evaluate_model"]
+__all__ = ["EvalResult", "FEW_TOKENS", "load_model", "evaluate_model"]
+
+# Below this many scored tokens a perplexity says little: a token's loss varies by a few nats,
+# so the mean of 100 is uncertain by a few tenths of a nat (the perplexity by tens of percent).
+FEW_TOKENS = 100
 
 
 class EvalResult(NamedTuple):
@@ -54,6 +60,29 @@ class EvalResult(NamedTuple):
 
     def to_dict(self) -> dict:
         return self._asdict()
+
+    @property
+    def caution(self) -> str | None:
+        """Why the perplexity is a rough figure, in words (None: nothing to say): fewer scored
+        tokens than :data:`FEW_TOKENS`, or text shorter than one window.
+
+        Example:
+          >>> r = EvalResult(5.6, 270.0, 1, 1, 256, "text", "1:ab", "tiny")
+          >>> r.caution
+          'only 1 token scored (fewer than 100, and less than one window of 256): the \
+perplexity is a rough figure; evaluate on more text'
+          >>> r._replace(tokens=5000, rows=20).caution is None
+          True
+        """
+        short = self.format != "chat" and self.tokens < self.seq_len
+        if self.tokens >= FEW_TOKENS and not short:
+            return None
+        why = [f"fewer than {FEW_TOKENS}"] if self.tokens < FEW_TOKENS else []
+        why += [f"less than one window of {self.seq_len}"] if short else []
+        what = "assistant token" if self.format == "chat" else "token"
+        return (f"only {self.tokens:,} {what}{'' if self.tokens == 1 else 's'} scored "
+                f"({', and '.join(why)}): the perplexity is a rough figure; evaluate on more "
+                "text")
 
 
 def load_model(ref: str, *, seq_len: int | None = None) -> tuple[Any, Any, Any, str]:

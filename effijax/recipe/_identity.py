@@ -25,7 +25,7 @@ from typing import Any
 from effijax.errors import ConfigError
 
 __all__ = ["IDENTITY", "CHANGEABLE", "LEGACY", "NOT_RECORDED", "identity", "differences",
-           "check_resume", "changed"]
+           "check_resume", "base_changes", "changed"]
 
 # What a resume must repeat, with where it is read from in a config.json-shaped dict.
 IDENTITY = ("data", "tokenizer", "seed", "batch_size", "seq_len", "model", "precision",
@@ -137,14 +137,51 @@ def _digest(value) -> str:
     return "none" if value is None else f"{value[:12]}.."
 
 
-def _weights_change(old: dict, now: dict) -> str:
+def _weight_parts(old: dict, now: dict) -> list[str]:
     """Which weight files changed, which the run read and this one does not, and back."""
     parts = [f"{name} (sha256 {_digest(old[name])} -> {_digest(now[name])})"
              for name in sorted(old.keys() & now.keys()) if old[name] != now[name]]
     parts += [f"{name} (read by the run, not now)" for name in sorted(old.keys() - now.keys())]
     parts += [f"{name} (not read by the run)" for name in sorted(now.keys() - old.keys())]
+    return parts
+
+
+def _weights_change(old: dict, now: dict) -> str:
     return ("weights: the pretrained weight files changed since the run started: "
-            + ", ".join(parts) + "; start from the files the run started from")
+            + ", ".join(_weight_parts(old, now)) + "; start from the files the run started from")
+
+
+def base_changes(recorded: dict, current: dict) -> list[str]:
+    """How the pretrained model read now differs from the one a run recorded, in words: for
+    whoever opens a finished run's base (its adapters fit that content only). Compared as a
+    resume compares what a run started from (by content, not place: ``sha256``); said file by
+    file (as a resume says it) when the same files were read. An empty list: the same content.
+
+    Args:
+      recorded: the run's ``run`` record (``init_from_checkpoint``, ``weights``).
+      current: the same two keys for the model read now (its path, combined and per-file
+        SHA-256, as :func:`~effijax.recipe.read_source` computes them).
+
+    Example:
+      >>> run = {"init_from_checkpoint": {"path": "/a/m.gguf", "sha256": "12" * 32},
+      ...        "weights": {"m.gguf": "12" * 32}}
+      >>> base_changes(run, {"init_from_checkpoint": {"path": "/b/copy.gguf", "sha256": "12" * 32},
+      ...                    "weights": {"copy.gguf": "12" * 32}})
+      []
+      >>> base_changes(run, {"init_from_checkpoint": {"path": "/a/m.gguf", "sha256": "ab" * 32},
+      ...                    "weights": {"m.gguf": "ab" * 32}})
+      ['m.gguf (sha256 121212121212.. -> abababababab..)']
+      >>> base_changes(run, {"init_from_checkpoint": {"path": "/b/n.gguf", "sha256": "ab" * 32},
+      ...                    "weights": {"n.gguf": "ab" * 32}})
+      ['sha256 121212121212.. -> abababababab..']
+    """
+    old, now = (_origin(r.get("init_from_checkpoint")) or {} for r in (recorded, current))
+    if old == now:
+        return []
+    a, b = recorded.get("weights"), current.get("weights")
+    if isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys():
+        return _weight_parts(a, b)
+    return [f"sha256 {_digest(old.get('sha256'))} -> {_digest(now.get('sha256'))}"]
 
 
 def check_resume(saved: dict, new: dict, allow: tuple[str, ...], *, where: str) -> dict:

