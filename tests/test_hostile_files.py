@@ -651,6 +651,228 @@ def test_tokenizer_files_are_checked(files, tmp_path, file, edit, expected):
         assert e.value.path == str(directory / file)
 
 
+# --------------------------------------------------------------------------------------------
+# Issue #49, item 4: what a corpus of hostile model directories still got through.
+# --------------------------------------------------------------------------------------------
+
+
+def _copy(files, tmp_path, name="hf"):
+    directory = tmp_path / name
+    shutil.copytree(files / "hf", directory)
+    return directory
+
+
+def _added(token_id, content):
+    """An ``added_tokens`` entry as the tokenizers library writes one."""
+    return {"id": token_id, "content": content, "single_word": False, "lstrip": False,
+            "rstrip": False, "normalized": False, "special": True}
+
+
+def _edit_json(path, edit):
+    fields = json.loads(path.read_text())
+    edit(fields)
+    path.write_text(json.dumps(fields))
+
+
+@pytest.mark.parametrize("forge, where", [
+    (lambda h, b: b"", "byte 0: the file has 0 bytes"),
+    (lambda h, b: _join_safetensors({**h, "model.norm.weight": {
+        **h["model.norm.weight"], "shape": [16]}}, b), "tensor 'model.norm.weight': data_offsets"),
+    (lambda h, b: _join_safetensors({**h, "model.norm.weight": {
+        **h["model.norm.weight"], "shape": [-4, -16]}}, b), "shape [-4, -16]; expected"),
+    (lambda h, b: _join_safetensors(h, b, 2**63 + 5), "header length: 9,223,372,036,854,775,813"),
+])
+def test_forged_safetensors_beside_a_valid_index_are_refused(files, tmp_path, forge, where):
+    """A damaged model.safetensors is refused whether it is read or not: beside an index that
+    names other shards, it is checked all the same (nothing damaged is passed over unseen)."""
+    directory = _copy(files, tmp_path)
+    valid = (directory / "model.safetensors").read_bytes()
+    header, body = _split_safetensors(valid)
+    shard = "model-00001-of-00001.safetensors"
+    (directory / shard).write_bytes(valid)
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        name: shard for name in header if name != "__metadata__"}}))
+    assert load(directory)[0].n_layers == TINY.n_layers  # the index's shard is what loads
+    (directory / "model.safetensors").write_bytes(forge(header, body))
+    with pytest.raises(FileError) as e:
+        load(directory)
+    assert e.value.path == str(directory / "model.safetensors") and where in str(e.value)
+
+
+@pytest.mark.parametrize("file", ["model.safetensors", "config.json", "tokenizer.json",
+                                  "tokenizer_config.json", "model.safetensors.index.json"])
+@pytest.mark.parametrize("target", ["/dev/null", "outside"])
+def test_no_file_of_a_model_directory_is_read_from_outside_it(files, tmp_path, file, target):
+    """A model directory's own files may not be links out of it, as its index's shards may
+    not: to a device, or to another directory's (valid) file."""
+    directory = _copy(files, tmp_path)
+    if target == "outside":
+        target = tmp_path / file
+        shutil.copy(directory / (file if file != "model.safetensors.index.json" else
+                                 "config.json"), target)
+    (directory / file).unlink(missing_ok=True)
+    os.symlink(target, directory / file)
+    for read in (load, load_tokenizer) if file.startswith("tokenizer") else (load,):
+        with pytest.raises(FileError, match=r": file: is a link to .*, outside the model "
+                                            "directory") as e:
+            read(directory)
+        assert e.value.path == str(directory / file)
+
+
+def test_an_index_that_escapes_is_refused_beside_model_safetensors(files, tmp_path):
+    directory = _copy(files, tmp_path)
+    index = directory / "model.safetensors.index.json"
+    for text, words in [("{'weight_map': 1}", "not JSON"),
+                        (json.dumps({"weight_map": {"model.norm.weight": "/etc/hostname"}}),
+                         "'/etc/hostname' leaves the model directory"),
+                        (json.dumps({"weight_map": {"model.norm.weight": "a/b/../../../x"}}),
+                         "'a/b/../../../x' leaves the model directory")]:
+        index.write_text(text)
+        with pytest.raises(FileError, match=words) as e:
+            load(directory)
+        assert e.value.path == str(index)
+
+
+@pytest.mark.parametrize("edit, where, words", [
+    (lambda t: t["model"]["vocab"].update({"Ġ": 264}), "model.vocab",
+     "token 'Ġ' has id 264; the model has 264 embedding rows"),
+    (lambda t: t["added_tokens"].append(_added(7_000_000, "<big>")),
+     "added_tokens", "token '<big>' has id 7,000,000; the model has 264"),
+])
+def test_token_ids_past_the_embedding_are_refused(files, tmp_path, edit, where, words):
+    """An id the embedding has no row for would gather garbage (NaN losses, exit 0)."""
+    directory = _copy(files, tmp_path)
+    _edit_json(directory / "tokenizer.json", edit)
+    with pytest.raises(FileError) as e:
+        load(directory)
+    assert e.value.path == str(directory / "tokenizer.json")
+    assert str(e.value).startswith(f"{e.value.path}: {where}: {words}"), str(e.value)
+    load_tokenizer(directory)  # alone, no model: the ids are only bounded by 2^31
+
+
+def test_token_ids_are_bounded_by_2_to_31_without_a_model(files, tmp_path):
+    directory = _copy(files, tmp_path)
+    _edit_json(directory / "tokenizer.json", lambda t: t["added_tokens"].append(
+        _added(2**31, "<x>")))
+    with pytest.raises(FileError, match=r"added_tokens: token '<x>' has id 2,147,483,648; "
+                                        r"expected ids below 2\^31"):
+        load_tokenizer(directory)
+
+
+@pytest.mark.parametrize("file, edit, where", [
+    ("tokenizer_config.json", lambda c: c.update(eos_token="</never>"),
+     "eos_token: '</never>' is not in tokenizer.json's vocabulary"),
+    ("tokenizer_config.json", lambda c: c.update(pad_token={"content": "<pad?>"}),
+     "pad_token: '<pad?>' is not in"),
+    ("config.json", lambda c: c.update(eos_token_id=264), "eos_token_id=264: expected a token id "
+     "from 0 to 263"),
+    ("config.json", lambda c: c.update(eos_token_id=[2, 10**6]), "eos_token_id=[2, 1000000]"),
+    ("config.json", lambda c: c.update(bos_token_id=-1), "bos_token_id=-1: expected"),
+    ("config.json", lambda c: c.update(pad_token_id="2"), "pad_token_id='2': expected"),
+])
+def test_special_tokens_outside_the_vocabulary_are_refused(files, tmp_path, file, edit, where):
+    directory = _copy(files, tmp_path)
+    _edit_json(directory / file, edit)
+    with pytest.raises(FileError) as e:
+        load(directory)
+    assert e.value.path == str(directory / file) and where in str(e.value), str(e.value)
+
+
+def test_real_special_token_spellings_still_load(files, tmp_path):
+    """Llama 3's list of eos ids, early Llama conversions' ``pad_token_id: -1``."""
+    directory = _copy(files, tmp_path)
+    _edit_json(directory / "config.json", lambda c: c.update(eos_token_id=[2, 0],
+                                                             pad_token_id=-1))
+    assert load(directory)[0].tokenizer.eos_id == 2
+
+
+@pytest.mark.parametrize("key, value", [
+    ("padding", {"strategy": {"Fixed": 64}, "direction": "Right", "pad_to_multiple_of": None,
+                 "pad_id": 0, "pad_type_id": 0, "pad_token": "<|endoftext|>"}),
+    ("padding", {"strategy": "BatchLongest", "direction": "Left", "pad_to_multiple_of": 16,
+                 "pad_id": 0, "pad_type_id": 0, "pad_token": "<|endoftext|>"}),
+    ("truncation", {"direction": "Right", "max_length": 2, "strategy": "LongestFirst",
+                    "stride": 0}),
+])
+def test_padding_and_truncation_are_dropped(files, tmp_path, key, value):
+    """effijax encodes whole texts and pads batches itself: a tokenizer.json's padding would
+    pad every text, its truncation cut every text short. They never reach the library, nor the
+    files save() writes."""
+    directory = _copy(files, tmp_path)
+    expected = load_tokenizer(directory).encode("the cat sat on the mat").tolist()
+    _edit_json(directory / "tokenizer.json", lambda t: t.update({key: value}))
+    for tokenizer in (load_tokenizer(directory), load(directory)[0].tokenizer):
+        assert tokenizer.encode("the cat sat on the mat").tolist() == expected
+        assert json.loads(tokenizer.spec)[key] is None
+        assert tokenizer.backend.padding is None and tokenizer.backend.truncation is None
+
+
+def test_a_terabyte_of_padding_loads_without_it(files, tmp_path):
+    """``{"Fixed": 10**12}`` padding made the library allocate 4 TB and abort the process
+    (SIGABRT) at load. In a child process, so that a regression cannot kill pytest."""
+    directory = _copy(files, tmp_path)
+    _edit_json(directory / "tokenizer.json", lambda t: t.update(padding={
+        "strategy": {"Fixed": 10**12}, "direction": "Right", "pad_to_multiple_of": None,
+        "pad_id": 0, "pad_type_id": 0, "pad_token": "<|endoftext|>"}))
+    code = ("import sys; from effijax.interop import load_tokenizer; "
+            "print(load_tokenizer(sys.argv[1]).encode('the cat').tolist())")
+    out = subprocess.run([sys.executable, "-c", code, str(directory)], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT),
+                                                      "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+    assert json.loads(out.stdout) == load_tokenizer(files / "hf").encode("the cat").tolist()
+
+
+def _charsmap(trie_size, *words):
+    import base64
+
+    return base64.b64encode(struct.pack("<I", trie_size) + struct.pack(
+        f"<{len(words)}I", *words)).decode()
+
+
+@pytest.mark.parametrize("normalizer", [
+    {"type": "Precompiled", "precompiled_charsmap": _charsmap(64)},  # a trie past the end
+    {"type": "Sequence", "normalizers": [  # parses, then panics on the first text
+        {"type": "Precompiled", "precompiled_charsmap": _charsmap(8, 2**32 - 1, 7)}]},
+])
+def test_a_panic_of_the_tokenizers_library_is_one_file_error(files, tmp_path, capfd,
+                                                             normalizer):
+    """The library's Rust code panics on a bad ``precompiled_charsmap``: pyo3 raises
+    PanicException, a BaseException that ``except Exception`` misses, and Rust prints the
+    panic on file descriptor 2. Both end as the FileError's one line."""
+    directory = _copy(files, tmp_path)
+    _edit_json(directory / "tokenizer.json", lambda t: t.update(normalizer=normalizer))
+    for read in (load_tokenizer, load):
+        with pytest.raises(FileError, match=r"tokenizer.json: file: the tokenizers library "
+                                            "cannot read it") as e:
+            read(directory)
+        assert e.value.path == str(directory / "tokenizer.json")
+    assert "panicked" not in capfd.readouterr().err
+
+
+def test_the_library_guard_lets_interrupts_through():
+    from effijax.models._tokenizer import _library
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        _library("tokenizer.json", interrupted)
+
+
+@pytest.mark.parametrize("edit", [
+    lambda t: t.update(normalizer={"type": "Precompiled", "precompiled_charsmap": "AAAA"}),
+    lambda t: t["added_tokens"].append(_added(10**8, "<far>")),
+])
+def test_hostile_tokenizers_are_one_line_from_the_command(files, tmp_path, capfd, edit):
+    directory = _copy(files, tmp_path)
+    _edit_json(directory / "tokenizer.json", edit)
+    assert main(["generate", "--from", str(directory), "--prompt", "x"]) == 2
+    err = capfd.readouterr().err.strip().splitlines()  # the process's fd 2, Rust's output too
+    assert len(err) == 1 and err[0].startswith("effijax generate: error: "), err
+    assert str(directory / "tokenizer.json") in err[0], err
+
+
 def test_file_errors_are_config_errors_that_keep_their_words():
     e = FileError("m.gguf", "byte 8", "truncated")
     assert isinstance(e, ConfigError) and str(e.renamed("--from")) == "m.gguf: byte 8: truncated"

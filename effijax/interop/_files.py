@@ -11,7 +11,9 @@ limits, and any failure is one :class:`~effijax.errors.FileError` naming the fil
 * :func:`safetensors_header`: the header's length within the file and 100 MB, each tensor's
   dtype known, shape a list of whole numbers, bytes inside the data and apart from the others.
 * :func:`shard_files`: ``model.safetensors.index.json``'s ``weight_map`` names files inside the
-  model directory (no ``..``, no absolute path, no link out of it).
+  model directory (no ``..``, no absolute path, no link out of it); :func:`model_file`: the
+  directory's own files (``config.json``, ``model.safetensors``, the tokenizer files) are no
+  links out of it either.
 * :func:`check_size`: an architecture's sizes within :data:`LIMITS` before anything is built.
 * the tokenizer files' fields are checked where they are read
   (:meth:`effijax.models.Tokenizer.load`).
@@ -30,8 +32,8 @@ from effijax.data import read_json, regular_size
 from effijax.errors import ConfigError, FileError, whole_number
 
 __all__ = ["LIMITS", "MAX_PARAMS", "MAX_CONFIG_BYTES", "SafetensorsTensor",
-           "safetensors_header", "shard_files", "check_finite", "check_size", "whole_field",
-           "number_field", "DTYPE_BYTES", "is_gguf"]
+           "safetensors_header", "shard_files", "model_file", "check_finite", "check_size",
+           "whole_field", "number_field", "DTYPE_BYTES", "is_gguf"]
 
 
 def is_gguf(path: str | os.PathLike) -> bool:
@@ -166,6 +168,36 @@ def _roots(directory: str) -> list[str]:
     return [root]
 
 
+def _within(path: str, roots: list[str]) -> bool:
+    real = os.path.realpath(path)
+    return any(os.path.commonpath([real, root]) == root for root in roots)
+
+
+def model_file(directory: str | os.PathLike, name: str) -> str:
+    """The path of a model directory's own file ``name`` (``config.json``, ``tokenizer.json``,
+    ``model.safetensors``, ...), which, when it exists, must really be inside the directory: a
+    link out of it (to ``/dev/zero``, to another model's file) is refused as a shard index's is
+    (a Hugging Face cache snapshot's links into its ``blobs`` are its own).
+
+    Example:
+      >>> import os, tempfile
+      >>> d = tempfile.mkdtemp()
+      >>> os.symlink("/dev/zero", os.path.join(d, "model.safetensors"))
+      >>> model_file(d, "config.json") == os.path.join(d, "config.json")  # absent is fine
+      True
+      >>> model_file(d, "model.safetensors")  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ...
+      effijax.errors.FileError: .../model.safetensors: file: is a link to /dev/zero, outside ...
+    """
+    directory = os.fspath(directory)
+    path = os.path.join(directory, name)
+    if os.path.lexists(path) and not _within(path, _roots(directory)):
+        raise FileError(path, "file", f"is a link to {os.path.realpath(path)}, outside the "
+                        "model directory; expected a file inside it (copy the file in)")
+    return path
+
+
 def _inside(directory: str, roots: list[str], index: str, name: str, file) -> str:
     """The path of a shard ``file`` the index names, which must stay inside ``directory``."""
     if not isinstance(file, str) or not file:
@@ -174,8 +206,7 @@ def _inside(directory: str, roots: list[str], index: str, name: str, file) -> st
         raise FileError(index, f"weight_map[{name!r}]", f"{file!r} leaves the model "
                         "directory; expected a file name inside it")
     path = os.path.join(directory, file)
-    real = os.path.realpath(path)
-    if not any(os.path.commonpath([real, root]) == root for root in roots):
+    if not _within(path, roots):
         raise FileError(index, f"weight_map[{name!r}]", f"{file!r} is a link out of the model "
                         "directory; expected a file inside it")
     if not os.path.isfile(path):

@@ -12,6 +12,7 @@ the inverse, optionally with LoRA adapters merged in, plus the tokenizer files, 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -27,6 +28,7 @@ from effijax.interop._files import (
     SafetensorsTensor,
     check_finite,
     check_size,
+    model_file,
     number_field,
     safetensors_header,
     shard_files,
@@ -119,7 +121,24 @@ def config_from_hf(fields: dict, *, seq_len: int | None = None,
     except ConfigError as e:
         raise FileError.of(source, e) from None
     check_size(config, source)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        _check_token_id(fields, key, config.vocab_size, source)
     return config
+
+
+def _check_token_id(fields: dict, key: str, vocab_size: int, source: str) -> None:
+    """``config.json``'s special token id ``key``: null, an id below ``vocab_size``, or a list
+    of them (Llama 3's several ``eos_token_id``); -1 is also "none" for ``pad_token_id``, as
+    early Llama conversions write it. effijax takes its special tokens from the tokenizer
+    files, but an id past the embedding is a damaged file (``transformers`` would stop on it)."""
+    value = fields.get(key)
+    lowest = -1 if key == "pad_token_id" else 0
+    if value is None or all(isinstance(i, int) and not isinstance(i, bool)
+                            and lowest <= i < vocab_size
+                            for i in (value if isinstance(value, list) else [value])):
+        return
+    raise FileError(source, f"{key}={value!r}", f"expected a token id from 0 to "
+                    f"{vocab_size - 1:,} (vocab_size {vocab_size:,}), a list of them, or null")
 
 
 def _config_from_hf(fields: dict, *, seq_len, tokenizer, source) -> LlamaConfig:
@@ -202,12 +221,19 @@ _FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 
 def _weight_files(directory: str) -> dict[str, str]:
     """``{tensor name: file}`` from the index (every file inside ``directory``), or every name
-    of ``model.safetensors``."""
-    index = os.path.join(directory, _INDEX)
-    if os.path.exists(index):
-        return shard_files(directory, index)
-    single = os.path.join(directory, _SINGLE)
-    if not os.path.isfile(single):
+    of ``model.safetensors``.
+
+    With both, the index is used, and ``model.safetensors`` is checked all the same (its
+    header): no file of the directory is a link out of it or damaged unseen because another
+    was read instead.
+    """
+    index, single = model_file(directory, _INDEX), model_file(directory, _SINGLE)
+    if os.path.lexists(index):
+        files = shard_files(directory, index)
+        if os.path.lexists(single):
+            safetensors_header(single)
+        return files
+    if not os.path.lexists(single):
         raise FileError(directory, _SINGLE, f"missing, and no {_INDEX}; effijax reads "
                         "safetensors only (convert pytorch_model.bin with transformers' "
                         "save_pretrained)")
@@ -224,17 +250,29 @@ def _found_tensors(directory: str, files: dict[str, str]) -> dict[str, Safetenso
     return {name: headers[file][name] for name, file in files.items()}
 
 
-def hf_tokenizer(directory: str) -> Tokenizer | None:
+#: The tokenizer files of a model directory :meth:`~effijax.models.Tokenizer.load` reads.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def hf_tokenizer(directory: str, *, rows: int | None = None) -> Tokenizer | None:
     """The tokenizer of a model directory (``tokenizer.json`` and ``tokenizer_config.json``),
     its files checked and parsed now (:meth:`~effijax.models.Tokenizer.load`); None when there
     is no ``tokenizer.json``.
 
+    Args:
+      directory: the model directory.
+      rows: the model's embedding rows (``vocab_size``), when known: every token id must be
+        below it.
+
     Raises:
-      FileError: a tokenizer file is malformed, naming it and the field.
+      FileError: a tokenizer file is malformed, a link out of the directory, or has an id of
+        ``rows`` or more, naming it and the field.
     """
-    if not os.path.exists(os.path.join(directory, "tokenizer.json")):
+    for name in _TOKENIZER_FILES:
+        model_file(directory, name)
+    if not os.path.lexists(os.path.join(directory, "tokenizer.json")):
         return None
-    return Tokenizer.load(directory)
+    return Tokenizer.load(directory, rows=rows)
 
 
 def _ignored(name: str) -> bool:
@@ -268,12 +306,14 @@ def load_hf(directory: str | os.PathLike, *, policy=None, shardings=None,
         are missing, unexpected or misshaped (all named at once).
     """
     directory = os.fspath(directory)
-    config_path = os.path.join(directory, "config.json")
-    if not os.path.isfile(config_path):
+    config_path = model_file(directory, "config.json")
+    if not os.path.lexists(config_path):
         raise FileNotFoundError(f"no config.json in {directory!r}")
     fields = read_json(config_path, limit=MAX_CONFIG_BYTES)
-    config = config_from_hf(fields, seq_len=seq_len, tokenizer=hf_tokenizer(directory),
-                            source=config_path)
+    config = config_from_hf(fields, seq_len=seq_len, source=config_path)
+    tokenizer = hf_tokenizer(directory, rows=config.vocab_size)
+    if tokenizer is not None:
+        config = dataclasses.replace(config, tokenizer=tokenizer)
     files = _weight_files(directory)
     tensors = _found_tensors(directory, files)
     found = {name: t.shape for name, t in tensors.items()}

@@ -9,7 +9,7 @@ import os
 
 from effijax.data import read_json
 from effijax.errors import ConfigError, FileError
-from effijax.interop._files import MAX_CONFIG_BYTES, is_gguf
+from effijax.interop._files import MAX_CONFIG_BYTES, is_gguf, model_file
 from effijax.interop._gguf import gguf_config, gguf_tokenizer, load_gguf, open_gguf, read_metadata
 from effijax.interop._hf import _weight_files as _hf_weight_files
 from effijax.interop._hf import (  # noqa: F401 (hf_config, load_hf: the doctests)
@@ -84,8 +84,8 @@ def read_config(path: str | os.PathLike, *, seq_len: int | None = None) -> Llama
     path = os.fspath(path)
     if is_gguf(path):
         return gguf_config(path, seq_len=seq_len)
-    config_file = os.path.join(path, "config.json") if os.path.isdir(path) else path
-    if not os.path.isfile(config_file):
+    config_file = model_file(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.lexists(config_file):
         raise FileNotFoundError(f"{path!r} is neither a GGUF file, a Hugging Face config.json "
                                 "nor a directory holding one")
     return config_from_hf(read_json(config_file, limit=MAX_CONFIG_BYTES), seq_len=seq_len,

@@ -22,12 +22,14 @@ import functools
 import hashlib
 import json
 import os
+import sys
+import tempfile
 from collections.abc import Sequence
 
 import numpy as np
 
 from effijax.data import MAX_JSON_BYTES, compile_template, read_json, regular_size
-from effijax.errors import ConfigError, FileError, whole_number
+from effijax.errors import INT32_MAX, ConfigError, FileError, whole_number
 
 __all__ = ["Tokenizer", "byte_level_bpe", "PRE_TOKENIZERS"]
 
@@ -106,13 +108,31 @@ def _byte_alphabet() -> dict[int, str]:
     return table
 
 
-def _special_id(config: dict, name: str, vocab: dict[str, int]) -> int | None:
+def _backend(spec: str):
+    """A ``tokenizers.Tokenizer`` from its JSON, its padding and truncation switched off
+    (see :attr:`Tokenizer.backend`)."""
+    from tokenizers import Tokenizer as Backend
+
+    backend = Backend.from_str(spec)
+    backend.no_padding()
+    backend.no_truncation()
+    return backend
+
+
+def _special_id(config: dict, name: str, backend, path: str) -> int | None:
+    """The id of ``tokenizer_config.json``'s special token ``name`` (None when it names none);
+    a token the vocabulary lacks is an error (``transformers`` would add it as a new token,
+    one past the model's embedding rows)."""
     token = config.get(name)
     if isinstance(token, dict):
         token = token.get("content")
     if token is None:
         return None
-    return vocab.get(token)
+    token_id = backend.token_to_id(token)
+    if token_id is None:
+        raise FileError(path, name, f"{token!r} is not in tokenizer.json's vocabulary or "
+                        "added_tokens; expected one of its tokens")
+    return token_id
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -150,10 +170,10 @@ class Tokenizer:
 
     @functools.cached_property
     def backend(self):
-        """The ``tokenizers.Tokenizer`` (built from :attr:`spec` once, then cached)."""
-        from tokenizers import Tokenizer as Backend
-
-        return Backend.from_str(self.spec)
+        """The ``tokenizers.Tokenizer`` (built from :attr:`spec` once, then cached), without
+        padding or truncation: effijax encodes whole texts and pads batches itself, and a
+        ``tokenizer.json``'s ``{"Fixed": 1000000000000}`` would allocate terabytes per text."""
+        return _backend(self.spec)
 
     @property
     def vocab_size(self) -> int:
@@ -305,7 +325,7 @@ class Tokenizer:
         return ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
 
     @classmethod
-    def load(cls, directory: str | os.PathLike) -> Tokenizer:
+    def load(cls, directory: str | os.PathLike, *, rows: int | None = None) -> Tokenizer:
         """Reads a model directory's ``tokenizer.json`` (and ``tokenizer_config.json``), each
         file checked before it is trusted.
 
@@ -313,8 +333,16 @@ class Tokenizer:
         ``chat_template.jinja`` file next to it wins, as in recent ``transformers``); whether
         BOS and EOS are added from ``tokenizer.json``'s post-processor, which ``transformers`` 5
         follows over ``add_bos_token`` (written by :meth:`save` to agree with it). The fields
-        read must have the types expected, and the ``tokenizers`` library must accept the
-        tokenizer, else one line names the file and the field.
+        read must have the types expected, every token id must be below ``rows`` (and 2^31),
+        each special token must be in the vocabulary, and the ``tokenizers`` library must
+        accept the tokenizer and encode and decode a sample with it, else one line names the
+        file and the field. ``tokenizer.json``'s ``padding`` and ``truncation`` are dropped:
+        effijax encodes whole texts and pads batches itself.
+
+        Args:
+          directory: holds ``tokenizer.json``.
+          rows: the embedding rows of the model the tokenizer belongs to (its config's
+            ``vocab_size``), when known: a larger id would index past them.
 
         Raises:
           FileNotFoundError: the directory has no ``tokenizer.json``.
@@ -326,6 +354,10 @@ class Tokenizer:
           >>> _ = byte_level_bpe(["a", "b", "ab"], ["a b"]).save(d)
           >>> Tokenizer.load(d).encode("ab").tolist()
           [2]
+          >>> Tokenizer.load(d, rows=2)  # doctest: +ELLIPSIS
+          Traceback (most recent call last):
+          ...
+          effijax.errors.FileError: .../tokenizer.json: model.vocab: token 'ab' has id 2; ...
           >>> with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
           ...     json.dump({"eos_token": 7}, f)
           >>> Tokenizer.load(d)  # doctest: +ELLIPSIS
@@ -338,9 +370,14 @@ class Tokenizer:
             raise FileNotFoundError(
                 f"no tokenizer.json in {os.fspath(directory)!r}; effijax reads fast-tokenizer "
                 "files only (convert a slow tokenizer with transformers' save_pretrained)")
-        parsed = _tokenizer_json(path)
-        with open(path, encoding="utf-8") as f:
-            spec = f.read()
+        parsed = _tokenizer_json(path, rows)
+        if parsed.get("padding") is not None or parsed.get("truncation") is not None:
+            # Never handed to the library (see Tokenizer.backend), nor written back by save().
+            spec = json.dumps({**parsed, "padding": None, "truncation": None},
+                              ensure_ascii=False)
+        else:
+            with open(path, encoding="utf-8") as f:
+                spec = f.read()
         config_path = os.path.join(directory, "tokenizer_config.json")
         config = _tokenizer_config(config_path) if os.path.exists(config_path) else {}
         template = config.get("chat_template")
@@ -350,31 +387,59 @@ class Tokenizer:
         if isinstance(template, list):  # several named templates: take the default one
             named = {t.get("name"): t.get("template") for t in template}
             template = named.get("default", next(iter(named.values()), None))
-        vocab = parsed["model"].get("vocab") or {}
-        vocab = dict(vocab) if isinstance(vocab, dict) else {}  # unigram vocabularies are lists
-        for added in parsed.get("added_tokens", []):
-            vocab.setdefault(added["content"], added["id"])
+        # Parsed and run now, so that a spec the library refuses (or panics on) is named.
+        backend = _library(path, _backend, spec)
+        ids = {name: _special_id(config, f"{name}_token", backend, config_path)
+               for name in ("bos", "eos", "unk", "pad")}
         try:
-            tokenizer = cls(spec=spec, bos_id=_special_id(config, "bos_token", vocab),
-                            eos_id=_special_id(config, "eos_token", vocab),
-                            unk_id=_special_id(config, "unk_token", vocab),
-                            pad_id=_special_id(config, "pad_token", vocab),
+            tokenizer = cls(spec=spec, **{f"{name}_id": i for name, i in ids.items()},
                             chat_template=template)
         except ConfigError as e:
             raise FileError.of(config_path, e) from None
+        return _library(path, _with_flags, tokenizer, backend)
+
+
+#: Text every loaded tokenizer encodes and decodes once, so that a normalizer, pre-tokenizer,
+#: post-processor or decoder the library accepts but cannot run is found at load.
+_SAMPLE = "Hello, world! 12 \u00fcber caf\u00e9\n\tend."
+
+
+def _library(path: str, call, *args):
+    """``call(*args)``, the ``tokenizers`` library's failures as one :class:`FileError` about
+    ``path``: its plain ``Exception``s, and the panics of its Rust code (pyo3's
+    ``PanicException`` derives from ``BaseException``, so ``except Exception`` misses it).
+
+    What the library writes to the process's standard error meanwhile (a panic's message and
+    backtrace, straight to file descriptor 2) is held back, and passed on only when the call
+    succeeds: a refused file is the one line of the error.
+    """
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
         try:
-            backend = tokenizer.backend  # parsed now, so that a spec the library refuses is named
-        except Exception as e:  # noqa: BLE001 (the tokenizers library raises plain Exception)
+            result = call(*args)
+        except BaseException as e:  # noqa: BLE001 (narrowed just below)
+            if not isinstance(e, Exception) and type(e).__name__ != "PanicException":
+                raise  # KeyboardInterrupt, SystemExit
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise FileError(path, "file", f"the tokenizers library cannot read it ({first})") \
                 from None
-        return _with_flags(tokenizer, backend)
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        held.seek(0)
+        if said := held.read():
+            os.write(2, said)
+    return result
 
 
 def _with_flags(tokenizer: Tokenizer, backend) -> Tokenizer:
     """``tokenizer`` with ``add_bos``/``add_eos`` read off its post-processor (whether encoding
     ``""`` with special tokens gives BOS first, EOS last): ``transformers`` 5 follows the
-    post-processor whatever ``tokenizer_config.json``'s ``add_bos_token`` says."""
+    post-processor whatever ``tokenizer_config.json``'s ``add_bos_token`` says. A sample text is
+    encoded and decoded too (see :data:`_SAMPLE`)."""
+    backend.decode(backend.encode(_SAMPLE, add_special_tokens=True).ids)
     ids = backend.encode("", add_special_tokens=True).ids
     add_bos = tokenizer.bos_id is not None and ids[:1] == [tokenizer.bos_id]
     add_eos = tokenizer.eos_id is not None and len(ids) > add_bos and ids[-1] == tokenizer.eos_id
@@ -404,8 +469,20 @@ def _token_id(n) -> bool:
     return isinstance(n, int) and not isinstance(n, bool) and n >= 0
 
 
-def _tokenizer_json(path: str) -> dict:
-    """``tokenizer.json`` parsed, its model, vocabulary, merges and added tokens checked."""
+def _check_ids(path: str, where: str, ids, rows: int | None) -> None:
+    """Every ``(token, id)`` of ``ids`` below ``rows`` (the model's embedding rows) and 2^31
+    (ids reach the device as int32)."""
+    bound = min(rows, INT32_MAX + 1) if rows is not None else INT32_MAX + 1
+    for token, i in ids:
+        if i >= bound:
+            why = (f"the model has {rows:,} embedding rows (config.json's vocab_size)"
+                   if rows is not None and rows < INT32_MAX + 1 else "expected ids below 2^31")
+            raise FileError(path, where, f"token {token!r} has id {i:,}; {why}")
+
+
+def _tokenizer_json(path: str, rows: int | None = None) -> dict:
+    """``tokenizer.json`` parsed, its model, vocabulary, merges and added tokens checked (every
+    id below ``rows`` when given, and 2^31)."""
     spec = read_json(path)
     model = spec.get("model")
     if not isinstance(model, dict):
@@ -416,6 +493,11 @@ def _tokenizer_json(path: str) -> dict:
                 _token_id(i) for i in vocab.values())):
         raise FileError(path, "model.vocab", "expected an object of token -> id (ids >= 0) "
                         "or a list")
+    if isinstance(vocab, dict):
+        _check_ids(path, "model.vocab", vocab.items(), rows)
+    elif isinstance(vocab, list) and vocab:  # a unigram vocabulary: ids are positions
+        last = vocab[-1][0] if isinstance(vocab[-1], list) and vocab[-1] else vocab[-1]
+        _check_ids(path, "model.vocab", [(last, len(vocab) - 1)], rows)
     if not isinstance(merges, list) or not all(
             isinstance(m, str) and len(m.split(" ")) == 2 or isinstance(m, list) and len(m) == 2
             and all(isinstance(p, str) for p in m) for m in merges):
@@ -425,6 +507,7 @@ def _tokenizer_json(path: str) -> dict:
             isinstance(t, dict) and isinstance(t.get("content"), str)
             and _token_id(t.get("id")) for t in added):
         raise FileError(path, "added_tokens", "expected a list of {content: str, id: int >= 0}")
+    _check_ids(path, "added_tokens", [(t["content"], t["id"]) for t in added], rows)
     return spec
 
 
