@@ -157,7 +157,8 @@ def test_the_held_out_records_depend_on_their_content_only(files):
 
 
 def test_chat_data_needs_a_chat_template(files):
-    with pytest.raises(ConfigError, match="has no tokenizer; chat / instruction JSONL needs"):
+    with pytest.raises(ConfigError, match="qa.jsonl': chat records need a model with a "
+                       "tokenizer and a chat template, and tiny GPT has no tokenizer"):
         load_dataset(str(files / "qa.jsonl"), gpt_config("tiny", seq_len=16))
 
 

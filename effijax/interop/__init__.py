@@ -39,7 +39,7 @@ from effijax._lazy import attach
 # Each name is imported from its module on first use (the package convention, see
 # effijax/_lazy.py): importing the package costs only what is used.
 __getattr__, __dir__, __all__ = attach(__name__, {
-    "effijax.interop._files": ("is_gguf",),
+    "effijax.interop._files": ("is_gguf", "model_file"),
     "effijax.interop._gguf": ("gguf_config", "gguf_kept_bytes", "gguf_tokenizer", "load_gguf",
         "permute", "unpermute"),
     "effijax.interop._gguf_types": ("GGUF_DTYPES",),

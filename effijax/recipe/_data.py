@@ -108,13 +108,31 @@ def resolve_format(path: str | None, data_format: str = "auto") -> str:
     return "chat" if path is not None and Path(path).suffix.lower() == ".jsonl" else "text"
 
 
-def _tokenizer(model, *, chat: bool):
+def no_chat_template(model_name: str, path: str | None, tokenizer) -> ConfigError:
+    """The error for chat records the model cannot render (no tokenizer, or no chat template),
+    naming the fixes; said alike before the model's weights are read and after.
+
+    Example:
+      >>> print(no_chat_template("gemma3-270m", "qa.jsonl", object()))  # doctest: +ELLIPSIS
+      data='qa.jsonl': chat records are rendered by the model's chat template, and gemma3-270m \
+has none (a base model's): give one with --chat-template FILE ...
+    """
+    if tokenizer is None:
+        return ConfigError("data", path, f"chat records need a model with a tokenizer and a "
+                           f"chat template, and {model_name} has no tokenizer: train from one "
+                           "that has both (e.g. --from smollm2), or read the file as plain text "
+                           "with --data-format text")
+    return ConfigError("data", path, f"chat records are rendered by the model's chat template, "
+                       f"and {model_name} has none (a base model's): give one with "
+                       "--chat-template FILE (a Jinja template, like the model family's "
+                       "instruct model's), train from a model that has one (e.g. --from "
+                       "smollm2), or read the file as plain text with --data-format text")
+
+
+def _tokenizer(model, *, chat: bool, path: str | None = None):
     tokenizer = getattr(model, "tokenizer", None)
     if chat and (tokenizer is None or tokenizer.chat_template is None):
-        raise ConfigError("data", "chat", f"{model.name} has no "
-                          f"{'tokenizer' if tokenizer is None else 'chat template'}; chat / "
-                          "instruction JSONL needs a model that has both (e.g. --from "
-                          "smollm2), or read the file as plain text with --data-format text")
+        raise no_chat_template(model.name, path, tokenizer)
     return tokenizer
 
 
@@ -201,7 +219,7 @@ def _read(path: str | None, model, data_format: str, *, evaluating: bool = False
         if fmt == "chat":
             if path is None:
                 raise ConfigError("data", NO_VALUE, "chat data needs a .jsonl file (--data FILE)")
-            tokenizer = _tokenizer(model, chat=True)
+            tokenizer = _tokenizer(model, chat=True, path=path)
             if Path(path).is_dir():
                 raise ConfigError("data", path, "chat / instruction data is one .jsonl file, "
                                   "not a folder")

@@ -25,7 +25,7 @@ from typing import Any
 from effijax.checkpoint import latest_step
 from effijax.data import read_json
 from effijax.errors import ConfigError, FileError
-from effijax.interop import load_tokenizer
+from effijax.interop import load_tokenizer, model_file
 from effijax.lora import load_adapters
 from effijax.models import model_from_dict
 from effijax.precision import QUANTIZED_FORMATS, dequantized_shapes, quantize_kernels
@@ -59,8 +59,10 @@ class Opened:
 
 def _run_values(path: Path) -> dict | None:
     """A run directory's ``config.json`` (None when ``path`` is not a run directory)."""
-    config = path / "config.json"
-    if not (path.is_dir() and config.is_file()):
+    if not path.is_dir():
+        return None
+    config = Path(model_file(path, "config.json"))  # never read through a link out of it
+    if not config.is_file():
         return None
     values = read_json(config, limit=MAX_CONFIG_BYTES)  # a FIFO or a huge file: refused
     return values if isinstance(values, dict) and isinstance(values.get("run"), dict) else None

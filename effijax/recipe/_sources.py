@@ -23,11 +23,11 @@ import tempfile
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from effijax.data import read_json
+from effijax.data import is_store, read_json
 from effijax.errors import ConfigError, FileError
 from effijax.interop import is_gguf
 from effijax.recipe._config import BUNDLED, DEFAULT_MODEL, MAX_CONFIG_BYTES, TrainConfig
-from effijax.recipe._data import mixture_spec
+from effijax.recipe._data import mixture_spec, no_chat_template, resolve_format
 
 # JAX, orbax and the file formats are imported inside the functions that use them:
 # ``effijax memory --model`` reads an architecture (:func:`architecture`) without them.
@@ -226,6 +226,32 @@ def architecture(spec: str, *, seq_len: int | None = None, field: str = "model")
         raise ConfigError(field, spec, str(e)) from None
     except ConfigError as e:
         raise e.within(field, spec) from None
+
+
+def check_chat_template(config: TrainConfig) -> None:
+    """Chat records (``--data x.jsonl``) from a pretrained model without a chat template and no
+    ``--chat-template``: refused from the model's tokenizer alone, before its weights are read
+    (seconds, not a model load). Anything else is left to the data stage.
+
+    Raises:
+      ConfigError: ``field="data"`` (:func:`~effijax.recipe._data.no_chat_template`).
+    """
+    if (config.chat_template is not None or config.init_from is None or config.data is None
+            or mixture_spec(config.data) is not None or is_store(config.data)
+            or resolve_format(config.data, config.data_format) != "chat"):
+        return
+    path = Path(bundled_path(config.init_from) if config.init_from in BUNDLED
+                else config.init_from)
+    if not _is_pretrained(path):
+        return
+    from effijax.interop import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(path)
+    except ConfigError:
+        return  # a broken tokenizer: said where the model is read, with its file
+    if tokenizer.chat_template is None:
+        raise no_chat_template(config.init_from, config.data, tokenizer)
 
 
 def read_source(init_from: str, seq_len: int | None, *, keep_blocks: bool = False) -> Source:

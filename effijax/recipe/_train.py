@@ -79,6 +79,7 @@ def train(config: TrainConfig, *, argv: list[str] | None = None) -> TrainResult:
     """
     _sources.check_paths(config)  # before any process joins or anything is created
     check_sources(config.data, config.data_format, config.text_column)
+    _sources.check_chat_template(config)  # from the tokenizer alone: before any weights
     mesh = start(config)
     try:
         source = _sources.read_source(config.init_from, config.seq_len,
