@@ -275,3 +275,94 @@ def test_a_damaged_metrics_line_is_reported_and_dropped_on_resume(tmp_path):
     assert [line.split(": ")[2].split(" (")[0] for line in said] == [
         "line 2 is not a metrics record", "line 3 is not a metrics record",
         "line 4 is not a metrics record"]
+
+
+# Issue #49: templates that allocate, long conversations, text that is not UTF-8 or one line --
+
+@pytest.mark.parametrize("template, said", [
+    # Sizes just over the bound: were a check lost, the test would fail without a big allocation.
+    ("{{ 'ab'.rjust(20000000) }}", "a width or count of 20,000,000"),
+    ("{{ ('ab' * 3000).replace('a', 'a' * 9000) }}", "str.replace would make 27,003,000"),
+    ("{% set ns = namespace(t='yz') %}{% for _ in range(25) %}{% set ns.t = ns.t ~ ns.t ~ '!' %}"
+     "{% endfor %}", "joining with ~ would make"),
+    ("{% set ns = namespace(t=['q']) %}{% for _ in range(25) %}{% set ns.t = ns.t + ns.t %}"
+     "{% endfor %}", "more than 256 MiB of strings and lists"),
+    ("{{ lipsum(20000) }}", "lipsum would make"),
+    ("{{ ('a' * 9000000).zfill(1) ~ ('a' * 9000000) }}", "joining with ~ would make 18,000,000"),
+    ("{{ range(3000)|join('-' * 6000) }}", "joining would make"),
+    ("{{ ['0123456789' * 200000] * 9 }}", "a {{ value }} would make"),
+    ("{{ '{0}{0}{0}'.format('w' * 6000000) }}", "would make 18,000,"),
+    ("{{ ('.' * 70000)|wordwrap(3) }}", "wordwrap filter is given more than 65,536"),
+    ("{% set ns = namespace(d={}) %}{% for i in range(90000) %}"
+     "{% set ns.d = dict(ns.d, **{'k' ~ i: i}) %}{% endfor %}", "more than 256 MiB"),
+    ("{% set ns = namespace(n=7) %}{% for _ in range(30) %}{% set ns.n = ns.n * ns.n %}"
+     "{% endfor %}", "more than 4096 bits"),
+], ids=["rjust", "replace", "concat-doubling", "list-doubling", "lipsum", "concat", "join-sep",
+        "list-repr", "format-fields", "wordwrap", "dict-in-loop", "int-squaring"])
+def test_a_template_that_allocates_without_bound_is_one_line(template, said):
+    tracemalloc.start()
+    e = _refused(render_chat, _tokenizer(template), CHAT)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert e.field == "chat_template" and said in str(e), e
+    assert peak < 400 * 2**20, f"{peak / 2**20:.0f} MiB"
+
+
+def test_a_conversation_of_many_turns_is_refused_at_once_and_short_ones_render():
+    from effijax.data._chat import MAX_SPAN_WORK
+
+    turns = [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "ba"}]
+    template = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}<s>{% endfor %}"
+                "{% if add_generation_prompt %}a:{% endif %}")
+    e = _refused(render_chat, _tokenizer(template), turns * 3000, seconds=3)
+    assert e.field == "chat_template" and "6,000 messages" in str(e), e
+    assert f"over the {MAX_SPAN_WORK:,} allowed" in str(e), e
+    ids, mask = render_chat(_tokenizer(template), turns * 100)  # 200 messages: work, not refusal
+    assert int(mask.sum()) == 100 * 3
+
+
+def test_a_lone_surrogate_in_a_chat_record_is_one_line(tmp_path):
+    f = tmp_path / "chat.jsonl"
+    f.write_text('{"prompt": "a", "response": "b"}\n'
+                 '{"messages": [{"role": "user", "content": "x\\udc80y"}, '
+                 '{"role": "assistant", "content": "ok"}]}\n')
+    e = _refused(read_records, f)
+    assert e.value == f"{f}:2" and "messages[0]'content' holds a lone surrogate" in str(e), e
+
+
+def test_text_that_is_not_utf8_is_refused_and_utf16_is_decoded(tmp_path, capsys):
+    from effijax.data import encode_each
+    from effijax.models import byte_level_bpe
+
+    tok = byte_level_bpe(["a", "b", "ab", "<|endoftext|>"], ["a b"], token_types=[1, 1, 1, 3])
+    e = _refused(encode_each, tok, [b"ab", "ab\u00e7a".encode("cp1252")])
+    assert e.value == "document 2 of 2" and "byte 3 is 0xE7" in str(e), e
+    for encoding in ("utf-16", "utf-16-be", "utf-32"):  # with a byte-order mark each
+        data = ("\ufeff" if encoding.endswith("be") else "") + "abba"
+        assert [i.tolist() for i in encode_each(tok, [data.encode(encoding)])] == [
+            [2, 1, 0, 3]], encoding
+    f = tmp_path / "latin1.txt"
+    f.write_bytes("na\u00efve caf\u00e9\n".encode("latin-1") * 50)
+    err = _cli(capsys, "data", "prepare", str(f), "--out", str(tmp_path / "store"), "--from",
+               "smollm2", "--processes", "1")
+    assert "is not UTF-8 text: byte 3 is 0xEF (100 of its" in err, err
+
+
+def test_a_long_document_reaches_the_tokenizer_in_pieces_or_is_refused(monkeypatch):
+    from effijax.data import _documents, encode_each
+    from effijax.models import byte_level_bpe
+
+    tok = byte_level_bpe([chr(c) for c in range(97, 123)] + ["<|endoftext|>", "Ċ", ".", "Ġ"],
+                         [], token_types=[1] * 26 + [3, 1, 1, 1])
+    monkeypatch.setattr(_documents, "PIECE_CHARS", 40)
+    monkeypatch.setattr(_documents, "MAX_PIECE_CHARS", 100)
+    text = "the cat sat.\nand the dog\nran away\n\n. the end\n" * 20
+    seen = []
+    encode_batch = tok.backend.encode_batch
+    monkeypatch.setattr(type(tok.backend), "encode_batch", lambda self, texts, **kw: (
+        seen.append(max(map(len, texts))), encode_batch(texts, **kw))[1], raising=False)
+    whole = tok.backend.encode(text, add_special_tokens=False).ids
+    assert encode_each(tok, [text.encode()])[0][:-1].tolist() == whole
+    assert len(seen) > 1 and max(seen) <= 100, seen  # in pieces, none over the limit
+    e = _refused(encode_each, tok, [b"ab\n" + b"x" * 101])
+    assert "a stretch of 104 characters without a line end to cut at" in str(e), e

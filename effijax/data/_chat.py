@@ -41,10 +41,10 @@ import numpy as np
 
 from effijax.data._corpus import val_count
 from effijax.data._files import bounded_lines
-from effijax.errors import ConfigError, whole_number
+from effijax.errors import NO_VALUE, ConfigError, whole_number
 
-__all__ = ["Record", "Packed", "parse_line", "table_record", "read_records", "render_chat",
-           "turn_end_id", "pack_examples", "split_records", "records_fingerprint"]
+__all__ = ["Record", "Packed", "MAX_SPAN_WORK", "parse_line", "table_record", "read_records",
+           "render_chat", "turn_end_id", "pack_examples", "split_records", "records_fingerprint"]
 
 _RECORD_KEYS = ({"messages"}, {"prompt", "response"}, {"prompt", "response", "system"})
 
@@ -109,6 +109,26 @@ def _bad(source: str, problem: str) -> ConfigError:
                        '"content": "..."}]} or {"prompt": "...", "response": "..."}')
 
 
+def _surrogate(text: str) -> int | None:
+    """Where ``text`` holds a lone surrogate (JSON's ``"\\ud800"``), which is no character
+    and cannot be encoded or tokenized; None for text."""
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
+
+
+def _check_text(obj: dict, source: str, where: str) -> None:
+    for key, value in obj.items():
+        at = _surrogate(value)
+        if at is not None:
+            raise _bad(source, f"{where}{key!r} holds a lone surrogate ({value[at]!r} at "
+                       f"character {at:,}), which is not text: fix the escape that wrote it")
+
+
 def _record(obj: Any, source: str) -> tuple[dict, ...]:
     if not isinstance(obj, dict):
         raise _bad(source, f"a JSON {type(obj).__name__}, not an object")
@@ -124,12 +144,15 @@ def _record(obj: Any, source: str) -> tuple[dict, ...]:
                     or not isinstance(m["content"], str)):
                 raise _bad(source, f'messages[{i}] must be {{"role": str, "content": str}}, '
                            f"got {json.dumps(m)[:80]}")
+        for i, m in enumerate(messages):
+            _check_text(m, source, f"messages[{i}]")
         if not any(m["role"] == "assistant" for m in messages):
             raise _bad(source, 'no message has role "assistant": nothing to train on')
         return tuple({"role": m["role"], "content": m["content"]} for m in messages)
     for key in sorted(obj):
         if not isinstance(obj[key], str):
             raise _bad(source, f'"{key}" must be a string, got {type(obj[key]).__name__}')
+    _check_text(obj, source, "")
     system = ({"role": "system", "content": obj["system"]},) if "system" in obj else ()
     return (*system, {"role": "user", "content": obj["prompt"]},
             {"role": "assistant", "content": obj["response"]})
@@ -174,8 +197,9 @@ def read_records(path: str | os.PathLike) -> list[Record]:
     Raises:
       ConfigError: ``field="data"``, value ``"file:line"`` of the first bad record (not UTF-8,
         longer than :data:`~effijax.data.MAX_RECORD_BYTES`, not JSON or nested too deeply,
-        unknown keys, a message that is not ``{"role": str, "content": str}``, no assistant
-        message), the file has no record, or is not a regular file (a pipe, a device).
+        unknown keys, a message that is not ``{"role": str, "content": str}``, a string with a
+        lone surrogate such as ``"\\ud800"``, no assistant message), the file has no record,
+        or is not a regular file (a pipe, a device).
 
     Example:
       >>> import pathlib, tempfile
@@ -242,21 +266,55 @@ def _render(tokenizer, messages, add_generation_prompt: bool = False) -> str:
                                          add_generation_prompt=add_generation_prompt)
 
 
+#: Work the prefix renders of one conversation may do in all (see :func:`assistant_spans`),
+#: in characters rendered, each message rendered counting as :data:`_MESSAGE_COST` more (a
+#: template spends about as long on a message as on 512 characters): about 7 s at worst.
+#: Conversations of up to about 500 short messages, or 16 turns over 4 MiB, fit.
+MAX_SPAN_WORK = 2**26
+_MESSAGE_COST = 512
+
+
+def _too_long(messages: Sequence[dict], turns: int, work: float) -> ConfigError:
+    # Named as a template's error: the caller names the record it met (file and line).
+    return ConfigError("chat_template", NO_VALUE, f"a conversation of {len(messages):,} "
+                       "messages: locating its assistant turns renders it again up to each of "
+                       f"its {turns:,} assistant "
+                       f"turns: about {work:,.0f} characters in all, over the {MAX_SPAN_WORK:,} "
+                       f"allowed (a message counts as {_MESSAGE_COST}); split it into shorter "
+                       "conversations")
+
+
 def assistant_spans(tokenizer, messages: Sequence[dict]) -> tuple[str, list[tuple[int, int]]]:
     """``(text, spans)``: the rendered conversation and the ``[start, end)`` character spans
     of its assistant turns (see the module docstring).
 
+    A template is code, so where turn ``i`` starts is only known by rendering the first ``i``
+    messages: the work grows with the square of the conversation's length. It is bounded by
+    :data:`MAX_SPAN_WORK`, estimated from the whole text before any prefix is rendered (so a
+    conversation of 100,000 turns is refused at once) and counted as the prefixes render.
+
     Raises:
-      ConfigError: the template does not render a conversation's prefixes as prefixes of the
-        whole (the assistant's spans cannot then be found).
+      ConfigError: ``field="chat_template"``: the template does not render a conversation's
+        prefixes as prefixes of the whole (the assistant's spans cannot then be found);
+        or the conversation needs more than :data:`MAX_SPAN_WORK`.
     """
     text = _render(tokenizer, messages)
-    spans = []
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    # The estimate: each prefix as long as its share of the messages' characters.
+    at, before_chars = 0, []
+    for m in messages:
+        before_chars.append(at)
+        at += len(m["content"]) + 1
+    estimate = sum(2 * (len(text) * before_chars[i] / at + _MESSAGE_COST * i) for i in turns)
+    if estimate > MAX_SPAN_WORK:
+        raise _too_long(messages, len(turns), estimate)
+    spans, work = [], 0
+    for i in turns:
         before = _render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
         upto = _render(tokenizer, messages[: i + 1])
+        work += len(before) + len(upto) + _MESSAGE_COST * (2 * i + 1)
+        if work > MAX_SPAN_WORK:
+            raise _too_long(messages, len(turns), work)
         if not (text.startswith(upto) and upto.startswith(before)):
             raise ConfigError("chat_template", "the model's", "renders a conversation's first "
                               "turns differently from the whole conversation, so the assistant "

@@ -22,6 +22,7 @@ from effijax.errors import ConfigError, whole_number
 __all__ = [
     "DEFAULT_MAX_BYTES",
     "corpus_fingerprint",
+    "document_files",
     "load_corpus",
     "load_documents",
     "split_corpus",
@@ -119,22 +120,34 @@ def load_documents(
     except ConfigError as e:
         raise ConfigError("max_bytes", max_bytes, f"{e.problem}: None reads 8 MiB of the "
                           "standard library, or the whole of a given path") from None
+    if path is None and max_bytes is None:
+        max_bytes = DEFAULT_MAX_BYTES
+    return _read_capped(document_files(path), max_bytes)
+
+
+def document_files(path: str | os.PathLike | None = None) -> list[Path]:
+    """The files :func:`load_documents` reads, in its order: one document each.
+
+    Example:
+      >>> document_files("/nonexistent")
+      Traceback (most recent call last):
+      ...
+      effijax.errors.ConfigError: path='/nonexistent': does not exist; pass a text file, a \
+folder of text files, or None for the standard library
+    """
     if path is None:
-        files = stdlib_files()
-        max_bytes = DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
-    else:
-        p = regular_path(path, "path")
-        if not p.exists():
-            raise ConfigError("path", str(p), "does not exist; pass a text file, a folder of "
-                              "text files, or None for the standard library")
-        if p.is_dir():
-            files = [f for f in _folder_files(p) if not _is_binary(f)]
-            if not files:
-                raise ConfigError("path", str(p), "the folder holds no readable text files "
-                                  "(binary, hidden and __pycache__ files are skipped)")
-        else:
-            files = [p]
-    return _read_capped(files, max_bytes)
+        return stdlib_files()
+    p = regular_path(path, "path")
+    if not p.exists():
+        raise ConfigError("path", str(p), "does not exist; pass a text file, a folder of "
+                          "text files, or None for the standard library")
+    if p.is_dir():
+        files = [f for f in _folder_files(p) if not _is_binary(f)]
+        if not files:
+            raise ConfigError("path", str(p), "the folder holds no readable text files "
+                              "(binary, hidden and __pycache__ files are skipped)")
+        return files
+    return [p]
 
 
 def load_corpus(

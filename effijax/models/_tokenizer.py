@@ -73,17 +73,30 @@ _NO_OP_SPLIT = {"type": "Split", "pattern": {"String": " "}, "behavior": "Merged
 
 def _line_chunks(text: str, size: int) -> list[str]:
     """``text`` cut into pieces of about ``size`` characters, each cut right before a newline
-    that follows a letter or digit.
+    that follows a letter or digit, or right after a single newline between a non-space and a
+    letter or digit (``".\\nThe"``).
 
-    Every pre-tokenizer effijax knows ends a piece there and starts the next one from the
-    newline without looking back; cutting before whitespace would not do (GPT-2's
-    ``\\s+(?!\\S)`` looks ahead past a run of spaces), nor after punctuation (Llama 3's
-    ``[^\\s\\p{L}\\p{N}]+[\\r\\n]*`` takes the newlines along).
+    Every pre-tokenizer effijax knows ends a piece at both places and starts the next one
+    without looking back: before such a newline (after a word), and after a lone newline that
+    follows punctuation (GPT-2 keeps that newline alone, Llama 3's
+    ``[^\\s\\p{L}\\p{N}]+[\\r\\n]*`` takes it along with the punctuation; a word follows).
+    Cutting before other whitespace would not do (GPT-2's ``\\s+(?!\\S)`` looks ahead past a
+    run of spaces), nor between newlines (Llama 3's ``\\s*[\\r\\n]+`` takes them all).
+
+    Example:
+      >>> _line_chunks("ab.\\ncd\\nef", 1)
+      ['ab.\\n', 'cd', '\\nef']
     """
     chunks, start = [], 0
     while len(text) - start > size:
         cut = text.find("\n", start + size)
-        while cut != -1 and not text[cut - 1].isalnum():
+        while cut != -1:
+            if text[cut - 1].isalnum():
+                break
+            if (cut + 1 < len(text) and text[cut + 1].isalnum()
+                    and not text[cut - 1].isspace()):
+                cut += 1
+                break
             cut = text.find("\n", cut + 1)
         if cut == -1:
             break
@@ -192,12 +205,25 @@ class Tokenizer:
         and encoded on every core when the pre-tokenizer provably splits there anyway (byte-level
         BPE with the splits of :data:`PRE_TOKENIZERS`): the ids are the same, only faster.
         """
-        if add_special_tokens or len(text) <= _CHUNK_CHARS or not self._splits_at_line_starts:
+        if add_special_tokens or len(text) <= _CHUNK_CHARS:
             ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
             return np.asarray(ids, np.int32)
-        encodings = self.backend.encode_batch(_line_chunks(text, _CHUNK_CHARS),
-                                              add_special_tokens=False)
+        encodings = self.backend.encode_batch(self.pieces(text), add_special_tokens=False)
         return np.concatenate([np.asarray(e.ids, np.int32) for e in encodings])
+
+    def pieces(self, text: str, size: int = _CHUNK_CHARS) -> list[str]:
+        """``text`` cut into pieces of about ``size`` characters that encode (without special
+        tokens) to the ids of the whole, one after the other: cut at line ends
+        (:func:`_line_chunks`) where the pre-tokenizer provably splits there anyway, else whole
+        (``[text]``). What lets a long text reach the tokenizer in bounded pieces, on every
+        core.
+
+        Example:
+          >>> tok = byte_level_bpe(["a", "b", "Ċ", "."], [])
+          >>> tok.pieces("ab.\\nab\\nba", size=2)
+          ['ab.\\n', 'ab', '\\nba']
+        """
+        return _line_chunks(text, size) if self._splits_at_line_starts else [text]
 
     @functools.cached_property
     def _splits_at_line_starts(self) -> bool:

@@ -38,6 +38,7 @@ from effijax.data import (
     Led,
     Packed,
     corpus_fingerprint,
+    document_files,
     documents_fingerprint,
     encode_documents,
     is_store,
@@ -231,7 +232,8 @@ def _read(path: str | None, model, data_format: str, *, evaluating: bool = False
             raw = load_corpus(path)
             return _Content("bytes", corpus_fingerprint(raw), model.encode(raw.tobytes()))
         documents = load_documents(path)
-        tokens = encode_documents(tokenizer, documents)
+        names = [str(f) for f in document_files(path)]  # a document refused is named
+        tokens = encode_documents(tokenizer, documents, names=names)
         note = (f"text data: {len(documents)} documents, {len(tokens):,} tokens (each document "
                 f"ends with {tokenizer.token(int(tokens[-1]))})")
         return _Content("text", documents_fingerprint(documents), tokens,
