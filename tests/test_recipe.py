@@ -240,9 +240,14 @@ def test_more_steps_continue_a_finished_run_and_the_derived_warmup_follows(tmp_p
     assert result.config.warmup == 4
     (resume,) = json.loads((tmp_path / "run" / "config.json").read_text())["resumes"]
     assert resume["changed"]["steps"] == [40, 80] and resume["changed"]["warmup"] == [2, 4]
-    # A warm-up the user set is a setting of its own: changing it is named.
-    with pytest.raises(ConfigError, match=r"warmup 4 -> 5 \(add --allow-changes steps,warmup"):
-        train(cfg.with_overrides(steps=100, warmup=5, allow_changes="steps"))
+    # A warm-up the user set to another value than the steps' default (5) is a setting of its
+    # own: changing it is named, with every flag the resume needs.
+    with pytest.raises(ConfigError, match=r"warmup 4 -> 6 \(add --allow-changes steps,warmup"):
+        train(cfg.with_overrides(steps=100, warmup=6, allow_changes="steps"))
+    # Left to its default, it follows the steps: the message asks for steps alone.
+    with pytest.raises(ConfigError, match=r"steps 80 -> 100 \(add --allow-changes steps to "
+                       r"accept\); warmup 4 -> 5 \(follows --steps: accepted with it\)"):
+        train(cfg.with_overrides(steps=100))
 
 
 def test_bad_settings_fail_before_anything_is_written(tmp_path, corpus):

@@ -30,6 +30,7 @@ from effijax.interop import GGUF_DTYPES
 from effijax.memory import PRECISION_ALIASES
 from effijax.optimizers import OPTIMIZERS, SCHEDULES, decay_mask, hyperparameters
 from effijax.precision import AUTO_BF16_MIN_WIDTH, PRESET_NAMES
+from effijax.recipe._identity import default_warmup
 
 __all__ = ["TrainConfig", "PRECISIONS", "CLUSTERS", "WANDB_MODES", "PRECISION_ALIASES",
            "DEFAULT_MODEL", "RECORD_KEYS", "flag_of", "field_kind", "lora_fields"]
@@ -481,7 +482,7 @@ class TrainConfig:
     @property
     def warmup_steps(self) -> int:
         """``warmup``, or 5% of the steps (at least 1)."""
-        return self.warmup if self.warmup is not None else max(1, self.steps // 20)
+        return self.warmup if self.warmup is not None else default_warmup(self.steps)
 
     def lora_spec(self, default_targets: str):
         """The run's :class:`~effijax.lora.LoraSpec` (None: full training); a spec error is

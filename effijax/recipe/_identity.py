@@ -25,7 +25,7 @@ from typing import Any
 from effijax.errors import ConfigError
 
 __all__ = ["IDENTITY", "CHANGEABLE", "LEGACY", "NOT_RECORDED", "identity", "differences",
-           "check_resume", "base_changes", "changed"]
+           "check_resume", "base_changes", "changed", "default_warmup"]
 
 # What a resume must repeat, with where it is read from in a config.json-shaped dict.
 IDENTITY = ("data", "tokenizer", "seed", "batch_size", "seq_len", "model", "precision",
@@ -184,6 +184,26 @@ def base_changes(recorded: dict, current: dict) -> list[str]:
     return [f"sha256 {_digest(old.get('sha256'))} -> {_digest(now.get('sha256'))}"]
 
 
+def default_warmup(steps: int) -> int:
+    """The warm-up of a run that sets none: 5% of its steps, at least 1. A resume allowed to
+    change ``steps`` changes this warm-up with them (it follows the steps).
+
+    Example:
+      >>> default_warmup(100), default_warmup(10)
+      (5, 1)
+    """
+    return max(1, steps // 20)
+
+
+def _warmup_follows_steps(diff: dict) -> bool:
+    """Whether the warm-up changed only as the default warm-up of the changed ``steps`` (a run
+    that leaves it unset: a resume allowed to change ``steps`` changes it too)."""
+    if "warmup" not in diff or "steps" not in diff:
+        return False
+    (old, now), (old_steps, new_steps) = diff["warmup"], diff["steps"]
+    return old == default_warmup(old_steps) and now == default_warmup(new_steps)
+
+
 def check_resume(saved: dict, new: dict, allow: tuple[str, ...], *, where: str) -> dict:
     """Refuses a resume that changes the run; returns the allowed changes ``{name: (old, new)}``.
 
@@ -207,17 +227,27 @@ def check_resume(saved: dict, new: dict, allow: tuple[str, ...], *, where: str) 
       effijax.errors.ConfigError: resume='ckpt': the run's settings changed: seed 0 -> 7 \
 (must match the checkpointed run); steps 10 -> 20 (add --allow-changes steps to accept); resume \
 with the original settings, or start a new run with another --out
+      >>> check_resume({**saved, "steps": 100, "warmup": 5}, {**saved, "steps": 150, "warmup": 7},
+      ...              (), where="ckpt")  # a warm-up left to its default follows the steps
+      Traceback (most recent call last):
+      ...
+      effijax.errors.ConfigError: resume='ckpt': the run's settings changed: steps 100 -> 150 \
+(add --allow-changes steps to accept); warmup 5 -> 7 (follows --steps: accepted with it); resume \
+with the original settings, or start a new run with another --out
     """
     diff = differences(saved, new)
     refused = [n for n in diff if n in IDENTITY or n not in allow]
     if not refused:
         return diff
+    follows = _warmup_follows_steps(diff)
+    # Every name the resume needs (the flag's value replaces the one given).
+    flags = ",".join(n for n in diff if n in CHANGEABLE and not (n == "warmup" and follows))
     parts = []
     for name in diff:
         old, now = diff[name]
         why = ("must match the checkpointed run" if name in IDENTITY else
-               f"add --allow-changes {','.join(n for n in diff if n in CHANGEABLE)} to accept"
-               if name not in allow else "allowed")
+               "follows --steps: accepted with it" if name == "warmup" and follows else
+               f"add --allow-changes {flags} to accept" if name not in allow else "allowed")
         if name == "init_from":  # what the run started from: its own phrasing
             parts.append(f"init_from: this run continues a run that started from {_show(old)}, "
                          f"not from {_show(now)}")

@@ -12,8 +12,9 @@ from typing import Any, NamedTuple
 
 from effijax import distributed
 from effijax.checkpoint import truncate_metrics
-from effijax.recipe import _job, _sources
+from effijax.recipe import _finish, _job, _sources
 from effijax.recipe._config import TrainConfig
+from effijax.recipe._report import summary_step
 from effijax.recipe._rundir import RunStart
 
 __all__ = ["Initial", "initial_state"]
@@ -39,7 +40,14 @@ def initial_state(config: TrainConfig, job, run: RunStart, source) -> Initial:
     if distributed.is_main():
         truncate_metrics(Path(config.out) / "metrics.jsonl", run.resume_step)
         where = run.dir.ckpt.directory
-        if run.resume_step >= config.steps:
+        if run.resume_step >= config.steps and summary_step(config.out) == run.resume_step:
+            # Finished, and asked now for exports it lacks (--export-hf added to its command).
+            paths = _finish.export_paths(config, job.lora is not None)
+            missing = [paths[name].name for name in
+                       _finish.missing_exports(config, job.lora is not None)]
+            print(f"effijax train: the run finished at step {run.resume_step}; adding the "
+                  f"exports it lacks ({', '.join(missing)})", flush=True)
+        elif run.resume_step >= config.steps:
             print(f"effijax train: the run reached step {run.resume_step} in {where} but "
                   "stopped before its end was written; completing it (final evaluation, "
                   "exports, summary.json)", flush=True)

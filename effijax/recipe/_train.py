@@ -25,6 +25,7 @@ from effijax.precision import PRESET_NAMES, AutoPrecision, auto_precision, cpu_f
 from effijax.recipe import _finish, _job, _preflight, _report, _resume, _sources, _watch
 from effijax.recipe._config import TrainConfig, lora_fields
 from effijax.recipe._data import Dataset, load_dataset
+from effijax.recipe._identity import default_warmup
 from effijax.recipe._loop import loop
 from effijax.recipe._optimizer import optimizer_for
 from effijax.recipe._prepared import check_sources, training_data
@@ -223,11 +224,13 @@ def resolve(config: TrainConfig, mesh, precision: str) -> TrainConfig:
     :func:`decide_precision` decided), the strategy, warm-up, loss scale and the mesh's actual
     shape (what ``config.json`` records).
 
-    A warm-up left to its default follows ``steps``: when a resume may change ``steps``
-    (``allow_changes``), it may change the derived warm-up too, without a second name.
+    A warm-up at its default follows ``steps``: when a resume may change ``steps``
+    (``allow_changes``), it may change that warm-up too, without a second name (a warm-up
+    set to another value is a setting of its own).
     """
     allow = config.allowed_changes
-    if config.warmup is None and "steps" in allow and "warmup" not in allow:
+    if ("steps" in allow and "warmup" not in allow
+            and config.warmup_steps == default_warmup(config.steps)):  # it follows the steps
         allow = (*allow, "warmup")
     return dataclasses.replace(
         config, **config.hyperparameters, precision=precision, loss_scale=config.loss_scale_mode,
