@@ -222,3 +222,20 @@ def test_the_loop_leaves_no_prefetch_thread_however_it_ends(planned, trained, tm
     with pytest.raises(ConfigError, match=r"^data='corpus.txt': changed while training$"):
         _loop_until_it_fails(planned, trained, tmp_path / "batch")
     assert not _prefetch_threads() and built == [2, 3]
+
+
+@pytest.mark.parametrize("mesh, strategy, expected", [
+    ("fsdp=2,tensor=4", None, "fsdp"),  # naming an fsdp axis asks for FSDP
+    ("data=2,fsdp=4", None, "fsdp"),
+    ("data=8", None, "ddp"),
+    ("fsdp=1,tensor=8", None, "ddp"),  # no axis to shard over
+    ("fsdp=2,tensor=4", "zero1", "zero1"),  # a strategy given is kept
+])
+def test_a_mesh_without_a_strategy_implies_one(mesh, strategy, expected):
+    from effijax.recipe._train import resolve
+    from effijax.sharding import make_mesh
+
+    config = TrainConfig(mesh=mesh, strategy=strategy)
+    assert resolve(config, make_mesh(**config.mesh), "fp32").strategy == expected
+    # Several processes without --mesh: effijax's own all-fsdp mesh, data parallel as before.
+    assert resolve(TrainConfig(), make_mesh(fsdp=8), "fp32").strategy == "ddp"

@@ -216,8 +216,9 @@ class TrainConfig:
                            "steps", metavar="N", section="data")
     # Devices and sharding.
     strategy: str | None = _field(None, "data-parallel sharding strategy over the mesh: ddp, "
-                                  "zero1, zero2, fsdp (zero3); default: one device, or ddp with "
-                                  "--mesh or several processes", section="parallel")
+                                  "zero1, zero2, fsdp (zero3); default: one device; with --mesh, "
+                                  "fsdp when it has an fsdp axis, else ddp; ddp over several "
+                                  "processes", section="parallel")
     mesh: dict | None = _field(None, "mesh axis sizes, e.g. 'data=2,fsdp=4' (default with a "
                                "strategy: every device on fsdp)", section="parallel")
     cpu_devices: int | None = _field(None, "force N CPU devices per process (runs without an "

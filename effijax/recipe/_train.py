@@ -235,8 +235,22 @@ def resolve(config: TrainConfig, mesh, precision: str) -> TrainConfig:
     return dataclasses.replace(
         config, **config.hyperparameters, precision=precision, loss_scale=config.loss_scale_mode,
         warmup=config.warmup_steps, allow_changes=",".join(allow) or None,
-        strategy=None if mesh is None else (config.strategy or "ddp"),
+        strategy=None if mesh is None else (config.strategy or implied_strategy(
+            mesh if config.mesh else None)),
         mesh=None if mesh is None else {k: int(v) for k, v in mesh.shape.items()})
+
+
+def implied_strategy(mesh) -> str:
+    """The strategy of a run without ``--strategy``: ``fsdp`` for a ``--mesh`` with an ``fsdp``
+    axis over more than one device (what naming that axis asks for), else ``ddp`` (``mesh``
+    None: no mesh was given, as for several processes, whose mesh effijax chose).
+
+    Example:
+      >>> from effijax.sharding import make_mesh
+      >>> implied_strategy(make_mesh(fsdp=2, tensor=4)), implied_strategy(make_mesh(data=8))
+      ('fsdp', 'ddp')
+    """
+    return "fsdp" if mesh is not None and mesh.shape.get("fsdp", 1) > 1 else "ddp"
 
 
 def load_data(config: TrainConfig, model) -> Dataset:
@@ -261,7 +275,8 @@ def plan(config: TrainConfig, model, optimizer, data: Dataset, mesh,
     spec = config.lora_spec(model.lora_targets)
     with lora_fields():  # the spec's checks against the model: rank, targets
         return _job.plan_job(model, config.precision, optimizer, batch_size=config.batch_size,
-                             mesh=mesh, strategy=config.strategy or "ddp", lora=spec,
+                             mesh=mesh, strategy=config.strategy or implied_strategy(None),
+                             lora=spec,
                              seed=config.seed, frozen_dtype=None if config.frozen_dtype == "auto"
                              else config.frozen_dtype, masked=data.masked,
                              segmented=data.segmented,
