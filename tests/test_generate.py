@@ -370,6 +370,45 @@ def test_load_a_gguf_and_complete_text_and_chat(tiny_gguf):
         load("nowhere")
 
 
+def test_a_reply_streams_as_it_is_decoded(tiny_gguf, monkeypatch):
+    from effijax.generate import _load
+
+    loaded = load(str(tiny_gguf))
+    events, real = [], _load.generate
+
+    def logged(*args, on_tokens=None, **kwargs):  # each step's tokens, as generate gives them
+        def step(tokens_B):
+            events.append(("step", int(tokens_B[0])))
+            on_tokens(tokens_B)
+        return real(*args, on_tokens=step, **kwargs)
+
+    monkeypatch.setattr(_load, "generate", logged)
+    out = loaded.complete("the thin", max_new_tokens=8,
+                          on_text=lambda piece: events.append(("text", piece)))
+    steps = [i for i, (kind, _) in enumerate(events) if kind == "step"]
+    texts = [i for i, (kind, _) in enumerate(events) if kind == "text"]
+    assert [t for kind, t in events if kind == "step"] == out.generation.tokens[0].tolist()
+    assert "".join(p for kind, p in events if kind == "text") == out.text != ""
+    assert len(texts) > 1 and texts[0] < steps[-1], events  # pieces come between the steps
+
+
+def test_cli_streams_what_no_stream_prints_whole(tiny_gguf, capsys):
+    from effijax.cli import main
+
+    argv = ["generate", "--from", str(tiny_gguf), "--prompt", "the thin", "--max-new-tokens",
+            "6"]
+    assert main(argv) == 0
+    streamed = capsys.readouterr()
+    assert main([*argv, "--no-stream"]) == 0
+    whole = capsys.readouterr()
+    assert streamed.out == whole.out == load(str(tiny_gguf)).complete(
+        "the thin", max_new_tokens=6).text + "\n"
+    for err in (streamed.err, whole.err):  # every wait said on stderr, before it starts
+        lines = err.splitlines()
+        assert lines[0] == f"effijax generate: loading {tiny_gguf}", lines
+        assert lines[1].startswith("effijax generate: loaded in ") and "compiling" in lines[1]
+
+
 def _cli(*args, timeout=300):
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)

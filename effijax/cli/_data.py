@@ -28,8 +28,10 @@ def add_parsers(sub) -> None:
       >>> build_parser().parse_args(["data", "make-example", "qa.jsonl"]).out
       'qa.jsonl'
     """
-    p = sub.add_parser("data", help="build example data", description="Build data for the "
-                       "fine-tuning examples, offline.")
+    p = sub.add_parser("data", help="prepare a token store (prepare), or write the example "
+                       "instruction set (make-example)", description="Data for training: "
+                       "tokenize a corpus once into a store every run memory-maps (prepare), "
+                       "or write the offline instruction set of the examples (make-example).")
     actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     make = actions.add_parser("make-example", help="write question/answer records about the "
                               "Python standard library as chat JSONL", description=(

@@ -68,6 +68,9 @@ def add_parsers(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     p.add_argument("--verbose", action="store_true", help="also print the prompt as the model "
                    "sees it and the model's source on stderr")
+    p.add_argument("--no-stream", dest="stream", action="store_false", help="print one "
+                   "prompt's continuation when it is complete, not token by token as it is "
+                   "decoded (the text printed is the same)")
     p.set_defaults(func=run)
 
 
@@ -188,6 +191,15 @@ def _error(e: ConfigError) -> int:
     return 2
 
 
+def _say(line: str) -> None:
+    """What generate is doing, on standard error (standard output holds the text only)."""
+    print(f"effijax generate: {line}", file=sys.stderr, flush=True)
+
+
+def _print_piece(piece: str) -> None:
+    print(piece, end="", flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     """Runs ``effijax generate``; returns the exit code (2: bad flags or model)."""
     try:
@@ -199,24 +211,32 @@ def run(args: argparse.Namespace) -> int:
     from effijax.generate import load
 
     t0 = time.perf_counter()
+    _say(f"loading {args.init_from}")  # seconds for a real model: say what the wait is
+    settings = dict(chat=args.chat, system=args.system, max_new_tokens=args.max_new_tokens,
+                    temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    streamed = args.stream and len(prompts) == 1
     try:
         loaded = load(args.init_from)
         load_s = time.perf_counter() - t0
-        outs = loaded.complete_batch(prompts, chat=args.chat, system=args.system,
-                                     max_new_tokens=args.max_new_tokens,
-                                     temperature=args.temperature, top_p=args.top_p,
-                                     seed=args.seed)
-    except ConfigError as e:
+        _say(f"loaded in {load_s:.1f} s; compiling the decoder for this prompt's length "
+             "(once per length bucket), then generating")
+        if streamed:  # the reply as it is decoded, on standard output
+            outs = [loaded.complete(prompts[0], on_text=_print_piece, **settings)]
+        else:
+            outs = loaded.complete_batch(prompts, **settings)
+    except ConfigError as e:  # refused before any token is generated
         return _error(e)
     g = outs[0].generation
+    if streamed:
+        print(flush=True)  # the line the pieces were written on ends
     if args.verbose:
         print(f"model: {loaded.source}", file=sys.stderr, flush=True)
         for out in outs:
             print(f"prompt ({g.prompt_lengths[out.row]} tokens):\n{out.prompt}", file=sys.stderr,
                   flush=True)
-    if len(outs) == 1:
+    if len(outs) == 1 and not streamed:
         print(outs[0].text, flush=True)
-    else:
+    elif len(outs) > 1:
         for given, out in zip(prompts, outs, strict=True):
             print(json.dumps({"prompt": given, "completion": out.text}, ensure_ascii=False),
                   flush=True)

@@ -18,8 +18,8 @@ texts, as one batch, with :meth:`Loaded.complete_batch`), through the chat templ
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -87,15 +87,34 @@ class Loaded(Opened):
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
     def complete(self, prompt: str, *, chat: bool = False, system: str | None = None,
-                 **kwargs) -> Completion:
+                 on_text: Callable[[str], Any] | None = None, **kwargs) -> Completion:
         """Generates a continuation of ``prompt`` (with ``chat``, a reply to it as a user
         message); ``kwargs`` go to :func:`~effijax.generate.generate` (``max_new_tokens``,
         ``temperature``, ``top_p``, ``seed``). Stops at the tokenizer's EOS; a chat reply also
-        at the token that closes the template's turn (:func:`effijax.data.turn_end_id`)."""
+        at the token that closes the template's turn (:func:`effijax.data.turn_end_id`).
+
+        ``on_text`` is given the reply as it is decoded, a piece at a time (a token's text
+        once its characters are whole): the pieces joined are the completion's ``text``.
+
+        Example:
+          >>> from effijax.models import gpt_config
+          >>> import jax
+          >>> model = gpt_config("tiny")
+          >>> loaded = Loaded(model, model.init_params(jax.random.key(0)))
+          >>> pieces = []
+          >>> out = loaded.complete("def f(", max_new_tokens=6, on_text=pieces.append)
+          >>> "".join(pieces) == out.text, len(pieces) > 1
+          (True, True)
+        """
         if not isinstance(prompt, str):
             raise ConfigError("prompt", type(prompt).__name__, "expected a text; for several "
                               "use complete_batch")
-        return self.complete_batch([prompt], chat=chat, system=system, **kwargs)[0]
+        stream = None if on_text is None else _TextStream(self, self._stop_ids(chat), on_text)
+        out = self.complete_batch([prompt], chat=chat, system=system,
+                                  on_tokens=None if stream is None else stream.add, **kwargs)[0]
+        if stream is not None:
+            stream.close(out.text)
+        return out
 
     def complete_batch(self, prompts: Sequence[str], *, chat: bool = False,
                        system: str | None = None, **kwargs) -> list[Completion]:
@@ -137,6 +156,38 @@ to accept U+FFFD for what is not)
                        lora=self.lora, **kwargs)
         return [Completion(text, self.decode(row), out, b)
                 for b, (text, row) in enumerate(zip(texts, out.outputs, strict=True))]
+
+
+class _TextStream:
+    """Row 0's tokens, as they come, turned into text pieces for ``say``: each piece is what
+    decoding the tokens so far adds to what was said, once it does not end in an incomplete
+    character (a token may hold part of one); nothing after a stop id."""
+
+    def __init__(self, loaded: Loaded, stop, say: Callable[[str], Any]):
+        self.loaded, self.say = loaded, say
+        self.stop = set(np.atleast_1d(stop).tolist()) if stop is not None else set()
+        self.ids: list[int] = []
+        self.said, self.stopped = "", False
+
+    def add(self, tokens_B: np.ndarray) -> None:
+        token = int(tokens_B[0])
+        if self.stopped or token in self.stop:
+            self.stopped = True
+            return
+        self.ids.append(token)
+        text = self.loaded.decode(self.ids)
+        if text.startswith(self.said) and not text.endswith("\ufffd"):
+            self._say(text[len(self.said):])
+
+    def close(self, text: str) -> None:
+        """Says what the whole completion ``text`` adds to what was said."""
+        if text.startswith(self.said):
+            self._say(text[len(self.said):])
+
+    def _say(self, piece: str) -> None:
+        if piece:
+            self.said += piece
+            self.say(piece)
 
 
 def _check_text(text: str, what: str) -> None:
