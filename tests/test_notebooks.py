@@ -159,6 +159,28 @@ def test_the_install_cell_installs_no_effijax_where_it_imports(path, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["install_cell.py"]
 
 
+def test_an_unpublished_git_url_fails_in_one_line_naming_effijax_source(tmp_path):
+    """Where effijax does not import and no checkout is near (a fresh Colab runtime), a clone
+    of an address that holds no repository (effijax is not published yet) ends in one line
+    that names EFFIJAX_SOURCE, not in a CalledProcessError."""
+    if shutil.which("git") is None:
+        pytest.skip("needs git: the install cell clones the repository with it")
+    repository = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["urls"][
+        "Repository"]
+    cell = _install_cell(NOTEBOOKS[0]).replace(repository, "file:///nonexistent/effijax")
+    (tmp_path / "install_cell.py").write_text(cell)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "EFFIJAX_SOURCE")}
+    # -S: no site-packages, so effijax (installed there) does not import, as on a fresh runtime.
+    run = subprocess.run([sys.executable, "-S", "install_cell.py"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("RuntimeError: cloning file:///nonexistent/effijax failed ("), last
+    assert "effijax is not published there yet: set EFFIJAX_SOURCE to a wheel" in last, last
+    assert "CalledProcessError" not in run.stderr and "During handling" not in run.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["install_cell.py"]
+
+
 @pytest.mark.slow
 def test_the_install_cell_installs_effijax_from_the_git_url_into_a_fresh_venv(tmp_path):
     """What Colab's *Run all* does first, in a fresh virtual environment without effijax and
