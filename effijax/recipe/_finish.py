@@ -41,6 +41,9 @@ def evaluate(config: TrainConfig, job, params, tokens, frozen=None, *,
     batches of ``tokens`` (empty when ``eval_batches`` is 0)."""
     if not config.eval_batches:
         return {}
+    if key == "eval_loss":
+        _report.stage(config, f"evaluating the trained model on {config.eval_batches} "
+                      "validation batches")
     return {key: _job.evaluate(job, params, tokens, num_batches=config.eval_batches,
                                frozen=frozen)}
 
@@ -58,6 +61,9 @@ def evaluate_start(config: TrainConfig, job, initial, tokens, record: dict | Non
         return {k: record[k] for k in ("eval_loss_start",) if k in record}
     if not (config.init_from or job.lora is not None):
         return {}
+    if config.eval_batches:
+        _report.stage(config, f"evaluating the starting model on {config.eval_batches} "
+                      "validation batches")
     before = evaluate(config, job, initial.state.params, tokens, initial.frozen,
                       key="eval_loss_start")
     if before:
@@ -116,12 +122,16 @@ def export(config: TrainConfig, job, params, frozen=None) -> dict:
         written is left in place).
     """
     files = {}
+    paths = export_paths(config, job.lora is not None)
     with write_errors(config.out):
         if job.lora is not None:
             files["adapters"] = _export_adapters(params, job, config)
         if config.export_hf:
+            _report.writing(paths["hf"], "the trained model as a Hugging Face directory")
             files["hf"] = _export_hf(params, frozen, job, config)
         if config.export_gguf:
+            _report.writing(paths["gguf"], f"the trained model as GGUF, its matrices in "
+                            f"{config.export_gguf}")
             files["gguf"] = _export_gguf(params, frozen, job, config)
     return files
 

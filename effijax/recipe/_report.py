@@ -123,6 +123,27 @@ def summary_extras(job, compiled) -> dict:
             "collectives": census_records(compiled.census)}
 
 
+def reading(init_from: str) -> None:
+    """Says that the pretrained model is being read (seconds for a real model: architecture,
+    tokenizer, weights dequantized, hashed), before it is."""
+    if _main():
+        print(f"effijax train: reading {init_from} (its architecture, tokenizer and weights)",
+              flush=True)
+
+
+def stage(config, what: str) -> None:
+    """Says which stage of start-up a run from a pretrained model is in: each takes seconds
+    for a real model (a run from a preset starts in about one, and says nothing)."""
+    if config.init_from and _main():
+        print(f"effijax train: {what}", flush=True)
+
+
+def writing(path, what: str) -> None:
+    """Says that an export is being written (seconds for a real model), before it is."""
+    if _main():
+        print(f"effijax train: writing {path}: {what}", flush=True)
+
+
 def done(config, summary: dict) -> None:
     if not _main():
         return

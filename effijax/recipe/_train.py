@@ -83,12 +83,16 @@ def train(config: TrainConfig, *, argv: list[str] | None = None) -> TrainResult:
     _sources.check_chat_template(config)  # from the tokenizer alone: before any weights
     mesh = start(config)
     try:
+        if config.init_from:
+            _report.reading(config.init_from)
         source = _sources.read_source(config.init_from, config.seq_len,
                                       keep_blocks=config.frozen_dtype == "gguf") \
             if config.init_from else None
         model = model_for(config, source)
         precision = decide_precision(config, model)
         config = resolve(config, mesh, precision.precision)
+        _report.stage(config, f"reading the data ({config.data or 'the standard library'}) "
+                      "through the model's tokenizer")
         data = load_data(config, model)
         optimizer = optimizer_for(config)
         job = plan(config, model, optimizer, data, mesh,
@@ -108,6 +112,7 @@ def train(config: TrainConfig, *, argv: list[str] | None = None) -> TrainResult:
                 # The loaded weights now live in the state or the frozen base (quantized, or
                 # cast): drop the source's full-precision copy rather than hold it all run.
                 source = source._replace(params=None)
+            _report.stage(config, "compiling the training step")
             compiled = compile_run(config, job, initial, source, data, precision.reason)
             memory = _report.summary_extras(job, compiled)["memory"]
             with _watch.watching(config, run.run_json, memory, run.resume_step or 0) as watch:
