@@ -239,3 +239,18 @@ def test_a_mesh_without_a_strategy_implies_one(mesh, strategy, expected):
     assert resolve(config, make_mesh(**config.mesh), "fp32").strategy == expected
     # Several processes without --mesh: effijax's own all-fsdp mesh, data parallel as before.
     assert resolve(TrainConfig(), make_mesh(fsdp=8), "fp32").strategy == "ddp"
+
+
+def test_a_fine_tune_without_evaluation_says_so(capsys):
+    from types import SimpleNamespace
+
+    from effijax.recipe import _finish
+
+    job = SimpleNamespace(lora=object())  # a LoRA run: judged by its validation loss
+    assert _finish.evaluate_start(TrainConfig(eval_batches=0), job, None, None) == {}
+    assert capsys.readouterr().out == ("effijax train: note: --eval-batches 0: no validation "
+                                       "loss before or after training (the summary and the "
+                                       "done line will have none)\n")
+    job = SimpleNamespace(lora=None)  # a run from the seed evaluates nothing at its start
+    assert _finish.evaluate_start(TrainConfig(eval_batches=0), job, None, None) == {}
+    assert capsys.readouterr().out == ""

@@ -276,6 +276,24 @@ def test_a_malformed_config_json_of_the_resumed_run_names_the_file_and_field(
 
 
 @pytest.mark.slow  # a shared 6-step run, and a resume of a copy
+def test_a_run_record_edited_by_hand_is_said_and_given_back_its_checkpoints(stopped, corpus,
+                                                                           capsys):
+    path = stopped / "config.json"
+    written = json.loads(path.read_text())
+    edited = {**written, "seed": 5, "run": {**written["run"], "corpus_sha256": "0" * 64}}
+    path.write_text(json.dumps(edited))
+    capsys.readouterr()
+    assert main(_args(stopped, corpus)) == 0
+    err = capsys.readouterr().err
+    assert (f"warning: {path.resolve()} says another run than its checkpoint of step 4 (data, "
+            "seed differ: edited by hand?)") in err, err
+    now = json.loads(path.read_text())
+    assert now["seed"] == written["seed"] and now["run"]["corpus_sha256"] == \
+        written["run"]["corpus_sha256"]
+    assert [r["step"] for r in now["resumes"]] == [4]
+
+
+@pytest.mark.slow  # a shared 6-step run, and a resume of a copy
 def test_malformed_checkpoint_metadata_is_a_damaged_step(stopped, corpus, capsys):
     meta = stopped / "checkpoints" / "4" / "_CHECKPOINT_METADATA"
     content = json.loads(meta.read_text())

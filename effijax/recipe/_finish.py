@@ -61,9 +61,12 @@ def evaluate_start(config: TrainConfig, job, initial, tokens, record: dict | Non
         return {k: record[k] for k in ("eval_loss_start",) if k in record}
     if not (config.init_from or job.lora is not None):
         return {}
-    if config.eval_batches:
-        _report.stage(config, f"evaluating the starting model on {config.eval_batches} "
-                      "validation batches")
+    if not config.eval_batches:  # a fine-tune is judged by its validation loss: say it has none
+        _report.note("--eval-batches 0: no validation loss before or after training (the "
+                     "summary and the done line will have none)")
+        return {}
+    _report.stage(config, f"evaluating the starting model on {config.eval_batches} "
+                  "validation batches")
     before = evaluate(config, job, initial.state.params, tokens, initial.frozen,
                       key="eval_loss_start")
     if before:

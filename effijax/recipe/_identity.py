@@ -25,7 +25,7 @@ from typing import Any
 from effijax.errors import ConfigError
 
 __all__ = ["IDENTITY", "CHANGEABLE", "LEGACY", "NOT_RECORDED", "identity", "differences",
-           "check_resume", "base_changes", "changed", "default_warmup"]
+           "check_resume", "base_changes", "edited", "changed", "default_warmup"]
 
 # What a resume must repeat, with where it is read from in a config.json-shaped dict.
 IDENTITY = ("data", "tokenizer", "seed", "batch_size", "seq_len", "model", "precision",
@@ -264,6 +264,23 @@ with the original settings, or start a new run with another --out
     raise ConfigError("resume", where, "the run's settings changed: " + "; ".join(parts)
                       + "; resume with the original settings, or start a new run with "
                       "another --out")
+
+
+def edited(written: dict, saved: dict) -> list[str]:
+    """The identity a run's ``config.json`` (``written``) gives that its checkpoint's settings
+    (``saved``) do not: a ``config.json`` edited by hand, or copied from another run. Only
+    what both record is compared.
+
+    Example:
+      >>> saved = {"seed": 0, "run": {"corpus_sha256": "ab", "model_config": {"seq_len": 32}}}
+      >>> edited({**saved, "run": {**saved["run"], "corpus_sha256": "cd"}}, saved)
+      ['data']
+      >>> edited(saved, saved)
+      []
+    """
+    a, b = identity(written), identity(saved)
+    return [name for name in IDENTITY if a[name] is not NOT_RECORDED
+            and b[name] is not NOT_RECORDED and a[name] != b[name]]
 
 
 def changed(original: dict, new: dict) -> dict[str, list]:

@@ -138,6 +138,12 @@ def stage(config, what: str) -> None:
         print(f"effijax train: {what}", flush=True)
 
 
+def note(what: str) -> None:
+    """A note on a setting that changes what the run reports."""
+    if _main():
+        print(f"effijax train: note: {what}", flush=True)
+
+
 def writing(path, what: str) -> None:
     """Says that an export is being written (seconds for a real model), before it is."""
     if _main():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import os
 import stat
+import sys
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -158,6 +159,16 @@ def _resumed_config(config: TrainConfig, found, run_json: dict) -> dict:
     saved = found.record["metadata"]["config"]
     path = Path(config.out).resolve() / "config.json"
     original = _resume.read_run_json(path) if path.exists() else saved
+    edited = _identity.edited(original, saved)
+    if edited:  # the checkpoint is what the run is: config.json gets its record back
+        if distributed.is_main():
+            print(f"effijax train: warning: {path} says another run than its checkpoint of "
+                  f"step {found.step} ({', '.join(edited)} differ: edited by hand?); the "
+                  "checkpoint's record is what this run is, and config.json gets it back",
+                  file=sys.stderr, flush=True)
+        start = {k: v for k, v in (original.get("run") or {}).items() if k == "eval_loss_start"}
+        original = {**saved, "run": {**saved.get("run", {}), **start},
+                    "resumes": original.get("resumes", [])}
     resumes = [*original.get("resumes", []), {
         "step": found.step,
         "at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
