@@ -8,6 +8,7 @@ import functools
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -497,3 +498,32 @@ def test_a_chat_template_file_renders_the_data_and_stays_with_the_run(gguf, tmp_
     assert loaded.chat_prompt("hi").endswith("<|endoftext|>\n<|im_start|>assistant\n")
     # A reply stops at the turn's end as well as at EOS.
     assert loaded._stop_ids(chat=True) == (2, 0) and loaded._stop_ids(chat=False) == 2
+
+
+def test_chat_records_from_a_model_without_a_template_are_refused_from_its_metadata(tmp_path):
+    """Checked before the model is read: here a GGUF of metadata alone (no tensors, no
+    vocabulary) is enough to refuse, and one with a template passes."""
+    gguf = pytest.importorskip("gguf", reason="GGUF files need the gguf package")
+    from effijax.recipe import TrainConfig
+    from effijax.recipe._sources import check_chat_template
+
+    data = tmp_path / "qa.jsonl"
+    data.write_text('{"prompt": "hi", "response": "hello"}\n')
+    for name, template in (("base.gguf", None), ("instruct.gguf", "{{ messages }}")):
+        writer = gguf.GGUFWriter(str(tmp_path / name), "llama")
+        writer.add_array("tokenizer.ggml.tokens", ["a"] * 1000)  # stepped over, not decoded
+        if template is not None:
+            writer.add_chat_template(template)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.close()
+    with pytest.raises(ConfigError, match=re.escape(
+            f"data='{data}': chat records are rendered by the model's chat template, and "
+            f"{tmp_path / 'base.gguf'} has none (a base model's): give one with --chat-template "
+            "FILE")):
+        check_chat_template(TrainConfig(init_from=str(tmp_path / "base.gguf"), data=str(data)))
+    check_chat_template(TrainConfig(init_from=str(tmp_path / "instruct.gguf"), data=str(data)))
+    template = tmp_path / "chat.jinja"
+    template.write_text("{{ messages }}")
+    check_chat_template(TrainConfig(init_from=str(tmp_path / "base.gguf"), data=str(data),
+                                    chat_template=str(template)))  # the fix named: no error

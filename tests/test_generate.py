@@ -392,9 +392,10 @@ def test_a_reply_streams_as_it_is_decoded(tiny_gguf, monkeypatch):
     assert len(texts) > 1 and texts[0] < steps[-1], events  # pieces come between the steps
 
 
-def test_cli_streams_what_no_stream_prints_whole(tiny_gguf, capsys):
+def test_cli_streams_what_no_stream_prints_whole(tiny_gguf, capsys, monkeypatch):
     from effijax.cli import main
 
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # a person at a terminal
     argv = ["generate", "--from", str(tiny_gguf), "--prompt", "the thin", "--max-new-tokens",
             "6"]
     assert main(argv) == 0

@@ -192,8 +192,11 @@ def _error(e: ConfigError) -> int:
 
 
 def _say(line: str) -> None:
-    """What generate is doing, on standard error (standard output holds the text only)."""
-    print(f"effijax generate: {line}", file=sys.stderr, flush=True)
+    """What generate is doing, on standard error (standard output holds the text only) when
+    that is a terminal, as a progress bar would be: a script reading standard error gets the
+    timings, or its one error line, alone."""
+    if sys.stderr.isatty():
+        print(f"effijax generate: {line}", file=sys.stderr, flush=True)
 
 
 def _print_piece(piece: str) -> None:

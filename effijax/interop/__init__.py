@@ -42,6 +42,7 @@ __getattr__, __dir__, __all__ = attach(__name__, {
     "effijax.interop._files": ("is_gguf", "model_file"),
     "effijax.interop._gguf": ("gguf_config", "gguf_kept_bytes", "gguf_tokenizer", "load_gguf",
         "permute", "unpermute"),
+    "effijax.interop._gguf_check": ("gguf_value",),
     "effijax.interop._gguf_types": ("GGUF_DTYPES",),
     "effijax.interop._gguf_write": ("gguf_format", "gguf_tokenizer_fields", "save_gguf"),
     "effijax.interop._hf": ("config_from_hf", "hf_config", "load_hf", "save_hf"),

@@ -248,14 +248,15 @@ def check_chat_template(config: TrainConfig) -> None:
                 else config.init_from)
     if not _is_pretrained(path):
         return
-    from effijax.interop import load_tokenizer
+    from effijax.interop import gguf_value, load_tokenizer
 
-    try:
-        tokenizer = load_tokenizer(path)
+    try:  # a GGUF's template alone (its vocabulary is not read), else the tokenizer's files
+        template = (gguf_value(path, "tokenizer.chat_template") if is_gguf(path)
+                    else load_tokenizer(path).chat_template)
     except ConfigError:
-        return  # a broken tokenizer: said where the model is read, with its file
-    if tokenizer.chat_template is None:
-        raise no_chat_template(config.init_from, config.data, tokenizer)
+        return  # a broken file: said where the model is read, naming it
+    if template is None:
+        raise no_chat_template(config.init_from, config.data, tokenizer=True)
 
 
 def read_source(init_from: str, seq_len: int | None, *, keep_blocks: bool = False) -> Source:
