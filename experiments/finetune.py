@@ -57,7 +57,7 @@ class Config:
     samples: int = 3
     eval_batches: int = 4
     seed: int = 0
-    # Every variant's precision (--precision): fp32, in which the README's tables were
+    # Every variant's precision (--precision): fp32, in which docs/benchmarks.md's tables were
     # measured ("auto" picks bf16 for SmolLM2 and Gemma on a CPU with native bf16 matmuls).
     precision: str = "fp32"
     # --unroll-layers: measured no faster here in one process (benchmarks/finetune.py) and

@@ -118,7 +118,7 @@ def test_finetune_smoke(tmp_path):
     assert json.loads((tmp_path / "out" / "results.json").read_text())["scored"] == 2
     run = json.loads((tmp_path / "out" / "LoRAr2" / "config.json").read_text())["run"]
     assert run["chat_template"].startswith("{#- Gemma's turn format")
-    # Every variant at the experiment's precision (fp32: the README's tables), not auto's.
+    # Every variant at the experiment's precision (fp32: docs/benchmarks.md's tables), not auto's.
     assert {json.loads((tmp_path / "out" / d / "config.json").read_text())["precision"]
             for d in ("LoRAr2", "full")} == {cfg.precision} == {"fp32"}
 

@@ -1,11 +1,12 @@
-"""Every README example runs as written: its Python blocks, its `effijax` commands and the
-output and error lines it shows.
+"""Every example of the README and of the manual in docs/ runs as written: their Python blocks,
+their `effijax` commands and the output and error lines they show.
 
-The Python blocks are complete programs (checked statically here, run in a fresh interpreter by
-the slow tests); `effijax memory`/`plan` print what the README shows; `--help` of every command
-lists the flags the README's command summary names; the error lines quoted in the README are
-what the CLI prints. The training commands run with tiny overrides appended (argparse lets the
-last occurrence of a flag win), so they test the commands as written, only shorter.
+Each page is read on its own (a block's test id names its page). The Python blocks are complete
+programs (checked statically here, run in a fresh interpreter by the slow tests);
+`effijax memory`/`plan` print what the pages show; `--help` of every command lists the flags the
+command summary (docs/commands.md) names; the error lines quoted in the pages are what the CLI
+prints. The training commands run with tiny overrides appended (argparse lets the last
+occurrence of a flag win), so they test the commands as written, only shorter.
 """
 
 import ast
@@ -21,7 +22,12 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
+# The front door and every page of the manual, by their paths from the repository's root.
+PAGES = {path: (ROOT / path).read_text()
+         for path in ["README.md",
+                      *(f"docs/{p.name}" for p in sorted((ROOT / "docs").glob("*.md")))]}
+COMMANDS_PAGE = PAGES["docs/commands.md"]
+ALL_TEXT = "\n".join(PAGES.values())
 
 
 def _fenced(text: str) -> list[tuple[str, str]]:
@@ -39,13 +45,20 @@ def _fenced(text: str) -> list[tuple[str, str]]:
     return blocks
 
 
-def _blocks(lang: str, text: str = README) -> list[str]:
+def _blocks(lang: str, text: str) -> list[str]:
     return [body for block_lang, body in _fenced(text) if block_lang == lang]
 
 
-PYTHON_BLOCKS = _blocks("python")
+def _page_blocks(lang: str) -> list[tuple[str, int, str]]:
+    """(page, index on the page, body) of every block in ``lang`` on every page."""
+    return [(page, i, body) for page, text in PAGES.items()
+            for i, body in enumerate(_blocks(lang, text))]
+
+
+PYTHON_BLOCKS = _page_blocks("python")
+PYTHON_IDS = [f"{page}-{i}" for page, i, _ in PYTHON_BLOCKS]
 # Output blocks: fenced without a language, each command on a "$ " line followed by its output.
-OUTPUT_BLOCKS = _blocks("")
+OUTPUT_BLOCKS = _page_blocks("")
 
 
 def _env() -> dict:
@@ -75,13 +88,15 @@ def _undefined_names(source: str) -> set[str]:
     return loaded - bound
 
 
-def test_the_readme_has_python_blocks():
-    assert len(PYTHON_BLOCKS) >= 3, "README lost its Python examples?"
+def test_the_pages_have_python_blocks():
+    assert len(PAGES) >= 10 and "docs/architecture.md" in PAGES, sorted(PAGES)
+    assert len(PYTHON_BLOCKS) >= 3, "the pages lost their Python examples?"
 
 
-@pytest.mark.parametrize("index", range(len(PYTHON_BLOCKS)))
+@pytest.mark.parametrize("index", range(len(PYTHON_BLOCKS)), ids=PYTHON_IDS)
 def test_python_block_uses_no_undefined_name(index):
-    assert _undefined_names(PYTHON_BLOCKS[index]) == set(), PYTHON_BLOCKS[index]
+    source = PYTHON_BLOCKS[index][2]
+    assert _undefined_names(source) == set(), source
 
 
 def test_the_undefined_name_check_can_fail():
@@ -89,26 +104,27 @@ def test_the_undefined_name_check_can_fail():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index", range(len(PYTHON_BLOCKS)))
+@pytest.mark.parametrize("index", range(len(PYTHON_BLOCKS)), ids=PYTHON_IDS)
 def test_python_block_runs_in_a_fresh_interpreter(index, tmp_path):
     """Each block alone, in a new process, in an empty directory (a fresh clone's user)."""
     script = tmp_path / "snippet.py"
-    script.write_text(PYTHON_BLOCKS[index])
+    script.write_text(PYTHON_BLOCKS[index][2])
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=_env(),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
 
 
-def _shown_commands(program: str) -> list[tuple[list[str], list[str]]]:
-    """(argv, shown output lines) of each "$ effijax PROGRAM ..." in the README's output blocks."""
+def _shown_commands(program: str) -> list[tuple[str, list[str], list[str]]]:
+    """(page, argv, shown output lines) of each "$ effijax PROGRAM ..." in the pages' output
+    blocks."""
     found = []
-    for block in OUTPUT_BLOCKS:
+    for page, _, block in OUTPUT_BLOCKS:
         for chunk in re.split(r"^\$ ", block, flags=re.M)[1:]:
             command, *lines = chunk.rstrip("\n").split("\n")
             argv = shlex.split(command)
             if argv[:2] == ["effijax", program]:
-                found.append((argv[1:], [line for line in lines if line.strip()]))
+                found.append((page, argv[1:], [line for line in lines if line.strip()]))
     return found
 
 
@@ -123,24 +139,25 @@ def _needs(argv: list[str]) -> str | None:
     return None
 
 
-_SHOWN = [(program, argv, lines) for program in ("memory", "plan")
-          for argv, lines in _shown_commands(program)]
+_SHOWN = [(program, page, argv, lines) for program in ("memory", "plan")
+          for page, argv, lines in _shown_commands(program)]
 
 
 def test_the_readme_shows_memory_and_plan_runs():
-    assert {program for program, _, _ in _SHOWN} == {"memory", "plan"}
+    assert {program for program, *_ in _SHOWN} == {"memory", "plan"}
 
 
-@pytest.mark.parametrize(("program", "argv", "lines"), _SHOWN,
-                         ids=[f"{argv[0]}-{argv[argv.index(f) + 1]}" for _, argv, _ in _SHOWN
+@pytest.mark.parametrize(("program", "page", "argv", "lines"), _SHOWN,
+                         ids=[f"{page}-{argv[0]}-{argv[argv.index(f) + 1]}"
+                              for _, page, argv, _ in _SHOWN
                               for f in ("--model", "--from", "--params") if f in argv])
-def test_memory_and_plan_print_what_the_readme_shows(program, argv, lines):
+def test_memory_and_plan_print_what_the_readme_shows(program, page, argv, lines):
     if _needs(argv):
         pytest.skip(_needs(argv))
     proc = _effijax(argv)
     out = proc.stdout.splitlines()
     assert proc.returncode == 0, proc.stderr
-    # The README elides with "..."; every line it does show appears, in order.
+    # The page elides with "..."; every line it does show appears, in order.
     position = 0
     for line in lines:
         if line.strip() == "...":
@@ -149,9 +166,13 @@ def test_memory_and_plan_print_what_the_readme_shows(program, argv, lines):
         position = out.index(line, position) + 1
 
 
+def _section(text: str, heading: str) -> str:
+    """The text under ``heading`` (a "## " line) up to the next "## " heading."""
+    return text.split(f"\n{heading}", 1)[1].split("\n## ", 1)[0]
+
+
 def _commands_block() -> str:
-    section = README.split("## Commands", 1)[1].split("\n## ", 1)[0]
-    return _blocks("bash", section)[0]
+    return _blocks("bash", _section(COMMANDS_PAGE, "## Commands"))[0]
 
 
 @pytest.mark.parametrize("program", ["train", "memory", "plan"])
@@ -179,7 +200,7 @@ def test_top_level_help_and_version():
 
 def _quoted_errors() -> list[str]:
     return [" ".join(m.split())
-            for m in re.findall(r"`(effijax (?:train|memory|plan): error: [^`]+)`", README)]
+            for m in re.findall(r"`(effijax (?:train|memory|plan): error: [^`]+)`", ALL_TEXT)]
 
 
 def test_the_readme_quotes_cli_errors():
@@ -191,10 +212,10 @@ def test_quoted_error_is_what_the_cli_prints(message):
     """Each quoted error comes from the flags it names: `--steps=0` runs `train --steps 0`."""
     program = message.split()[1].rstrip(":")
     # "error: --steps=0: ..." (the config's check) or "error: argument --flag: 'value': ..."
-    # (the flag's type); a README command shown with the error gives the other flags.
+    # (the flag's type); a command shown with the error on a page gives the other flags.
     flag, value = re.match(r"effijax \w+: error: (?:argument )?(--[\w-]+)(?:=|: ')([^':]+)'?:",
                            message).groups()
-    shown = re.search(rf"`effijax {program} ([^`]*{flag} {re.escape(value)})` exits 2", README)
+    shown = re.search(rf"`effijax {program} ([^`]*{flag} {re.escape(value)})` exits 2", ALL_TEXT)
     argv = [program, *shlex.split(shown.group(1))] if shown else [program, flag, value]
     proc = _effijax(argv)
     assert proc.returncode == 2
@@ -205,7 +226,7 @@ def test_quoted_config_error_is_what_the_library_raises():
     from effijax.errors import ConfigError
     from effijax.recipe import TrainConfig
 
-    quoted = " ".join(re.search(r"`(lrr=0\.1: [^`]+)`", README).group(1).split())
+    quoted = " ".join(re.search(r"`(lrr=0\.1: [^`]+)`", ALL_TEXT).group(1).split())
     with pytest.raises(ConfigError) as e:
         TrainConfig.from_dict({"lrr": 0.1})
     assert str(e.value) == quoted
@@ -219,8 +240,8 @@ TINY = ["--model", "tiny", "--steps", "2", "--batch-size", "8", "--seq-len", "16
 def test_config_file_commands_run_and_reproduce(tmp_path):
     """The recipe section's TOML file and its two commands, shortened: the file as written,
     its flag override, then the written config.json reproducing the run."""
-    (tmp_path / "finetune.toml").write_text(_blocks("toml")[0])
-    section = README.split("## One recipe", 1)[1].split("\n## ", 1)[0]
+    section = _section(COMMANDS_PAGE, "## One recipe")
+    (tmp_path / "finetune.toml").write_text(_blocks("toml", section)[0])
     commands = [shlex.split(line.split("#")[0])
                 for line in _blocks("bash", section)[0].splitlines()
                 if line.strip()]
@@ -234,12 +255,17 @@ def test_config_file_commands_run_and_reproduce(tmp_path):
     assert one["final_loss"] == two["final_loss"] and one["steps"] == two["steps"] == 2
 
 
-def _train_commands() -> list[list[str]]:
-    """Every ``effijax train`` command in the README's bash blocks (continuations joined),
-    but for the quick start's and the command summary's."""
-    body = README.split("## Quick start", 1)[1].split("\n## ", 1)[1]
-    body = body.split("## Commands", 1)[0] + "\n## " + body.split("## Commands", 1)[1].split(
-        "\n## ", 1)[1]
+def _without(text: str, heading: str) -> str:
+    """``text`` less the section under ``heading``."""
+    if f"\n{heading}" not in text:
+        return text
+    return text.replace(f"\n{heading}" + _section(text, heading), "\n")
+
+
+def _train_commands(page: str) -> list[list[str]]:
+    """Every ``effijax train`` command in a page's bash blocks (continuations joined), but for
+    the quick start's and the command summary's."""
+    body = _without(_without(PAGES[page], "## Quick start"), "## Commands")
     found = []
     for block in _blocks("bash", body):
         for line in block.replace("\\\n", " ").splitlines():
@@ -249,23 +275,30 @@ def _train_commands() -> list[list[str]]:
     return found
 
 
-def test_each_readme_training_example_writes_its_own_directory():
-    """Run one after another, no example trains into another's run directory (or into the
-    quick start's runs/train): a finished run there would refuse, or say nothing to do."""
+def test_the_pages_show_training_examples():
+    assert sum(len(_train_commands(page)) for page in PAGES) >= 4
+
+
+@pytest.mark.parametrize("page", list(PAGES))
+def test_each_training_example_writes_its_own_directory(page):
+    """Run one after another, as a page writes them, no example trains into another's run
+    directory (or into the quick start's runs/train): a finished run there would refuse, or
+    say nothing to do."""
     outs = []
-    for argv in _train_commands():
+    for argv in _train_commands(page):
         if "--out" in argv:
             outs.append(argv[argv.index("--out") + 1])
         else:  # a config file that names its own out
             assert "--config" in argv, argv
-    assert len(outs) >= 4 and "runs/train" not in outs
+    assert "runs/train" not in outs
     # The lora example continues from runs/base: the other outs are distinct.
     assert len(set(outs)) == len(outs), outs
 
 
 @pytest.mark.slow
 def test_sharding_command_runs(tmp_path):
-    line = re.search(r"^effijax train --strategy fsdp [^#\n]*", README, re.M).group(0)
+    line = re.search(r"^effijax train --strategy fsdp [^#\n]*", PAGES["docs/sharding.md"],
+                     re.M).group(0)
     proc = _effijax(shlex.split(line)[1:] + TINY, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "8 devices" in proc.stdout, proc.stdout

@@ -35,7 +35,8 @@ def _notebook_text(path: pathlib.Path) -> str:
 
 
 def _files():
-    files = [ROOT / "README.md", ROOT / "benchmarks" / "RESULTS.md"]
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+             ROOT / "benchmarks" / "RESULTS.md"]
     for folder in ("benchmarks", "experiments", "effijax"):
         files += sorted((ROOT / folder).rglob("*.py"))
     files += sorted((ROOT / "notebooks").glob("*.ipynb"))

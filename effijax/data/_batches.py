@@ -38,7 +38,7 @@ class Led:
 
     For a tokenizer that starts every text with a BOS (Gemma's, Llama 2's): such a model has
     only ever seen its BOS at position 0, and a window cut from the middle of a document without
-    one is far from what it knows (Gemma 3 270M's loss on this README's windows: 8.1 without
+    one is far from what it knows (Gemma 3 270M's loss on windows of effijax's README: 8.1 without
     the BOS, 4.0 with it, in ``transformers``). So training and evaluation see each window as
     the model sees a text at inference. Where the corpus holds ``first`` itself (each document
     of a BOS tokenizer's stream starts with it), a window drawn at that position starts one
