@@ -302,3 +302,35 @@ def test_sharding_command_runs(tmp_path):
     proc = _effijax(shlex.split(line)[1:] + TINY, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "8 devices" in proc.stdout, proc.stdout
+
+
+_QLORA_PRESETS = {"Llama-2-7B": "llama-2-7b", "Llama-2-70B": "llama-2-70b",
+                  "Llama-3.1-405B": "llama-3.1-405b"}
+
+
+def test_the_qlora_cost_table_is_what_effijax_memory_prints(capsys):
+    """docs/lora.md's table of a frozen base's cost: each cell is what `effijax memory
+    --model M --lora-rank 16 --frozen-dtype D --seq-len 2048 --checkpointing block --json`
+    prints (the base's `frozen_bytes`, the whole step's `total_bytes`)."""
+    from effijax.cli import main
+
+    text = (ROOT / "docs" / "lora.md").read_text()
+    rows = re.findall(r"^\| (Llama[\w.-]+) \| (.+) \|$", text, re.M)
+    assert [name for name, _ in rows] == list(_QLORA_PRESETS), rows
+
+    def gb(n: int) -> str:
+        return f"{n / 1e9:.2f} GB"
+
+    for name, cells in rows:
+        shown = [c.strip() for c in cells.split("|")]
+        printed = {}
+        for dtype in ("bf16", "int8", "nf4"):
+            assert main(["memory", "--model", _QLORA_PRESETS[name], "--lora-rank", "16",
+                         "--frozen-dtype", dtype, "--seq-len", "2048", "--checkpointing",
+                         "block", "--json"]) in (0, None)
+            printed[dtype] = json.loads(capsys.readouterr().out)
+        expected = [gb(printed["bf16"]["frozen_bytes"]), gb(printed["int8"]["frozen_bytes"]),
+                    gb(printed["nf4"]["frozen_bytes"]),
+                    f"{printed['nf4']['frozen_bytes'] / printed['bf16']['frozen_bytes']:.3f}",
+                    gb(printed["bf16"]["total_bytes"]), gb(printed["nf4"]["total_bytes"])]
+        assert shown == expected, name

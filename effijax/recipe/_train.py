@@ -91,8 +91,7 @@ def train(config: TrainConfig, *, argv: list[str] | None = None) -> TrainResult:
         model = model_for(config, source)
         precision = decide_precision(config, model)
         config = resolve(config, mesh, precision.precision)
-        _report.stage(config, f"reading the data ({config.data or 'the standard library'}) "
-                      "through the model's tokenizer")
+        _report.stage(config, f"reading the data ({config.data or 'the standard library'})")
         data = load_data(config, model)
         optimizer = optimizer_for(config)
         job = plan(config, model, optimizer, data, mesh,
