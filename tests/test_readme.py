@@ -107,3 +107,98 @@ def test_the_link_checks_can_fail():
     assert _links("see [a](docs/x.md#b) and `[c](d)`\n```\n[e](f)\n```\n") == ["docs/x.md#b"]
     assert _anchors("# QLoRA: a 4-bit base\n## `eval`, and more\n## `eval`, and more\n") == {
         "qlora-a-4-bit-base", "eval-and-more", "eval-and-more-1"}
+
+
+# Examples in order: each file a command reads was made by a command (or a Python block)
+# before it on the same page, or ships with the project, or names a bundled model or preset.
+_READ_FLAGS = ("--data", "--from", "--config", "--chat-template", "--prompts-file")
+
+
+def _page_steps(text: str) -> list[tuple[str, list[str] | str]]:
+    """The page's steps in order: ``("run", argv)`` for each ``effijax`` command (a bash block's
+    line, or an output block's ``$`` line; continuations joined), ``("python", source)`` for each
+    Python block, ``("toml", source)`` for each TOML file shown (named by its first comment)."""
+    import shlex
+
+    steps = []
+    for lang, body in re.findall(r"^```(\w*)\n(.*?)^```", text, re.S | re.M):
+        if lang in ("python", "toml"):
+            steps.append((lang, body))
+            continue
+        for line in body.replace("\\\n", " ").splitlines():
+            line = line.strip()
+            if lang == "" and not line.startswith("$ "):
+                continue
+            line = line.removeprefix("$ ").split(" #", 1)[0]
+            for part in line.split("&&"):
+                words = shlex.split(part)
+                if words[:1] == ["srun"]:
+                    words = words[1:]
+                if words[:1] == ["effijax"]:
+                    steps.append(("run", words[1:]))
+    return steps
+
+
+def _reads_and_writes(argv: list[str]) -> tuple[list[str], list[str]]:
+    """The paths a command reads and writes (its flags and, for eval and data, positionals)."""
+    reads, writes = [], []
+    for i, word in enumerate(argv[:-1]):
+        value = argv[i + 1]
+        if word in _READ_FLAGS and ":" not in value:  # a mixture names weights: skipped
+            reads.append(value)
+        elif word == "--out":
+            writes.append(value)
+    flags_with_values = {i + 1 for i, w in enumerate(argv) if w.startswith("--")}
+    positionals = [w for i, w in enumerate(argv) if not w.startswith("-")
+                   and i not in flags_with_values]
+    if argv[:1] == ["eval"]:
+        reads += positionals[1:]
+    elif argv[:2] == ["data", "prepare"]:
+        reads += positionals[2:3]
+    elif argv[:2] == ["data", "make-example"]:
+        writes += positionals[2:3]
+    elif argv[:1] == ["train"] and "--out" not in argv:
+        writes.append("runs/train")
+    return reads, writes
+
+
+def _unmade_reads(text: str) -> list[str]:
+    """Each path a command of ``text`` reads that nothing before it made and nothing ships."""
+    from effijax.models import preset_names
+    from effijax.recipe import BUNDLED
+
+    made, missing = set(), []
+    for kind, step in _page_steps(text):
+        if kind == "python":  # a file a Python block writes: a string literal with a suffix
+            made |= set(re.findall(r"""["']([\w./-]+\.\w+)["']""", step))
+            continue
+        if kind == "toml":  # the file shown ("# name.toml"), and the run directory it names
+            made |= set(re.findall(r"^# ([\w./-]+\.toml)$", step, re.M))
+            made |= set(re.findall(r"^out = \"([^\"]+)\"$", step, re.M))
+            continue
+        reads, writes = _reads_and_writes(step)
+        for path in reads:
+            if re.search(r"[|{}\[\]]", path) or re.fullmatch(r"[A-Z_]+(\.\w+)?", path):
+                continue  # a synopsis' placeholder (FILE, RUN_DIR|FILE.gguf), not a path
+            known = (path in BUNDLED or path in preset_names() or path.rstrip("/") in made
+                     or any(path.startswith(m.rstrip("/") + "/") for m in made)
+                     or (ROOT / path).exists() or path.startswith("/"))
+            if not known:
+                missing.append(f"effijax {' '.join(step)}: reads {path}")
+        made |= {w.rstrip("/") for w in writes}
+    return missing
+
+
+def test_every_example_reads_only_what_an_earlier_one_made_or_the_project_ships():
+    problems = {page.relative_to(ROOT).as_posix(): _unmade_reads(page.read_text())
+                for page in _pages()}
+    assert {page: p for page, p in problems.items() if p} == {}
+
+
+def test_the_order_check_can_fail():
+    later = ("```bash\neffijax train --data runs/made.store --out runs/x\n"
+             "effijax data prepare docs/ --out runs/made.store --from smollm2\n```\n")
+    assert _unmade_reads(later) == ["effijax train --data runs/made.store --out runs/x: reads "
+                                    "runs/made.store"]
+    assert _unmade_reads("\n".join(reversed(later.splitlines()[1:3])).join(
+        ["```bash\n", "\n```\n"])) == []
