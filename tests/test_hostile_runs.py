@@ -12,6 +12,7 @@ One LoRA run of a tiny Llama GGUF (2 steps) is shared by the module's tests.
 
 import json
 import shutil
+import sys
 
 import jax
 import numpy as np
@@ -174,17 +175,13 @@ def test_eval_of_a_tiny_or_random_file_says_how_little_it_measured(lora_run, cap
     assert err == ("effijax eval: warning: only 1 token scored (fewer than 100, and less than "
                    "one window of 16): the perplexity is a rough figure; evaluate on more text\n")
 
-    # Random bytes are not UTF-8: the text reader (effijax.data) decides what they become;
-    # whatever it does, eval ends in one line and says how much it measured.
+    # Random bytes are not UTF-8 text: refused in one line naming the first bad byte.
     noise = tmp_path / "noise.txt"
     noise.write_bytes(np.random.default_rng(0).integers(0, 256, 600, np.uint8).tobytes())
     code, out, err = _cli(capsys, "eval", "--from", str(run), str(noise), "--seq-len", "16",
                           "--batch-size", "1", "--max-batches", "2")
-    if code == 0:
-        assert "(text, 2 windows of 16)" in out and out.endswith(" over 32 tokens\n"), out
-        assert "warning: only 32 tokens scored (fewer than 100)" in err, err
-    else:
-        assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "is not UTF-8 text: byte " in err and out == "", err
 
     # Enough tokens, at least a window: nothing to say.
     result = EvalResult(5.0, 148.4, 4880, 20, 256, "text", "1:ab", "m")
@@ -192,3 +189,18 @@ def test_eval_of_a_tiny_or_random_file_says_how_little_it_measured(lora_run, cap
     assert "fewer than 100)" in result._replace(tokens=99, seq_len=16).caution
     assert "(less than one window of 256)" in result._replace(tokens=200).caution
     assert result._replace(tokens=200, format="chat").caution is None  # packed records
+
+
+def test_eval_says_what_it_waits_for_at_a_terminal(lora_run, capsys, monkeypatch, tmp_path):
+    run, _, _ = lora_run
+    text = tmp_path / "text.txt"
+    text.write_text("the cat sat on the mat\n" * 40)
+    argv = ("eval", "--from", str(run), str(text), "--seq-len", "16", "--max-batches", "1")
+    code, out, quiet = _cli(capsys, *argv)
+    assert code == 0 and quiet == "", quiet  # a script's stderr: the result alone
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    code, again, err = _cli(capsys, *argv)
+    assert code == 0 and again == out
+    assert err.splitlines() == [f"effijax eval: loading {run}", f"effijax eval: reading {text}",
+                                "effijax eval: compiling the forward pass, then scoring 1 "
+                                "batch of 8 windows"], err

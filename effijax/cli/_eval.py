@@ -16,6 +16,7 @@ import json
 import sys
 
 from effijax.cli import _from
+from effijax.cli._status import status
 from effijax.errors import ConfigError, whole_number
 
 __all__ = ["add_parsers", "run"]
@@ -82,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         result = evaluate_model(args.init_from, args.data, seq_len=args.seq_len,
                                 batch_size=args.batch_size, data_format=args.data_format,
                                 max_batches=args.max_batches, precision=args.precision,
-                                chat_template=args.chat_template)
+                                chat_template=args.chat_template, say=status("eval"))
     except ConfigError as e:
         print(f"effijax eval: error: {e.renamed(_flag(e.field))}", file=sys.stderr, flush=True)
         return 2

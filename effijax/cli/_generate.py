@@ -23,6 +23,7 @@ import math
 import sys
 
 from effijax.cli import _from
+from effijax.cli._status import status
 from effijax.data import bounded_lines, regular_path
 from effijax.errors import ConfigError, whole_number
 from effijax.generate import check_prompt_count
@@ -191,12 +192,7 @@ def _error(e: ConfigError) -> int:
     return 2
 
 
-def _say(line: str) -> None:
-    """What generate is doing, on standard error (standard output holds the text only) when
-    that is a terminal, as a progress bar would be: a script reading standard error gets the
-    timings, or its one error line, alone."""
-    if sys.stderr.isatty():
-        print(f"effijax generate: {line}", file=sys.stderr, flush=True)
+_say = status("generate")  # what it waits for (stdout holds the text only)
 
 
 def _print_piece(piece: str) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -143,7 +144,8 @@ def _scorer(loss_fn, policy, params, rows, batch_size: int):
 
 def evaluate_model(model: str, data: str, *, seq_len: int | None = None, batch_size: int = 8,
                    data_format: str = "auto", max_batches: int | None = None,
-                   precision: str = "fp32", chat_template: str | None = None) -> EvalResult:
+                   precision: str = "fp32", chat_template: str | None = None,
+                   say: Callable[[str], Any] | None = None) -> EvalResult:
     """Loss and perplexity of ``model`` on the file ``data`` (see the module docstring).
 
     Args:
@@ -156,6 +158,8 @@ def evaluate_model(model: str, data: str, *, seq_len: int | None = None, batch_s
       precision: a precision policy (the compute dtype of the forward pass).
       chat_template: a Jinja chat template file that renders chat data instead of the model's
         own (``--chat-template``, as :func:`~effijax.recipe.train` takes it).
+      say: given a line before each stage that takes seconds for a real model (loading it,
+        reading the data, compiling and scoring), as it begins (``effijax eval`` prints them).
 
     Raises:
       ConfigError: a bad model, data file or record (file and line), or setting; a batch
@@ -182,10 +186,17 @@ def evaluate_model(model: str, data: str, *, seq_len: int | None = None, batch_s
         raise ConfigError("data", data, "no such file or folder")
     policy = get_policy(precision)
     check_template_file(chat_template)
+    say = say or (lambda line: None)
+    say(f"loading {model}")
     lm, params, spec, description = load_model(model, seq_len=seq_len)
     if chat_template is not None:
         lm = with_chat_template(lm, chat_template)
+    say(f"reading {data}")
     rows, fingerprint, fmt = load_eval_data(data, lm, data_format=data_format)
+    batches = -(-len(rows) // batch_size)
+    n = min(batches, max_batches or batches)
+    say(f"compiling the forward pass, then scoring {n:,} batch{'' if n == 1 else 'es'} of "
+        f"{batch_size} windows")
     scored = _scorer(lm.loss_fn(spec), policy, params, rows, batch_size)
     total, count, evaluated = 0.0, 0, 0
     for i, batch in enumerate(_batches(rows, batch_size)):
