@@ -65,7 +65,8 @@ def test_auto_precision_is_fp32_on_cpu_and_accumulation_runs(tmp_path, corpus):
         (["--out", ""], "--out='': is empty (an unset shell variable?); name the run "
          "directory, e.g. --out runs/mine"),
         # Hostile settings: each a line, nothing traced or written.
-        (["--lr", "1e308"], "--lr=1e+308: must be > 0 and at most 10"),
+        (["--lr", "1e308"], "--lr=1e+308: must be > 0 and at most 3.403e+38, the largest "
+         "float32"),
         (["--prefetch", "1000000000"], "--prefetch=1000000000: must be at most 64"),
         (["--batch-size", "1000000000"], "1,000,000,000 sequences of 128 tokens is "
          "128,000,000,000 tokens a step, over the 2,147,483,647 a step counts; use at most "

