@@ -44,7 +44,7 @@ def test_precision_sharding_lora_do_not_import_each_other():
 def test_lower_layers_do_not_import_upper_layers():
     upper = ("effijax.step", "effijax.jobs", "effijax.run", "effijax.cli", "effijax.memory",
              "effijax.checkpoint", "effijax.models", "effijax.data", "effijax.recipe",
-             "effijax.interop")
+             "effijax.interop", "effijax.objectives")
     for pkg in ("precision", "sharding", "lora"):
         assert not _offenders(_modules(pkg), upper), pkg
 
@@ -56,6 +56,9 @@ LAYERS = [
     ("precision", "sharding", "lora", "data", "distributed.py", "_rendezvous.py"),
     # train.py and jobs.py: deprecated re-exports of step.py and the recipe's job, one release.
     ("models", "interop", "memory", "step.py", "train.py", "optimizers.py", "checkpoint"),
+    # Training objectives: losses of the models' outputs (per-sequence log-probabilities), which
+    # the recipe composes; never the recipe's own business (data, loop, checkpoints).
+    ("objectives",),
     ("run.py", "observe"),
     ("recipe", "jobs.py"),
     # Generation opens a trained model through the recipe (effijax.recipe.open_model), which

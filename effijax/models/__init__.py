@@ -51,6 +51,7 @@ from effijax.models._gpt import (
     param_count,
     split_params,
 )
+from effijax.models._head import head_sequence_logps, make_sequence_logps
 from effijax.models._interface import (
     FAMILIES,
     PRETRAINED,
@@ -143,6 +144,8 @@ __all__ = [
     "split_params",
     "make_apply",
     "make_loss_fn",
+    "make_sequence_logps",
+    "head_sequence_logps",
     "KVCache",
     "make_decode",
     "cached_attend",
