@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 from effijax.cli import _interrupt
+from effijax.cli._status import status
 from effijax.errors import ConfigError
 from effijax.recipe import TrainConfig, field_kind, flag_of, summary_step
 
@@ -130,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         return _error(e)
     _interrupt.describe(lambda: _interrupted(config))
+    status("train")("starting (importing JAX)")  # a terminal's first line, before seconds
     from effijax.checkpoint import rest_of_stderr_to
     from effijax.errors import SaveError, WriteError
     from effijax.recipe import train

@@ -73,7 +73,7 @@ BUNDLED = {
 }
 # The largest learning rate a config may ask for: the largest float32, as the step holds it (a
 # larger one is inf, and every step NaN; one below diverges with the non-finite steps' message).
-MAX_LR = float(3.4028234663852886e38)
+MAX_LR = 3.4028234663852886e38
 # The most batches built ahead: each waits in host memory, and 2 keep the step fed.
 MAX_PREFETCH = 64
 # Keys of a run's config.json that record the run rather than configure it.

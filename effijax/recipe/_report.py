@@ -132,9 +132,10 @@ def reading(init_from: str) -> None:
 
 
 def stage(config, what: str) -> None:
-    """Says which stage of start-up a run from a pretrained model is in: each takes seconds
-    for a real model (a run from a preset starts in about one, and says nothing)."""
-    if config.init_from and _main():
+    """Says which stage of start-up a run is in, as it begins: always for a run from a
+    pretrained model (each stage takes seconds), and for any run on a terminal (a preset's
+    compile takes a few; a script's output stays as it was)."""
+    if (config.init_from or sys.stdout.isatty()) and _main():
         print(f"effijax train: {what}", flush=True)
 
 
