@@ -118,3 +118,18 @@ def test_console_script_with_forced_cpu_devices(tmp_path, corpus):
     assert "done: 2 steps" in proc.stdout
     config = json.loads((out / "config.json").read_text())
     assert len(config["run"]["devices"]) == 3
+
+
+def test_a_run_at_a_terminal_says_each_stage_as_it_begins(tmp_path, corpus, capsys,
+                                                          monkeypatch):
+    for stream in (sys.stdout, sys.stderr):  # a person watching, not a script
+        monkeypatch.setattr(stream, "isatty", lambda: True)
+    out = tmp_path / "run"
+    assert main(["train", "--steps", "2", "--data", corpus, "--out", str(out), *TINY]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.splitlines()[0] == "effijax train: starting (importing JAX)"
+    lines = captured.out.splitlines()
+    stages = [f"effijax train: reading the data ({corpus})",
+              "effijax train: compiling the training step"]
+    assert lines[:2] == stages, lines
+    assert lines[2].startswith("effijax train: tiny GPT") and lines[-1].startswith("done: 2")
