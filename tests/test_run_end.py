@@ -337,3 +337,21 @@ def test_truncating_metrics_on_a_full_disk_is_a_write_error_naming_the_file(
     assert metrics.read_text() == before  # the file as it was
     assert "Traceback (most recent call last)" in (tmp_path / "error.log").read_text()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["error.log", "metrics.jsonl"]
+
+
+@pytest.mark.parametrize("argv", [["memory", "--from", "{run}"],
+                                  ["train", "--from", "{run}", "--steps", "1", "--out", "{new}"]])
+def test_a_huge_run_config_json_is_refused_unread(tmp_path, capsys, argv):
+    """A run directory's config.json of 3 GB (sparse: nothing is written) ends in one line,
+    read neither whole nor at all."""
+    run = tmp_path / "run"
+    run.mkdir()
+    with open(run / "config.json", "wb") as f:
+        f.truncate(3 * 10**9)
+    (run / "checkpoints").mkdir()
+    argv = [a.format(run=run, new=tmp_path / "new") for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1, err
+    assert f"{run / 'config.json'}: file: is 3,000,000,000 bytes; expected at most 1,048,576" \
+        in err, err
