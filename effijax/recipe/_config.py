@@ -46,6 +46,11 @@ MAX_CONFIG_BYTES = 2**20
 PRECISIONS = ("auto", *PRESET_NAMES)
 FROZEN_DTYPES = ("auto", "fp32", "bf16", "fp16", "nf4", "int8", "gguf")
 DATA_FORMATS = ("auto", "text", "chat")
+# The training objectives (effijax.recipe._objectives.OBJECTIVES; kept here too: checking a
+# config must not import jax; a test checks that the two lists agree) and DPO's loss types
+# (effijax.objectives.DPO_LOSS_TYPES, likewise).
+OBJECTIVES = ("sft", "dpo")
+DPO_LOSSES = ("sigmoid", "ipo", "hinge", "robust")
 DEFAULT_MODEL = "mini"
 # Launchers of effijax.distributed (kept here too: checking a config must not import jax; a
 # test checks that the two lists agree).
@@ -276,6 +281,21 @@ class TrainConfig:
     profile_steps: str | None = _field(None, "record a jax.profiler trace of steps A to B "
                                        "(1-based, inclusive) into OUT/profile", metavar="A:B",
                                        section="output")
+    # The objective.
+    objective: str = _field("sft", "what the run optimises: sft (next-token cross-entropy on "
+                            "the data's tokens) or dpo (direct preference optimisation on "
+                            "{prompt, chosen, rejected} JSONL pairs, against the base with the "
+                            "adapters off: LoRA only); see docs/preference.md",
+                            choices=OBJECTIVES, section="objective")
+    beta: float = _field(0.1, "dpo: beta, the strength of the pull towards the reference "
+                         "(TRL's DPOConfig.beta; for ipo, its regulariser tau)",
+                         section="objective")
+    dpo_loss: str = _field("sigmoid", "dpo: the loss (TRL's DPOConfig.loss_type): sigmoid, "
+                           "ipo (length-normalised), hinge or robust (label-smoothed)",
+                           choices=DPO_LOSSES, section="objective")
+    label_smoothing: float = _field(0.0, "dpo: with --dpo-loss robust, the probability that a "
+                                    "pair's labels are flipped, in [0, 0.5) (TRL's "
+                                    "DPOConfig.label_smoothing)", section="objective")
     # LoRA.
     lora_rank: int | None = _field(None, "train rank-R LoRA adapters; the base stays frozen",
                                    metavar="R", section="lora")
@@ -366,6 +386,7 @@ class TrainConfig:
                               f"num_processes={self.num_processes} (each process builds its own "
                               "rows of the global batch)")
         self._check_lora()
+        self._check_objective()
         self._check_watch()
         _allowed_changes(self.allow_changes)
         if self.device_memory is not None:
@@ -472,6 +493,46 @@ class TrainConfig:
             raise ConfigError("lora_alpha", self.lora_alpha, "must be > 0")
         if not 0 <= self.lora_dropout < 1:
             raise ConfigError("lora_dropout", self.lora_dropout, "must be in [0, 1)")
+
+    def _check_objective(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ConfigError("objective", self.objective,
+                              f"choose one of {', '.join(OBJECTIVES)}")
+        if self.objective != "dpo":
+            for name, default in (("beta", 0.1), ("dpo_loss", "sigmoid"),
+                                  ("label_smoothing", 0.0)):
+                if getattr(self, name) != default:
+                    raise ConfigError(name, getattr(self, name), "only applies to "
+                                      "--objective dpo")
+            return
+        if self.lora_rank is None:
+            raise ConfigError("objective", "dpo", "trains LoRA adapters against the base with "
+                              "the adapters off (the reference); give --lora-rank R (full "
+                              "fine-tuning's frozen reference copy is not built yet)")
+        if self.data is None:
+            raise ConfigError("data", None, "dpo trains on preference pairs: give --data "
+                              "PAIRS.jsonl ({\"prompt\", \"chosen\", \"rejected\"} records)")
+        if self.dpo_loss not in DPO_LOSSES:
+            raise ConfigError("dpo_loss", self.dpo_loss, f"choose one of {', '.join(DPO_LOSSES)}")
+        if not self.beta > 0:
+            raise ConfigError("beta", self.beta, "must be > 0 (TRL's default is 0.1)")
+        if self.label_smoothing and self.dpo_loss != "robust":
+            raise ConfigError("label_smoothing", self.label_smoothing, "only applies to "
+                              "--dpo-loss robust")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise ConfigError("label_smoothing", self.label_smoothing, "must be in [0, 0.5)")
+        if self.batch_size % 2:
+            raise ConfigError("batch_size", self.batch_size, f"counts rows, and dpo trains "
+                              f"pairs of rows (chosen, rejected): use an even size, e.g. "
+                              f"{self.batch_size + 1}")
+
+    @property
+    def objective_settings(self) -> dict:
+        """The objective's own settings, as its loss takes them (empty for sft)."""
+        if self.objective != "dpo":
+            return {}
+        return {"beta": self.beta, "loss_type": self.dpo_loss,
+                "label_smoothing": self.label_smoothing}
 
     # Derived values ---------------------------------------------------------------------------
 

@@ -6,7 +6,8 @@ in the checkpoint it restores and refuses, listing every difference, when one of
 the data's content hash, the tokenizer the data went through (its chat template included for
 chat data), the seed, the batch size, the sequence length, the model, the precision and loss
 scale, the optimizer (its state has its own shape), accumulation, the LoRA spec, what the run
-started from, and each pretrained weight file it read. A pretrained model is identified by its
+started from, each pretrained weight file it read, and the objective with its settings (a run
+recorded before objectives existed trained ``sft``). A pretrained model is identified by its
 content, not its place: the same files copied elsewhere are the same start. A run recorded
 before the tokenizer and weight digests existed (its ``config.json`` lacks them) has them
 "not recorded": that comparison is skipped.
@@ -29,13 +30,15 @@ __all__ = ["IDENTITY", "CHANGEABLE", "LEGACY", "NOT_RECORDED", "identity", "diff
 
 # What a resume must repeat, with where it is read from in a config.json-shaped dict.
 IDENTITY = ("data", "tokenizer", "seed", "batch_size", "seq_len", "model", "precision",
-            "loss_scale", "optimizer", "accumulate", "lora", "init_from", "weights")
+            "loss_scale", "optimizer", "accumulate", "lora", "init_from", "weights", "objective")
 # What may change on resume when named in allow_changes.
 CHANGEABLE = ("lr", "steps", "warmup", "weight_decay", "clip", "schedule", "lr_end",
               "decay_fraction", "b1", "b2", "eps", "momentum", "no_decay")
 # What a run recorded before a setting existed trained with (its config.json lacks the key).
 LEGACY = {"optimizer": "adamw", "schedule": "cosine", "lr_end": 0.1, "decay_fraction": 0.2,
-          "b1": 0.9, "b2": 0.95, "eps": 1e-8}
+          "b1": 0.9, "b2": 0.95, "eps": 1e-8, "objective": "sft"}
+# An objective's own settings, part of its identity (none for sft).
+_OBJECTIVE = {"dpo": ("beta", "dpo_loss", "label_smoothing")}
 _LORA = ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "frozen_dtype",
          "lora_random_base")
 
@@ -94,7 +97,17 @@ def identity(run_json: dict) -> dict[str, Any]:
         "lora": lora,
         "init_from": _origin(record.get("init_from_checkpoint")),
         "weights": _recorded(record, "weights"),
+        "objective": _objective(run_json),
     }
+
+
+def _objective(run_json: dict):
+    """The objective's name, or for one with settings (dpo) the name with them: a run recorded
+    before objectives existed trained sft."""
+    name = run_json.get("objective", LEGACY["objective"])
+    if name not in _OBJECTIVE:
+        return name
+    return {"name": name, **{k: run_json.get(k) for k in _OBJECTIVE[name]}}
 
 
 def _show(value) -> str:

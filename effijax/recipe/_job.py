@@ -27,7 +27,6 @@ import numpy as np
 import optax
 
 from effijax import lora as lora_lib
-from effijax.data import batch_at, eval_batches
 from effijax.distributed import global_batch, process_rows
 from effijax.errors import INT32_MAX, ConfigError, whole_number
 from effijax.models import LanguageModel
@@ -44,6 +43,7 @@ from effijax.precision import (
     quantize_kernels,
     quantized_sharding,
 )
+from effijax.recipe._objective import SFT, Objective
 from effijax.sharding import (
     Census,
     MemoryReport,
@@ -109,6 +109,8 @@ class Job(NamedTuple):
         restart at each one.
       sequence_parallel: the step splits the activations between the blocks along the
         sequence over the mesh's ``tensor`` axis (False without a ``tensor`` axis above 1).
+      objective: what the step optimises (an :class:`~effijax.recipe._objective.Objective`;
+        None: next-token cross-entropy, ``SFT``): its loss, batches and evaluation.
     """
 
     model: LanguageModel
@@ -130,6 +132,7 @@ class Job(NamedTuple):
     masked: bool = False
     segmented: bool = False
     sequence_parallel: bool = False
+    objective: Objective | None = None
 
     @property
     def shardings(self):
@@ -209,6 +212,8 @@ def plan_job(
     segmented: bool | None = None,
     sequence_parallel: bool = True,
     kept_blocks: Any = None,
+    objective: Objective | None = None,
+    objective_settings: dict | None = None,
 ) -> Job:
     """Plans a training job without allocating or compiling anything.
 
@@ -245,6 +250,9 @@ def plan_job(
         :func:`~effijax.interop.load_gguf` loads it with ``keep_blocks=True`` (or its
         abstract shapes): its :class:`~effijax.precision.GGMLBlocks` kernels are the frozen
         base's, decoded per layer in the step.
+      objective: the training objective (default: next-token cross-entropy,
+        :data:`~effijax.recipe._objective.SFT`); ``objective_settings``: its loss's keyword
+        arguments (DPO's ``beta``, ``loss_type``, ``label_smoothing``).
 
     Raises:
       ConfigError: a bad strategy, mesh or rules; a batch that does not split over the data
@@ -279,13 +287,16 @@ def plan_job(
     sequence_parallel = _check_sequence_parallel(model, mesh, sequence_parallel)
     if lora is None and frozen_dtype is not None:
         raise ConfigError("frozen_dtype", frozen_dtype, "only applies to LoRA; pass lora=")
+    objective = SFT if objective is None else objective
+    if objective.needs_lora and lora is None:
+        raise ConfigError("objective", objective.name, "takes its reference from the base with "
+                          "the adapters off: train LoRA adapters (lora=, --lora-rank R)")
+    settings = dict(objective_settings or {})
     abstract = model.abstract_params(policy)
     abstract_state = _abstract_state(abstract, optimizer, seed, lora)
     trainable = abstract_state.params
     frozen = frozen_sh = None
-    if lora is None:
-        loss = model.loss_fn(sequence_parallel=sequence_parallel)
-    else:
+    if lora is not None:
         quantized = frozen_dtype in (*QUANTIZED_FORMATS, "gguf")
         dtype = (policy.compute_dtype if frozen_dtype is None or quantized
                  else parse_dtype(frozen_dtype))
@@ -302,8 +313,7 @@ def plan_job(
         # The adapters' own rules first: a rule for the base kernels ('.*/kernel') also matches
         # the adapters' paths ('.../kernel/a').
         rules = lora_lib.adapter_rules(kernel_sh, trainable) + list(rules or [])
-        loss = lora_lib.freeze_base(model.loss_fn(lora, sequence_parallel=sequence_parallel,
-                                                  frozen_base=True))
+    loss = objective.loss(model, lora, sequence_parallel=sequence_parallel, **settings)
     specs = partition_specs(abstract_state.params, mesh, rules=rules,
                             tensor_layout=layout)  # warns once per leaf
     with warnings.catch_warnings():
@@ -314,7 +324,8 @@ def plan_job(
 
     def train_loss(p, batch, rng):
         value, aux = loss(p, batch, rng)
-        return value * mult, {"lm_loss": value, "tokens": _trained_tokens(batch), **aux}
+        named = {} if objective.metric is None else {objective.metric: value}
+        return value * mult, {**named, "tokens": _trained_tokens(batch), **aux}
 
     segmented = bool(masked) if segmented is None else bool(segmented)
     batch_sh = _batch_shardings(mesh, frozen_sh, masked, segmented)
@@ -334,7 +345,8 @@ def plan_job(
                state=with_shardings(abstract_state, shardings), frozen=frozen, specs=specs,
                grads=grad_shardings(specs, mesh, strategy), step=step, eval_loss=eval_jit,
                num_params=_size(abstract), trainable_params=_size(trainable), seed=seed,
-               masked=bool(masked), segmented=segmented, sequence_parallel=sequence_parallel)
+               masked=bool(masked), segmented=segmented, sequence_parallel=sequence_parallel,
+               objective=objective)
 
 
 def _check_sequence_parallel(model, mesh, sequence_parallel) -> bool:
@@ -524,9 +536,10 @@ def batch_fn(job: Job, tokens: np.ndarray, frozen: Any = None) -> Callable[[int]
     ``(job.seed, step)``; each process builds only its own rows."""
     rows = batch_sharding(job.mesh)
     index, count = process_rows(rows, job.batch_size)
+    draw = (job.objective or SFT).batch
 
     def batch(step_no: int) -> dict:
-        local = batch_at(tokens, seed=job.seed, step=step_no, batch_size=job.batch_size,
+        local = draw(tokens, seed=job.seed, step=step_no, batch_size=job.batch_size,
                          seq_len=job.model.seq_len, process_index=index, process_count=count)
         _check_batch_keys(job, local)
         out = global_batch(local, rows, job.batch_size)
@@ -552,6 +565,8 @@ def evaluate(job: Job, params: Any, tokens: np.ndarray, *, num_batches: int,
       True
     """
     whole_number("num_batches", num_batches)
+    objective = job.objective or SFT
+    eval_batches = objective.eval_batches
     rows = batch_sharding(job.mesh)
     kw = {"batch_size": job.batch_size, "seq_len": job.model.seq_len, "num_batches": num_batches}
     losses = []
@@ -561,7 +576,7 @@ def evaluate(job: Job, params: Any, tokens: np.ndarray, *, num_batches: int,
         b = global_batch(local, rows, job.batch_size)
         losses.append(float(job.eval_loss(params, b if frozen is None else {**b,
                                                                             "base": frozen})))
-    if not job.masked:
+    if not job.masked or not objective.token_mean:
         return float(np.mean(losses))
     # Every process counts the global batches' trained tokens (host arrays, cheap).
     counts = [np.count_nonzero(b["mask"]) for b in eval_batches(tokens, **kw)]

@@ -241,6 +241,7 @@ def check_chat_template(config: TrainConfig) -> None:
       ConfigError: ``field="data"`` (:func:`~effijax.recipe._data.no_chat_template`).
     """
     if (config.chat_template is not None or config.init_from is None or config.data is None
+            or config.objective != "sft"  # preference pairs render with or without one
             or mixture_spec(config.data) is not None or is_store(config.data)
             or resolve_format(config.data, config.data_format) != "chat"):
         return

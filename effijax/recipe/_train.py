@@ -27,6 +27,7 @@ from effijax.recipe._config import TrainConfig, lora_fields
 from effijax.recipe._data import Dataset, load_dataset
 from effijax.recipe._identity import default_warmup
 from effijax.recipe._loop import loop
+from effijax.recipe._objectives import get_objective
 from effijax.recipe._optimizer import optimizer_for
 from effijax.recipe._prepared import check_sources, training_data
 from effijax.recipe._rundir import open_run, run_record
@@ -261,7 +262,13 @@ def load_data(config: TrainConfig, model) -> Dataset:
     """The run's :class:`~effijax.recipe.Dataset`: ``config.data`` through the model's
     tokenizer, read as ``config.data_format`` says, 5% held out for validation. A Parquet,
     Arrow or ``datasets`` source (and a mixture's part that is not a store) is first prepared
-    into a store in effijax's cache (:func:`~effijax.recipe._prepared.training_data`)."""
+    into a store in effijax's cache (:func:`~effijax.recipe._prepared.training_data`).
+    ``--objective dpo`` reads a JSONL file of preference pairs instead
+    (:func:`~effijax.recipe._dpo.load_pairs`)."""
+    if config.objective == "dpo":
+        from effijax.recipe._dpo import load_pairs
+
+        return load_pairs(config.data, model)
     say = (lambda line: print(f"effijax train: data: {line}", flush=True)) \
         if jax.process_index() == 0 else (lambda line: _to_stderr(f"data: {line}"))
     data = training_data(config.data, getattr(model, "tokenizer", None),
@@ -284,7 +291,9 @@ def plan(config: TrainConfig, model, optimizer, data: Dataset, mesh,
                              seed=config.seed, frozen_dtype=None if config.frozen_dtype == "auto"
                              else config.frozen_dtype, masked=data.masked,
                              segmented=data.segmented,
-                             kept_blocks=base if config.frozen_dtype == "gguf" else None)
+                             kept_blocks=base if config.frozen_dtype == "gguf" else None,
+                             objective=get_objective(config.objective),
+                             objective_settings=config.objective_settings)
 
 
 def compile_run(config: TrainConfig, job, initial: Initial, source, data: Dataset,

@@ -1,0 +1,62 @@
+"""What a training objective provides, and the first one: next-token cross-entropy (``sft``).
+
+The step (:func:`~effijax.step.make_sharded_step`) is generic over ``loss(params, batch,
+rng)``; an :class:`Objective` says the rest of what a run needs from its objective: the loss
+and its metrics from the model (and the LoRA spec, whose frozen base rides in the batch as
+``"base"``), how a training batch is drawn from the run's data, its fixed evaluation batches,
+and how their losses average. :func:`~effijax.recipe.plan_job` takes one (default :data:`SFT`);
+``TrainConfig.objective`` names one of :data:`effijax.recipe._objectives.OBJECTIVES`. Adding an
+objective is one module defining its :class:`Objective` and one line in that registry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from effijax import lora as lora_lib
+from effijax.data import batch_at, eval_batches
+
+__all__ = ["Objective", "SFT"]
+
+
+class Objective(NamedTuple):
+    """A training objective (see the module docstring).
+
+    Attributes:
+      name: its ``--objective`` name.
+      loss: ``loss(model, lora, *, sequence_parallel, **settings) -> fn(params, batch, rng) ->
+        (value, metrics)``: with ``lora``, ``params`` are the adapters and the frozen base is
+        ``batch["base"]`` (:func:`effijax.lora.freeze_base`).
+      batch: ``batch(data, *, seed, step, batch_size, seq_len, process_index, process_count)
+        -> dict``: this process' rows of the training batch of ``step`` (a pure function of
+        ``(seed, step)``), as :func:`effijax.data.batch_at`.
+      eval_batches: ``eval_batches(data, *, batch_size, seq_len, num_batches, process_index,
+        process_count) -> Sequence[dict]``: fixed validation batches, as
+        :func:`effijax.data.eval_batches`.
+      metric: the name of the unmultiplied loss among the step's metrics (None: only the
+        step's ``loss``).
+      token_mean: the validation loss of masked rows weights each batch by its trained tokens
+        (a per-token loss); False: each batch alike (a per-pair loss).
+      needs_lora: the objective's reference is the base with the adapters off.
+    """
+
+    name: str
+    loss: Callable[..., Callable]
+    batch: Callable[..., dict] = batch_at
+    eval_batches: Callable[..., Any] = eval_batches
+    metric: str | None = None
+    token_mean: bool = True
+    needs_lora: bool = False
+
+
+def _sft_loss(model, lora, *, sequence_parallel: bool = True):
+    """The model's masked mean cross-entropy (``lm_loss``) and its ``accuracy``."""
+    if lora is None:
+        return model.loss_fn(sequence_parallel=sequence_parallel)
+    return lora_lib.freeze_base(model.loss_fn(lora, sequence_parallel=sequence_parallel,
+                                              frozen_base=True))
+
+
+# Next-token cross-entropy over the data's tokens (the trained positions of masked rows).
+SFT = Objective("sft", _sft_loss, metric="lm_loss")

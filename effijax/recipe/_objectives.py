@@ -1,0 +1,27 @@
+"""The registry of training objectives: ``TrainConfig.objective`` names one of these.
+
+Example:
+  >>> sorted(OBJECTIVES), get_objective("sft").metric
+  (['dpo', 'sft'], 'lm_loss')
+"""
+
+from __future__ import annotations
+
+from effijax.errors import ConfigError
+from effijax.recipe._dpo import DPO
+from effijax.recipe._objective import SFT, Objective
+
+__all__ = ["OBJECTIVES", "get_objective"]
+
+# One line per objective (its module defines its Objective).
+OBJECTIVES: dict[str, Objective] = {
+    "sft": SFT,
+    "dpo": DPO,
+}
+
+
+def get_objective(name: str) -> Objective:
+    """The objective called ``name``."""
+    if name not in OBJECTIVES:
+        raise ConfigError("objective", name, f"choose one of {', '.join(OBJECTIVES)}")
+    return OBJECTIVES[name]

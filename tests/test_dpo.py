@@ -1,0 +1,228 @@
+"""DPO through the recipe (`effijax train --objective dpo`, LoRA): preference pairs read and
+rendered as chat data is, the loss against the base with the adapters off, TRL's metrics in
+metrics.jsonl, one-line errors, and the objective seam leaving SFT runs and their resume as
+they were. The losses' own parity with TRL is tests/test_preference.py's."""
+
+import dataclasses
+import json
+import math
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _compiles import compiles
+from _llama_files import VOCAB_SIZE, chat_tokenizer, write_gguf
+
+from effijax.cli import main as cli_main
+from effijax.errors import ConfigError
+from effijax.lora import LoraSpec
+from effijax.lora import init as lora_init
+from effijax.models import llama_config
+from effijax.objectives import DPO_LOSS_TYPES, dpo_loss
+from effijax.recipe import TrainConfig, plan_job
+from effijax.recipe._config import DPO_LOSSES, OBJECTIVES
+from effijax.recipe._dpo import load_pairs, pair_batch, pair_rows, read_pairs
+from effijax.recipe._identity import check_resume, identity
+from effijax.recipe._objectives import OBJECTIVES as REGISTRY
+from effijax.recipe._objectives import get_objective
+
+SEQ = 32
+TINY = llama_config("llama-tiny", vocab_size=VOCAB_SIZE, seq_len=SEQ)
+
+
+def _write_pairs(path, n=40):
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"prompt": f"{i}+1", "chosen": f"{i + 1}",
+                                "rejected": f"the {i}"}) + "\n")
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dpo")
+    write_gguf(d / "tiny.gguf", TINY, jax.jit(TINY.init_params)(jax.random.key(0)))
+    _write_pairs(d / "pairs.jsonl")
+    return d
+
+
+@pytest.fixture(scope="module")
+def run(files):
+    """`effijax train --objective dpo` for 4 steps: its metrics.jsonl records."""
+    out = files / "run"
+    assert cli_main(["train", "--objective", "dpo", "--from", str(files / "tiny.gguf"),
+                     "--lora-rank", "2", "--data", str(files / "pairs.jsonl"), "--steps", "4",
+                     "--batch-size", "4", "--seq-len", str(SEQ), "--eval-batches", "2",
+                     "--no-progress", "--out", str(out)]) == 0
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_dpo_run_writes_trls_metrics(run):
+    assert [r["step"] for r in run] == [1, 2, 3, 4]
+    for name in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+                 "logps/chosen", "logps/rejected", "tokens", "loss"):
+        assert all(math.isfinite(r[name]) for r in run), name
+    assert "lm_loss" not in run[0]
+
+
+def test_at_the_adapters_init_the_policy_is_the_reference(run):
+    # B = 0: the policy is the base, so the reference must be the base with the adapters off.
+    first = run[0]
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    for name in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
+        assert first[name] == 0.0, name
+    assert first["logps/chosen"] < 0 and first["logps/rejected"] < 0
+
+
+def _unfused_logps(logits_BSV, batch):
+    logp_BSV = jax.nn.log_softmax(logits_BSV.astype(jnp.float32), axis=-1)
+    picked_BS = jnp.take_along_axis(logp_BSV, batch["targets"][..., None], axis=-1)[..., 0]
+    return jnp.sum(jnp.where(batch["mask"] != 0, picked_BS, 0.0), axis=1)
+
+
+@pytest.fixture(scope="module")
+def unfused(files):
+    """Random adapters on the tiny base, a batch of 2 pairs, and the unfused log-probabilities
+    of its rows with the adapters (the policy) and without them (the reference)."""
+    model = dataclasses.replace(TINY, tokenizer=chat_tokenizer())
+    base = model.init_params(jax.random.key(0))
+    spec = LoraSpec(rank=2, alpha=8.0, targets=model.lora_targets)
+    leaves, treedef = jax.tree.flatten(lora_init(jax.random.key(1), base, spec))
+    keys = jax.random.split(jax.random.key(3), len(leaves))
+    adapters = treedef.unflatten([0.1 * jax.random.normal(k, x.shape, x.dtype)
+                                  for k, x in zip(keys, leaves, strict=True)])
+    batch = pair_batch(load_pairs(str(files / "pairs.jsonl"), model).train, seed=0, step=0,
+                       batch_size=4, seq_len=SEQ)
+    policy = jax.jit(model.logits_fn(spec))({"base": base, "adapters": adapters},
+                                            batch["inputs"])
+    reference = jax.jit(model.logits_fn())(base, batch["inputs"])
+    return SimpleNamespace(model=model, base=base, spec=spec, adapters=adapters, batch=batch,
+                           logps=_unfused_logps(policy, batch), ref=_unfused_logps(reference,
+                                                                                   batch))
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_a_batchs_loss_is_dpo_loss_of_the_unfused_log_probabilities(unfused, loss_type):
+    u = unfused
+    job = plan_job(u.model, "fp32", optax.sgd(0.0), batch_size=4, lora=u.spec, masked=True,
+                   segmented=False, objective=get_objective("dpo"),
+                   objective_settings={"beta": 0.1, "loss_type": loss_type})
+    got = float(job.eval_loss(u.adapters, {**u.batch, "base": u.base}))
+    logps, ref = u.logps, u.ref
+    counts = jnp.sum(u.batch["mask"] != 0, axis=1)
+    want, _ = dpo_loss(logps[0::2], logps[1::2], ref[0::2], ref[1::2], loss_type=loss_type,
+                       chosen_counts=counts[0::2], rejected_counts=counts[1::2])
+    assert abs(float(logps[0] - ref[0])) > 1e-3  # the adapters do change the policy
+    np.testing.assert_allclose(got, float(want), rtol=1e-5)
+
+
+def test_pairs_are_adjacent_rows_with_the_completion_masked(files):
+    tok = chat_tokenizer()
+    pairs = read_pairs(str(files / "pairs.jsonl"))[:2]
+    rows = pair_rows(tok, pairs, SEQ)
+    assert rows.tokens_NW.shape == (4, SEQ + 1)
+    for i, pair in enumerate(pairs):
+        for j, completion in enumerate((pair.chosen, pair.rejected)):
+            ids, mask = rows.tokens_NW[2 * i + j], rows.mask_NW[2 * i + j]
+            assert tok.decode(ids[mask == 1]).startswith(completion)
+    batch = pair_batch(rows, seed=0, step=5, batch_size=4, seq_len=SEQ)
+    # Row 2i is a pair's chosen side, 2i+1 its rejected side: the same prompt.
+    assert batch["inputs"].shape == (4, SEQ)
+    np.testing.assert_array_equal(batch["inputs"][0, :6], batch["inputs"][1, :6])
+
+
+@pytest.mark.parametrize("line, problem", [
+    ('{"prompt": "a", "chosen": "b"}', "no 'rejected'"),
+    ('{"prompt": "a", "chosen": " ", "rejected": "c"}', "the chosen completion is empty"),
+    ('{"prompt": "a", "chosen": 3, "rejected": "c"}', "'chosen' is a int, not a string"),
+    ("[1]", "a JSON list, not an object"),
+    ("{", "not valid JSON"),
+])
+def test_a_bad_record_is_one_line_naming_its_file_and_line(tmp_path, line, problem):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n' + line + "\n")
+    with pytest.raises(ConfigError) as e:
+        read_pairs(str(path))
+    assert f"data='{path}:2': {problem}" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_pair_longer_than_a_row_is_refused_not_cut(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "the " * 40, "chosen": "1", "rejected": "2"}) + "\n")
+    with pytest.raises(ConfigError, match=r"p.jsonl:1': the chosen side is \d+ tokens, over the "
+                       r"17 of a row \(seq_len \+ 1\); raise --seq-len"):
+        pair_rows(chat_tokenizer(), read_pairs(str(path)), 16)
+
+
+def test_dpo_without_lora_is_refused_before_compiling(files, tmp_path, capsys):
+    with pytest.raises(ConfigError, match="give --lora-rank R"):
+        TrainConfig(objective="dpo", data="pairs.jsonl", init_from="x.gguf")
+    with compiles() as compiled:
+        assert cli_main(["train", "--objective", "dpo", "--from", str(files / "tiny.gguf"),
+                         "--data", str(files / "pairs.jsonl"), "--out",
+                         str(tmp_path / "run")]) == 2
+    assert compiled == []
+    err = capsys.readouterr().err.strip()
+    assert "--lora-rank" in err and len(err.splitlines()) == 1, err
+    with pytest.raises(ConfigError, match="batch_size=5: counts rows"):
+        TrainConfig(objective="dpo", data="p.jsonl", init_from="x.gguf", lora_rank=2,
+                    batch_size=5)
+    with pytest.raises(ConfigError, match="beta=0.2: only applies to --objective dpo"):
+        TrainConfig(beta=0.2)
+
+
+def test_an_old_config_without_an_objective_is_sft_and_the_same_run():
+    old = {"seed": 0, "batch_size": 8, "precision": "fp32", "loss_scale": "none",
+           "accumulate": 1, "lora_rank": None, "steps": 10, "lr": 1e-3,
+           "run": {"corpus_sha256": "ab", "model_config": {"family": "gpt", "seq_len": 32}}}
+    assert TrainConfig.from_dict(old).objective == "sft"
+    new = {**old, **{k: v for k, v in TrainConfig().to_dict().items()
+                     if k in ("objective", "beta", "dpo_loss", "label_smoothing")}}
+    assert identity(old) == identity(new)
+    assert check_resume(old, new, (), where="ckpt") == {}
+    dpo = {**new, "objective": "dpo", "lora_rank": 2}
+    with pytest.raises(ConfigError, match="objective 'sft' -> "):
+        check_resume({**old, "lora_rank": 2}, dpo, (), where="ckpt")
+
+
+def test_the_config_lists_the_registrys_objectives_and_losses():
+    assert OBJECTIVES == tuple(REGISTRY) and DPO_LOSSES == tuple(DPO_LOSS_TYPES)
+
+
+def _train_argv(files, out, steps):
+    return ["train", "--objective", "dpo", "--from", str(files / "tiny.gguf"), "--lora-rank", "2",
+            "--data", str(files / "pairs.jsonl"), "--steps", str(steps), "--batch-size", "4",
+            "--seq-len", str(SEQ), "--eval-batches", "1", "--checkpoint-every", "2",
+            "--no-progress", "--out", str(out)]
+
+
+def test_a_dpo_run_resumes_as_the_run_it_continues(files, tmp_path):
+    # 2 steps, then on to 4: the same losses as 4 steps in one go.
+    assert cli_main(_train_argv(files, tmp_path / "whole", 4)) == 0
+    assert cli_main(_train_argv(files, tmp_path / "split", 2)) == 0
+    assert cli_main([*_train_argv(files, tmp_path / "split", 4), "--allow-changes",
+                     "steps"]) == 0
+    whole, split = ([json.loads(line)["loss"] for line in (tmp_path / d / "metrics.jsonl")
+                     .read_text().splitlines()] for d in ("whole", "split"))
+    assert split == whole
+    # Another beta is another run.
+    assert cli_main([*_train_argv(files, tmp_path / "split", 6), "--allow-changes", "steps",
+                     "--beta", "0.5"]) == 2
+
+
+def test_an_sft_run_recorded_before_objectives_resumes(tmp_path):
+    from effijax.recipe import train
+
+    cfg = TrainConfig(model="tiny", seq_len=16, steps=2, batch_size=2, eval_batches=0,
+                      progress=False, out=str(tmp_path / "run"))
+    assert train(cfg).status == "done"
+    written = tmp_path / "run" / "config.json"
+    record = json.loads(written.read_text())
+    for key in ("objective", "beta", "dpo_loss", "label_smoothing"):
+        del record[key]
+    written.write_text(json.dumps(record))
+    resumed = train(dataclasses.replace(cfg, steps=4, allow_changes="steps"))
+    assert resumed.status == "done" and resumed.summary["steps"] == 4
+    assert json.loads(written.read_text())["resumes"]  # resumed from step 2, not restarted
