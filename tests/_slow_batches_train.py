@@ -2,7 +2,8 @@
 until the process gets SIGTERM or SIGINT.
 
 Runs the real command line in this process; the only changes are a wait before the recipe's
-batch builder (``effijax.recipe._job.batch_at``) builds each batch, as a slow data pipeline
+batch builder (the ``sft`` objective's ``batch``, :func:`effijax.data.batch_at`) builds each
+batch, as a slow data pipeline
 would, and a note in the run's stop handler (``effijax.run.StopFlag._handle``, which it then
 calls) that ends the waits. A test that signals a run and needs it to be still training some
 seconds later (Open MPI's mpirun forwards SIGTERM to its ranks only after a grace period) holds
@@ -17,9 +18,9 @@ import time
 
 from effijax import run
 from effijax.cli import main
-from effijax.recipe import _job
+from effijax.recipe import _objectives
 
-_real_batch_at = _job.batch_at
+_real_batch_at = _objectives.OBJECTIVES["sft"].batch
 _real_handle = run.StopFlag._handle
 _DELAY_S = float(os.environ.get("EFFIJAX_TEST_BATCH_DELAY_S", "0"))
 _signalled = []  # appended to by the handler: no lock (it runs between bytecodes)
@@ -37,7 +38,7 @@ def _handle(self, signum, frame):
     _real_handle(self, signum, frame)
 
 
-_job.batch_at = _slow
+_objectives.OBJECTIVES["sft"] = _objectives.OBJECTIVES["sft"]._replace(batch=_slow)
 run.StopFlag._handle = _handle
 
 if __name__ == "__main__":
