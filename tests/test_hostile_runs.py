@@ -201,6 +201,7 @@ def test_eval_says_what_it_waits_for_at_a_terminal(lora_run, capsys, monkeypatch
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     code, again, err = _cli(capsys, *argv)
     assert code == 0 and again == out
-    assert err.splitlines() == [f"effijax eval: loading {run}", f"effijax eval: reading {text}",
+    assert err.splitlines() == ["effijax eval: starting (importing JAX)",
+                                f"effijax eval: loading {run}", f"effijax eval: reading {text}",
                                 "effijax eval: compiling the forward pass, then scoring 1 "
                                 "batch of 8 windows"], err

@@ -78,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
     """Runs ``effijax eval``; returns the exit code (2: bad arguments or data)."""
     try:
         _check(args)
+        status("eval")("starting (importing JAX)")  # a terminal's first line, before seconds
         from effijax.recipe import evaluate_model
 
         result = evaluate_model(args.init_from, args.data, seq_len=args.seq_len,

@@ -207,10 +207,10 @@ def run(args: argparse.Namespace) -> int:
         return _error(e)
     import time
 
+    t0 = time.perf_counter()
+    _say(f"loading {args.init_from}")  # seconds for a real model (and JAX): say what it waits on
     from effijax.generate import load
 
-    t0 = time.perf_counter()
-    _say(f"loading {args.init_from}")  # seconds for a real model: say what the wait is
     settings = dict(chat=args.chat, system=args.system, max_new_tokens=args.max_new_tokens,
                     temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     streamed = args.stream and len(prompts) == 1
