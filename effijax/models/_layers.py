@@ -338,6 +338,16 @@ def make_apply(graphdef: nnx.GraphDef, lora: LoraSpec | None = None, *,
     return apply
 
 
+def check_batch(batch) -> None:
+    """Refuses a language-model batch without ``inputs`` and ``targets`` (what
+    :func:`make_loss_fn` and :func:`~effijax.models.make_sequence_logps` read)."""
+    missing = {"inputs", "targets"} - set(batch)
+    if missing:
+        raise KeyError(f"batch is missing {sorted(missing)}; expected "
+                       "{'inputs': int32[B, S], 'targets': int32[B, S]} and optionally 'mask', "
+                       "'segments'")
+
+
 def make_loss_fn(graphdef: nnx.GraphDef, lora: LoraSpec | None = None, *,
                  sequence_parallel: bool = True, frozen_base: bool = False
                  ) -> Callable[..., tuple[jax.Array, dict]]:
@@ -368,12 +378,7 @@ def make_loss_fn(graphdef: nnx.GraphDef, lora: LoraSpec | None = None, *,
     _check_lora(lora)
 
     def loss_fn(params, batch, rng=None):
-        missing = {"inputs", "targets"} - set(batch)
-        if missing:
-            raise KeyError(
-                f"batch is missing {sorted(missing)}; expected "
-                "{'inputs': int32[B, S], 'targets': int32[B, S]}"
-            )
+        check_batch(batch)
         model, adapted = _merge(graphdef, params, lora, frozen_base)
         segments_BS, mask_BS = batch.get("segments"), batch.get("mask")
         loss, accuracy = model.loss(batch["inputs"], batch["targets"],
