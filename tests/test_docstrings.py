@@ -9,14 +9,11 @@ import pytest
 
 import effijax
 
-# Re-exports kept for one release; importing them warns (tests/test_layering.py checks them).
-DEPRECATED = ("effijax.train", "effijax.jobs")
-
 
 def _modules():
     names = []
     for info in pkgutil.walk_packages(effijax.__path__, prefix="effijax."):
-        if info.name.endswith("__main__") or info.name in DEPRECATED:
+        if info.name.endswith("__main__"):
             continue
         names.append(info.name)
     return sorted(names)

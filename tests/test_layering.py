@@ -1,12 +1,8 @@
 """The architecture's import rules, checked by walking every module's imports with ast."""
 
 import ast
-import importlib
 import pathlib
 import re
-import sys
-
-import pytest
 
 PKG = pathlib.Path(__file__).resolve().parents[1] / "effijax"
 
@@ -42,7 +38,7 @@ def test_precision_sharding_lora_do_not_import_each_other():
 
 
 def test_lower_layers_do_not_import_upper_layers():
-    upper = ("effijax.step", "effijax.jobs", "effijax.run", "effijax.cli", "effijax.memory",
+    upper = ("effijax.step", "effijax.run", "effijax.cli", "effijax.memory",
              "effijax.checkpoint", "effijax.models", "effijax.data", "effijax.recipe",
              "effijax.interop", "effijax.objectives")
     for pkg in ("precision", "sharding", "lora"):
@@ -54,13 +50,12 @@ def test_lower_layers_do_not_import_upper_layers():
 LAYERS = [
     ("_lazy.py", "errors.py", "paths.py", "provenance.py", "atomic.py"),
     ("precision", "sharding", "lora", "data", "distributed.py", "_rendezvous.py"),
-    # train.py and jobs.py: deprecated re-exports of step.py and the recipe's job, one release.
-    ("models", "interop", "memory", "step.py", "train.py", "optimizers.py", "checkpoint"),
+    ("models", "interop", "memory", "step.py", "optimizers.py", "checkpoint"),
     # Training objectives: losses of the models' outputs (per-sequence log-probabilities), which
     # the recipe composes; never the recipe's own business (data, loop, checkpoints).
     ("objectives",),
     ("run.py", "observe"),
-    ("recipe", "jobs.py"),
+    ("recipe",),
     # Generation opens a trained model through the recipe (effijax.recipe.open_model), which
     # knows a run directory's layout; evaluation stays with the recipe, below it.
     ("generate",),
@@ -236,16 +231,3 @@ def test_no_two_top_level_units_import_each_other():
 def test_the_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
-
-
-@pytest.mark.parametrize("old, new, names", [
-    ("effijax.train", "effijax.step", ("make_train_step", "TrainState", "init_train_state")),
-    ("effijax.jobs", "effijax.recipe", ("build_lm_job", "LMJob")),
-])
-def test_deprecated_modules_warn_and_give_the_same_objects(old, new, names):
-    sys.modules.pop(old, None)
-    with pytest.warns(DeprecationWarning, match=f"{old} is deprecated"):
-        module = importlib.import_module(old)
-    current = importlib.import_module(new)
-    for name in names:
-        assert getattr(module, name) is getattr(current, name)
