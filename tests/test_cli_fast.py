@@ -47,24 +47,19 @@ CASES = {
     ("plan", "--from", "/no/such/run", "--devices", "8", "--device-memory", "80GB"):
         (2, "effijax plan: error: --from='/no/such/run': no such run directory"),
     ("memory", "--params", "7B", "--from", "smollm2"): (2, "not allowed with argument --params"),
-    # The spellings of the release before still work, with one note each.
-    ("eval", "smollm2", "--data", "notes.txt"): (2, "unrecognized arguments: --data; did you "
-                                                    "mean --data-format?"),
-    ("eval", "/no/such/run", "notes.txt"): (2, "effijax eval: note: MODEL before DATA is "
-                                               "deprecated; use --from MODEL\neffijax eval: "
-                                               "error: --from='/no/such/run': no such"),
+    # The spellings of an unreleased version before --from: each error names --from.
+    ("eval", "--from", "smollm2", "--data", "notes.txt"):
+        (2, "unrecognized arguments: --data; did you mean --data-format?"),
+    ("eval", "/no/such/run", "notes.txt"):
+        (2, "effijax eval: error: the following arguments are required: --from"),
     ("generate", "--model-from", "/no/such/run", "--prompt", "x"):
-        (2, "effijax generate: note: --model-from is deprecated; use --from\neffijax generate: "
-            "error: --from='/no/such/run': no such"),
-    ("generate", "--model-from=/no/such/run", "--prompt", "x"):
-        (2, "effijax generate: note: --model-from is deprecated; use --from\neffijax generate: "
-            "error: --from='/no/such/run': no such"),
-    ("train", "--init-from", "runs/base", "--init-from", "runs/other", "--lora-rank", "0"):
-        (2, "effijax train: note: --init-from is deprecated; use --from\neffijax train: error: "
-            "--lora-rank=0"),
+        (2, "effijax generate: error: the following arguments are required: --from"),
+    ("train", "--init-from", "runs/base"):
+        (2, "effijax train: error: unrecognized arguments: --init-from runs/base; did you mean "
+            "--from?"),
     ("memory", "--model", "/no/such/run"):
-        (2, "effijax memory: note: --model with a file, a directory or smollm2 is deprecated; "
-            "use --from (--model names a preset)\neffijax memory: error: --from='/no/such/run'"),
+        (2, "effijax memory: error: --model='/no/such/run': is not a preset but a model to read: "
+            "give --from /no/such/run"),
     # A settings file: named otherwise than .toml it is still read, and a value it holds is
     # reported by the file and key (not as a flag the user never typed).
     ("train", "--config", "run.cfg"): (2, "effijax train: error: run.cfg:steps='forty': "
@@ -128,13 +123,6 @@ def test_flags_are_checked_without_importing_jax(argv, results):
     code, text = CASES[argv]
     assert (result["code"], result["jax"]) == (code, False), result
     assert text in result["text"], result["text"]
-
-
-@pytest.mark.parametrize("argv", [a for a, (_, text) in CASES.items() if ": note: " in text],
-                         ids=" ".join)
-def test_an_old_spelling_is_noted_once(argv, results):
-    text = next(r for r in results if tuple(r.get("argv", ())) == argv)["text"]
-    assert text.count(": note: ") == 1, text
 
 
 def test_a_config_is_validated_without_importing_jax(results):

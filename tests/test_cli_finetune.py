@@ -5,6 +5,7 @@ relative paths (orbax wants absolute ones: the library resolves them).
 """
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -86,11 +87,8 @@ def test_lora_run_trains_only_the_adapters_of_the_pretrained_model(lora_run, pre
 def test_full_fine_tune_starts_from_the_same_model(tmp_path, lora_run, pretrained, corpora,
                                                   capsys):
     out = tmp_path / "full"
-    # The spelling of the release before: it still works, noted once.
-    assert main(["train", "--init-from", str(pretrained), "--steps", "6", "--lr", "1e-3",
+    assert main(["train", "--from", str(pretrained), "--steps", "6", "--lr", "1e-3",
                  "--data", corpora[1], "--out", str(out), "--no-checkpoints", *TINY]) == 0
-    assert capsys.readouterr().err.count("effijax train: note: --init-from is deprecated; use "
-                                         "--from\n") == 1
     config, _ = _read(out)
     assert config["init_from"] == str(pretrained)
     _, full = _read(out)
@@ -161,22 +159,16 @@ def test_bad_init_from_runs_are_clear_errors(tmp_path, lora_run, pretrained, cap
     assert "is the init_from run itself" in capsys.readouterr().err
 
 
-def test_eval_and_generate_take_the_run_with_from_or_the_old_spellings(pretrained, corpora,
-                                                                       capsys):
+def test_eval_and_generate_take_the_run_with_from(pretrained, corpora, capsys):
     evaluate = [corpora[1], "--seq-len", "32", "--max-batches", "2", "--json"]
     assert main(["eval", "--from", str(pretrained), *evaluate]) == 0
-    new = capsys.readouterr()
-    assert main(["eval", str(pretrained), *evaluate]) == 0  # eval MODEL DATA, the old spelling
-    old = capsys.readouterr()
-    assert json.loads(old.out) == json.loads(new.out)
-    assert new.err == ""
-    assert old.err == "effijax eval: note: MODEL before DATA is deprecated; use --from MODEL\n"
-    generate = ["--prompt", "def", "--max-new-tokens", "4"]
+    scored = capsys.readouterr()
+    assert scored.err == ""
+    report = json.loads(scored.out)
+    assert math.isfinite(report["loss"]) and report["perplexity"] == pytest.approx(
+        math.exp(report["loss"]), rel=1e-6)
+    generate = ["--prompt", "def", "--max-new-tokens", "4", "--no-stream"]
     assert main(["generate", "--from", str(pretrained), *generate]) == 0
-    new = capsys.readouterr()
-    assert main(["generate", "--model-from", str(pretrained), *generate]) == 0
-    old = capsys.readouterr()
-    assert old.out == new.out
-    notes = [line for line in old.err.splitlines() if ": note: " in line]
-    assert notes == ["effijax generate: note: --model-from is deprecated; use --from"]
-    assert ": note: " not in new.err
+    said = capsys.readouterr()
+    assert said.out.startswith("def") and len(said.out) > len("def\n"), said.out
+    assert ": note: " not in said.err

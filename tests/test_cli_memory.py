@@ -258,10 +258,9 @@ def test_docstring_examples():
     assert result.attempted > 0 and result.failed == 0
 
 
-def test_from_takes_a_run_directory_and_the_old_model_path_spelling_still_works(tmp_path,
-                                                                              capsys):
-    """``--from`` reads a run's model from its config.json; ``--model PATH`` (the spelling of
-    the release before) means the same, with one note."""
+def test_from_takes_a_run_directory_and_model_only_a_preset(tmp_path, capsys):
+    """``--from`` reads a run's model from its config.json; ``--model PATH`` is refused, naming
+    ``--from``."""
     from effijax.models import preset
 
     model = preset("llama-tiny")
@@ -269,12 +268,11 @@ def test_from_takes_a_run_directory_and_the_old_model_path_spelling_still_works(
     new = run_json(["plan", "--from", str(tmp_path), "--devices", "2", "--device-memory",
                     "1GB"], capsys)
     assert new["fits"] and capsys.readouterr().err == ""
-    assert run(["plan", "--model", str(tmp_path), "--devices", "2", "--device-memory", "1GB",
-                "--json"]) == 0
-    captured = capsys.readouterr()
-    assert json.loads(captured.out) == new
-    assert captured.err == ("effijax plan: note: --model with a file, a directory or smollm2 is "
-                            "deprecated; use --from (--model names a preset)\n")
+    # --model takes a preset; a run directory given there is refused, naming --from.
+    assert run(["plan", "--model", str(tmp_path), "--devices", "2", "--device-memory",
+                "1GB"]) == 2
+    assert capsys.readouterr().err == (f"effijax plan: error: --model={str(tmp_path)!r}: is not a "
+                                       f"preset but a model to read: give --from {tmp_path}\n")
     assert run_json(["memory", "--from", str(tmp_path)], capsys)["params_bytes"] == \
         2 * model.num_params
 

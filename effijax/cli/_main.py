@@ -78,16 +78,6 @@ class _Program(_Parser):
         return next(a.choices for a in self._actions
                     if isinstance(a, argparse._SubParsersAction))
 
-    def rewrite(self, argv: list[str]) -> list[str]:
-        """``argv`` in today's spelling (see :func:`effijax.cli._from.rewrite`)."""
-        from effijax.cli import _from  # with the subcommands (see build_parser)
-
-        return _from.rewrite(argv, self.commands())
-
-    def parse_known_args(self, args=None, namespace=None):
-        argv = sys.argv[1:] if args is None else list(args)
-        return super().parse_known_args(self.rewrite(argv), namespace)
-
 
 def _subcommand_parser(parser: argparse.ArgumentParser, argv: list[str]):
     """The deepest subcommand parser that ``argv`` names (``effijax data make-example``)."""
@@ -139,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             _hugepages.reexec_with_hugepages()  # returns only where it does not re-execute
         _interrupt.install(command)
     parser = build_parser()
-    argv = parser.rewrite(list(argv))  # a run records, and asks to be rerun with, --from
+    argv = list(argv)
     args, extras = parser.parse_known_args(argv)
     if extras:
         _unknown_flags_error(parser, argv, extras)

@@ -307,6 +307,9 @@ def _architecture(args: argparse.Namespace):
     source = args.init_from
     if source is not None and _from.names_a_source(source):
         _from.check_exists(source)  # a path that names nothing is said before JAX is imported
+    if args.model is not None and _from.names_a_source(args.model):  # the same, before JAX
+        raise ConfigError("--model", args.model, f"is not a preset but a model to read: give "
+                          f"{_from.FLAG} {args.model}")
     # Imported here: the presets are the models' (JAX), which --params never needs.
     from effijax.models import preset_names
     from effijax.recipe import architecture
