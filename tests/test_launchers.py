@@ -6,7 +6,7 @@ Open MPI's `mpirun -np 2` and under an emulated `srun` (its variables set for tw
 processes), 4 CPU devices each, and compare with one process of 8 devices: the check of
 tests/test_multihost.py, with the launcher instead of flags, against the same run of one process
 of 8 (conftest's ``one_process_of_eight``, launched once for both modules; tests/_launch.py).
-All traffic stays on the loopback interface: each test checks the coordinator address before
+All traffic stays on the loopback interface: each launch checks the coordinator address before
 anything starts.
 """
 
@@ -34,8 +34,8 @@ from effijax.recipe._config import CLUSTERS
 TIMEOUT_S = 300
 LONG_S = 900  # the SIGTERM test's runs, on a 2-core machine that other jobs share
 # Every real launch trains tests/_launch.py's run (ARGS); the SIGTERM test's signal comes at
-# step >= EVERY (its first checkpoint) and its ranks get it by step ~30 (see GRACE_S): they stop
-# before STEPS.
+# step >= EVERY (its first checkpoint) and its ranks get it by step ~15 (see GRACE_S): they stop
+# at 20, before STEPS.
 MESH = {"data": 1, "fsdp": 8, "tensor": 1}
 MPIRUN = ["mpirun", "-np", "2", "--allow-run-as-root", "--oversubscribe", "--tag-output",
           "--mca", "oob_tcp_if_include", "lo", "--mca", "btl_tcp_if_include", "lo"]
@@ -184,17 +184,13 @@ def test_the_cli_refuses_an_unknown_launcher_before_starting_jax():
 # --------------------------------------------------------------------------------------------
 # Real launches: mpirun and an emulated srun, each against one process of 8 devices
 # --------------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def under_mpirun(tmp_path_factory, launch_corpus, launch_cache):
-    """The run under ``mpirun -np 2``, 4 devices each, uninterrupted: its directory and
-    mpirun's tagged stdout. One launch serves the comparison with one process of 8 devices and
-    the SIGTERM test's bitwise reference."""
-    out = tmp_path_factory.mktemp("mpirun") / "straight"
-    (stdout, _), = wait([train([*ARGS, "--data", launch_corpus, "--out", str(out),
-                                "--cpu-devices", "4"], env(**launch_cache), MPIRUN)], LONG_S)
-    return out, stdout
-
+#
+# Two launches of the run, each serving two tests: the emulated srun's, uninterrupted (its
+# comparison with one process of 8 devices, and the SIGTERM test's bitwise reference: how the
+# processes found each other changes no bit of the same program on the same devices), and
+# mpirun's, stopped by SIGTERM and resumed (the SIGTERM test, and mpirun's comparison with one
+# process of 8 devices: its steps before the stop and after the resume, its summary and its
+# printed lines).
 
 _TAG = re.compile(r"\[1,(\d+)\]<std(?:out|err)>:")
 
@@ -217,33 +213,6 @@ needs_mpirun = pytest.mark.skipif(shutil.which("mpirun") is None, reason=(
     "Open MPI's mpirun is not installed (apt-get install openmpi-bin; .ci/run installs it)"))
 
 
-@needs_mpirun
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_mpirun_two_processes_of_four_devices_match_one_process_of_eight(
-        under_mpirun, one_process_of_eight):
-    # Before anything trains: both ranks see one loopback coordinator, from mpirun alone.
-    # One write per rank: mpirun --tag-output tags each chunk it reads, so print's separate
-    # writes (under PYTHONUNBUFFERED, as in CI) interleaved the two ranks mid-line.
-    probe = subprocess.run(
-        [*MPIRUN, sys.executable, "-c", "import os; from effijax.distributed import plan; "
-         "l = plan(); os.write(1, ' '.join(map(str, (l.launcher, *l.settings))).encode() + "
-         "b'\\n')"],
-        capture_output=True, text=True, env=env(), timeout=TIMEOUT_S)
-    assert probe.returncode == 0, probe.stderr
-    seen = {tuple(lines[-1].split()) for lines in _by_rank(probe.stdout).values()}
-    assert len(seen) == 2, probe.stdout
-    (launcher, address, count, _), _ = sorted(seen)
-    assert launcher == "ompi" and count == "2" and _is_loopback(address), seen
-
-    out, stdout = under_mpirun
-    lines = _by_rank(stdout)
-    assert any(x.startswith("effijax train: process 0 of 2 (launcher ompi), coordinator "
-                            "127.0.0.1:") for x in lines[0]), stdout
-    assert any(f"done: {STEPS} steps" in x for x in lines[0]) and not_gloo(lines[1]) == [], stdout
-    same_run(out, one_process_of_eight, STEPS, MESH)
-
-
 def _free_slurm_job_id() -> int:
     """A job id whose jax-derived coordinator port (61440 + id mod 4096) is free here."""
     ports = list(range(65536 - 4096, 65536))
@@ -258,26 +227,40 @@ def _free_slurm_job_id() -> int:
     pytest.skip("no free port in the ephemeral range jax derives SLURM ports from")
 
 
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_emulated_srun_two_processes_match_one_process_of_eight(
-        tmp_path, launch_corpus, one_process_of_eight, clean_env, launch_cache):
+@pytest.fixture(scope="module")
+def under_srun(tmp_path_factory, launch_corpus, launch_cache):
+    """The run in two processes that find each other from an emulated srun's variables (set
+    for two local processes), 4 devices each, uninterrupted: its directory, the coordinator
+    this process's :func:`effijax.distributed.plan` derived from the same variables (checked to
+    be on the loopback interface before anything starts), and both processes' stdout."""
     job_id = _free_slurm_job_id()
     slurm = {"SLURM_JOB_ID": job_id, "SLURM_NTASKS": 2, "SLURM_STEP_NODELIST": "localhost",
              "SLURM_STEP_NUM_NODES": 1, "SLURM_NNODES": 1, "SLURM_JOB_NODELIST": "localhost"}
-    for k, v in {**slurm, "SLURM_PROCID": 0, "SLURM_LOCALID": 0}.items():
-        clean_env.setenv(k, str(v))
-    launch = distributed.plan()
+    with pytest.MonkeyPatch.context() as patch:
+        for name in list(os.environ):
+            if name.startswith(LAUNCHER_PREFIXES):
+                patch.delenv(name)
+        for k, v in {**slurm, "SLURM_PROCID": 0, "SLURM_LOCALID": 0}.items():
+            patch.setenv(k, str(v))
+        launch = distributed.plan()
     assert launch.launcher == "slurm" and launch.settings.num_processes == 2
     assert _is_loopback(launch.settings.coordinator_address)  # before anything starts
 
-    out = tmp_path / "srun"
+    out = tmp_path_factory.mktemp("srun") / "straight"
     procs = [train([*ARGS, "--data", launch_corpus, "--out", str(out), "--cpu-devices", "4"],
                    env(**slurm, **launch_cache, SLURM_PROCID=i, SLURM_LOCALID=i))
              for i in range(2)]
     (out0, _), (out1, _) = wait(procs, TIMEOUT_S)
+    return out, launch.settings.coordinator_address, out0, out1
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_emulated_srun_two_processes_match_one_process_of_eight(under_srun,
+                                                                 one_process_of_eight):
+    out, coordinator, out0, out1 = under_srun
     assert (f"effijax train: process 0 of 2 (launcher slurm), coordinator "
-            f"{launch.settings.coordinator_address}") in out0
+            f"{coordinator}") in out0
     assert f"done: {STEPS} steps" in out0 and not_gloo(out1.splitlines()) == []
     same_run(out, one_process_of_eight, STEPS, MESH)
 
@@ -290,10 +273,11 @@ def test_emulated_srun_two_processes_match_one_process_of_eight(
 GRACE_S = 20
 # The signalled run must still be training GRACE_S after mpirun got the signal. Until its ranks
 # get SIGTERM its batches take BATCH_DELAY_S each (tests/_slow_batches_train.py: a slow data
-# pipeline, same numbers), so it makes at most GRACE_S / BATCH_DELAY_S = 20 steps past its first
-# checkpoint before then, however fast the machine: a short run stays open without hundreds of
-# steps. From the signal on it runs at full speed to the step where the ranks agree to stop.
-BATCH_DELAY_S = 1.0
+# pipeline, same numbers), so it makes at most GRACE_S / BATCH_DELAY_S = 10 steps past its first
+# checkpoint (step EVERY = 4; mpirun has the signal by step ~5) before then, however fast the
+# machine: its ranks have it by step ~15, and stop at 20, before STEPS = 24, without hundreds
+# of steps. From the signal on it runs at full speed to the step where the ranks agree to stop.
+BATCH_DELAY_S = 2.0
 SLOW_BATCHES = Path(__file__).with_name("_slow_batches_train.py")
 
 
@@ -330,22 +314,40 @@ def _wait_for_ranks(proc: subprocess.Popen, timeout: float) -> None:
     proc.communicate(timeout=timeout)
 
 
-@needs_mpirun
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_sigterm_through_mpirun_stops_both_at_one_step_and_resumes_exactly(
-        tmp_path, launch_corpus, launch_cache, under_mpirun):
+@pytest.fixture(scope="module")
+def under_mpirun(tmp_path_factory, launch_corpus, launch_cache):
+    """The run under ``mpirun -np 2``, 4 devices each, stopped by SIGTERM to mpirun once its
+    first checkpoint exists and resumed under mpirun to the end. Returns the run directory,
+    its last step and newest checkpoint as the stop left them, what ranks 0 and 1 said until
+    the stop, and mpirun's tagged stdout of the resumption.
+
+    Before anything trains, both ranks of a bare ``mpirun -np 2`` must see one loopback
+    coordinator, from mpirun alone."""
+    # One write per rank: mpirun --tag-output tags each chunk it reads, so print's separate
+    # writes (under PYTHONUNBUFFERED, as in CI) interleaved the two ranks mid-line.
+    probe = subprocess.run(
+        [*MPIRUN, sys.executable, "-c", "import os; from effijax.distributed import plan; "
+         "l = plan(); os.write(1, ' '.join(map(str, (l.launcher, *l.settings))).encode() + "
+         "b'\\n')"],
+        capture_output=True, text=True, env=env(), timeout=TIMEOUT_S)
+    assert probe.returncode == 0, probe.stderr
+    seen = {tuple(lines[-1].split()) for lines in _by_rank(probe.stdout).values()}
+    assert len(seen) == 2, probe.stdout
+    (launcher, address, count, _), _ = sorted(seen)
+    assert launcher == "ompi" and count == "2" and _is_loopback(address), seen
+
+    tmp = tmp_path_factory.mktemp("mpirun")
     args = [*ARGS, "--data", launch_corpus, "--cpu-devices", "4"]
-    # Its session directory under tmp_path: mpirun, killed once its ranks are done (see
+    # Its session directory under tmp: mpirun, killed once its ranks are done (see
     # _wait_for_ranks), leaves it behind.
     launcher = [*MPIRUN, "--mca", "odls_base_sigkill_timeout", str(GRACE_S),
-                "--mca", "orte_tmpdir_base", str(tmp_path)]
-    run = tmp_path / "run"
+                "--mca", "orte_tmpdir_base", str(tmp)]
+    run = tmp / "run"
     # The helper runs as a script: put this checkout's package first on its path.
     repo = str(SLOW_BATCHES.resolve().parents[1])
     slow = env(**launch_cache, EFFIJAX_TEST_BATCH_DELAY_S=BATCH_DELAY_S, PYTHONPATH=os.pathsep.join(
         [repo, *filter(None, [os.environ.get("PYTHONPATH")])]))
-    said = tmp_path / "ranks"
+    said = tmp / "ranks"
     said.mkdir()
     proc = subprocess.Popen([*launcher, *_own_output(said), sys.executable, str(SLOW_BATCHES),
                              "train", *args, "--out", str(run)], stdout=subprocess.PIPE,
@@ -360,19 +362,48 @@ def test_sigterm_through_mpirun_stops_both_at_one_step_and_resumes_exactly(
     proc.send_signal(signal.SIGTERM)  # to mpirun, as a scheduler's preemption does
     _wait_for_ranks(proc, timeout=LONG_S)
     last = metrics(run)[-1]["step"]
-    assert EVERY <= last < STEPS, f"stopped at {last}: the signal must land mid-run"
+    saved = max(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
     out0, out1 = ((said / f"{rank}.out").read_text() for rank in (0, 1))
+
+    # The resumed run reads its batches at full speed and loads the programs around the step
+    # from the cache.
+    (resumed, _), = wait([train([*args, "--out", str(run)], env(**launch_cache), MPIRUN)],
+                         LONG_S)
+    return run, last, saved, out0, out1, resumed
+
+
+@needs_mpirun
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_mpirun_two_processes_of_four_devices_match_one_process_of_eight(
+        under_mpirun, one_process_of_eight):
+    out, _, _, _, _, stdout = under_mpirun
+    lines = _by_rank(stdout)
+    assert any(x.startswith("effijax train: process 0 of 2 (launcher ompi), coordinator "
+                            "127.0.0.1:") for x in lines[0]), stdout
+    assert any(f"done: {STEPS} steps" in x for x in lines[0]) and not_gloo(lines[1]) == [], stdout
+    # Its steps before the stop and after the resumption, its eval, partitioned program and
+    # memory: as one process of 8 devices.
+    same_run(out, one_process_of_eight, STEPS, MESH)
+
+
+@needs_mpirun
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_sigterm_through_mpirun_stops_both_at_one_step_and_resumes_exactly(under_mpirun,
+                                                                           under_srun):
+    run, last, saved, out0, out1, out = under_mpirun
+    assert EVERY <= last < STEPS, f"stopped at {last}: the signal must land mid-run"
     # mpirun forwards the signal to each rank in turn: rank 0 has it by the processes' exchange,
     # or hears of it there as rank 1's. Either way it names the signal, and both stop together.
     assert re.search(rf"effijax train: stopped at step {last} by SIGTERM( to process 1)?; "
                      "saved; resume with: effijax train", out0), out0 + out1
-    assert max(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) == last
+    assert saved == last
 
-    # The resumed run reads its batches at full speed and loads the programs around the step
-    # from the cache: its steps must still agree bit for bit with the uninterrupted run's.
-    (out, _), = wait([train([*args, "--out", str(run)], env(**launch_cache), MPIRUN)], LONG_S)
     assert f"resuming from step {last}" in out and f"done: {STEPS} steps" in out
-    straight, _ = under_mpirun
+    # The steps after the stop must agree bit for bit with an uninterrupted run's (the emulated
+    # srun's: the same program on the same devices).
+    straight, _, _, _ = under_srun
     resumed, reference = metrics(run), metrics(straight)
     assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in resumed] == [r["loss"] for r in reference]
