@@ -297,7 +297,7 @@ def _env():
 @pytest.mark.slow
 def test_eval_cli_prints_loss_and_perplexity(gguf):
     files = gguf
-    cmd = [sys.executable, "-m", "effijax", "eval", str(files / "tiny.gguf"),
+    cmd = [sys.executable, "-m", "effijax", "eval", "--from", str(files / "tiny.gguf"),
            str(files / "qa.jsonl"), "--batch-size", "4", "--seq-len", str(SEQ), "--json"]
     out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
     assert out.returncode == 0, out.stderr

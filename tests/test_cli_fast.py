@@ -47,9 +47,8 @@ CASES = {
     ("plan", "--from", "/no/such/run", "--devices", "8", "--device-memory", "80GB"):
         (2, "effijax plan: error: --from='/no/such/run': no such run directory"),
     ("memory", "--params", "7B", "--from", "smollm2"): (2, "not allowed with argument --params"),
-    # The spellings of an unreleased version before --from: each error names --from.
-    ("eval", "--from", "smollm2", "--data", "notes.txt"):
-        (2, "unrecognized arguments: --data; did you mean --data-format?"),
+    # The spellings of an unreleased version before --from: each error names --from (eval's
+    # --data is checked above).
     ("eval", "/no/such/run", "notes.txt"):
         (2, "effijax eval: error: the following arguments are required: --from"),
     ("generate", "--model-from", "/no/such/run", "--prompt", "x"):
@@ -70,7 +69,13 @@ CASES = {
         (2, "'80': a size needs a unit: write e.g. '80GB'"),
     ("plan", "--params", "70B", "--devices", "8", "--device-memory", "80GB"):
         (0, "-> plan: LoRA"),
-    ("memory", "--params", "7B", "--zero", "3", "--devices", "8"): (0, "model states"),
+    ("memory", "--params", "7B", "--strategy", "fsdp", "--devices", "8"): (0, "model states"),
+    # The old spelling of --strategy names its replacement.
+    ("memory", "--params", "7B", "--zero", "3"):
+        (2, "unrecognized arguments: --zero 3; --zero is now --strategy (ddp, zero1, zero2, "
+            "fsdp"),
+    ("memory", "--params", "7B", "--optimizer", "adafactor"):
+        (2, "effijax memory: error: --optimizer='adafactor': keeps factored second moments"),
     ("memory", "--params", "7X"): (2, "unknown unit 'X'"),
     ("--version",): (0, "effijax "),
     ("plan", "--help"): (0, "--no-lora"),
@@ -136,7 +141,7 @@ def test_a_config_is_validated_without_importing_jax(results):
 def test_help_shows_only_defaults_that_read_right(argv, results):
     text = next(r for r in results if tuple(r.get("argv", ())) == argv)["text"]
     assert "(default: None)" not in text and "(default: True)" not in text
-    assert "(default: False)" not in text and "(default: adam)" in text
+    assert "(default: False)" not in text and "(default: adamw)" in text
     assert "--device-memory SIZE" in text or argv[0] == "memory"
 
 

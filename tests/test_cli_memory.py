@@ -20,18 +20,20 @@ def run_json(argv, capsys):
 
 
 def test_memory_json_zero3(capsys):
-    out = run_json(["memory", "--params", "7B", "--zero", "3", "--devices", "8"], capsys)
+    out = run_json(["memory", "--params", "7B", "--strategy", "fsdp", "--devices", "8"], capsys)
     assert out["params_bytes"] == 1_750_000_000  # 2 B x 7e9 / 8
     assert out["grads_bytes"] == 1_750_000_000
     assert out["optimizer_bytes"] == 10_500_000_000  # 12 B x 7e9 / 8
     assert out["master_bytes"] == 3_500_000_000
     assert out["model_state_bytes"] == 14_000_000_000  # seed 003: 14 GB
     assert "activation_bytes" not in out
+    assert (out.pop("strategy"), out["zero_stage"]) == ("fsdp", 3)
     assert all(isinstance(v, int) for v in out.values())
 
 
 def test_memory_json_lora(capsys):
-    argv = ["memory", "--params", "7B", "--zero", "3", "--devices", "32", "--lora-fraction", "0.01"]
+    argv = ["memory", "--params", "7B", "--strategy", "zero3", "--devices", "32",
+            "--lora-fraction", "0.01"]
     out = run_json([*argv, "--frozen-dtype", "bf16"], capsys)
     assert out["model_state_bytes"] == 472_500_000  # seed 003: 0.4725 GB
     assert out["trainable_params"] == 70_000_000
@@ -40,6 +42,41 @@ def test_memory_json_lora(capsys):
 def test_memory_json_lion_single_gpu(capsys):
     out = run_json(["memory", "--params", "70B", "--optimizer", "lion"], capsys)
     assert out["model_state_bytes"] == 840 * 10**9
+
+
+def test_memory_strategy_is_trains_and_zero3_is_fsdp(capsys):
+    """--strategy takes effijax train's names; each is its ZeRO stage's arithmetic, and no
+    strategy is ddp (nothing sharded), as train runs without one."""
+    stages = {}
+    for strategy in ("ddp", "zero1", "zero2", "fsdp", "zero3", "FSDP"):
+        out = run_json(["memory", "--params", "7B", "--strategy", strategy, "--devices", "8"],
+                       capsys)
+        stages[strategy] = (out["strategy"], out["zero_stage"], out["model_state_bytes"])
+    assert stages["zero3"] == stages["FSDP"] == stages["fsdp"] == ("fsdp", 3, 14 * 10**9)
+    assert [stages[s][1] for s in ("ddp", "zero1", "zero2")] == [0, 1, 2]
+    out = run_json(["memory", "--params", "7B", "--devices", "8"], capsys)
+    assert (out["strategy"], out["model_state_bytes"]) == ("ddp", 112 * 10**9)
+
+
+def test_memory_counts_adafactor_from_the_models_shapes(capsys):
+    """adafactor's factored second moments, counted by train's own optimizer from the model's
+    shapes: far below one value per parameter for a large model, exact bytes."""
+    import jax
+
+    from effijax.models import preset
+    from effijax.optimizers import make_optimizer
+
+    out = run_json(["memory", "--model", "tiny", "--optimizer", "adafactor", "--precision",
+                    "fp32"], capsys)
+    state = jax.eval_shape(make_optimizer(1e-3, 1, optimizer="adafactor").init,
+                           preset("tiny").abstract_params())
+    values = sum(x.size for x in jax.tree.leaves(state) if x.ndim and x.dtype.kind == "f")
+    assert out["optimizer_state_values"] == values
+    assert out["optimizer_bytes"] == 4 * values  # fp32: the params are the master
+    big = run_json(["memory", "--model", "llama-2-7b", "--optimizer", "adafactor"], capsys)
+    assert big["optimizer_state_values"] < big["trainable_params"] / 100  # r + c, not r x c
+    assert big["optimizer_bytes"] == 4 * big["trainable_params"] + 4 * big[
+        "optimizer_state_values"]  # f32 master + the factored moments
 
 
 def test_memory_json_with_activations(capsys):
@@ -54,9 +91,10 @@ def test_memory_json_with_activations(capsys):
 
 
 def test_memory_table(capsys):
-    assert run(["memory", "--params", "7.5B", "--zero", "1", "--devices", "64"]) == 0
+    assert run(["memory", "--params", "7.5B", "--strategy", "zero1", "--devices", "64"]) == 0
     out = capsys.readouterr().out
-    assert "ZeRO-1 on 64 device(s)" in out
+    assert "adamw, bf16 (auto: what effijax train picks on a GPU or TPU), zero1 (ZeRO-1) on 64 " \
+           "device(s)" in out
     assert "31.41 GB" in out  # seed 004: 31.4 GB
     assert "31,406,250,000" in out
 
@@ -90,7 +128,9 @@ def test_plan_that_does_not_fit_exits_1(capsys):
         (["memory", "--params", "7X"], ["argument --params: '7X': unknown unit 'X'", "B (1e9)"]),
         (["memory", "--params=-7B"], ["argument --params: '-7B': must be non-negative"]),
         (["memory", "--params", "7B", "--optimizer", "adagrad"], ["invalid choice", "lion"]),
-        (["memory", "--params", "7B", "--zero", "4"], ["argument --zero", "invalid choice"]),
+        (["memory", "--params", "7B", "--strategy", "zero4"],
+         ["argument --strategy: 'zero4': unknown strategy; accepted: ddp, zero1, zero2, fsdp, "
+          "zero3"]),
         (["memory", "--params", "7B", "--devices", "0"],
          ["argument --devices: '0': must be an integer >= 1"]),
         (["memory", "--params", "7B", "--devices", "two"],
@@ -121,6 +161,33 @@ def test_bad_flags_exit_2(argv, expected, capsys):
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["memory", "--params", "7B", "--zero", "3"],
+         "effijax memory: error: unrecognized arguments: --zero 3; --zero is now --strategy "
+         "(ddp, zero1, zero2, fsdp: ZeRO stages 0 to 3, as effijax train names them) (see "
+         "effijax memory --help)"),
+        (["memory", "--params", "7B", "--optimizer", "adafactor"],
+         "effijax memory: error: --optimizer='adafactor': keeps factored second moments (r + c "
+         "values per r x c matrix, not r x c), which --params alone cannot count: give the "
+         "model with --model or --from instead of --params"),
+        (["memory", "--model", "tiny", "--optimizer", "adafactor", "--lora-fraction", "0.1"],
+         "effijax memory: error: --optimizer='adafactor': counts its state from the adapters' "
+         "shapes: give LoRA as --lora-rank R instead of --lora-fraction"),
+    ],
+)
+def test_memory_errors_name_the_flag_and_the_fix(argv, expected, capsys):
+    from effijax.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's errors
+        code = e.code
+    assert code == 2
+    assert capsys.readouterr().err.strip() == expected
+
+
 def test_incomplete_shape_exits_2(capsys):
     assert run(["memory", "--params", "7B", "--layers", "32", "--hidden", "4096"]) == 2
     err = capsys.readouterr().err
@@ -144,7 +211,7 @@ def test_precision_takes_the_policies_names_and_aliases(capsys):
     assert run_json(["memory", "--params", "7B", "--precision", "pure_bf16"],
                     capsys)["model_state_bytes"] == 56 * 10**9
     assert run(["memory", "--params", "7B", "--precision", "mixed"]) == 0
-    assert "7,000,000,000 params, adam, bf16, ZeRO-0" in capsys.readouterr().out  # canonical
+    assert "7,000,000,000 params, adamw, bf16, ddp (ZeRO-0)" in capsys.readouterr().out  # canonical
 
 
 def test_bad_precision_exits_2_with_the_library_message(capsys):
@@ -161,14 +228,16 @@ def test_help_shows_choices_and_defaults(command, capsys):
         run([command, "--help"])
     assert exc.value.code == 0
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps the help text
-    assert "--optimizer {adam,adamw,lion,sgd_momentum,sgd} optimizer whose state is counted " \
-           "(default: adam)" in out
+    assert "--optimizer {adamw,adam,lion,adafactor,sgd} optimizer whose state is counted" in out
+    assert "from the shapes of --model or --from) (default: adamw)" in out
     if command == "memory":
-        assert "--precision {fp32,bf16,fp16,pure_bf16} precision policy" in out
+        assert "--precision {auto,fp32,bf16,fp16,pure_bf16} precision policy" in out
         assert "mixed, bfloat16 = bf16" in out
-        precision_help = out.split("--precision {fp32,bf16,fp16,pure_bf16} ")[1].split(" --zero")[0]
-        assert precision_help.endswith("half = fp16 (default: bf16)")
+        precision_help = (out.split("--precision {auto,fp32,bf16,fp16,pure_bf16} ")[1]
+                          .split(" --strategy")[0])
+        assert precision_help.endswith("half = fp16 (default: auto)")
         assert precision_help.count("default") == 1
+        assert "--strategy {ddp,zero1,zero2,fsdp}" in out
 
 
 # Real models: --model ---------------------------------------------------------------------------
@@ -177,7 +246,7 @@ def test_memory_of_a_preset_uses_its_exact_count_and_grouped_query_shape(capsys)
     from effijax.memory import activation_bytes
     from effijax.models import preset
 
-    out = run_json(["memory", "--model", "llama-2-70b", "--zero", "3", "--devices", "8",
+    out = run_json(["memory", "--model", "llama-2-70b", "--strategy", "fsdp", "--devices", "8",
                     "--seq-len", "4096", "--batch-size", "1", "--attention", "naive"], capsys)
     model = preset("llama-2-70b")
     assert model.num_params == 68_976_648_192  # Llama-2-70B's published 69.0e9

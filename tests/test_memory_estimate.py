@@ -157,6 +157,27 @@ def test_zero_sharding_pads_to_whole_shards():
     assert est.model_state_bytes == 3 * 16
 
 
+def test_optimizers_are_trains_with_the_state_optax_allocates():
+    """memory.OPTIMIZERS counts the state of each of effijax train's optimizers (its keys are
+    effijax.optimizers.OPTIMIZERS), as optax allocates it for a vector; adafactor (None)
+    depends on the shapes and is refused without them."""
+    from effijax.memory import OPTIMIZERS
+    from effijax.optimizers import OPTIMIZERS as TRAIN_OPTIMIZERS
+    from effijax.optimizers import make_optimizer
+
+    assert tuple(OPTIMIZERS) == TRAIN_OPTIMIZERS
+    n = 1000
+    for name, moments in OPTIMIZERS.items():
+        state = jax.eval_shape(make_optimizer(1e-3, 1, optimizer=name).init,
+                               {"w": jax.ShapeDtypeStruct((n,), jnp.float32)})
+        values = sum(x.size for x in jax.tree.leaves(state) if x.shape == (n,))
+        assert values == (1 if moments is None else moments) * n, name
+    with pytest.raises(ConfigError, match="optimizer='adafactor': keeps factored"):
+        model_states("7B", optimizer="adafactor")
+    assert model_states(1000, optimizer="adafactor", moments=1, precision="fp32"
+                        ).optimizer_bytes == 4000
+
+
 @pytest.mark.parametrize(
     ("optimizer", "precision", "per_param"),
     [
@@ -166,10 +187,9 @@ def test_zero_sharding_pads_to_whole_shards():
         ("lion", "fp32", (4, 4, 4)),
         ("lion", "mixed", (2, 2, 8)),
         ("lion", "pure_bf16", (2, 2, 2)),
-        ("sgd_momentum", "mixed", (2, 2, 8)),
-        ("sgd", "mixed", (2, 2, 4)),
-        ("sgd", "fp32", (4, 4, 0)),
-        ("sgd", "pure_bf16", (2, 2, 0)),
+        ("sgd", "mixed", (2, 2, 8)),  # effijax's SGD keeps momentum
+        ("sgd", "fp32", (4, 4, 4)),
+        ("sgd", "pure_bf16", (2, 2, 2)),
         ("adam", "bf16", (2, 2, 12)),
         ("adam", "fp16", (2, 2, 12)),
         ("lion", "bf16", (2, 2, 8)),
@@ -228,8 +248,8 @@ def test_model_state_bytes_is_frozen_and_total():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"optimizer": "adagrad"}, r"optimizer='adagrad': unknown optimizer; accepted: adam, "
-         "adamw, lion"),
+        ({"optimizer": "adagrad"}, r"optimizer='adagrad': unknown optimizer; accepted: adamw, "
+         "adam, lion, adafactor, sgd"),
         ({"optimizer": ["adam"]}, r"optimizer=\['adam'\]: unknown optimizer"),
         ({"precision": "fp8"}, r"precision='fp8': unknown precision; accepted: fp32, bf16, fp16, "
          r"pure_bf16 \(aliases: mixed, "),

@@ -41,7 +41,18 @@ def test_7b_on_8x80gb_picks_zero1():
     assert p.explain().splitlines()[-1].startswith("-> plan: full fine-tuning, mixed precision")
     # The policies' name for the seeds' (2 + 2 + 12) mixed precision.
     assert p.precision == "bf16"
-    assert "precision: bf16 (16-bit params and grads, f32 master and adam state)" in text
+    assert "precision: bf16 (16-bit params and grads, f32 master and adamw state)" in text
+
+
+def test_plan_counts_adafactor_at_its_bound_and_says_so():
+    """adafactor's factored moments depend on the shapes the planner does not have: it counts
+    one value per parameter (lion's count, never below adafactor's real state) and says so."""
+    p = plan("7B", devices=8, device_memory="80GB", optimizer="adafactor")
+    bound = plan("7B", devices=8, device_memory="80GB", optimizer="lion")
+    assert (p.fits, p.zero_stage, p.total_bytes) == (bound.fits, bound.zero_stage,
+                                                     bound.total_bytes)
+    assert ("f32 master and adafactor state, at most 1 value per parameter: its factored "
+            "second moments keep r + c per r x c matrix") in p.explain()
 
 
 def test_70b_on_8x80gb_needs_lora_with_fsdp():
@@ -144,7 +155,8 @@ def test_plan_is_immutable():
         ({**LLAMA_7B, "seq_len": 2048, "global_batch": 12}, "global_batch=12: does not divide "
          "evenly over 8 devices; use a multiple of 8"),
         ({"headroom": 1.0}, r"headroom=1\.0: must be a fraction in \[0, 1\)"),
-        ({"optimizer": "adafactor"}, "optimizer='adafactor': unknown optimizer; accepted"),
+        ({"optimizer": "sgd_momentum"}, "optimizer='sgd_momentum': unknown optimizer; accepted: "
+                                        "adamw, adam, lion, adafactor, sgd"),
         ({"devices": 0}, "devices=0: must be an integer >= 1"),
         ({"device_memory": "80 gigs"}, "device_memory='80 gigs': unknown unit 'gigs'"),
         ({"device_memory": "0GB"}, "device_memory='0GB': must be positive"),

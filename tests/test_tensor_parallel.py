@@ -442,7 +442,7 @@ def test_every_family_declares_megatron_roles_for_all_its_kernels(name):
 def test_memory_command_takes_the_tensor_degree(capsys):
     shape = ["--layers", "32", "--hidden", "4096", "--heads", "32", "--seq-len", "2048",
              "--batch-size", "1"]
-    argv = ["memory", "--params", "7B", "--zero", "3", "--devices", "2", *shape, "--json"]
+    argv = ["memory", "--params", "7B", "--strategy", "fsdp", "--devices", "2", *shape, "--json"]
     args = build_parser().parse_args([*argv, "--tensor", "8", "--sequence-parallel"])
     assert args.func(args) == 0
     out = json.loads(capsys.readouterr().out)

@@ -5,6 +5,11 @@ evaluates its base with its adapters); ``DATA`` a text file or folder, or a ``.j
 ``{"messages": [...]}`` or ``{"prompt": ..., "response": ...}`` records, scored on the
 assistant's tokens as training does (:func:`effijax.recipe.evaluate_model`).
 
+``--precision`` is ``auto`` by default, decided as ``effijax train`` decides it
+(:func:`effijax.precision.auto_precision`): bf16 on a GPU or TPU, and on a CPU with native bf16
+matmuls for a model 256 wide or wider; fp32 elsewhere (so the tiny models score in fp32 on any
+CPU).
+
 The result line says how much was measured (windows and scored tokens); a measure over few
 tokens (:attr:`~effijax.recipe.EvalResult.caution`) adds one warning line on standard error.
 """
@@ -18,6 +23,7 @@ import sys
 from effijax.cli import _from
 from effijax.cli._status import status
 from effijax.errors import ConfigError, whole_number
+from effijax.recipe import TrainConfig
 
 __all__ = ["add_parsers", "run"]
 
@@ -50,8 +56,11 @@ def add_parsers(sub) -> None:
                    "model without one)")
     p.add_argument("--max-batches", type=int, default=None, help="evaluate only the first K "
                    "batches (default: all)", metavar="K")
-    p.add_argument("--precision", default="fp32", help="precision policy of the forward pass "
-                   "(default: fp32)")
+    default = TrainConfig.__dataclass_fields__["precision"].default  # train's: auto
+    p.add_argument("--precision", default=default, help="precision policy of the forward pass: "
+                   "fp32, bf16, fp16, pure_bf16, or auto, decided as effijax train decides it "
+                   "(bf16 on a GPU or TPU and, for a model 256 wide or wider, on a CPU with "
+                   f"native bf16 matmuls; fp32 elsewhere) (default: {default})")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.set_defaults(func=run)
 
@@ -62,6 +71,25 @@ def _check(args) -> None:
     whole_number("--max-batches", args.max_batches, none=True)
     whole_number("--seq-len", args.seq_len, minimum=2, none=True)  # a token read, one predicted
     _from.check_exists(args.init_from)
+
+
+def _decide_precision(args: argparse.Namespace) -> str:
+    """``--precision``, with ``auto`` decided as ``effijax train`` decides it for a new run
+    (:func:`effijax.precision.auto_precision`: the backend, the model's width, the CPU's native
+    bf16).
+
+    Raises:
+      ConfigError: the model's architecture cannot be read (naming ``--from``).
+    """
+    if args.precision != "auto":
+        return args.precision
+    import jax
+
+    from effijax.precision import auto_precision, cpu_flags
+    from effijax.recipe import architecture
+
+    width = architecture(args.init_from, field=_from.FLAG).shape().hidden
+    return auto_precision(jax.default_backend(), width, cpu_flags()).precision
 
 
 def _flag(field: str) -> str:
@@ -81,9 +109,10 @@ def run(args: argparse.Namespace) -> int:
         status("eval")("starting (importing JAX)")  # a terminal's first line, before seconds
         from effijax.recipe import evaluate_model
 
+        precision = _decide_precision(args)
         result = evaluate_model(args.init_from, args.data, seq_len=args.seq_len,
                                 batch_size=args.batch_size, data_format=args.data_format,
-                                max_batches=args.max_batches, precision=args.precision,
+                                max_batches=args.max_batches, precision=precision,
                                 chat_template=args.chat_template, say=status("eval"))
     except ConfigError as e:
         print(f"effijax eval: error: {e.renamed(_flag(e.field))}", file=sys.stderr, flush=True)

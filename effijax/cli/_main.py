@@ -91,22 +91,27 @@ def _subcommand_parser(parser: argparse.ArgumentParser, argv: list[str]):
 
 def _unknown_flags_error(parser: argparse.ArgumentParser, argv: list[str], extras: list[str]):
     """Exits 2 naming the unknown arguments, with the closest flag of the command for each
-    flag-like one (``--stpes`` -> ``--steps``)."""
+    flag-like one (``--stpes`` -> ``--steps``), or for an old spelling the flag that replaced
+    it (a parser's ``renamed``: ``{"--zero": "--strategy ..."}``)."""
     import difflib
 
     command = _subcommand_parser(parser, argv)
     known = [o for a in command._actions for o in a.option_strings if o.startswith("--")]
+    # A command's old spellings (``memory``'s --zero), said with what replaced them.
+    renamed = getattr(command, "renamed", {})
     hints = []
     for word in extras:
         flag = word.split("=", 1)[0]
-        if flag.startswith("--"):
+        if flag in renamed:
+            hints.append((flag, f"{flag} is now {renamed[flag]}"))
+        elif flag.startswith("--"):
             close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
             if close:
-                hints.append((flag, close[0]))
+                hints.append((flag, f"did you mean {close[0]}?"))
     if len(hints) == 1:
-        hint = f"; did you mean {hints[0][1]}?"
+        hint = f"; {hints[0][1]}"
     else:
-        hint = "".join(f"; {flag}: did you mean {close}?" for flag, close in hints)
+        hint = "".join(f"; {flag}: {said}" for flag, said in hints)
     command.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
 
 

@@ -1,12 +1,18 @@
 """``effijax memory`` and ``effijax plan``: the analytic memory estimate and the planner.
 
-``effijax memory --params 7B --zero 3 --devices 8`` prints per-device bytes of parameters,
-gradients, optimizer state (and activations, given a model shape); ``effijax plan --params 70B
---devices 8 --device-memory 80GB`` compares every ``(data, fsdp, tensor)`` mesh of the devices,
-prints the table, the mesh it picks (as ``effijax train`` flags) and that configuration's
-arithmetic.
+``effijax memory --params 7B --strategy fsdp --devices 8`` prints per-device bytes of
+parameters, gradients, optimizer state (and activations, given a model shape); ``effijax plan
+--params 70B --devices 8 --device-memory 80GB`` compares every ``(data, fsdp, tensor)`` mesh
+of the devices, prints the table, the mesh it picks (as ``effijax train`` flags) and that
+configuration's arithmetic.
 Both take ``--json``. GB is 10**9 bytes. Bad flags exit with code 2 and a message on stderr
 naming the flag, the value and the fix.
+
+The settings ``effijax train`` also has speak its vocabulary, with its defaults (read from
+:class:`~effijax.recipe.TrainConfig`): ``--strategy`` (ddp, zero1, zero2, fsdp; zero3 = fsdp;
+default ddp, nothing sharded, as train runs without one), ``--optimizer`` (train's optimizers,
+default adamw) and ``--precision`` (default ``auto``: there is no device to look at, so auto is
+what train picks on a GPU or TPU, bf16, and the table says so).
 """
 
 from __future__ import annotations
@@ -24,7 +30,6 @@ from effijax.memory import (
     FROZEN_SCALE_BITS,
     OPTIMIZERS,
     PRECISION_ALIASES,
-    PRECISIONS,
     RULE,
     activation_bytes,
     format_bytes,
@@ -33,10 +38,17 @@ from effijax.memory import (
     parse_count,
     plan_mesh,
 )
+from effijax.precision import auto_precision
+from effijax.recipe import PRECISIONS, TrainConfig
+from effijax.sharding import get_strategy
 
 __all__ = ["add_parsers", "memory_command", "plan_command"]
 
 _SHAPE_FLAGS = ("layers", "hidden", "heads", "seq_len")
+# effijax train's settings, the one source of the names and defaults memory and plan share.
+_TRAIN = {f.name: f for f in dataclasses.fields(TrainConfig)}
+# The backend memory and plan count for when --precision is auto: an accelerator's.
+_AUTO_BACKEND = "gpu"
 # effijax.models.ATTENTION's names, spelled here so that --params runs never import JAX (a test
 # checks they are the same).
 _ATTENTION = ("auto", "naive", "blockwise", "xla")
@@ -89,6 +101,29 @@ def _precision(text: str) -> str:
     return PRECISION_ALIASES.get(key, key)
 
 
+def _strategy(text: str) -> str:
+    """effijax train's strategy name (``zero3`` -> ``fsdp``); an unknown one is refused with
+    the accepted names."""
+    return get_strategy(text).name
+
+
+def _zero_stage(strategy: str | None) -> int:
+    """The ZeRO stage of a strategy: how many of optimizer state, gradients and parameters it
+    shards (ddp 0, zero1 1, zero2 2, fsdp 3), read from the strategy itself."""
+    s = get_strategy(strategy or "ddp")
+    return int(s.shard_opt_state) + int(s.shard_grads) + int(s.shard_params)
+
+
+def _resolve_precision(args: argparse.Namespace) -> None:
+    """``--precision auto`` decided as effijax train decides it on a GPU or TPU (bf16), with
+    the words it printed kept for the table (``args.precision_why``)."""
+    args.precision_why = None
+    if args.precision == "auto":
+        auto = auto_precision(_AUTO_BACKEND, args.hidden or 0)
+        args.precision = auto.precision
+        args.precision_why = "auto: what effijax train picks on a GPU or TPU"
+
+
 def _aliases_text() -> str:
     """'mixed, bfloat16 = bf16; f32, float32, full = fp32; ...' for the --precision help."""
     groups: dict[str, list[str]] = {}
@@ -97,7 +132,12 @@ def _aliases_text() -> str:
     return "; ".join(f"{', '.join(aliases)} = {name}" for name, aliases in groups.items())
 
 
-_OPTIMIZER_HELP = "optimizer whose state is counted"
+_OPTIMIZER_HELP = ("optimizer whose state is counted, as effijax train names them (sgd keeps "
+                   "momentum; adafactor's factored moments are counted from the shapes of "
+                   "--model or --from)")
+# Old spellings a user may still type -> what to write instead (the unknown-flag error says it).
+RENAMED = {"--zero": "--strategy (ddp, zero1, zero2, fsdp: ZeRO stages 0 to 3, as effijax "
+           "train names them)"}
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
@@ -149,6 +189,12 @@ def _add_model_flags(p: argparse.ArgumentParser, params_help: str) -> None:
                    "targets (all attention and MLP projections); the adapter count is exact")
 
 
+def _add_optimizer_flag(p: argparse.ArgumentParser) -> None:
+    field = _TRAIN["optimizer"]
+    p.add_argument("--optimizer", default=field.default, choices=field.metadata["choices"],
+                   help=_OPTIMIZER_HELP)
+
+
 def add_parsers(sub) -> None:
     """Registers ``memory`` and ``plan`` on an ``argparse`` subparsers object.
 
@@ -167,17 +213,22 @@ def add_parsers(sub) -> None:
         formatter_class=_Help,
     )
     _add_model_flags(m, "parameter count, e.g. 7B, 70e9, 1.5M")
-    m.add_argument("--optimizer", default="adam", choices=tuple(OPTIMIZERS), help=_OPTIMIZER_HELP)
+    _add_optimizer_flag(m)
     m.add_argument(
         "--precision",
-        default="bf16",
+        default=_TRAIN["precision"].default,
         type=_precision,
         metavar="{" + ",".join(PRECISIONS) + "}",
-        help="precision policy (bf16, fp16: 16-bit params and grads, f32 master and moments); "
+        help="precision policy (bf16, fp16: 16-bit params and grads, f32 master and moments; "
+        "auto: bf16, what effijax train picks on a GPU or TPU); "
         f"also accepted: {_aliases_text()}",
     )
     m.add_argument(
-        "--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (0 = DDP, 3 = FSDP)"
+        "--strategy", type=_argtype(_strategy, "strategy"), default=_TRAIN["strategy"].default,
+        metavar="{ddp,zero1,zero2,fsdp}",
+        help="data-parallel sharding over --devices, as effijax train names it: ddp (nothing "
+        "sharded, ZeRO-0), zero1 (optimizer state), zero2 (and gradients), fsdp or zero3 (and "
+        "parameters); default: ddp, as train runs without --strategy",
     )
     m.add_argument("--devices", type=_count, default=1, help="data-parallel devices")
     m.add_argument("--tensor", type=_count, default=1,
@@ -204,6 +255,7 @@ def add_parsers(sub) -> None:
     )
     m.add_argument("--json", action="store_true", help="print a JSON object of integer bytes")
     m.set_defaults(func=memory_command)
+    m.renamed = RENAMED  # read by the unknown-flag error (effijax.cli._main)
 
     p = sub.add_parser(
         "plan",
@@ -222,9 +274,9 @@ def add_parsers(sub) -> None:
                    "searched over the divisors the model's heads, MLP width and vocabulary take")
     p.add_argument("--node-size", type=_count, default=None,
                    help="devices per node: the tensor degree stays within one node")
-    p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
-                   help="count tensor-parallel activations with sequence parallelism (on by "
-                   "default, as effijax train runs a tensor axis)")
+    p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
+                   help="count tensor-parallel activations with sequence parallelism (default: "
+                   "on with a tensor axis, as effijax train runs one)")
     p.add_argument(
         "--device-memory",
         required=True,
@@ -233,7 +285,7 @@ def add_parsers(sub) -> None:
         help="memory per device with its unit: 80GB (10**9 bytes), 80GiB (2**30 bytes), "
         "512MiB; a bare number is refused",
     )
-    p.add_argument("--optimizer", default="adam", choices=tuple(OPTIMIZERS), help=_OPTIMIZER_HELP)
+    _add_optimizer_flag(p)
     p.add_argument(
         "--headroom", type=_headroom, default=0.1, help="fraction of device memory kept free"
     )
@@ -261,7 +313,8 @@ _FLAGS = {
     "num_params": "--params",
     "optimizer": "--optimizer",
     "precision": "--precision",
-    "zero_stage": "--zero",
+    "strategy": "--strategy",
+    "moments": "--optimizer",
     "devices": "--devices",
     "device_memory": "--device-memory",
     "lora_fraction": "--lora-fraction",
@@ -348,6 +401,7 @@ def _model_shape(args: argparse.Namespace, batch_name: str) -> dict:
         raise ConfigError("--" + given[0], getattr(args, given[0]), f"the {which} gives the "
                           "shape; drop it (only --seq-len and the batch may be set)")
     model = _architecture(args)
+    args.architecture = model  # for adafactor's state, counted from its shapes
     shape = model.shape()
     args.params = shape.num_params
     args.layers, args.hidden, args.heads = shape.layers, shape.hidden, shape.heads
@@ -437,17 +491,60 @@ def _keeps_scores(args: argparse.Namespace, shape: dict) -> bool:
     return keeps_scores("auto", q, dropout=args.dropout)
 
 
+def _adafactor_values(args: argparse.Namespace) -> int | None:
+    """With ``--optimizer adafactor``: its state values (factored second moments), counted
+    from the model's shapes by effijax train's own optimizer; None for another optimizer.
+
+    Raises:
+      ConfigError: adafactor with a bare --params, or with LoRA given as --lora-fraction (no
+        shapes to count).
+    """
+    if OPTIMIZERS[args.optimizer] is not None:
+        return None
+    model = getattr(args, "architecture", None)
+    if model is None:
+        raise ConfigError("--optimizer", "adafactor", f"keeps factored second moments (r + c "
+                          f"values per r x c matrix, not r x c), which --params alone cannot "
+                          f"count: give the model with --model or {_from.FLAG} instead of "
+                          "--params")
+    if args.lora_fraction is not None and args.lora_rank is None:
+        raise ConfigError("--optimizer", "adafactor", "counts its state from the adapters' "
+                          "shapes: give LoRA as --lora-rank R instead of --lora-fraction")
+    import jax
+    import jax.numpy as jnp
+
+    from effijax import lora
+    from effijax.optimizers import make_optimizer
+
+    trained = model.abstract_params()
+    if args.lora_rank is not None:
+        spec = lora.LoraSpec(rank=args.lora_rank, targets=model.lora_targets)
+        base = trained
+        trained = jax.eval_shape(lambda k: lora.init(k, base, spec), jax.random.key(0))
+    tx = make_optimizer(1e-3, 1, optimizer="adafactor", clip_norm=None)
+    state = jax.eval_shape(tx.init, trained)
+    # Every floating array of the state: the factored rows and columns, the whole v of the
+    # leaves too small to factor (and the one-element placeholders optax keeps beside them);
+    # scalars (the step count, the injected hyperparameters) are not moments.
+    return sum(leaf.size for leaf in jax.tree.leaves(state)
+               if leaf.ndim and jnp.issubdtype(leaf.dtype, jnp.floating))
+
+
 def memory_command(args: argparse.Namespace) -> int:
     """Handler of ``effijax memory``; returns the exit code."""
     try:
+        _resolve_precision(args)
         shape = _shape(args, "batch_size")  # with --model or --from, it sets args.params
         if args.sequence_parallel is None:  # as effijax train: on with a tensor axis
             args.sequence_parallel = args.tensor > 1
+        args.strategy = args.strategy or "ddp"
+        args.state_values = _adafactor_values(args)
         states = model_states(args.params, optimizer=args.optimizer, precision=args.precision,
-                              zero_stage=args.zero, devices=args.devices,
+                              zero_stage=_zero_stage(args.strategy), devices=args.devices,
                               lora_fraction=args.lora_fraction, frozen_dtype=args.frozen_dtype,
                               tensor=args.tensor,
-                              frozen_bytes=getattr(args, "frozen_bytes", None))
+                              frozen_bytes=getattr(args, "frozen_bytes", None),
+                              moments=_moments(args, states_of=args.state_values))
         acts = None if args.layers is None else activation_bytes(
             **shape, bytes_per_value=4 if args.precision == "fp32" else 2,
             checkpointing=args.checkpointing, tensor=args.tensor,
@@ -456,7 +553,9 @@ def memory_command(args: argparse.Namespace) -> int:
         return _error("memory", e)
     total = states.model_state_bytes + (acts or 0)
     if args.json:
-        out = dataclasses.asdict(states)
+        out = {"strategy": args.strategy, **dataclasses.asdict(states)}
+        if args.state_values is not None:
+            out["optimizer_state_values"] = args.state_values
         if acts is not None:
             out["activation_bytes"] = acts
         out["total_bytes"] = total
@@ -481,8 +580,12 @@ def _memory_text(args: argparse.Namespace, shape: dict, states, acts: int | None
         f"({shape['kv_heads']} key/value), {'SwiGLU ' if shape['gated_mlp'] else 'MLP '}"
         f"{shape['ffn']}, vocabulary {shape['vocab']:,}; seq_len {args.seq_len}, batch "
         f"{args.batch_size}; attention {_attention_text(args, shape)}\n")
-    lines = [f"{model}{args.params:,} params, {args.optimizer}, {args.precision}{lora}, "
-             f"ZeRO-{args.zero} on {args.devices} device(s)"
+    optimizer = args.optimizer if args.state_values is None else (
+        f"{args.optimizer} ({args.state_values:,} factored state values)")
+    precision = args.precision if args.precision_why is None else (
+        f"{args.precision} ({args.precision_why})")
+    lines = [f"{model}{args.params:,} params, {optimizer}, {precision}{lora}, "
+             f"{args.strategy} (ZeRO-{states.zero_stage}) on {args.devices} device(s)"
              + (f" x tensor {args.tensor}{' (sequence-parallel)' if args.sequence_parallel else ''}"
                 if args.tensor > 1 else "")
              + "; bytes per device (GB = 1e9 bytes)"]
@@ -497,6 +600,18 @@ def _memory_text(args: argparse.Namespace, shape: dict, states, acts: int | None
         rows += [("activations", acts), ("total", total)]
     lines += [f"  {name:<22}{format_bytes(value):>12}  {value:>18,}" for name, value in rows]
     return "\n".join(lines)
+
+
+def _moments(args: argparse.Namespace, states_of: int | None):
+    """Optimizer-state values per trained parameter when counted from the shapes (adafactor);
+    None takes the optimizer's own count."""
+    if states_of is None:
+        return None
+    from fractions import Fraction
+
+    trained = (args.params if args.lora_fraction is None
+               else max(1, round(args.lora_fraction * args.params)))
+    return Fraction(states_of, trained)
 
 
 def _attention_text(args: argparse.Namespace, shape: dict) -> str:
@@ -514,6 +629,8 @@ def plan_command(args: argparse.Namespace) -> int:
     """Handler of ``effijax plan``; returns 0 if a configuration fits, 1 if none does."""
     try:
         shape = _shape(args, "global_batch")  # with --model or --from, it sets args.params
+        if args.sequence_parallel is None:  # as effijax train: on with a tensor axis
+            args.sequence_parallel = True  # (the mesh search applies it where tensor > 1)
         quantized = None if args.frozen_dtype == "bf16" else args.frozen_dtype
         result = plan_mesh(args.params, devices=args.devices, device_memory=args.device_memory,
                            optimizer=args.optimizer, allow_lora=args.allow_lora,

@@ -69,8 +69,15 @@ _NUMBER_UNIT = re.compile(
     r"^\s*(?P<num>[+-]?(?:\d[\d_]*)?(?:\.\d*)?(?:[eE][+-]?\d+)?)\s*(?P<unit>[A-Za-z]*)\s*$"
 )
 
-# Optimizer name -> number of per-parameter state tensors (moments), each in the moment dtype.
-OPTIMIZERS: dict[str, int] = {"adam": 2, "adamw": 2, "lion": 1, "sgd_momentum": 1, "sgd": 0}
+# effijax train's optimizers (effijax.optimizers.OPTIMIZERS, the one list of their names) -> the
+# per-parameter state tensors (moments) each keeps, in the moment dtype: Adam(W) m and v, Lion
+# and SGD (momentum 0.9, a trace even at momentum 0) one. Adafactor (None) keeps factored second
+# moments: r + c values for an r x c matrix at least 128 on both sides (optax's
+# min_dim_size_to_factor), a whole v for smaller leaves; so its count depends on the shapes, and
+# model_states needs it given (``moments``). A test checks these keys are train's names and the
+# counts are what optax allocates.
+OPTIMIZERS: dict[str, int | None] = {"adamw": 2, "adam": 2, "lion": 1, "adafactor": None,
+                                     "sgd": 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,6 +319,25 @@ def _check_choice(name: str, value: Any, accepted) -> str:
     return key
 
 
+def _check_moments(optimizer: str, moments: Any) -> int | Fraction:
+    """The optimizer-state values per trained parameter: ``moments`` when given, else the
+    optimizer's own count (:data:`OPTIMIZERS`)."""
+    if moments is None:
+        moments = OPTIMIZERS[optimizer]
+        if moments is None:
+            raise ConfigError("optimizer", optimizer, "keeps factored second moments (r + c "
+                              "values per r x c matrix, not r x c), a count that depends on "
+                              "the model's shapes: give the model (--model or --from) instead "
+                              "of a bare parameter count, or its state values per trained "
+                              "parameter as moments")
+        return moments
+    if (isinstance(moments, bool) or not isinstance(moments, numbers.Rational)
+            or moments < 0):
+        raise ConfigError("moments", moments, "must be a non-negative int or Fraction "
+                          "(optimizer-state values per trained parameter)")
+    return moments
+
+
 def _check_precision(value: Any) -> str:
     """The canonical name (a key of PRECISIONS) of a precision or one of its aliases."""
     key = value.strip().lower() if isinstance(value, str) else None
@@ -346,7 +372,7 @@ def _per_device(count: int, bits: int | Fraction, sharded: bool, devices: int) -
 def model_states(
     num_params: int | str,
     *,
-    optimizer: str = "adam",
+    optimizer: str = "adamw",
     precision: str = "bf16",
     zero_stage: int = 0,
     devices: int = 1,
@@ -354,6 +380,7 @@ def model_states(
     frozen_dtype: str = "bf16",
     tensor: int = 1,
     frozen_bytes: int | None = None,
+    moments: int | Fraction | None = None,
 ) -> ModelStateBytes:
     """Closed-form per-device bytes of parameters, gradients and optimizer state.
 
@@ -371,7 +398,10 @@ def model_states(
     Other spellings (:data:`PRECISION_ALIASES`: ``"mixed"``, ``"float32"``, ``"bfloat16"``,
     ``"half"``, ...) name the same precisions.
 
-    Moments (``optimizer``): ``adam``/``adamw`` 2, ``lion``/``sgd_momentum`` 1, ``sgd`` 0.
+    Moments (``optimizer``, :data:`OPTIMIZERS`): ``adamw``/``adam`` 2, ``lion`` 1, ``sgd`` 1
+    (effijax's SGD keeps momentum). ``adafactor``'s factored second moments depend on the
+    parameters' shapes: give ``moments``, its state values per trained parameter (the
+    ``effijax memory`` command counts them from a model's shapes).
 
     ZeRO: stage >= 1 shards optimizer state (with the master copy), >= 2 also gradients, 3 also
     parameters and frozen weights, each into ``ceil(count / devices)``-element shards.
@@ -389,7 +419,7 @@ def model_states(
 
     Args:
       num_params: Ψ, the model's (base) parameter count; an int or a string like ``"7B"``.
-      optimizer: one of ``adam``, ``adamw``, ``lion``, ``sgd_momentum``, ``sgd``.
+      optimizer: one of :data:`OPTIMIZERS` (``effijax train``'s names).
       precision: one of ``fp32``, ``bf16``, ``fp16``, ``pure_bf16``, or an alias.
       zero_stage: 0 (DDP, everything replicated) to 3 (FSDP).
       devices: number of data-parallel devices (>= 1).
@@ -403,6 +433,9 @@ def model_states(
         (``effijax.memory.frozen_base_bytes``) or file
         (``effijax.interop.gguf_kept_bytes``); replaces ``num_params`` x the dtype's bits.
       tensor: the tensor-parallel degree (>= 1).
+      moments: optimizer-state values per trained parameter, replacing the optimizer's count
+        (required for ``adafactor``, e.g. ``Fraction(values, trained_params)`` from a model's
+        shapes).
 
     Returns:
       A :class:`ModelStateBytes` for one device.
@@ -425,6 +458,9 @@ def model_states(
       >>> model_states("7B", zero_stage=4)
       Traceback (most recent call last):
       effijax.errors.ConfigError: zero_stage=4: must be an integer from 0 to 3
+      >>> model_states("7B", optimizer="adafactor")  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      effijax.errors.ConfigError: optimizer='adafactor': keeps factored second moments ...
     """
     num_params = _check_num_params(num_params)
     optimizer = _check_choice("optimizer", optimizer, OPTIMIZERS)
@@ -434,7 +470,7 @@ def model_states(
     devices = whole_number("devices", devices, maximum=None)
     tensor = whole_number("tensor", tensor, maximum=None)
     per = PRECISIONS[precision]
-    moments = OPTIMIZERS[optimizer]
+    moments = _check_moments(optimizer, moments)
 
     if lora_fraction is None:
         trainable, frozen, frozen_units, frozen_bits = num_params, 0, 0, 0

@@ -50,6 +50,19 @@ _PRECISION = "bf16"
 _STAGE_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3/FSDP"}
 
 
+_BOUND = (", at most 1 value per parameter: its factored second moments keep r + c per r x c "
+          "matrix, effijax memory --model counts them exactly")
+
+
+def _moments(optimizer: str) -> int:
+    """Optimizer-state values per parameter the plan counts: the optimizer's own, and for
+    adafactor (whose factored moments depend on each matrix's shape) 1, its bound: a whole v
+    per leaf, what it keeps for leaves below 128 on a side, more than r + c for larger ones. A
+    plan that fits so fits adafactor's real state."""
+    count = OPTIMIZERS[optimizer]
+    return 1 if count is None else count
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """A recommended configuration and the arithmetic behind it.
@@ -138,7 +151,7 @@ def _state_formula(optimizer: str, stage: int, devices: int, lora_fraction,
                    frozen_per_param: float, tensor: int = 1) -> str:
     """Bytes per (base) parameter as the ZeRO paper writes them: '(4 + 12/8)',
     '(2 + 16 x 0.01)/8', and split over a tensor degree: '(4 + 12/2)/4'."""
-    per, moments = PRECISIONS[_PRECISION], OPTIMIZERS[optimizer]
+    per, moments = PRECISIONS[_PRECISION], _moments(optimizer)
     parts = (
         (per.param, stage >= 3),
         (per.grad, stage >= 2),
@@ -373,6 +386,7 @@ def _stage_states(request: _Request, method: _Method) -> tuple[ModelStateBytes, 
             tensor=request.tensor,
             frozen_dtype=method.frozen_dtype,
             frozen_bytes=method.frozen_bytes,
+            moments=_moments(request.optimizer),
         )
         for stage in range(4)
     )
@@ -497,7 +511,7 @@ def _preamble(request: _Request) -> tuple[str, ...]:
         f"usable memory: {format_bytes(request.device_memory)} x (1 - {_num(request.headroom)} "
         f"headroom) = {format_bytes(request.usable)} per device",
         f"precision: {_PRECISION} (16-bit params and grads, f32 master and {request.optimizer} "
-        "state)",
+        f"state{_BOUND if OPTIMIZERS[request.optimizer] is None else ''})",
         batch,
     )
     if request.tensor > 1:
@@ -576,7 +590,7 @@ def plan(
     # Grouped as the docstring's Args group them.
     layers: int | None = None, hidden: int | None = None, heads: int | None = None,
     seq_len: int | None = None, global_batch: int | None = None,
-    optimizer: str = "adam",
+    optimizer: str = "adamw",
     allow_lora: bool = True,
     headroom: float = HEADROOM,
     lora_fraction: float = 0.01,
@@ -607,7 +621,8 @@ def plan(
       layers, hidden, heads, seq_len, global_batch: the model shape and the global batch in
         sequences; give all five or none (then only model states are planned).
         ``global_batch`` must divide by ``data x devices``.
-      optimizer: ``adam``, ``adamw``, ``lion``, ``sgd_momentum`` or ``sgd``.
+      optimizer: one of :data:`~effijax.memory.OPTIMIZERS` (``effijax train``'s names);
+        ``adafactor`` is counted at its bound, one state value per parameter.
       allow_lora: if False, LoRA is never proposed; a model that needs it does not fit.
       headroom: fraction of ``device_memory`` kept free, in [0, 1).
       lora_fraction: adapter parameters as a fraction of Ψ, in (0, 1].
