@@ -1,9 +1,21 @@
 """What the real multi-process launches of tests/test_multihost.py (flags) and
 tests/test_launchers.py (mpirun, an emulated srun) share: one run, ``ARGS`` (a tiny GPT, FSDP,
 ``STEPS`` steps, a checkpoint every ``EVERY``), its corpus, the environment its processes start
-in, and :func:`same_run`, the check that a run of 2 processes of 4 CPU devices trained as the
-one process of 8 devices that conftest's ``one_process_of_eight`` runs once per test process
-for both modules.
+in, and :func:`same_run`, the check that a run of 2 processes of 4 CPU devices trained as one
+process of 8 devices.
+
+Four runs of it serve the five tests of both modules that train it:
+
+- conftest's ``one_process_of_eight`` (once per test process): the run in one process of 8
+  devices, what every 2 x 4 run must reproduce;
+- conftest's ``two_processes_of_four`` (:func:`under_srun`, once per test process): 2 processes
+  of 4 devices that find each other from an emulated srun's variables, uninterrupted:
+  test_launchers' srun comparison with the one process of 8, and both modules' SIGTERM tests'
+  bitwise reference (how the processes found each other changes no bit of the same program on
+  the same devices);
+- test_multihost's flags-launched run and test_launchers' mpirun run, each stopped by SIGTERM
+  and resumed: its module's SIGTERM test, and its module's comparison with the one process of
+  8 (its steps before the stop and after the resumption, its summary, its printed lines).
 
 The SIGTERM tests signal a run once its first checkpoint (step ``EVERY``) exists; the processes
 agree to stop every 10 steps, so the run stops at 10 or 20, before ``STEPS``, and its resumption
@@ -13,8 +25,11 @@ process; each launch also pays 15-20 s for its imports, its programs from the ca
 collective census, the eval and the checkpoints.)
 """
 
+import ipaddress
 import json
 import os
+import random
+import socket
 import subprocess
 import sys
 
@@ -22,6 +37,7 @@ import numpy as np
 import pytest
 
 STEPS, EVERY = 24, 4
+TIMEOUT_S = 300
 ARGS = ["--model", "tiny", "--seq-len", "32", "--batch-size", "8", "--steps", str(STEPS),
         "--strategy", "fsdp", "--eval-batches", "1", "--no-progress", "--checkpoint-every",
         str(EVERY)]
@@ -83,3 +99,52 @@ def same_run(multi, single, steps: int, mesh: dict) -> None:
     assert c2["mesh"] == s1["mesh"] == mesh and c2["strategy"] == "fsdp"
     assert s2["memory"]["params"] == s1["memory"]["params"]
     assert s2["collectives"] and s2["collectives"] == s1["collectives"]
+
+
+def is_loopback(address: str) -> bool:
+    from effijax.distributed import parse_address
+
+    host, _ = parse_address(address)
+    return host == "localhost" or ipaddress.ip_address(host).is_loopback
+
+
+def free_slurm_job_id() -> int:
+    """A job id whose jax-derived coordinator port (61440 + id mod 4096) is free here."""
+    ports = list(range(65536 - 4096, 65536))
+    random.shuffle(ports)
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return 4096 * 100 + port - (65536 - 4096)
+    pytest.skip("no free port in the ephemeral range jax derives SLURM ports from")
+
+
+def under_srun(out, corpus: str, cache: dict) -> tuple[str, str, str]:
+    """The run in two processes that find each other from an emulated srun's variables (set
+    for two local processes), 4 devices each, uninterrupted, into directory ``out`` (``cache``:
+    conftest's ``launch_cache``). Returns the coordinator this process's
+    :func:`effijax.distributed.plan` derived from the same variables (checked to be on the
+    loopback interface before anything starts), and both processes' stdout."""
+    from effijax import distributed
+
+    job_id = free_slurm_job_id()
+    slurm = {"SLURM_JOB_ID": job_id, "SLURM_NTASKS": 2, "SLURM_STEP_NODELIST": "localhost",
+             "SLURM_STEP_NUM_NODES": 1, "SLURM_NNODES": 1, "SLURM_JOB_NODELIST": "localhost"}
+    with pytest.MonkeyPatch.context() as patch:
+        for name in list(os.environ):
+            if name.startswith(LAUNCHER_PREFIXES):
+                patch.delenv(name)
+        for k, v in {**slurm, "SLURM_PROCID": 0, "SLURM_LOCALID": 0}.items():
+            patch.setenv(k, str(v))
+        launch = distributed.plan()
+    assert launch.launcher == "slurm" and launch.settings.num_processes == 2
+    assert is_loopback(launch.settings.coordinator_address)  # before anything starts
+
+    procs = [train([*ARGS, "--data", corpus, "--out", str(out), "--cpu-devices", "4"],
+                   env(**slurm, **cache, SLURM_PROCID=i, SLURM_LOCALID=i))
+             for i in range(2)]
+    (out0, _), (out1, _) = wait(procs, TIMEOUT_S)
+    return launch.settings.coordinator_address, out0, out1

@@ -356,3 +356,15 @@ def one_process_of_eight(tmp_path_factory, launch_corpus, launch_cache):
                                  "--cpu-devices", "8"], _launch.env(**launch_cache))],
                  timeout=300)
     return out
+
+
+@pytest.fixture(scope="session")
+def two_processes_of_four(tmp_path_factory, launch_corpus, launch_cache):
+    """tests/_launch.py's run in two processes of 4 CPU devices that find each other from an
+    emulated srun's variables, uninterrupted, once per test process (:func:`_launch.under_srun`:
+    its coordinator checked to be on the loopback interface before anything starts; skips where
+    no port jax derives from a SLURM job id is free): test_launchers' srun comparison with
+    ``one_process_of_eight``, and the bitwise reference of test_multihost's and test_launchers'
+    SIGTERM tests. Returns its directory, that coordinator and both processes' stdout."""
+    out = tmp_path_factory.mktemp("srun") / "straight"
+    return out, *_launch.under_srun(out, launch_corpus, launch_cache)

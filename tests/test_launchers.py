@@ -5,19 +5,17 @@ The unit tests set a launcher's variables with monkeypatch and ask
 Open MPI's `mpirun -np 2` and under an emulated `srun` (its variables set for two local
 processes), 4 CPU devices each, and compare with one process of 8 devices: the check of
 tests/test_multihost.py, with the launcher instead of flags, against the same run of one process
-of 8 (conftest's ``one_process_of_eight``, launched once for both modules; tests/_launch.py).
-All traffic stays on the loopback interface: each launch checks the coordinator address before
-anything starts.
+of 8 (conftest's ``one_process_of_eight``; the emulated srun's run is conftest's
+``two_processes_of_four``, test_multihost's reference too; each launched once for both modules:
+tests/_launch.py). All traffic stays on the loopback interface: each launch checks the
+coordinator address before anything starts.
 """
 
 import importlib.util
-import ipaddress
 import os
-import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,7 +23,18 @@ from pathlib import Path
 
 import pytest
 from _gloo import not_gloo
-from _launch import ARGS, EVERY, LAUNCHER_PREFIXES, STEPS, env, metrics, same_run, train, wait
+from _launch import (
+    ARGS,
+    EVERY,
+    LAUNCHER_PREFIXES,
+    STEPS,
+    env,
+    is_loopback,
+    metrics,
+    same_run,
+    train,
+    wait,
+)
 
 from effijax import distributed
 from effijax.errors import ConfigError
@@ -65,11 +74,6 @@ def _ompi(monkeypatch, rank=1, size=2, local_size=2):
     monkeypatch.setenv("OMPI_COMM_WORLD_RANK", str(rank))
     monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", str(rank))
     monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", str(local_size))
-
-
-def _is_loopback(address: str) -> bool:
-    host, _ = distributed.parse_address(address)
-    return host == "localhost" or ipaddress.ip_address(host).is_loopback
 
 
 # --------------------------------------------------------------------------------------------
@@ -185,12 +189,13 @@ def test_the_cli_refuses_an_unknown_launcher_before_starting_jax():
 # Real launches: mpirun and an emulated srun, each against one process of 8 devices
 # --------------------------------------------------------------------------------------------
 #
-# Two launches of the run, each serving two tests: the emulated srun's, uninterrupted (its
-# comparison with one process of 8 devices, and the SIGTERM test's bitwise reference: how the
-# processes found each other changes no bit of the same program on the same devices), and
-# mpirun's, stopped by SIGTERM and resumed (the SIGTERM test, and mpirun's comparison with one
-# process of 8 devices: its steps before the stop and after the resume, its summary and its
-# printed lines).
+# Two launches of the run (tests/_launch.py lists them all): the emulated srun's, uninterrupted,
+# is conftest's ``two_processes_of_four``, shared with test_multihost (its comparison with one
+# process of 8 devices here, and the bitwise reference of both modules' SIGTERM tests: how the
+# processes found each other changes no bit of the same program on the same devices); mpirun's,
+# stopped by SIGTERM and resumed, serves two tests (the SIGTERM test, and mpirun's comparison
+# with one process of 8 devices: its steps before the stop and after the resume, its summary
+# and its printed lines).
 
 _TAG = re.compile(r"\[1,(\d+)\]<std(?:out|err)>:")
 
@@ -213,52 +218,11 @@ needs_mpirun = pytest.mark.skipif(shutil.which("mpirun") is None, reason=(
     "Open MPI's mpirun is not installed (apt-get install openmpi-bin; .ci/run installs it)"))
 
 
-def _free_slurm_job_id() -> int:
-    """A job id whose jax-derived coordinator port (61440 + id mod 4096) is free here."""
-    ports = list(range(65536 - 4096, 65536))
-    random.shuffle(ports)
-    for port in ports:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return 4096 * 100 + port - (65536 - 4096)
-    pytest.skip("no free port in the ephemeral range jax derives SLURM ports from")
-
-
-@pytest.fixture(scope="module")
-def under_srun(tmp_path_factory, launch_corpus, launch_cache):
-    """The run in two processes that find each other from an emulated srun's variables (set
-    for two local processes), 4 devices each, uninterrupted: its directory, the coordinator
-    this process's :func:`effijax.distributed.plan` derived from the same variables (checked to
-    be on the loopback interface before anything starts), and both processes' stdout."""
-    job_id = _free_slurm_job_id()
-    slurm = {"SLURM_JOB_ID": job_id, "SLURM_NTASKS": 2, "SLURM_STEP_NODELIST": "localhost",
-             "SLURM_STEP_NUM_NODES": 1, "SLURM_NNODES": 1, "SLURM_JOB_NODELIST": "localhost"}
-    with pytest.MonkeyPatch.context() as patch:
-        for name in list(os.environ):
-            if name.startswith(LAUNCHER_PREFIXES):
-                patch.delenv(name)
-        for k, v in {**slurm, "SLURM_PROCID": 0, "SLURM_LOCALID": 0}.items():
-            patch.setenv(k, str(v))
-        launch = distributed.plan()
-    assert launch.launcher == "slurm" and launch.settings.num_processes == 2
-    assert _is_loopback(launch.settings.coordinator_address)  # before anything starts
-
-    out = tmp_path_factory.mktemp("srun") / "straight"
-    procs = [train([*ARGS, "--data", launch_corpus, "--out", str(out), "--cpu-devices", "4"],
-                   env(**slurm, **launch_cache, SLURM_PROCID=i, SLURM_LOCALID=i))
-             for i in range(2)]
-    (out0, _), (out1, _) = wait(procs, TIMEOUT_S)
-    return out, launch.settings.coordinator_address, out0, out1
-
-
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_emulated_srun_two_processes_match_one_process_of_eight(under_srun,
+def test_emulated_srun_two_processes_match_one_process_of_eight(two_processes_of_four,
                                                                  one_process_of_eight):
-    out, coordinator, out0, out1 = under_srun
+    out, coordinator, out0, out1 = two_processes_of_four
     assert (f"effijax train: process 0 of 2 (launcher slurm), coordinator "
             f"{coordinator}") in out0
     assert f"done: {STEPS} steps" in out0 and not_gloo(out1.splitlines()) == []
@@ -334,7 +298,7 @@ def under_mpirun(tmp_path_factory, launch_corpus, launch_cache):
     seen = {tuple(lines[-1].split()) for lines in _by_rank(probe.stdout).values()}
     assert len(seen) == 2, probe.stdout
     (launcher, address, count, _), _ = sorted(seen)
-    assert launcher == "ompi" and count == "2" and _is_loopback(address), seen
+    assert launcher == "ompi" and count == "2" and is_loopback(address), seen
 
     tmp = tmp_path_factory.mktemp("mpirun")
     args = [*ARGS, "--data", launch_corpus, "--cpu-devices", "4"]
@@ -390,8 +354,8 @@ def test_mpirun_two_processes_of_four_devices_match_one_process_of_eight(
 @needs_mpirun
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_sigterm_through_mpirun_stops_both_at_one_step_and_resumes_exactly(under_mpirun,
-                                                                           under_srun):
+def test_sigterm_through_mpirun_stops_both_at_one_step_and_resumes_exactly(
+        under_mpirun, two_processes_of_four):
     run, last, saved, out0, out1, out = under_mpirun
     assert EVERY <= last < STEPS, f"stopped at {last}: the signal must land mid-run"
     # mpirun forwards the signal to each rank in turn: rank 0 has it by the processes' exchange,
@@ -403,7 +367,7 @@ def test_sigterm_through_mpirun_stops_both_at_one_step_and_resumes_exactly(under
     assert f"resuming from step {last}" in out and f"done: {STEPS} steps" in out
     # The steps after the stop must agree bit for bit with an uninterrupted run's (the emulated
     # srun's: the same program on the same devices).
-    straight, _, _, _ = under_srun
+    straight, _, _, _ = two_processes_of_four
     resumed, reference = metrics(run), metrics(straight)
     assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in resumed] == [r["loss"] for r in reference]

@@ -3,9 +3,11 @@
 Every process runs the same command; they meet at a coordinator on 127.0.0.1 (a free port
 found by binding port 0), each builds only its own rows of every global batch, and only
 process 0 prints and writes the run directory. Subprocesses force their own device counts; this
-test process keeps conftest's 8. Timeouts turn a hang into a failure. The run and its one process
-of 8 devices are tests/test_launchers.py's too (tests/_launch.py; conftest's
-``one_process_of_eight`` launches that process once for both modules).
+test process keeps conftest's 8. Timeouts turn a hang into a failure. The run is
+tests/test_launchers.py's too (tests/_launch.py): its one process of 8 devices and its
+uninterrupted two processes of 4 (the emulated srun's) are conftest's ``one_process_of_eight``
+and ``two_processes_of_four``, launched once for both modules; this module's own launch of it,
+told the ranks by flags, is stopped by SIGTERM and resumed, and serves both of its tests.
 """
 
 import json
@@ -42,34 +44,14 @@ def cached_env(launch_cache) -> dict:
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory, launch_corpus, cached_env):
-    """One uninterrupted run of ``ARGS`` on 2 processes of 4 devices, and its process 0's and
-    process 1's stdout: what one process of 8 must equal, and what the interrupted and resumed
-    run must equal bit for bit (one launch serves both tests)."""
-    run = tmp_path_factory.mktemp("2x4") / "straight"
-    (out0, _), (out1, _) = wait(_pair([*ARGS, "--data", launch_corpus, "--out", str(run)],
-                                      _free_port(), cached_env), TIMEOUT_S)
-    return run, out0, out1
-
-
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_two_processes_of_four_devices_match_one_process_of_eight(straight,
-                                                                  one_process_of_eight):
-    multi, out0, out1 = straight
-    assert f"done: {STEPS} steps" in out0 and "2 process(es)" in out0
-    # Only process 0 prints (gloo's C++ connection lines are not effijax's to silence).
-    assert not_gloo(out1.splitlines()) == []
-    same_run(multi, one_process_of_eight, STEPS, MESH)
-
-
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_sigterm_to_one_of_two_processes_stops_both_at_one_step_and_resumes_exactly(
-        tmp_path, launch_corpus, straight, cached_env):
+def stopped_and_resumed(tmp_path_factory, launch_corpus, cached_env):
+    """The run on 2 processes of 4 devices, stopped by SIGTERM to process 1 once its first
+    checkpoint exists and resumed to the end (one run serves both tests). Returns the run
+    directory, its last step and newest checkpoint as the stop left them, process 0's stdout
+    until the stop, and process 0's and process 1's stdout of the resumption."""
     args = [*ARGS, "--data", launch_corpus]
-    run, environment = tmp_path / "run", cached_env
-    procs = _pair([*args, "--out", str(run)], _free_port(), environment)
+    run = tmp_path_factory.mktemp("2x4") / "run"
+    procs = _pair([*args, "--out", str(run)], _free_port(), cached_env)
     checkpoints = run / "checkpoints"
     deadline = time.monotonic() + TIMEOUT_S
     while not (checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())):
@@ -78,19 +60,44 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_one_step_and_resumes_exac
             wait(procs, 1)  # kills both, fails
         time.sleep(0.01)
     procs[1].send_signal(signal.SIGTERM)  # process 1 only: a preempted host
-    (out0, _), _ = wait(procs, TIMEOUT_S)  # both exit 0
+    (stopped, _), _ = wait(procs, TIMEOUT_S)  # both exit 0
     last = metrics(run)[-1]["step"]
-    assert last < STEPS, "the run finished before the signal; make it longer"
-    assert f"stopped at step {last} by SIGTERM to process 1; saved" in out0
-    # Both processes saved that step together (orbax commits it only when all have written).
-    assert max(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) == last
+    saved = max(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
 
-    # The resumed run loads the programs around the step that the uninterrupted run (the
-    # fixture) compiled: its steps after the stop must still equal that run's bit for bit.
-    (out0, _), _ = wait(_pair([*args, "--out", str(run)], _free_port(), environment),
-                        TIMEOUT_S)
+    # The resumption loads the programs around the step from the cache (the stopped launch, or
+    # an earlier one of the same shape, compiled them).
+    (out0, _), (out1, _) = wait(_pair([*args, "--out", str(run)], _free_port(), cached_env),
+                                TIMEOUT_S)
+    return run, last, saved, stopped, out0, out1
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_processes_of_four_devices_match_one_process_of_eight(stopped_and_resumed,
+                                                                  one_process_of_eight):
+    multi, _, _, _, out0, out1 = stopped_and_resumed
+    assert f"done: {STEPS} steps" in out0 and "2 process(es)" in out0
+    # Only process 0 prints (gloo's C++ connection lines are not effijax's to silence).
+    assert not_gloo(out1.splitlines()) == []
+    # Its steps before the stop and after the resumption, its eval, partitioned program and
+    # memory: as one process of 8 devices.
+    same_run(multi, one_process_of_eight, STEPS, MESH)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_sigterm_to_one_of_two_processes_stops_both_at_one_step_and_resumes_exactly(
+        stopped_and_resumed, two_processes_of_four):
+    run, last, saved, stopped, out0, _ = stopped_and_resumed
+    assert last < STEPS, "the run finished before the signal; make it longer"
+    assert f"stopped at step {last} by SIGTERM to process 1; saved" in stopped
+    # Both processes saved that step together (orbax commits it only when all have written).
+    assert saved == last
+
     assert f"resuming from step {last}" in out0 and f"done: {STEPS} steps" in out0
-    reference, _, _ = straight
+    # The steps after the stop must equal an uninterrupted run's bit for bit: conftest's (the
+    # emulated srun's; how the processes found each other changes no bit).
+    reference, _, _, _ = two_processes_of_four
     resumed = metrics(run)
     assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
     # The same program on the same devices: bit for bit.
