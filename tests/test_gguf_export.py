@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from _adapters import random_adapters
 from _llama_files import CHAT_TEMPLATE, MERGES, VOCAB_SIZE, vocabulary
+from _reference import GGUFReference, torch_threads
 
 gguf = pytest.importorskip("gguf", reason="GGUF export needs gguf (pip install effijax[interop])")
 pytest.importorskip("tokenizers", reason="tokenizers (pip install effijax[interop])")
@@ -63,6 +64,13 @@ def trained(request):
     return model, params, spec, adapters
 
 
+@pytest.fixture
+def one_torch_thread():
+    """torch computes on one thread (see ``_reference.torch_threads``)."""
+    with torch_threads(1):
+        yield
+
+
 def _leaves(tree):
     return [np.asarray(x, np.float32) for x in jax.tree.leaves(tree)]
 
@@ -88,7 +96,7 @@ def test_effijax_reads_its_export_back(tmp_path, trained, dtype):
 
 
 @pytest.mark.slow  # imports torch and transformers: ~10 s before the first comparison
-def test_transformers_reads_the_export_with_adapters_merged(tmp_path, trained):
+def test_transformers_reads_the_export_with_adapters_merged(tmp_path, trained, one_torch_thread):
     torch = pytest.importorskip("torch", reason="parity needs torch (effijax[interop])")
     transformers = pytest.importorskip("transformers", reason="parity needs transformers")
     model, params, spec, adapters = trained
@@ -166,9 +174,9 @@ def test_a_failed_export_leaves_the_earlier_file_whole(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.optimized  # a real model against transformers (logits, greedy ids)
-def test_smollm2_at_q8_0_continues_in_transformers_as_in_effijax(tmp_path):
+def test_smollm2_at_q8_0_continues_in_transformers_as_in_effijax(tmp_path, one_torch_thread):
     torch = pytest.importorskip("torch", reason="parity needs torch (effijax[interop])")
-    transformers = pytest.importorskip("transformers", reason="parity needs transformers")
+    pytest.importorskip("transformers", reason="parity needs transformers")
     from effijax.generate import generate
     from effijax.recipe._sources import bundled_path
 
@@ -184,8 +192,8 @@ def test_smollm2_at_q8_0_continues_in_transformers_as_in_effijax(tmp_path):
     prompt = "The capital of France is"
     ids = exported.tokenizer.encode(prompt)
     ours = np.asarray(generate(exported, exported_params, ids, max_new_tokens=8).tokens[0])
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path, gguf_file="smollm2-q8_0.gguf", dtype=torch.float32).eval()
+    # transformers' own reading of the export (gguf-py parsing it once for config and tensors).
+    reference = GGUFReference(tmp_path / "smollm2-q8_0.gguf").model()
     with torch.no_grad():
         theirs = reference.generate(torch.tensor(ids[None].astype(np.int64)), max_new_tokens=8,
                                     do_sample=False).numpy()[0, len(ids):]

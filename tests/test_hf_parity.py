@@ -20,7 +20,7 @@ import pytest
 from _adapters import random_adapters
 from _llama_files import VOCAB_SIZE, write_gguf
 from _parity import randomized
-from _reference import reference, smollm2_file
+from _reference import reference, smollm2_file, torch_threads
 
 torch = reference("torch", reason="parity tests need torch (effijax[interop])")
 transformers = reference("transformers", reason="parity tests need transformers "
@@ -36,6 +36,13 @@ ATOL = 1e-4  # f32 logits of magnitude ~5 through a few layers: observed differe
 # different orders, and how far apart that lands depends on the host (max 1.41e-4 on an Intel
 # AVX-512 host, where MKL's sgemm takes its AVX-512 path; under 1e-4 on an AMD AVX2 host).
 REAL_ATOL = 2e-3
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """torch computes on one thread (see ``_reference.torch_threads``)."""
+    with torch_threads(1):
+        yield
 
 
 def _hf_model(seed=0, **overrides):
@@ -221,10 +228,12 @@ def _stdlib_sample(n=12):
 
 
 @pytest.mark.slow
-def test_smollm2_tokenizer_against_transformers(smollm2):
+def test_smollm2_tokenizer_against_transformers(smollm2, smollm2_reference):
     file, config, _ = smollm2
     tok = config.tokenizer
-    hf = transformers.AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+    # transformers' own conversion of the file's tokenizer (gguf-py parses the metadata once
+    # for it and the model of smollm2_transformers).
+    hf = smollm2_reference.tokenizer()
     texts = [PROMPT, "Grüße aus Köln — naïve café, 東京, Ελληνικά, emoji 😀", "x = [1, 22, 333]",
              "<|im_start|>user\nWhat is 2+2?<|im_end|>\n", *_stdlib_sample()]
     for text in texts:
