@@ -247,7 +247,7 @@ def _sharing_groups(items) -> dict:
     worker (``--dist loadgroup``, see :func:`pytest_cmdline_main`), so that each fixture is
     built once per run: the tests of a module that use one of its fixtures, and across modules,
     every test of the modules that use the same conftest fixture (test_multihost and
-    test_launchers share their one process of 8 devices and their compilation cache). Tests
+    test_launchers share their process of 8 devices, their srun pair and their cache). Tests
     that share nothing are spread one by one.
 
     Example: the module of test_interrupts builds its uninterrupted 120-step run once, where
