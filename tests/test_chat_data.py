@@ -308,7 +308,7 @@ def test_eval_cli_prints_loss_and_perplexity(gguf):
     np.testing.assert_allclose(got["loss"], want.loss, rtol=1e-5)
     bad = files / "bad.jsonl"
     bad.write_text('{"prompt": "q", "response": "r"}\n{"prompt": "q"}\n')
-    out = subprocess.run([*cmd[:5], str(bad)], capture_output=True, text=True, env=_env(),
+    out = subprocess.run([*cmd[:6], str(bad)], capture_output=True, text=True, env=_env(),
                          timeout=300)
     assert out.returncode == 2 and f"data='{bad}:2': keys ['prompt']" in out.stderr
 
