@@ -73,25 +73,6 @@ def _check(args) -> None:
     _from.check_exists(args.init_from)
 
 
-def _decide_precision(args: argparse.Namespace) -> str:
-    """``--precision``, with ``auto`` decided as ``effijax train`` decides it for a new run
-    (:func:`effijax.precision.auto_precision`: the backend, the model's width, the CPU's native
-    bf16).
-
-    Raises:
-      ConfigError: the model's architecture cannot be read (naming ``--from``).
-    """
-    if args.precision != "auto":
-        return args.precision
-    import jax
-
-    from effijax.precision import auto_precision, cpu_flags
-    from effijax.recipe import architecture
-
-    width = architecture(args.init_from, field=_from.FLAG).shape().hidden
-    return auto_precision(jax.default_backend(), width, cpu_flags()).precision
-
-
 def _flag(field: str) -> str:
     """The flag behind a field of :func:`~effijax.recipe.evaluate_model`'s errors."""
     if field == "model":
@@ -109,10 +90,9 @@ def run(args: argparse.Namespace) -> int:
         status("eval")("starting (importing JAX)")  # a terminal's first line, before seconds
         from effijax.recipe import evaluate_model
 
-        precision = _decide_precision(args)
         result = evaluate_model(args.init_from, args.data, seq_len=args.seq_len,
                                 batch_size=args.batch_size, data_format=args.data_format,
-                                max_batches=args.max_batches, precision=precision,
+                                max_batches=args.max_batches, precision=args.precision,
                                 chat_template=args.chat_template, say=status("eval"))
     except ConfigError as e:
         print(f"effijax eval: error: {e.renamed(_flag(e.field))}", file=sys.stderr, flush=True)

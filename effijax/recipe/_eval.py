@@ -26,7 +26,7 @@ import numpy as np
 from effijax.data import packed_batch
 from effijax.errors import ConfigError, FileError, whole_number
 from effijax.memory import measure, tree_bytes
-from effijax.precision import get_policy
+from effijax.precision import auto_precision, cpu_flags, get_policy
 from effijax.recipe._data import load_eval_data
 from effijax.recipe._open import open_model
 from effijax.recipe._preflight import check_memory
@@ -155,7 +155,9 @@ def evaluate_model(model: str, data: str, *, seq_len: int | None = None, batch_s
       batch_size: windows per forward pass.
       data_format: ``auto`` (chat for ``.jsonl``), ``text`` or ``chat``.
       max_batches: evaluate only the first this many batches (None: all).
-      precision: a precision policy (the compute dtype of the forward pass).
+      precision: a precision policy (the compute dtype of the forward pass), or ``auto``,
+        decided from the loaded model as :func:`effijax.precision.auto_precision` decides it
+        (``effijax eval``'s default, as ``effijax train``'s for a new run).
       chat_template: a Jinja chat template file that renders chat data instead of the model's
         own (``--chat-template``, as :func:`~effijax.recipe.train` takes it).
       say: given a line before each stage that takes seconds for a real model (loading it,
@@ -184,11 +186,16 @@ def evaluate_model(model: str, data: str, *, seq_len: int | None = None, batch_s
     whole_number("seq_len", seq_len, minimum=2, none=True)
     if not Path(data).exists():
         raise ConfigError("data", data, "no such file or folder")
-    policy = get_policy(precision)
+    if precision != "auto":
+        get_policy(precision)  # a bad name is refused before anything is loaded
     check_template_file(chat_template)
     say = say or (lambda line: None)
     say(f"loading {model}")
     lm, params, spec, description = load_model(model, seq_len=seq_len)
+    if precision == "auto":
+        precision = auto_precision(jax.default_backend(), lm.shape().hidden,
+                                   cpu_flags()).precision
+    policy = get_policy(precision)
     if chat_template is not None:
         lm = with_chat_template(lm, chat_template)
     say(f"reading {data}")
