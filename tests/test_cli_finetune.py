@@ -167,6 +167,10 @@ def test_eval_and_generate_take_the_run_with_from(pretrained, corpora, capsys):
     report = json.loads(scored.out)
     assert math.isfinite(report["loss"]) and report["perplexity"] == pytest.approx(
         math.exp(report["loss"]), rel=1e-6)
+    # A precision that is no policy is refused under the flag that gave it, before loading.
+    assert main(["eval", "--from", str(pretrained), *evaluate[:-1], "--precision", "bogus"]) == 2
+    assert capsys.readouterr().err.startswith("effijax eval: error: --precision='bogus': "
+                                              "unknown precision policy")
     generate = ["--prompt", "def", "--max-new-tokens", "4", "--no-stream"]
     assert main(["generate", "--from", str(pretrained), *generate]) == 0
     said = capsys.readouterr()

@@ -186,8 +186,11 @@ def evaluate_model(model: str, data: str, *, seq_len: int | None = None, batch_s
     whole_number("seq_len", seq_len, minimum=2, none=True)
     if not Path(data).exists():
         raise ConfigError("data", data, "no such file or folder")
-    if precision != "auto":
-        get_policy(precision)  # a bad name is refused before anything is loaded
+    if precision != "auto":  # a bad name is refused before anything is loaded, as precision
+        try:
+            get_policy(precision)
+        except ConfigError as e:
+            raise e.renamed("precision") from None
     check_template_file(chat_template)
     say = say or (lambda line: None)
     say(f"loading {model}")
