@@ -37,7 +37,7 @@ import numpy as np
 import pytest
 
 STEPS, EVERY = 24, 4
-TIMEOUT_S = 300
+TIMEOUT_S = 300  # a launch's limit: a hang fails instead of stopping the suite
 ARGS = ["--model", "tiny", "--seq-len", "32", "--batch-size", "8", "--steps", str(STEPS),
         "--strategy", "fsdp", "--eval-batches", "1", "--no-progress", "--checkpoint-every",
         str(EVERY)]
@@ -101,6 +101,15 @@ def same_run(multi, single, steps: int, mesh: dict) -> None:
     assert s2["collectives"] and s2["collectives"] == s1["collectives"]
 
 
+def without_launcher_variables(patch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """``patch`` with this process's launcher variables (``LAUNCHER_PREFIXES``) deleted: a test
+    run inside a SLURM job, say, sets only what the test sets."""
+    for name in list(os.environ):
+        if name.startswith(LAUNCHER_PREFIXES):
+            patch.delenv(name)
+    return patch
+
+
 def is_loopback(address: str) -> bool:
     from effijax.distributed import parse_address
 
@@ -134,9 +143,7 @@ def under_srun(out, corpus: str, cache: dict) -> tuple[str, str, str]:
     slurm = {"SLURM_JOB_ID": job_id, "SLURM_NTASKS": 2, "SLURM_STEP_NODELIST": "localhost",
              "SLURM_STEP_NUM_NODES": 1, "SLURM_NNODES": 1, "SLURM_JOB_NODELIST": "localhost"}
     with pytest.MonkeyPatch.context() as patch:
-        for name in list(os.environ):
-            if name.startswith(LAUNCHER_PREFIXES):
-                patch.delenv(name)
+        without_launcher_variables(patch)
         for k, v in {**slurm, "SLURM_PROCID": 0, "SLURM_LOCALID": 0}.items():
             patch.setenv(k, str(v))
         launch = distributed.plan()

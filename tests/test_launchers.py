@@ -26,21 +26,21 @@ from _gloo import not_gloo
 from _launch import (
     ARGS,
     EVERY,
-    LAUNCHER_PREFIXES,
     STEPS,
+    TIMEOUT_S,
     env,
     is_loopback,
     metrics,
     same_run,
     train,
     wait,
+    without_launcher_variables,
 )
 
 from effijax import distributed
 from effijax.errors import ConfigError
 from effijax.recipe._config import CLUSTERS
 
-TIMEOUT_S = 300
 LONG_S = 900  # the SIGTERM test's runs, on a 2-core machine that other jobs share
 # Every real launch trains tests/_launch.py's run (ARGS); the SIGTERM test's signal comes at
 # step >= EVERY (its first checkpoint) and its ranks get it by step ~15 (see GRACE_S): they stop
@@ -53,10 +53,7 @@ MPIRUN = ["mpirun", "-np", "2", "--allow-run-as-root", "--oversubscribe", "--tag
 @pytest.fixture
 def clean_env(monkeypatch):
     """No launcher variables from the machine running the tests."""
-    for name in list(os.environ):
-        if name.startswith(LAUNCHER_PREFIXES):
-            monkeypatch.delenv(name)
-    return monkeypatch
+    return without_launcher_variables(monkeypatch)
 
 
 def _slurm(monkeypatch, procid=0, ntasks=2, nodes="localhost", job_id="4097", num_nodes=1):

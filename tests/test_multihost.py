@@ -17,9 +17,8 @@ import time
 
 import pytest
 from _gloo import not_gloo
-from _launch import ARGS, STEPS, env, metrics, same_run, train, wait
+from _launch import ARGS, STEPS, TIMEOUT_S, env, metrics, same_run, train, wait
 
-TIMEOUT_S = 300
 MESH = {"data": 1, "fsdp": 8, "tensor": 1}
 
 
