@@ -344,6 +344,17 @@ def smollm2_reference():
     return GGUFReference(smollm2_file())
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch computes on one thread for the rest of the module, from the first test or fixture
+    that asks (``_reference.torch_threads``: beside the other pytest worker, its second thread
+    only waits); skips where torch is not installed."""
+    from _reference import torch_threads
+
+    with torch_threads(1):
+        yield
+
+
 @pytest.fixture(scope="session")
 def smollm2_transformers(smollm2_reference):
     """``(torch, model)``: ``transformers`` loading the bundled SmolLM2 GGUF in f32, once per

@@ -26,7 +26,7 @@ from _parity import (
     our_logits,
     torch_logits,
 )
-from _reference import reference, torch_threads
+from _reference import reference
 
 torch = reference("torch", reason="Gemma 3 parity tests need torch (effijax[interop])")
 transformers = reference("transformers", reason="Gemma 3 parity tests need "
@@ -89,15 +89,6 @@ CASES = {"capped": dict(final_logit_softcapping=8.0,
                                          "sliding_attention": {"rope_type": "default",
                                                                "rope_theta": 10000.0}}),
          "plain": {}}
-
-
-@pytest.fixture(scope="module")
-def one_torch_thread():
-    """torch on one thread for the rest of the module, from the first test that computes with
-    it (see ``_reference.torch_threads``: 4 continuations and forward passes of the tiny model
-    took 1.7 s of CPU on 2 threads under load, 0.12 s on 1)."""
-    with torch_threads(1):
-        yield
 
 
 def _checkpoint(directory, case):

@@ -537,15 +537,12 @@ def test_runs_load_with_their_tokenizer_and_adapters(runs, tiny_gguf):
 
 
 @pytest.fixture(scope="module")
-def smollm2(smollm2_transformers):
+def smollm2(smollm2_transformers, one_torch_thread):
     """SmolLM2 loaded by effijax and by ``transformers`` from the same GGUF (f32); torch on one
-    thread for the rest of the module (``_reference.torch_threads``: its greedy continuations
+    thread for the rest of the module (conftest's ``one_torch_thread``: its greedy continuations
     took 14 s of CPU on 2 threads under load)."""
-    from _reference import torch_threads
-
     torch, reference = smollm2_transformers
-    with torch_threads(1):
-        yield load("smollm2"), reference, torch
+    return load("smollm2"), reference, torch
 
 
 def _transformers_greedy(reference, torch, ids, n):

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from _adapters import random_adapters
 from _llama_files import CHAT_TEMPLATE, MERGES, VOCAB_SIZE, vocabulary
-from _reference import GGUFReference, torch_threads
+from _reference import GGUFReference
 
 gguf = pytest.importorskip("gguf", reason="GGUF export needs gguf (pip install effijax[interop])")
 pytest.importorskip("tokenizers", reason="tokenizers (pip install effijax[interop])")
@@ -62,13 +62,6 @@ def trained(request):
     spec = lora.LoraSpec(rank=4, alpha=8.0, targets=model.lora_targets)
     adapters = random_adapters(params, spec, seed=3, scale=0.05)
     return model, params, spec, adapters
-
-
-@pytest.fixture
-def one_torch_thread():
-    """torch computes on one thread (see ``_reference.torch_threads``)."""
-    with torch_threads(1):
-        yield
 
 
 def _leaves(tree):

@@ -20,7 +20,7 @@ import pytest
 from _adapters import random_adapters
 from _llama_files import VOCAB_SIZE, write_gguf
 from _parity import randomized
-from _reference import reference, smollm2_file, torch_threads
+from _reference import reference, smollm2_file
 
 torch = reference("torch", reason="parity tests need torch (effijax[interop])")
 transformers = reference("transformers", reason="parity tests need transformers "
@@ -38,11 +38,7 @@ ATOL = 1e-4  # f32 logits of magnitude ~5 through a few layers: observed differe
 REAL_ATOL = 2e-3
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """torch computes on one thread (see ``_reference.torch_threads``)."""
-    with torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: torch on one thread
 
 
 def _hf_model(seed=0, **overrides):
