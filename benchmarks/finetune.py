@@ -213,9 +213,9 @@ def _runner(name: str, gguf: pathlib.Path, batch, rank: int, loaded: dict,
     into ``loaded``."""
     if name.startswith("effijax"):
         if "effijax" not in loaded:
-            from effijax.interop import load
+            from effijax.interop import load_pretrained
 
-            loaded["effijax"] = load(gguf, seq_len=batch[0].shape[1])
+            loaded["effijax"] = load_pretrained(gguf, seq_len=batch[0].shape[1])
         model, params = loaded["effijax"]
         return _effijax_runner(model, params, batch, rank=rank if "LoRA" in name else None,
                                unroll=name.endswith("unrolled"), precision=precision)

@@ -63,13 +63,13 @@ def _bnb_nf4(model):
 def _runner(name: str, gguf, batch, rank: int, loaded: dict, footprint: dict):
     """The runner of variant ``name``; the frozen base's bytes go into ``footprint``."""
     if name.startswith("effijax"):
-        from effijax.interop import load
+        from effijax.interop import load_pretrained
         from effijax.memory import tree_bytes
 
         kept = _FROZEN[name] == "gguf"
         key = "kept" if kept else "full"
         if key not in loaded:
-            loaded[key] = load(gguf, seq_len=batch[0].shape[1], **({"keep_blocks": True}
+            loaded[key] = load_pretrained(gguf, seq_len=batch[0].shape[1], **({"keep_blocks": True}
                                                                       if kept else {}))
         model, params = loaded[key]
         run = finetune._effijax_runner(model, params, batch, rank=rank,

@@ -259,9 +259,9 @@ def test_evaluate_model_scores_every_assistant_token(gguf, model):
     files = gguf
     result = evaluate_model(str(files / "tiny.gguf"), str(files / "qa.jsonl"), batch_size=4,
                             seq_len=SEQ)
-    from effijax.interop import load
+    from effijax.interop import load_pretrained
 
-    loaded, params = load(files / "tiny.gguf", seq_len=SEQ)
+    loaded, params = load_pretrained(files / "tiny.gguf", seq_len=SEQ)
     records = read_records(files / "qa.jsonl")
     rows = pack_examples([render_chat(loaded.tokenizer, r.messages) for r in records], SEQ,
                          pad_id=IM_END)
@@ -337,9 +337,9 @@ def test_lora_on_chat_jsonl_counts_trained_tokens_and_resumes_exactly(gguf, tmp_
               for run in ("whole", "part")]
     assert losses[0] == losses[1]
     # The metrics count the trained tokens of each step's batch.
-    from effijax.interop import load
+    from effijax.interop import load_pretrained
 
-    data = load_dataset(base["data"], load(files / "tiny.gguf", seq_len=SEQ)[0])
+    data = load_dataset(base["data"], load_pretrained(files / "tiny.gguf", seq_len=SEQ)[0])
     records = [json.loads(line) for line in
                (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
     want = [int(batch_at(data.train, seed=0, step=s, batch_size=2, seq_len=SEQ)["mask"].sum())
@@ -468,7 +468,6 @@ def test_a_byte_model_has_no_tokenizer_for_a_chat_template(tmp_path):
 
 @pytest.mark.slow  # one LoRA run of 2 steps
 def test_a_chat_template_file_renders_the_data_and_stays_with_the_run(gguf, tmp_path):
-    from effijax.generate import load
     from effijax.recipe import TrainConfig, train
 
     template = tmp_path / "turns.jinja"
@@ -493,6 +492,8 @@ def test_a_chat_template_file_renders_the_data_and_stays_with_the_run(gguf, tmp_
     assert json.loads((out / "config.json").read_text())["run"]["chat_template"] == \
         OTHER_TEMPLATE
     template.unlink()
+    from effijax.generate import load
+
     loaded = load(str(out))
     assert loaded.tokenizer.chat_template == OTHER_TEMPLATE
     assert loaded.chat_prompt("hi").endswith("<|endoftext|>\n<|im_start|>assistant\n")

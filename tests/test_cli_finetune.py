@@ -177,3 +177,24 @@ def test_eval_and_generate_take_the_run_with_from(pretrained, corpora, capsys):
     # The continuation alone (the prompt is not echoed), then the count on stderr.
     assert said.out.endswith("\n") and len(said.out) > 1, said.out
     assert "effijax generate: 4 tokens (stopped at --max-new-tokens 4)" in said.err, said.err
+
+
+def test_eval_scores_a_run_in_the_precision_it_trained_in(tmp_path, pretrained, corpora,
+                                                          capsys):
+    """``--precision auto`` (eval's default) keeps a run's own precision, as a resume does; the
+    result line and its JSON say which precision scored."""
+    bf16 = tmp_path / "bf16"
+    assert main(["train", "--model", "tiny", "--seq-len", "32", "--steps", "2", "--data",
+                 corpora[0], "--out", str(bf16), "--precision", "bf16", *TINY]) == 0
+    capsys.readouterr()
+    evaluate = [corpora[1], "--seq-len", "32", "--max-batches", "1"]
+    scored = {}
+    for run, flags in ((bf16, ()), (bf16, ("--precision", "fp32")), (pretrained, ())):
+        assert main(["eval", "--from", str(run), *evaluate, *flags, "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        scored[run.name, flags] = report["precision"], report["precision_reason"]
+    assert scored == {("bf16", ()): ("bf16", "auto: the run's own"),
+                      ("bf16", ("--precision", "fp32")): ("fp32", ""),
+                      (pretrained.name, ()): ("fp32", "auto: the run's own")}
+    assert main(["eval", "--from", str(bf16), *evaluate]) == 0
+    assert ", in bf16): loss " in capsys.readouterr().out

@@ -264,12 +264,12 @@ def test_memory_of_a_preset_uses_its_exact_count_and_grouped_query_shape(capsys)
 def test_memory_of_a_hugging_face_config_counts_the_loaded_tree(tmp_path, capsys):
     import jax
 
-    from effijax.interop import load, save_hf
+    from effijax.interop import load_pretrained, save_hf
     from effijax.models import preset
 
     model = preset("llama-tiny")
     save_hf(tmp_path, model, model.init_params(jax.random.key(0)))
-    _, params = load(tmp_path)
+    _, params = load_pretrained(tmp_path)
     loaded = sum(x.size for x in jax.tree.leaves(params))
     for where in (tmp_path, tmp_path / "config.json"):
         out = run_json(["memory", "--from", str(where), "--precision", "fp32"], capsys)

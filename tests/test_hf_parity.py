@@ -28,7 +28,7 @@ transformers = reference("transformers", reason="parity tests need transformers 
 peft = reference("peft", reason="PEFT export tests need peft (effijax[interop])")
 
 from effijax import lora  # noqa: E402
-from effijax.interop import load, load_gguf, load_hf, load_tokenizer, save_hf, save_peft  # noqa: E402
+from effijax.interop import load_gguf, load_hf, load_pretrained, load_tokenizer, save_hf, save_peft  # noqa: E402
 from effijax.models import llama_config  # noqa: E402
 
 ATOL = 1e-4  # f32 logits of magnitude ~5 through a few layers: observed differences ~1e-5
@@ -259,7 +259,7 @@ def test_smollm2_exports_a_directory_transformers_loads(tmp_path, smollm2):
     text = "In 1687, Newton wrote\n    42 pages."
     ids = config.tokenizer.encode(text)
     assert hf_tok.encode(text, add_special_tokens=False) == ids.tolist()  # the smollm split
-    reloaded, bf16 = load(tmp_path)
+    reloaded, bf16 = load_pretrained(tmp_path)
     assert reloaded == config
     theirs, ours = _torch_logits(model.eval(), ids[None]), _our_logits(reloaded, bf16, ids[None])
     np.testing.assert_allclose(theirs, ours, atol=REAL_ATOL, rtol=0)

@@ -33,7 +33,7 @@ from _sentencepiece_files import write_sentencepiece_gguf
 
 from effijax.cli import main
 from effijax.errors import ConfigError, FileError
-from effijax.interop import load, load_tokenizer, read_config, save_hf
+from effijax.interop import load_pretrained, load_tokenizer, read_config, save_hf
 from effijax.models import llama_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -48,7 +48,7 @@ def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("valid")
     params = TINY.init_params(jax.random.key(0))
     write_gguf(root / "tiny.gguf", TINY, params)
-    model, params = load(root / "tiny.gguf", seq_len=TINY.seq_len)
+    model, params = load_pretrained(root / "tiny.gguf", seq_len=TINY.seq_len)
     save_hf(root / "hf", model, params)
     return root
 
@@ -142,7 +142,7 @@ def _run_gguf(files, tmp_path, seed, n):
         path.write_bytes(data)
         # The architecture (header, metadata, tensor records) for every case; the whole load
         # (tokenizer, dequantized tensors) for every fourth, which is slower.
-        refused += _refused(read_config if k % 4 else load, path, name)
+        refused += _refused(read_config if k % 4 else load_pretrained, path, name)
         total += 1
     grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
     assert grown_mb < 500, f"peak memory grew by {grown_mb:.0f} MB"
@@ -208,7 +208,7 @@ def test_forged_counts_fail_before_allocating(files, tmp_path, key, value, expec
     path = _forge(files / "tiny.gguf", key, value, tmp_path / "forged.gguf")
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.perf_counter()
-    for read in (read_config, load):
+    for read in (read_config, load_pretrained):
         with pytest.raises(FileError, match=expected) as e:
             read(path)
         assert e.value.path == str(path)
@@ -457,7 +457,7 @@ def _run_safetensors(files, tmp_path, seed, n):
     refused = total = 0
     for name, data in _safetensors_cases(valid, seed, n):
         target.write_bytes(data)
-        refused += _refused(load, directory, name)
+        refused += _refused(load_pretrained, directory, name)
         total += 1
     assert refused == total, (refused, total)
 
@@ -473,7 +473,7 @@ def test_a_2_to_62_byte_header_is_refused_before_reading(files, tmp_path):
     (directory / "model.safetensors").write_bytes(_join_safetensors(header, body, 2**62))
     with pytest.raises(FileError, match=r"model.safetensors: header length: "
                                         r"4,611,686,018,427,387,904 bytes; expected at most"):
-        load(directory)
+        load_pretrained(directory)
 
 
 def test_weights_of_an_integer_dtype_are_refused(files, tmp_path):
@@ -485,7 +485,7 @@ def test_weights_of_an_integer_dtype_are_refused(files, tmp_path):
     file.write_bytes(_join_safetensors(header, body))
     with pytest.raises(FileError, match=r"tensor 'model.norm.weight': dtype I32; expected a "
                                         "floating-point one"):
-        load(directory)
+        load_pretrained(directory)
 
 
 # --------------------------------------------------------------------------------------------
@@ -519,7 +519,7 @@ def test_shard_indexes_stay_inside_the_model_directory(files, tmp_path, target, 
     (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map":
                                                                          weight_map}))
     with pytest.raises(FileError) as e:
-        load(directory)
+        load_pretrained(directory)
     message = str(e.value)
     if expected == "is not a safetensors":  # a JSON file read as safetensors: its header
         assert e.value.path == str(directory / "tokenizer.json"), message
@@ -541,7 +541,7 @@ def test_the_hugging_face_cache_layout_loads(files, tmp_path):
         os.symlink(f"../../blobs/{file.name}", snapshot / file.name)
     (repo / "blobs" / "index").write_text(json.dumps({"weight_map": weight_map}))
     os.symlink("../../blobs/index", snapshot / "model.safetensors.index.json")
-    config, _ = load(snapshot)
+    config, _ = load_pretrained(snapshot)
     assert config.n_layers == TINY.n_layers
 
 
@@ -550,7 +550,7 @@ def test_the_hugging_face_cache_layout_loads(files, tmp_path):
 def test_malformed_shard_indexes(files, tmp_path, index):
     directory, _ = _sharded(files, tmp_path)
     (directory / "model.safetensors.index.json").write_text(index)
-    assert _refused(load, directory, index)
+    assert _refused(load_pretrained, directory, index)
 
 
 # --------------------------------------------------------------------------------------------
@@ -621,7 +621,7 @@ def test_config_json_fields_are_checked(files, tmp_path, edit, expected):
     fields = json.loads((directory / "config.json").read_text())
     edit(fields)
     (directory / "config.json").write_text(json.dumps(fields))
-    for read in (read_config, load):
+    for read in (read_config, load_pretrained):
         with pytest.raises(FileError, match=expected) as e:
             read(directory)
         assert e.value.path == str(directory / "config.json")
@@ -645,7 +645,7 @@ def test_tokenizer_files_are_checked(files, tmp_path, file, edit, expected):
     fields = json.loads((directory / file).read_text())
     edit(fields)
     (directory / file).write_text(json.dumps(fields))
-    for read in (load_tokenizer, load):
+    for read in (load_tokenizer, load_pretrained):
         with pytest.raises(FileError, match=expected) as e:
             read(directory)
         assert e.value.path == str(directory / file)
@@ -692,10 +692,10 @@ def test_forged_safetensors_beside_a_valid_index_are_refused(files, tmp_path, fo
     (directory / shard).write_bytes(valid)
     (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
         name: shard for name in header if name != "__metadata__"}}))
-    assert load(directory)[0].n_layers == TINY.n_layers  # the index's shard is what loads
+    assert load_pretrained(directory)[0].n_layers == TINY.n_layers  # the index's shard loads
     (directory / "model.safetensors").write_bytes(forge(header, body))
     with pytest.raises(FileError) as e:
-        load(directory)
+        load_pretrained(directory)
     assert e.value.path == str(directory / "model.safetensors") and where in str(e.value)
 
 
@@ -712,7 +712,9 @@ def test_no_file_of_a_model_directory_is_read_from_outside_it(files, tmp_path, f
                                  "config.json"), target)
     (directory / file).unlink(missing_ok=True)
     os.symlink(target, directory / file)
-    for read in (load, load_tokenizer) if file.startswith("tokenizer") else (load,):
+    readers = (load_pretrained, load_tokenizer) if file.startswith("tokenizer") \
+        else (load_pretrained,)
+    for read in readers:
         with pytest.raises(FileError, match=r": file: is a link to .*, outside the model "
                                             "directory") as e:
             read(directory)
@@ -729,7 +731,7 @@ def test_an_index_that_escapes_is_refused_beside_model_safetensors(files, tmp_pa
                          "'a/b/../../../x' leaves the model directory")]:
         index.write_text(text)
         with pytest.raises(FileError, match=words) as e:
-            load(directory)
+            load_pretrained(directory)
         assert e.value.path == str(index)
 
 
@@ -744,7 +746,7 @@ def test_token_ids_past_the_embedding_are_refused(files, tmp_path, edit, where, 
     directory = _copy(files, tmp_path)
     _edit_json(directory / "tokenizer.json", edit)
     with pytest.raises(FileError) as e:
-        load(directory)
+        load_pretrained(directory)
     assert e.value.path == str(directory / "tokenizer.json")
     assert str(e.value).startswith(f"{e.value.path}: {where}: {words}"), str(e.value)
     load_tokenizer(directory)  # alone, no model: the ids are only bounded by 2^31
@@ -774,7 +776,7 @@ def test_special_tokens_outside_the_vocabulary_are_refused(files, tmp_path, file
     directory = _copy(files, tmp_path)
     _edit_json(directory / file, edit)
     with pytest.raises(FileError) as e:
-        load(directory)
+        load_pretrained(directory)
     assert e.value.path == str(directory / file) and where in str(e.value), str(e.value)
 
 
@@ -783,7 +785,7 @@ def test_real_special_token_spellings_still_load(files, tmp_path):
     directory = _copy(files, tmp_path)
     _edit_json(directory / "config.json", lambda c: c.update(eos_token_id=[2, 0],
                                                              pad_token_id=-1))
-    assert load(directory)[0].tokenizer.eos_id == 2
+    assert load_pretrained(directory)[0].tokenizer.eos_id == 2
 
 
 @pytest.mark.parametrize("key, value", [
@@ -801,7 +803,7 @@ def test_padding_and_truncation_are_dropped(files, tmp_path, key, value):
     directory = _copy(files, tmp_path)
     expected = load_tokenizer(directory).encode("the cat sat on the mat").tolist()
     _edit_json(directory / "tokenizer.json", lambda t: t.update({key: value}))
-    for tokenizer in (load_tokenizer(directory), load(directory)[0].tokenizer):
+    for tokenizer in (load_tokenizer(directory), load_pretrained(directory)[0].tokenizer):
         assert tokenizer.encode("the cat sat on the mat").tolist() == expected
         assert json.loads(tokenizer.spec)[key] is None
         assert tokenizer.backend.padding is None and tokenizer.backend.truncation is None
@@ -842,7 +844,7 @@ def test_a_panic_of_the_tokenizers_library_is_one_file_error(files, tmp_path, ca
     panic on file descriptor 2. Both end as the FileError's one line."""
     directory = _copy(files, tmp_path)
     _edit_json(directory / "tokenizer.json", lambda t: t.update(normalizer=normalizer))
-    for read in (load_tokenizer, load):
+    for read in (load_tokenizer, load_pretrained):
         with pytest.raises(FileError, match=r"tokenizer.json: file: the tokenizers library "
                                             "cannot read it") as e:
             read(directory)

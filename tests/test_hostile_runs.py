@@ -171,7 +171,8 @@ def test_eval_of_a_tiny_or_random_file_says_how_little_it_measured(lora_run, cap
     code, out, err = _cli(capsys, "eval", "--from", str(run), str(one), "--seq-len", "16",
                           "--batch-size", "1")
     assert code == 0, err
-    assert f"on {one} (text, 1 window of 16): loss " in out and out.endswith(" over 1 token\n")
+    assert f"on {one} (text, 1 window of 16, in fp32): loss " in out
+    assert out.endswith(" over 1 token\n")
     assert err == ("effijax eval: warning: only 1 token scored (fewer than 100, and less than "
                    "one window of 16): the perplexity is a rough figure; evaluate on more text\n")
 
@@ -184,7 +185,7 @@ def test_eval_of_a_tiny_or_random_file_says_how_little_it_measured(lora_run, cap
     assert "is not UTF-8 text: byte " in err and out == "", err
 
     # Enough tokens, at least a window: nothing to say.
-    result = EvalResult(5.0, 148.4, 4880, 20, 256, "text", "1:ab", "m")
+    result = EvalResult(5.0, 148.4, 4880, 20, 256, "text", "1:ab", "m", "fp32", "")
     assert result.caution is None
     assert "fewer than 100)" in result._replace(tokens=99, seq_len=16).caution
     assert "(less than one window of 256)" in result._replace(tokens=200).caution
@@ -203,5 +204,5 @@ def test_eval_says_what_it_waits_for_at_a_terminal(lora_run, capsys, monkeypatch
     assert code == 0 and again == out
     assert err.splitlines() == ["effijax eval: starting (importing JAX)",
                                 f"effijax eval: loading {run}", f"effijax eval: reading {text}",
-                                "effijax eval: compiling the forward pass, then scoring 1 "
-                                "batch of 8 windows"], err
+                                "effijax eval: compiling the forward pass in fp32 (auto: the "
+                                "run's own), then scoring 1 batch of 8 windows"], err

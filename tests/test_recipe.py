@@ -308,7 +308,7 @@ def test_export_hf_writes_the_merged_model_transformers_loads(tmp_path, corpus):
     import jax
     import numpy as np
 
-    from effijax.interop import load, save_hf
+    from effijax.interop import load_pretrained, save_hf
     from effijax.lora import load_adapters
     from effijax.models import preset
 
@@ -320,8 +320,8 @@ def test_export_hf_writes_the_merged_model_transformers_loads(tmp_path, corpus):
                                progress=False, export_hf=True, export_gguf="f32"))
     assert result.summary["hf"] == str(out / "hf")
     assert result.summary["gguf"] == str(out / "model.gguf")
-    merged_model, merged = load(out / "hf")
-    _, plain = load(tmp_path / "base")
+    merged_model, merged = load_pretrained(out / "hf")
+    _, plain = load_pretrained(tmp_path / "base")
     adapters, spec = load_adapters(out / "adapters.safetensors", plain)
     tokens = np.arange(16, dtype=np.int32)[None] % base.vocab_size
     want = base.logits_fn(spec)({"base": plain, "adapters": adapters}, tokens)
@@ -329,7 +329,7 @@ def test_export_hf_writes_the_merged_model_transformers_loads(tmp_path, corpus):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     # The adapters moved the model: the export is not the base.
     assert not np.allclose(merged_model.logits_fn()(plain, tokens), got, atol=1e-4)
-    gguf_model, from_gguf = load(out / "model.gguf", seq_len=merged_model.seq_len)
+    gguf_model, from_gguf = load_pretrained(out / "model.gguf", seq_len=merged_model.seq_len)
     assert gguf_model == merged_model
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(from_gguf),
                                                     jax.tree.leaves(merged), strict=True))

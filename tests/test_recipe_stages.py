@@ -46,7 +46,7 @@ def planned(corpus, tmp_path_factory):
     model = _train.model_for(config, None)
     config = _train.resolve(config, mesh, _train.decide_precision(config, model).precision)
     data = _train.load_data(config, model)
-    job = _train.plan(config, model, optimizer_for(config), data, mesh)
+    job = _train.plan_run(config, model, optimizer_for(config), data, mesh)
     return config, data, job
 
 
@@ -142,10 +142,10 @@ def test_the_loop_trains_logs_and_saves_the_last_step(planned, trained):
 def test_evaluate_export_and_summary_after_the_loop(planned, trained):
     config, data, job = planned
     compiled, _, result = trained
-    evaluation = _finish.evaluate(config, job, result.state.params, data.val)
+    evaluation = _finish.evaluate_end(config, job, result.state.params, data.val)
     assert set(evaluation) == {"eval_loss"} and evaluation["eval_loss"] > 0
     no_eval = TrainConfig(**{**TINY, "eval_batches": 0})
-    assert _finish.evaluate(no_eval, job, result.state.params, data.val) == {}
+    assert _finish.evaluate_end(no_eval, job, result.state.params, data.val) == {}
     assert _finish.export(config, job, result.state.params) == {}  # nothing asked for
     summary = _finish.summarize(job, compiled, result.summary, config.out, evaluation)
     assert summary["eval_loss"] == evaluation["eval_loss"]

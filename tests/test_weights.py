@@ -22,7 +22,7 @@ import safetensors.numpy
 from _llama_files import CHAT_TEMPLATE, VOCAB_SIZE, write_gguf
 
 from effijax.errors import FileError
-from effijax.interop import load, load_gguf, load_hf, load_tokenizer, save_hf
+from effijax.interop import load_gguf, load_hf, load_pretrained, load_tokenizer, save_hf
 from effijax.models import Tokenizer, llama_config
 from effijax.paths import named_leaves
 from effijax.sharding import make_mesh, param_shardings
@@ -170,12 +170,12 @@ def test_unsupported_architectures_name_the_field(tmp_path, params, field, value
 
 
 def test_gguf_loads_exactly_and_round_trips_through_hf(tmp_path, gguf_file, params):
-    model, loaded = load(gguf_file, seq_len=TINY.seq_len)
+    model, loaded = load_pretrained(gguf_file, seq_len=TINY.seq_len)
     assert model == TINY
     _assert_equal(loaded, params)  # f32 tensors, llama.cpp's Q/K permutation undone
     save_hf(tmp_path, model, loaded)
     assert {"tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(tmp_path))
-    again, reloaded = load(tmp_path, seq_len=TINY.seq_len)
+    again, reloaded = load_pretrained(tmp_path, seq_len=TINY.seq_len)
     assert again == model and again.tokenizer.spec == model.tokenizer.spec
     _assert_equal(reloaded, params)
 

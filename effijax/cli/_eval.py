@@ -6,9 +6,11 @@ evaluates its base with its adapters); ``DATA`` a text file or folder, or a ``.j
 assistant's tokens as training does (:func:`effijax.recipe.evaluate_model`).
 
 ``--precision`` is ``auto`` by default, decided as ``effijax train`` decides it
-(:func:`effijax.precision.auto_precision`): bf16 on a GPU or TPU, and on a CPU with native bf16
-matmuls for a model 256 wide or wider; fp32 elsewhere (so the tiny models score in fp32 on any
-CPU).
+(:func:`effijax.recipe.scoring_precision`): a run directory scores in the precision it trained
+in; any other model in bf16 on a GPU or TPU, and on a CPU with native bf16 matmuls for a model
+256 wide or wider, fp32 elsewhere (so the tiny models score in fp32 on any CPU). The result
+line names the precision (``in fp32``); at a terminal, the status line before compiling says
+how ``auto`` decided it.
 
 The result line says how much was measured (windows and scored tokens); a measure over few
 tokens (:attr:`~effijax.recipe.EvalResult.caution`) adds one warning line on standard error.
@@ -102,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         what = "assistant token" if result.format == "chat" else "token"
         print(f"effijax eval: {result.model} on {args.data} ({result.format}, "
-              f"{_count(result.rows, 'window')} of {result.seq_len}): loss {result.loss:.4f}, "
+              f"{_count(result.rows, 'window')} of {result.seq_len}, in {result.precision}): "
+              f"loss {result.loss:.4f}, "
               f"perplexity {result.perplexity:.3f} over {_count(result.tokens, what)}",
               flush=True)
     if result.caution is not None:  # on stderr: the result line (or JSON) stays as it is

@@ -1,7 +1,7 @@
 """Real pretrained models in and out: GGUF files and Hugging Face directories, the tokenizer,
 and exports that Hugging Face loads.
 
-* :func:`load` reads a model of a registered family (Llama, Qwen2: see
+* :func:`load_pretrained` reads a model of a registered family (Llama, Qwen2: see
   :class:`~effijax.models.PretrainedFormat`), a ``.gguf`` file (:func:`load_gguf`; quantized
   tensors are dequantized) or a Hugging Face ``LlamaForCausalLM`` / ``Qwen2ForCausalLM``
   directory (:func:`load_hf`), into ``(config, params)``, parameter by parameter, straight onto
@@ -28,7 +28,7 @@ Example:
   >>> directory = tempfile.mkdtemp()
   >>> save_hf(directory, model, params)
   ['model.safetensors', 'config.json', 'generation_config.json']
-  >>> loaded, loaded_params = load(directory, seq_len=model.seq_len)
+  >>> loaded, loaded_params = load_pretrained(directory, seq_len=model.seq_len)
   >>> loaded == model, bool(jax.tree.all(jax.tree.map(lambda a, b: (a == b).all(),
   ...                                                 loaded_params, params)))
   (True, True)
@@ -46,7 +46,7 @@ __getattr__, __dir__, __all__ = attach(__name__, {
     "effijax.interop._gguf_types": ("GGUF_DTYPES",),
     "effijax.interop._gguf_write": ("gguf_format", "gguf_tokenizer_fields", "save_gguf"),
     "effijax.interop._hf": ("config_from_hf", "hf_config", "load_hf", "save_hf"),
-    "effijax.interop._io": ("export_adapters", "load", "load_tokenizer", "peft_module",
+    "effijax.interop._io": ("export_adapters", "load_pretrained", "load_tokenizer", "peft_module",
         "read_config", "save_peft", "weight_files"),
     "effijax.interop._weights": ("TENSORS", "gguf_name", "hf_name"),
 })

@@ -42,7 +42,7 @@ from effijax.interop._files import LIMITS, check_finite, check_size, number_fiel
 from effijax.interop._gguf_check import GgufFile, read_gguf
 from effijax.interop._gguf_types import GGUF_HYPERPARAMETERS
 from effijax.interop._hf import DEFAULT_SEQ_LEN
-from effijax.interop._weights import assemble, check_tensors, expected_hf_shapes
+from effijax.interop._weights import assemble_params, check_tensors, expected_hf_shapes
 from effijax.models import (
     LlamaConfig,
     PretrainedFormat,
@@ -481,5 +481,5 @@ def load_gguf(path: str | os.PathLike, *, policy=None, shardings=None,
         return w
 
     kept = _kept_blocks(config, fmt, tensors, source) if keep_blocks else None
-    params = assemble(config, read, policy=policy, shardings=shardings, kept=kept)
+    params = assemble_params(config, read, policy=policy, shardings=shardings, kept=kept)
     return config, params

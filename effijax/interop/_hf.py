@@ -5,9 +5,9 @@
 :class:`~effijax.models.PretrainedFormat`; ``model.safetensors``, or shards listed in
 ``model.safetensors.index.json``) into the family's config and parameters:
 torch's ``(out, in)`` matrices are transposed to Flax's ``(in, out)`` and the layers stacked,
-one parameter at a time (see :func:`~effijax.interop._weights.assemble`). :func:`save_hf` writes
-the inverse, optionally with LoRA adapters merged in, plus the tokenizer files, so that
-``transformers.AutoModelForCausalLM.from_pretrained(directory)`` loads it.
+one parameter at a time (see :func:`~effijax.interop._weights.assemble_params`).
+:func:`save_hf` writes the inverse, optionally with LoRA adapters merged in, plus the
+tokenizer files, so that ``transformers.AutoModelForCausalLM.from_pretrained(directory)`` loads it.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from effijax.interop._files import (
     whole_field,
 )
 from effijax.interop._weights import (
-    assemble,
+    assemble_params,
     check_tensors,
     expected_hf_shapes,
     hf_name,
@@ -333,7 +333,7 @@ def load_hf(directory: str | os.PathLike, *, policy=None, shardings=None,
             raise FileError(files["lm_head.weight"], "lm_head.weight", "differs from "
                             "model.embed_tokens.weight, but config.json ties them "
                             "(tie_word_embeddings true)")
-    params = assemble(config, lambda name: _read(files, name), policy=policy,
+    params = assemble_params(config, lambda name: _read(files, name), policy=policy,
                       shardings=shardings)
     return config, params
 

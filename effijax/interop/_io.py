@@ -1,4 +1,4 @@
-"""One entry point per direction: :func:`load` a GGUF file or a Hugging Face directory,
+"""One entry point per direction: :func:`load_pretrained` a GGUF file or a Hugging Face directory,
 :func:`load_tokenizer` alone, and :func:`save_peft` for LoRA adapters under Hugging Face's
 Llama module names (the merged model goes out through :func:`~effijax.interop.save_hf`).
 """
@@ -22,11 +22,11 @@ from effijax.interop._weights import TENSORS, hf_name
 from effijax.lora import LoraSpec, export_peft, pairs
 from effijax.models import LlamaConfig, Tokenizer
 
-__all__ = ["load", "weight_files", "read_config", "load_tokenizer", "save_peft", "peft_module",
-           "export_adapters"]
+__all__ = ["load_pretrained", "weight_files", "read_config", "load_tokenizer", "save_peft",
+           "peft_module", "export_adapters"]
 
 
-def load(path: str | os.PathLike, **kwargs) -> tuple[LlamaConfig, dict]:
+def load_pretrained(path: str | os.PathLike, **kwargs) -> tuple[LlamaConfig, dict]:
     """Loads a pretrained model of a registered family (Llama, Qwen2): a ``.gguf`` file or a
     Hugging Face directory.
 
@@ -46,10 +46,10 @@ def load(path: str | os.PathLike, **kwargs) -> tuple[LlamaConfig, dict]:
 
 
 def weight_files(path: str | os.PathLike) -> list[str]:
-    """The files :func:`load` reads weights from, sorted: a GGUF file itself, or a Hugging Face
-    directory's ``model.safetensors`` or every shard its index names (wherever inside the
-    directory, links into the Hugging Face cache followed, the index checked as :func:`load`
-    checks it).
+    """The files :func:`load_pretrained` reads weights from, sorted: a GGUF file itself, or a
+    Hugging Face directory's ``model.safetensors`` or every shard its index names (wherever
+    inside the directory, links into the Hugging Face cache followed, the index checked as
+    :func:`load_pretrained` checks it).
 
     Example:
       >>> import json, os, tempfile

@@ -2,7 +2,7 @@
 
 Each family's table (its :class:`~effijax.models.PretrainedFormat`'s ``tensors``) maps each
 effijax parameter path to its Hugging Face and GGUF tensor names (per layer for the stacked
-ones); :data:`TENSORS` is their union. Loading goes through :func:`assemble`: for one
+ones); :data:`TENSORS` is their union. Loading goes through :func:`assemble_params`: for one
 parameter at a time it reads that parameter's tensors (every layer of a stacked one) into one
 host buffer in the parameter's dtype and layout, places it on its target sharding, and drops
 the buffer, so the host holds at most one parameter beyond what is already placed. Before
@@ -22,8 +22,8 @@ from effijax.errors import ConfigError, FileError
 from effijax.models import PRETRAINED, LlamaConfig
 from effijax.paths import named_leaves
 
-__all__ = ["TENSORS", "hf_name", "gguf_name", "expected_hf_shapes", "check_tensors", "assemble",
-           "to_flax", "to_hf", "host_array"]
+__all__ = ["TENSORS", "hf_name", "gguf_name", "expected_hf_shapes", "check_tensors",
+           "assemble_params", "to_flax", "to_hf", "host_array"]
 
 #: effijax path -> (Hugging Face name, GGUF name), every registered family's table in one (a path
 #: has the same names in every family that has it); ``{i}`` is the layer of a stacked parameter.
@@ -153,7 +153,7 @@ def _place_kept(blocks, sharding):
     return jax.tree.map(place, blocks, ggml_sharding(sharding, blocks))
 
 
-def assemble(config: LlamaConfig, read: Callable[[str], np.ndarray], *, policy=None,
+def assemble_params(config: LlamaConfig, read: Callable[[str], np.ndarray], *, policy=None,
              shardings=None, kept: dict | None = None) -> dict:
     """Builds the parameter tree one parameter at a time from tensors in torch's layout.
 

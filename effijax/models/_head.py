@@ -52,7 +52,7 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
 from effijax.models._dense import Kept, materialize, unkeep
-from effijax.models._layers import _check_lora, _dense, _merge, check_batch
+from effijax.models._layers import _check_lora, _dense, _merge, check_lm_batch
 from effijax.precision import (
     cross_entropy_and_accuracy,
     dot,
@@ -208,7 +208,7 @@ def make_sequence_logps(graphdef, lora=None, *, sequence_parallel: bool = True,
     _check_lora(lora)
 
     def sequence_logps(params, batch, rng=None):
-        check_batch(batch)
+        check_lm_batch(batch)
         model, adapted = _merge(graphdef, params, lora, frozen_base)
         mask_BS = batch.get("mask")
         x_BSD = model._trunk(batch["inputs"], rng is None, rng, adapted.get("adapters"),

@@ -338,7 +338,7 @@ def make_apply(graphdef: nnx.GraphDef, lora: LoraSpec | None = None, *,
     return apply
 
 
-def check_batch(batch) -> None:
+def check_lm_batch(batch) -> None:
     """Refuses a language-model batch without ``inputs`` and ``targets`` (what
     :func:`make_loss_fn` and :func:`~effijax.models.make_sequence_logps` read)."""
     missing = {"inputs", "targets"} - set(batch)
@@ -378,7 +378,7 @@ def make_loss_fn(graphdef: nnx.GraphDef, lora: LoraSpec | None = None, *,
     _check_lora(lora)
 
     def loss_fn(params, batch, rng=None):
-        check_batch(batch)
+        check_lm_batch(batch)
         model, adapted = _merge(graphdef, params, lora, frozen_base)
         segments_BS, mask_BS = batch.get("segments"), batch.get("mask")
         loss, accuracy = model.loss(batch["inputs"], batch["targets"],

@@ -263,8 +263,9 @@ class LlamaConfig(DecoderConfig):
             raise ConfigError(
                 "tokenizer", None,
                 f"{self.name} has a {self.vocab_size}-token vocabulary but no tokenizer; load "
-                "the model with effijax.interop.load (GGUF or Hugging Face directory) or attach "
-                "one: dataclasses.replace(model, tokenizer=effijax.interop.load_tokenizer(path))")
+                "the model with effijax.interop.load_pretrained (GGUF or Hugging Face directory) "
+                "or attach one: "
+                "dataclasses.replace(model, tokenizer=effijax.interop.load_tokenizer(path))")
         return self.tokenizer.encode(data.decode("utf-8", errors="replace"))
 
 

@@ -26,13 +26,19 @@ import numpy as np
 from effijax.data import packed_batch
 from effijax.errors import ConfigError, FileError, whole_number
 from effijax.memory import measure, tree_bytes
-from effijax.precision import auto_precision, cpu_flags, get_policy
+from effijax.precision import (
+    PRESET_ALIASES,
+    AutoPrecision,
+    auto_precision,
+    cpu_flags,
+    get_policy,
+)
 from effijax.recipe._data import load_eval_data
-from effijax.recipe._open import open_model
+from effijax.recipe._open import Opened, open_model
 from effijax.recipe._preflight import check_memory
 from effijax.recipe._sources import check_template_file, with_chat_template
 
-__all__ = ["EvalResult", "FEW_TOKENS", "load_model", "evaluate_model"]
+__all__ = ["EvalResult", "FEW_TOKENS", "load_model", "scoring_precision", "evaluate_model"]
 
 # Below this many scored tokens a perplexity says little: a token's loss varies by a few nats,
 # so the mean of 100 is uncertain by a few tenths of a nat (the perplexity by tens of percent).
@@ -48,6 +54,8 @@ class EvalResult(NamedTuple):
         ``seq_len + 1`` evaluated; ``seq_len``: the window.
       format: ``"bytes"``, ``"text"`` or ``"chat"``; ``fingerprint``: the data's.
       model: what was evaluated, in words.
+      precision: the precision policy of the forward pass (a preset's name);
+        ``precision_reason``: how ``auto`` decided it (empty when it was asked for).
     """
 
     loss: float
@@ -58,6 +66,8 @@ class EvalResult(NamedTuple):
     format: str
     fingerprint: str
     model: str
+    precision: str
+    precision_reason: str
 
     def to_dict(self) -> dict:
         return self._asdict()
@@ -68,7 +78,7 @@ class EvalResult(NamedTuple):
         tokens than :data:`FEW_TOKENS`, or text shorter than one window.
 
         Example:
-          >>> r = EvalResult(5.6, 270.0, 1, 1, 256, "text", "1:ab", "tiny")
+          >>> r = EvalResult(5.6, 270.0, 1, 1, 256, "text", "1:ab", "tiny", "fp32", "")
           >>> r.caution
           'only 1 token scored (fewer than 100, and less than one window of 256): the \
 perplexity is a rough figure; evaluate on more text'
@@ -86,26 +96,33 @@ perplexity is a rough figure; evaluate on more text'
                 "text")
 
 
-def load_model(ref: str, *, seq_len: int | None = None) -> tuple[Any, Any, Any, str]:
-    """``(model, params, lora_spec, description)`` of what ``ref`` names: ``smollm2``, a GGUF
-    file, a Hugging Face directory, a full run (its latest checkpoint) or a finished LoRA run
-    (its base + adapters, unmerged), opened by :func:`~effijax.recipe.open_model`.
+def load_model(model_from: str, *, seq_len: int | None = None) -> Opened:
+    """What ``model_from`` names (``smollm2``, a GGUF file, a Hugging Face directory, a full
+    run (its latest checkpoint) or a finished LoRA run (its base + adapters, unmerged)), opened
+    by :func:`~effijax.recipe.open_model`, ready to score: the tokenizer it reads data with
+    attached to the model, ``seq_len`` (default: the run's, or the pretrained model's) applied,
+    and ``source`` saying what it is in words (``"tiny from runs/a"``).
 
-    ``params`` is ``{"base": ..., "adapters": ...}`` when ``lora_spec`` is not None. ``seq_len``
-    overrides the model's window (default: the run's, or the pretrained model's).
+    ``params`` is ``{"base": ..., "adapters": ...}`` when ``lora`` is not None.
 
     Raises:
-      ConfigError: ``field="model"``: nothing evaluable at ``ref`` (an unknown name or path,
-        a run without checkpoints or adapters).
+      ConfigError: ``field="model"``: nothing evaluable at ``model_from`` (an unknown name or
+        path, a run without checkpoints or adapters).
+
+    Example:
+      >>> load_model("no/such/run")
+      Traceback (most recent call last):
+      ...
+      effijax.errors.ConfigError: model='no/such/run': no such run directory, GGUF file ...
     """
     try:
-        loaded = open_model(ref)
+        loaded = open_model(model_from)
     except FileError:  # names the file, the field or byte: said as it is
         raise
     except ConfigError as e:
-        raise ConfigError("model", ref, e.problem) from None
+        raise ConfigError("model", model_from, e.problem) from None
     except (OSError, ValueError) as e:
-        raise ConfigError("model", ref, f"cannot read it ({e})") from None
+        raise ConfigError("model", model_from, f"cannot read it ({e})") from None
     model = loaded.model
     if loaded.tokenizer is not None and loaded.tokenizer is not getattr(model, "tokenizer", None):
         # A full run's model is rebuilt from its config.json without one; a LoRA run's may
@@ -113,7 +130,27 @@ def load_model(ref: str, *, seq_len: int | None = None) -> tuple[Any, Any, Any, 
         model = dataclasses.replace(model, tokenizer=loaded.tokenizer)
     model = model if seq_len is None else model.with_seq_len(seq_len)
     adapted = "" if loaded.lora is None else f" + LoRA r={loaded.lora.rank} adapters"
-    return model, loaded.params, loaded.lora, f"{model.name} from {ref}{adapted}"
+    return dataclasses.replace(loaded, model=model,
+                               source=f"{model.name} from {model_from}{adapted}")
+
+
+def scoring_precision(precision: str, opened: Opened) -> AutoPrecision:
+    """The forward pass's precision for ``opened``: ``precision`` itself (a preset's name or
+    alias), or for ``auto`` the precision a run directory trained in (as a resume keeps it),
+    else :func:`effijax.precision.auto_precision`'s choice for the model's width here.
+
+    Example:
+      >>> from effijax.models import gpt_config
+      >>> scoring_precision("float32", Opened(gpt_config("tiny"), None))
+      AutoPrecision(precision='fp32', reason='')
+      >>> scoring_precision("auto", Opened(gpt_config("tiny"), None, precision="bf16"))
+      AutoPrecision(precision='bf16', reason="auto: the run's own")
+    """
+    if precision != "auto":
+        return AutoPrecision(PRESET_ALIASES.get(precision, precision), "")
+    if opened.precision is not None:
+        return AutoPrecision(opened.precision, "auto: the run's own")
+    return auto_precision(jax.default_backend(), opened.model.shape().hidden, cpu_flags())
 
 
 def _batches(rows, batch_size: int):
@@ -155,9 +192,10 @@ def evaluate_model(model: str, data: str, *, seq_len: int | None = None, batch_s
       batch_size: windows per forward pass.
       data_format: ``auto`` (chat for ``.jsonl``), ``text`` or ``chat``.
       max_batches: evaluate only the first this many batches (None: all).
-      precision: a precision policy (the compute dtype of the forward pass), or ``auto``,
-        decided from the loaded model as :func:`effijax.precision.auto_precision` decides it
-        (``effijax eval``'s default, as ``effijax train``'s for a new run).
+      precision: a precision policy (the compute dtype of the forward pass), or ``auto``
+        (``effijax eval``'s default): a run directory's own precision, else decided for the
+        loaded model as :func:`effijax.precision.auto_precision` decides it, as ``effijax
+        train`` decides it (:func:`scoring_precision`).
       chat_template: a Jinja chat template file that renders chat data instead of the model's
         own (``--chat-template``, as :func:`~effijax.recipe.train` takes it).
       say: given a line before each stage that takes seconds for a real model (loading it,
@@ -194,19 +232,19 @@ def evaluate_model(model: str, data: str, *, seq_len: int | None = None, batch_s
     check_template_file(chat_template)
     say = say or (lambda line: None)
     say(f"loading {model}")
-    lm, params, spec, description = load_model(model, seq_len=seq_len)
-    if precision == "auto":
-        precision = auto_precision(jax.default_backend(), lm.shape().hidden,
-                                   cpu_flags()).precision
-    policy = get_policy(precision)
+    opened = load_model(model, seq_len=seq_len)
+    lm, params, spec = opened.model, opened.params, opened.lora
+    decided = scoring_precision(precision, opened)
+    policy = get_policy(decided.precision)
     if chat_template is not None:
         lm = with_chat_template(lm, chat_template)
     say(f"reading {data}")
     rows, fingerprint, fmt = load_eval_data(data, lm, data_format=data_format)
     batches = -(-len(rows) // batch_size)
     n = min(batches, max_batches or batches)
-    say(f"compiling the forward pass, then scoring {n:,} batch{'' if n == 1 else 'es'} of "
-        f"{batch_size} windows")
+    why = f" ({decided.reason})" if decided.reason else ""
+    say(f"compiling the forward pass in {decided.precision}{why}, then scoring {n:,} "
+        f"batch{'' if n == 1 else 'es'} of {batch_size} windows")
     scored = _scorer(lm.loss_fn(spec), policy, params, rows, batch_size)
     total, count, evaluated = 0.0, 0, 0
     for i, batch in enumerate(_batches(rows, batch_size)):
@@ -223,4 +261,5 @@ def evaluate_model(model: str, data: str, *, seq_len: int | None = None, batch_s
     loss = total / count
     return EvalResult(loss=loss, perplexity=math.exp(min(loss, 700.0)), tokens=count,
                       rows=evaluated, seq_len=lm.seq_len, format=fmt, fingerprint=fingerprint,
-                      model=description)
+                      model=opened.source, precision=decided.precision,
+                      precision_reason=decided.reason)

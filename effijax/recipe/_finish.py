@@ -31,11 +31,11 @@ from effijax.recipe import _job, _report
 from effijax.recipe._config import TrainConfig
 from effijax.run import read_metrics
 
-__all__ = ["evaluate", "evaluate_start", "with_start", "export", "summarize", "export_paths",
+__all__ = ["evaluate_end", "evaluate_start", "with_start", "export", "summarize", "export_paths",
            "missing_exports"]
 
 
-def evaluate(config: TrainConfig, job, params, tokens, frozen=None, *,
+def evaluate_end(config: TrainConfig, job, params, tokens, frozen=None, *,
              key: str = "eval_loss") -> dict:
     """``{key: loss}``: the mean loss of ``params`` over ``config.eval_batches`` validation
     batches of ``tokens`` (empty when ``eval_batches`` is 0)."""
@@ -67,8 +67,8 @@ def evaluate_start(config: TrainConfig, job, initial, tokens, record: dict | Non
         return {}
     _report.stage(config, f"evaluating the starting model on {config.eval_batches} "
                   "validation batches")
-    before = evaluate(config, job, initial.state.params, tokens, initial.frozen,
-                      key="eval_loss_start")
+    before = evaluate_end(config, job, initial.state.params, tokens, initial.frozen,
+                          key="eval_loss_start")
     if before:
         _report.eval_start(before["eval_loss_start"])
     return before

@@ -28,7 +28,7 @@ from effijax.errors import ConfigError, FileError
 from effijax.interop import load_tokenizer, model_file
 from effijax.lora import load_adapters
 from effijax.models import model_from_dict
-from effijax.precision import QUANTIZED_FORMATS, dequantized_shapes, quantize_kernels
+from effijax.precision import PRESET_NAMES, QUANTIZED_FORMATS, dequantized_shapes, quantize_kernels
 from effijax.recipe._config import BUNDLED, MAX_CONFIG_BYTES, TrainConfig
 from effijax.recipe._finish import export_paths, missing_exports
 from effijax.recipe._identity import base_changes
@@ -48,6 +48,8 @@ class Opened:
       tokenizer: the model's :class:`~effijax.models.Tokenizer`, or None for a byte-vocabulary
         model (text is its UTF-8 bytes).
       source: where it came from, for messages.
+      precision: the precision policy a run directory trained in (its ``config.json``), which
+        ``auto`` keeps when the run is evaluated; None for a pretrained model.
     """
 
     model: Any
@@ -55,6 +57,7 @@ class Opened:
     lora: Any = None
     tokenizer: Any = None
     source: str = ""
+    precision: str | None = None
 
 
 def _run_values(path: Path) -> dict | None:
@@ -102,7 +105,15 @@ def _full_run(path: Path, values: dict, step: int | None) -> Opened:
     if step is None:
         raise ConfigError("model_from", str(path), "holds no committed checkpoint")
     params = load_params(source, model, None, step)
-    return Opened(model, params, None, _tokenizer_of_run(values), f"{path} (step {step})")
+    return Opened(model, params, None, _tokenizer_of_run(values), f"{path} (step {step})",
+                  _precision_of_run(values))
+
+
+def _precision_of_run(values: dict) -> str | None:
+    """The precision policy a run's ``config.json`` records (None: none, or not a policy's
+    name)."""
+    precision = values.get("precision")
+    return precision if precision in PRESET_NAMES else None
 
 
 def _lora_run(path: Path, values: dict) -> Opened:
@@ -126,7 +137,7 @@ def _lora_run(path: Path, values: dict) -> Opened:
     return Opened(base.model, {"base": frozen, "adapters": adapters}, spec,
                   _with_run_template(values, base.tokenizer) if base.tokenizer
                   else _tokenizer_of_run(values), f"{path} (LoRA rank {spec.rank} "
-                  f"on {base.source})")
+                  f"on {base.source})", _precision_of_run(values))
 
 
 def _base(path: Path, values: dict) -> Opened:

@@ -15,7 +15,7 @@ from effijax.data import read_json
 from effijax.errors import ConfigError
 from effijax.recipe._config import BUNDLED, MAX_CONFIG_BYTES
 
-__all__ = ["start", "eval_start", "done", "stopped", "finished_before", "warn", "title",
+__all__ = ["print_start", "eval_start", "done", "stopped", "finished_before", "warn", "title",
            "summary_extras", "summary_step"]
 
 
@@ -49,7 +49,8 @@ def _where(config, job) -> str:
             f"{jax.process_count()} process(es)")
 
 
-def start(config, job, compiled, source, frozen, state, *, data: str = "", why: str = "") -> None:
+def print_start(config, job, compiled, source, frozen, state, *, data: str = "",
+                why: str = "") -> None:
     """The start-up lines: model, precision (``why``: how ``auto`` decided it, or empty) and
     placement, per-device memory, the source, LoRA, the data (``data``: a line about it, or
     empty)."""

@@ -33,14 +33,14 @@ from effijax.recipe._data import mixture_spec, no_chat_template, resolve_format
 # JAX, orbax and the file formats are imported inside the functions that use them:
 # ``effijax memory --model`` reads an architecture (:func:`architecture`) without them.
 
-__all__ = ["Source", "BUNDLED", "bundled_path", "check_paths", "read_source", "read_run",
-           "check_template_file", "with_chat_template", "tokenizer_with_template", "model_for",
-           "latest_step", "starting_point", "load_params", "architecture", "cache_root"]
+__all__ = ["ModelSource", "BUNDLED", "bundled_path", "check_paths", "read_source", "read_run",
+           "check_template_file", "with_chat_template", "tokenizer_with_template", "build_model",
+           "starting_point", "load_params", "architecture", "cache_root"]
 
 
 
 
-class Source(NamedTuple):
+class ModelSource(NamedTuple):
     """What a run starts from: an earlier run (``config`` and ``record`` set) or a pretrained
     model (``model`` and ``params`` loaded, ``record`` holding its path and hash, ``weights``
     each weight file's SHA-256 by its name in the model directory)."""
@@ -260,7 +260,7 @@ def check_chat_template(config: TrainConfig) -> None:
         raise no_chat_template(config.init_from, config.data, tokenizer=True)
 
 
-def read_source(init_from: str, seq_len: int | None, *, keep_blocks: bool = False) -> Source:
+def read_source(init_from: str, seq_len: int | None, *, keep_blocks: bool = False) -> ModelSource:
     """The source ``init_from`` names: a bundled model, a GGUF file or Hugging Face directory
     (loaded now: architecture, tokenizer, weights on the host; ``keep_blocks``: a GGUF's
     quantized kernels kept as its blocks), or an earlier run."""
@@ -269,16 +269,17 @@ def read_source(init_from: str, seq_len: int | None, *, keep_blocks: bool = Fals
         raise missing_source("init_from", init_from)
     if not _is_pretrained(path):
         return read_run(str(path))
-    from effijax.interop import load, weight_files
+    from effijax.interop import load_pretrained, weight_files
 
     try:
-        model, params = load(path, seq_len=seq_len, **({"keep_blocks": True} if keep_blocks
-                                                       else {}))
+        model, params = load_pretrained(path, seq_len=seq_len,
+                                        **({"keep_blocks": True} if keep_blocks else {}))
     except ConfigError as e:
         raise e.within("init_from", init_from) from None
     combined, weights = _weights_digests(path, weight_files(path))
     record = {"path": str(path.resolve()), "sha256": combined}
-    return Source(str(path.resolve()), None, record, model=model, params=params, weights=weights)
+    return ModelSource(str(path.resolve()), None, record, model=model, params=params,
+                       weights=weights)
 
 
 def _weights_digests(source: Path, files: list[str]) -> tuple[str, dict[str, str]]:
@@ -300,7 +301,7 @@ def _weights_digests(source: Path, files: list[str]) -> tuple[str, dict[str, str
     return (next(iter(weights.values())) if len(files) == 1 else combined.hexdigest()), weights
 
 
-def read_run(run_dir: str) -> Source:
+def read_run(run_dir: str) -> ModelSource:
     """An earlier run's settings, checked to be a full (non-LoRA) run with checkpoints."""
     from effijax.recipe._resume import read_run_json
 
@@ -330,10 +331,10 @@ def read_run(run_dir: str) -> Source:
     if not config.checkpoints or not (run / "checkpoints").is_dir():
         raise ConfigError("init_from", run_dir, "has no checkpoints (it ran with "
                           "--no-checkpoints?); rerun it with checkpoints")
-    return Source(str(run.resolve()), config, record)
+    return ModelSource(str(run.resolve()), config, record)
 
 
-def model_for(config: TrainConfig, source: Source | None):
+def build_model(config: TrainConfig, source: ModelSource | None):
     """The run's model: the source run's (``model``/``seq_len`` may only repeat it), or the
     preset ``config.model`` with ``config.seq_len``; its layer loop unrolled as
     ``config.unroll_layers`` says."""
@@ -418,7 +419,7 @@ def tokenizer_with_template(tokenizer, path: str):
     return tokenizer
 
 
-def _architecture_for(config: TrainConfig, source: Source | None):
+def _architecture_for(config: TrainConfig, source: ModelSource | None):
     from effijax.models import model_from_dict, preset
 
     if source is None:
@@ -439,7 +440,7 @@ def _architecture_for(config: TrainConfig, source: Source | None):
     return model
 
 
-def _abstract(source: Source, model):
+def _abstract(source: ModelSource, model):
     from effijax.recipe._job import abstract_state
     from effijax.recipe._optimizer import optimizer_for
 
@@ -447,26 +448,7 @@ def _abstract(source: Source, model):
                           seed=source.config.seed)
 
 
-def latest_step(source: Source, model) -> dict:
-    """``{"run": path, "step": N}``: the source run's checkpoint a fresh start reads (its
-    latest), checked against the run's state structure (metadata only, nothing loaded); for a
-    pretrained model, its path and content hash."""
-    from effijax.checkpoint import validate_resume
-
-    if source.pretrained:
-        return source.record
-
-    directory = Path(source.path) / "checkpoints"
-    try:
-        step = validate_resume(directory, _abstract(source, model))
-    except ConfigError as e:
-        raise ConfigError("init_from", source.path, e.problem) from None
-    if step is None:
-        raise ConfigError("init_from", source.path, f"{directory} holds no committed checkpoint")
-    return {"run": source.path, "step": int(step)}
-
-
-def _source_target(source: Source, model, mesh):
+def _source_target(source: ModelSource, model, mesh):
     import warnings
 
     import jax
@@ -485,7 +467,7 @@ def _source_target(source: Source, model, mesh):
     return restore_target(abstract, shardings)
 
 
-def starting_point(source: Source, model, mesh) -> tuple[dict, Source]:
+def starting_point(source: ModelSource, model, mesh) -> tuple[dict, ModelSource]:
     """``(origin, source)``: what the run starts from (``{"run": path, "step": N}``, or a
     pretrained model's path and hash) and the source with its parameters loaded.
 
@@ -520,7 +502,7 @@ def starting_point(source: Source, model, mesh) -> tuple[dict, Source]:
     return {"run": source.path, "step": found.step}, source._replace(params=found.state.params)
 
 
-def load_params(source: Source, model, mesh, step: int | None) -> Any:
+def load_params(source: ModelSource, model, mesh, step: int | None) -> Any:
     """The source's parameters: loaded by :func:`starting_point` (or a pretrained model's as
     loaded); else the run's ``step``, restored laid out like fsdp over ``mesh`` (None: whole,
     on this process' first device), read-only."""

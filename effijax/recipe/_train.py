@@ -35,7 +35,7 @@ from effijax.recipe._state import Initial, initial_state
 from effijax.sharding import make_mesh
 
 __all__ = ["train", "TrainResult", "start", "model_for", "decide_precision", "resolve",
-           "load_data", "plan", "compile_run"]
+           "load_data", "plan_run", "compile_run"]
 
 
 class TrainResult(NamedTuple):
@@ -95,7 +95,7 @@ def train(config: TrainConfig, *, argv: list[str] | None = None) -> TrainResult:
         _report.stage(config, f"reading the data ({config.data or 'the standard library'})")
         data = load_data(config, model)
         optimizer = optimizer_for(config)
-        job = plan(config, model, optimizer, data, mesh,
+        job = plan_run(config, model, optimizer, data, mesh,
                    None if source is None else source.params)
         origin = None
         if source is not None:  # its checkpoint checked against the plan, its params loaded
@@ -125,7 +125,7 @@ def train(config: TrainConfig, *, argv: list[str] | None = None) -> TrainResult:
                     _report.stopped(config, trained.summary, trained.signal,
                                     config.checkpoints, argv)
                     return TrainResult(config.out, trained.summary, "stopped", config)
-                evaluation = _finish.evaluate(config, job, trained.state.params, data.val,
+                evaluation = _finish.evaluate_end(config, job, trained.state.params, data.val,
                                               initial.frozen)
                 exports = _finish.export(config, job, trained.state.params, initial.frozen)
                 summary = _finish.summarize(job, compiled, trained.summary, config.out,
@@ -165,9 +165,9 @@ def _to_stderr(line: str) -> None:
 
 
 def model_for(config: TrainConfig, source):
-    """The run's model (:func:`effijax.recipe._sources.model_for`), checked against what the
+    """The run's model (:func:`effijax.recipe._sources.build_model`), checked against what the
     run exports."""
-    model = _sources.model_for(config, source)
+    model = _sources.build_model(config, source)
     if config.export_hf:
         try:
             format_of(model)
@@ -277,7 +277,7 @@ def load_data(config: TrainConfig, model) -> Dataset:
     return load_dataset(data, model, data_format=config.data_format)
 
 
-def plan(config: TrainConfig, model, optimizer, data: Dataset, mesh,
+def plan_run(config: TrainConfig, model, optimizer, data: Dataset, mesh,
          base: Any = None) -> _job.Job:
     """The run's :class:`~effijax.recipe.Job` (:func:`~effijax.recipe.plan_job`): abstract
     state, shardings and step for the config's precision, strategy, LoRA and batch
@@ -303,6 +303,6 @@ def compile_run(config: TrainConfig, job, initial: Initial, source, data: Datase
     precision, as :func:`decide_precision` says)."""
     compiled = _job.compile_job(job)
     _resume.agree(_preflight.memory, compiled.memory, job, config.device_memory, config.steps)
-    _report.start(config, job, compiled, source, initial.frozen, initial.state, data=data.note,
-                  why=why)
+    _report.print_start(config, job, compiled, source, initial.frozen, initial.state,
+                        data=data.note, why=why)
     return compiled
