@@ -135,7 +135,7 @@ def under_srun(out, corpus: str, cache: dict) -> tuple[str, str, str]:
     """The run in two processes that find each other from an emulated srun's variables (set
     for two local processes), 4 devices each, uninterrupted, into directory ``out`` (``cache``:
     conftest's ``launch_cache``). Returns the coordinator this process's
-    :func:`effijax.distributed.plan` derived from the same variables (checked to be on the
+    :func:`effijax.distributed.find_launch` derived from the same variables (checked to be on the
     loopback interface before anything starts), and both processes' stdout."""
     from effijax import distributed
 
@@ -146,7 +146,7 @@ def under_srun(out, corpus: str, cache: dict) -> tuple[str, str, str]:
         without_launcher_variables(patch)
         for k, v in {**slurm, "SLURM_PROCID": 0, "SLURM_LOCALID": 0}.items():
             patch.setenv(k, str(v))
-        launch = distributed.plan()
+        launch = distributed.find_launch()
     assert launch.launcher == "slurm" and launch.settings.num_processes == 2
     assert is_loopback(launch.settings.coordinator_address)  # before anything starts
 

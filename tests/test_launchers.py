@@ -1,8 +1,8 @@
 """Joining a run from its launcher's environment (SLURM, Open MPI, ...), and real launches.
 
 The unit tests set a launcher's variables with monkeypatch and ask
-:func:`effijax.distributed.plan` (nothing connects). The slow ones start `effijax train` under
-Open MPI's `mpirun -np 2` and under an emulated `srun` (its variables set for two local
+:func:`effijax.distributed.find_launch` (nothing connects). The slow ones start `effijax train`
+under Open MPI's `mpirun -np 2` and under an emulated `srun` (its variables set for two local
 processes), 4 CPU devices each, and compare with one process of 8 devices: the check of
 tests/test_multihost.py, with the launcher instead of flags, against the same run of one process
 of 8 (conftest's ``one_process_of_eight``; the emulated srun's run is conftest's
@@ -84,49 +84,50 @@ def test_the_config_and_the_library_name_the_same_launchers():
 def test_srun_environment_gives_count_id_and_its_first_node_as_coordinator(clean_env):
     _slurm(clean_env, procid=1, nodes="node[003-005],gpu7", job_id=4096 * 3 + 5, num_nodes=2,
            ntasks=2)
-    launch = distributed.plan()
+    launch = distributed.find_launch()
     # jax's rule: the first host of the step, port 61440 + job id mod 4096.
     assert launch == (("node003:61445", 2, 1), "slurm", None)  # one task per node: all devices
     assert launch.describe() == "process 1 of 2 (launcher slurm), coordinator node003:61445"
     clean_env.setenv("SLURM_STEP_NUM_NODES", "1")  # both tasks on one node: one device each
-    assert distributed.plan().local_device_ids == (1,)
+    assert distributed.find_launch().local_device_ids == (1,)
     clean_env.setenv("CUDA_VISIBLE_DEVICES", "3")  # srun --gpus-per-task bound one already
-    assert distributed.plan().local_device_ids is None
+    assert distributed.find_launch().local_device_ids is None
 
 
 def test_mpirun_environment_gives_count_id_and_the_launcher_host(clean_env):
     _ompi(clean_env, rank=1, size=2)
-    launch = distributed.plan()
+    launch = distributed.find_launch()
     assert launch.launcher == "ompi" and launch.settings[1:] == (2, 1)
     host, port = distributed.parse_address(launch.settings.coordinator_address)
     assert host == "127.0.0.1" and 65535 - 4096 < port <= 65535
     assert launch.local_device_ids == (1,)
     clean_env.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "1")
-    assert distributed.plan().local_device_ids is None
+    assert distributed.find_launch().local_device_ids is None
 
 
 def test_explicit_settings_win_over_the_launcher(clean_env):
     _slurm(clean_env, procid=1)
-    assert distributed.plan("127.0.0.1:1234", 2, 0) == (("127.0.0.1:1234", 2, 0), "flags", None)
-    assert distributed.plan(num_processes=1).settings == (None, 1, 0)
+    assert distributed.find_launch("127.0.0.1:1234", 2, 0) == (("127.0.0.1:1234", 2, 0), "flags",
+                                                                None)
+    assert distributed.find_launch(num_processes=1).settings == (None, 1, 0)
     clean_env.setenv("EFFIJAX_NUM_PROCESSES", "4")
     clean_env.setenv("EFFIJAX_PROCESS_ID", "3")
     clean_env.setenv("EFFIJAX_COORDINATOR", "10.0.0.1:80")
-    assert distributed.plan() == (("10.0.0.1:80", 4, 3), "environment", None)
+    assert distributed.find_launch() == (("10.0.0.1:80", 4, 3), "environment", None)
     for name in ("EFFIJAX_NUM_PROCESSES", "EFFIJAX_PROCESS_ID"):
         clean_env.delenv(name)
     # A coordinator alone replaces only the launcher's address; JAX_COORDINATOR_PORT its port.
-    assert distributed.plan() == (("10.0.0.1:80", 2, 1), "slurm", (1,))
+    assert distributed.find_launch() == (("10.0.0.1:80", 2, 1), "slurm", (1,))
     clean_env.delenv("EFFIJAX_COORDINATOR")
     clean_env.setenv("JAX_COORDINATOR_PORT", "5555")
-    assert distributed.plan().settings.coordinator_address == "localhost:5555"
-    assert distributed.plan(cluster="none").settings == (None, 1, 0)
+    assert distributed.find_launch().settings.coordinator_address == "localhost:5555"
+    assert distributed.find_launch(cluster="none").settings == (None, 1, 0)
 
 
 def test_a_launcher_of_one_process_is_a_single_process_run(clean_env):
     _slurm(clean_env, procid=0, ntasks=1)
-    assert distributed.plan() == ((None, 1, 0), "slurm", None)
-    assert distributed.plan().describe() == "1 process (launcher slurm)"
+    assert distributed.find_launch() == ((None, 1, 0), "slurm", None)
+    assert distributed.find_launch().describe() == "1 process (launcher slurm)"
 
 
 @pytest.mark.parametrize("setup, match", [
@@ -152,7 +153,7 @@ def test_a_partial_or_inconsistent_launcher_environment_is_an_error(clean_env, s
         pytest.skip("the kubernetes package is installed here: that environment is complete")
     setup(clean_env)
     with pytest.raises(ConfigError, match=match):
-        distributed.plan()
+        distributed.find_launch()
     with pytest.raises(ConfigError, match=match):  # initialize checks before connecting
         distributed.initialize()
 
@@ -160,20 +161,20 @@ def test_a_partial_or_inconsistent_launcher_environment_is_an_error(clean_env, s
 def test_forced_launchers_and_ids_the_launcher_owns(clean_env):
     with pytest.raises(ConfigError, match=r"cluster='slurm': no srun task environment here "
                                           r"\(missing SLURM_JOB_ID"):
-        distributed.plan(cluster="slurm")
+        distributed.find_launch(cluster="slurm")
     with pytest.raises(ConfigError, match=r"cluster='ompi': no Open MPI 4 task environment"):
-        distributed.plan(cluster="ompi")
+        distributed.find_launch(cluster="ompi")
     with pytest.raises(ConfigError, match=r"cluster='pbs': choose one of auto, none"):
-        distributed.plan(cluster="pbs")
+        distributed.find_launch(cluster="pbs")
     _slurm(clean_env, procid=1)
-    assert distributed.plan(cluster="slurm").launcher == "slurm"
+    assert distributed.find_launch(cluster="slurm").launcher == "slurm"
     with pytest.raises(ConfigError, match=r"process_id=0: slurm numbers the processes"):
-        distributed.plan(process_id=0)
+        distributed.find_launch(process_id=0)
     # Nothing found under auto: a plain single process, as before.
     clean_env.delenv("SLURM_STEP_NODELIST")
     for name in ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID"):
         clean_env.delenv(name)
-    assert distributed.plan() == ((None, 1, 0), None, None)
+    assert distributed.find_launch() == ((None, 1, 0), None, None)
 
 
 def test_the_cli_refuses_an_unknown_launcher_before_starting_jax():
@@ -287,8 +288,8 @@ def under_mpirun(tmp_path_factory, launch_corpus, launch_cache):
     # One write per rank: mpirun --tag-output tags each chunk it reads, so print's separate
     # writes (under PYTHONUNBUFFERED, as in CI) interleaved the two ranks mid-line.
     probe = subprocess.run(
-        [*MPIRUN, sys.executable, "-c", "import os; from effijax.distributed import plan; "
-         "l = plan(); os.write(1, ' '.join(map(str, (l.launcher, *l.settings))).encode() + "
+        [*MPIRUN, sys.executable, "-c", "import os; from effijax.distributed import find_launch; "
+         "l = find_launch(); os.write(1, ' '.join(map(str, (l.launcher, *l.settings))).encode() + "
          "b'\\n')"],
         capture_output=True, text=True, env=env(), timeout=TIMEOUT_S)
     assert probe.returncode == 0, probe.stderr

@@ -356,16 +356,16 @@ def test_process_settings_from_the_environment_are_checked_before_connecting(mon
                                           r"num_processes=2\)"):
         distributed.initialize()
     monkeypatch.setenv("EFFIJAX_PROCESS_ID", "1")
-    assert distributed.resolve() == ("127.0.0.1:1234", 2, 1)
+    assert distributed.process_settings() == ("127.0.0.1:1234", 2, 1)
     monkeypatch.setenv("EFFIJAX_COORDINATOR", "127.0.0.1:99999")
     with pytest.raises(ConfigError, match=r"EFFIJAX_COORDINATOR='127.0.0.1:99999': port 99999"):
-        distributed.resolve()
+        distributed.process_settings()
     monkeypatch.delenv("EFFIJAX_COORDINATOR")
     monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:80")  # jax's own variable
-    assert distributed.resolve().coordinator_address == "10.0.0.1:80"
+    assert distributed.process_settings().coordinator_address == "10.0.0.1:80"
     for name in ("EFFIJAX_NUM_PROCESSES", "EFFIJAX_PROCESS_ID"):
         monkeypatch.delenv(name)
-    assert distributed.resolve() == (None, 1, 0)  # one process: the address is not needed
+    assert distributed.process_settings() == (None, 1, 0)  # one process: the address is not needed
     assert distributed.initialize() is False and distributed.is_main()
 
 

@@ -30,8 +30,10 @@ __getattr__, __dir__, __all__ = attach(__name__, {
         "rest_of_stderr_to", "save", "save_errors", "step_of", "write_errors", "keep_room",
         "free_room", "ROOM_FILE"),
     "effijax.checkpoint._lock": ("LOCK_FILE", "RunLock", "lock_holder", "lock_run_dir"),
-    "effijax.checkpoint._manager": ("FORMAT_VERSION", "OLDEST_FORMAT", "Checkpointer",
-        "CorruptCheckpoint", "Restored", "SaveResult", "latest_step", "open_checkpoints",
-        "read_checkpoint", "restore_newest", "restore_target", "set_aside", "validate_resume"),
+    "effijax.checkpoint._checkpointer": ("Checkpointer", "SaveResult", "open_checkpoints"),
+    "effijax.checkpoint._format": ("FORMAT_VERSION", "OLDEST_FORMAT", "CorruptCheckpoint"),
+    "effijax.checkpoint._restore": ("read_checkpoint", "restore_target"),
+    "effijax.checkpoint._resume": ("Restored", "latest_step", "restore_newest", "set_aside",
+        "validate_resume"),
     "effijax.checkpoint._metrics": ("truncate_metrics",),
 })

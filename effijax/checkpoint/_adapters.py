@@ -21,7 +21,7 @@ from collections.abc import Mapping
 import jax
 import numpy as np
 
-from effijax.checkpoint._manager import Checkpointer, SaveResult
+from effijax.checkpoint._checkpointer import Checkpointer, SaveResult
 from effijax.errors import ConfigError
 from effijax.paths import named_leaves
 

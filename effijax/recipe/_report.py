@@ -21,7 +21,7 @@ __all__ = ["print_start", "eval_start", "done", "stopped", "finished_before", "w
 
 def _main() -> bool:
     """Whether this is the process that prints (process 0)."""
-    # Imported here: effijax.distributed imports JAX, which summary_step's callers must not.
+    # Imported here: effijax.distributed.is_main imports JAX, which summary_step's callers must not.
     from effijax import distributed
 
     return distributed.is_main()

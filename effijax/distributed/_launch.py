@@ -1,22 +1,13 @@
-"""Multi-process runs: the only module that calls ``jax.distributed``.
+"""How this process joins its run: the coordinator, process count and id, all checked.
 
-One process per host (or, for tests, several processes on one machine with forced CPU devices)
-joins a run with :func:`initialize`, before anything touches a jax backend. Arguments win over
-the environment: ``EFFIJAX_COORDINATOR`` (``host:port`` of process 0's coordinator; jax's own
-``JAX_COORDINATOR_ADDRESS`` is accepted too), ``EFFIJAX_NUM_PROCESSES`` and
-``EFFIJAX_PROCESS_ID``. One process (no setting at all, or ``num_processes=1``) is a no-op, so
-single-process code calls :func:`initialize` unconditionally. Settings are checked before
-connecting: a wrong process id or address is a :class:`~effijax.errors.ConfigError`, not a
-five-minute connection timeout.
-
-After initialisation ``jax.devices()`` lists every process' devices; each process feeds only
-its own rows of a global batch, and :func:`global_batch` assembles them into global arrays with
-``jax.make_array_from_process_local_data``. Only the main process (:func:`is_main`) writes files
-or prints.
+Arguments win over the environment: ``EFFIJAX_COORDINATOR`` (``host:port`` of process 0's
+coordinator; jax's own ``JAX_COORDINATOR_ADDRESS`` is accepted too), ``EFFIJAX_NUM_PROCESSES``
+and ``EFFIJAX_PROCESS_ID``. Settings are checked before connecting: a wrong process id or
+address is a :class:`~effijax.errors.ConfigError`, not a five-minute connection timeout.
 
 Launchers: with no process count given (no argument, no ``EFFIJAX_NUM_PROCESSES``),
-:func:`plan` asks jax's cluster detection (``jax._src.clusters``, what
-``jax.distributed.initialize()`` does with no arguments) whether a launcher started this process:
+:func:`find_launch` asks jax's cluster detection (``jax._src.clusters``, what jax's distributed
+``initialize()`` does with no arguments) whether a launcher started this process:
 SLURM's ``srun``, Open MPI's ``mpirun``, mpi4py (on request only), a Kubernetes indexed Job, or a
 Cloud TPU slice; the launcher then gives the coordinator, the process count and this process' id
 (an explicit coordinator still wins). ``cluster="none"`` turns detection off, a launcher's name
@@ -24,54 +15,27 @@ forces it. A launcher environment that is half there (``OMPI_COMM_WORLD_SIZE`` w
 4's ``OMPI_MCA_orte_hnp_uri``, a Kubernetes indexed Job without the ``kubernetes`` package, a
 rank outside the task count) is a :class:`~effijax.errors.ConfigError`, never a silent single
 process: sixteen processes that each think they are alone would write one directory sixteen
-times.
-
-Start-up: before jax's own connection, the processes meet on the coordinator's port
-(``effijax._rendezvous``), because jax 0.10 waits in silence and, when a process never comes,
-aborts the interpreter from C++ after five minutes. While a process waits it says for whom
-(``print_fn``, by default to stderr); after ``join_timeout`` seconds (300 by default) it raises a
-:class:`~effijax.errors.ConfigError` naming the missing processes, as does a process started
-with another process count, or an id two processes share.
-
-On CPU the cross-process collectives use gloo (jax 0.10's CPU default). A coordinator on a
-loopback address (``127.0.0.1:PORT``) binds to that address only, never to every interface.
+times. Nothing here connects.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import os
-import sys
-from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 
-from effijax import _rendezvous
 from effijax.errors import ConfigError, whole_number
 
-__all__ = ["initialize", "join", "plan", "resolve", "Launch", "ProcessSettings", "CLUSTERS",
-           "is_main", "barrier", "shutdown", "global_batch", "process_rows", "parse_address",
-           "ENV_COORDINATOR", "ENV_NUM_PROCESSES", "ENV_PROCESS_ID", "MAX_CPU_DEVICES"]
+__all__ = ["find_launch", "process_settings", "Launch", "ProcessSettings", "CLUSTERS",
+           "parse_address", "ENV_COORDINATOR", "ENV_NUM_PROCESSES", "ENV_PROCESS_ID"]
 
 ENV_COORDINATOR = "EFFIJAX_COORDINATOR"
 ENV_NUM_PROCESSES = "EFFIJAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "EFFIJAX_PROCESS_ID"
-# jax.distributed.initialize itself reads this one (jax/_src/distributed.py); jax documents no
+# jax's distributed initialize() itself reads this one (jax/_src/distributed.py); jax documents no
 # environment variables for the process count or id.
 _JAX_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
-
-_LOOPBACK_NAMES = {"localhost", "ip6-localhost"}
-# jax's coordinator binds here when the address is not a loopback one (jax/_src/distributed.py).
-_JAX_BIND = "JAX_COORDINATOR_BIND_ADDRESS"
-# The seconds jax's own connection may take once every process has met: gRPC backs off for
-# seconds between attempts while process 0's service starts, so a short join_timeout (a test's)
-# must not become jax's, whose expiry aborts the interpreter.
-_JAX_CONNECT_S = 60
-# The most CPU devices one process may force. XLA starts every one up front (a client, a
-# thread pool and buffers each), so 100,000 take the machine for minutes before one line is
-# printed; 1,024 is far above any mesh a host simulates (a TPU pod slice's is 256 or 512).
-MAX_CPU_DEVICES = 1024
 
 
 def _int_setting(field: str, value, minimum: int) -> int | None:
@@ -118,17 +82,8 @@ def parse_address(address: str, field: str = "coordinator_address") -> tuple[str
     return host, number
 
 
-def _is_loopback(host: str) -> bool:
-    if host.lower() in _LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 class ProcessSettings(NamedTuple):
-    """Where this process stands in a run (see :func:`resolve`).
+    """Where this process stands in a run (see :func:`process_settings`).
 
     Attributes:
       coordinator_address: ``host:port`` of process 0's coordinator (None for one process).
@@ -156,7 +111,7 @@ _K8S_INDEX = "JOB_COMPLETION_INDEX"
 
 
 class Launch(NamedTuple):
-    """How this process joins its run (see :func:`plan`).
+    """How this process joins its run (see :func:`find_launch`).
 
     Attributes:
       settings: the coordinator, process count and this process' id.
@@ -175,7 +130,7 @@ class Launch(NamedTuple):
         """One line for the start of a run: the launcher, the process count and this id.
 
         Example:
-          >>> plan("127.0.0.1:1234", 2, 1).describe()
+          >>> find_launch("127.0.0.1:1234", 2, 1).describe()
           'process 1 of 2 (from flags), coordinator 127.0.0.1:1234'
         """
         s = self.settings
@@ -373,9 +328,9 @@ def _local_device_ids(name: str) -> tuple[int, ...] | None:
     return (local,) if several else None
 
 
-def plan(coordinator_address: str | None = None, num_processes: int | None = None,
-         process_id: int | None = None, *, cluster: str = "auto",
-         timeout_s: int = 300) -> Launch:
+def find_launch(coordinator_address: str | None = None, num_processes: int | None = None,
+                process_id: int | None = None, *, cluster: str = "auto",
+                timeout_s: int = 300) -> Launch:
     """How this process joins its run: from the arguments, ``EFFIJAX_*``, or its launcher.
 
     A process count (argument or ``$EFFIJAX_NUM_PROCESSES``) means explicit settings, and no
@@ -393,14 +348,14 @@ def plan(coordinator_address: str | None = None, num_processes: int | None = Non
         (Kubernetes, Cloud TPU).
 
     Raises:
-      ConfigError: bad explicit settings (see :func:`resolve`); a launcher named but not
+      ConfigError: bad explicit settings (see :func:`process_settings`); a launcher named but not
         found; a partial or inconsistent launcher environment; a ``process_id`` given without
         a count while a launcher numbers the processes.
 
     Example:
-      >>> plan().launcher, plan().settings  # no launcher variables here
+      >>> find_launch().launcher, find_launch().settings  # no launcher variables here
       (None, ProcessSettings(coordinator_address=None, num_processes=1, process_id=0))
-      >>> plan(cluster="slurm")
+      >>> find_launch(cluster="slurm")
       Traceback (most recent call last):
       ...
       effijax.errors.ConfigError: cluster='slurm': no srun task environment here (missing ...
@@ -455,12 +410,13 @@ def _absent(name: str) -> str:
     return f"jax's {_DETECTORS[name]} detection finds no Cloud TPU slice here"
 
 
-def resolve(coordinator_address: str | None = None, num_processes: int | None = None,
-            process_id: int | None = None, *, cluster: str = "auto") -> ProcessSettings:
+def process_settings(coordinator_address: str | None = None,
+                     num_processes: int | None = None, process_id: int | None = None, *,
+                     cluster: str = "auto") -> ProcessSettings:
     """The run's process settings from the arguments, else the environment, all checked.
 
     Nothing connects and jax's backend does not start: this is the pre-flight half of
-    :func:`initialize` (``plan(...).settings``; see :func:`plan` for launchers).
+    :func:`initialize` (``find_launch(...).settings``; see :func:`find_launch` for launchers).
 
     Raises:
       ConfigError: naming the argument or environment variable: a count or id that is not an
@@ -468,307 +424,13 @@ def resolve(coordinator_address: str | None = None, num_processes: int | None = 
         with one process.
 
     Example:
-      >>> resolve()
+      >>> process_settings()
       ProcessSettings(coordinator_address=None, num_processes=1, process_id=0)
-      >>> resolve("127.0.0.1:1234", 2, 1)
+      >>> process_settings("127.0.0.1:1234", 2, 1)
       ProcessSettings(coordinator_address='127.0.0.1:1234', num_processes=2, process_id=1)
-      >>> resolve("127.0.0.1", 2, 1)
+      >>> process_settings("127.0.0.1", 2, 1)
       Traceback (most recent call last):
       ...
       effijax.errors.ConfigError: coordinator_address='127.0.0.1': expected host:port, ...
     """
-    return plan(coordinator_address, num_processes, process_id, cluster=cluster).settings
-
-
-def initialize(
-    coordinator_address: str | None = None,
-    num_processes: int | None = None,
-    process_id: int | None = None,
-    *,
-    cluster: str = "auto",
-    local_device_count: int | None = None,
-    join_timeout: int = 300,
-    print_fn: Callable[[str], None] | None = None,
-) -> bool:
-    """Joins a multi-process run (a no-op for one process); call it before any other jax use.
-
-    Args:
-      coordinator_address: ``host:port`` of the coordinator that process 0 starts; default
-        ``$EFFIJAX_COORDINATOR``, then ``$JAX_COORDINATOR_ADDRESS``, then the launcher's.
-      num_processes: processes in the run; default ``$EFFIJAX_NUM_PROCESSES``, else the
-        launcher's (see :func:`plan`), else 1.
-      process_id: this process' index in ``[0, num_processes)``; default
-        ``$EFFIJAX_PROCESS_ID``, else the launcher's.
-      cluster: launcher detection, one of :data:`CLUSTERS` (``auto``: whichever launcher
-        started this process; ``none``: only the explicit settings).
-      local_device_count: force this many CPU devices in this process (CPU runs and tests);
-        applied before the backend starts (if it already started, it must have that many).
-      join_timeout: seconds this process waits for the others to join (process 0: for all
-        of them; the others: for process 0 and, through it, for the rest).
-      print_fn: receives a line (no prefix) whenever this process reports what it waits for:
-        after a couple of seconds of waiting, then every half minute; default: stderr, as
-        ``effijax: ...``.
-
-    Returns:
-      True if this call connected to a multi-process run, False for a single process (or when
-      this process had already joined one).
-
-    Raises:
-      ConfigError: bad settings (see :func:`plan`), all found before connecting; then, while
-        joining: a process missing after ``join_timeout`` (``num_processes``, naming it), a
-        process started with another process count (``num_processes``), an id two processes
-        share (``process_id``), a coordinator port process 0 cannot listen on
-        (``coordinator_address``). Every process that knows of the problem raises it.
-      RuntimeError: jax's backend already started (``jax.devices()`` or any computation ran
-        first), with what to do instead.
-
-    Example:
-      >>> initialize()  # no settings, no launcher: one process, nothing to do
-      False
-      >>> initialize("127.0.0.1:1234", 2, 2)
-      Traceback (most recent call last):
-      ...
-      effijax.errors.ConfigError: process_id=2: must be in [0, num_processes=2)
-    """
-    launch = plan(coordinator_address, num_processes, process_id, cluster=cluster)
-    return _join(launch, local_device_count, join_timeout, print_fn)
-
-
-def join(
-    coordinator_address: str | None = None,
-    num_processes: int | None = None,
-    process_id: int | None = None,
-    *,
-    cluster: str = "auto",
-    local_device_count: int | None = None,
-    join_timeout: int = 300,
-    print_fn: Callable[[str], None] | None = None,
-) -> Launch:
-    """:func:`initialize`, returning how this process joined (for a start-up line).
-
-    Example:
-      >>> join().describe()
-      '1 process (no launcher)'
-      >>> join("127.0.0.1:1", 2, 1, join_timeout=1, print_fn=print)
-      Traceback (most recent call last):
-      ...
-      effijax.errors.ConfigError: num_processes=2: process 0 did not answer at 127.0.0.1:1 ...
-    """
-    launch = plan(coordinator_address, num_processes, process_id, cluster=cluster)
-    _join(launch, local_device_count, join_timeout, print_fn)
-    if local_device_count is not None:  # forced CPU devices: no accelerator is narrowed
-        launch = launch._replace(local_device_ids=None)
-    return launch
-
-
-def _join(launch: Launch, local_device_count: int | None, join_timeout: int,
-          print_fn: Callable[[str], None] | None) -> bool:
-    settings = launch.settings
-    local = _int_setting("local_device_count", local_device_count, 1)
-    if local is not None:
-        whole_number("local_device_count", local, maximum=MAX_CPU_DEVICES)
-    timeout = _int_setting("join_timeout", join_timeout, 1)
-    if timeout is None:
-        raise ConfigError("join_timeout", join_timeout, "must be an integer >= 1")
-    if jax.distributed.is_initialized():
-        return False
-    if local is not None:
-        _force_cpu_devices(local)
-    if settings.num_processes == 1:
-        return False
-    bind = _bind_address(settings.coordinator_address)
-    try:
-        _rendezvous.meet(settings.coordinator_address, parse_address(bind, _JAX_BIND),
-                         settings.num_processes, settings.process_id, timeout_s=timeout,
-                         print_fn=print_fn or _to_stderr)
-    except _rendezvous.JoinError as e:
-        raise _join_error(launch, e) from None
-    kwargs = {"cluster_detection_method": "deactivate",  # plan() decided everything
-              "coordinator_bind_address": bind,
-              "initialization_timeout": max(timeout, _JAX_CONNECT_S)}
-    if launch.local_device_ids is not None and local is None:  # accelerators, not forced CPUs
-        kwargs["local_device_ids"] = list(launch.local_device_ids)
-    try:
-        jax.distributed.initialize(settings.coordinator_address, settings.num_processes,
-                                   settings.process_id, **kwargs)
-    except RuntimeError as e:
-        if "before any JAX calls" in str(e):
-            raise RuntimeError(
-                "effijax.distributed.initialize must run before anything starts jax's backend "
-                "(jax.devices(), jax.device_put, any computation): call it first thing in the "
-                f"program. jax said: {e}"
-            ) from e
-        raise
-    return True
-
-
-def _bind_address(address: str) -> str:
-    """Where process 0 listens: the meeting's socket first, then jax's coordinator service."""
-    host, port = parse_address(address)
-    if _is_loopback(host):  # a local run: listen on loopback only, not on every interface
-        return address
-    return os.environ.get(_JAX_BIND) or f"[::]:{port}"  # jax's own default
-
-
-def _to_stderr(line: str) -> None:
-    print(f"effijax: {line}", file=sys.stderr, flush=True)
-
-
-# How each source of the settings names them, for errors found while joining.
-_SETTING_NAMES = {
-    "environment": {"num_processes": ENV_NUM_PROCESSES, "process_id": ENV_PROCESS_ID},
-    "slurm": {"num_processes": "SLURM_NTASKS", "process_id": "SLURM_PROCID"},
-    "ompi": {"num_processes": "OMPI_COMM_WORLD_SIZE", "process_id": "OMPI_COMM_WORLD_RANK"},
-}
-
-
-def _join_error(launch: Launch, error: _rendezvous.JoinError) -> ConfigError:
-    """``error`` under the name of the setting to fix, with what to do about it."""
-    s = launch.settings
-    own = {"num_processes": s.num_processes, "process_id": s.process_id,
-           "coordinator_address": s.coordinator_address}
-    value = error.value if error.value is not None else own.get(error.setting)
-    return ConfigError(_setting_name(launch.launcher, error.setting), value,
-                       error.problem + _join_hint(launch.launcher, sorted(error.missing)))
-
-
-def _setting_name(source: str | None, setting: str) -> str:
-    if source in (None, "flags"):
-        return setting
-    if source == "environment":
-        return _SETTING_NAMES[source].get(setting, setting)
-    return _SETTING_NAMES.get(source, {}).get(setting, f"{source} {setting.replace('_', ' ')}")
-
-
-def _join_hint(source: str | None, missing: list[int]) -> str:
-    """What to do about the processes that did not join, by who started them."""
-    by_hand = source in ("flags", "environment")
-    if not missing:
-        return ""
-    if missing == [0]:
-        first = ("start process 0 (it hosts the coordinator) there with the same process count"
-                 if by_hand else "see process 0's output (did it fail before listening?)")
-        return f"; {first}, and check that this host can reach that address"
-    one = len(missing) == 1
-    them, their, they = ("it", "its", "it") if one else ("them", "their", "they")
-    if by_hand:
-        numbers = _rendezvous.ids(missing).split(" ", 1)[1]
-        return (f"; start {them} with process {'id' if one else 'ids'} {numbers} and the same "
-                "coordinator and process count, or lower the process count")
-    return (f"; {source} started {them}: see {their} output, and check that {they} can reach "
-            "that address")
-
-
-def _force_cpu_devices(count: int) -> None:
-    try:
-        jax.config.update("jax_num_cpu_devices", count)
-    except RuntimeError:  # the backend already started: fine if it has what was asked for
-        have = jax.local_device_count()
-        if have != count:
-            raise ConfigError("local_device_count", count, f"jax already started with {have} "
-                              "device(s) in this process; force CPU devices before anything "
-                              "uses jax (first thing in the program)") from None
-
-
-def is_main() -> bool:
-    """True in the process that writes files and prints (process 0; always in one process).
-
-    Example:
-      >>> is_main()
-      True
-    """
-    return jax.process_index() == 0
-
-
-def barrier(name: str) -> None:
-    """Waits until every process of the run has called ``barrier(name)``; a no-op in one
-    process. Use it between reads every process makes on its own (of a shared directory) and
-    the first write that would change what a late reader sees.
-
-    Example:
-      >>> barrier("example")
-    """
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(name)
-
-
-def shutdown() -> None:
-    """Leaves the multi-process run (waits for the others); a no-op when not in one.
-
-    Example:
-      >>> shutdown()
-    """
-    if jax.distributed.is_initialized():
-        jax.distributed.shutdown()
-
-
-def process_rows(sharding, batch_size: int) -> tuple[int, int]:
-    """Which block of a global batch's rows this process's devices hold under ``sharding``.
-
-    A batch split over ``("data", "fsdp")`` spanning the processes gives each its own block; a
-    batch axis that stays within a process (a ``tensor`` axis across the processes, say
-    ``tensor=8`` over 2 processes of 4 devices) gives every process every row. Each process
-    builds just those rows (``effijax.data.batch_at(..., process_index=index,
-    process_count=count)``) and :func:`global_batch` assembles them.
-
-    Args:
-      sharding: the batch's sharding (:func:`effijax.sharding.batch_sharding`).
-      batch_size: the global batch's rows.
-
-    Returns:
-      ``(index, count)``: this process holds rows ``[index * b, (index + 1) * b)`` with
-      ``b = batch_size // count``.
-
-    Raises:
-      ConfigError: the process's devices hold rows that are not one contiguous block of equal
-        size on every process (a mesh whose batch axes interleave the processes' devices).
-
-    Example:
-      >>> from effijax.sharding import batch_sharding, make_mesh
-      >>> process_rows(batch_sharding(make_mesh(fsdp=2, tensor=4)), 16)  # one process
-      (0, 1)
-    """
-    whole_number("batch_size", batch_size, maximum=None)
-    me = jax.process_index()
-    rows = set()
-    for device, index in sharding.devices_indices_map((batch_size,)).items():
-        if device.process_index == me:
-            rows.update(range(batch_size)[index[0]])
-    start, stop = min(rows), max(rows) + 1
-    if len(rows) != stop - start or batch_size % len(rows) or start % len(rows):
-        raise ConfigError("mesh", dict(sharding.mesh.shape), f"process {me}'s devices hold rows "
-                          f"{sorted(rows)} of the batch of {batch_size}, not one block of "
-                          "batch_size / (processes along the batch axes); order the devices "
-                          "so that each process's are together (effijax.sharding.make_mesh does)")
-    return start // len(rows), batch_size // len(rows)
-
-
-def global_batch(local_batch, sharding, batch_size: int | None = None):
-    """Global arrays from each process' own rows: ``make_array_from_process_local_data``.
-
-    Every process passes the block of rows its devices hold (:func:`process_rows`: e.g.
-    ``effijax.data.batch_at(..., process_index=index, process_count=count)`` with ``index,
-    count = process_rows(sharding, batch_size)``); the result is one global array per leaf,
-    laid out by ``sharding`` (usually :func:`effijax.sharding.batch_sharding`).
-
-    Args:
-      local_batch: a pytree of host arrays, this process' rows.
-      sharding: the global arrays' sharding (one for the whole tree).
-      batch_size: the global batch's rows; needed where the processes' blocks are not the
-        batch split evenly over every process (every process holding every row, say), and
-        None to let JAX infer it from the even split.
-
-    Example:
-      >>> import numpy as np
-      >>> from effijax.sharding import batch_sharding, make_mesh
-      >>> x = global_batch({"x": np.ones((16, 3), np.float32)}, batch_sharding(make_mesh()))
-      >>> x["x"].shape, len(x["x"].addressable_shards)
-      ((16, 3), 8)
-    """
-    def make(x):
-        shape = None if batch_size is None else (batch_size, *x.shape[1:])
-        return jax.make_array_from_process_local_data(sharding, x, shape)
-
-    return jax.tree.map(make, local_batch)
+    return find_launch(coordinator_address, num_processes, process_id, cluster=cluster).settings
