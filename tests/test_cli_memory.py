@@ -39,6 +39,18 @@ def test_memory_json_lora(capsys):
     assert out["trainable_params"] == 70_000_000
 
 
+def test_memory_frozen_dtype_auto_is_trains_the_precisions_compute_dtype(capsys):
+    """A LoRA base is counted in the precision's compute dtype unless --frozen-dtype says
+    otherwise, as effijax train stores it (auto: bf16 for memory's default precision)."""
+    argv = ["memory", "--params", "1B", "--lora-fraction", "0.01"]
+    frozen = {flags: run_json([*argv, *flags], capsys)["frozen_bytes"]
+              for flags in ((), ("--precision", "fp32"), ("--precision", "fp16"),
+                            ("--precision", "fp32", "--frozen-dtype", "bf16"))}
+    assert frozen == {(): 2 * 10**9, ("--precision", "fp32"): 4 * 10**9,
+                      ("--precision", "fp16"): 2 * 10**9,
+                      ("--precision", "fp32", "--frozen-dtype", "bf16"): 2 * 10**9}
+
+
 def test_memory_json_lion_single_gpu(capsys):
     out = run_json(["memory", "--params", "70B", "--optimizer", "lion"], capsys)
     assert out["model_state_bytes"] == 840 * 10**9

@@ -38,10 +38,9 @@ ALLOWED = {
     # memory counts full fine-tuning unless a LoRA fraction is given; plan proposes LoRA at
     # this fraction only when full fine-tuning does not fit.
     "--lora-fraction": "memory: none (full fine-tuning); plan: the fraction LoRA would use",
-    # train stores its frozen base in the precision's compute dtype (auto) and trains on the
-    # formats it implements; memory counts any storage width by name (fp8, int4, ... for
-    # what-ifs) with bf16 as the usual base; plan only tries the quantized bases it may propose.
-    # TODO(#51): give memory and plan train's auto default.
+    # One default everywhere (auto: the precision's compute dtype), but train offers the formats
+    # it trains on, memory counts any storage width by name (fp8, int4, ... for what-ifs), and
+    # plan tries only the quantized bases it may propose.
     "--frozen-dtype": "memory counts more formats by name; plan tries only its bases",
     # train writes a run directory (runs/train by default); data prepare must be told where the
     # store goes.
@@ -119,6 +118,13 @@ def test_the_check_finds_a_disagreement():
     differ = {"a": command(("adamw", "adam"), "auto"),
               "b": command(("adam", "sgd_momentum"), "bf16")}
     assert set(disagreements(differ)) == {"--optimizer", "--precision"}
+
+
+@pytest.mark.parametrize("command", ["memory", "plan"])
+def test_memory_and_plan_take_trains_frozen_dtype_default(command):
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    uses = {c: d for c, _, d, _ in _flags(build_parser().commands())["--frozen-dtype"]}
+    assert uses[command] == fields["frozen_dtype"].default == "auto"
 
 
 @pytest.mark.parametrize("command", ["memory", "plan"])

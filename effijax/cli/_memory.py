@@ -38,7 +38,7 @@ from effijax.memory import (
     parse_count,
     plan_mesh,
 )
-from effijax.precision import auto_precision
+from effijax.precision import PRESET_COMPUTE, auto_precision
 from effijax.recipe import PRECISIONS, TrainConfig
 from effijax.sharding import get_strategy
 
@@ -122,6 +122,15 @@ def _resolve_precision(args: argparse.Namespace) -> None:
         auto = auto_precision(_AUTO_BACKEND, args.hidden or 0)
         args.precision = auto.precision
         args.precision_why = "auto: what effijax train picks on a GPU or TPU"
+    _resolve_frozen(args, args.precision)
+
+
+def _resolve_frozen(args: argparse.Namespace, precision: str) -> None:
+    """``--frozen-dtype auto`` decided as effijax train decides it: a LoRA base stored in
+    ``precision``'s compute dtype (``plan`` counts bf16, the precision it plans for)."""
+    compute = PRESET_COMPUTE.get(PRECISION_ALIASES.get(precision, precision))
+    if getattr(args, "frozen_dtype", None) == "auto" and compute is not None:
+        args.frozen_dtype = compute  # (an unknown precision is refused under its own name)
 
 
 def _aliases_text() -> str:
@@ -244,10 +253,11 @@ def add_parsers(sub) -> None:
     )
     m.add_argument(
         "--frozen-dtype",
-        default="bf16",
-        choices=(*FROZEN_DTYPES, "gguf"),
-        help="storage of the frozen base under LoRA (nf4, int8: with their scales; exact "
-        "bytes with --model or --from; gguf: the --from GGUF file's own blocks, exact)",
+        default="auto",
+        choices=("auto", *FROZEN_DTYPES, "gguf"),
+        help="storage of the frozen base under LoRA (auto: the precision's compute dtype, as "
+        "effijax train stores it; nf4, int8: with their scales; exact bytes with --model or "
+        "--from; gguf: the --from GGUF file's own blocks, exact)",
     )
     _add_shape_flags(m, "--batch-size", "sequences per device per micro-batch b")
     m.add_argument(
@@ -298,10 +308,10 @@ def add_parsers(sub) -> None:
     p.add_argument("--no-lora", dest="allow_lora", action="store_false", help="never propose LoRA")
     p.add_argument(
         "--frozen-dtype",
-        default="bf16",
-        choices=("bf16", *FROZEN_SCALE_BITS),
-        help="LoRA's frozen base: bf16, or also try a quantized base (QLoRA) when bf16 does not "
-        "fit",
+        default="auto",
+        choices=("auto", "bf16", *FROZEN_SCALE_BITS),
+        help="LoRA's frozen base: auto or bf16 (the compute dtype of the bf16 runs plan counts), "
+        "or also try a quantized base (QLoRA) when bf16 does not fit",
     )
     _add_shape_flags(p, "--global-batch", "global batch in sequences")
     p.add_argument("--json", action="store_true", help="print a JSON object")
@@ -628,6 +638,7 @@ def _attention_text(args: argparse.Namespace, shape: dict) -> str:
 def plan_command(args: argparse.Namespace) -> int:
     """Handler of ``effijax plan``; returns 0 if a configuration fits, 1 if none does."""
     try:
+        _resolve_frozen(args, "bf16")  # plan counts mixed-precision (bf16) runs
         shape = _shape(args, "global_batch")  # with --model or --from, it sets args.params
         if args.sequence_parallel is None:  # as effijax train: on with a tensor axis
             args.sequence_parallel = True  # (the mesh search applies it where tensor > 1)

@@ -32,5 +32,5 @@ __getattr__, __dir__, __all__ = attach(__name__, {
         "is_quantized", "is_quantizable", "quantize",
         "quantize_kernels", "quantized_bytes", "quantized_sharding"),
     "effijax.precision._policy": ("Policy", "get_policy", "PRESETS"),
-    "effijax.precision._names": ("PRESET_NAMES", "PRESET_ALIASES"),
+    "effijax.precision._names": ("PRESET_NAMES", "PRESET_ALIASES", "PRESET_COMPUTE"),
 })

@@ -24,7 +24,7 @@ import numpy as np
 from effijax.errors import ConfigError
 from effijax.precision._cast import _check_overrides, cast_floating
 from effijax.precision._dtypes import parse_dtype
-from effijax.precision._names import PRESET_ALIASES, PRESET_NAMES
+from effijax.precision._names import PRESET_ALIASES, PRESET_COMPUTE, PRESET_NAMES
 
 __all__ = ["Policy", "get_policy", "parse_dtype", "PRESETS", "PRESET_ALIASES"]
 
@@ -160,6 +160,9 @@ PRESETS: dict[str, Policy] = {
     "pure_bf16": Policy(jnp.bfloat16, jnp.bfloat16, jnp.float32),
 }
 assert tuple(PRESETS) == PRESET_NAMES, "precision._names lists the presets"
+_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+assert all(_SHORT[jnp.dtype(p.compute_dtype).name] == PRESET_COMPUTE[name]
+           for name, p in PRESETS.items()), "precision._names.PRESET_COMPUTE"
 _SPEC_EXAMPLE = "a string like 'params=f32,compute=bf16,output=f32'"
 
 
