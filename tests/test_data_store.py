@@ -196,21 +196,21 @@ def test_a_pool_of_processes_writes_the_same_store(corpus, tmp_path, tok):
 def test_a_killed_prepare_continues_to_the_same_store(corpus, tmp_path, tok, monkeypatch):
     clean = prepare(corpus / "docs.jsonl", tmp_path / "clean", tokenizer=tok, processes=1,
                     shard_bytes=500)
-    real_commit, real_tokenize = _prepare.commit_shard, _prepare._tokenize
+    real_commit, real_tokenize = _prepare.commit_documents, _prepare._tokenize
     commits, tokenized = [], []
 
     def dies_after_three(*args, **kwargs):
         if len(commits) == 3:
             raise KeyboardInterrupt  # the process killed between two shards
-        real_commit(*args, **kwargs)
         commits.append(args[1])
+        return real_commit(*args, **kwargs)
 
-    monkeypatch.setattr(_prepare, "commit_shard", dies_after_three)
+    monkeypatch.setattr(_prepare, "commit_documents", dies_after_three)
     with pytest.raises(KeyboardInterrupt):
         prepare(corpus / "docs.jsonl", tmp_path / "s", tokenizer=tok, processes=1,
                 shard_bytes=500)
     assert not (tmp_path / "s").exists() and len(commits) == 3
-    monkeypatch.setattr(_prepare, "commit_shard", real_commit)
+    monkeypatch.setattr(_prepare, "commit_documents", real_commit)
     monkeypatch.setattr(_prepare, "_tokenize",
                         lambda task: tokenized.append(task["index"]) or real_tokenize(task))
     lines = []

@@ -159,22 +159,22 @@ def test_processes_asking_at_once_prepare_once(docs, cache, monkeypatch):
 def test_a_killed_prepare_is_continued_by_the_next_run(tmp_path, cache, monkeypatch):
     path = tmp_path / "many.parquet"
     pq.write_table(pa.table({"text": _documents(40) * 200}), path, row_group_size=400)
-    real_commit = _prepare.commit_shard
+    real_commit = _prepare.commit_documents
     commits = []
 
     def dies_after_two(*args, **kwargs):
         if len(commits) == 2:
             raise KeyboardInterrupt  # Ctrl-C between two shards
-        real_commit(*args, **kwargs)
         commits.append(args[1])
+        return real_commit(*args, **kwargs)
 
     monkeypatch.setattr(_prepared, "prepare", lambda *a, **kw: _prepare.prepare(
         *a, **{**kw, "processes": 1}))
-    monkeypatch.setattr(_prepare, "commit_shard", dies_after_two)
+    monkeypatch.setattr(_prepare, "commit_documents", dies_after_two)
     with pytest.raises(KeyboardInterrupt):
         load_data(_config(path), BYTES)
     assert not list(cache.glob("*.files.json")) and len(commits) == 2
-    monkeypatch.setattr(_prepare, "commit_shard", real_commit)
+    monkeypatch.setattr(_prepare, "commit_documents", real_commit)
     lines = []
     store = _prepared.cached_store(path, None, print_fn=lines.append)
     assert any("2 already committed by an earlier run" in line for line in lines)

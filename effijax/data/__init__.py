@@ -15,8 +15,9 @@ answered from the interpreter).
 
 A corpus too large for memory is tokenized once into a store (:mod:`effijax.data._store`: flat
 token arrays and a manifest, memory-mapped when trained on) from text, JSONL, Parquet or Arrow
-files (:mod:`effijax.data._tables`); several corpora are drawn with weights as a
-:class:`Mixture`.
+files (:mod:`effijax.data._tables`; a text file read and tokenized in blocks by
+:func:`encode_file`, the ids :func:`encode_each` gives it whole, so that no file is held in
+memory); several corpora are drawn with weights as a :class:`Mixture`.
 
 Training builds the batches of the steps to come on a background thread while the step runs
 (:class:`Prefetcher`): the same batches, in the same order, as building each when it is needed.
@@ -37,18 +38,18 @@ __getattr__, __dir__, __all__ = attach(__name__, {
         "records_fingerprint", "render_chat", "split_records", "table_record", "turn_end_id"),
     "effijax.data._corpus": ("DEFAULT_MAX_BYTES", "corpus_fingerprint", "document_files",
         "load_corpus", "load_documents", "split_corpus", "stdlib_files", "val_count"),
-    "effijax.data._documents": ("documents_fingerprint", "encode_documents", "encode_each",
-        "end_of_text_id"),
+    "effijax.data._documents": ("BLOCK_BYTES", "cuts_lines", "documents_fingerprint",
+        "encode_documents", "encode_each", "encode_file", "end_of_text_id", "line_pieces"),
     "effijax.data._files": ("MAX_JSON_BYTES", "MAX_RECORD_BYTES", "bounded_lines", "read_json",
         "regular_path", "regular_size"),
     "effijax.data._examples": ("STDLIB_MODULES", "stdlib_qa", "write_jsonl"),
     "effijax.data._mixture": ("Mixture", "mixture"),
     "effijax.data._prefetch": ("Prefetcher",),
     "effijax.data._store": ("STORE_FORMAT", "STORE_VERSION", "Contents", "Store", "assemble",
-        "commit_shard", "committed_shard", "is_store", "open_store", "release_pages",
-        "remove_work", "store_rows", "store_split", "token_dtype", "verify_store"),
-    "effijax.data._tables": ("TABLE_SUFFIXES", "Source", "check_columns", "find_sources",
-        "plan_pieces", "read_piece"),
+        "commit_documents", "commit_shard", "committed_shard", "is_store", "open_store",
+        "release_pages", "remove_work", "store_rows", "store_split", "token_dtype", "verify_store"),
+    "effijax.data._tables": ("TABLE_SUFFIXES", "Source", "check_columns", "content_fingerprint",
+        "find_sources", "plan_pieces", "read_piece"),
     "effijax.data._template": ("MAX_RENDERED_CHARS", "RENDER_SECONDS", "TEMPLATE_HINT",
         "compile_template"),
 })

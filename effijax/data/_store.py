@@ -9,7 +9,9 @@ A store is a folder of flat little-endian arrays and a ``manifest.json``:
   when the store was prepared) and ``val.bin`` (``uint8`` per example, 1 = validation);
 * ``manifest.json``: the format version, the tokenizer's fingerprint, each source file with its
   SHA-256, the token and document counts, the split, each array file's size and SHA-256, and the
-  store's own ``sha256`` (of the manifest without it, so of everything).
+  store's own ``sha256`` (of the manifest without it, so of everything); for a store prepared
+  from text or JSONL files as ``effijax train --data`` reads them, ``content``: the fingerprint
+  of those files read in memory, the identity of a run on the store (:attr:`Store.fingerprint`).
 
 Why flat arrays and not ArrayRecord or Grain: training draws random windows anywhere in a token
 stream (a window crosses documents, as in pretraining), which a flat array serves with one
@@ -49,6 +51,7 @@ import mmap
 import os
 import shutil
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -62,7 +65,7 @@ from effijax.errors import NO_VALUE, ConfigError, FileError, all_of
 
 __all__ = ["STORE_FORMAT", "STORE_VERSION", "Store", "Contents", "token_dtype", "is_store",
            "open_store", "verify_store", "store_split", "store_rows", "commit_shard",
-           "committed_shard", "assemble", "remove_work", "release_pages"]
+           "commit_documents", "committed_shard", "assemble", "remove_work", "release_pages"]
 
 STORE_FORMAT = "effijax-token-store"
 STORE_VERSION = 1
@@ -89,8 +92,11 @@ class Store(NamedTuple):
 
     @property
     def fingerprint(self) -> str:
-        """``"store:<sha256>"``: what a run records as its data's identity."""
-        return f"store:{self.manifest['sha256']}"
+        """What a run records as its data's identity: ``"store:<sha256>"``, or for a store
+        ``effijax train`` prepared from text or JSONL files itself, the manifest's
+        ``content``: the fingerprint of the files read in memory, so that a run's identity is
+        its data's whichever way it was read."""
+        return self.manifest.get("content") or f"store:{self.manifest['sha256']}"
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -148,6 +154,14 @@ def _is_count(value) -> bool:
     return type(value) is int and value >= 0  # JSON's true is no count
 
 
+def _is_content(value) -> bool:
+    """Whether ``value`` is a fingerprint of files read in memory: ``"<count>:<16 hex>"``."""
+    if not isinstance(value, str):
+        return False
+    count, _, digest = value.partition(":")
+    return count.isdigit() and count.isascii() and len(digest) == 16 and set(digest) <= _HEX
+
+
 def _is_tokenizer(value) -> bool:
     """Whether ``value`` is a manifest's record of a tokenizer (null: bytes)."""
     if value is None:
@@ -196,6 +210,9 @@ is not one of uint8, uint16, uint32"]
     tokenizer = field("tokenizer", _is_tokenizer, 'expected null (bytes) or {"sha256": 64 hex '
                       'digits, "vocab_size": an integer >= 1}')
     field("sha256", _is_sha256, "expected 64 hex digits")
+    if "content" in manifest:
+        field("content", _is_content, 'expected "<count>:<16 hex digits>" (the fingerprint '
+              "of the files read in memory)")
     split = field("split", lambda v: isinstance(v, dict), "expected an object of counts")
     files = field("files", lambda v: isinstance(v, dict), "expected an object of array files")
     if tokenizer and dtype and tokenizer["vocab_size"] > np.iinfo(dtype).max + 1:
@@ -571,6 +588,39 @@ def commit_shard(work: Path, index: int, plan: str, tokens: np.ndarray, lengths:
         atomic.write_bytes(_shard(work, index, suffix), data)
     atomic.write_text(_shard(work, index, "json"), json.dumps(
         {"plan": plan, "tokens": int(len(tokens)), "documents": int(len(lengths))}))
+
+
+def commit_documents(work: Path, index: int, plan: str,
+                     documents: Iterable[Iterable[np.ndarray]], dtype) -> int:
+    """Writes shard ``index`` of a prepare from ``documents``, each the consecutive arrays of
+    its ids, written as ``dtype`` as they come (a document is never held whole), and commits
+    it as :func:`commit_shard` does; returns its tokens.
+
+    Example:
+      >>> import numpy as np, tempfile, pathlib
+      >>> work = pathlib.Path(tempfile.mkdtemp())
+      >>> docs = [[np.arange(3), np.arange(2)], [np.arange(4)]]
+      >>> commit_documents(work, 0, "p", docs, np.uint8), committed_shard(work, 0, "p")
+      (9, True)
+      >>> np.fromfile(work / "000000.lengths", np.int64).tolist()
+      [5, 4]
+    """
+    dtype, lengths = np.dtype(dtype), []
+
+    def fill(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
+            for document in documents:
+                n = 0
+                for ids in document:
+                    f.write(np.asarray(ids).astype(dtype).tobytes())
+                    n += len(ids)
+                lengths.append(n)
+
+    atomic.write_with(_shard(work, index, "tokens"), fill)
+    atomic.write_bytes(_shard(work, index, "lengths"), np.asarray(lengths, np.int64).tobytes())
+    atomic.write_text(_shard(work, index, "json"), json.dumps(
+        {"plan": plan, "tokens": int(sum(lengths)), "documents": len(lengths)}))
+    return int(sum(lengths))
 
 
 def committed_shard(work: Path, index: int, plan: str) -> bool:

@@ -18,18 +18,25 @@ missing ``pyarrow`` is one line saying what to install.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
 from typing import NamedTuple
 
 from effijax.data._chat import parse_line, table_record
-from effijax.data._corpus import _folder_files, _is_binary
-from effijax.data._files import MAX_JSON_BYTES, MAX_RECORD_BYTES, read_json, regular_path
+from effijax.data._corpus import _folder_files, _is_binary, document_files
+from effijax.data._files import (
+    MAX_JSON_BYTES,
+    MAX_RECORD_BYTES,
+    bounded_lines,
+    read_json,
+    regular_path,
+)
 from effijax.errors import ConfigError, FileError
 
 __all__ = ["Source", "TABLE_SUFFIXES", "find_sources", "check_columns", "plan_pieces",
-           "read_piece"]
+           "read_piece", "content_fingerprint"]
 
 #: File suffixes read as tables (never as text): what ``--data`` must not read as bytes.
 TABLE_SUFFIXES = {".parquet": "parquet", ".arrow": "arrow"}
@@ -80,10 +87,17 @@ def _saved_dataset(root: Path) -> list[Path] | None:
     return [root / f["filename"] for f in files]
 
 
-def find_sources(path: str | os.PathLike) -> list[Source]:
+def find_sources(path: str | os.PathLike, *, kind: str | None = None) -> list[Source]:
     """The files of ``path``: the file itself, a folder's files (hidden, ``__pycache__`` and
     binary files other than Parquet and Arrow skipped, as for text corpora), or a ``datasets``
     ``save_to_disk`` folder's ``.arrow`` files.
+
+    Args:
+      path: a file or folder.
+      kind: read every file as this kind whatever its suffix, as ``effijax train --data``
+        reads files in memory: ``"text"``, the files of
+        :func:`~effijax.data.document_files` (a folder's binary files skipped), each one
+        document (a ``.jsonl`` file too); ``"jsonl"``, records. None: by suffix.
 
     Raises:
       ConfigError: ``field="data"``: the path does not exist, is a pipe or device, or holds no
@@ -95,7 +109,19 @@ def find_sources(path: str | os.PathLike) -> list[Source]:
       >>> _ = (d / "b.txt").write_text("hi"); _ = (d / "a.jsonl").write_text("{}")
       >>> [(s.name, s.kind) for s in find_sources(d)]
       [('a.jsonl', 'jsonl'), ('b.txt', 'text')]
+      >>> [(s.name, s.kind) for s in find_sources(d, kind="text")]
+      [('a.jsonl', 'text'), ('b.txt', 'text')]
     """
+    if kind is not None:
+        if kind not in ("text", "jsonl"):
+            raise ConfigError("kind", kind, "choose text, jsonl or None (by suffix)")
+        try:
+            files = document_files(path)
+        except ConfigError as e:
+            raise ConfigError("data", e.value, e.problem) from None
+        root = Path(path)
+        return [Source(f, f.name if f == root else f.relative_to(root).as_posix(), kind,
+                       f.stat().st_size) for f in files]
     root = regular_path(path, "data")
     if not root.exists():
         raise ConfigError("data", str(root), "no such file or folder")
@@ -339,3 +365,54 @@ def _text(row, column: str, path: Path, where: str) -> bytes:
                         f"{'missing' if value is None else type(value).__name__}; expected a "
                         "string")
     return value.encode("utf-8")
+
+
+# Read and hashed in blocks of this many bytes: a source's size never sets the memory used.
+_BLOCK = 16 * 2**20
+
+
+def content_fingerprint(sources: list[Source], data_format: str) -> str:
+    """The fingerprint of ``sources`` that their in-memory reading gives, computed a block at
+    a time: ``"bytes"``, :func:`~effijax.data.corpus_fingerprint` of the files one after the
+    other; ``"text"``, :func:`~effijax.data.documents_fingerprint` of the files as documents;
+    ``"chat"``, :func:`~effijax.data.records_fingerprint` of the records of the JSONL files.
+    What a run records as its data's identity whichever way its data was read (in memory, or
+    from a token store it was prepared into).
+
+    Raises:
+      FileError: a file that changed size while it was read.
+      ConfigError: a JSONL line that is too long or not UTF-8 (``data``, ``"file:line"``).
+
+    Example:
+      >>> import pathlib, tempfile
+      >>> from effijax.data import documents_fingerprint
+      >>> d = pathlib.Path(tempfile.mkdtemp())
+      >>> _ = (d / "a.txt").write_text("hello"); _ = (d / "b.txt").write_text("hi")
+      >>> content_fingerprint(find_sources(d), "text") == documents_fingerprint([b"hello", b"hi"])
+      True
+    """
+    digest, size = hashlib.sha256(), 0
+    if data_format == "chat":
+        count = 0
+        for s in sources:
+            for _, line in bounded_lines(s.path, "data"):
+                if line.strip():
+                    digest.update(line.strip().encode("utf-8") + b"\n")
+                    count += 1
+        return f"{count}:{digest.hexdigest()[:16]}"
+    if data_format not in ("bytes", "text"):
+        raise ConfigError("data_format", data_format, "choose bytes, text or chat")
+    for s in sources:
+        with open(s.path, "rb") as f:
+            length = os.fstat(f.fileno()).st_size
+            if data_format == "text":
+                digest.update(length.to_bytes(8, "little"))
+            read = 0
+            while block := f.read(_BLOCK):
+                digest.update(block)
+                read += len(block)
+        if read != length:
+            raise FileError(s.path, "file", f"changed while it was read ({length:,} bytes, then "
+                            f"{read:,}); read it again when it is no longer written")
+        size += read
+    return f"{size}:{digest.hexdigest()[:16]}"

@@ -28,7 +28,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from effijax.data import MAX_JSON_BYTES, compile_template, read_json, regular_size
+from effijax.data import (
+    MAX_JSON_BYTES,
+    compile_template,
+    line_pieces,
+    read_json,
+    regular_size,
+)
 from effijax.errors import INT32_MAX, ConfigError, FileError, whole_number
 
 __all__ = ["Tokenizer", "byte_level_bpe", "PRE_TOKENIZERS"]
@@ -71,39 +77,8 @@ _NO_OP_SPLIT = {"type": "Split", "pattern": {"String": " "}, "behavior": "Merged
                 "invert": False}
 
 
-def _line_chunks(text: str, size: int) -> list[str]:
-    """``text`` cut into pieces of about ``size`` characters, each cut right before a newline
-    that follows a letter or digit, or right after a single newline between a non-space and a
-    letter or digit (``".\\nThe"``).
-
-    Every pre-tokenizer effijax knows ends a piece at both places and starts the next one
-    without looking back: before such a newline (after a word), and after a lone newline that
-    follows punctuation (GPT-2 keeps that newline alone, Llama 3's
-    ``[^\\s\\p{L}\\p{N}]+[\\r\\n]*`` takes it along with the punctuation; a word follows).
-    Cutting before other whitespace would not do (GPT-2's ``\\s+(?!\\S)`` looks ahead past a
-    run of spaces), nor between newlines (Llama 3's ``\\s*[\\r\\n]+`` takes them all).
-
-    Example:
-      >>> _line_chunks("ab.\\ncd\\nef", 1)
-      ['ab.\\n', 'cd', '\\nef']
-    """
-    chunks, start = [], 0
-    while len(text) - start > size:
-        cut = text.find("\n", start + size)
-        while cut != -1:
-            if text[cut - 1].isalnum():
-                break
-            if (cut + 1 < len(text) and text[cut + 1].isalnum()
-                    and not text[cut - 1].isspace()):
-                cut += 1
-                break
-            cut = text.find("\n", cut + 1)
-        if cut == -1:
-            break
-        chunks.append(text[start:cut])
-        start = cut
-    chunks.append(text[start:])
-    return chunks
+# The cut is effijax.data's (the processes that tokenize a store import effijax.data only).
+_line_chunks = line_pieces
 
 
 @functools.lru_cache(maxsize=1)

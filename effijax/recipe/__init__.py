@@ -31,7 +31,7 @@ __getattr__, __dir__, __all__ = attach(__name__, {
     "effijax.recipe._report": ("summary_step",),
     "effijax.recipe._data": ("Dataset", "load_dataset", "load_eval_data", "mixture_spec"),
     "effijax.recipe._prepare": ("default_shard_bytes", "prepare", "prepare_tokenizer"),
-    "effijax.recipe._prepared": ("cached_store", "stores_dir"),
+    "effijax.recipe._prepared": ("MEMORY_BYTES", "cached_store", "in_memory", "stores_dir"),
     "effijax.recipe._eval": ("EvalResult", "evaluate_model", "load_model",
         "scoring_precision"),
     "effijax.recipe._open": ("Opened", "open_model"),

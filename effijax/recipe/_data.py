@@ -20,6 +20,11 @@ the store's hash. ``a.store:0.7,b.store:0.3`` draws each row from one of several
 those weights (:func:`mixture_spec`). A Parquet or Arrow file (or a ``datasets`` folder) is
 never read as text: ``effijax train`` prepares it into a store in its cache first
 (:mod:`effijax.recipe._prepared`); here it is refused with the commands that read it.
+``effijax train`` prepares text and JSONL files larger than
+:data:`effijax.recipe._prepared.MEMORY_BYTES` into a store too, read the way this module reads
+them (the same tokens, rows and batches), under the identity they have here (the manifest's
+``content``), so that a run's host memory does not grow with its data; :func:`load_dataset`
+itself reads them in memory, whatever their size.
 :func:`load_eval_data` reads a whole file for evaluation instead: every token in consecutive
 windows, or every record.
 """
@@ -409,6 +414,9 @@ def _store_dataset(path: str, model, seq_len: int) -> Dataset:
                           "side; lower --seq-len or prepare more data")
     note = (f"{fmt} store {path}: {store.manifest['documents']:,} documents, "
             f"{store.manifest['tokens']:,} tokens (memory-mapped)")
+    if "content" in store.manifest:  # prepared by a run from its text files, read as in memory
+        note = (f"{fmt} data: {store.manifest['documents']:,} documents, "
+                f"{store.manifest['tokens']:,} tokens, memory-mapped from {path}")
     if fmt != "bytes":
         train, val = _led(train, tokenizer), _led(val, tokenizer)
     return Dataset(train, val, store.fingerprint, "bytes" if fmt == "bytes" else "text",

@@ -41,11 +41,16 @@ from effijax.data import (
     Source,
     assemble,
     check_columns,
+    commit_documents,
     commit_shard,
     committed_shard,
+    content_fingerprint,
+    cuts_lines,
     encode_each,
+    encode_file,
     find_sources,
     is_store,
+    line_pieces,
     open_store,
     plan_pieces,
     read_piece,
@@ -55,7 +60,7 @@ from effijax.data import (
 )
 from effijax.errors import ConfigError, FileError, whole_number
 from effijax.recipe._config import BUNDLED
-from effijax.recipe._data import _chat_examples, template_digest
+from effijax.recipe._data import _chat_examples, resolve_format, template_digest
 from effijax.recipe._sources import (
     bundled_path,
     check_template_file,
@@ -136,13 +141,21 @@ def _file_sha256(path: Path) -> str:
 
 
 class _TextTokenizer(NamedTuple):
-    """What :func:`effijax.data.encode_each` reads of a tokenizer: a text worker builds only
-    this (the ``tokenizers`` backend), not the model package, which imports JAX (seconds)."""
+    """What :func:`effijax.data.encode_file` reads of a tokenizer: a text worker builds only
+    this (the ``tokenizers`` backend), not the model package, which imports JAX (seconds).
+    ``splits``: whether the tokenizer takes a long text in pieces cut at line ends
+    (:func:`effijax.data.cuts_lines`, decided by the model's tokenizer in the prepare's
+    process)."""
 
     backend: Any
     eos_id: int | None
     bos_id: int | None
     add_bos: bool
+    splits: bool = False
+
+    def pieces(self, text: str, size: int) -> list[str]:
+        """As :meth:`effijax.models.Tokenizer.pieces`."""
+        return line_pieces(text, size) if self.splits else [text]
 
 
 def _exit_with(parent: int) -> None:
@@ -199,7 +212,7 @@ def _build_tokenizer(fields: dict | None, chat: bool):
     from tokenizers import Tokenizer as Backend
 
     return _TextTokenizer(Backend.from_str(fields["spec"]), fields["eos_id"], fields["bos_id"],
-                          fields["add_bos"])
+                          fields["add_bos"], fields.get("splits", False))
 
 
 def _tokenize(task: dict) -> dict:
@@ -210,12 +223,11 @@ def _tokenize(task: dict) -> dict:
                           f"in a tokenizing process ({_worker_tokenizer.reason}); effijax data "
                           "prepare --processes 1 tokenizes in its own process"]}
     try:
-        items = []
-        for path, name, kind, size, start, stop in task["pieces"]:
-            items += read_piece(Source(Path(path), name, kind, size), start, stop,
-                                task["data_format"], task["text_column"])
         dtype, tok = np.dtype(task["dtype"]), _worker_tokenizer
         if task["data_format"] == "chat":
+            items = []
+            for path, name, kind, size, start, stop in task["pieces"]:
+                items += read_piece(Source(Path(path), name, kind, size), start, stop, "chat")
             examples = _chat_examples(tok, items)
             ids = [e[0] for e in examples]
             masks = [e[1] for e in examples]
@@ -223,16 +235,31 @@ def _tokenize(task: dict) -> dict:
             trained = [int(np.count_nonzero(m[1:])) for m in masks]
             commit_shard(Path(task["work"]), task["index"], task["plan"], _join(ids, dtype),
                          [len(i) for i in ids], _join(masks, np.uint8), keys, trained)
+            tokens = int(sum(len(i) for i in ids))
         else:
-            ids = ([np.frombuffer(d, np.uint8) for d in items] if tok is None
-                   else encode_each(tok, items))
-            commit_shard(Path(task["work"]), task["index"], task["plan"], _join(ids, dtype),
-                         [len(i) for i in ids])
+            tokens = commit_documents(Path(task["work"]), task["index"], task["plan"],
+                                      _documents(task, tok), dtype)
     except FileError as e:
         return {"error": ["file", e.path, e.where, e.problem]}
     except ConfigError as e:
         return {"error": ["config", e.field, str(e.value), e.problem]}
-    return {"index": task["index"], "tokens": int(sum(len(i) for i in ids))}
+    return {"index": task["index"], "tokens": tokens}
+
+
+def _documents(task: dict, tok):
+    """The documents of a text shard, each as the consecutive arrays of its ids: a text file
+    read and tokenized a block at a time (:func:`effijax.data.encode_file`), so that a file of
+    any size keeps the worker's memory bounded; a JSONL or table piece's documents whole."""
+    for path, name, kind, size, start, stop in task["pieces"]:
+        source = Source(Path(path), name, kind, size)
+        if kind == "text":
+            yield encode_file(tok, source.path)
+            continue
+        items = read_piece(source, start, stop, "text", task["text_column"])
+        if tok is None:
+            yield from ([np.frombuffer(d, np.uint8)] for d in items)
+        else:
+            yield from ([ids] for ids in encode_each(tok, items))
 
 
 def _shards(pieces: list, sources: list[Source], shard_bytes: int) -> list[list]:
@@ -366,7 +393,7 @@ def prepare(source: str | os.PathLike, out: str | os.PathLike, *, tokenizer=None
             chat_template: str | None = None, data_format: str = "auto",
             text_column: str = "text", val_fraction: float = 0.05,
             processes: int | None = None, shard_bytes: int | None = None,
-            print_fn=None) -> dict:
+            like_memory: bool = False, print_fn=None) -> dict:
     """Tokenizes ``source`` into the store ``out`` (see the module docstring); returns its
     manifest.
 
@@ -385,6 +412,13 @@ def prepare(source: str | os.PathLike, out: str | os.PathLike, *, tokenizer=None
         again in each worker: call ``prepare`` under ``if __name__ == "__main__":`` in a script.
       shard_bytes: source bytes per shard (None: :func:`default_shard_bytes` of the
         sources' size).
+      like_memory: read ``source`` as :func:`effijax.recipe.load_dataset` reads text and
+        JSONL files in memory (``data_format`` as :func:`effijax.recipe._data.resolve_format`
+        decides it: a ``.jsonl`` file is chat, anything else text, every file one document
+        whatever its suffix), and record in the manifest the fingerprint that reading gives
+        (``content``, :func:`effijax.data.content_fingerprint`): the store trains on the
+        batches of the files read in memory, under their identity (``effijax train --data``
+        prepares large text this way, :mod:`effijax.recipe._prepared`).
       print_fn: progress lines (None: quiet).
 
     Raises:
@@ -409,7 +443,11 @@ def prepare(source: str | os.PathLike, out: str | os.PathLike, *, tokenizer=None
     say = print_fn or (lambda line: None)
     out = Path(out)
     _check_out(Path(source), out)
-    sources = find_sources(source)
+    if like_memory:
+        data_format = resolve_format(str(source), data_format)
+        sources = find_sources(source, kind="jsonl" if data_format == "chat" else "text")
+    else:
+        sources = find_sources(source)
     fmt = check_columns(sources, data_format, text_column)
     if tokenizer is None and fmt == "chat":
         raise ConfigError("data_format", "chat", "chat records are rendered with a model's chat "
@@ -436,10 +474,13 @@ def prepare(source: str | os.PathLike, out: str | os.PathLike, *, tokenizer=None
             # template keeps its manifest, and its hash, as before.
             **({} if chat_template is None else {
                 "chat_template_sha256": template_digest(tokenizer.chat_template)})},
-        "text_column": None if fmt == "chat" else text_column,
+        "text_column": None if fmt == "chat" or like_memory else text_column,
         "val_fraction": val_fraction,
         "sources": [{"name": s.name, "kind": s.kind, "bytes": s.size,
                      "sha256": _file_sha256(s.path)} for s in sources],
+        # Recorded only for like_memory, so that the stores of effijax data prepare keep their
+        # manifests, and hashes, as before.
+        **({"content": content_fingerprint(sources, fmt)} if like_memory else {}),
     }
     if is_store(out) and _up_to_date(out, head, say):
         say(f"{out} is up to date (same sources, tokenizer and settings)")
@@ -455,6 +496,8 @@ def prepare(source: str | os.PathLike, out: str | os.PathLike, *, tokenizer=None
     work.mkdir(parents=True, exist_ok=True)
     (work / "plan").write_text(plan)
     fields = None if tokenizer is None else dataclasses.asdict(tokenizer)
+    if fields is not None and fmt != "chat":  # a text worker cuts long texts as this one
+        fields["splits"] = cuts_lines(tokenizer)
     tasks = [{"work": str(work), "index": k, "plan": plan,
               "pieces": [(str(sources[i].path), sources[i].name, sources[i].kind,
                           sources[i].size, a, b) for i, a, b in shard],
