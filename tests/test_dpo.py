@@ -1,7 +1,8 @@
 """DPO through the recipe (`effijax train --objective dpo`, LoRA): preference pairs read and
 rendered as chat data is, the loss against the base with the adapters off, TRL's metrics in
 metrics.jsonl, one-line errors, and the objective seam leaving SFT runs and their resume as
-they were. The losses' own parity with TRL is tests/test_preference.py's."""
+they were. The losses' own parity with TRL is tests/test_preference.py's; SimPO and ORPO,
+the reference-free objectives on the same pairs, are tests/test_simpo_orpo.py's."""
 
 import dataclasses
 import json
@@ -15,6 +16,7 @@ import optax
 import pytest
 from _compiles import compiles
 from _llama_files import VOCAB_SIZE, chat_tokenizer, write_gguf
+from _pairs import write_pairs
 
 from effijax.cli import main as cli_main
 from effijax.errors import ConfigError
@@ -24,27 +26,20 @@ from effijax.models import llama_config
 from effijax.objectives import DPO_LOSS_TYPES, dpo_loss
 from effijax.recipe import TrainConfig, plan_job
 from effijax.recipe._config import DPO_LOSSES, OBJECTIVES
-from effijax.recipe._dpo import load_pairs, pair_batch, pair_rows, read_pairs
 from effijax.recipe._identity import check_resume, identity
 from effijax.recipe._objectives import OBJECTIVES as REGISTRY
 from effijax.recipe._objectives import get_objective
+from effijax.recipe._pairs import load_pairs, pair_batch, pair_rows, read_pairs
 
 SEQ = 32
 TINY = llama_config("llama-tiny", vocab_size=VOCAB_SIZE, seq_len=SEQ)
-
-
-def _write_pairs(path, n=40):
-    with open(path, "w") as f:
-        for i in range(n):
-            f.write(json.dumps({"prompt": f"{i}+1", "chosen": f"{i + 1}",
-                                "rejected": f"the {i}"}) + "\n")
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("dpo")
     write_gguf(d / "tiny.gguf", TINY, jax.jit(TINY.init_params)(jax.random.key(0)))
-    _write_pairs(d / "pairs.jsonl")
+    write_pairs(d / "pairs.jsonl")
     return d
 
 
@@ -179,7 +174,8 @@ def test_an_old_config_without_an_objective_is_sft_and_the_same_run():
            "run": {"corpus_sha256": "ab", "model_config": {"family": "gpt", "seq_len": 32}}}
     assert TrainConfig.from_dict(old).objective == "sft"
     new = {**old, **{k: v for k, v in TrainConfig().to_dict().items()
-                     if k in ("objective", "beta", "dpo_loss", "label_smoothing")}}
+                     if k in ("objective", "beta", "dpo_loss", "label_smoothing",
+                              "simpo_gamma", "cpo_alpha")}}
     assert identity(old) == identity(new)
     assert check_resume(old, new, (), where="ckpt") == {}
     dpo = {**new, "objective": "dpo", "lora_rank": 2}
@@ -202,6 +198,7 @@ def test_a_dpo_run_resumes_as_the_run_it_continues(files, tmp_path):
     # 2 steps, then on to 4: the same losses as 4 steps in one go.
     assert cli_main(_train_argv(files, tmp_path / "whole", 4)) == 0
     assert cli_main(_train_argv(files, tmp_path / "split", 2)) == 0
+    _recorded_without(tmp_path / "split", ("simpo_gamma", "cpo_alpha"))  # before SimPO
     assert cli_main([*_train_argv(files, tmp_path / "split", 4), "--allow-changes",
                      "steps"]) == 0
     whole, split = ([json.loads(line)["loss"] for line in (tmp_path / d / "metrics.jsonl")
@@ -218,11 +215,23 @@ def test_an_sft_run_recorded_before_objectives_resumes(tmp_path):
     cfg = TrainConfig(model="tiny", seq_len=16, steps=2, batch_size=2, eval_batches=0,
                       progress=False, out=str(tmp_path / "run"))
     assert train(cfg).status == "done"
-    written = tmp_path / "run" / "config.json"
-    record = json.loads(written.read_text())
-    for key in ("objective", "beta", "dpo_loss", "label_smoothing"):
-        del record[key]
-    written.write_text(json.dumps(record))
+    _recorded_without(tmp_path / "run", ("objective", "beta", "dpo_loss", "label_smoothing",
+                                         "simpo_gamma", "cpo_alpha"))
     resumed = train(dataclasses.replace(cfg, steps=4, allow_changes="steps"))
     assert resumed.status == "done" and resumed.summary["steps"] == 4
-    assert json.loads(written.read_text())["resumes"]  # resumed from step 2, not restarted
+    # resumed from step 2, not restarted
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["resumes"]
+
+
+def _recorded_without(run, keys):
+    """``run``'s settings as a run recorded before ``keys`` existed: its config.json and its
+    checkpoints' (what a resume compares) without them."""
+    steps = sorted(run.glob("checkpoints/*/_CHECKPOINT_METADATA"))
+    assert steps
+    for path in [run / "config.json", *steps]:
+        record = json.loads(path.read_text())
+        settings = (record if path.name == "config.json"
+                    else record["custom_metadata"]["effijax"]["metadata"]["config"])
+        for key in keys:
+            del settings[key]
+        path.write_text(json.dumps(record))

@@ -136,7 +136,7 @@ def dpo_loss(chosen_logps: jax.Array, rejected_logps: jax.Array, ref_chosen_logp
 
 def simpo_loss(chosen_logps: jax.Array, rejected_logps: jax.Array, chosen_counts: jax.Array,
                rejected_counts: jax.Array, *, beta: float = 0.1, gamma: float = 0.5,
-               label_smoothing: float = 0.0, cpo_alpha: float = 0.0
+               label_smoothing: float = 0.0, cpo_alpha: float = 1.0
                ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """SimPO's loss over ``P`` pairs, reference-free (TRL's ``CPOTrainer`` with
     ``loss_type="simpo"``): with the length-normalised log-probabilities ``ℓ = logps / counts``,
@@ -151,8 +151,9 @@ def simpo_loss(chosen_logps: jax.Array, rejected_logps: jax.Array, chosen_counts
       beta: ``β > 0``; TRL's default 0.1 (the SimPO paper uses 2 to 10).
       gamma: the target reward margin ``γ`` (TRL's ``simpo_gamma``, default 0.5).
       label_smoothing: ``ε`` in ``[0, 0.5)``, as TRL's CPO applies it.
-      cpo_alpha: the NLL term's weight, ``>= 0``. 0 here is SimPO as published (and TRL's
-        ``alphapo`` shortcut); TRL's ``CPOConfig`` defaults to 1.0 (CPO-SimPO).
+      cpo_alpha: the NLL term's weight, ``>= 0``: TRL's ``CPOConfig`` default 1.0 (CPO-SimPO,
+        what TRL's ``CPOTrainer(loss_type="simpo")`` trains unless told otherwise); 0 is SimPO
+        as published (TRL's ``loss_type="alphapo"`` shortcut sets it so).
 
     Returns:
       ``(loss, metrics)``: ``rewards/chosen``, ``rewards/rejected`` (means of ``β ℓ``),
@@ -162,10 +163,12 @@ def simpo_loss(chosen_logps: jax.Array, rejected_logps: jax.Array, chosen_counts
 
     Example:
       >>> import jax.numpy as jnp
-      >>> loss, metrics = simpo_loss(jnp.array([-8.0]), jnp.array([-30.0]), jnp.array([4]),
-      ...                            jnp.array([10]), beta=2.0, gamma=1.0)
+      >>> pair = jnp.array([-8.0]), jnp.array([-30.0]), jnp.array([4]), jnp.array([10])
+      >>> loss, metrics = simpo_loss(*pair, beta=2.0, gamma=1.0, cpo_alpha=0.0)  # SimPO
       >>> round(float(loss), 4), float(metrics["logps/chosen"]), float(metrics["nll_loss"])
       (0.3133, -2.0, 2.0)
+      >>> round(float(simpo_loss(*pair, beta=2.0, gamma=1.0)[0]), 4)  # + 1.0 x the NLL
+      2.3133
     """
     _check_beta(beta)
     _check_smoothing(label_smoothing, "simpo", allowed=("simpo",))

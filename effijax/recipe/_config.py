@@ -30,7 +30,7 @@ from effijax.interop import GGUF_DTYPES
 from effijax.memory import PRECISION_ALIASES
 from effijax.optimizers import OPTIMIZERS, SCHEDULES, decay_mask, hyperparameters
 from effijax.precision import AUTO_BF16_MIN_WIDTH, PRESET_NAMES
-from effijax.recipe._identity import default_warmup
+from effijax.recipe._identity import OBJECTIVE_SETTINGS, default_warmup
 
 __all__ = ["TrainConfig", "PRECISIONS", "CLUSTERS", "WANDB_MODES", "PRECISION_ALIASES",
            "DEFAULT_MODEL", "RECORD_KEYS", "flag_of", "field_kind", "lora_fields"]
@@ -49,8 +49,12 @@ DATA_FORMATS = ("auto", "text", "chat")
 # The training objectives (effijax.recipe._objectives.OBJECTIVES; kept here too: checking a
 # config must not import jax; a test checks that the two lists agree) and DPO's loss types
 # (effijax.objectives.DPO_LOSS_TYPES, likewise).
-OBJECTIVES = ("sft", "dpo")
+OBJECTIVES = ("sft", "dpo", "simpo", "orpo")
 DPO_LOSSES = ("sigmoid", "ipo", "hinge", "robust")
+# The objectives' settings (effijax.recipe._identity.OBJECTIVE_SETTINGS: which objective uses
+# which) as their losses' keyword arguments are named.
+_SETTING_OF = {"beta": "beta", "dpo_loss": "loss_type", "label_smoothing": "label_smoothing",
+               "simpo_gamma": "gamma", "cpo_alpha": "cpo_alpha"}
 DEFAULT_MODEL = "mini"
 # Launchers of effijax.distributed (kept here too: checking a config must not import jax; a
 # test checks that the two lists agree).
@@ -283,19 +287,28 @@ class TrainConfig:
                                        section="output")
     # The objective.
     objective: str = _field("sft", "what the run optimises: sft (next-token cross-entropy on "
-                            "the data's tokens) or dpo (direct preference optimisation on "
-                            "{prompt, chosen, rejected} JSONL pairs, against the base with the "
-                            "adapters off: LoRA only); see docs/preference.md",
+                            "the data's tokens), or on {prompt, chosen, rejected} JSONL pairs: "
+                            "dpo (direct preference optimisation against the base with the "
+                            "adapters off: LoRA only), simpo (TRL's CPO trainer with loss_type "
+                            "simpo) or orpo (odds-ratio preference optimisation), which need no "
+                            "reference; see docs/preference.md",
                             choices=OBJECTIVES, section="objective")
-    beta: float = _field(0.1, "dpo: beta, the strength of the pull towards the reference "
-                         "(TRL's DPOConfig.beta; for ipo, its regulariser tau)",
-                         section="objective")
+    beta: float = _field(0.1, "dpo, simpo, orpo: beta (TRL's DPOConfig, CPOConfig and "
+                         "ORPOConfig beta, 0.1 in each): dpo's pull towards the reference (for "
+                         "ipo, its regulariser tau), simpo's reward scale, orpo's weight "
+                         "(lambda) of the odds-ratio term", section="objective")
     dpo_loss: str = _field("sigmoid", "dpo: the loss (TRL's DPOConfig.loss_type): sigmoid, "
                            "ipo (length-normalised), hinge or robust (label-smoothed)",
                            choices=DPO_LOSSES, section="objective")
-    label_smoothing: float = _field(0.0, "dpo: with --dpo-loss robust, the probability that a "
-                                    "pair's labels are flipped, in [0, 0.5) (TRL's "
-                                    "DPOConfig.label_smoothing)", section="objective")
+    label_smoothing: float = _field(0.0, "dpo with --dpo-loss robust, and simpo: the "
+                                    "probability that a pair's labels are flipped, in [0, 0.5) "
+                                    "(TRL's DPOConfig and CPOConfig label_smoothing)",
+                                    section="objective")
+    simpo_gamma: float = _field(0.5, "simpo: the target reward margin gamma (TRL's "
+                                "CPOConfig.simpo_gamma)", section="objective")
+    cpo_alpha: float = _field(1.0, "simpo: the weight of the chosen completions' NLL added to "
+                              "the loss (TRL's CPOConfig.cpo_alpha; its default gives "
+                              "CPO-SimPO); 0 for SimPO as published", section="objective")
     # LoRA.
     lora_rank: int | None = _field(None, "train rank-R LoRA adapters; the base stays frozen",
                                    metavar="R", section="lora")
@@ -498,41 +511,55 @@ class TrainConfig:
         if self.objective not in OBJECTIVES:
             raise ConfigError("objective", self.objective,
                               f"choose one of {', '.join(OBJECTIVES)}")
-        if self.objective != "dpo":
-            for name, default in (("beta", 0.1), ("dpo_loss", "sigmoid"),
-                                  ("label_smoothing", 0.0)):
-                if getattr(self, name) != default:
-                    raise ConfigError(name, getattr(self, name), "only applies to "
-                                      "--objective dpo")
+        uses = OBJECTIVE_SETTINGS[self.objective]
+        for field in dataclasses.fields(self):
+            name = field.name
+            if name in uses or name not in _SETTING_OF or getattr(self, name) == field.default:
+                continue
+            users = [o for o in OBJECTIVES if name in OBJECTIVE_SETTINGS[o]]
+            which = (", ".join(users[:-1]) + " or " if len(users) > 1 else "") + users[-1]
+            raise ConfigError(name, getattr(self, name), f"only applies to --objective {which}")
+        if self.objective == "sft":
             return
-        if self.lora_rank is None:
+        if self.objective == "dpo" and self.lora_rank is None:
             raise ConfigError("objective", "dpo", "trains LoRA adapters against the base with "
                               "the adapters off (the reference); give --lora-rank R (full "
-                              "fine-tuning's frozen reference copy is not built yet)")
+                              "fine-tuning's frozen reference copy is not built yet; simpo and "
+                              "orpo need no reference)")
         if self.data is None:
-            raise ConfigError("data", None, "dpo trains on preference pairs: give --data "
-                              "PAIRS.jsonl ({\"prompt\", \"chosen\", \"rejected\"} records)")
+            raise ConfigError("data", None, f"{self.objective} trains on preference pairs: give "
+                              "--data PAIRS.jsonl ({\"prompt\", \"chosen\", \"rejected\"} "
+                              "records)")
         if self.dpo_loss not in DPO_LOSSES:
             raise ConfigError("dpo_loss", self.dpo_loss, f"choose one of {', '.join(DPO_LOSSES)}")
         if not self.beta > 0:
             raise ConfigError("beta", self.beta, "must be > 0 (TRL's default is 0.1)")
-        if self.label_smoothing and self.dpo_loss != "robust":
+        if self.label_smoothing and self.objective == "dpo" and self.dpo_loss != "robust":
             raise ConfigError("label_smoothing", self.label_smoothing, "only applies to "
                               "--dpo-loss robust")
         if not 0 <= self.label_smoothing < 0.5:
             raise ConfigError("label_smoothing", self.label_smoothing, "must be in [0, 0.5)")
+        if not math.isfinite(self.simpo_gamma):
+            raise ConfigError("simpo_gamma", self.simpo_gamma, "must be a finite number "
+                              "(TRL's default is 0.5)")
+        if not 0 <= self.cpo_alpha < math.inf:
+            raise ConfigError("cpo_alpha", self.cpo_alpha, "must be >= 0 and finite (TRL's "
+                              "default is 1.0; 0 for SimPO without the NLL term)")
         if self.batch_size % 2:
-            raise ConfigError("batch_size", self.batch_size, f"counts rows, and dpo trains "
-                              f"pairs of rows (chosen, rejected): use an even size, e.g. "
-                              f"{self.batch_size + 1}")
+            raise ConfigError("batch_size", self.batch_size, f"counts rows, and "
+                              f"{self.objective} trains pairs of rows (chosen, rejected): use an "
+                              f"even size, e.g. {self.batch_size + 1}")
 
     @property
     def objective_settings(self) -> dict:
-        """The objective's own settings, as its loss takes them (empty for sft)."""
-        if self.objective != "dpo":
-            return {}
-        return {"beta": self.beta, "loss_type": self.dpo_loss,
-                "label_smoothing": self.label_smoothing}
+        """The objective's own settings, as its loss takes them (empty for sft).
+
+        Example:
+          >>> TrainConfig(objective="simpo", data="p.jsonl", cpo_alpha=0.0).objective_settings
+          {'beta': 0.1, 'gamma': 0.5, 'cpo_alpha': 0.0, 'label_smoothing': 0.0}
+        """
+        return {_SETTING_OF[name]: getattr(self, name)
+                for name in OBJECTIVE_SETTINGS[self.objective]}
 
     # Derived values ---------------------------------------------------------------------------
 

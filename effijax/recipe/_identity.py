@@ -25,8 +25,8 @@ from typing import Any
 
 from effijax.errors import ConfigError
 
-__all__ = ["IDENTITY", "CHANGEABLE", "LEGACY", "NOT_RECORDED", "identity", "differences",
-           "check_resume", "base_changes", "edited", "changed", "default_warmup"]
+__all__ = ["IDENTITY", "CHANGEABLE", "LEGACY", "NOT_RECORDED", "OBJECTIVE_SETTINGS", "identity",
+           "differences", "check_resume", "base_changes", "edited", "changed", "default_warmup"]
 
 # What a resume must repeat, with where it is read from in a config.json-shaped dict.
 IDENTITY = ("data", "tokenizer", "seed", "batch_size", "seq_len", "model", "precision",
@@ -37,8 +37,11 @@ CHANGEABLE = ("lr", "steps", "warmup", "weight_decay", "clip", "schedule", "lr_e
 # What a run recorded before a setting existed trained with (its config.json lacks the key).
 LEGACY = {"optimizer": "adamw", "schedule": "cosine", "lr_end": 0.1, "decay_fraction": 0.2,
           "b1": 0.9, "b2": 0.95, "eps": 1e-8, "objective": "sft"}
-# An objective's own settings, part of its identity (none for sft).
-_OBJECTIVE = {"dpo": ("beta", "dpo_loss", "label_smoothing")}
+# Each objective's own settings (TrainConfig fields), part of its identity (none for sft); a
+# setting another objective uses is refused for this one (TrainConfig's checks).
+OBJECTIVE_SETTINGS = {"sft": (), "dpo": ("beta", "dpo_loss", "label_smoothing"),
+                      "simpo": ("beta", "simpo_gamma", "cpo_alpha", "label_smoothing"),
+                      "orpo": ("beta",)}
 _LORA = ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "frozen_dtype",
          "lora_random_base")
 
@@ -102,12 +105,12 @@ def identity(run_json: dict) -> dict[str, Any]:
 
 
 def _objective(run_json: dict):
-    """The objective's name, or for one with settings (dpo) the name with them: a run recorded
-    before objectives existed trained sft."""
+    """The objective's name, or for one with settings (dpo, simpo, orpo) the name with them: a
+    run recorded before objectives existed trained sft."""
     name = run_json.get("objective", LEGACY["objective"])
-    if name not in _OBJECTIVE:
+    if not OBJECTIVE_SETTINGS.get(name):
         return name
-    return {"name": name, **{k: run_json.get(k) for k in _OBJECTIVE[name]}}
+    return {"name": name, **{k: run_json.get(k) for k in OBJECTIVE_SETTINGS[name]}}
 
 
 def _show(value) -> str:

@@ -252,7 +252,9 @@ def plan_job(
         base's, decoded per layer in the step.
       objective: the training objective (default: next-token cross-entropy,
         :data:`~effijax.recipe._objective.SFT`); ``objective_settings``: its loss's keyword
-        arguments (DPO's ``beta``, ``loss_type``, ``label_smoothing``).
+        arguments (DPO's ``beta``, ``loss_type``, ``label_smoothing``; SimPO's ``beta``,
+        ``gamma``, ``cpo_alpha``, ``label_smoothing``; ORPO's ``beta``), checked when the loss
+        is built.
 
     Raises:
       ConfigError: a bad strategy, mesh or rules; a batch that does not split over the data

@@ -3,10 +3,12 @@
 The step (:func:`~effijax.step.make_sharded_step`) is generic over ``loss(params, batch,
 rng)``; an :class:`Objective` says the rest of what a run needs from its objective: the loss
 and its metrics from the model (and the LoRA spec, whose frozen base rides in the batch as
-``"base"``), how a training batch is drawn from the run's data, its fixed evaluation batches,
-and how their losses average. :func:`~effijax.recipe.plan_job` takes one (default :data:`SFT`);
-``TrainConfig.objective`` names one of :data:`effijax.recipe._objectives.OBJECTIVES`. Adding an
-objective is one module defining its :class:`Objective` and one line in that registry.
+``"base"``), how its data is read, how a training batch is drawn from it, its fixed
+evaluation batches, and how their losses average. :func:`~effijax.recipe.plan_job` takes one
+(default :data:`SFT`); ``TrainConfig.objective`` names one of
+:data:`effijax.recipe._objectives.OBJECTIVES`. Adding an objective is one module defining its
+:class:`Objective` and one line in that registry; the preference objectives (``dpo``,
+``simpo``, ``orpo``) share their pair data (:mod:`effijax.recipe._pairs`).
 """
 
 from __future__ import annotations
@@ -34,17 +36,22 @@ class Objective(NamedTuple):
       eval_batches: ``eval_batches(data, *, batch_size, seq_len, num_batches, process_index,
         process_count) -> Sequence[dict]``: fixed validation batches, as
         :func:`effijax.data.eval_batches`.
+      load: ``load(path, model) -> Dataset``: the run's training and validation data from
+        ``--data`` (:func:`effijax.recipe._pairs.load_pairs`); None: text or chat data as
+        :func:`effijax.recipe.load_dataset` reads it.
       metric: the name of the unmultiplied loss among the step's metrics (None: only the
         step's ``loss``).
       token_mean: the validation loss of masked rows weights each batch by its trained tokens
         (a per-token loss); False: each batch alike (a per-pair loss).
-      needs_lora: the objective's reference is the base with the adapters off.
+      needs_lora: the objective's reference is the base with the adapters off (``dpo``); the
+        others train under LoRA or fully.
     """
 
     name: str
     loss: Callable[..., Callable]
     batch: Callable[..., dict] = batch_at
     eval_batches: Callable[..., Any] = eval_batches
+    load: Callable[..., Any] | None = None
     metric: str | None = None
     token_mean: bool = True
     needs_lora: bool = False

@@ -2,7 +2,7 @@
 
 Example:
   >>> sorted(OBJECTIVES), get_objective("sft").metric
-  (['dpo', 'sft'], 'lm_loss')
+  (['dpo', 'orpo', 'sft', 'simpo'], 'lm_loss')
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 from effijax.errors import ConfigError
 from effijax.recipe._dpo import DPO
 from effijax.recipe._objective import SFT, Objective
+from effijax.recipe._orpo import ORPO
+from effijax.recipe._simpo import SIMPO
 
 __all__ = ["OBJECTIVES", "get_objective"]
 
@@ -17,6 +19,8 @@ __all__ = ["OBJECTIVES", "get_objective"]
 OBJECTIVES: dict[str, Objective] = {
     "sft": SFT,
     "dpo": DPO,
+    "simpo": SIMPO,
+    "orpo": ORPO,
 }
 
 

@@ -263,12 +263,11 @@ def load_data(config: TrainConfig, model) -> Dataset:
     tokenizer, read as ``config.data_format`` says, 5% held out for validation. A Parquet,
     Arrow or ``datasets`` source (and a mixture's part that is not a store) is first prepared
     into a store in effijax's cache (:func:`~effijax.recipe._prepared.training_data`).
-    ``--objective dpo`` reads a JSONL file of preference pairs instead
-    (:func:`~effijax.recipe._dpo.load_pairs`)."""
-    if config.objective == "dpo":
-        from effijax.recipe._dpo import load_pairs
-
-        return load_pairs(config.data, model)
+    An objective with data of its own reads it instead (the preference objectives' JSONL pairs:
+    :func:`~effijax.recipe._pairs.load_pairs`)."""
+    load = get_objective(config.objective).load
+    if load is not None:
+        return load(config.data, model)
     say = (lambda line: print(f"effijax train: data: {line}", flush=True)) \
         if jax.process_index() == 0 else (lambda line: _to_stderr(f"data: {line}"))
     data = training_data(config.data, getattr(model, "tokenizer", None),
