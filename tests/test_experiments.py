@@ -78,12 +78,9 @@ def test_lora_smoke(tmp_path):
         variants.keys()
 
 
-@pytest.mark.slow
-def test_finetune_smoke(tmp_path):
-    # A tiny Llama GGUF with a chat template stands in for SmolLM2 (the default preset's
-    # model): the same path through data, training, generation and scoring, in seconds.
-    import json
-
+def _tiny_chat_gguf(tmp_path):
+    """A tiny random Llama GGUF with a chat template (the stand-in for SmolLM2), and its
+    config."""
     import jax
     from _llama_files import VOCAB_SIZE, write_gguf
 
@@ -92,6 +89,16 @@ def test_finetune_smoke(tmp_path):
     model = llama_config("llama-tiny", vocab_size=VOCAB_SIZE, seq_len=256)
     gguf = tmp_path / "tiny.gguf"
     write_gguf(gguf, model, jax.jit(model.init_params)(jax.random.key(0)))
+    return gguf, model
+
+
+@pytest.mark.slow
+def test_finetune_smoke(tmp_path):
+    # A tiny Llama GGUF with a chat template stands in for SmolLM2 (the default preset's
+    # model): the same path through data, training, generation and scoring, in seconds.
+    import json
+
+    gguf, model = _tiny_chat_gguf(tmp_path)
     experiment = _load("finetune")
     # Through --model gemma3's chat template file (the tiny vocabulary spells its turn markers
     # in bytes, hence the longer rows): the base model's answers and every variant's data and
@@ -121,6 +128,68 @@ def test_finetune_smoke(tmp_path):
     # Every variant at the experiment's precision (fp32: docs/benchmarks.md's tables), not auto's.
     assert {json.loads((tmp_path / "out" / d / "config.json").read_text())["precision"]
             for d in ("LoRAr2", "full")} == {cfg.precision} == {"fp32"}
+
+
+def test_preference_pairs_split_by_question():
+    # No held-out question, answer or function object (os.path.join is posixpath.join) is
+    # seen in training, and every rejected answer is another function's.
+    from effijax.data import stdlib_qa
+
+    experiment = _load("preference")
+    records = stdlib_qa()
+    training, held = experiment.build_pairs(records, 0.2, seed=0)
+    assert len(training) + len(held) == len(records)  # every question, once
+    assert 0.15 < len(held) / len(records) < 0.25
+    assert not {p.group for p in training} & {p.group for p in held}
+    assert not {p.prompt for p in training} & {p.prompt for p in held}
+    seen = {p.chosen for p in training} | {p.rejected for p in training}
+    assert not seen & ({p.chosen for p in held} | {p.rejected for p in held})
+    functions = {p.function for p in held}
+    twins = [f.replace("posixpath.", "os.path.") for f in functions if f.startswith("posixpath.")]
+    assert twins and all(twin in functions for twin in twins)
+    for p in training + held:
+        assert p.chosen != p.rejected and p.kind in experiment.KINDS
+    # The same seed, the same pairs; another seed, another split.
+    assert experiment.build_pairs(records, 0.2, seed=0)[1] == held
+    assert experiment.build_pairs(records, 0.2, seed=1)[1] != held
+
+
+@pytest.mark.slow
+def test_preference_smoke(tmp_path):
+    # DPO under LoRA on a tiny random Llama GGUF with a chat template (the default preset's
+    # SmolLM2 takes minutes): pairs, training, scoring and greedy answers, end to end.
+    import json
+
+    import numpy as np
+
+    gguf, _ = _tiny_chat_gguf(tmp_path)
+    experiment = _load("preference")
+    cfg = dataclasses.replace(experiment.PRESETS["smoke"], out=str(tmp_path / "out"),
+                              init_from=str(gguf))
+    results = experiment.main(cfg)
+    out = tmp_path / "out"
+    lines = {name: [json.loads(x) for x in (out / f"pairs_{name}.jsonl").read_text().splitlines()]
+             for name in ("train", "held_out")}
+    assert len(lines["train"]) == results["pairs"]["training"] > 0
+    assert len(lines["held_out"]) == len(results["held_out"]) == results["pairs"]["held_out"] > 0
+    assert not {r["prompt"] for r in lines["train"]} & {r["prompt"] for r in lines["held_out"]}
+    assert json.loads((out / "dpo" / "config.json").read_text())["objective"] == "dpo"
+    assert (out / "dpo" / "adapters.safetensors").exists()
+    before, after = results["before"], results["after"]
+    # Before training the policy is the reference: every reward is 0, every pair a tie.
+    assert before["reward_accuracy"] == 0.5 and before["reward_margin"] == 0.0
+    for numbers in (before, after, *before["by_kind"].values(), *after["by_kind"].values()):
+        for key in ("reward_accuracy", "logp_preference", "closer", "exact_match"):
+            assert 0.0 <= numbers[key] <= 1.0, key
+    # The summaries agree with the per-pair log-probabilities they come from.
+    logps_before = np.array([p["logps_before"] for p in results["held_out"]])
+    logps_after = np.array([p["logps_after"] for p in results["held_out"]])
+    assert (logps_before < 0).all() and (logps_after < 0).all()
+    margins = cfg.beta * ((logps_after - logps_before) @ np.array([1.0, -1.0]))
+    assert after["reward_accuracy"] == np.mean(np.sign(margins) / 2 + 0.5)
+    assert np.isclose(after["reward_margin"], margins.mean())
+    assert before["logp_preference"] == np.mean(np.sign(logps_before @ [1.0, -1.0]) / 2 + 0.5)
+    assert json.loads((out / "results.json").read_text())["pairs"] == results["pairs"]
 
 
 def test_sharding_smoke(tmp_path):
