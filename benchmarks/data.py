@@ -45,7 +45,7 @@ _OPEN = """
 import json, sys, time
 from effijax.data import batch_at
 from effijax.models import gpt_config
-from effijax.recipe import load_dataset
+from effijax.sources import load_dataset
 t0 = time.perf_counter()
 data = load_dataset(sys.argv[1], gpt_config("mini"))
 batch_at(data.train, seed=0, step=0, batch_size=16, seq_len=256)
@@ -73,7 +73,7 @@ def _prepare_rates(work: Path, mb: int, rounds: int = 2) -> list[list[object]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from effijax.recipe import prepare, prepare_tokenizer
+    from effijax.sources import prepare, prepare_tokenizer
 
     docs = _documents(mb * 2**20)
     source = work / "docs.parquet"
@@ -117,7 +117,7 @@ def _prepare_rates(work: Path, mb: int, rounds: int = 2) -> list[list[object]]:
 
 
 def _prepare_shards(source: Path) -> str:
-    from effijax.recipe import default_shard_bytes
+    from effijax.sources import default_shard_bytes
 
     return f"{default_shard_bytes(source.stat().st_size) // 2**10} KiB each"
 
@@ -125,7 +125,7 @@ def _prepare_shards(source: Path) -> str:
 def _byte_store(work: Path, name: str, mb: int) -> Path:
     """A byte-level store of ``mb`` MiB of printable text (generated: its content does not
     matter to what is measured)."""
-    from effijax.recipe import prepare
+    from effijax.sources import prepare
 
     source = work / f"{name}.txt"
     rng = np.random.default_rng(0)
@@ -154,8 +154,9 @@ def _step_share(store: Path, steps: int, rounds: int) -> tuple[str, list[list[ob
 
     from effijax.data import Prefetcher, batch_at
     from effijax.models import gpt_config
-    from effijax.recipe import batch_fn, compile_job, init_state, load_dataset, plan_job
+    from effijax.recipe import batch_fn, compile_job, init_state, plan_job
     from effijax.run import train_loop
+    from effijax.sources import load_dataset
 
     model = gpt_config("mini")
     data = load_dataset(str(store), model)

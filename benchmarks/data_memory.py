@@ -1,6 +1,6 @@
 """Host memory of `effijax train --data DIR` on a folder of text files, small and large.
 
-Text and JSONL data larger than `effijax.recipe.MEMORY_BYTES` trains from a token store prepared
+Text and JSONL data larger than `effijax.sources.MEMORY_BYTES` trains from a token store prepared
 once in effijax's cache and memory-mapped; smaller data is read in memory at every start (the
 way all text was read before: 3.3 GB of RSS on 1.5 GB of `.txt` files against 0.55 GB on 2 MB,
 the text held about twice at the peak).
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
                         "is measured too")
     add_write_flag(parser)
     args = parser.parse_args(argv)
-    from effijax.recipe import MEMORY_BYTES
+    from effijax.sources import MEMORY_BYTES
 
     work = Path(args.dir or tempfile.mkdtemp(prefix="effijax-data-memory-"))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
         f"`effijax train --model tiny --data DIR --steps 2 --no-checkpoints` on folders of 1 MiB "
         "text files (the standard library's source), each run a fresh process; peak RSS of the "
         "largest of it and its processes (as `/usr/bin/time -v` reports it), wall time of the "
-        f"whole run. Text up to {MEMORY_BYTES // 2**20} MiB (`effijax.recipe.MEMORY_BYTES`) is "
+        f"whole run. Text up to {MEMORY_BYTES // 2**20} MiB (`effijax.sources.MEMORY_BYTES`) is "
         "read in memory at every start; more is prepared once into a token store in effijax's "
         "cache (2 worker processes, each file tokenized in blocks) and memory-mapped."
         + (f" The earlier code: effijax's source at {args.before}, which read all text in "

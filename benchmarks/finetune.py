@@ -92,7 +92,7 @@ MODELS = {"smollm2": ("SmolLM2", "SmolLM2-135M-Instruct (the bundled Q4_1 GGUF d
 def _gguf(name: str) -> pathlib.Path:
     """The bundled model's file (Gemma's assembled into the cache the first time)."""
     from effijax.errors import ConfigError
-    from effijax.recipe import bundled_path
+    from effijax.sources import bundled_path
 
     try:
         return pathlib.Path(bundled_path(name))

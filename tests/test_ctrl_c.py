@@ -266,25 +266,27 @@ def test_other_commands_say_one_line(env, finished, spawn, command):
 
 def test_the_line_says_what_the_run_directory_holds(tmp_path):
     config = TrainConfig(out=str(tmp_path / "run"), steps=6)
-    assert _interrupted(config) == LINE  # not even created
+    output = config.sections.output
+    assert _interrupted(output, 6) == LINE  # not even created
     folder = tmp_path / "run" / "checkpoints"
     folder.mkdir(parents=True)
     # A write in flight, and a damaged step set aside, are not checkpoints.
     (folder / "2.orbax-checkpoint-tmp").mkdir()
     (folder / "4.corrupt-1").mkdir()
-    assert _interrupted(config) == LINE
+    assert _interrupted(output, 6) == LINE
     (folder / "2").mkdir()
     (folder / "10").write_text("")  # a file, not a step
-    assert _interrupted(config) == ("effijax train: interrupted; nothing after step 2 was "
+    assert _interrupted(output, 6) == ("effijax train: interrupted; nothing after step 2 was "
                                     "saved (run the same command to resume from it)")
     (folder / "6").mkdir()
-    assert _interrupted(config) == (
+    assert _interrupted(output, 6) == (
         "effijax train: interrupted after the last step (6) was saved, before the final "
         "evaluation, exports and summary.json were written (run the same command to complete "
         "them)")
     (tmp_path / "run" / "summary.json").write_text(json.dumps({"steps": 6}))
-    assert _interrupted(config) == "effijax train: interrupted; the run had finished at step 6"
-    assert _interrupted(TrainConfig(out=str(tmp_path / "run"), checkpoints=False)) == (
+    assert _interrupted(output, 6) == "effijax train: interrupted; the run had finished at step 6"
+    unsaved = TrainConfig(out=str(tmp_path / "run"), checkpoints=False).sections.output
+    assert _interrupted(unsaved, 6) == (
         "effijax train: interrupted; nothing was saved (--no-checkpoints; run the same command "
         "to start again)")
 

@@ -215,7 +215,7 @@ def test_no_window_holds_the_bos_twice_where_the_corpus_has_its_own():
     evaluation batch or an evaluation row drawn at a document's start holds it once (at
     position 0, untrained), never ``BOS, BOS``; every other token stays a target of the rows."""
     from effijax.data import Led, eval_batches
-    from effijax.recipe._data import text_rows
+    from effijax.sources._data import text_rows
 
     docs = [np.arange(10 + 7 * d, 10 + 7 * d + 3 + d % 4) for d in range(12)]
     stream = np.concatenate([np.concatenate([[2], doc, [1]]) for doc in docs])  # BOS doc EOT
@@ -250,7 +250,7 @@ def test_text_data_of_a_bos_tokenizer_is_led_by_its_bos(tmp_path):
 
     from effijax.data import Led
     from effijax.models import llama_config, sentencepiece_bpe
-    from effijax.recipe._data import load_dataset
+    from effijax.sources._data import load_dataset
 
     tokens, scores, types = vocabulary()
     kwargs = dict(bos_id=2, eos_id=1, unk_id=3, pad_id=0, add_space_prefix=False)

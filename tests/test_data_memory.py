@@ -35,7 +35,8 @@ from effijax.data import (
 )
 from effijax.errors import ConfigError, FileError
 from effijax.models import byte_level_bpe, gpt_config, llama_config
-from effijax.recipe import TrainConfig, _prepared, load_dataset, prepare, train
+from effijax.recipe import TrainConfig, train
+from effijax.sources import _prepared, load_dataset, prepare
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SEQ = 32

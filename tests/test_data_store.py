@@ -24,7 +24,8 @@ from effijax.data import (
 )
 from effijax.errors import ConfigError
 from effijax.models import gpt_config, llama_config
-from effijax.recipe import _identity, _prepare, load_dataset, prepare
+from effijax.recipe import _identity
+from effijax.sources import _prepare, load_dataset, prepare
 
 pa = pytest.importorskip("pyarrow", reason="Parquet/Arrow sources need pyarrow (the data extra)")
 pq = pytest.importorskip("pyarrow.parquet", reason="Parquet sources need pyarrow")
@@ -345,7 +346,7 @@ _RSS = """
 import sys
 from effijax.data import batch_at
 from effijax.models import gpt_config
-from effijax.recipe import load_dataset
+from effijax.sources import load_dataset
 data = load_dataset(sys.argv[1], gpt_config("tiny", seq_len=64))
 for step in range(200):
     batch_at(data.train, seed=0, step=step, batch_size=16, seq_len=64)
@@ -470,14 +471,14 @@ def test_a_base_tokenizer_prepares_chat_with_a_template_file_that_training_repea
 
 def test_prepare_checks_the_template_file_before_reading_the_model(corpus, tmp_path, llama,
                                                                    capsys, monkeypatch):
-    import effijax.recipe
+    import effijax.sources
     from effijax.cli import main as cli_main
 
     base = tmp_path / "base-tokenizer"
     dataclasses.replace(llama.tokenizer, chat_template=None).save(base)
     missing = tmp_path / "no" / "such.jinja"
     read = []  # the model's tokenizer is not read (Gemma 3's GGUF is assembled first)
-    monkeypatch.setattr(effijax.recipe, "prepare_tokenizer", read.append)
+    monkeypatch.setattr(effijax.sources, "prepare_tokenizer", read.append)
     argv = ["data", "prepare", str(corpus / "qa.jsonl"), "--out", str(tmp_path / "s"),
             "--from", str(base), "--processes", "1"]
     assert cli_main([*argv, "--chat-template", str(missing)]) == 2
@@ -650,11 +651,11 @@ def test_a_resumed_run_refuses_a_store_changed_since_the_run_started(tmp_path):
 
     store = _bytes_store(tmp_path)
     config = TrainConfig(model="tiny", seq_len=SEQ, data=str(store))
-    started = load_data(config, BYTES)
+    started = load_data(config.sections.data, BYTES)
     (store / "tokens.bin").write_bytes(b"HELLO STORE " * 500)  # same size
     with pytest.raises(FileError, match=r"tokens\.bin: sha256: differs from the manifest: the "
                                         "store was changed after it was prepared"):
-        load_data(config, BYTES)
+        load_data(config.sections.data, BYTES)
     assert started.fingerprint == f"store:{open_store(store).manifest['sha256']}"  # unchanged
 
 

@@ -432,8 +432,8 @@ def test_gemma3_270m_gguf_gives_transformers_logits_and_greedy_ids(gemma3_gguf, 
     # effijax eval's rows of a text (each led by <bos>, every token a target once) and its
     # masked mean loss, against transformers' cross-entropy on the same rows.
     from effijax.precision import get_policy
-    from effijax.recipe._data import load_eval_data
     from effijax.recipe._eval import _scorer
+    from effijax.sources._data import load_eval_data
 
     text = gemma3_gguf.parent / "eval.txt"
     text.write_text("def mean(xs):\n    return sum(xs) / len(xs)  # 3.14 ±0.01\n\n"

@@ -171,7 +171,7 @@ def test_smollm2_at_q8_0_continues_in_transformers_as_in_effijax(tmp_path, one_t
     torch = pytest.importorskip("torch", reason="parity needs torch (effijax[interop])")
     pytest.importorskip("transformers", reason="parity needs transformers")
     from effijax.generate import generate
-    from effijax.recipe._sources import bundled_path
+    from effijax.sources import bundled_path
 
     try:
         source = bundled_path("smollm2")

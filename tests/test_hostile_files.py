@@ -156,7 +156,7 @@ def test_hostile_gguf_files_are_refused_in_one_line(files, tmp_path):
 def test_the_bundled_model_truncated_anywhere_is_one_line(tmp_path):
     """The real SmolLM2 GGUF (49,152 tokens, 272 tensors) cut short at seeded offsets: within
     its 1.7 MB of metadata, its tensor records, and its data."""
-    from effijax.recipe import bundled_path
+    from effijax.sources import bundled_path
 
     try:
         source = bundled_path("smollm2")
@@ -296,7 +296,7 @@ def test_read_gguf_reads_what_the_gguf_reader_reads(tmp_path, endian):
 
 def test_read_gguf_reads_the_bundled_model_as_the_gguf_reader_does():
     from effijax.interop._gguf_check import read_gguf
-    from effijax.recipe import bundled_path
+    from effijax.sources import bundled_path
 
     try:
         path = bundled_path("smollm2")

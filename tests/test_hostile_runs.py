@@ -20,7 +20,8 @@ import pytest
 
 from effijax.cli import main
 from effijax.errors import ConfigError
-from effijax.recipe import EvalResult, TrainConfig, open_model, train
+from effijax.recipe import EvalResult, TrainConfig, train
+from effijax.sources import open_model
 
 
 def _cli(capsys, *argv: str) -> tuple[int, str, str]:
@@ -108,7 +109,7 @@ def test_a_lora_run_on_a_changed_base_is_refused_naming_file_and_hashes(lora_run
     values["run"]["init_from_checkpoint"]["path"] = str(tmp_path / "moved" / "smollm2.gguf")
     (copy / "config.json").write_text(json.dumps(values))
     (copy / "model.gguf").write_bytes(other.read_bytes())
-    import effijax.recipe._open as opening
+    import effijax.sources._open as opening
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(opening, "bundled_path", lambda name: str(other))

@@ -87,9 +87,11 @@ def _leaves(out):
     with open_checkpoints(directory, every=1, keep=None) as ckpt:
         step = ckpt.latest_step()
         saved = ckpt.metadata(step)["metadata"]["config"]
-        config = TrainConfig.from_dict(saved)
+        s = TrainConfig.from_dict(saved).sections
         abstract = abstract_state(model_from_dict(saved["run"]["model_config"]),
-                                  config.precision, optimizer_for(config), seed=config.seed)
+                                  s.precision.precision,
+                                  optimizer_for(s.training, s.optimizer, s.precision),
+                                  seed=s.training.seed)
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         state = ckpt.restore(step, target_state_abstract=restore_target(abstract, device))
     return step, [np.asarray(jax.random.key_data(x) if jax.dtypes.issubdtype(
@@ -240,7 +242,7 @@ def test_a_store_fed_run_killed_and_resumed_is_the_file_fed_run(env, reference):
     """The corpus prepared into a token store (``effijax data prepare``) and memory-mapped:
     SIGKILL, then the same command; the run reads the batches the file-fed run read and ends
     bitwise where it ended."""
-    from effijax.recipe._prepare import prepare
+    from effijax.sources._prepare import prepare
 
     store = env["root"] / "corpus.store"
     prepare(env["corpus"], store, processes=1)

@@ -54,10 +54,13 @@ LAYERS = [
     # Training objectives: losses of the models' outputs (per-sequence log-probabilities), which
     # the recipe composes; never the recipe's own business (data, loop, checkpoints).
     ("objectives",),
+    # Where models and data come from, opened for any command (train, eval, generate, memory,
+    # plan, data prepare): below the recipe, which keeps TrainConfig and the stages of train.
+    ("sources",),
     ("run.py", "observe"),
     ("recipe",),
-    # Generation opens a trained model through the recipe (effijax.recipe.open_model), which
-    # knows a run directory's layout; evaluation stays with the recipe, below it.
+    # Generation opens a trained model through effijax.sources.open_model, never the recipe
+    # (test_only_the_cli_imports_the_recipe): it only needs to sit above the sources.
     ("generate",),
     ("cli", "__main__.py"),
 ]
@@ -80,6 +83,15 @@ def test_every_module_is_in_a_layer():
     tops = {p.name for p in PKG.iterdir() if p.suffix == ".py" or
             (p.is_dir() and (p / "__init__.py").exists())}
     assert tops <= placed, sorted(tops - placed)
+
+
+def test_only_the_cli_imports_the_recipe():
+    # The recipe is TrainConfig and the stages of train: the library below and beside it (data,
+    # models, generation, ...) never needs it; the CLI, experiments and benchmarks drive it.
+    outside = {m: i for m, i in _modules().items() if not m.startswith(("cli/", "recipe/"))}
+    assert not _offenders(outside, ("effijax.recipe",)), _offenders(outside, ("effijax.recipe",))
+    for root in ("experiments", "benchmarks"):  # allowed there, and used
+        assert any("effijax.recipe" in _imports(p) for p in (PKG.parent / root).rglob("*.py"))
 
 
 def test_checkpoints_do_not_import_the_training_loop():

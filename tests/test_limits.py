@@ -93,7 +93,7 @@ def test_every_chat_template_error_is_one_line(template, said):
 
 
 def test_a_template_error_in_training_data_names_the_record(tmp_path):
-    from effijax.recipe._data import _chat_examples
+    from effijax.sources._data import _chat_examples
 
     f = tmp_path / "chat.jsonl"
     f.write_text('{"prompt": "ab", "response": "ba"}\n')
@@ -214,7 +214,7 @@ def test_too_many_prompts_are_refused_before_loading_a_model(capsys, tmp_path):
 def test_generate_refuses_too_many_prompts_and_a_cache_that_cannot_fit(monkeypatch):
     from effijax.generate import generate
     from effijax.models import llama_config
-    from effijax.recipe import _preflight
+    from effijax.sources import _preflight
 
     model = llama_config("llama-tiny")
     params = jax.eval_shape(model.init_params, jax.random.key(0))  # both refuse before use

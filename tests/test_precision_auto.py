@@ -46,6 +46,11 @@ def test_cpu_flags_reads_the_first_flags_line(tmp_path):
     assert cpu_flags(str(tmp_path / "missing")) == frozenset()
 
 
+def _decide(config, model):
+    """``decide_precision`` of ``config``'s sections it reads."""
+    return _train.decide_precision(config.sections.precision, config.sections.output, model)
+
+
 @pytest.fixture
 def cpu(monkeypatch):
     """Sets the CPU's flags ``decide_precision`` sees."""
@@ -58,16 +63,16 @@ def test_the_recipe_decides_from_the_model_width_and_the_cpu(cpu, tmp_path):
     smollm2 = preset("smollm2-135m")  # an architecture only: no weights are read
     config = TrainConfig(**TINY, out=str(tmp_path / "run"))
     cpu(AVX512_BF16)
-    assert _train.decide_precision(config, smollm2) == AutoPrecision(
+    assert _decide(config, smollm2) == AutoPrecision(
         "bf16", "auto: CPU with AVX512_BF16, width 576")
-    assert _train.decide_precision(config, gpt_config("tiny")).precision == "fp32"
+    assert _decide(config, gpt_config("tiny")).precision == "fp32"
     lora = TrainConfig(**TINY, lora_rank=8, lora_random_base=True, out=str(tmp_path / "run"))
-    assert _train.decide_precision(lora, smollm2).precision == "bf16"  # LoRA or not
+    assert _decide(lora, smollm2).precision == "bf16"  # LoRA or not
     cpu({"avx2"})
-    assert _train.decide_precision(config, smollm2).precision == "fp32"
+    assert _decide(config, smollm2).precision == "fp32"
     # Asked for by name: no decision, nothing to say.
     named = TrainConfig(**TINY, precision="bf16", out=str(tmp_path / "run"))
-    assert _train.decide_precision(named, gpt_config("tiny")) == AutoPrecision("bf16", "")
+    assert _decide(named, gpt_config("tiny")) == AutoPrecision("bf16", "")
 
 
 def test_auto_picks_bf16_says_why_and_a_resume_elsewhere_keeps_it(cpu, monkeypatch, tmp_path,
@@ -89,11 +94,11 @@ def test_auto_picks_bf16_says_why_and_a_resume_elsewhere_keeps_it(cpu, monkeypat
     assert "resuming from step 2" in said and "precision bf16 (auto: the run's own)" in said
 
     # A new run there (another directory) decides afresh; so does one without checkpoints.
-    fresh = _train.decide_precision(TrainConfig(**TINY, out=str(tmp_path / "new")),
+    fresh = _decide(TrainConfig(**TINY, out=str(tmp_path / "new")),
                                     gpt_config("tiny"))
     assert fresh == AutoPrecision("fp32", "auto: CPU without native bf16")
     unsaved = TrainConfig(**TINY, checkpoints=False, out=str(out))
-    assert _train.decide_precision(unsaved, gpt_config("tiny")).precision == "fp32"
+    assert _decide(unsaved, gpt_config("tiny")).precision == "fp32"
 
 
 def test_an_unreadable_run_config_leaves_the_decision_to_the_cpu(cpu, tmp_path):
@@ -101,7 +106,7 @@ def test_an_unreadable_run_config_leaves_the_decision_to_the_cpu(cpu, tmp_path):
     out.mkdir()
     (out / "config.json").write_text('{"precision": ')  # cut short; opening the run reports it
     cpu(AVX512_BF16)
-    decided = _train.decide_precision(TrainConfig(**TINY, out=str(out)), preset("smollm2-135m"))
+    decided = _decide(TrainConfig(**TINY, out=str(out)), preset("smollm2-135m"))
     assert decided.precision == "bf16" and "the run's own" not in decided.reason
 
 
@@ -123,5 +128,5 @@ def test_processes_agree_on_what_auto_decides(cpu, monkeypatch, tmp_path, rows, 
     monkeypatch.setattr(multihost_utils, "process_allgather",
                         lambda x: sent.append(np.asarray(x).tolist()) or np.asarray(rows))
     config = TrainConfig(**TINY, out=str(tmp_path / "run"))
-    assert _train.decide_precision(config, preset("smollm2-135m")) == expected
+    assert _decide(config, preset("smollm2-135m")) == expected
     assert sent == [[-1, 1]]  # this process (0): no run there, native bf16

@@ -12,12 +12,10 @@ import pytest
 from effijax.checkpoint import truncate_metrics
 from effijax.errors import ConfigError, WriteError
 from effijax.models import gpt_config
-from effijax.recipe import (
-    _preflight,  # the module under test
-    plan_job,
-)
+from effijax.recipe import plan_job
 from effijax.run import RunDir, read_metrics
 from effijax.sharding import MemoryReport
+from effijax.sources import _preflight  # the module under test
 
 
 def test_storage_refuses_a_file_where_the_checkpoints_go(tmp_path):
@@ -64,10 +62,10 @@ def test_step_bytes_counts_arguments_new_outputs_and_temporaries():
 def test_memory_over_budget_stops_with_the_breakdown_and_a_plan(job):
     m = _report(arguments=50_000_000, temporaries=80_000_000, aliased=50_000_000,
                 outputs=50_000_000, params=12_000_000, opt_state=24_000_000)
-    _preflight.memory(m, job, "1GB")  # fits
-    _preflight.memory(m, job, "0")  # skipped
+    _preflight.check_compiled_memory(m, job, "1GB")  # fits
+    _preflight.check_compiled_memory(m, job, "0")  # skipped
     with pytest.raises(ConfigError) as info:
-        _preflight.memory(m, job, "100MB")
+        _preflight.check_compiled_memory(m, job, "100MB")
     e = info.value
     assert e.field == "device_memory" and e.value == "100 MB"
     assert ("the compiled step needs 130 MB per device (arguments 50 MB + outputs 50 MB - "
@@ -78,7 +76,8 @@ def test_memory_over_budget_stops_with_the_breakdown_and_a_plan(job):
             "or use a device with more memory") in e.problem, e.problem
     # With the temporaries dominating, fewer sequences per step (one device, batch 2) fit.
     with pytest.raises(ConfigError) as info:
-        _preflight.memory(dataclasses.replace(m, temporaries=200_000_000), job, "200MB", 30)
+        _preflight.check_compiled_memory(dataclasses.replace(m, temporaries=200_000_000), job,
+                                         "200MB", 30)
     assert ("; try --batch-size 1 --accumulate 2 --steps 60 (the same sequences per optimizer "
             "update, in smaller micro-batches: about 162 MB per device); or --device-memory 0 "
             "to skip this check") in info.value.problem, info.value.problem

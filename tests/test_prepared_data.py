@@ -11,8 +11,9 @@ import pytest
 from effijax.data import open_store
 from effijax.errors import ConfigError
 from effijax.models import gpt_config
-from effijax.recipe import TrainConfig, _prepare, _prepared, load_dataset, load_eval_data, prepare
+from effijax.recipe import TrainConfig
 from effijax.recipe._train import load_data
+from effijax.sources import _prepare, _prepared, load_dataset, load_eval_data, prepare
 
 pa = pytest.importorskip("pyarrow", reason="Parquet/Arrow sources need pyarrow (the data extra)")
 pq = pytest.importorskip("pyarrow.parquet", reason="Parquet sources need pyarrow")
@@ -47,6 +48,11 @@ def _config(data, **kw):
     return TrainConfig(model="tiny", seq_len=SEQ, data=str(data), **kw)
 
 
+def _data(data, **kw):
+    """The data section (what ``load_data`` reads) of such a config."""
+    return _config(data, **kw).sections.data
+
+
 def test_a_parquet_source_trains_from_the_store_prepare_writes(docs, tmp_path, cache):
     lines = []
     data = _prepared.training_data(str(docs), None, text_column="body", print_fn=lines.append)
@@ -54,33 +60,33 @@ def test_a_parquet_source_trains_from_the_store_prepare_writes(docs, tmp_path, c
     assert data == str(store) and lines[0].startswith(f"preparing {docs} into {store}")
     assert lines[-1].startswith("prepared ") and "sha256" in lines[-1]
     own = prepare(docs, tmp_path / "own.store", text_column="body", processes=1)
-    read = load_data(_config(docs, text_column="body"), BYTES)
+    read = load_data(_data(docs, text_column="body"), BYTES)
     assert read.fingerprint == "store:" + own["sha256"]  # the store `effijax data prepare` writes
     assert read.tokens == own["tokens"] == sum(len(d.encode()) for d in _documents())
     assert read.note.startswith(f"bytes store {store}")
 
 
 def test_unchanged_files_reuse_the_store_without_reading_them(docs, cache, monkeypatch):
-    first = load_data(_config(docs, text_column="body"), BYTES)
+    first = load_data(_data(docs, text_column="body"), BYTES)
 
     def no_prepare(*args, **kwargs):
         raise AssertionError("prepare ran again for unchanged files")
 
     with monkeypatch.context() as m:
         m.setattr(_prepared, "prepare", no_prepare)
-        again = load_data(_config(docs, text_column="body"), BYTES)
+        again = load_data(_data(docs, text_column="body"), BYTES)
     assert again.fingerprint == first.fingerprint
     # New content (the same size): prepared again, into the same store name.
     docs.unlink()
     pq.write_table(pa.table({"id": list(range(12)), "body": _documents(salt="!")}), docs,
                    row_group_size=6)
-    changed = load_data(_config(docs, text_column="body"), BYTES)
+    changed = load_data(_data(docs, text_column="body"), BYTES)
     assert changed.fingerprint != first.fingerprint
     assert changed.tokens == first.tokens + 12 and len(list(cache.glob("*.store"))) == 1
     # Another column (or tokenizer, format) is another store beside it.
     table = pq.read_table(docs).append_column("text", pa.array(_documents(4) * 3))
     pq.write_table(table, docs)
-    other = load_data(_config(docs), BYTES)
+    other = load_data(_data(docs), BYTES)
     assert other.fingerprint != changed.fingerprint and len(list(cache.glob("*.store"))) == 2
 
 
@@ -115,14 +121,14 @@ def test_the_flag_and_the_library_refusals(docs):
 def test_a_mixture_prepares_its_raw_parts(docs, tmp_path, cache):
     (tmp_path / "b.txt").write_bytes(b"b" * 4000)
     prepare(tmp_path / "b.txt", tmp_path / "b.store", processes=1)
-    data = load_data(_config(f"{docs}:0.25,{tmp_path / 'b.store'}:0.75",
+    data = load_data(_data(f"{docs}:0.25,{tmp_path / 'b.store'}:0.75",
                              text_column="body"), BYTES)
     assert data.train.weights == (0.25, 0.75) and data.fingerprint.startswith("mix:")
     (store,) = cache.glob("docs-*.store")
     same = load_dataset(f"{store}:0.25,{tmp_path / 'b.store'}:0.75", BYTES)
     assert same.fingerprint == data.fingerprint
     # A text file in a mixture is prepared too (alone, it is read in memory as before).
-    text = load_data(_config(f"{tmp_path / 'b.txt'}:1,{tmp_path / 'b.store'}:1"), BYTES)
+    text = load_data(_data(f"{tmp_path / 'b.txt'}:1,{tmp_path / 'b.store'}:1"), BYTES)
     assert len(list(cache.glob("b-*.store"))) == 1 and text.tokens == 8000
 
 
@@ -172,7 +178,7 @@ def test_a_killed_prepare_is_continued_by_the_next_run(tmp_path, cache, monkeypa
         *a, **{**kw, "processes": 1}))
     monkeypatch.setattr(_prepare, "commit_documents", dies_after_two)
     with pytest.raises(KeyboardInterrupt):
-        load_data(_config(path), BYTES)
+        load_data(_data(path), BYTES)
     assert not list(cache.glob("*.files.json")) and len(commits) == 2
     monkeypatch.setattr(_prepare, "commit_documents", real_commit)
     lines = []

@@ -165,7 +165,7 @@ def _reads_and_writes(argv: list[str]) -> tuple[list[str], list[str]]:
 def _unmade_reads(text: str) -> list[str]:
     """Each path a command of ``text`` reads that nothing before it made and nothing ships."""
     from effijax.models import preset_names
-    from effijax.recipe import BUNDLED
+    from effijax.sources import BUNDLED
 
     made, missing = set(), []
     for kind, step in _page_steps(text):

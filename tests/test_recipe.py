@@ -357,7 +357,7 @@ def test_a_file_that_is_not_a_model_is_named_as_such(tmp_path):
 
 
 def test_too_little_text_says_how_much_is_needed_and_the_longest_window_that_fits(tmp_path):
-    from effijax.recipe._data import load_dataset
+    from effijax.sources._data import load_dataset
 
     small = tmp_path / "notes.txt"
     small.write_text("x = 1\n" * 281)  # 1,686 bytes

@@ -21,11 +21,10 @@ from effijax.recipe import (
     _state,
     _train,
     _watch,
-    load_dataset,
-    load_eval_data,
     optimizer_for,
 )
 from effijax.run import RunDir, read_metrics
+from effijax.sources import load_dataset, load_eval_data
 
 TINY = dict(model="tiny", seq_len=16, batch_size=2, eval_batches=1, steps=2, progress=False)
 
@@ -42,11 +41,16 @@ def planned(corpus, tmp_path_factory):
     """The stages up to compile, for a tiny run on one device."""
     out = tmp_path_factory.mktemp("run") / "out"
     config = TrainConfig(**TINY, data=corpus, out=str(out))
-    mesh = _train.start(config)
-    model = _train.model_for(config, None)
-    config = _train.resolve(config, mesh, _train.decide_precision(config, model).precision)
-    data = _train.load_data(config, model)
-    job = _train.plan_run(config, model, optimizer_for(config), data, mesh)
+    s = config.sections
+    mesh = _train.start(s.parallel)
+    model = _train.model_for(s.model, s.data, s.training, None)
+    precision = _train.decide_precision(s.precision, s.output, model).precision
+    config = config.resolved(precision, **_train.placement(s.parallel, mesh))
+    s = config.sections
+    data = _train.load_data(s.data, model, objective=config.objective)
+    job = _train.plan_run(model, optimizer_for(s.training, s.optimizer, s.precision), data, mesh,
+                          precision=s.precision, training=s.training, parallel=s.parallel,
+                          lora=s.lora, objective=s.objective)
     return config, data, job
 
 
@@ -54,7 +58,7 @@ def planned(corpus, tmp_path_factory):
 
 def test_start_without_a_strategy_uses_one_device_and_resolve_decides_every_auto(planned):
     config, data, job = planned
-    assert _train.start(TrainConfig(**TINY)) is None
+    assert _train.start(TrainConfig(**TINY).sections.parallel) is None
     assert config.precision == "fp32" and config.strategy is None and config.mesh is None
     assert config.warmup == TrainConfig(**TINY).warmup_steps
     assert job.tokens_per_step == 2 * 16 and job.lora is None
@@ -65,11 +69,13 @@ def test_the_model_stage_refuses_an_export_its_family_cannot_write():
     with pytest.raises(ConfigError, match=r"^export_hf=True: writes a Hugging Face model "
                        r"directory; the gpt family has no Hugging Face counterpart; families "
                        r"with one: gemma3, llama, mistral, qwen2$"):
-        _train.model_for(TrainConfig(**TINY, export_hf=True), None)
+        s = TrainConfig(**TINY, export_hf=True).sections
+        _train.model_for(s.model, s.data, s.training, None)
 
 
 def test_optimizer_for_follows_the_config():
-    opt = optimizer_for(TrainConfig(**TINY, optimizer="sgd"))
+    s = TrainConfig(**TINY, optimizer="sgd").sections
+    opt = optimizer_for(s.training, s.optimizer, s.precision)
     assert isinstance(opt, optax.GradientTransformation)
 
 
@@ -90,17 +96,18 @@ def test_open_run_locks_the_directory_until_released(planned, tmp_path):
     # Without checkpoints: the lock and the records (orbax's manager opens in the loop test).
     config = dataclasses.replace(config, checkpoints=False, out=str(tmp_path))
     record = _rundir.run_record(job, None, data)
-    run = _rundir.open_run(config, job, record)
+    s = config.sections
+    run = _rundir.open_run(config.to_dict(), s.output, s.training, job, record)
     try:
         assert (run.resume_step, run.restored, run.finished) == (None, None, False)
         assert run.config_json == run.run_json and run.record["corpus_sha256"] == data.fingerprint
         assert run.dir.ckpt is None and run.dir.lock is not None
         with pytest.raises(ConfigError, match="another run is writing this directory"):
-            _rundir.open_run(config, job, record)
+            _rundir.open_run(config.to_dict(), s.output, s.training, job, record)
     finally:
         run.dir.release()
     assert run.dir.lock is None and run.dir.ckpt is None
-    _rundir.open_run(config, job, record).dir.release()  # free again
+    _rundir.open_run(config.to_dict(), s.output, s.training, job, record).dir.release()  # free
 
 
 def test_a_run_dir_releases_its_lock_when_its_block_fails(tmp_path):
@@ -115,15 +122,22 @@ def test_a_run_dir_releases_its_lock_when_its_block_fails(tmp_path):
 def trained(planned):
     """The stages from the run directory to the loop, checkpointing, as ``train`` runs them."""
     config, data, job = planned
-    run = _rundir.open_run(config, job, _rundir.run_record(job, None, data))
+    s = config.sections
+    run = _rundir.open_run(config.to_dict(), s.output, s.training, job,
+                           _rundir.run_record(job, None, data))
     with run.dir:
-        initial = _state.initial_state(config, job, run, None)
+        initial = _state.initial_state(s.output, s.training, job, run, None)
         assert int(initial.state.step) == 0 and initial.frozen is None
-        compiled = _train.compile_run(config, job, initial, None, data)
+        compiled = _train.compile_run(job, initial, None, data, model=s.model,
+                                      precision=s.precision, training=s.training,
+                                      parallel=s.parallel, output=s.output)
         run.dir.begin(run.config_json)
-        start = _finish.evaluate_start(config, job, initial, data.val)
-        with _watch.watching(config, run.run_json, {}, 0) as watch:
-            result = _loop.loop(config, job, run, compiled, initial, data.train, watch)
+        start = _finish.evaluate_start(job, initial, data.val,
+                                       eval_batches=config.eval_batches)
+        with _watch.watching(s.output, run.run_json, {}, 0) as watch:
+            result = _loop.loop(s.output, job, run, compiled, initial, data.train, watch,
+                                steps=config.steps, prefetch=config.prefetch,
+                                max_non_finite=config.max_non_finite)
         assert run.dir.ckpt is None  # saved and closed by the loop
     return compiled, start, result
 
@@ -142,11 +156,12 @@ def test_the_loop_trains_logs_and_saves_the_last_step(planned, trained):
 def test_evaluate_export_and_summary_after_the_loop(planned, trained):
     config, data, job = planned
     compiled, _, result = trained
-    evaluation = _finish.evaluate_end(config, job, result.state.params, data.val)
+    evaluation = _finish.evaluate_end(job, result.state.params, data.val,
+                                      eval_batches=config.eval_batches)
     assert set(evaluation) == {"eval_loss"} and evaluation["eval_loss"] > 0
-    no_eval = TrainConfig(**{**TINY, "eval_batches": 0})
-    assert _finish.evaluate_end(no_eval, job, result.state.params, data.val) == {}
-    assert _finish.export(config, job, result.state.params) == {}  # nothing asked for
+    assert _finish.evaluate_end(job, result.state.params, data.val, eval_batches=0) == {}
+    s = config.sections
+    assert _finish.export(s.output, s.training, job, result.state.params) == {}  # none asked
     summary = _finish.summarize(job, compiled, result.summary, config.out, evaluation)
     assert summary["eval_loss"] == evaluation["eval_loss"]
     assert summary["final_loss_steps"] == 2 and summary["num_params"] == job.num_params
@@ -186,10 +201,14 @@ def _loop_until_it_fails(planned, trained, tmp_path, step=None):
     compiled, _, result = trained
     compiled = compiled if step is None else compiled._replace(step=step)
     config = config.with_overrides(out=str(tmp_path / "out"), checkpoints=False, steps=4)
-    run = _rundir.open_run(config, job, _rundir.run_record(job, None, data))
+    s = config.sections
+    run = _rundir.open_run(config.to_dict(), s.output, s.training, job,
+                           _rundir.run_record(job, None, data))
     initial = _state.Initial(jax.tree.map(lambda x: x.copy(), result.state))  # it is donated
-    with run.dir, _watch.watching(config, run.run_json, {}, 0) as watch:
-        _loop.loop(config, job, run, compiled, initial, data.train, watch)
+    with run.dir, _watch.watching(config.sections.output, run.run_json, {}, 0) as watch:
+        _loop.loop(config.sections.output, job, run, compiled, initial, data.train, watch,
+                   steps=config.steps, prefetch=config.prefetch,
+                   max_non_finite=config.max_non_finite)
 
 
 def test_the_loop_leaves_no_prefetch_thread_however_it_ends(planned, trained, tmp_path,
@@ -232,8 +251,11 @@ def test_the_loop_leaves_no_prefetch_thread_however_it_ends(planned, trained, tm
     ("fsdp=2,tensor=4", "zero1", "zero1"),  # a strategy given is kept
 ])
 def test_a_mesh_without_a_strategy_implies_one(mesh, strategy, expected):
-    from effijax.recipe._train import resolve
+    from effijax.recipe._train import placement
     from effijax.sharding import make_mesh
+
+    def resolve(config, mesh, precision):
+        return config.resolved(precision, **placement(config.sections.parallel, mesh))
 
     config = TrainConfig(mesh=mesh, strategy=strategy)
     assert resolve(config, make_mesh(**config.mesh), "fp32").strategy == expected
@@ -247,10 +269,10 @@ def test_a_fine_tune_without_evaluation_says_so(capsys):
     from effijax.recipe import _finish
 
     job = SimpleNamespace(lora=object())  # a LoRA run: judged by its validation loss
-    assert _finish.evaluate_start(TrainConfig(eval_batches=0), job, None, None) == {}
+    assert _finish.evaluate_start(job, None, None, eval_batches=0) == {}
     assert capsys.readouterr().out == ("effijax train: note: --eval-batches 0: no validation "
                                        "loss before or after training (the summary and the "
                                        "done line will have none)\n")
     job = SimpleNamespace(lora=None)  # a run from the seed evaluates nothing at its start
-    assert _finish.evaluate_start(TrainConfig(eval_batches=0), job, None, None) == {}
+    assert _finish.evaluate_start(job, None, None, eval_batches=0) == {}
     assert capsys.readouterr().out == ""

@@ -49,9 +49,10 @@ def _final_leaves(out) -> tuple[int, list[np.ndarray]]:
     from effijax.models import model_from_dict
     from effijax.recipe import TrainConfig, abstract_state, optimizer_for
 
-    config = TrainConfig.from_dict(saved)
-    abstract = abstract_state(model_from_dict(saved["run"]["model_config"]), config.precision,
-                              optimizer_for(config), seed=config.seed)
+    s = TrainConfig.from_dict(saved).sections
+    abstract = abstract_state(model_from_dict(saved["run"]["model_config"]), s.precision.precision,
+                              optimizer_for(s.training, s.optimizer, s.precision),
+                              seed=s.training.seed)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     with open_checkpoints(directory, every=1, keep=None) as ckpt:
         state = ckpt.restore(step, target_state_abstract=restore_target(abstract, device))

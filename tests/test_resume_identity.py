@@ -22,7 +22,7 @@ from effijax.errors import ConfigError, FileError
 from effijax.interop import save_hf
 from effijax.models import Tokenizer, byte_level_bpe, gpt_config, llama_config
 from effijax.recipe import TrainConfig, _identity, _rundir, _train, train
-from effijax.recipe._data import Dataset
+from effijax.sources._data import Dataset
 
 SEQ = 32
 STEPS = 2
@@ -73,10 +73,11 @@ class _Compiling(Exception):
 
 def _resume_until_compiling(trained, model_dir, monkeypatch, out=None):
     """Resumes the run for two more steps from ``model_dir`` up to the compilation; returns
-    what compilation would have been given: ``(config, job, initial, source, data, why)``."""
+    what compilation would have been given: ``(job, initial, source, data, why)`` (and the
+    config's sections, by keyword)."""
     _, settings = trained
 
-    def stop(*args):
+    def stop(*args, **sections):
         raise _Compiling(*args)
 
     monkeypatch.setattr(_train, "compile_run", stop)
@@ -148,7 +149,7 @@ def test_the_same_files_elsewhere_and_reformatted_are_the_same_run(trained, tmp_
     root, settings = trained
     again = train(TrainConfig(init_from=str(model_dir), steps=STEPS, **settings))
     assert again.status == "finished_before"
-    _, job, initial, _, _, _ = _resume_until_compiling(trained, model_dir, monkeypatch)
+    job, initial, _, _, _ = _resume_until_compiling(trained, model_dir, monkeypatch)
     assert int(initial.state.step) == STEPS
     record = json.loads((root / "run" / "config.json").read_text())["run"]
     assert record["weights"] == {"model.safetensors": record["init_from_checkpoint"]["sha256"]}
@@ -176,7 +177,7 @@ def test_a_run_recorded_before_the_digests_resumes_and_records_them(trained, tmp
     again = train(TrainConfig(init_from=str(model_dir), steps=STEPS,
                               **{**settings, "out": str(run)}))
     assert again.status == "finished_before"
-    _, job, initial, _, _, _ = _resume_until_compiling(trained, model_dir, monkeypatch,
+    job, initial, _, _, _ = _resume_until_compiling(trained, model_dir, monkeypatch,
                                                        out=str(run))
     assert int(initial.state.step) == STEPS
     # Its weights are still compared, through the digest of all its files.

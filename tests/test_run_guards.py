@@ -76,9 +76,11 @@ def _leaves(out, step):
     directory = Path(out) / "checkpoints"
     with open_checkpoints(directory, every=1, keep=None) as ckpt:
         saved = ckpt.metadata(step)["metadata"]["config"]
-        config = TrainConfig.from_dict(saved)
+        s = TrainConfig.from_dict(saved).sections
         abstract = abstract_state(model_from_dict(saved["run"]["model_config"]),
-                                  config.precision, optimizer_for(config), seed=config.seed)
+                                  s.precision.precision,
+                                  optimizer_for(s.training, s.optimizer, s.precision),
+                                  seed=s.training.seed)
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         state = ckpt.restore(step, target_state_abstract=restore_target(abstract, device))
     return [np.asarray(jax.random.key_data(x) if jax.dtypes.issubdtype(
@@ -359,15 +361,16 @@ def test_the_memory_refusal_without_device_memory_does_not_name_the_flag():
 
     from effijax.errors import NO_VALUE, ConfigError
     from effijax.models import gpt_config
-    from effijax.recipe import _preflight, plan_job
+    from effijax.recipe import plan_job
     from effijax.sharding import MemoryReport
+    from effijax.sources import _preflight
 
     job = plan_job(gpt_config("tiny", seq_len=16), "fp32", optax.adam(1e-3), batch_size=2)
     huge = MemoryReport(params=10**3, opt_state=2 * 10**3, other_state=8, grads=10**3,
                         arguments=3 * 10**3, outputs=3 * 10**3, temporaries=10**15,
                         aliased=3 * 10**3, peak=None)
     with pytest.raises(ConfigError) as e:
-        _preflight.memory(huge, job, None)
+        _preflight.check_compiled_memory(huge, job, None)
     assert e.value.field == "memory" and e.value.value is NO_VALUE
     assert str(e.value).startswith("memory: the compiled step needs 1000000 GB per device"), e.value
     assert "of the host's available memory / 1 local device(s)" in str(e.value)

@@ -32,7 +32,7 @@ __getattr__, __dir__, __all__ = attach(__name__, {
     "effijax.checkpoint._lock": ("LOCK_FILE", "RunLock", "lock_holder", "lock_run_dir"),
     "effijax.checkpoint._checkpointer": ("Checkpointer", "SaveResult", "open_checkpoints"),
     "effijax.checkpoint._format": ("FORMAT_VERSION", "OLDEST_FORMAT", "CorruptCheckpoint"),
-    "effijax.checkpoint._restore": ("read_checkpoint", "restore_target"),
+    "effijax.checkpoint._restore": ("read_checkpoint", "read_params", "restore_target"),
     "effijax.checkpoint._resume": ("Restored", "latest_step", "restore_newest", "set_aside",
         "validate_resume"),
     "effijax.checkpoint._metrics": ("truncate_metrics",),

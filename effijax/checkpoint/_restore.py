@@ -4,11 +4,12 @@ Restoring needs an abstract target whose every leaf carries a sharding
 (:func:`restore_target`): the arrays land directly in that layout, on any mesh or strategy.
 Before an array is read the step's record is checked and its saved leaves compared with the
 target (:mod:`effijax.checkpoint._format`). :func:`read_checkpoint` reads another run's
-directory without changing anything on disk.
+directory without changing anything on disk; :func:`read_params` only its parameters.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from effijax.checkpoint._orbax_manager import _manager
 from effijax.errors import ConfigError
 from effijax.paths import map_with_path, named_leaves
 
-__all__ = ["restore_target", "read_checkpoint"]
+__all__ = ["restore_target", "read_checkpoint", "read_params"]
 
 
 def _abstract_leaf(path: str, leaf, sharding=None):
@@ -158,12 +159,67 @@ def read_checkpoint(directory: str | os.PathLike, *, target_state_abstract,
       ([1.0, 1.0], 0)
     """
     directory = Path(directory)
+    with _reading(directory, step) as (manager, step):
+        state = _restore(manager, directory, step, target_state_abstract)
+        return state, _step_record(manager, step, directory)
+
+
+@contextlib.contextmanager
+def _reading(directory: Path, step: int | None):
+    """A reader's orbax manager of ``directory`` and the step to read (None: the latest
+    committed one), closed when done."""
     if not directory.is_dir():
         raise FileNotFoundError(f"no checkpoint directory {directory}")
     manager = _manager(directory, every=1, keep=None, async_save=False, reader=True)
     try:
-        step = _resolve_step(manager, directory, step)
-        state = _restore(manager, directory, step, target_state_abstract)
-        return state, _step_record(manager, step, directory)
+        yield manager, _resolve_step(manager, directory, step)
     finally:
         manager.close()
+
+
+def read_params(directory: str | os.PathLike, *, params_abstract,
+                step: int | None = None) -> Any:
+    """Restores the parameters of a step of another run's checkpoints onto this process' first
+    device, without knowing the rest of its state (the optimizer that wrote it).
+
+    What opening a run's model for evaluation or generation needs: the state's other leaves are
+    read as the checkpoint describes them and dropped. Nothing on disk changes.
+
+    Args:
+      directory: a checkpoint directory written by :class:`Checkpointer`.
+      params_abstract: the parameters' shapes and dtypes (``model.abstract_params(policy)``).
+      step: the step to restore (default: the latest committed one).
+
+    Returns:
+      The parameters, with the structure of ``params_abstract``.
+
+    Raises:
+      FileNotFoundError: no committed checkpoint (or not ``step``).
+      ConfigError: the checkpoint's parameters do not fit ``params_abstract``.
+
+    Example:
+      >>> import tempfile, jax, jax.numpy as jnp, optax
+      >>> from effijax import checkpoint, step
+      >>> d = tempfile.mkdtemp()  # a run whose optimizer the reader need not know: adam's
+      >>> with checkpoint.open_checkpoints(d) as ckpt:
+      ...     _ = ckpt.save(step.init_train_state({"w": jnp.ones(2)}, optax.adam(0.1), 0))
+      >>> w = jax.ShapeDtypeStruct((2,), jnp.float32)
+      >>> read_params(d, params_abstract={"w": w})["w"].tolist()
+      [1.0, 1.0]
+    """
+    directory = Path(directory)
+    with _reading(directory, step) as (manager, step):
+        _step_record(manager, step, directory)  # a record in a format this library reads
+        saved = _saved_leaves(manager, step)
+        _compare({p.removeprefix("params/"): leaf for p, leaf in saved.items()
+                  if p.startswith("params/")}, params_abstract, directory, step)
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        with _orphans.guard():
+            item = manager.item_metadata(step)[_ITEM]
+            target = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+                getattr(item, "tree", item), is_leaf=lambda x: hasattr(x, "shape"))
+            restored = manager.restore(step, args=ocp.args.Composite(
+                **{_ITEM: ocp.args.StandardRestore(target)}))
+        params = restored[_ITEM]["params"]
+        return jax.tree.unflatten(jax.tree.structure(params_abstract), jax.tree.leaves(params))

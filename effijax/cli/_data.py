@@ -6,7 +6,7 @@ signatures and one-line summaries), answered from the running interpreter
 (:func:`effijax.data.stdlib_qa`): data that exists on every machine, for the fine-tuning
 examples. ``prepare``: text, JSONL, Parquet or Arrow files (or a ``datasets`` ``save_to_disk``
 folder) through a model's tokenizer into a memory-mapped store that ``effijax train --data
-STORE`` reads (:func:`effijax.recipe.prepare`); chat records go through the model's chat
+STORE`` reads (:func:`effijax.sources.prepare`); chat records go through the model's chat
 template, or a ``--chat-template FILE`` (a base model has none), which training repeats.
 """
 
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
 def run_prepare(args: argparse.Namespace) -> int:
     """Runs ``effijax data prepare``; returns the exit code (2: bad arguments or data)."""
     from effijax.data import check_columns, find_sources
-    from effijax.recipe import check_template_file, prepare, prepare_tokenizer
+    from effijax.sources import check_template_file, prepare, prepare_tokenizer
 
     def say(line: str) -> None:
         print(f"effijax data prepare: {line}", flush=True)

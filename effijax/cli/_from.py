@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from effijax.recipe import BUNDLED, missing_source
+from effijax.sources import BUNDLED, missing_source
 
 __all__ = ["FLAG", "DEST", "SOURCES", "add_flag", "check_exists", "names_a_source"]
 

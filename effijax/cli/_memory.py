@@ -375,7 +375,7 @@ def _architecture(args: argparse.Namespace):
                           f"{_from.FLAG} {args.model}")
     # Imported here: the presets are the models' (JAX), which --params never needs.
     from effijax.models import preset_names
-    from effijax.recipe import architecture
+    from effijax.sources import architecture
 
     if args.model is not None:
         if args.model not in preset_names():
@@ -442,7 +442,7 @@ def _quantized_base_bytes(model, frozen_dtype: str, source: str | None,
 
     if frozen_dtype == "gguf":
         from effijax.interop import gguf_kept_bytes, is_gguf
-        from effijax.recipe import BUNDLED, bundled_path
+        from effijax.sources import BUNDLED, bundled_path
 
         path = bundled_path(source) if source in BUNDLED else source
         if path is None or not is_gguf(path):

@@ -30,7 +30,7 @@ from pathlib import Path
 from effijax.cli import _interrupt
 from effijax.cli._status import status
 from effijax.errors import ConfigError
-from effijax.recipe import TrainConfig, field_kind, flag_of, summary_step
+from effijax.recipe import OutputSection, TrainConfig, field_kind, flag_of, summary_step
 
 __all__ = ["add_parsers", "config_from_args", "run"]
 
@@ -94,9 +94,10 @@ def _error(e: ConfigError) -> int:
     return 2
 
 
-def _interrupted(config: TrainConfig) -> str:
+def _interrupted(output: OutputSection, steps: int) -> str:
     """The line for Ctrl-C outside the training loop (start-up, compilation, the final save,
-    evaluation and export): what the run directory holds now, so what the same command will do.
+    evaluation and export): what the run directory (``output.out``, a run of ``steps``) holds
+    now, so what the same command will do.
 
     Said from the checkpoint folders' names alone, as the signal handler should not start
     orbax: a committed step is a folder named by its number; a write in flight
@@ -104,17 +105,17 @@ def _interrupted(config: TrainConfig) -> str:
     (``<step>.corrupt-<n>``) are not.
     """
     head = "effijax train: interrupted"
-    if not config.checkpoints:
+    if not output.checkpoints:
         return f"{head}; nothing was saved (--no-checkpoints; run the same command to start again)"
-    out = Path(config.out)
+    out = Path(output.out)
     folder = out / "checkpoints"
-    steps = ([int(p.name) for p in folder.iterdir() if p.name.isascii() and p.name.isdigit()
+    saved = ([int(p.name) for p in folder.iterdir() if p.name.isascii() and p.name.isdigit()
               and p.is_dir()] if folder.is_dir() else [])
-    if not steps:
+    if not saved:
         return (f"{head} before the first checkpoint; nothing was saved (run the same command "
                 "to start again)")
-    step = max(steps)
-    if step < config.steps:
+    step = max(saved)
+    if step < steps:
         return (f"{head}; nothing after step {step} was saved (run the same command to resume "
                 "from it)")
     if summary_step(out) == step:
@@ -130,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         config = config_from_args(args)
     except ConfigError as e:
         return _error(e)
-    _interrupt.describe(lambda: _interrupted(config))
+    _interrupt.describe(lambda: _interrupted(config.sections.output, config.steps))
     status("train")("starting (importing JAX)")  # a terminal's first line, before seconds
     from effijax.checkpoint import rest_of_stderr_to
     from effijax.errors import SaveError, WriteError

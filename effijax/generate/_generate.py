@@ -42,7 +42,7 @@ from effijax.generate._limits import check_prompt_count
 from effijax.generate._sample import sample
 from effijax.memory import format_bytes, tree_bytes
 from effijax.precision import is_quantized
-from effijax.recipe import check_memory
+from effijax.sources import check_memory
 
 __all__ = ["Generation", "generate", "PROMPT_BUCKET", "CACHE_BUCKET"]
 
@@ -260,7 +260,7 @@ def _check(model, prompt, max_new_tokens, temperature, top_p, max_len
 
 def _fits(model, abstract_params, batch: int, max_len: int, dtype) -> int:
     """The cache's bytes; refuses, before compiling, a batch whose cache (with the parameters and
-    a row of f32 logits per prompt) does not fit the device (:func:`effijax.recipe.check_memory`).
+    a row of f32 logits per prompt) does not fit the device (:func:`effijax.sources.check_memory`).
     """
     cache = tree_bytes(jax.eval_shape(lambda: model.init_cache(batch, max_len, dtype)))
     held = tree_bytes(abstract_params)

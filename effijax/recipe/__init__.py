@@ -6,9 +6,9 @@ run directory → state → compile → loop → evaluate → export → summary
 argparse → ``TrainConfig`` → ``train``; experiments and notebooks call the same function. The
 job pieces (:func:`plan_job`, :func:`init_state`, ..., and :func:`build_lm_job` binding them
 into one value) are public for code that drives its own loop on any
-:class:`~effijax.models.LanguageModel`. :func:`open_model` opens what a run (or a pretrained
-file) holds, for evaluation (:func:`evaluate_model`) and for :mod:`effijax.generate`.
-:func:`prepare` tokenizes a corpus once into a memory-mapped token store for ``--data``.
+:class:`~effijax.models.LanguageModel`. :func:`evaluate_model` scores what a run (or a
+pretrained file) holds. Where models and data come from (``open_model``, ``load_dataset``,
+``prepare``, the memory pre-flight) lies below, in :mod:`effijax.sources`.
 
 Example:
   >>> cfg = TrainConfig(model="tiny", steps=10, batch_size=4)
@@ -22,21 +22,17 @@ from effijax._lazy import attach
 # flag checks, a config's validation) does not import JAX. __all__ lists every name.
 __getattr__, __dir__, __all__ = attach(__name__, {
     "effijax.recipe._config": ("TrainConfig", "flag_of", "field_kind", "DEFAULT_MODEL",
-        "PRECISIONS", "PRECISION_ALIASES", "BUNDLED"),
+        "PRECISIONS", "PRECISION_ALIASES"),
     "effijax.recipe._job": ("Job", "CompiledStep", "plan_job", "abstract_state",
         "abstract_batch", "init_state", "init_frozen", "batch_fn", "evaluate", "compile_job",
         "LMJob", "build_lm_job"),
-    "effijax.recipe._train": ("TrainResult", "train", "decide_precision", "resolve"),
+    "effijax.recipe._train": ("TrainResult", "train", "decide_precision", "placement"),
+    "effijax.recipe._sections": ("Sections", "ModelSection", "PrecisionSection",
+        "TrainingSection", "OptimizerSection", "DataSection", "ParallelSection", "OutputSection",
+        "ObjectiveSection", "LoraSection"),
     "effijax.recipe._optimizer": ("optimizer_for",),
     "effijax.recipe._report": ("summary_step",),
-    "effijax.recipe._data": ("Dataset", "load_dataset", "load_eval_data", "mixture_spec"),
-    "effijax.recipe._prepare": ("default_shard_bytes", "prepare", "prepare_tokenizer"),
-    "effijax.recipe._prepared": ("MEMORY_BYTES", "cached_store", "in_memory", "stores_dir"),
     "effijax.recipe._eval": ("EvalResult", "evaluate_model", "load_model",
         "scoring_precision"),
-    "effijax.recipe._open": ("Opened", "open_model"),
-    "effijax.recipe._preflight": ("check_memory",),
-    "effijax.recipe._sources": ("architecture", "bundled_path", "read_source",
-        "load_params", "missing_source", "check_template_file", "with_chat_template",
-        "tokenizer_with_template"),
+    "effijax.recipe._sources": ("read_source", "load_params"),
 })

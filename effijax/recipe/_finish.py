@@ -9,9 +9,9 @@ the evaluation, the exports, and the job's size, memory and collectives.
 The end of a run is complete or visibly not: each export file is written whole
 (:mod:`effijax.atomic`), a directory export (``peft/``, ``hf/``) is written under a temporary
 name and renamed into place, and ``summary.json`` comes last. A run stopped anywhere here has
-no summary of its last step (or misses an export :func:`missing_exports` names), so the same
-command resumes from the final checkpoint and writes the end again, byte for byte. A write
-that fails (a full disk) is one line, :class:`~effijax.errors.WriteError`.
+no summary of its last step (or misses an export :func:`~effijax.sources.missing_exports`
+names), so the same command resumes from the final checkpoint and writes the end again, byte
+for byte. A write that fails (a full disk) is one line, :class:`~effijax.errors.WriteError`.
 """
 
 from __future__ import annotations
@@ -28,30 +28,31 @@ from effijax.interop import export_adapters, save_gguf, save_hf
 from effijax.lora import save_adapters
 from effijax.precision import dequantize_kernels
 from effijax.recipe import _job, _report
-from effijax.recipe._config import TrainConfig
+from effijax.recipe._sections import OutputSection, TrainingSection
 from effijax.run import read_metrics
+from effijax.sources import export_paths
 
-__all__ = ["evaluate_end", "evaluate_start", "with_start", "export", "summarize", "export_paths",
-           "missing_exports"]
+__all__ = ["evaluate_end", "evaluate_start", "with_start", "export", "summarize"]
 
 
-def evaluate_end(config: TrainConfig, job, params, tokens, frozen=None, *,
-             key: str = "eval_loss") -> dict:
-    """``{key: loss}``: the mean loss of ``params`` over ``config.eval_batches`` validation
-    batches of ``tokens`` (empty when ``eval_batches`` is 0)."""
-    if not config.eval_batches:
+def evaluate_end(job, params, tokens, frozen=None, *, eval_batches: int,
+                 init_from: str | None = None, key: str = "eval_loss") -> dict:
+    """``{key: loss}``: the mean loss of ``params`` over ``eval_batches`` validation batches
+    of ``tokens`` (empty when ``eval_batches`` is 0); ``init_from``: the run's source, which
+    makes the stage line print (:func:`effijax.recipe._report.stage`)."""
+    if not eval_batches:
         return {}
     if key == "eval_loss":
-        _report.stage(config, f"evaluating the trained model on {config.eval_batches} "
+        _report.stage(init_from, f"evaluating the trained model on {eval_batches} "
                       "validation batches")
-    return {key: _job.evaluate(job, params, tokens, num_batches=config.eval_batches,
-                               frozen=frozen)}
+    return {key: _job.evaluate(job, params, tokens, num_batches=eval_batches, frozen=frozen)}
 
 
-def evaluate_start(config: TrainConfig, job, initial, tokens, record: dict | None = None) -> dict:
+def evaluate_start(job, initial, tokens, record: dict | None = None, *, eval_batches: int,
+                   init_from: str | None = None) -> dict:
     """``{"eval_loss_start": loss}`` of a fine-tune's starting parameters (``init_from`` or
-    LoRA; printed), empty for a run from the seed. Call it before the loop donates the
-    state.
+    LoRA; printed) over ``eval_batches`` validation batches of ``tokens``, empty for a run
+    from the seed. Call it before the loop donates the state.
 
     A resumed run does not evaluate its start again: pass its ``record`` (the run record of
     its ``config.json``, where the first session kept the loss, see :func:`with_start`) and
@@ -59,16 +60,16 @@ def evaluate_start(config: TrainConfig, job, initial, tokens, record: dict | Non
     """
     if record is not None:
         return {k: record[k] for k in ("eval_loss_start",) if k in record}
-    if not (config.init_from or job.lora is not None):
+    if not (init_from or job.lora is not None):
         return {}
-    if not config.eval_batches:  # a fine-tune is judged by its validation loss: say it has none
+    if not eval_batches:  # a fine-tune is judged by its validation loss: say it has none
         _report.note("--eval-batches 0: no validation loss before or after training (the "
                      "summary and the done line will have none)")
         return {}
-    _report.stage(config, f"evaluating the starting model on {config.eval_batches} "
+    _report.stage(init_from, f"evaluating the starting model on {eval_batches} "
                   "validation batches")
-    before = evaluate_end(config, job, initial.state.params, tokens, initial.frozen,
-                          key="eval_loss_start")
+    before = evaluate_end(job, initial.state.params, tokens, initial.frozen,
+                          eval_batches=eval_batches, init_from=init_from, key="eval_loss_start")
     if before:
         _report.eval_start(before["eval_loss_start"])
     return before
@@ -86,56 +87,31 @@ def with_start(config_json: dict, before: dict) -> dict:
         else config_json
 
 
-def export_paths(config: TrainConfig, lora: bool) -> dict[str, Path]:
-    """What the run exports, by name: ``adapters`` (``adapters.safetensors``) and ``peft``
-    (``peft/``) for a LoRA run, ``hf`` (``hf/``) with ``export_hf``, ``gguf``
-    (``model.gguf``) with ``export_gguf``.
-
-    Example:
-      >>> sorted(export_paths(TrainConfig(out="runs/x", export_hf=True), lora=True))
-      ['adapters', 'hf', 'peft']
-      >>> export_paths(TrainConfig(out="runs/x", export_gguf="q8_0"), lora=False)
-      {'gguf': PosixPath('runs/x/model.gguf')}
-    """
-    out = Path(config.out)
-    paths = {"adapters": out / "adapters.safetensors", "peft": out / "peft"} if lora else {}
-    return {**paths, **({"hf": out / "hf"} if config.export_hf else {}),
-            **({"gguf": out / "model.gguf"} if config.export_gguf else {})}
-
-
-def missing_exports(config: TrainConfig, lora: bool) -> list[str]:
-    """The exports the config asks for that are not in place (each is renamed into place only
-    once whole, so one that is present is complete).
-
-    Example:
-      >>> import tempfile
-      >>> missing_exports(TrainConfig(out=tempfile.mkdtemp()), lora=True)
-      ['adapters', 'peft']
-    """
-    return [name for name, path in export_paths(config, lora).items()
-            if path.is_symlink() or not path.exists()]
-
-
-def export(config: TrainConfig, job, params, frozen=None) -> dict:
-    """The files the run exports: ``adapters`` (a LoRA run's ``adapters.safetensors`` and
-    ``peft/``), ``hf`` (``export_hf``) and ``gguf`` (``export_gguf``); their summary entries.
+def export(output: OutputSection, training: TrainingSection, job, params, frozen=None, *,
+           init_from: str | None = None) -> dict:
+    """The files the run exports into ``output.out``: ``adapters`` (a LoRA run's
+    ``adapters.safetensors`` and ``peft/``, naming ``init_from`` as their base), ``hf``
+    (``training.export_hf``) and ``gguf`` (``training.export_gguf``); their summary entries.
 
     Raises:
       effijax.errors.WriteError: an export could not be written (one line; nothing half
         written is left in place).
     """
     files = {}
-    paths = export_paths(config, job.lora is not None)
-    with write_errors(config.out):
+    paths = export_paths(output.out, lora=job.lora is not None, export_hf=training.export_hf,
+                         export_gguf=training.export_gguf)
+    with write_errors(output.out):
         if job.lora is not None:
-            files["adapters"] = _export_adapters(params, job, config)
-        if config.export_hf:
+            files["adapters"] = _export_adapters(params, job, paths,
+                                                 base_model=init_from or job.model.name)
+        if training.export_hf:
             _report.writing(paths["hf"], "the trained model as a Hugging Face directory")
-            files["hf"] = _export_hf(params, frozen, job, config)
-        if config.export_gguf:
+            files["hf"] = _export_hf(params, frozen, job, paths["hf"])
+        if training.export_gguf:
             _report.writing(paths["gguf"], f"the trained model as GGUF, its matrices in "
-                            f"{config.export_gguf}")
-            files["gguf"] = _export_gguf(params, frozen, job, config)
+                            f"{training.export_gguf}")
+            files["gguf"] = _export_gguf(params, frozen, job, paths["gguf"],
+                                         training.export_gguf)
     return files
 
 
@@ -185,23 +161,21 @@ def _gathered(params, frozen, job) -> tuple:
     return host(base), None if adapters is None else host(adapters)
 
 
-def _export_gguf(params, frozen, job, config: TrainConfig) -> str:
-    """Writes ``OUT/model.gguf``: the trained model (a LoRA run's adapters merged into its
-    base, in f32, then stored as ``export_gguf`` says) with the tokenizer; returns its path.
+def _export_gguf(params, frozen, job, path: Path, dtype: str) -> str:
+    """Writes ``path`` (``OUT/model.gguf``): the trained model (a LoRA run's adapters merged
+    into its base, in f32, then stored in ``dtype``) with the tokenizer; returns its path.
     Process 0 writes, whole or not at all."""
-    path = export_paths(config, job.lora is not None)["gguf"]
     base, adapters = _gathered(params, frozen, job)
     if distributed.is_main():
-        save_gguf(path, job.model, base, adapters=adapters, lora=job.lora,
-                  dtype=config.export_gguf)
+        save_gguf(path, job.model, base, adapters=adapters, lora=job.lora, dtype=dtype)
     return str(path)
 
 
-def _export_hf(params, frozen, job, config: TrainConfig) -> str:
-    """Writes ``OUT/hf``: the trained model (a LoRA run's adapters merged into its base, in
-    f32) as a Hugging Face directory, with the tokenizer; returns its path. Every process takes
-    part in gathering the parameters (they may be sharded over processes); process 0 writes."""
-    directory = export_paths(config, job.lora is not None)["hf"]
+def _export_hf(params, frozen, job, directory: Path) -> str:
+    """Writes ``directory`` (``OUT/hf``): the trained model (a LoRA run's adapters merged into
+    its base, in f32) as a Hugging Face directory, with the tokenizer; returns its path. Every
+    process takes part in gathering the parameters (they may be sharded over processes);
+    process 0 writes."""
     base, adapters = _gathered(params, frozen, job)
     if distributed.is_main():
         tmp = atomic.fresh_dir(directory)
@@ -210,16 +184,15 @@ def _export_hf(params, frozen, job, config: TrainConfig) -> str:
     return str(directory)
 
 
-def _export_adapters(adapters, job, config: TrainConfig) -> dict:
-    """Writes ``OUT/adapters.safetensors`` and ``OUT/peft/`` (PEFT's format, with the model
-    family's module names); returns their paths. Every process gathers the (small) adapters;
-    process 0 writes."""
+def _export_adapters(adapters, job, paths: dict, *, base_model: str) -> dict:
+    """Writes ``paths["adapters"]`` (``OUT/adapters.safetensors``) and ``paths["peft"]``
+    (``OUT/peft/``: PEFT's format, with the model family's module names, naming
+    ``base_model``); returns their paths. Every process gathers the (small) adapters; process 0
+    writes."""
     host = multihost_utils.process_allgather(adapters, tiled=True)
-    paths = export_paths(config, lora=True)
     if distributed.is_main():
         save_adapters(paths["adapters"], host, job.lora)
         tmp = atomic.fresh_dir(paths["peft"])
-        export_adapters(tmp, job.model, host, job.lora,
-                        base_model=config.init_from or job.model.name)
+        export_adapters(tmp, job.model, host, job.lora, base_model=base_model)
         atomic.replace_dir(tmp, paths["peft"])
     return {"adapters": str(paths["adapters"]), "peft": str(paths["peft"])}

@@ -24,9 +24,10 @@ from __future__ import annotations
 from typing import Any
 
 from effijax.errors import ConfigError
+from effijax.sources import compared_origin, short_digest, weight_file_changes
 
 __all__ = ["IDENTITY", "CHANGEABLE", "LEGACY", "NOT_RECORDED", "OBJECTIVE_SETTINGS", "identity",
-           "differences", "check_resume", "base_changes", "edited", "changed", "default_warmup"]
+           "differences", "check_resume", "edited", "changed", "default_warmup"]
 
 # What a resume must repeat, with where it is read from in a config.json-shaped dict.
 IDENTITY = ("data", "tokenizer", "seed", "batch_size", "seq_len", "model", "precision",
@@ -60,14 +61,6 @@ def _recorded(record: dict, key: str):
     return record[key] if key in record else NOT_RECORDED
 
 
-def _origin(origin):
-    """What a run started from, as compared: an earlier run's directory and step; a pretrained
-    model's content (``sha256``), not where it lay."""
-    if isinstance(origin, dict) and "path" in origin:
-        return {k: v for k, v in origin.items() if k != "path"}
-    return origin
-
-
 def identity(run_json: dict) -> dict[str, Any]:
     """The identity of a run from its ``config.json``-shaped dict (settings + ``run``).
 
@@ -98,7 +91,7 @@ def identity(run_json: dict) -> dict[str, Any]:
         "optimizer": run_json.get("optimizer", LEGACY["optimizer"]),
         "accumulate": run_json.get("accumulate"),
         "lora": lora,
-        "init_from": _origin(record.get("init_from_checkpoint")),
+        "init_from": compared_origin(record.get("init_from_checkpoint")),
         "weights": _recorded(record, "weights"),
         "objective": _objective(run_json),
     }
@@ -149,55 +142,10 @@ def differences(saved: dict, new: dict) -> dict[str, tuple[Any, Any]]:
     return out
 
 
-def _digest(value) -> str:
-    return "none" if value is None else f"{value[:12]}.."
-
-
-def _weight_parts(old: dict, now: dict) -> list[str]:
-    """Which weight files changed, which the run read and this one does not, and back."""
-    parts = [f"{name} (sha256 {_digest(old[name])} -> {_digest(now[name])})"
-             for name in sorted(old.keys() & now.keys()) if old[name] != now[name]]
-    parts += [f"{name} (read by the run, not now)" for name in sorted(old.keys() - now.keys())]
-    parts += [f"{name} (not read by the run)" for name in sorted(now.keys() - old.keys())]
-    return parts
-
-
 def _weights_change(old: dict, now: dict) -> str:
     return ("weights: the pretrained weight files changed since the run started: "
-            + ", ".join(_weight_parts(old, now)) + "; start from the files the run started from")
-
-
-def base_changes(recorded: dict, current: dict) -> list[str]:
-    """How the pretrained model read now differs from the one a run recorded, in words: for
-    whoever opens a finished run's base (its adapters fit that content only). Compared as a
-    resume compares what a run started from (by content, not place: ``sha256``); said file by
-    file (as a resume says it) when the same files were read. An empty list: the same content.
-
-    Args:
-      recorded: the run's ``run`` record (``init_from_checkpoint``, ``weights``).
-      current: the same two keys for the model read now (its path, combined and per-file
-        SHA-256, as :func:`~effijax.recipe.read_source` computes them).
-
-    Example:
-      >>> run = {"init_from_checkpoint": {"path": "/a/m.gguf", "sha256": "12" * 32},
-      ...        "weights": {"m.gguf": "12" * 32}}
-      >>> base_changes(run, {"init_from_checkpoint": {"path": "/b/copy.gguf", "sha256": "12" * 32},
-      ...                    "weights": {"copy.gguf": "12" * 32}})
-      []
-      >>> base_changes(run, {"init_from_checkpoint": {"path": "/a/m.gguf", "sha256": "ab" * 32},
-      ...                    "weights": {"m.gguf": "ab" * 32}})
-      ['m.gguf (sha256 121212121212.. -> abababababab..)']
-      >>> base_changes(run, {"init_from_checkpoint": {"path": "/b/n.gguf", "sha256": "ab" * 32},
-      ...                    "weights": {"n.gguf": "ab" * 32}})
-      ['sha256 121212121212.. -> abababababab..']
-    """
-    old, now = (_origin(r.get("init_from_checkpoint")) or {} for r in (recorded, current))
-    if old == now:
-        return []
-    a, b = recorded.get("weights"), current.get("weights")
-    if isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys():
-        return _weight_parts(a, b)
-    return [f"sha256 {_digest(old.get('sha256'))} -> {_digest(now.get('sha256'))}"]
+            + ", ".join(weight_file_changes(old, now))
+            + "; start from the files the run started from")
 
 
 def default_warmup(steps: int) -> int:
@@ -270,8 +218,8 @@ with the original settings, or start a new run with another --out
             continue
         if name == "tokenizer":
             parts.append(f"tokenizer: the tokenizer or chat template changed since the run "
-                         f"started (sha256 {_digest(old)} -> {_digest(now)}); restore the "
-                         "tokenizer files the run started with")
+                         f"started (sha256 {short_digest(old)} -> {short_digest(now)}); restore "
+                         "the tokenizer files the run started with")
             continue
         if name == "weights":
             parts.append(_weights_change(old, now))

@@ -1,7 +1,7 @@
-"""The loop stage: trains to ``config.steps``, checkpointing, and saves the last state.
+"""The loop stage: trains to the run's ``steps``, checkpointing, and saves the last state.
 
 Each step's batch is built ahead, while the steps before it run, by a
-:class:`~effijax.data.Prefetcher` (``config.prefetch`` batches deep; 0: between the steps).
+:class:`~effijax.data.Prefetcher` (``prefetch`` batches deep; 0: between the steps).
 
 A signal (SIGTERM, SIGINT) stops the loop at a step boundary; the state is saved either way. A
 failed checkpoint write is one line (:class:`~effijax.errors.SaveError`,
@@ -20,8 +20,8 @@ import numpy as np
 from effijax import checkpoint
 from effijax.data import Prefetcher
 from effijax.recipe import _job, _report
-from effijax.recipe._config import TrainConfig
 from effijax.recipe._rundir import RunStart
+from effijax.recipe._sections import OutputSection
 from effijax.recipe._state import Initial
 from effijax.recipe._watch import Watch
 from effijax.run import NonFiniteError, StopFlag, train_loop
@@ -44,36 +44,38 @@ class Trained(NamedTuple):
     signal: str | None = None
 
 
-def loop(config: TrainConfig, job, run: RunStart, compiled, initial: Initial, tokens,
-         watch: Watch) -> Trained:
-    """Trains ``initial.state`` on ``tokens`` to ``config.steps`` (checkpointing into
-    ``run.dir``), then saves and closes the checkpoints; ``watch`` sees every step."""
+def loop(output: OutputSection, job, run: RunStart, compiled, initial: Initial, tokens,
+         watch: Watch, *, steps: int, prefetch: int, max_non_finite: int) -> Trained:
+    """Trains ``initial.state`` on ``tokens`` to ``steps`` (checkpointing into ``run.dir``
+    every ``output.checkpoint_every`` steps), then saves and closes the checkpoints; ``watch``
+    sees every step. ``prefetch``: batches built ahead; ``max_non_finite``: consecutive
+    non-finite steps before it stops (0: never)."""
     run_dir = run.dir
     trained = _TrainedTokens()
     stop = StopFlag(jax.process_count())
     t0 = time.perf_counter()
     # The batches of the steps to come are built (and put on the devices) on a worker thread
     # while each step runs; those built for steps that never run are dropped.
-    with stop.installed(), checkpoint.orbax_log(config.out), Prefetcher(
+    with stop.installed(), checkpoint.orbax_log(output.out), Prefetcher(
             _job.batch_fn(job, tokens, initial.frozen),
-            range(int(initial.state.step), config.steps), depth=config.prefetch) as batches:
+            range(int(initial.state.step), steps), depth=prefetch) as batches:
         try:
             state, summary = train_loop(
                 watch.step(compiled.step), initial.state, batches,
-                num_steps=config.steps, tokens_per_step=job.tokens_per_step, run_dir=run_dir,
-                progress=config.progress, should_stop=stop,
+                num_steps=steps, tokens_per_step=job.tokens_per_step, run_dir=run_dir,
+                progress=output.progress, should_stop=stop,
                 checkpoint=(lambda s: _save(run_dir, s)) if run_dir.ckpt else None,
-                checkpoint_every=config.checkpoint_every,
-                max_non_finite=config.max_non_finite or None,
+                checkpoint_every=output.checkpoint_every,
+                max_non_finite=max_non_finite or None,
                 callbacks=(trained, *watch.callbacks))
         except NonFiniteError as e:
             where = checkpoint.last_good(run_dir.ckpt, run_dir.close)
             raise NonFiniteError(e.step, e.count, where=where) from None
     summary["wall_time_s"] = time.perf_counter() - t0
     if run_dir.ckpt is not None:
-        with checkpoint.orbax_log(config.out):
+        with checkpoint.orbax_log(output.out):
             _save(run_dir, state, force=True)
-            with checkpoint.save_errors(config.out, run_dir.ckpt,
+            with checkpoint.save_errors(output.out, run_dir.ckpt,
                                         checkpoint.step_of(state), _release_quietly(run_dir)):
                 run_dir.close()  # waits for the last write; raises if any write failed
     if stop.stopped:

@@ -38,7 +38,7 @@ class Objective(NamedTuple):
         :func:`effijax.data.eval_batches`.
       load: ``load(path, model) -> Dataset``: the run's training and validation data from
         ``--data`` (:func:`effijax.recipe._pairs.load_pairs`); None: text or chat data as
-        :func:`effijax.recipe.load_dataset` reads it.
+        :func:`effijax.sources.load_dataset` reads it.
       metric: the name of the unmultiplied loss among the step's metrics (None: only the
         step's ``loss``).
       token_mean: the validation loss of masked rows weights each batch by its trained tokens

@@ -35,7 +35,7 @@ from effijax.data import (
 )
 from effijax.errors import ConfigError
 from effijax.models import abstract_split, make_sequence_logps
-from effijax.recipe._data import VAL_FRACTION, Dataset, _pad_id
+from effijax.sources import VAL_FRACTION, Dataset, padding_id
 
 __all__ = ["Pair", "read_pairs", "pair_rows", "load_pairs", "pair_batch", "pair_eval_batches",
            "policy_logps", "check_pair_loss"]
@@ -122,7 +122,7 @@ def _side(tokenizer, prompt: str, completion: str):
 def pair_rows(tokenizer, pairs, seq_len: int) -> Packed:
     """The pairs as rows of ``seq_len + 1`` tokens: chosen at ``2i``, rejected at ``2i + 1``."""
     width = seq_len + 1
-    pad = _pad_id(tokenizer)
+    pad = padding_id(tokenizer)
     tokens = np.full((2 * len(pairs), width), pad, np.int32)
     mask = np.zeros((2 * len(pairs), width), np.int32)
     filled = 0
@@ -150,7 +150,7 @@ def pair_rows(tokenizer, pairs, seq_len: int) -> Packed:
 def load_pairs(path: str | None, model, *, seq_len: int | None = None,
                val_fraction: float = VAL_FRACTION) -> Dataset:
     """The run's training and validation pairs (see the module docstring) as a
-    :class:`~effijax.recipe.Dataset` of format ``"pairs"``."""
+    :class:`~effijax.sources.Dataset` of format ``"pairs"``."""
     seq_len = model.seq_len if seq_len is None else seq_len
     if path is None or Path(path).suffix.lower() != ".jsonl":
         raise ConfigError("data", path, "a preference objective (dpo, simpo, orpo) trains on "

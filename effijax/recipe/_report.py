@@ -13,7 +13,7 @@ from pathlib import Path
 
 from effijax.data import read_json
 from effijax.errors import ConfigError
-from effijax.recipe._config import BUNDLED, MAX_CONFIG_BYTES
+from effijax.sources import BUNDLED, MAX_CONFIG_BYTES
 
 __all__ = ["print_start", "eval_start", "done", "stopped", "finished_before", "warn", "title",
            "summary_extras", "summary_step"]
@@ -31,29 +31,31 @@ def warn(message: str) -> None:
     print(f"effijax train: warning: {message}", file=sys.stderr, flush=True)
 
 
-def title(config, job) -> str:
-    """The loss plot's legend: model, precision and what trained."""
+def title(job, *, precision: str, init_from: str | None) -> str:
+    """The loss plot's legend: model, precision and what trained (fine-tuned: from
+    ``init_from``)."""
     what = (f"LoRA r={job.lora.rank}" if job.lora is not None else
-            "fine-tuned" if config.init_from else "trained")
-    return f"{job.model.name}, {config.precision}, {what}"
+            "fine-tuned" if init_from else "trained")
+    return f"{job.model.name}, {precision}, {what}"
 
 
-def _where(config, job) -> str:
+def _where(job, strategy: str | None) -> str:
     import jax
 
-    if config.strategy is None:
+    if strategy is None:
         return "1 device"
     mesh = ",".join(f"{k}={v}" for k, v in job.mesh.shape.items() if v > 1) or "1 device"
     sequence = " sequence-parallel" if job.sequence_parallel else ""
-    return (f"{config.strategy} over {job.mesh.size} devices (mesh {mesh}){sequence}, "
+    return (f"{strategy} over {job.mesh.size} devices (mesh {mesh}){sequence}, "
             f"{jax.process_count()} process(es)")
 
 
-def print_start(config, job, compiled, source, frozen, state, *, data: str = "",
+def print_start(job, compiled, source, frozen, state, *, precision: str,
+                strategy: str | None, out: str, init_from: str | None, data: str = "",
                 why: str = "") -> None:
-    """The start-up lines: model, precision (``why``: how ``auto`` decided it, or empty) and
-    placement, per-device memory, the source, LoRA, the data (``data``: a line about it, or
-    empty)."""
+    """The start-up lines: model, ``precision`` (``why``: how ``auto`` decided it, or empty)
+    and placement (``strategy``), the run directory ``out``, per-device memory, the source
+    (``init_from``), LoRA, the data (``data``: a line about it, or empty)."""
     if not _main():
         return
     import jax
@@ -63,8 +65,8 @@ def print_start(config, job, compiled, source, frozen, state, *, data: str = "",
     from effijax.sharding import census_records
 
     print(f"effijax train: {job.model.name}, {job.num_params:,} params, precision "
-          f"{config.precision}{f' ({why})' if why else ''}, {_where(config, job)} -> "
-          f"{config.out}", flush=True)
+          f"{precision}{f' ({why})' if why else ''}, {_where(job, strategy)} -> "
+          f"{out}", flush=True)
     m = compiled.memory
     what = "adapters" if job.lora is not None else "params"
     line = (f"per device: {what} {format_bytes(m.params)}, grads {format_bytes(m.grads or 0)}, "
@@ -78,7 +80,7 @@ def print_start(config, job, compiled, source, frozen, state, *, data: str = "",
                           for r in census_records(compiled.census) if r["bytes"] >= 1024)
         print(f"collectives per step (>= 1 KB): {kinds}")
     if source is not None:
-        print(f"effijax train: initialised from {_named(config.init_from, source.path)}")
+        print(f"effijax train: initialised from {_named(init_from, source.path)}")
     if job.lora is not None:
         from effijax.lora import trainable_report
 
@@ -132,11 +134,11 @@ def reading(init_from: str) -> None:
               flush=True)
 
 
-def stage(config, what: str) -> None:
+def stage(init_from: str | None, what: str) -> None:
     """Says which stage of start-up a run is in, as it begins: always for a run from a
-    pretrained model (each stage takes seconds), and for any run on a terminal (a preset's
-    compile takes a few; a script's output stays as it was)."""
-    if (config.init_from or sys.stdout.isatty()) and _main():
+    pretrained model (``init_from``; each stage takes seconds), and for any run on a terminal
+    (a preset's compile takes a few; a script's output stays as it was)."""
+    if (init_from or sys.stdout.isatty()) and _main():
         print(f"effijax train: {what}", flush=True)
 
 
@@ -152,7 +154,7 @@ def writing(path, what: str) -> None:
         print(f"effijax train: writing {path}: {what}", flush=True)
 
 
-def done(config, summary: dict) -> None:
+def done(out: str, summary: dict) -> None:
     if not _main():
         return
     ev = f", eval loss {summary['eval_loss']:.4f}" if "eval_loss" in summary else ""
@@ -166,7 +168,7 @@ def done(config, summary: dict) -> None:
           f"{summary['final_loss']:.4f} ({_mean_of(summary)}){ev}, "
           f"{summary['tokens_per_s']:.0f} tokens/s{_trained(summary)}, "
           f"{summary['skipped_steps']} skipped{_missing(summary)}; "
-          f"wrote {config.out}/", flush=True)
+          f"wrote {out}/", flush=True)
 
 
 def _missing(summary: dict) -> str:
@@ -185,24 +187,24 @@ def _trained(summary: dict) -> str:
     return "" if rate is None else f" ({rate:.0f} of them trained)"
 
 
-def stopped(config, summary: dict, signal_name: str | None, saved: bool, argv) -> None:
+def stopped(out: str, summary: dict, signal_name: str | None, saved: bool, argv) -> None:
     if not _main():
         return
-    again = shlex.join(["effijax", *(argv or ["train", "--config",
-                                              f"{config.out}/config.json"])])
+    again = shlex.join(["effijax", *(argv or ["train", "--config", f"{out}/config.json"])])
     print(f"effijax train: stopped at step {summary['steps']} by {signal_name}"
           + (f"; saved; resume with: {again}" if saved
              else " (--no-checkpoints: nothing saved)"), flush=True)
 
 
-def finished_before(config, step: int) -> None:
+def finished_before(out: str, steps: int, step: int) -> None:
+    """Says that ``out`` already holds this run (trained to ``steps``), at ``step``."""
     if not _main():
         return
-    where = (f"finished at step {step} of {config.steps}" if step == config.steps else
-             f"at step {step}, past --steps={config.steps}")
-    print(f"effijax train: {config.out} already holds this run, {where}; nothing to do (its "
+    where = (f"finished at step {step} of {steps}" if step == steps else
+             f"at step {step}, past --steps={steps}")
+    print(f"effijax train: {out} already holds this run, {where}; nothing to do (its "
           "files are untouched). Choose another --out for a new run, or train it further with "
-          f"--steps {2 * max(step, config.steps)} --allow-changes steps (a longer schedule).",
+          f"--steps {2 * max(step, steps)} --allow-changes steps (a longer schedule).",
           flush=True)
 
 

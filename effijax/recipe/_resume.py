@@ -32,7 +32,8 @@ from effijax.data import read_json
 from effijax.errors import ConfigError
 from effijax.models import model_from_dict
 from effijax.recipe import _identity, _report
-from effijax.recipe._config import MAX_CONFIG_BYTES, TrainConfig
+from effijax.recipe._config import TrainConfig
+from effijax.sources import MAX_CONFIG_BYTES
 
 __all__ = ["agree", "lock", "read_run_json", "restore", "set_aside_bad", "no_intact_step"]
 

@@ -25,11 +25,11 @@ from effijax import atomic, distributed
 from effijax.checkpoint import LOCK_FILE, ROOM_FILE, latest_step, open_checkpoints
 from effijax.errors import ConfigError
 from effijax.provenance import library_versions
-from effijax.recipe import _identity, _preflight, _resume
-from effijax.recipe._config import TrainConfig
-from effijax.recipe._finish import missing_exports
+from effijax.recipe import _identity, _resume
 from effijax.recipe._report import summary_step
+from effijax.recipe._sections import OutputSection, TrainingSection
 from effijax.run import RunDir
+from effijax.sources import missing_exports, state_bytes, storage
 
 __all__ = ["RunStart", "run_record", "open_run", "refuse_planted"]
 
@@ -92,11 +92,13 @@ def run_record(job, origin: dict | None, data, weights: dict[str, str] | None = 
     }
 
 
-def open_run(config: TrainConfig, job, record: dict) -> RunStart:
-    """Locks the run directory, restores its newest intact checkpoint (checked against the
-    job and the run's identity) and opens its checkpoints.
+def open_run(settings: dict, output: OutputSection, training: TrainingSection, job,
+             record: dict) -> RunStart:
+    """Locks the run directory ``output.out``, restores its newest intact checkpoint (checked
+    against the job and the run's identity: ``settings``, the config's fields as
+    ``config.json`` records them, and the ``run`` ``record``) and opens its checkpoints.
 
-    A directory that already holds the run trained to ``config.steps`` (or past it) is checked
+    A directory that already holds the run trained to ``training.steps`` (or past it) is checked
     like a resume, from the step's metadata alone: the same settings give a :class:`RunStart`
     with ``finished`` set and nothing read, opened or written; other settings are refused
     listing each difference, as a resume is.
@@ -106,44 +108,44 @@ def open_run(config: TrainConfig, job, record: dict) -> RunStart:
         or of a run with other settings (each difference listed); no step restores; a
         malformed ``config.json``.
     """
-    out = Path(config.out).resolve()
-    run_json = {**config.to_dict(), "run": record}
+    out = Path(output.out).resolve()
+    run_json = {**settings, "run": record}
     _resume.agree(refuse_planted, out)  # before anything there is read, locked or written
-    done = _finished(config, job, run_json, out / "checkpoints")
+    done = _finished(output, training, job, run_json, out / "checkpoints")
     if done is not None:  # the same run, trained this far: not even its lock is touched
-        return RunStart(RunDir(config.out), run_json, done, finished=True)
-    run_dir = RunDir(config.out, lock=_resume.lock(out))
+        return RunStart(RunDir(output.out), run_json, done, finished=True)
+    run_dir = RunDir(output.out, lock=_resume.lock(out))
     try:
-        start = _restored(config, job, run_dir, run_json, out / "checkpoints")
-        if config.checkpoints:
-            run_dir.ckpt = _checkpointer(config, job, run_json, out / "checkpoints")
+        start = _restored(output, job, run_dir, run_json, out / "checkpoints")
+        if output.checkpoints:
+            run_dir.ckpt = _checkpointer(output, job, run_json, out / "checkpoints")
     except BaseException:
         run_dir.release()
         raise
     return start
 
 
-def _checkpointer(config: TrainConfig, job, run_json: dict, ckpt_dir: Path):
-    """The run's checkpointer, once every process found room for ``config.keep`` states."""
-    _resume.agree(_preflight.storage, ckpt_dir, _preflight.state_bytes(job.state), config.keep)
-    return open_checkpoints(ckpt_dir, every=config.checkpoint_every, keep=config.keep,
+def _checkpointer(output: OutputSection, job, run_json: dict, ckpt_dir: Path):
+    """The run's checkpointer, once every process found room for ``output.keep`` states."""
+    _resume.agree(storage, ckpt_dir, state_bytes(job.state), output.keep)
+    return open_checkpoints(ckpt_dir, every=output.checkpoint_every, keep=output.keep,
                             metadata={"config": run_json, "versions": library_versions()})
 
 
-def _restored(config: TrainConfig, job, run_dir: RunDir, run_json: dict,
+def _restored(output: OutputSection, job, run_dir: RunDir, run_json: dict,
               ckpt_dir: Path) -> RunStart:
     """The newest intact step restored (a fresh start when there is none), damaged newer
     steps set aside once every process has read the directory."""
     start = RunStart(run_dir, run_json, config_json=run_json)
     bad = []
-    if config.checkpoints:
-        found, _ = _resume.restore(ckpt_dir, job, run_json, config.allowed_changes)
+    if output.checkpoints:
+        found, _ = _resume.restore(ckpt_dir, job, run_json, output.allowed_changes)
         bad = found.bad
         if found.step is None and bad:
             raise _resume.no_intact_step(ckpt_dir, bad)
         if found.step is not None:
             start = start._replace(resume_step=found.step, restored=found.state,
-                                   config_json=_resumed_config(config, found, run_json))
+                                   config_json=_resumed_config(output.out, found, run_json))
     # Every process has read the directory (the restore) before any
     # process moves, creates or cleans up anything: their decisions agree.
     distributed.barrier("effijax:run-directory-read")
@@ -153,11 +155,11 @@ def _restored(config: TrainConfig, job, run_dir: RunDir, run_json: dict,
     return start
 
 
-def _resumed_config(config: TrainConfig, found, run_json: dict) -> dict:
-    """``config.json`` of a resumed run: the run's original settings (kept as written), and
-    each resume's step and what it changed."""
+def _resumed_config(out: str, found, run_json: dict) -> dict:
+    """``config.json`` of a resumed run in ``out``: the run's original settings (kept as
+    written), and each resume's step and what it changed."""
     saved = found.record["metadata"]["config"]
-    path = Path(config.out).resolve() / "config.json"
+    path = Path(out).resolve() / "config.json"
     original = _resume.read_run_json(path) if path.exists() else saved
     edited = _identity.edited(original, saved)
     if edited:  # the checkpoint is what the run is: config.json gets its record back
@@ -177,20 +179,22 @@ def _resumed_config(config: TrainConfig, found, run_json: dict) -> dict:
     return {**kept, "resumes": resumes}
 
 
-def _finished(config: TrainConfig, job, run_json: dict, ckpt_dir: Path) -> int | None:
+def _finished(output: OutputSection, training: TrainingSection, job, run_json: dict,
+              ckpt_dir: Path) -> int | None:
     """The step of this run, finished, in ``ckpt_dir``; None unless every process saw its end
     written (a multi-process run agrees before any process returns)."""
-    if not config.checkpoints:
+    if not output.checkpoints:
         return None
-    done = _finished_step(config, job, run_json, ckpt_dir)
+    done = _finished_step(output, training, job, run_json, ckpt_dir)
     if jax.process_count() > 1:
         seen = multihost_utils.process_allgather(np.int32(done is not None))
         done = done if bool(np.all(np.asarray(seen))) else None
     return done
 
 
-def _finished_step(config: TrainConfig, job, run_json: dict, ckpt_dir: Path) -> int | None:
-    """The step of the finished run in ``ckpt_dir`` (trained to ``config.steps`` or past it)
+def _finished_step(output: OutputSection, training: TrainingSection, job, run_json: dict,
+                   ckpt_dir: Path) -> int | None:
+    """The step of the finished run in ``ckpt_dir`` (trained to ``training.steps`` or past it)
     when its settings match, checked like a resume from the step's metadata alone; None when
     the run is not finished (or its newest finished step is damaged: it resumes instead).
 
@@ -198,25 +202,26 @@ def _finished_step(config: TrainConfig, job, run_json: dict, ckpt_dir: Path) -> 
       ConfigError: the finished run has other settings (each difference listed).
     """
     newest = latest_step(ckpt_dir)  # a look only: nothing is locked, opened or written
-    if newest is None or newest < config.steps:
+    if newest is None or newest < training.steps:
         return None
     try:
-        found, _ = _resume.restore(ckpt_dir, job, run_json, config.allowed_changes,
+        found, _ = _resume.restore(ckpt_dir, job, run_json, output.allowed_changes,
                                    arrays=False)
     except ConfigError as e:
         if e.field != "resume":
             raise
-        raise ConfigError("out", config.out, f"holds a run finished at step {newest} with "
+        raise ConfigError("out", output.out, f"holds a run finished at step {newest} with "
                           "other settings: "
                           + e.problem.removeprefix("the run's settings changed: ")) from None
-    if found.step is None or found.step < config.steps:
+    if found.step is None or found.step < training.steps:
         return None
     # Finished means its end was written too: a run stopped after its last checkpoint (killed,
     # Ctrl-C in the final evaluation or export) resumes there and completes the end, and so
     # does a run asked now for an export it lacks.
-    if missing_exports(config, job.lora is not None):
+    if missing_exports(output.out, lora=job.lora is not None, export_hf=training.export_hf,
+                       export_gguf=training.export_gguf):
         return None
-    return found.step if summary_step(config.out) == found.step else None
+    return found.step if summary_step(output.out) == found.step else None
 
 
 # What a run writes in a run directory, by how: files written in place (appended to, the

@@ -12,10 +12,11 @@ from typing import Any, NamedTuple
 
 from effijax import distributed
 from effijax.checkpoint import truncate_metrics
-from effijax.recipe import _finish, _job, _sources
-from effijax.recipe._config import TrainConfig
+from effijax.recipe import _job, _sources
 from effijax.recipe._report import summary_step
 from effijax.recipe._rundir import RunStart
+from effijax.recipe._sections import OutputSection, TrainingSection
+from effijax.sources import export_paths, missing_exports
 
 __all__ = ["Initial", "initial_state"]
 
@@ -27,9 +28,11 @@ class Initial(NamedTuple):
     frozen: Any = None
 
 
-def initial_state(config: TrainConfig, job, run: RunStart, source) -> Initial:
+def initial_state(output: OutputSection, training: TrainingSection, job, run: RunStart,
+                  source) -> Initial:
     """Resumed from the run's checkpoint, or fresh (adapters from the seed, parameters from
-    the seed or from ``source``'s checkpoint); a LoRA run's frozen base."""
+    the seed or from ``source``'s checkpoint); a LoRA run's frozen base. A resume says where
+    it resumes ``output.out`` (a run past ``training.steps``: what it completes)."""
     base = None
     if source is not None and (job.lora is not None or run.resume_step is None):
         base = _sources.load_params(source, job.model, None if job.mesh.size == 1 else job.mesh,
@@ -38,16 +41,17 @@ def initial_state(config: TrainConfig, job, run: RunStart, source) -> Initial:
     if run.resume_step is None:
         return Initial(_job.init_state(job, base if job.lora is None else None), frozen)
     if distributed.is_main():
-        truncate_metrics(Path(config.out) / "metrics.jsonl", run.resume_step)
+        truncate_metrics(Path(output.out) / "metrics.jsonl", run.resume_step)
         where = run.dir.ckpt.directory
-        if run.resume_step >= config.steps and summary_step(config.out) == run.resume_step:
+        if run.resume_step >= training.steps and summary_step(output.out) == run.resume_step:
             # Finished, and asked now for exports it lacks (--export-hf added to its command).
-            paths = _finish.export_paths(config, job.lora is not None)
-            missing = [paths[name].name for name in
-                       _finish.missing_exports(config, job.lora is not None)]
+            exports = {"lora": job.lora is not None, "export_hf": training.export_hf,
+                       "export_gguf": training.export_gguf}
+            paths = export_paths(output.out, **exports)
+            missing = [paths[name].name for name in missing_exports(output.out, **exports)]
             print(f"effijax train: the run finished at step {run.resume_step}; adding the "
                   f"exports it lacks ({', '.join(missing)})", flush=True)
-        elif run.resume_step >= config.steps:
+        elif run.resume_step >= training.steps:
             print(f"effijax train: the run reached step {run.resume_step} in {where} but "
                   "stopped before its end was written; completing it (final evaluation, "
                   "exports, summary.json)", flush=True)

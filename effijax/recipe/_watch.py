@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 from effijax import distributed
 from effijax.observe import Profiler, Sinks, TensorBoardSink, WandbSink, memory_markdown
-from effijax.recipe._config import TrainConfig
+from effijax.recipe._sections import OutputSection
 
 __all__ = ["Watch", "watching"]
 
@@ -42,21 +42,21 @@ class Watch(NamedTuple):
 
 
 @contextlib.contextmanager
-def watching(config: TrainConfig, run_json: dict, memory: dict,
+def watching(output: OutputSection, run_json: dict, memory: dict,
              start_step: int) -> Iterator[Watch]:
-    """Opens what ``config`` asks for (``tensorboard``, ``wandb``, ``profile_steps``) on the main
-    process, writes the config and the memory report as text, and closes them all at the end
-    (also when training fails)."""
-    out = Path(config.out)
+    """Opens what ``output`` asks for (``tensorboard``, ``wandb``, ``profile_steps``) on the main
+    process, writes the config (``run_json``) and the memory report as text, and closes them all
+    at the end (also when training fails)."""
+    out = Path(output.out)
     is_main = distributed.is_main()
     sinks, profiler = [], None
     try:
-        if is_main and config.tensorboard:
+        if is_main and output.tensorboard:
             sinks.append(TensorBoardSink(out / "tensorboard", start_step=start_step))
-        if is_main and config.wandb:
-            sinks.append(WandbSink(config.wandb, out, config=run_json, mode=config.wandb_mode))
-        if is_main and config.profile_range is not None:
-            first, last = config.profile_range
+        if is_main and output.wandb:
+            sinks.append(WandbSink(output.wandb, out, config=run_json, mode=output.wandb_mode))
+        if is_main and output.profile_range is not None:
+            first, last = output.profile_range
             profiler = Profiler(out / "profile", first, last, start_step=start_step)
         watch = Watch(Sinks(sinks), profiler)
         if start_step == 0:

@@ -17,9 +17,26 @@ import numpy as np
 
 from effijax.errors import NO_VALUE, ConfigError
 from effijax.memory import format_bytes, parse_bytes
-from effijax.recipe._sources import checkpoint_folder
 
-__all__ = ["state_bytes", "storage", "step_bytes", "device_budget", "memory", "check_memory"]
+__all__ = ["checkpoint_folder", "state_bytes", "storage", "step_bytes", "device_budget",
+           "check_compiled_memory", "check_memory"]
+
+
+def checkpoint_folder(ckpt_dir: Path) -> Path:
+    """The nearest existing folder at or above ``ckpt_dir``: where the checkpoints will be
+    created. A file in their way is refused (a path check, made before anything is planned).
+
+    Example:
+      >>> import tempfile, pathlib
+      >>> root = pathlib.Path(tempfile.mkdtemp())
+      >>> checkpoint_folder(root / "run" / "checkpoints") == root
+      True
+    """
+    existing = next((p for p in (ckpt_dir, *ckpt_dir.parents) if p.exists()), None)
+    if existing is None or not existing.is_dir():
+        raise ConfigError("out", str(ckpt_dir), f"cannot hold checkpoints: {existing} is not a "
+                          "directory")
+    return existing
 
 
 def state_bytes(abstract_state) -> int:
@@ -163,7 +180,7 @@ def _suggestion(m, job, budget: int, already: int, steps: int) -> str:
     return f"try {flags} ({why}: about {_format(estimate)} per device)"
 
 
-def memory(compiled_memory, job, setting: str | None, steps: int = 1) -> None:
+def check_compiled_memory(compiled_memory, job, setting: str | None, steps: int = 1) -> None:
     """Stops before step 1 when the compiled step does not fit the device's memory.
 
     Args:

@@ -19,9 +19,9 @@ ways, memory-mapped: its split is the one its manifest records, and the run's da
 the store's hash. ``a.store:0.7,b.store:0.3`` draws each row from one of several stores with
 those weights (:func:`mixture_spec`). A Parquet or Arrow file (or a ``datasets`` folder) is
 never read as text: ``effijax train`` prepares it into a store in its cache first
-(:mod:`effijax.recipe._prepared`); here it is refused with the commands that read it.
+(:mod:`effijax.sources._prepared`); here it is refused with the commands that read it.
 ``effijax train`` prepares text and JSONL files larger than
-:data:`effijax.recipe._prepared.MEMORY_BYTES` into a store too, read the way this module reads
+:data:`effijax.sources._prepared.MEMORY_BYTES` into a store too, read the way this module reads
 them (the same tokens, rows and batches), under the identity they have here (the manifest's
 ``content``), so that a run's host memory does not grow with its data; :func:`load_dataset`
 itself reads them in memory, whatever their size.
@@ -64,7 +64,8 @@ from effijax.data import (
 from effijax.errors import NO_VALUE, ConfigError, FileError
 
 __all__ = ["Dataset", "resolve_format", "load_dataset", "load_eval_data", "text_rows",
-           "mixture_spec", "template_digest"]
+           "mixture_spec", "template_digest", "padding_id",
+           "VAL_FRACTION", "no_chat_template"]
 
 VAL_FRACTION = 0.05
 
@@ -142,7 +143,7 @@ def _tokenizer(model, *, chat: bool, path: str | None = None):
     return tokenizer
 
 
-def _pad_id(tokenizer) -> int:
+def padding_id(tokenizer) -> int:
     for token_id in (tokenizer.pad_id, tokenizer.eos_id):
         if token_id is not None:
             return int(token_id)
@@ -204,7 +205,7 @@ def _refuse_tables(path: str, *, evaluating: bool) -> None:
                           "train --data)")
     raise ConfigError("data", path, f"holds Parquet/Arrow data ({shown}), which is read "
                       "from a token store: effijax train --data prepares one into effijax's "
-                      "cache itself (effijax.recipe.cached_store), or effijax data prepare "
+                      "cache itself (effijax.sources.cached_store), or effijax data prepare "
                       f"{path} --out {Path(path).with_suffix('.store')} --from MODEL writes "
                       "one where you choose")
 
@@ -253,7 +254,7 @@ def _read(path: str | None, model, data_format: str, *, evaluating: bool = False
 def _chat(path: str, content: _Content, seq_len: int, val_fraction: float) -> Dataset:
     tokenizer = content.tokenizer
     train_records, val_records = split_records(content.records, val_fraction)
-    pad = _pad_id(tokenizer)
+    pad = padding_id(tokenizer)
     train = pack_examples(_chat_examples(tokenizer, train_records), seq_len, pad_id=pad)
     val = pack_examples(_chat_examples(tokenizer, val_records), seq_len, pad_id=pad)
     if not train.trained_tokens or not val.trained_tokens:
@@ -400,7 +401,7 @@ def _store_dataset(path: str, model, seq_len: int) -> Dataset:
         if not split["train_trained_tokens"] or not split["val_trained_tokens"]:
             raise ConfigError("data", path, "no assistant token in the training or validation "
                               "examples")
-        pad = _pad_id(tokenizer)
+        pad = padding_id(tokenizer)
         train = store_rows(store, val=False, seq_len=seq_len, pad_id=pad)
         val = store_rows(store, val=True, seq_len=seq_len, pad_id=pad)
         note = (f"chat store {path}: {train.examples:,} training examples in {len(train):,} "
@@ -549,9 +550,9 @@ def load_eval_data(path: str, model, *, seq_len: int | None = None,
     content = _read(path, model, data_format, evaluating=True)
     if content.format == "chat":
         rows = pack_examples(_chat_examples(content.tokenizer, content.records), seq_len,
-                             pad_id=_pad_id(content.tokenizer))
+                             pad_id=padding_id(content.tokenizer))
     else:
-        pad = 0 if content.tokenizer is None else _pad_id(content.tokenizer)
+        pad = 0 if content.tokenizer is None else padding_id(content.tokenizer)
         rows = text_rows(content.stream, seq_len, pad_id=pad,
                          first=_leading_bos(content.tokenizer))
     return rows, content.fingerprint, content.format

