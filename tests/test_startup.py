@@ -207,8 +207,8 @@ def test_join_names_the_missing_process_and_how_to_start_it(no_launcher):
     port = _free_port()
     lines = []
     with pytest.raises(ConfigError) as e:
-        distributed.join(ADDRESS.format(port=port), 2, 1, join_timeout=1,
-                         print_fn=lines.append)
+        distributed.join(distributed.find_launch(ADDRESS.format(port=port), 2, 1),
+                         join_timeout=1, print_fn=lines.append)
     assert e.value.field == "num_processes" and e.value.value == 2
     assert str(e.value) == (
         f"num_processes=2: process 0 did not answer at 127.0.0.1:{port} within 1 s; start "

@@ -106,27 +106,21 @@ def initialize(
     return _join(launch, local_device_count, join_timeout, print_fn)
 
 
-def join(
-    coordinator_address: str | None = None,
-    num_processes: int | None = None,
-    process_id: int | None = None,
-    *,
-    cluster: str = "auto",
-    local_device_count: int | None = None,
-    join_timeout: int = 300,
-    print_fn: Callable[[str], None] | None = None,
-) -> Launch:
-    """:func:`initialize`, returning how this process joined (for a start-up line).
+def join(launch: Launch | None = None, *, local_device_count: int | None = None,
+         join_timeout: int = 300, print_fn: Callable[[str], None] | None = None) -> Launch:
+    """Joins the run ``launch`` describes (default: :func:`find_launch` of the environment and
+    the launcher), as :func:`initialize` does with the same keyword arguments, and returns how
+    this process joined (for a start-up line).
 
     Example:
       >>> join().describe()
       '1 process (no launcher)'
-      >>> join("127.0.0.1:1", 2, 1, join_timeout=1, print_fn=print)
+      >>> join(find_launch("127.0.0.1:1", 2, 1), join_timeout=1, print_fn=print)
       Traceback (most recent call last):
       ...
       effijax.errors.ConfigError: num_processes=2: process 0 did not answer at 127.0.0.1:1 ...
     """
-    launch = find_launch(coordinator_address, num_processes, process_id, cluster=cluster)
+    launch = find_launch() if launch is None else launch
     _join(launch, local_device_count, join_timeout, print_fn)
     if local_device_count is not None:  # forced CPU devices: no accelerator is narrowed
         launch = launch._replace(local_device_ids=None)

@@ -169,10 +169,10 @@ def start(parallel: ParallelSection, *, verbose: bool = False):
     devices found (None: one device), as ``parallel`` says: the last checks before anything is
     compiled (``verbose``: every process prints how it joined, not only process 0)."""
     # Every process says what it waits for (stderr: the other processes' stdout stays quiet).
-    launch = distributed.join(parallel.coordinator_address, parallel.num_processes,
-                              parallel.process_id, cluster=parallel.cluster,
-                              local_device_count=parallel.cpu_devices,
-                              join_timeout=parallel.join_timeout, print_fn=_to_stderr)
+    launch = distributed.join(distributed.find_launch(
+        parallel.coordinator_address, parallel.num_processes, parallel.process_id,
+        cluster=parallel.cluster), local_device_count=parallel.cpu_devices,
+        join_timeout=parallel.join_timeout, print_fn=_to_stderr)
     if launch.launcher is not None and (verbose or launch.settings.process_id == 0):
         print(f"effijax train: {launch.describe()}", flush=True)
     if parallel.strategy is None and parallel.mesh is None and jax.process_count() == 1:
