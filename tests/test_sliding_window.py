@@ -314,7 +314,7 @@ def test_logits_match_transformers_mistral():
     gives effijax's Llama-shaped model with ``sliding_window=5`` the same logits."""
     torch = pytest.importorskip("torch", reason="needs torch (effijax[interop])")
     transformers = pytest.importorskip("transformers", reason="needs transformers")
-    from effijax.interop._weights import assemble
+    from effijax.interop._weights import assemble_params
 
     torch.manual_seed(0)
     hf = transformers.MistralForCausalLM(transformers.MistralConfig(
@@ -336,7 +336,7 @@ def test_logits_match_transformers_mistral():
                           rope_theta=500.0,
                           max_position=64, seq_len=16, sliding_window=5)
     state = {name: t.numpy() for name, t in hf.state_dict().items()}
-    params = assemble(config, state.__getitem__)
+    params = assemble_params(config, state.__getitem__)
     logits = np.asarray(jax.jit(config.logits_fn())(params, jnp.asarray(tokens)))
     np.testing.assert_allclose(logits, expected, atol=1e-4, rtol=0)
     assert np.abs(expected - plain)[:, 5:].max() > 1e-2  # the window changes transformers' too
