@@ -52,7 +52,8 @@ effijax, TRL, ... in each precision), ``--rounds`` turns of ``--settle`` untimed
 threads) and the share of the cores that other processes kept busy meanwhile, and the medians
 over the quiet steps alone.
 
-Goal: effijax's DPO tokens/s at least 1.3x TRL's on the same model, pairs and batch, in each precision.
+Goal: effijax's DPO tokens/s at least 1.3x TRL's on the same model, pairs and batch, in each
+precision.
 
 Run: ``python benchmarks/dpo.py [--precision fp32,bf16] [--batch-size 8 --seq-len 64]
 [--rounds 4 --steps-per-round 2 | --steps N] [--threads N] [--write]``; ``--smoke``: one
@@ -240,11 +241,9 @@ class _EffijaxRun:
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.proc.pid, signal.SIGCONT)
             self.proc.terminate()  # effijax stops at the step boundary (no checkpoints here)
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        from harness import wait_or_kill
+
+        wait_or_kill(self.proc)
         self.reader.join(timeout=5)
 
 
@@ -389,14 +388,9 @@ class _TrlWorker:
         return [self._ask({"run": self.name}) for _ in range(steps)]
 
     def close(self) -> None:
-        with contextlib.suppress(BrokenPipeError):
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc.stdout.close()
+        from harness import end_worker
+
+        end_worker(self.proc)
 
 
 def spread(seconds: list[float]) -> dict:

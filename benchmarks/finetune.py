@@ -308,14 +308,9 @@ class _Worker:
 
     def close(self) -> None:
         """Ends the worker (its input closed), waits for it and closes its pipes."""
-        with contextlib.suppress(BrokenPipeError):
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc.stdout.close()
+        from harness import end_worker
+
+        end_worker(self.proc)
 
 
 # peak memory in a child process ----------------------------------------------------------------

@@ -127,6 +127,25 @@ def busy_processes(n: int):
             proc.wait()
 
 
+def wait_or_kill(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """Waits for ``proc`` to end, killing it after ``timeout_s`` seconds."""
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def end_worker(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """Ends a worker that reads its requests from its standard input: the input closed (its
+    cue to exit), the process waited for (killed after ``timeout_s`` seconds), its output
+    closed."""
+    with contextlib.suppress(BrokenPipeError):
+        proc.stdin.close()
+    wait_or_kill(proc, timeout_s)
+    proc.stdout.close()
+
+
 def write_section(name: str, body: str) -> None:
     """Replaces (or appends) the section ``## name`` of RESULTS.md with ``body``."""
     text = RESULTS.read_text() if RESULTS.exists() else (
