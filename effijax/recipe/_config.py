@@ -425,11 +425,6 @@ class TrainConfig:
         """``warmup``, or 5% of the steps (at least 1)."""
         return self.sections.training.warmup_steps
 
-    def lora_spec(self, default_targets: str):
-        """The run's :class:`~effijax.lora.LoraSpec` (None: full training); a spec error is
-        reported under the config's field name (``lora_rank``, ``lora_targets``, ...)."""
-        return self.sections.lora.spec(default_targets)
-
     def resolved(self, precision: str, *, strategy: str | None,
                  mesh: dict | None) -> TrainConfig:
         """A copy with every ``auto`` decided, as ``config.json`` records it: the precision
