@@ -1,5 +1,6 @@
-"""DPO through the recipe (`effijax train --objective dpo`, LoRA): preference pairs read and
-rendered as chat data is, the loss against the base with the adapters off, TRL's metrics in
+"""DPO through the recipe (`effijax train --objective dpo`, LoRA or full): preference pairs read
+and rendered as chat data is, the loss against the base with the adapters off (LoRA) or a frozen
+copy of the starting weights (full fine-tuning), TRL's metrics in
 metrics.jsonl, one-line errors, and the objective seam leaving SFT runs and their resume as
 they were. The losses' own parity with TRL is tests/test_preference.py's; SimPO and ORPO,
 the reference-free objectives on the same pairs, are tests/test_simpo_orpo.py's."""
@@ -151,21 +152,72 @@ def test_a_pair_longer_than_a_row_is_refused_not_cut(tmp_path):
         pair_rows(chat_tokenizer(), read_pairs(str(path)), 16)
 
 
-def test_dpo_without_lora_is_refused_before_compiling(files, tmp_path, capsys):
-    with pytest.raises(ConfigError, match="give --lora-rank R"):
-        TrainConfig(objective="dpo", data="pairs.jsonl", init_from="x.gguf")
+def test_bad_dpo_settings_are_refused_before_compiling(files, tmp_path, capsys):
     with compiles() as compiled:
         assert cli_main(["train", "--objective", "dpo", "--from", str(files / "tiny.gguf"),
-                         "--data", str(files / "pairs.jsonl"), "--out",
-                         str(tmp_path / "run")]) == 2
+                         "--data", str(files / "pairs.jsonl"), "--frozen-dtype", "nf4",
+                         "--out", str(tmp_path / "run")]) == 2
     assert compiled == []
     err = capsys.readouterr().err.strip()
-    assert "--lora-rank" in err and len(err.splitlines()) == 1, err
+    assert "--frozen-dtype='nf4': dpo's reference copy (full fine-tuning) is kept in a " \
+           "floating dtype" in err and len(err.splitlines()) == 1, err
+    with pytest.raises(ConfigError, match="frozen_dtype='bf16': only applies to LoRA"):
+        TrainConfig(frozen_dtype="bf16")  # sft holds no reference
     with pytest.raises(ConfigError, match="batch_size=5: counts rows"):
         TrainConfig(objective="dpo", data="p.jsonl", init_from="x.gguf", lora_rank=2,
                     batch_size=5)
     with pytest.raises(ConfigError, match="beta=0.2: only applies to --objective dpo"):
         TrainConfig(beta=0.2)
+
+
+def _full_argv(files, out, steps):
+    return ["train", "--objective", "dpo", "--from", str(files / "tiny.gguf"), "--data",
+            str(files / "pairs.jsonl"), "--steps", str(steps), "--batch-size", "4", "--seq-len",
+            str(SEQ), "--eval-batches", "1", "--checkpoint-every", "2", "--lr", "1e-3",
+            "--no-progress", "--out", str(out)]
+
+
+def _losses(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_full_dpo_starts_at_its_reference_and_resumes_against_the_same_one(files, tmp_path,
+                                                                          capsys):
+    # Full fine-tuning: the reference is a frozen copy of the starting weights (the GGUF's).
+    assert cli_main(_full_argv(files, tmp_path / "whole", 4)) == 0
+    # The copy's bytes on the start-up line: the model's 107,840 parameters in float32.
+    assert ", reference copy 431.36 KB (float32)" in capsys.readouterr().out
+    whole = _losses(tmp_path / "whole")
+    assert whole[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # policy == reference
+    assert whole[0]["rewards/margins"] == 0.0
+    assert whole[-1]["loss"] != whole[0]["loss"] and whole[-1]["rewards/margins"] != 0.0
+    # Stopped at 2 and resumed to 4: the reference is made again from the source, not from
+    # the resumed weights, so the losses are the uninterrupted run's.
+    assert cli_main(_full_argv(files, tmp_path / "split", 2)) == 0
+    assert cli_main([*_full_argv(files, tmp_path / "split", 4), "--allow-changes",
+                     "steps"]) == 0
+    assert [r["loss"] for r in _losses(tmp_path / "split")] == [r["loss"] for r in whole]
+
+
+def test_full_dpos_loss_is_dpo_loss_against_the_copy(unfused):
+    u = unfused
+    job = plan_job(u.model, "fp32", optax.sgd(0.0), batch_size=4, masked=True,
+                   segmented=False, objective=get_objective("dpo"), frozen_dtype="float32")
+    assert jax.tree.structure(job.frozen) == jax.tree.structure(u.base)
+    keys = jax.random.split(jax.random.key(5), len(jax.tree.leaves(u.base)))
+    moved = jax.tree.unflatten(jax.tree.structure(u.base), [
+        x + 0.02 * jax.random.normal(k, x.shape, x.dtype)
+        for x, k in zip(jax.tree.leaves(u.base), keys, strict=True)])
+    got = float(job.eval_loss(moved, {**u.batch, "reference": u.base}))
+    logps = _unfused_logps(jax.jit(u.model.logits_fn())(moved, u.batch["inputs"]), u.batch)
+    counts = jnp.sum(u.batch["mask"] != 0, axis=1)
+    want, _ = dpo_loss(logps[0::2], logps[1::2], u.ref[0::2], u.ref[1::2],
+                       chosen_counts=counts[0::2], rejected_counts=counts[1::2])
+    assert abs(float(logps[0] - u.ref[0])) > 1e-3  # the moved weights do change the policy
+    np.testing.assert_allclose(got, float(want), rtol=1e-5)
+    with pytest.raises(ConfigError, match="reference copy is kept in a floating dtype"):
+        plan_job(u.model, "fp32", optax.sgd(0.0), batch_size=4, masked=True, segmented=False,
+                 objective=get_objective("dpo"), frozen_dtype="nf4")
 
 
 def test_an_old_config_without_an_objective_is_sft_and_the_same_run():

@@ -71,7 +71,7 @@ def files(tmp_path_factory):
 
 def test_the_config_knows_each_objective_and_its_settings():
     assert set(OBJECTIVE_SETTINGS) == set(OBJECTIVES) >= {"simpo", "orpo"}
-    assert not get_objective("simpo").needs_lora and not get_objective("orpo").needs_lora
+    assert not get_objective("simpo").reference and not get_objective("orpo").reference
     # The config's defaults are the losses' (TRL's CPOConfig and ORPOConfig defaults, checked
     # against TRL itself in test_the_defaults_are_trls).
     config = TrainConfig(objective="simpo", data="p.jsonl")

@@ -41,6 +41,8 @@ from effijax.recipe._sections import (
     FROZEN_DTYPES,
     OBJECTIVES,
     PRECISIONS,
+    REFERENCE_DTYPES,
+    REFERENCE_OBJECTIVES,
     SETTING_OF,
     WANDB_MODES,
     Sections,
@@ -291,7 +293,9 @@ class TrainConfig:
                                  section="lora")
     frozen_dtype: str = _field("auto", "storage dtype of the frozen base (auto: the precision's "
                                "compute dtype; nf4, int8: its layers' kernels quantized, QLoRA; "
-                               "gguf: a GGUF base's quantized blocks kept as they are)",
+                               "gguf: a GGUF base's quantized blocks kept as they are); in full "
+                               "fine-tuning with --objective dpo, of the reference copy (auto, "
+                               "fp32, bf16, fp16)",
                                choices=FROZEN_DTYPES, section="lora")
     lora_random_base: bool = _field(False, "train adapters on a randomly initialised base (for "
                                     "experiments; LoRA normally adapts an init_from model)",
@@ -368,11 +372,19 @@ class TrainConfig:
 
     def _check_lora(self) -> None:
         if self.lora_rank is None:
+            reference = self.objective in REFERENCE_OBJECTIVES
             for name in ("lora_alpha", "lora_targets", "lora_dropout", "frozen_dtype",
                          "lora_random_base"):
-                if getattr(self, name) != _DEFAULTS[name]:
-                    raise ConfigError(name, getattr(self, name), "only applies to LoRA; "
-                                      "give the adapters' rank too (--lora-rank R)")
+                if getattr(self, name) == _DEFAULTS[name] or (name == "frozen_dtype"
+                                                               and reference):
+                    continue
+                raise ConfigError(name, getattr(self, name), "only applies to LoRA; "
+                                  "give the adapters' rank too (--lora-rank R)")
+            if reference and self.frozen_dtype not in REFERENCE_DTYPES:
+                raise ConfigError("frozen_dtype", self.frozen_dtype, f"{self.objective}'s "
+                                  "reference copy (full fine-tuning) is kept in a floating "
+                                  f"dtype: choose one of {', '.join(REFERENCE_DTYPES)}, or "
+                                  "train LoRA adapters (--lora-rank R) on a quantized base")
             return
         if self.init_from is None and not self.lora_random_base:
             raise ConfigError("lora_rank", self.lora_rank, "LoRA adapts a trained model: give "
@@ -389,11 +401,6 @@ class TrainConfig:
             raise ConfigError(name, getattr(self, name), f"only applies to --objective {which}")
         if self.objective == "sft":
             return
-        if self.objective == "dpo" and self.lora_rank is None:
-            raise ConfigError("objective", "dpo", "trains LoRA adapters against the base with "
-                              "the adapters off (the reference); give --lora-rank R (full "
-                              "fine-tuning's frozen reference copy is not built yet; simpo and "
-                              "orpo need no reference)")
         if self.data is None:
             raise ConfigError("data", None, f"{self.objective} trains on preference pairs: give "
                               "--data PAIRS.jsonl ({\"prompt\", \"chosen\", \"rejected\"} "

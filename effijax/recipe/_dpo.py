@@ -1,12 +1,20 @@
-"""DPO (direct preference optimisation) as a training objective, under LoRA.
+"""DPO (direct preference optimisation) as a training objective, under LoRA or in full.
 
 It trains on preference pairs (:mod:`effijax.recipe._pairs`: ``{"prompt", "chosen",
 "rejected"}`` JSONL, a pair's chosen row at ``2i`` and its rejected at ``2i + 1``). The loss
 (:func:`effijax.objectives.dpo_loss`, TRL's) compares the policy's summed log-probabilities of
-each completion (the base with the adapters, :func:`effijax.models.make_sequence_logps`) with
-the reference's: the same base with the adapters off (zeroed: the policy's own base
-arithmetic, exactly), under ``stop_gradient``, so no second copy of the base exists. Its
-metrics are TRL's (``rewards/chosen``, ..., ``logps/rejected``). SimPO and ORPO
+each completion (:func:`effijax.models.make_sequence_logps`) with the reference's, under
+``stop_gradient``:
+
+* under LoRA the policy is the base with the adapters, the reference the same base with the
+  adapters off (zeroed: the policy's own base arithmetic, exactly), so no second copy of the
+  base exists;
+* in full training the reference is a frozen copy of the starting weights (in the compute
+  dtype, or ``--frozen-dtype``), which the job holds and every batch carries as
+  ``batch["reference"]`` (:func:`effijax.recipe.plan_job`): TRL's ``ref_model``, made from the
+  same weights as the policy when none is given.
+
+Its metrics are TRL's (``rewards/chosen``, ..., ``logps/rejected``). SimPO and ORPO
 (:mod:`effijax.recipe._simpo`, :mod:`effijax.recipe._orpo`) train on the same pairs without a
 reference.
 """
@@ -17,7 +25,6 @@ import jax
 import jax.numpy as jnp
 
 from effijax import lora as lora_lib
-from effijax.errors import ConfigError
 from effijax.objectives import dpo_loss
 from effijax.recipe._objective import Objective
 from effijax.recipe._pairs import (
@@ -33,15 +40,25 @@ __all__ = ["DPO"]
 
 def _dpo_loss(model, lora, *, sequence_parallel: bool = True, beta: float = 0.1,
               loss_type: str = "sigmoid", label_smoothing: float = 0.0):
-    """DPO's loss of interleaved pair rows: the policy is the base with the adapters, the
-    reference the same base without them (no gradient)."""
-    if lora is None:
-        raise ConfigError("objective", "dpo", "trains LoRA adapters against the base with the "
-                          "adapters off; pass lora= (--lora-rank R)")
+    """DPO's loss of interleaved pair rows against the reference (see the module docstring)."""
     settings = {"beta": beta, "loss_type": loss_type, "label_smoothing": label_smoothing}
     check_pair_loss(lambda c, r, nc, nr: dpo_loss(c, r, c, r, chosen_counts=nc,
                                                   rejected_counts=nr, **settings))
     policy = policy_logps(model, lora, sequence_parallel=sequence_parallel)
+
+    def pair_loss(logps_B, counts_B, ref_B):
+        return dpo_loss(logps_B[0::2], logps_B[1::2], ref_B[0::2], ref_B[1::2],
+                        chosen_counts=counts_B[0::2], rejected_counts=counts_B[1::2], **settings)
+
+    if lora is None:
+        def full_loss(params, batch, rng=None):
+            rows = {k: v for k, v in batch.items() if k != "reference"}
+            logps_B, counts_B = policy(params, rows, rng)
+            # The frozen copy of the starting weights, through the same function (no dropout).
+            ref_B = jax.lax.stop_gradient(policy(batch["reference"], rows)[0])
+            return pair_loss(logps_B, counts_B, ref_B)
+
+        return full_loss
 
     def loss(params, batch, rng=None):
         logps_B, counts_B = policy(params, batch, rng)
@@ -52,11 +69,10 @@ def _dpo_loss(model, lora, *, sequence_parallel: bool = True, beta: float = 0.1,
         off = {"base": params["base"],
                "adapters": jax.tree.map(jnp.zeros_like, params["adapters"])}
         ref_B = jax.lax.stop_gradient(policy(off, batch)[0])
-        return dpo_loss(logps_B[0::2], logps_B[1::2], ref_B[0::2], ref_B[1::2],
-                        chosen_counts=counts_B[0::2], rejected_counts=counts_B[1::2], **settings)
+        return pair_loss(logps_B, counts_B, ref_B)
 
     return lora_lib.freeze_base(loss)
 
 
 DPO = Objective("dpo", _dpo_loss, batch=pair_batch, eval_batches=pair_eval_batches,
-                load=load_pairs, metric=None, token_mean=False, needs_lora=True)
+                load=load_pairs, metric=None, token_mean=False, reference=True)

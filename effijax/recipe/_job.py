@@ -5,13 +5,15 @@ state's shapes, dtypes and shardings, the frozen base's (LoRA), the jitted step 
 evaluation function. A single device is a 1-device mesh, so one device and many run the same
 program. Full training differentiates every parameter; LoRA differentiates the adapters, and the
 frozen base rides in every batch as ``batch["base"]`` (an input of the compiled step, laid out as
-the strategy lays out parameters; each adapter is laid out like its kernel).
+the strategy lays out parameters; each adapter is laid out like its kernel). An objective with a
+reference (DPO) in full training holds a frozen copy of the starting weights likewise, as
+``batch["reference"]``.
 
 The pieces that allocate take the job: :func:`init_state` (born sharded, fresh or from given
-parameters), :func:`init_frozen` (the LoRA base), :func:`batch_fn` and :func:`evaluate`, and
-:func:`compile_job` (one compilation: the executable, per-device memory and collectives).
-:func:`build_lm_job` does all of it in one call (an :class:`LMJob`) for code that drives
-:func:`effijax.run.train_loop` itself.
+parameters), :func:`init_frozen` (the LoRA base or the reference copy), :func:`batch_fn` and
+:func:`evaluate`, and :func:`compile_job` (one compilation: the executable, per-device memory
+and collectives). :func:`build_lm_job` does all of it in one call (an :class:`LMJob`) for code
+that drives :func:`effijax.run.train_loop` itself.
 """
 
 from __future__ import annotations
@@ -69,8 +71,8 @@ from effijax.sharding import (
 from effijax.step import TrainState, init_train_state, make_sharded_step
 
 __all__ = ["Job", "CompiledStep", "plan_job", "abstract_state", "abstract_batch", "init_state",
-           "init_frozen", "batch_fn", "evaluate", "compile_job", "adapter_key", "LMJob",
-           "build_lm_job"]
+           "init_frozen", "frozen_key", "batch_fn", "evaluate", "compile_job", "adapter_key",
+           "LMJob", "build_lm_job"]
 
 
 class CompiledStep(NamedTuple):
@@ -96,7 +98,8 @@ class Job(NamedTuple):
       mesh, strategy: where it runs (a 1-device mesh and ``ddp`` on one device).
       batch_size: the global batch (sequences per step); ``seq_len`` is the model's.
       state: the initial train state as ``ShapeDtypeStruct`` s carrying their shardings.
-      frozen: with LoRA, the frozen base likewise (None for full training).
+      frozen: with LoRA, the frozen base likewise; in full training with an objective that
+        has a reference (DPO), the reference copy of the starting weights; else None.
       specs: the trainable parameters' sharded specs; ``grads``: the gradients' shardings.
       step: the jitted, donating step (a :class:`~effijax.sharding.ShardedStep`).
       eval_loss: jitted ``eval_loss(params, batch) -> f32`` (the loss without dropout).
@@ -227,7 +230,9 @@ def plan_job(
       strategy: ``ddp``, ``zero1``, ``zero2`` or ``fsdp`` (``zero3``).
       rules: partition rules (default: the model's, else automatic).
       lora: train LoRA adapters of a frozen base instead of every parameter.
-      frozen_dtype: with ``lora``, the base's storage dtype (default: the compute dtype), or a
+      frozen_dtype: in full training with an objective that has a reference, its copy's
+        floating dtype (default: the compute dtype); with ``lora``, the base's storage dtype
+        (default: the compute dtype), or a
         quantized format, ``"nf4"`` or ``"int8"`` (QLoRA: the layer stack's kernels stored
         quantized with double-quantized blockwise scales, dequantized per layer in the step;
         the other leaves in the compute dtype; see :func:`effijax.precision.quantize`), or
@@ -287,17 +292,19 @@ def plan_job(
     if layout is not None:
         tensor_split(layout, mesh.shape.get("tensor", 1))  # refused before anything is traced
     sequence_parallel = _check_sequence_parallel(model, mesh, sequence_parallel)
-    if lora is None and frozen_dtype is not None:
-        raise ConfigError("frozen_dtype", frozen_dtype, "only applies to LoRA; pass lora=")
     objective = SFT if objective is None else objective
-    if objective.needs_lora and lora is None:
-        raise ConfigError("objective", objective.name, "takes its reference from the base with "
-                          "the adapters off: train LoRA adapters (lora=, --lora-rank R)")
+    if lora is None and frozen_dtype is not None and not objective.reference:
+        raise ConfigError("frozen_dtype", frozen_dtype, "only applies to LoRA (the base) or to "
+                          "an objective with a reference (its frozen copy); pass lora=")
     settings = dict(objective_settings or {})
     abstract = model.abstract_params(policy)
     abstract_state = _abstract_state(abstract, optimizer, seed, lora)
     trainable = abstract_state.params
     frozen = frozen_sh = None
+    if lora is None and objective.reference:
+        frozen_sh = param_shardings(abstract, mesh, strategy, rules=rules, tensor_layout=layout)
+        frozen = with_shardings(cast_floating(abstract, _reference_dtype(policy, frozen_dtype)),
+                                frozen_sh)
     if lora is not None:
         quantized = frozen_dtype in (*QUANTIZED_FORMATS, "gguf")
         dtype = (policy.compute_dtype if frozen_dtype is None or quantized
@@ -330,7 +337,8 @@ def plan_job(
         return value * mult, {**named, "tokens": _trained_tokens(batch), **aux}
 
     segmented = bool(masked) if segmented is None else bool(segmented)
-    batch_sh = _batch_shardings(mesh, frozen_sh, masked, segmented)
+    batch_sh = _batch_shardings(mesh, frozen_sh, masked, segmented,
+                                frozen_key=frozen_key(lora))
     step = make_sharded_step(train_loss, optimizer, policy, mesh=mesh, strategy=strategy,
                              specs=specs, shardings=shardings, has_aux=True,
                              allow_unscaled_fp16=allow_unscaled_fp16, batch_sharding=batch_sh)
@@ -392,10 +400,33 @@ def _check_batch_keys(job: Job, local: dict) -> None:
 
 
 def _batch_shardings(mesh, frozen_shardings, masked: bool = False,
-                     segmented: bool = False) -> dict:
+                     segmented: bool = False, frozen_key: str = "base") -> dict:
     rows = batch_sharding(mesh)
     out = dict.fromkeys(_batch_keys(masked, segmented), rows)
-    return out if frozen_shardings is None else {**out, "base": frozen_shardings}
+    return out if frozen_shardings is None else {**out, frozen_key: frozen_shardings}
+
+
+def frozen_key(lora) -> str:
+    """Where a job's frozen tree rides in its batches: ``"base"`` (LoRA's base, ``lora`` a
+    :class:`~effijax.lora.LoraSpec`) or ``"reference"`` (a full fine-tune's reference copy).
+
+    Example:
+      >>> frozen_key(None)
+      'reference'
+    """
+    return "base" if lora is not None else "reference"
+
+
+def _reference_dtype(policy: Policy, frozen_dtype: Any):
+    """A full fine-tune's reference copy's dtype: ``frozen_dtype`` (a floating dtype), or the
+    compute dtype (the policy's own arithmetic at step 0)."""
+    if frozen_dtype is None:
+        return policy.compute_dtype
+    if frozen_dtype in (*QUANTIZED_FORMATS, "gguf"):
+        raise ConfigError("frozen_dtype", frozen_dtype, "a full fine-tune's reference copy is "
+                          "kept in a floating dtype (fp32, bf16, fp16); quantized storage is "
+                          "for LoRA's base (--lora-rank R)")
+    return parse_dtype(frozen_dtype)
 
 
 def _with_kept_blocks(base, kept_blocks):
@@ -473,16 +504,18 @@ def init_state(job: Job, params: Any = None) -> TrainState:
 
 
 def init_frozen(job: Job, base: Any = None) -> Any:
-    """A LoRA job's frozen base in its dtype and layout (None for full training).
+    """A job's frozen tree in its dtype and layout: a LoRA job's base, or a full job's
+    reference copy (an objective with a reference); None for other jobs.
 
     Args:
       job: from :func:`plan_job`.
-      base: the base parameters (any sharding: e.g. a pretrained model); None initialises
-        them from ``job.seed`` exactly as a full job would.
+      base: the base (or starting) parameters (any sharding: e.g. a pretrained model); None
+        initialises them from ``job.seed`` exactly as a full job would.
     """
-    if job.lora is None:
+    if job.frozen is None:
         if base is not None:
-            raise ConfigError("base", "given", "only LoRA jobs have a frozen base")
+            raise ConfigError("base", "given", "only LoRA jobs and full jobs whose objective "
+                              "has a reference hold a frozen tree")
         return None
     shardings = jax.tree.map(lambda x: x.sharding, job.frozen)
 
@@ -545,7 +578,7 @@ def batch_fn(job: Job, tokens: np.ndarray, frozen: Any = None) -> Callable[[int]
                          seq_len=job.model.seq_len, process_index=index, process_count=count)
         _check_batch_keys(job, local)
         out = global_batch(local, rows, job.batch_size)
-        return out if frozen is None else {**out, "base": frozen}
+        return out if frozen is None else {**out, frozen_key(job.lora): frozen}
 
     return batch
 
@@ -576,8 +609,9 @@ def evaluate(job: Job, params: Any, tokens: np.ndarray, *, num_batches: int,
     for local in eval_batches(tokens, **kw, process_index=index, process_count=count):
         _check_batch_keys(job, local)
         b = global_batch(local, rows, job.batch_size)
-        losses.append(float(job.eval_loss(params, b if frozen is None else {**b,
-                                                                            "base": frozen})))
+        if frozen is not None:
+            b = {**b, frozen_key(job.lora): frozen}
+        losses.append(float(job.eval_loss(params, b)))
     if not job.masked or not objective.token_mean:
         return float(np.mean(losses))
     # Every process counts the global batches' trained tokens (host arrays, cheap).
@@ -591,7 +625,8 @@ def abstract_batch(job: Job) -> dict:
 
     What :func:`compile_job` compiles the step for, and what ``jax.export`` lowers it for: the
     int32 ``[batch_size, seq_len]`` arrays split by rows (``mask`` and ``segments`` when the job
-    was planned with them) and, with LoRA, the frozen base as ``"base"``.
+    was planned with them) and the frozen tree (:func:`frozen_key`: LoRA's base, or a full
+    fine-tune's reference copy).
 
     Example:
       >>> import optax
@@ -605,7 +640,7 @@ def abstract_batch(job: Job) -> dict:
                                      sharding=rows)
              for k in _batch_keys(job.masked, job.segmented)}
     if job.frozen is not None:
-        batch["base"] = job.frozen
+        batch[frozen_key(job.lora)] = job.frozen
     return batch
 
 
@@ -644,7 +679,8 @@ class LMJob(NamedTuple):
       compile: ``compile(census=True) -> CompiledStep``.
       trainable_params: parameters that get gradients (``num_params`` without LoRA).
       lora: the job's :class:`~effijax.lora.LoraSpec` (None: full training).
-      frozen: with LoRA, the frozen base parameters (what ``batch(step)["base"]`` holds).
+      frozen: the job's frozen tree (:func:`frozen_key`: with LoRA the frozen base, what
+        ``batch(step)["base"]`` holds; a full job's reference copy).
       sequence_parallel: the step splits the activations between the blocks along the
         sequence over the mesh's ``tensor`` axis (see :func:`plan_job`).
     """

@@ -3,9 +3,10 @@
 The step (:func:`~effijax.step.make_sharded_step`) is generic over ``loss(params, batch,
 rng)``; an :class:`Objective` says the rest of what a run needs from its objective: the loss
 and its metrics from the model (and the LoRA spec, whose frozen base rides in the batch as
-``"base"``), how its data is read, how a training batch is drawn from it, its fixed
-evaluation batches, and how their losses average. :func:`~effijax.recipe.plan_job` takes one
-(default :data:`SFT`); ``TrainConfig.objective`` names one of
+``"base"``; a full fine-tune's reference copy rides as ``"reference"``), how its data is read,
+how a training batch is drawn from it, its fixed evaluation batches, and how their losses
+average. :func:`~effijax.recipe.plan_job` takes one (default :data:`SFT`);
+``TrainConfig.objective`` names one of
 :data:`effijax.recipe._objectives.OBJECTIVES`. Adding an objective is one module defining its
 :class:`Objective` and one line in that registry; the preference objectives (``dpo``,
 ``simpo``, ``orpo``) share their pair data (:mod:`effijax.recipe._pairs`).
@@ -43,8 +44,10 @@ class Objective(NamedTuple):
         step's ``loss``).
       token_mean: the validation loss of masked rows weights each batch by its trained tokens
         (a per-token loss); False: each batch alike (a per-pair loss).
-      needs_lora: the objective's reference is the base with the adapters off (``dpo``); the
-        others train under LoRA or fully.
+      reference: the loss compares the policy with a frozen reference model (``dpo``): under
+        LoRA the base with the adapters off (no copy), in full training a frozen copy of the
+        starting weights that rides in every batch as ``batch["reference"]`` (see
+        :func:`~effijax.recipe.plan_job`); the others need none.
     """
 
     name: str
@@ -54,7 +57,7 @@ class Objective(NamedTuple):
     load: Callable[..., Any] | None = None
     metric: str | None = None
     token_mean: bool = True
-    needs_lora: bool = False
+    reference: bool = False
 
 
 def _sft_loss(model, lora, *, sequence_parallel: bool = True):

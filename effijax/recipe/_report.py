@@ -73,7 +73,8 @@ def print_start(job, compiled, source, frozen, state, *, precision: str,
             f"optimizer {format_bytes(m.opt_state)}, temporaries {format_bytes(m.temporaries)}")
     if frozen is not None:
         base = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(frozen))
-        line += f", frozen base {format_bytes(base)}"
+        line += (f", frozen base {format_bytes(base)}" if job.lora is not None else
+                 f", reference copy {format_bytes(base)} ({_dtypes(frozen)})")
     print(line)
     if compiled.census.ops:
         kinds = "; ".join(f"{r['count']} {r['kind']} {r['dtype']} {format_bytes(r['bytes'])}"
@@ -94,6 +95,14 @@ def print_start(job, compiled, source, frozen, state, *, precision: str,
               + trainable_report(dequantized_shapes(frozen), state.params))
     if data:
         print(f"effijax train: {data}", flush=True)
+
+
+def _dtypes(tree) -> str:
+    """The floating dtypes of a tree's leaves, e.g. ``"bfloat16"`` (``/``-joined)."""
+    import jax
+
+    return "/".join(sorted({str(x.dtype) for x in jax.tree.leaves(tree)
+                            if str(x.dtype).startswith(("float", "bfloat"))}))
 
 
 def _named(init_from: str, path: str) -> str:

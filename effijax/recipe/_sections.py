@@ -46,6 +46,10 @@ DATA_FORMATS = ("auto", "text", "chat")
 # config must not import jax; a test checks that the two lists agree) and DPO's loss types
 # (effijax.objectives.DPO_LOSS_TYPES, likewise).
 OBJECTIVES = ("sft", "dpo", "simpo", "orpo")
+# Those that compare the policy with a frozen reference (Objective.reference): in full training
+# it is a copy of the starting weights, whose floating dtype --frozen-dtype chooses.
+REFERENCE_OBJECTIVES = ("dpo",)
+REFERENCE_DTYPES = ("auto", "fp32", "bf16", "fp16")
 DPO_LOSSES = ("sigmoid", "ipo", "hinge", "robust")
 # The objectives' settings (effijax.recipe._identity.OBJECTIVE_SETTINGS: which objective uses
 # which) as their losses' keyword arguments are named.

@@ -2,7 +2,9 @@
 
 A resumed run takes the state its run directory restored (:mod:`effijax.recipe._rundir`); a
 fresh one initialises it from the seed, its parameters from ``init_from``'s checkpoint or
-pretrained weights when it names one. A LoRA run also holds its frozen base.
+pretrained weights when it names one. A LoRA run also holds its frozen base, and a full run
+whose objective has a reference (DPO) a frozen copy of its starting weights, made again the same
+way when it resumes.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ __all__ = ["Initial", "initial_state"]
 
 
 class Initial(NamedTuple):
-    """The run's first state and, for a LoRA run, its frozen base (None otherwise)."""
+    """The run's first state and its frozen tree (a LoRA run's base, a full run's reference
+    copy; None otherwise)."""
 
     state: Any
     frozen: Any = None
@@ -31,13 +34,13 @@ class Initial(NamedTuple):
 def initial_state(output: OutputSection, training: TrainingSection, job, run: RunStart,
                   source) -> Initial:
     """Resumed from the run's checkpoint, or fresh (adapters from the seed, parameters from
-    the seed or from ``source``'s checkpoint); a LoRA run's frozen base. A resume says where
+    the seed or from ``source``'s checkpoint); the job's frozen tree. A resume says where
     it resumes ``output.out`` (a run past ``training.steps``: what it completes)."""
     base = None
-    if source is not None and (job.lora is not None or run.resume_step is None):
+    if source is not None and (job.frozen is not None or run.resume_step is None):
         base = _sources.load_params(source, job.model, None if job.mesh.size == 1 else job.mesh,
                                     run.record["init_from_checkpoint"].get("step"))
-    frozen = _job.init_frozen(job, base) if job.lora is not None else None
+    frozen = None if job.frozen is None else _job.init_frozen(job, base)
     if run.resume_step is None:
         return Initial(_job.init_state(job, base if job.lora is None else None), frozen)
     if distributed.is_main():
