@@ -25,12 +25,19 @@ from effijax.lora import LoraSpec
 from effijax.lora import init as lora_init
 from effijax.models import llama_config
 from effijax.objectives import DPO_LOSS_TYPES, dpo_loss
-from effijax.recipe import TrainConfig, plan_job
+from effijax.recipe import TrainConfig, evaluate_metrics, plan_job
 from effijax.recipe._config import DPO_LOSSES, OBJECTIVES
 from effijax.recipe._identity import check_resume, identity
 from effijax.recipe._objectives import OBJECTIVES as REGISTRY
 from effijax.recipe._objectives import get_objective
-from effijax.recipe._pairs import load_pairs, pair_batch, pair_rows, read_pairs
+from effijax.recipe._pairs import (
+    PAIR_METRICS,
+    load_pairs,
+    pair_batch,
+    pair_eval_batches,
+    pair_rows,
+    read_pairs,
+)
 
 SEQ = 32
 TINY = llama_config("llama-tiny", vocab_size=VOCAB_SIZE, seq_len=SEQ)
@@ -105,13 +112,19 @@ def test_a_batchs_loss_is_dpo_loss_of_the_unfused_log_probabilities(unfused, los
     job = plan_job(u.model, "fp32", optax.sgd(0.0), batch_size=4, lora=u.spec, masked=True,
                    segmented=False, objective=get_objective("dpo"),
                    objective_settings={"beta": 0.1, "loss_type": loss_type})
-    got = float(job.eval_loss(u.adapters, {**u.batch, "base": u.base}))
+    got, metrics = job.eval_step(u.adapters, {**u.batch, "base": u.base})
     logps, ref = u.logps, u.ref
     counts = jnp.sum(u.batch["mask"] != 0, axis=1)
-    want, _ = dpo_loss(logps[0::2], logps[1::2], ref[0::2], ref[1::2], loss_type=loss_type,
-                       chosen_counts=counts[0::2], rejected_counts=counts[1::2])
+    want, wanted = dpo_loss(logps[0::2], logps[1::2], ref[0::2], ref[1::2],
+                            loss_type=loss_type, chosen_counts=counts[0::2],
+                            rejected_counts=counts[1::2])
     assert abs(float(logps[0] - ref[0])) > 1e-3  # the adapters do change the policy
-    np.testing.assert_allclose(got, float(want), rtol=1e-5)
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+    # The evaluation's metrics are the loss's, TRL's names (what eval_rewards/... average).
+    assert sorted(metrics) == sorted(PAIR_METRICS)
+    for name in PAIR_METRICS:
+        np.testing.assert_allclose(float(metrics[name]), float(wanted[name]), rtol=1e-5,
+                                   atol=1e-6, err_msg=name)
 
 
 def test_pairs_are_adjacent_rows_with_the_completion_masked(files):
@@ -186,11 +199,17 @@ def test_full_dpo_starts_at_its_reference_and_resumes_against_the_same_one(files
     # Full fine-tuning: the reference is a frozen copy of the starting weights (the GGUF's).
     assert cli_main(_full_argv(files, tmp_path / "whole", 4)) == 0
     # The copy's bytes on the start-up line: the model's 107,840 parameters in float32.
-    assert ", reference copy 431.36 KB (float32)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert ", reference copy 431.36 KB (float32)" in out
+    summary = json.loads((tmp_path / "whole" / "summary.json").read_text())
+    accuracy = summary["eval_rewards/accuracies"]  # the done line says it
+    assert f", eval reward accuracy {accuracy:.1%}, " in out
     whole = _losses(tmp_path / "whole")
     assert whole[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # policy == reference
     assert whole[0]["rewards/margins"] == 0.0
     assert whole[-1]["loss"] != whole[0]["loss"] and whole[-1]["rewards/margins"] != 0.0
+    assert {f"eval_{name}" for name in PAIR_METRICS} <= set(summary)
+    assert 0.0 <= summary["eval_rewards/accuracies"] <= 1.0
     # Stopped at 2 and resumed to 4: the reference is made again from the source, not from
     # the resumed weights, so the losses are the uninterrupted run's.
     assert cli_main(_full_argv(files, tmp_path / "split", 2)) == 0
@@ -199,7 +218,7 @@ def test_full_dpo_starts_at_its_reference_and_resumes_against_the_same_one(files
     assert [r["loss"] for r in _losses(tmp_path / "split")] == [r["loss"] for r in whole]
 
 
-def test_full_dpos_loss_is_dpo_loss_against_the_copy(unfused):
+def test_full_dpos_loss_is_dpo_loss_against_the_copy(unfused, files):
     u = unfused
     job = plan_job(u.model, "fp32", optax.sgd(0.0), batch_size=4, masked=True,
                    segmented=False, objective=get_objective("dpo"), frozen_dtype="float32")
@@ -208,13 +227,22 @@ def test_full_dpos_loss_is_dpo_loss_against_the_copy(unfused):
     moved = jax.tree.unflatten(jax.tree.structure(u.base), [
         x + 0.02 * jax.random.normal(k, x.shape, x.dtype)
         for x, k in zip(jax.tree.leaves(u.base), keys, strict=True)])
-    got = float(job.eval_loss(moved, {**u.batch, "reference": u.base}))
+    got = float(job.eval_step(moved, {**u.batch, "reference": u.base})[0])
     logps = _unfused_logps(jax.jit(u.model.logits_fn())(moved, u.batch["inputs"]), u.batch)
     counts = jnp.sum(u.batch["mask"] != 0, axis=1)
     want, _ = dpo_loss(logps[0::2], logps[1::2], u.ref[0::2], u.ref[1::2],
                        chosen_counts=counts[0::2], rejected_counts=counts[1::2])
     assert abs(float(logps[0] - u.ref[0])) > 1e-3  # the moved weights do change the policy
     np.testing.assert_allclose(got, float(want), rtol=1e-5)
+    # Evaluation: each metric the mean of its validation batches', the copy in each batch.
+    val = load_pairs(str(files / "pairs.jsonl"), u.model).val
+    found = evaluate_metrics(job, moved, val, num_batches=2, frozen=u.base)
+    each = [job.eval_step(moved, {**{k: jnp.asarray(v) for k, v in b.items()},
+                                  "reference": u.base})
+            for b in pair_eval_batches(val, batch_size=4, seq_len=SEQ, num_batches=2)]
+    assert found["loss"] == pytest.approx(np.mean([float(v) for v, _ in each]), rel=1e-6)
+    assert found["rewards/accuracies"] == pytest.approx(
+        np.mean([float(m["rewards/accuracies"]) for _, m in each]), rel=1e-6)
     with pytest.raises(ConfigError, match="reference copy is kept in a floating dtype"):
         plan_job(u.model, "fp32", optax.sgd(0.0), batch_size=4, masked=True, segmented=False,
                  objective=get_objective("dpo"), frozen_dtype="nf4")

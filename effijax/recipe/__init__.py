@@ -25,7 +25,7 @@ __getattr__, __dir__, __all__ = attach(__name__, {
         "PRECISIONS", "PRECISION_ALIASES"),
     "effijax.recipe._job": ("Job", "CompiledStep", "plan_job", "abstract_state",
         "abstract_batch", "init_state", "init_frozen", "frozen_key", "batch_fn", "evaluate",
-        "compile_job", "LMJob", "build_lm_job"),
+        "evaluate_metrics", "compile_job", "LMJob", "build_lm_job"),
     "effijax.recipe._train": ("TrainResult", "train", "decide_precision", "placement"),
     "effijax.recipe._sections": ("Sections", "ModelSection", "PrecisionSection",
         "TrainingSection", "OptimizerSection", "DataSection", "ParallelSection", "OutputSection",

@@ -28,6 +28,7 @@ from effijax import lora as lora_lib
 from effijax.objectives import dpo_loss
 from effijax.recipe._objective import Objective
 from effijax.recipe._pairs import (
+    PAIR_METRICS,
     check_pair_loss,
     load_pairs,
     pair_batch,
@@ -75,4 +76,5 @@ def _dpo_loss(model, lora, *, sequence_parallel: bool = True, beta: float = 0.1,
 
 
 DPO = Objective("dpo", _dpo_loss, batch=pair_batch, eval_batches=pair_eval_batches,
-                load=load_pairs, metric=None, token_mean=False, reference=True)
+                load=load_pairs, metric=None, token_mean=False, reference=True,
+                eval_metrics=PAIR_METRICS)

@@ -38,14 +38,19 @@ __all__ = ["evaluate_end", "evaluate_start", "with_start", "export", "summarize"
 def evaluate_end(job, params, tokens, frozen=None, *, eval_batches: int,
                  init_from: str | None = None, key: str = "eval_loss") -> dict:
     """``{key: loss}``: the mean loss of ``params`` over ``eval_batches`` validation batches
-    of ``tokens`` (empty when ``eval_batches`` is 0); ``init_from``: the run's source, which
-    makes the stage line print (:func:`effijax.recipe._report.stage`)."""
+    of ``tokens`` (empty when ``eval_batches`` is 0), and at the end (``key`` ``eval_loss``)
+    the objective's evaluation metrics as ``eval_<name>`` (DPO's ``eval_rewards/accuracies``,
+    ...); ``init_from``: the run's source, which makes the stage line print
+    (:func:`effijax.recipe._report.stage`)."""
     if not eval_batches:
         return {}
     if key == "eval_loss":
         _report.stage(init_from, f"evaluating the trained model on {eval_batches} "
                       "validation batches")
-    return {key: _job.evaluate(job, params, tokens, num_batches=eval_batches, frozen=frozen)}
+    found = _job.evaluate_metrics(job, params, tokens, num_batches=eval_batches, frozen=frozen)
+    loss = found.pop("loss")
+    return {key: loss, **({f"eval_{name}": v for name, v in found.items()}
+                          if key == "eval_loss" else {})}
 
 
 def evaluate_start(job, initial, tokens, record: dict | None = None, *, eval_batches: int,

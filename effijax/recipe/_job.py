@@ -71,8 +71,8 @@ from effijax.sharding import (
 from effijax.step import TrainState, init_train_state, make_sharded_step
 
 __all__ = ["Job", "CompiledStep", "plan_job", "abstract_state", "abstract_batch", "init_state",
-           "init_frozen", "frozen_key", "batch_fn", "evaluate", "compile_job", "adapter_key",
-           "LMJob", "build_lm_job"]
+           "init_frozen", "frozen_key", "batch_fn", "evaluate", "evaluate_metrics", "compile_job",
+           "adapter_key", "LMJob", "build_lm_job"]
 
 
 class CompiledStep(NamedTuple):
@@ -102,7 +102,8 @@ class Job(NamedTuple):
         has a reference (DPO), the reference copy of the starting weights; else None.
       specs: the trainable parameters' sharded specs; ``grads``: the gradients' shardings.
       step: the jitted, donating step (a :class:`~effijax.sharding.ShardedStep`).
-      eval_loss: jitted ``eval_loss(params, batch) -> f32`` (the loss without dropout).
+      eval_step: jitted ``eval_step(params, batch) -> (loss, metrics)``: the f32 loss without
+        dropout, and the objective's ``eval_metrics`` of the batch.
       num_params: parameters of the model; ``trainable_params``: those that get gradients.
       seed: the seed of the parameters, adapters, dropout keys and batch order.
       masked: batches carry a loss mask (``batch["mask"]``, int32 ``[B, S]``, sharded like
@@ -128,7 +129,7 @@ class Job(NamedTuple):
     specs: Any
     grads: Any
     step: ShardedStep
-    eval_loss: Callable
+    eval_step: Callable
     num_params: int
     trainable_params: int
     seed: int
@@ -345,15 +346,16 @@ def plan_job(
     # FSDP gathers the weights in the compute dtype for evaluation too.
     gather = constraints(mesh, strategy, specs)[0] or (lambda p: p)
 
-    def eval_loss(p, batch):
-        return loss(gather(policy.cast_to_compute(p)), batch, None)[0]
+    def eval_step(p, batch):
+        value, aux = loss(gather(policy.cast_to_compute(p)), batch, None)
+        return value, {name: aux[name] for name in objective.eval_metrics}
 
-    eval_jit = ShardedStep(jax.jit(eval_loss, in_shardings=(shardings.params, batch_sh),
+    eval_jit = ShardedStep(jax.jit(eval_step, in_shardings=(shardings.params, batch_sh),
                                    out_shardings=replicated(mesh)), mesh)
     return Job(model=model, policy=policy, optimizer=optimizer, lora=lora, mesh=mesh,
                strategy=strategy, batch_size=batch_size,
                state=with_shardings(abstract_state, shardings), frozen=frozen, specs=specs,
-               grads=grad_shardings(specs, mesh, strategy), step=step, eval_loss=eval_jit,
+               grads=grad_shardings(specs, mesh, strategy), step=step, eval_step=eval_jit,
                num_params=_size(abstract), trainable_params=_size(trainable), seed=seed,
                masked=bool(masked), segmented=segmented, sequence_parallel=sequence_parallel,
                objective=objective)
@@ -585,7 +587,8 @@ def batch_fn(job: Job, tokens: np.ndarray, frozen: Any = None) -> Callable[[int]
 
 def evaluate(job: Job, params: Any, tokens: np.ndarray, *, num_batches: int,
              frozen: Any = None) -> float:
-    """Mean loss of ``params`` over ``num_batches`` fixed validation batches of ``tokens``.
+    """Mean loss of ``params`` over ``num_batches`` fixed validation batches of ``tokens``
+    (:func:`evaluate_metrics`' ``"loss"``).
 
     ``tokens`` is a 1-D corpus or :class:`~effijax.data.Packed` rows (for a job planned with
     ``masked=True``); with rows, the mean is over the trained tokens (each batch's masked mean
@@ -599,25 +602,46 @@ def evaluate(job: Job, params: Any, tokens: np.ndarray, *, num_batches: int,
       >>> evaluate(job, init_state(job).params, toks, num_batches=2) > 4.0
       True
     """
+    return evaluate_metrics(job, params, tokens, num_batches=num_batches, frozen=frozen)["loss"]
+
+
+def evaluate_metrics(job: Job, params: Any, tokens: np.ndarray, *, num_batches: int,
+                     frozen: Any = None) -> dict[str, float]:
+    """``{"loss": mean loss, **metrics}`` of ``params`` over ``num_batches`` fixed validation
+    batches: the loss as :func:`evaluate` averages it, and each of the objective's
+    ``eval_metrics`` (DPO's ``rewards/accuracies``, ...) as the mean of its batches' values
+    (every batch holds as many pairs).
+
+    Example:
+      >>> import numpy as np, optax
+      >>> from effijax.models import gpt_config
+      >>> job = plan_job(gpt_config("tiny", seq_len=16), "fp32", optax.adam(1e-3), batch_size=2)
+      >>> toks = np.frombuffer(b"hello world " * 50, np.uint8)
+      >>> sorted(evaluate_metrics(job, init_state(job).params, toks, num_batches=2))
+      ['loss']
+    """
     whole_number("num_batches", num_batches)
     objective = job.objective or SFT
     eval_batches = objective.eval_batches
     rows = batch_sharding(job.mesh)
     kw = {"batch_size": job.batch_size, "seq_len": job.model.seq_len, "num_batches": num_batches}
-    losses = []
+    losses, metrics = [], []
     index, count = process_rows(rows, job.batch_size)
     for local in eval_batches(tokens, **kw, process_index=index, process_count=count):
         _check_batch_keys(job, local)
         b = global_batch(local, rows, job.batch_size)
         if frozen is not None:
             b = {**b, frozen_key(job.lora): frozen}
-        losses.append(float(job.eval_loss(params, b)))
+        value, aux = job.eval_step(params, b)
+        losses.append(float(value))
+        metrics.append({name: float(v) for name, v in aux.items()})
+    means = {name: float(np.mean([m[name] for m in metrics])) for name in objective.eval_metrics}
     if not job.masked or not objective.token_mean:
-        return float(np.mean(losses))
+        return {"loss": float(np.mean(losses)), **means}
     # Every process counts the global batches' trained tokens (host arrays, cheap).
     counts = [np.count_nonzero(b["mask"]) for b in eval_batches(tokens, **kw)]
-    return float(sum(loss * n for loss, n in zip(losses, counts, strict=True) if n)
-                 / max(sum(counts), 1))
+    return {"loss": float(sum(loss * n for loss, n in zip(losses, counts, strict=True) if n)
+                          / max(sum(counts), 1)), **means}
 
 
 def abstract_batch(job: Job) -> dict:

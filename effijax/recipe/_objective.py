@@ -48,6 +48,8 @@ class Objective(NamedTuple):
         LoRA the base with the adapters off (no copy), in full training a frozen copy of the
         starting weights that rides in every batch as ``batch["reference"]`` (see
         :func:`~effijax.recipe.plan_job`); the others need none.
+      eval_metrics: the loss's metrics that evaluation averages over the validation batches
+        besides the loss (recorded as ``eval_<name>``; TRL's ``eval_rewards/accuracies``, ...).
     """
 
     name: str
@@ -58,6 +60,7 @@ class Objective(NamedTuple):
     metric: str | None = None
     token_mean: bool = True
     reference: bool = False
+    eval_metrics: tuple[str, ...] = ()
 
 
 def _sft_loss(model, lora, *, sequence_parallel: bool = True):

@@ -44,6 +44,7 @@ from effijax import lora as lora_lib
 from effijax.objectives import orpo_loss
 from effijax.recipe._objective import Objective
 from effijax.recipe._pairs import (
+    PAIR_METRICS,
     check_pair_loss,
     load_pairs,
     pair_batch,
@@ -94,4 +95,4 @@ def _orpo_loss(model, lora, *, sequence_parallel: bool = True, **settings):
 
 
 ORPO = Objective("orpo", _orpo_loss, batch=pair_batch, eval_batches=pair_eval_batches,
-                 load=load_pairs, metric=None, token_mean=False)
+                 load=load_pairs, metric=None, token_mean=False, eval_metrics=PAIR_METRICS)

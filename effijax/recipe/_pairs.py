@@ -37,10 +37,14 @@ from effijax.errors import ConfigError
 from effijax.models import abstract_split, make_sequence_logps
 from effijax.sources import VAL_FRACTION, Dataset, padding_id
 
-__all__ = ["Pair", "read_pairs", "pair_rows", "load_pairs", "pair_batch", "pair_eval_batches",
-           "policy_logps", "check_pair_loss"]
+__all__ = ["PAIR_METRICS", "Pair", "read_pairs", "pair_rows", "load_pairs", "pair_batch",
+           "pair_eval_batches", "policy_logps", "check_pair_loss"]
 
 _KEYS = ("prompt", "chosen", "rejected")
+# What evaluation averages over the validation pairs besides the loss (TRL's names; every pair
+# loss of effijax.objectives returns them).
+PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+                "logps/chosen", "logps/rejected")
 
 
 class Pair(NamedTuple):

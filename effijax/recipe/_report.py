@@ -169,6 +169,8 @@ def done(out: str, summary: dict) -> None:
     ev = f", eval loss {summary['eval_loss']:.4f}" if "eval_loss" in summary else ""
     if "eval_loss_start" in summary:
         ev += f" (from {summary['eval_loss_start']:.4f})"
+    if "eval_rewards/accuracies" in summary:  # a preference objective's held-out pairs
+        ev += f", eval reward accuracy {summary['eval_rewards/accuracies']:.1%}"
     ran = summary["steps"] - summary["start_step"]
     steps = (f"{summary['steps']} steps" if not summary["start_step"] else
              f"{summary['steps']} steps ({ran} after resuming at {summary['start_step']})"

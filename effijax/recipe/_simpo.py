@@ -33,6 +33,7 @@ from effijax import lora as lora_lib
 from effijax.objectives import simpo_loss
 from effijax.recipe._objective import Objective
 from effijax.recipe._pairs import (
+    PAIR_METRICS,
     check_pair_loss,
     load_pairs,
     pair_batch,
@@ -58,4 +59,4 @@ def _simpo_loss(model, lora, *, sequence_parallel: bool = True, **settings):
 
 
 SIMPO = Objective("simpo", _simpo_loss, batch=pair_batch, eval_batches=pair_eval_batches,
-                  load=load_pairs, metric=None, token_mean=False)
+                  load=load_pairs, metric=None, token_mean=False, eval_metrics=PAIR_METRICS)
