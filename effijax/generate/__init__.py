@@ -8,6 +8,8 @@ and base + LoRA adapters (applied factored, never merged). :func:`load` opens wh
 ``--from`` names (a run directory, a GGUF file, a Hugging Face directory, or ``smollm2``)
 as a :class:`Loaded` model with its tokenizer; :meth:`Loaded.complete` goes from text to text
 (:meth:`Loaded.complete_batch` for several texts), through the chat template for chat models.
+:func:`rollout` samples ``G`` completions per prompt for RL (GRPO) on the parameters as they
+are, and :func:`rollout_batch` / :func:`make_completion_logps` score them teacher-forced.
 
 Example:
   >>> import jax
@@ -30,5 +32,7 @@ __getattr__, __dir__, __all__ = attach(__name__, {
     "effijax.generate._generate": ("CACHE_BUCKET", "PROMPT_BUCKET", "Generation", "generate"),
     "effijax.generate._limits": ("MAX_PROMPTS", "check_prompt_count"),
     "effijax.generate._load": ("Completion", "Loaded", "load"),
+    "effijax.generate._rollout": ("Rollout", "make_completion_logps", "rollout",
+        "rollout_batch", "rollout_metrics"),
     "effijax.generate._sample": ("sample", "top_p_mask"),
 })

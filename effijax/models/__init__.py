@@ -51,7 +51,12 @@ from effijax.models._gpt import (
     param_count,
     split_params,
 )
-from effijax.models._head import head_sequence_logps, make_sequence_logps
+from effijax.models._head import (
+    head_sequence_logps,
+    head_token_logps,
+    make_sequence_logps,
+    make_token_logps,
+)
 from effijax.models._interface import (
     FAMILIES,
     PRETRAINED,
@@ -146,6 +151,8 @@ __all__ = [
     "make_loss_fn",
     "make_sequence_logps",
     "head_sequence_logps",
+    "make_token_logps",
+    "head_token_logps",
     "KVCache",
     "make_decode",
     "cached_attend",

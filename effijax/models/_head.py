@@ -31,7 +31,10 @@ chunks again. :func:`make_sequence_logps` is the model-level entry: ``(params, b
 (logps_B, counts_B)``, with or without LoRA, as :func:`~effijax.models.make_loss_fn`. The
 log-probabilities are the unfused path's per position (summed in another order); ``dx``, scaled
 per row after the dot rather than before it, differs from autodiff's by rounding: about 1e-7
-of a row's largest entry in f32, one bf16 rounding of it in bf16.
+of a row's largest entry in f32, one bf16 rounding of it in bf16. :func:`head_token_logps`
+(:func:`make_token_logps`) keeps each position's log-probability instead of the row's sum, what
+a policy-gradient loss weighs token by token; its cotangent is one number per position, so its
+backward runs the chunks again.
 
 The unfused path stays where fusing cannot hold those numbers or has nothing to fuse: an f16
 compute dtype (its 16-bit ``d logits`` needs the loss scale applied before rounding, and the
@@ -135,13 +138,15 @@ def _check_targets(name: str, x_BSD: jax.Array, targets_BS: jax.Array) -> None:
 
 def head_sequence_logps(x_BSD: jax.Array, kernel, targets_BS: jax.Array,
                         where_BS: jax.Array | None = None, *, transposed: bool = False,
-                        cap: float | None = None, output_dtype=jnp.float32
-                        ) -> tuple[jax.Array, jax.Array]:
+                        cap: float | None = None, output_dtype=jnp.float32,
+                        greedy: bool = False) -> tuple[jax.Array, ...]:
     """Each row's log-probability of its targets: ``(logps_B, counts_B)``, the f32 sum of
     ``log_softmax(head_logits(x, kernel, ...))`` at the targets over the positions ``where_BS``
     marks (all when None) and the int32 count of those positions, computed in chunks of the
     sequence as :func:`head_cross_entropy` (no ``[B, S, V]`` logits). Differentiable in
-    ``x_BSD`` and ``kernel``; the targets of unmarked positions are never read.
+    ``x_BSD`` and ``kernel``; the targets of unmarked positions are never read. With
+    ``greedy`` (for scoring, not differentiated), a third result ``greedy_B``: whether every
+    marked target is its position's first argmax (what greedy decoding would have produced).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -169,17 +174,23 @@ def head_sequence_logps(x_BSD: jax.Array, kernel, targets_BS: jax.Array,
     if is_quantized(kernel) or jnp.dtype(x_BSD.dtype) == jnp.float16:
         logits_BSV = head_logits(x_BSD, kernel, transposed=transposed, cap=cap,
                                  output_dtype=output_dtype)
-        return _row_logps(token_nll(logits_BSV, targets_BS)[0], where_BS), counts_B
+        nll_BS, hits_BS, _ = token_nll(logits_BSV, targets_BS)
+        return (_row_logps(nll_BS, where_BS), counts_B) + (
+            (jnp.all(hits_BS | ~where_BS, axis=1),) if greedy else ())
     if isinstance(kernel, Kept):  # a frozen head's bits (freeze_kernels): no gradient
         kernel = unkeep(kernel)
     static = (transposed, cap, jnp.dtype(output_dtype).name, jnp.dtype(kernel.dtype).name)
-    return _fused_logps(x_BSD.astype(kernel.dtype), kernel, targets_BS, where_BS,
-                        static), counts_B
+    x_BSD = x_BSD.astype(kernel.dtype)
+    if greedy:  # the forward of _fused_logps, with the hits it computes anyway
+        nll_BS, hits_BS = _chunks(x_BSD, kernel, targets_BS, None, static, dkernel=False)[:2]
+        return (_row_logps(nll_BS, where_BS), counts_B,
+                jnp.all(hits_BS | ~where_BS, axis=1))
+    return _fused_logps(x_BSD, kernel, targets_BS, where_BS, static), counts_B
 
 
 def make_sequence_logps(graphdef, lora=None, *, sequence_parallel: bool = True,
-                        frozen_base: bool = False
-                        ) -> Callable[..., tuple[jax.Array, jax.Array]]:
+                        frozen_base: bool = False, greedy: bool = False
+                        ) -> Callable[..., tuple[jax.Array, ...]]:
     """Returns ``sequence_logps(params, batch, rng=None) -> (logps_B, counts_B)``: each row's
     summed f32 log-probability of ``batch["targets"]`` over the positions ``batch["mask"]``
     marks (every position without a mask) and the int32 count of those positions, from the
@@ -190,7 +201,8 @@ def make_sequence_logps(graphdef, lora=None, *, sequence_parallel: bool = True,
     ``"mask"`` and ``"segments"``; with ``lora`` (a :class:`~effijax.lora.LoraSpec`) ``params``
     is ``{"base": ..., "adapters": ...}``, and the same base without ``lora`` gives the model
     with the adapters off (a DPO reference under LoRA: no second copy of the base). A caller
-    holding a model gets the graphdef from ``effijax.models.abstract_split(model)``.
+    holding a model gets the graphdef from ``effijax.models.abstract_split(model)``. With
+    ``greedy``, a third result: each row's ``greedy_B`` (:func:`head_sequence_logps`).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -208,19 +220,106 @@ def make_sequence_logps(graphdef, lora=None, *, sequence_parallel: bool = True,
     _check_lora(lora)
 
     def sequence_logps(params, batch, rng=None):
-        check_lm_batch(batch)
-        model, adapted = _merge(graphdef, params, lora, frozen_base)
-        mask_BS = batch.get("mask")
-        x_BSD = model._trunk(batch["inputs"], rng is None, rng, adapted.get("adapters"),
-                             adapted.get("lora"), batch.get("segments"), sequence_parallel)
-        x_BSD = getattr(model, model.names.final_norm)(x_BSD)
-        kernel, transposed = model._head_kernel()
+        model, x_BSD, kernel, transposed = _head_inputs(graphdef, lora, frozen_base,
+                                                        sequence_parallel, params, batch, rng)
         return head_sequence_logps(x_BSD, kernel, batch["targets"],
-                                   mask_BS,
+                                   batch.get("mask"),
                                    transposed=transposed, cap=model.logit_cap,
-                                   output_dtype=model.policy.output_dtype)
+                                   output_dtype=model.policy.output_dtype, greedy=greedy)
 
     return sequence_logps
+
+
+def _head_inputs(graphdef, lora, frozen_base, sequence_parallel, params, batch, rng):
+    """The model of ``params``, its final (normed) hidden states of ``batch["inputs"]`` and
+    its head's kernel: what the fused heads take."""
+    check_lm_batch(batch)
+    model, adapted = _merge(graphdef, params, lora, frozen_base)
+    x_BSD = model._trunk(batch["inputs"], rng is None, rng, adapted.get("adapters"),
+                         adapted.get("lora"), batch.get("segments"), sequence_parallel)
+    x_BSD = getattr(model, model.names.final_norm)(x_BSD)
+    kernel, transposed = model._head_kernel()
+    return model, x_BSD, kernel, transposed
+
+
+def head_token_logps(x_BSD: jax.Array, kernel, targets_BS: jax.Array,
+                     where_BS: jax.Array | None = None, *, transposed: bool = False,
+                     cap: float | None = None, output_dtype=jnp.float32,
+                     temperature: float = 1.0) -> jax.Array:
+    """Each position's log-probability of its target, f32 ``[B, S]`` (0 where ``where_BS`` is
+    False): ``log_softmax(head_logits(x, kernel, ...) / temperature)`` at the targets, computed
+    in chunks of the sequence as :func:`head_sequence_logps` (no ``[B, S, V]`` logits), what
+    a policy-gradient loss weighs token by token (GRPO: :func:`effijax.objectives.grpo_loss`).
+    Differentiable in ``x_BSD`` and ``kernel``: the backward runs the chunks again with each
+    position's cotangent. A ``temperature`` other than 1 divides the hidden states and the
+    soft cap by it (``cap·tanh(z/cap)/T = (cap/T)·tanh((z/T)/(cap/T))``), one rounding of
+    ``x / T`` in ``x``'s dtype.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> x, e = jax.random.normal(jax.random.key(0), (2, 4, 3)), jnp.eye(5, 3)
+      >>> t = jnp.array([[0, 1, 2, 3], [4, 0, 1, 2]])
+      >>> where = jnp.array([[False, True, True, True], [False, False, True, False]])
+      >>> logps = head_token_logps(x, e, t, where, transposed=True)
+      >>> seq, _ = head_sequence_logps(x, e, t, where, transposed=True)
+      >>> bool(jnp.allclose(logps.sum(1), seq)), bool(logps[0, 0] == 0)
+      (True, True)
+    """
+    _check_targets("head_token_logps", x_BSD, targets_BS)
+    if where_BS is None:
+        where_BS = jnp.ones(targets_BS.shape, jnp.bool_)
+    elif where_BS.shape != targets_BS.shape:
+        raise ValueError(f"head_token_logps: where_BS must have the targets' shape "
+                         f"{list(targets_BS.shape)}, got {list(where_BS.shape)}")
+    if isinstance(temperature, bool) or not isinstance(temperature, int | float) \
+            or not temperature > 0:
+        raise ValueError(f"head_token_logps: temperature must be a Python number > 0, got "
+                         f"{temperature!r}")
+    where_BS = where_BS.astype(jnp.bool_)
+    targets_BS = jnp.where(where_BS, targets_BS, jnp.zeros((), targets_BS.dtype))
+    if temperature != 1:
+        x_BSD = (x_BSD.astype(jnp.float32) / temperature).astype(x_BSD.dtype)
+        cap = None if cap is None else cap / temperature
+    if is_quantized(kernel) or jnp.dtype(x_BSD.dtype) == jnp.float16:
+        logits_BSV = head_logits(x_BSD, kernel, transposed=transposed, cap=cap,
+                                 output_dtype=output_dtype)
+        return jnp.where(where_BS, -token_nll(logits_BSV, targets_BS)[0], 0.0)
+    if isinstance(kernel, Kept):  # a frozen head's bits (freeze_kernels): no gradient
+        kernel = unkeep(kernel)
+    static = (transposed, cap, jnp.dtype(output_dtype).name, jnp.dtype(kernel.dtype).name)
+    return _fused_token_logps(x_BSD.astype(kernel.dtype), kernel, targets_BS, where_BS, static)
+
+
+def make_token_logps(graphdef, lora=None, *, sequence_parallel: bool = True,
+                     frozen_base: bool = False, temperature: float = 1.0
+                     ) -> Callable[..., jax.Array]:
+    """Returns ``token_logps(params, batch, rng=None) -> logps_BS``: each position's f32
+    log-probability of ``batch["targets"]`` (0 where ``batch["mask"]`` is False), from the
+    model's trunk and its fused head (:func:`head_token_logps`, at ``temperature``): the
+    per-token sibling of :func:`make_sequence_logps`, with its batch and arguments.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from effijax.models import abstract_split, gpt_config
+      >>> model = gpt_config("tiny")
+      >>> graphdef, abstract = abstract_split(model)  # shapes only: nothing is computed
+      >>> tokens = jax.ShapeDtypeStruct((2, 8), jnp.int32)
+      >>> batch = {"inputs": tokens, "targets": tokens,
+      ...          "mask": jax.ShapeDtypeStruct((2, 8), jnp.bool_)}
+      >>> jax.eval_shape(make_token_logps(graphdef), abstract, batch)
+      ShapeDtypeStruct(shape=(2, 8), dtype=float32)
+    """
+    _check_lora(lora)
+
+    def token_logps(params, batch, rng=None):
+        model, x_BSD, kernel, transposed = _head_inputs(graphdef, lora, frozen_base,
+                                                        sequence_parallel, params, batch, rng)
+        return head_token_logps(x_BSD, kernel, batch["targets"], batch.get("mask"),
+                                transposed=transposed, cap=model.logit_cap,
+                                output_dtype=model.policy.output_dtype,
+                                temperature=temperature)
+
+    return token_logps
 
 
 def _row_logps(nll_BS: jax.Array, where_BS: jax.Array) -> jax.Array:
@@ -264,6 +363,38 @@ def _fused_logps_bwd(static, residuals, g_B):
 
 
 _fused_logps.defvjp(_fused_logps_fwd, _fused_logps_bwd, symbolic_zeros=True)
+
+
+# Each position's log-probability from the fused head. Its cotangent is one number per
+# position, known only in the backward: the backward runs the chunks again with it (the
+# kernel's gradient only when the kernel is trained).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _fused_token_logps(x_BSD, kernel, targets_BS, where_BS, static):
+    nll_BS = _chunks(x_BSD, kernel, targets_BS, None, static, dkernel=False)[0]
+    return jnp.where(where_BS, -nll_BS.astype(jnp.float32), 0.0)
+
+
+def _fused_token_logps_fwd(x_BSD, kernel, targets_BS, where_BS, static):
+    x, k, t, where = x_BSD.value, kernel.value, targets_BS.value, where_BS.value
+    nll_BS = _chunks(x, k, t, None, static, dkernel=False)[0]
+    trains_kernel = jnp.zeros((), jnp.bool_) if kernel.perturbed else None
+    return (jnp.where(where, -nll_BS.astype(jnp.float32), 0.0),
+            (x, k, t, where, trains_kernel))
+
+
+def _fused_token_logps_bwd(static, residuals, g_BS):
+    x_BSD, kernel, targets_BS, where_BS, trains_kernel = residuals
+    if isinstance(g_BS, SymbolicZero):
+        return None, None, None, None
+    dtype = jnp.dtype(static[3])  # x's and the kernel's
+    dnll_BS = jnp.where(where_BS, -g_BS, 0.0)
+    _, _, dx_BSD, dkernel = _chunks(x_BSD, kernel, targets_BS, dnll_BS, static,
+                                    dkernel=trains_kernel is not None)
+    return (dx_BSD.astype(dtype), None if dkernel is None else dkernel.astype(dtype), None,
+            None)
+
+
+_fused_token_logps.defvjp(_fused_token_logps_fwd, _fused_token_logps_bwd, symbolic_zeros=True)
 
 
 # (loss, accuracy) of the fused head. The forward, when differentiated, forms the gradients for

@@ -8,7 +8,10 @@ against a reference model's log-probabilities; :func:`simpo_loss` (TRL's CPO tra
 ``loss_type="simpo"``) and :func:`orpo_loss` (TRL's ORPO trainer) need no reference. Each
 returns the loss, averaged over pairs as TRL averages it, and the metrics under TRL's names
 (``rewards/chosen``, ``rewards/accuracies``, ``logps/chosen``, ...), and checks its settings
-before anything is traced.
+before anything is traced. :func:`grpo_loss` is GRPO's clipped policy-gradient loss over
+per-token log-probabilities (:func:`effijax.models.make_token_logps`) with TRL's loss types,
+:func:`group_advantages` its group-relative advantages, and :func:`score_completions` scores
+completions with reward functions (TRL's signature) and combines them as TRL does.
 
 Example:
   >>> import jax.numpy as jnp
@@ -26,4 +29,9 @@ from effijax._lazy import attach
 __getattr__, __dir__, __all__ = attach(__name__, {
     "effijax.objectives._preference": ("DPO_LOSS_TYPES", "dpo_loss", "orpo_loss",
         "simpo_loss"),
+    "effijax.objectives._grpo": ("GRPO_LOSS_TYPES", "SCALE_REWARDS", "check_grpo_settings",
+        "group_advantages", "grpo_loss"),
+    "effijax.objectives._rewards": ("REWARDS", "RewardError", "Scores", "answer_format",
+        "exact_match", "extract_answer", "format_reward", "resolve_reward", "reward_name",
+        "score_completions"),
 })
