@@ -471,3 +471,50 @@ def test_attention_flags_exclude_each_other_and_name_the_models_choices(capsys):
             run(["memory", "--model", "tiny", *flags])
         assert exc.value.code == 2
         assert said in capsys.readouterr().err
+
+
+def test_memory_of_full_dpo_counts_the_reference_copy_train_holds(capsys):
+    # Full fine-tuning: DPO holds a frozen copy of the weights in the compute dtype (bf16
+    # here), laid out as the parameters; the estimate counts exactly what plan_job holds.
+    import jax
+    import optax
+
+    from effijax.models import llama_config
+    from effijax.recipe import plan_job
+    from effijax.recipe._objectives import get_objective
+
+    base = run_json(["memory", "--model", "llama-tiny"], capsys)
+    dpo = run_json(["memory", "--model", "llama-tiny", "--objective", "dpo"], capsys)
+    job = plan_job(llama_config("llama-tiny"), "bf16", optax.sgd(0.1), batch_size=2,
+                   objective=get_objective("dpo"), masked=True)
+    held = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(job.frozen))
+    assert dpo["frozen_bytes"] == held == 2 * dpo["trainable_params"]
+    assert dpo["params_bytes"] == base["params_bytes"] + held
+    assert dpo["model_state_bytes"] == base["model_state_bytes"] + held
+    # FSDP shards it with the parameters; under LoRA nothing is copied (the adapters off).
+    sharded = run_json(["memory", "--model", "llama-tiny", "--objective", "dpo", "--strategy",
+                        "fsdp", "--devices", "8"], capsys)
+    assert sharded["frozen_bytes"] == -(-dpo["trainable_params"] // 8) * 2
+    lora = run_json(["memory", "--model", "llama-tiny", "--lora-rank", "2"], capsys)
+    assert run_json(["memory", "--model", "llama-tiny", "--lora-rank", "2", "--objective",
+                     "dpo"], capsys) == lora
+    assert run(["memory", "--model", "llama-tiny", "--objective", "dpo"]) == 0
+    assert "dpo: a bf16 reference copy" in capsys.readouterr().out
+    assert run(["memory", "--params", "7B", "--objective", "dpo", "--frozen-dtype", "nf4"]) == 2
+    assert ("--frozen-dtype='nf4': a full fine-tune's reference copy is kept in a floating "
+            "dtype (fp32, bf16 or fp16)") in capsys.readouterr().err
+
+
+def test_plan_of_full_dpo_counts_the_reference_copy(capsys):
+    # 13B on 8 x 80 GB without LoRA: ZeRO-1 fits SFT's 16 B/param (71.5 GB), not DPO's copy.
+    argv = ["plan", "--params", "13B", "--devices", "8", "--device-memory", "80GB", "--no-lora",
+            "--tensor", "1"]
+    assert run(argv) == 0
+    sft = capsys.readouterr().out
+    assert run([*argv, "--objective", "dpo"]) == 0
+    dpo = capsys.readouterr().out
+    assert "ZeRO-1: model states (4 + 12/8) B/param x 13e9 = 71.5 GB <= 72 GB usable" in sft
+    assert ("full fine-tuning with a bf16 reference copy, ZeRO-1: model states (6 + 12/8) "
+            "B/param x 13e9 = 97.5 GB > 72 GB usable") in dpo
+    assert ("ZeRO-3/FSDP: model states 18/8 B/param x 13e9 = 29.25 GB <= 72 GB usable"
+            in dpo)

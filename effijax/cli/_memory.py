@@ -40,6 +40,7 @@ from effijax.memory import (
 )
 from effijax.precision import PRESET_COMPUTE, auto_precision
 from effijax.recipe import PRECISIONS, TrainConfig
+from effijax.recipe._sections import REFERENCE_OBJECTIVES
 from effijax.sharding import get_strategy
 
 __all__ = ["add_parsers", "memory_command", "plan_command"]
@@ -198,6 +199,15 @@ def _add_model_flags(p: argparse.ArgumentParser, params_help: str) -> None:
                    "targets (all attention and MLP projections); the adapter count is exact")
 
 
+def _add_objective_flag(p: argparse.ArgumentParser) -> None:
+    field = _TRAIN["objective"]
+    p.add_argument("--objective", default=field.default, choices=field.metadata["choices"],
+                   help="what the run optimises, as effijax train names it: dpo in full "
+                   "fine-tuning holds a frozen reference copy of the weights (in "
+                   "--frozen-dtype); under LoRA its reference is the base with the adapters "
+                   "off, and the others hold none")
+
+
 def _add_optimizer_flag(p: argparse.ArgumentParser) -> None:
     field = _TRAIN["optimizer"]
     p.add_argument("--optimizer", default=field.default, choices=field.metadata["choices"],
@@ -257,8 +267,10 @@ def add_parsers(sub) -> None:
         choices=("auto", *FROZEN_DTYPES, "gguf"),
         help="storage of the frozen base under LoRA (auto: the precision's compute dtype, as "
         "effijax train stores it; nf4, int8: with their scales; exact bytes with --model or "
-        "--from; gguf: the --from GGUF file's own blocks, exact)",
+        "--from; gguf: the --from GGUF file's own blocks, exact); in full fine-tuning with "
+        "--objective dpo, of the reference copy (a floating dtype)",
     )
+    _add_objective_flag(m)
     _add_shape_flags(m, "--batch-size", "sequences per device per micro-batch b")
     m.add_argument(
         "--checkpointing", default="none", choices=CHECKPOINTING, help="activation checkpointing"
@@ -313,6 +325,7 @@ def add_parsers(sub) -> None:
         help="LoRA's frozen base: auto or bf16 (the compute dtype of the bf16 runs plan counts), "
         "or also try a quantized base (QLoRA) when bf16 does not fit",
     )
+    _add_objective_flag(p)
     _add_shape_flags(p, "--global-batch", "global batch in sequences")
     p.add_argument("--json", action="store_true", help="print a JSON object")
     p.set_defaults(func=plan_command)
@@ -554,7 +567,8 @@ def memory_command(args: argparse.Namespace) -> int:
                               lora_fraction=args.lora_fraction, frozen_dtype=args.frozen_dtype,
                               tensor=args.tensor,
                               frozen_bytes=getattr(args, "frozen_bytes", None),
-                              moments=_moments(args, states_of=args.state_values))
+                              moments=_moments(args, states_of=args.state_values),
+                              reference=args.objective in REFERENCE_OBJECTIVES)
         acts = None if args.layers is None else activation_bytes(
             **shape, bytes_per_value=4 if args.precision == "fp32" else 2,
             checkpointing=args.checkpointing, tensor=args.tensor,
@@ -579,12 +593,15 @@ def _memory_text(args: argparse.Namespace, shape: dict, states, acts: int | None
                  total: int) -> str:
     """``effijax memory``'s table: the model and setting, then bytes per device."""
     if args.lora_fraction is None:
-        lora = ""
+        lora = (f", {args.objective}: a {args.frozen_dtype} reference copy"
+                if args.objective in REFERENCE_OBJECTIVES else "")
     elif args.lora_rank is not None:
         lora = (f", LoRA rank {args.lora_rank} ({states.trainable_params:,} adapter params, "
                 f"{args.frozen_dtype} frozen base)")
     else:
         lora = f", LoRA {args.lora_fraction:g} ({args.frozen_dtype} frozen base)"
+    if args.lora_fraction is not None and args.objective in REFERENCE_OBJECTIVES:
+        lora += f", {args.objective} against the base with the adapters off (no copy)"
     model = "" if "vocab" not in shape else (
         f"{args.model_name}: {args.layers} layers, width {args.hidden}, {args.heads} heads "
         f"({shape['kv_heads']} key/value), {'SwiGLU ' if shape['gated_mlp'] else 'MLP '}"
@@ -606,6 +623,8 @@ def _memory_text(args: argparse.Namespace, shape: dict, states, acts: int | None
         ("  of which f32 master", states.master_bytes),
         ("model states", states.model_state_bytes),
     ]
+    if args.lora_fraction is None and states.frozen_bytes:  # under params, as train holds it
+        rows.insert(1, ("  of which reference", states.frozen_bytes))
     if acts is not None:
         rows += [("activations", acts), ("total", total)]
     lines += [f"  {name:<22}{format_bytes(value):>12}  {value:>18,}" for name, value in rows]
@@ -648,7 +667,8 @@ def plan_command(args: argparse.Namespace) -> int:
                            headroom=args.headroom, lora_fraction=args.lora_fraction,
                            tensor=args.tensor, node_size=args.node_size,
                            sequence_parallel=args.sequence_parallel, quantized_base=quantized,
-                           quantized_bytes=getattr(args, "frozen_bytes", None), **shape)
+                           quantized_bytes=getattr(args, "frozen_bytes", None),
+                           reference=args.objective in REFERENCE_OBJECTIVES, **shape)
     except ConfigError as e:
         return _error("plan", e)
     if args.json:

@@ -124,6 +124,9 @@ FROZEN_DTYPES: dict[str, int] = {
 # beyond their codes: one int8 absmax per 64 weights, one f32 step per 256 of those (QLoRA's
 # double quantization). Per weight of a large kernel, in bits; the exact bytes of a real model's
 # base (a mean scale per kernel, embeddings and norms unquantized) come from its shapes.
+# The floating widths a full fine-tune's reference copy (DPO) may be kept in.
+_REFERENCE_DTYPES = ("fp32", "f32", "float32", "bf16", "bfloat16", "fp16", "f16", "float16")
+
 FROZEN_SCALE_BITS: dict[str, Fraction] = {
     "nf4": Fraction(8, 64) + Fraction(32, 64 * 256),
     "int8": Fraction(8, 64) + Fraction(32, 64 * 256),
@@ -381,6 +384,7 @@ def model_states(
     tensor: int = 1,
     frozen_bytes: int | None = None,
     moments: int | Fraction | None = None,
+    reference: bool = False,
 ) -> ModelStateBytes:
     """Closed-form per-device bytes of parameters, gradients and optimizer state.
 
@@ -411,6 +415,11 @@ def model_states(
     ``round(lora_fraction * num_params)`` trainable parameters, with grads, master and moments.
     7B with 1% adapters and Adam: 2Ψ + 16 x 0.01Ψ = 15.12 GB.
 
+    An objective with a reference model (DPO, ``reference``): in full fine-tuning effijax holds
+    a frozen copy of the starting weights in ``frozen_dtype`` (a floating width), laid out as
+    the parameters are (sharded at stage 3), counted in ``frozen_bytes``; under LoRA the
+    reference is the base with the adapters off, and nothing more is held.
+
     Tensor parallelism (``tensor`` = t) splits every count ``t`` ways before ZeRO shards it over
     ``devices`` (the data-parallel devices of one tensor group's position): Megatron's layout
     splits the attention, MLP and vocabulary matrices, which hold all but the norms' and some
@@ -436,6 +445,8 @@ def model_states(
       moments: optimizer-state values per trained parameter, replacing the optimizer's count
         (required for ``adafactor``, e.g. ``Fraction(values, trained_params)`` from a model's
         shapes).
+      reference: the objective compares the policy with a reference model (DPO): in full
+        fine-tuning, a frozen copy of the weights in ``frozen_dtype``.
 
     Returns:
       A :class:`ModelStateBytes` for one device.
@@ -455,6 +466,8 @@ def model_states(
       140.0
       >>> model_states("70B", lora_fraction=0.01, frozen_dtype="nf4").frozen_bytes / GB
       36.110839844
+      >>> model_states("7B", reference=True).frozen_bytes / GB  # full DPO: a bf16 copy
+      14.0
       >>> model_states("7B", zero_stage=4)
       Traceback (most recent call last):
       effijax.errors.ConfigError: zero_stage=4: must be an integer from 0 to 3
@@ -472,7 +485,14 @@ def model_states(
     per = PRECISIONS[precision]
     moments = _check_moments(optimizer, moments)
 
-    if lora_fraction is None:
+    if lora_fraction is None and reference:
+        frozen_dtype = _check_choice("frozen_dtype", frozen_dtype, FROZEN_DTYPES)
+        if frozen_dtype not in _REFERENCE_DTYPES:
+            raise ConfigError("frozen_dtype", frozen_dtype, "a full fine-tune's reference copy "
+                              "is kept in a floating dtype (fp32, bf16 or fp16)")
+        trainable = frozen = frozen_units = num_params
+        frozen_bits, frozen_bytes = FROZEN_DTYPES[frozen_dtype], None
+    elif lora_fraction is None:
         trainable, frozen, frozen_units, frozen_bits = num_params, 0, 0, 0
     else:
         fraction = _check_fraction(lora_fraction)

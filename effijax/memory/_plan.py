@@ -148,9 +148,10 @@ def _frozen_per_param(method: _Method, num_params: int) -> float:
 
 
 def _state_formula(optimizer: str, stage: int, devices: int, lora_fraction,
-                   frozen_per_param: float, tensor: int = 1) -> str:
+                   frozen_per_param: float, tensor: int = 1, reference: bool = False) -> str:
     """Bytes per (base) parameter as the ZeRO paper writes them: '(4 + 12/8)',
-    '(2 + 16 x 0.01)/8', and split over a tensor degree: '(4 + 12/2)/4'."""
+    '(2 + 16 x 0.01)/8', and split over a tensor degree: '(4 + 12/2)/4'; ``reference``: full
+    fine-tuning's frozen reference copy (DPO) adds its bytes, '(2 + 2 + 14/8)'."""
     per, moments = PRECISIONS[_PRECISION], _moments(optimizer)
     parts = (
         (per.param, stage >= 3),
@@ -161,6 +162,9 @@ def _state_formula(optimizer: str, stage: int, devices: int, lora_fraction,
     sharded = sum(b for b, is_sharded in parts if is_sharded)
     rep_terms, shard_terms = [], []
     if lora_fraction is None:
+        if reference:  # laid out as the parameters are
+            replicated += 0 if stage >= 3 else per.param
+            sharded += per.param if stage >= 3 else 0
         rep_terms += [_num(replicated)] if replicated else []
         shard_terms += [_num(sharded)] if sharded else []
     else:
@@ -227,6 +231,7 @@ class _Request:
     sequence_parallel: bool = False
     quantized_base: str | None = None  # also try LoRA on this quantized base (nf4, int8)
     quantized_bytes: int | None = None  # that base's exact bytes, when the model's shapes are known
+    reference: bool = False  # the objective holds a reference (DPO): a copy in full fine-tuning
 
 
 class _Method(NamedTuple):
@@ -311,7 +316,7 @@ def _check_request(num_params, *, devices, device_memory, optimizer, headroom, a
                    lora_fraction, shape: dict[str, Any], layer_options: dict[str, Any],
                    vocab, tensor: int = 1, quantized_base: str | None = None,
                    quantized_bytes: int | None = None, data: int = 1,
-                   sequence_parallel: bool = False) -> _Request:
+                   sequence_parallel: bool = False, reference: bool = False) -> _Request:
     """Pass 1: plan()'s arguments checked, in plan()'s order, and converted.
 
     ``shape``, ``layer_options`` and ``vocab`` are :func:`_check_workload`'s.
@@ -339,6 +344,8 @@ def _check_request(num_params, *, devices, device_memory, optimizer, headroom, a
                           f"{', '.join(FROZEN_SCALE_BITS)}, or None for a bf16 base only")
     if quantized_bytes is not None:
         whole_number("quantized_bytes", quantized_bytes, maximum=None)
+    if not isinstance(reference, bool):
+        raise ConfigError("reference", reference, "expected True or False")
     return _Request(
         num_params=num_params,
         devices=devices,
@@ -355,13 +362,15 @@ def _check_request(num_params, *, devices, device_memory, optimizer, headroom, a
         sequence_parallel=sequence_parallel,
         quantized_base=quantized_base,
         quantized_bytes=quantized_bytes,
+        reference=reference,
     )
 
 
 def _methods(request: _Request) -> tuple[_Method, ...]:
     """Pass 2: the methods to try, cheapest first: full fine-tuning, then LoRA if allowed, then
     LoRA on a quantized base if asked for."""
-    full = _Method("full fine-tuning", None)
+    full = _Method("full fine-tuning" + (" with a bf16 reference copy" if request.reference
+                                         else ""), None)
     fraction = request.lora_fraction
     if fraction is None:
         return (full,)
@@ -387,6 +396,7 @@ def _stage_states(request: _Request, method: _Method) -> tuple[ModelStateBytes, 
             frozen_dtype=method.frozen_dtype,
             frozen_bytes=method.frozen_bytes,
             moments=_moments(request.optimizer),
+            reference=request.reference,
         )
         for stage in range(4)
     )
@@ -427,7 +437,8 @@ def _fit_whole_batch(request: _Request, method: _Method,
     steps, fitting = [], []
     for stage, st in enumerate(states):
         formula = _state_formula(request.optimizer, stage, request.devices, method.lora_fraction,
-                                 _frozen_per_param(method, request.num_params), request.tensor)
+                                 _frozen_per_param(method, request.num_params), request.tensor,
+                                 request.reference)
         head = (
             f"{method.label}, {_STAGE_NAMES[stage]}: model states {formula} B/param x "
             f"{_fmt_count(request.num_params)} = {format_bytes(st.model_state_bytes)}"
@@ -600,7 +611,7 @@ def plan(
     gated_mlp: bool = False, vocab: int | None = None, sandwich_norms: bool = False,
     tensor: int = 1,
     quantized_base: str | None = None, quantized_bytes: int | None = None,
-    data: int = 1, sequence_parallel: bool = False,
+    data: int = 1, sequence_parallel: bool = False, reference: bool = False,
 ) -> Plan:
     """Recommends the cheapest configuration whose model states (and activations) fit.
 
@@ -645,6 +656,9 @@ def plan(
         ``devices`` only. :func:`~effijax.memory.plan_mesh` searches it.
       sequence_parallel: with ``tensor``, count the activations with sequence parallelism
         (Korthikanti et al.'s ``34/t``).
+      reference: the objective compares the policy with a reference model (DPO): full
+        fine-tuning holds a bf16 copy of the weights, laid out as the parameters (LoRA's
+        reference is the base with the adapters off: nothing more).
 
     Returns:
       A :class:`Plan`; when nothing fits, ``fits`` is False and ``explain()`` says why (no
@@ -678,6 +692,7 @@ def plan(
                        "gated_mlp": gated_mlp, "sandwich_norms": sandwich_norms},
         vocab=vocab, tensor=tensor, quantized_base=quantized_base,
         quantized_bytes=quantized_bytes, data=data, sequence_parallel=sequence_parallel,
+        reference=reference,
     )
     steps, why_not = list(_preamble(request)), []
     for method in _methods(request):
