@@ -203,6 +203,37 @@ def test_sequence_logps_of_a_model_equal_its_logits(model, four_chunks):
                  grads, grads0)
 
 
+@slow
+def test_a_completion_window_scores_the_same_positions(four_chunks):
+    """``window``: the head reads each row's span from its first marked position only; the
+    log-probabilities and every gradient are the whole row's, and a row whose marked positions
+    reach past the window is NaN, never a shorter sum."""
+    model = llama_config("llama-tiny")
+    graphdef, _ = abstract_split(model)
+    params = model.init_params(jax.random.key(0))
+    batch, weights = _pairs_batch()
+    spans = [28, 20, 19, 6]  # first to last marked position, plus one (the rows' completions)
+    marked = np.asarray(batch["mask"])
+    assert [int(np.flatnonzero(r)[-1] - np.flatnonzero(r)[0] + 1) for r in marked] == spans
+
+    def total(window):
+        def fn(params):
+            logps, counts = make_sequence_logps(graphdef, window=window)(params, batch)
+            return jnp.sum(weights * logps), (logps, counts)
+        return jax.value_and_grad(fn, has_aux=True)
+
+    ((_, (whole, counts)), grads), ((_, (near, near_counts)), near_grads), \
+        ((_, (short, _)), _) = jax.jit(lambda p: [total(w)(p) for w in (None, 28, 20)])(params)
+    np.testing.assert_array_equal(near_counts, counts)
+    np.testing.assert_allclose(near, whole, rtol=1e-6)
+    jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=2e-5, atol=1e-7),
+                 near_grads, grads)
+    assert np.isnan(short[0]) and not np.isnan(short[1:]).any()  # row 0's span is 28 > 20
+    np.testing.assert_allclose(short[1:], whole[1:], rtol=1e-6)
+    with pytest.raises(ValueError, match="window must be an int >= 1"):
+        make_sequence_logps(graphdef, window=0)
+
+
 def test_sequence_logps_name_what_the_batch_lacks():
     graphdef, _ = abstract_split(gpt_config("tiny"))
     with pytest.raises(KeyError, match="targets"):

@@ -189,7 +189,8 @@ def head_sequence_logps(x_BSD: jax.Array, kernel, targets_BS: jax.Array,
 
 
 def make_sequence_logps(graphdef, lora=None, *, sequence_parallel: bool = True,
-                        frozen_base: bool = False, greedy: bool = False
+                        frozen_base: bool = False, greedy: bool = False,
+                        window: int | None = None
                         ) -> Callable[..., tuple[jax.Array, ...]]:
     """Returns ``sequence_logps(params, batch, rng=None) -> (logps_B, counts_B)``: each row's
     summed f32 log-probability of ``batch["targets"]`` over the positions ``batch["mask"]``
@@ -204,6 +205,13 @@ def make_sequence_logps(graphdef, lora=None, *, sequence_parallel: bool = True,
     holding a model gets the graphdef from ``effijax.models.abstract_split(model)``. With
     ``greedy``, a third result: each row's ``greedy_B`` (:func:`head_sequence_logps`).
 
+    ``window``: the head scores only each row's ``window`` positions from its first marked
+    one (a completion's span: a preference pair's row marks a few dozen of its hundreds of
+    positions, and the head's matmul over the vocabulary is most of the rest of the step's
+    work past the trunk); the same log-probabilities, summed in another order. A row whose
+    marked positions reach past its window gets a NaN log-probability, never a silently
+    shorter sum: give the data's longest span (first to last marked position, plus one).
+
     Example:
       >>> import jax, jax.numpy as jnp
       >>> from effijax.models import abstract_split, gpt_config
@@ -216,18 +224,47 @@ def make_sequence_logps(graphdef, lora=None, *, sequence_parallel: bool = True,
       >>> logps, counts = jax.jit(make_sequence_logps(graphdef))(params, batch)
       >>> logps.shape, counts.tolist()
       ((2,), [5, 3])
+      >>> near, _ = jax.jit(make_sequence_logps(graphdef, window=5))(params, batch)
+      >>> bool(jnp.allclose(near, logps, rtol=1e-6))
+      True
     """
     _check_lora(lora)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or window < 1):
+        raise ValueError(f"make_sequence_logps: window must be an int >= 1, got {window!r}")
 
     def sequence_logps(params, batch, rng=None):
         model, x_BSD, kernel, transposed = _head_inputs(graphdef, lora, frozen_base,
                                                         sequence_parallel, params, batch, rng)
-        return head_sequence_logps(x_BSD, kernel, batch["targets"],
-                                   batch.get("mask"),
+        targets_BS, mask_BS = batch["targets"], batch.get("mask")
+        if window is not None and mask_BS is not None and window < targets_BS.shape[1]:
+            x_BWD, targets_BW, where_BW, counts_B = _completion_window(x_BSD, targets_BS,
+                                                                       mask_BS, window)
+            logps_B, scored_B, *greedy_B = head_sequence_logps(
+                x_BWD, kernel, targets_BW, where_BW, transposed=transposed,
+                cap=model.logit_cap, output_dtype=model.policy.output_dtype, greedy=greedy)
+            return (jnp.where(scored_B == counts_B, logps_B, jnp.nan), counts_B, *greedy_B)
+        return head_sequence_logps(x_BSD, kernel, targets_BS, mask_BS,
                                    transposed=transposed, cap=model.logit_cap,
                                    output_dtype=model.policy.output_dtype, greedy=greedy)
 
     return sequence_logps
+
+
+def _completion_window(x_BSD, targets_BS, mask_BS, window: int):
+    """Each row's ``window`` positions from its first marked one: ``(x_BWD, targets_BW,
+    where_BW, counts_B)``, ``counts_B`` the row's marked positions in all (those the window
+    holds are fewer where one lies past it)."""
+    s = targets_BS.shape[1]
+    marked_BS = mask_BS.astype(jnp.bool_)
+    first_B = jnp.argmax(marked_BS, axis=1)  # 0 for a row with none (nothing to lose)
+    at_BW = first_B[:, None] + jnp.arange(window)[None, :]
+    inside_BW = at_BW < s
+    at_BW = jnp.minimum(at_BW, s - 1)
+    where_BW = jnp.take_along_axis(marked_BS, at_BW, axis=1) & inside_BW
+    x_BWD = jnp.take_along_axis(x_BSD, at_BW[:, :, None], axis=1)
+    return (x_BWD, jnp.take_along_axis(targets_BS, at_BW, axis=1), where_BW,
+            jnp.sum(marked_BS, axis=1, dtype=jnp.int32))
 
 
 def _head_inputs(graphdef, lora, frozen_base, sequence_parallel, params, batch, rng):
