@@ -39,8 +39,7 @@ from effijax.memory import (
     plan_mesh,
 )
 from effijax.precision import PRESET_COMPUTE, auto_precision
-from effijax.recipe import PRECISIONS, TrainConfig
-from effijax.recipe._sections import REFERENCE_OBJECTIVES
+from effijax.recipe import PRECISIONS, REFERENCE_OBJECTIVES, TrainConfig
 from effijax.sharding import get_strategy
 
 __all__ = ["add_parsers", "memory_command", "plan_command"]
