@@ -62,6 +62,7 @@ LAYERS = [
     # Generation opens a trained model through effijax.sources.open_model, never the recipe
     # (test_only_the_cli_imports_the_recipe): it only needs to sit above the sources.
     ("generate",),
+    ("harness",),  # lm-evaluation-harness over generation and the models' scoring
     ("cli", "__main__.py"),
 ]
 

@@ -14,6 +14,14 @@ how ``auto`` decided it.
 
 The result line says how much was measured (windows and scored tokens); a measure over few
 tokens (:attr:`~effijax.recipe.EvalResult.caution`) adds one warning line on standard error.
+
+``effijax eval --from MODEL --tasks a,b`` runs lm-evaluation-harness tasks instead (no
+``DATA``): the offline ones shipped with effijax (``effijax_offline``: Q&A exact match and
+multiple choice, held-out perplexity) or any the harness knows, through
+:class:`effijax.harness.EffijaxLM`; it prints the harness's table and, when ``MODEL`` is a run
+directory, writes the results to ``eval_tasks.json`` in it. ``--limit``, ``--num-fewshot`` and
+``--batch-size`` are the harness's, ``--chat`` its ``apply_chat_template``; ``--seq-len`` is
+the longest row (default: the model's context).
 """
 
 from __future__ import annotations
@@ -21,10 +29,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from effijax.cli import _from
 from effijax.cli._status import status
-from effijax.errors import ConfigError, whole_number
+from effijax.errors import NO_VALUE, ConfigError, whole_number
 from effijax.recipe import TrainConfig
 
 __all__ = ["add_parsers", "run"]
@@ -45,8 +54,8 @@ def add_parsers(sub) -> None:
         "run directory: a LoRA run is its base plus adapters) on a text file or folder or a chat "
         "/ instruction .jsonl file (scored on the assistant's tokens, as training is)."))
     _from.add_flag(p, "the model to evaluate (a LoRA run: its base with its adapters)")
-    p.add_argument("data", help="a text file or folder, or a .jsonl file of chat / instruction "
-                   "records")
+    p.add_argument("data", nargs="?", default=None, help="a text file or folder, or a .jsonl "
+                   "file of chat / instruction records (not with --tasks)")
     p.add_argument("--seq-len", type=int, default=None, help="window length (default: the "
                    "model's)")
     p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass "
@@ -64,6 +73,16 @@ def add_parsers(sub) -> None:
                    "(bf16 on a GPU or TPU and, for a model 256 wide or wider, on a CPU with "
                    f"native bf16 matmuls; fp32 elsewhere) (default: {default})")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.add_argument("--tasks", default=None, metavar="A,B", help="lm-evaluation-harness tasks "
+                   "to run instead of DATA: effijax_offline (shipped, offline), its tasks "
+                   "effijax_qa_exact, effijax_qa_choice, effijax_docs_perplexity, or any task "
+                   "lm_eval knows (needs pip install 'effijax[eval]')")
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="with --tasks: the "
+                   "first N documents of each task (default: all)")
+    p.add_argument("--num-fewshot", type=int, default=None, metavar="K", help="with --tasks: "
+                   "K examples before each question (default: each task's own)")
+    p.add_argument("--chat", action="store_true", help="with --tasks: render the prompts "
+                   "(few-shot examples as turns) with the model's chat template")
     p.set_defaults(func=run)
 
 
@@ -72,12 +91,27 @@ def _check(args) -> None:
     whole_number("--batch-size", args.batch_size)
     whole_number("--max-batches", args.max_batches, none=True)
     whole_number("--seq-len", args.seq_len, minimum=2, none=True)  # a token read, one predicted
+    whole_number("--limit", args.limit, none=True)
+    whole_number("--num-fewshot", args.num_fewshot, minimum=0, none=True)
+    if args.tasks is None:
+        for flag, value in (("--limit", args.limit), ("--num-fewshot", args.num_fewshot)):
+            if value is not None:
+                raise ConfigError(flag, value, "counts harness documents: give --tasks too")
+        if args.chat:
+            raise ConfigError("--chat", True, "renders harness prompts: give --tasks too (a "
+                              "chat .jsonl DATA file is rendered with the template anyway)")
+        if args.data is None:
+            raise ConfigError("data", NO_VALUE, "give a file to evaluate on, or --tasks A,B to "
+                              "run harness tasks")
+    elif args.data is not None:
+        raise ConfigError("data", args.data, "--tasks runs the tasks' own data: drop DATA, or "
+                          "drop --tasks to evaluate on it")
     _from.check_exists(args.init_from)
 
 
 def _flag(field: str) -> str:
     """The flag behind a field of :func:`~effijax.recipe.evaluate_model`'s errors."""
-    if field == "model":
+    if field in ("model", "model_from"):
         return _from.FLAG
     # data and memory name no flag of their own: the file, the device's memory.
     if field in ("data", "memory") or field.startswith("--"):
@@ -89,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
     """Runs ``effijax eval``; returns the exit code (2: bad arguments or data)."""
     try:
         _check(args)
+        if args.tasks is not None:
+            return _run_tasks(args)
         status("eval")("starting (importing JAX)")  # a terminal's first line, before seconds
         from effijax.recipe import evaluate_model
 
@@ -111,6 +147,59 @@ def run(args: argparse.Namespace) -> int:
     if result.caution is not None:  # on stderr: the result line (or JSON) stays as it is
         print(f"effijax eval: warning: {result.caution}", file=sys.stderr, flush=True)
     return 0
+
+
+def _run_tasks(args: argparse.Namespace) -> int:
+    """``effijax eval --tasks``: the tasks checked (before the model is loaded), run through the
+    harness, its table printed; the results written into a run directory."""
+    from effijax.harness import SHIPPED_TASKS, TASK_GROUP, check_tasks, task_manager
+
+    say = status("eval")
+    # The shipped tasks alone need no index of lm_eval's 14,000 others (15 s to read).
+    shipped = all(t.strip() in (*SHIPPED_TASKS, TASK_GROUP) for t in args.tasks.split(","))
+    say("reading the shipped tasks" if shipped else "reading lm-evaluation-harness's task index")
+    manager = task_manager(include_defaults=not shipped)
+    names = check_tasks(args.tasks, manager)
+    say(f"loading {args.init_from}")
+    from lm_eval.utils import handle_non_serializable, make_table
+
+    from effijax.generate import load
+    from effijax.harness import EffijaxLM, evaluate_tasks
+    from effijax.recipe import scoring_precision
+
+    loaded = load(args.init_from)
+    decided = scoring_precision(args.precision, loaded)
+    lm = EffijaxLM(loaded=loaded, batch_size=args.batch_size, max_length=args.seq_len,
+                   precision=decided.precision)
+    say(f"running {', '.join(names)} in {decided.precision}")
+    results = evaluate_tasks(lm, names, limit=args.limit, num_fewshot=args.num_fewshot,
+                             apply_chat_template=args.chat, manager=manager)
+    text = json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False)
+    if _is_run(args.init_from):
+        from effijax.atomic import write_text
+
+        path = write_text(Path(args.init_from) / "eval_tasks.json", text + "\n")
+        say(f"wrote {path}")
+    if args.json:
+        print(text, flush=True)
+        return 0
+    print(f"effijax eval: {loaded.source} in {decided.precision}, batch {args.batch_size}"
+          f"{'' if args.limit is None else f', limit {args.limit}'}", flush=True)
+    print(make_table(results), end="", flush=True)
+    if results.get("groups"):
+        print(make_table(results, "groups"), end="", flush=True)
+    return 0
+
+
+def _is_run(model_from: str) -> bool:
+    """Whether ``--from`` is a run directory (its ``config.json`` records a run)."""
+    config = Path(model_from) / "config.json"
+    if not config.is_file():
+        return False
+    from effijax.data import read_json
+
+    values = read_json(config)
+    return isinstance(values, dict) and isinstance(values.get("run"), dict)
 
 
 def _count(n: int, what: str) -> str:
