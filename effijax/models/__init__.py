@@ -75,6 +75,13 @@ from effijax.models._layers import segment_positions
 from effijax.models._llama import LLAMA_PRESETS, Llama, LlamaConfig, llama_config
 from effijax.models._mistral import MISTRAL_PRESETS, Mistral, MistralConfig, mistral_config
 from effijax.models._qwen2 import QWEN2_PRESETS, Qwen2, Qwen2Config, qwen2_config
+from effijax.models._ring import (
+    CONTEXT_VARIANTS,
+    DEFAULT_CONTEXT_VARIANT,
+    context_attend,
+    from_load_balanced,
+    to_load_balanced,
+)
 from effijax.models._rotary import llama3_scaling, rope_factors
 from effijax.models._sentencepiece import sentencepiece_bpe
 from effijax.models._tokenizer import (
@@ -135,6 +142,11 @@ __all__ = [
     "blockwise_attend",
     "default_block_size",
     "xla_attend",
+    "context_attend",
+    "to_load_balanced",
+    "from_load_balanced",
+    "CONTEXT_VARIANTS",
+    "DEFAULT_CONTEXT_VARIANT",
     "auto_attend",
     "choose_attention",
     "keeps_scores",

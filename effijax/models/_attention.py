@@ -32,6 +32,11 @@ calls it ``local_window_size=(w - 1, 0)``. ``w`` is a Python int (static: cuDNN 
 window) or an int32 scalar array (traced: a per-layer window scanned with the layers, applied
 as a mask; the blockwise kernel skips tiles either way). ``w >= S`` is plain causal attention.
 
+Context parallelism: under a mesh (``jax.set_mesh``) with a ``context`` axis above 1 that
+divides the sequence, every entry of :data:`ATTENTION` runs as
+:func:`~effijax.models.context_attend` (ring attention, each device holding its contiguous chunk
+of the sequence, the blockwise kernel for its local work); dropout is refused there.
+
 All accept grouped-query attention: ``k`` and ``v`` may have ``H_kv`` heads, ``H_kv`` dividing
 ``H``, query head ``h`` reading kv head ``h // (H // H_kv)`` (Hugging Face Llama's convention).
 
@@ -59,7 +64,9 @@ from effijax.models._blockwise import (
 )
 from effijax.models._dense import cpu_layout, kept_vjp
 from effijax.models._layers import _dropout
+from effijax.models._ring import context_attend
 from effijax.precision import dot, softmax
+from effijax.sharding import CONTEXT_AXIS
 
 __all__ = [
     "ATTENTION",
@@ -365,12 +372,40 @@ def auto_attend(q_BSHK: jax.Array, k_BTHK: jax.Array, v_BTHK: jax.Array, *, caus
                                   segments_BS=segments_BS, window=window)
 
 
-# Attention implementations by a config's ``attention`` name, all with ``attend``'s signature.
+def _context_parallel(fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+    """``fn``, run as :func:`~effijax.models.context_attend` (ring attention over the
+    ``context`` axis, each device holding its contiguous chunk of the sequence, the blockwise
+    kernel for the local work) when the mesh set by ``jax.set_mesh`` has a ``context`` axis
+    above 1 that divides the (self-attention) sequence; ``fn`` itself otherwise. Attention
+    dropout has no context-parallel form yet: refused there."""
+    @functools.wraps(fn)
+    def attention(q_BSHK, k_BTHK, v_BTHK, *, causal=True, dropout_rate=0.0, dropout_key=None,
+                  segments_BS=None, window=None):
+        mesh = jax.sharding.get_abstract_mesh()
+        n = 1 if mesh.empty else dict(mesh.shape).get(CONTEXT_AXIS, 1)
+        s = q_BSHK.shape[1]
+        if n > 1 and s == k_BTHK.shape[1] and s % n == 0:
+            if dropout_key is not None and dropout_rate > 0.0:
+                raise ValueError(f"attention over a context axis ({CONTEXT_AXIS}={n}) has no "
+                                 f"dropout, got dropout_rate={dropout_rate}; set the model's "
+                                 "dropout to 0 or train without a context axis")
+            return context_attend(q_BSHK, k_BTHK, v_BTHK, axis=CONTEXT_AXIS, causal=causal,
+                                  segments_BS=segments_BS, window=window, load_balanced=False)
+        return fn(q_BSHK, k_BTHK, v_BTHK, causal=causal, dropout_rate=dropout_rate,
+                  dropout_key=dropout_key, segments_BS=segments_BS, window=window)
+
+    return attention
+
+
+# Attention implementations by a config's ``attention`` name, all with ``attend``'s signature;
+# on a mesh with a context axis each runs as ring attention (_context_parallel).
 ATTENTION: dict[str, Callable[..., jax.Array]] = {
-    "naive": attend,
-    "blockwise": blockwise_attend,
-    "xla": xla_attend,
-    "auto": auto_attend,
+    name: _context_parallel(fn) for name, fn in {
+        "naive": attend,
+        "blockwise": blockwise_attend,
+        "xla": xla_attend,
+        "auto": auto_attend,
+    }.items()
 }
 
 

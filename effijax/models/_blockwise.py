@@ -567,10 +567,13 @@ def _query_rows(q_BNSGK, i, size, td, scale):
     return rows.astype(jnp.float32) * scale if td == jnp.float32 else rows.astype(td)
 
 
-def _forward(spec: _Spec, q_BNSGK, k_BNTK, v_BNTK, key, segments=None, win=None):
-    """Returns the output ``[B, N, S, G, K]`` (input dtype) and the row log-sum-exp
-    ``[B, N, S, G]`` (f32). Each query block's ``Q·G`` rows (the ``G`` query heads sharing a kv
-    head) meet each key block in one ``[Q·G, C]`` tile."""
+def _forward(spec: _Spec, q_BNSGK, k_BNTK, v_BNTK, key, segments=None, win=None,
+             out_dtype=None):
+    """Returns the output ``[B, N, S, G, K]`` (in ``out_dtype``, default the input dtype) and the
+    row log-sum-exp ``[B, N, S, G]`` (f32). Each query block's ``Q·G`` rows (the ``G`` query
+    heads sharing a kv head) meet each key block in one ``[Q·G, C]`` tile. Ring attention
+    (``_ring.py``) asks for f32 outputs, which it merges across key chunks by their
+    log-sum-exp."""
     b, n, s_pad, g, d = q_BNSGK.shape
     nq, nk = s_pad // spec.block_q, k_BNTK.shape[2] // spec.block_k
     bq, bk = spec.block_q, spec.block_k
@@ -624,7 +627,8 @@ def _forward(spec: _Spec, q_BNSGK, k_BNTK, v_BNTK, key, segments=None, win=None)
         )
         return out_BNSGK, lse_BNSG
 
-    init = (jnp.zeros_like(q_BNSGK), jnp.zeros((b, n, s_pad, g), jnp.float32))
+    init = (jnp.zeros(q_BNSGK.shape, q_BNSGK.dtype if out_dtype is None else out_dtype),
+            jnp.zeros((b, n, s_pad, g), jnp.float32))
     return jax.lax.fori_loop(0, nq, query_block, init)
 
 
@@ -699,8 +703,9 @@ def _backward(spec: _Spec, q_BNSGK, k_BNTK, v_BNTK, key, segments, win, out_BNSG
             _unmasked_q_blocks(spec, j, nq, win), lead=spec.causal,
             trail=spec.windowed or spec.seq_k % bk != 0, masked_only=segments is not None,
             init=(dq_BNSGK, zeros, zeros))
-        if flip:
-            dk_BNCK, dv_BNCK = jnp.swapaxes(dk_BNCK, 2, 3), jnp.swapaxes(dv_BNCK, 2, 3)
+        if flip:  # own buffers first: XLA could fold this transpose into the last tile's
+            # matmul (seen with ring attention's one-tile chunks), which XLA:CPU fails to run
+            dk_BNCK, dv_BNCK = (jnp.swapaxes(materialize(x), 2, 3) for x in (dk_BNCK, dv_BNCK))
         dk_BNTK = jax.lax.dynamic_update_slice_in_dim(dk_BNTK, dk_BNCK * after, j * bk, axis=2)
         dv_BNTK = jax.lax.dynamic_update_slice_in_dim(dv_BNTK, dv_BNCK, j * bk, axis=2)
         return dq_BNSGK, dk_BNTK, dv_BNTK

@@ -5,7 +5,10 @@ included, so that partition specs never depend on which axes a run happens to us
 
 * ``data``: pure replication of the model state (the outer level of hybrid sharding);
 * ``fsdp``: the axis ZeRO-1/2/3 shard parameters, gradients and optimizer state over;
-* ``tensor``: Megatron's tensor parallelism (:mod:`effijax.sharding._tensor`).
+* ``tensor``: Megatron's tensor parallelism (:mod:`effijax.sharding._tensor`);
+* ``context`` (only when asked for, between ``fsdp`` and ``tensor``): context parallelism, the
+  sequence split over devices and attention computed as ring attention
+  (:func:`effijax.models.context_attend`); no parameter is split over it.
 
 The batch is split over ``("data", "fsdp")``, i.e. over every device of a (data, fsdp) mesh.
 Activations at block boundaries follow one spec (:func:`activation_spec`): the batch axis over
@@ -29,6 +32,7 @@ from effijax.paths import named_leaves
 from effijax.sharding._names import AXES, BATCH_AXES
 
 __all__ = [
+    "CONTEXT_AXIS",
     "make_mesh",
     "replicated",
     "batch_sharding",
@@ -41,8 +45,16 @@ __all__ = [
 
 
 
-def make_mesh(*, data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> Mesh:
-    """Builds a ``(data, fsdp, tensor)`` mesh over all (or the given) devices.
+#: The mesh axis that splits the sequence (context parallelism: ring attention,
+#: :func:`effijax.models.context_attend`). A mesh has it only when asked for (``context > 1``),
+#: between ``fsdp`` and ``tensor``; no parameter is split over it.
+CONTEXT_AXIS = "context"
+
+
+def make_mesh(*, data: int = 1, fsdp: int = -1, tensor: int = 1, context: int = 1,
+              devices=None) -> Mesh:
+    """Builds a ``(data, fsdp, tensor)`` mesh over all (or the given) devices, with a
+    ``context`` axis between ``fsdp`` and ``tensor`` when ``context > 1``.
 
     Exactly the device count must be used: JAX's own ``make_mesh((3, 2))`` on 8 devices silently
     leaves 2 idle, so a product that does not match is an error here.
@@ -51,10 +63,13 @@ def make_mesh(*, data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -
       data: replicas of the model state (hybrid sharding's outer axis).
       fsdp: devices each replica's state is sharded over; ``-1`` means "the rest".
       tensor: tensor-parallel axis size.
+      context: devices each sequence is split over (context parallelism; the models' attention
+        then runs as ring attention); 1: no ``context`` axis.
       devices: devices to use, default ``jax.devices()``.
 
     Returns:
-      A ``jax.sharding.Mesh`` with axis names :data:`AXES`, every axis ``AxisType.Auto``.
+      A ``jax.sharding.Mesh`` with axis names :data:`AXES` (``data, fsdp, context, tensor``
+      with a context axis), every axis ``AxisType.Auto``.
 
     Raises:
       ConfigError: a size is not a positive int (or ``-1``), more than one ``-1`` is given, or
@@ -65,10 +80,14 @@ def make_mesh(*, data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -
       >>> mesh = make_mesh(data=2, devices=jax.devices()[:8])
       >>> dict(mesh.shape)
       {'data': 2, 'fsdp': 4, 'tensor': 1}
+      >>> dict(make_mesh(fsdp=2, context=4).shape)
+      {'data': 1, 'fsdp': 2, 'context': 4, 'tensor': 1}
     """
     devices = list(jax.devices() if devices is None else devices)
     n = len(devices)
     sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
+    if context != 1:
+        sizes[CONTEXT_AXIS] = context
     for name, size in sizes.items():
         if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
             raise ConfigError(name, size, "mesh axis sizes must be positive ints, or -1 for "
@@ -86,8 +105,9 @@ def make_mesh(*, data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -
     elif known != n:
         raise ConfigError("mesh", described, f"the axis sizes multiply to {known} but there "
                           f"are {n} devices; make them multiply to {n} or set one axis to -1")
-    shape = tuple(sizes[a] for a in AXES)
-    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
+    axes = AXES if CONTEXT_AXIS not in sizes else (*AXES[:2], CONTEXT_AXIS, *AXES[2:])
+    shape = tuple(sizes[a] for a in axes)
+    return jax.make_mesh(shape, axes, axis_types=(AxisType.Auto,) * len(axes), devices=devices)
 
 
 def _check_mesh(mesh) -> Mesh:
@@ -193,7 +213,11 @@ def activation_spec(shape: tuple[int, ...], mesh_shape, *, sequence_parallel: bo
     The one place that decides how the residual stream is laid out: the leading (batch) axis over
     the mesh's ``("data", "fsdp")`` axes and, when ``sequence_parallel`` and
     :func:`splits_sequence` hold, the second (sequence) axis over ``tensor``, i.e.
-    ``P(("data", "fsdp"), "tensor")``; otherwise ``P(("data", "fsdp"))``.
+    ``P(("data", "fsdp"), "tensor")``; otherwise ``P(("data", "fsdp"))``. On a mesh with a
+    ``context`` axis (:data:`CONTEXT_AXIS`) that divides it, the sequence is split over
+    ``context`` whatever ``sequence_parallel`` says (each device holds its contiguous chunk of
+    the sequence, as ring attention expects), and over ``("context", "tensor")`` with sequence
+    parallelism where both divide.
 
     Args:
       shape: the activation's shape (batch first; the sequence second for sequence parallelism).
@@ -210,15 +234,22 @@ def activation_spec(shape: tuple[int, ...], mesh_shape, *, sequence_parallel: bo
       P(('data', 'fsdp'), 'tensor')
       >>> activation_spec((8, 1, 64), mesh, sequence_parallel=True)  # 4 does not divide 1
       P(('data', 'fsdp'),)
+      >>> activation_spec((8, 32, 64), {"data": 1, "fsdp": 2, "context": 4, "tensor": 1},
+      ...                 sequence_parallel=False)
+      P(('data', 'fsdp'), 'context')
     """
     axes = tuple(a for a in BATCH_AXES if a in mesh_shape)
     n = math.prod(mesh_shape[a] for a in axes)
     if len(shape) == 0 or shape[0] % n:
         raise ValueError(f"activation_spec: leading axis of shape {tuple(shape)} is not "
                          f"divisible by {'*'.join(axes)} = {n}")
-    if sequence_parallel and len(shape) >= 3 and splits_sequence(mesh_shape, shape[1]):
-        return P(axes, "tensor")
-    return P(axes)
+    context = mesh_shape.get(CONTEXT_AXIS, 1)
+    split = context > 1 and len(shape) >= 3 and shape[1] % context == 0
+    tensor = (sequence_parallel and len(shape) >= 3
+              and splits_sequence(mesh_shape, shape[1] // context if split else shape[1]))
+    if split:
+        return P(axes, (CONTEXT_AXIS, "tensor") if tensor else CONTEXT_AXIS)
+    return P(axes, "tensor") if tensor else P(axes)
 
 
 def constrain_activations(x: jax.Array, *, sequence_parallel: bool) -> jax.Array:
