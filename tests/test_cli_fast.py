@@ -30,7 +30,9 @@ CASES = {
     ("train", "--stpes", "5"): (2, "unrecognized arguments: --stpes 5; did you mean --steps? "
                                    "(see effijax train --help)"),
     ("eval", "--from", "smollm2", "--data", "notes.txt"): (2, "unrecognized arguments: --data; "
-                                                              "did you mean --data-format?"),
+                                                              "give the data as DATA (effijax "
+                                                              "eval --from MODEL FILE) without "
+                                                              "a flag"),
     # --from names the model in every command; a source that names nothing is said under --from.
     ("train", "--from", "runs/base", "--lora-rank", "0"): (2, "--lora-rank=0"),
     ("eval", "--from", "/no/such/run", "notes.txt"): (2, "effijax eval: error: --from="

@@ -84,6 +84,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--chat", action="store_true", help="with --tasks: render the prompts "
                    "(few-shot examples as turns) with the model's chat template")
     p.set_defaults(func=run)
+    # train's --data is eval's DATA (read by the unknown-flag error, effijax.cli._main).
+    p.positional = {"--data": "the data as DATA (effijax eval --from MODEL FILE)"}
 
 
 def _check(args) -> None:

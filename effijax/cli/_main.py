@@ -97,13 +97,17 @@ def _unknown_flags_error(parser: argparse.ArgumentParser, argv: list[str], extra
 
     command = _subcommand_parser(parser, argv)
     known = [o for a in command._actions for o in a.option_strings if o.startswith("--")]
-    # A command's old spellings (``memory``'s --zero), said with what replaced them.
+    # A command's old spellings (``memory``'s --zero), said with what replaced them, and the
+    # flags of other commands it takes without a flag (``eval``'s DATA, train's --data).
     renamed = getattr(command, "renamed", {})
+    positional = getattr(command, "positional", {})
     hints = []
     for word in extras:
         flag = word.split("=", 1)[0]
         if flag in renamed:
             hints.append((flag, f"{flag} is now {renamed[flag]}"))
+        elif flag in positional:
+            hints.append((flag, f"give {positional[flag]} without a flag"))
         elif flag.startswith("--"):
             close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
             if close:
