@@ -57,11 +57,12 @@ LAYERS = [
     # Where models and data come from, opened for any command (train, eval, generate, memory,
     # plan, data prepare): below the recipe, which keeps TrainConfig and the stages of train.
     ("sources",),
+    # Generation opens a trained model through effijax.sources.open_model, never the recipe
+    # (test_only_the_cli_imports_the_recipe): it sits above the sources and below the recipe,
+    # whose GRPO objective samples its rollouts with it.
+    ("generate",),
     ("run.py", "observe"),
     ("recipe",),
-    # Generation opens a trained model through effijax.sources.open_model, never the recipe
-    # (test_only_the_cli_imports_the_recipe): it only needs to sit above the sources.
-    ("generate",),
     ("harness",),  # lm-evaluation-harness over generation and the models' scoring
     ("cli", "__main__.py"),
 ]

@@ -95,7 +95,7 @@ def test_the_config_knows_each_objective_and_its_settings():
                                                     "--objective dpo or simpo"),
     ({"objective": "simpo", "dpo_loss": "ipo"}, "dpo_loss='ipo': only applies to --objective "
                                                 "dpo"),
-    ({"beta": 0.5}, "beta=0.5: only applies to --objective dpo, simpo or orpo"),
+    ({"beta": 0.5}, "beta=0.5: only applies to --objective dpo, simpo, orpo or grpo"),
     ({"objective": "simpo", "cpo_alpha": -1.0}, "cpo_alpha=-1.0: must be >= 0"),
     ({"objective": "simpo", "simpo_gamma": math.inf}, "simpo_gamma=inf: must be a finite"),
     ({"objective": "simpo", "label_smoothing": 0.5}, "label_smoothing=0.5: must be in [0, 0.5)"),
@@ -299,12 +299,14 @@ SETTINGS = [
 
 @slow
 def test_the_defaults_are_trls(trl):
-    config = TrainConfig()
+    config = TrainConfig(objective="simpo", data="pairs.jsonl")  # beta: the objective's own
     cpo = {f.name: f.default for f in dataclasses.fields(trl.CPOConfig)}
     orpo = {f.name: f.default for f in dataclasses.fields(trl.ORPOConfig)}
-    assert (config.beta, config.simpo_gamma, config.cpo_alpha, config.label_smoothing) == (
-        cpo["beta"], cpo["simpo_gamma"], cpo["cpo_alpha"], cpo["label_smoothing"])
-    assert config.beta == orpo["beta"]
+    assert (config.objective_settings["beta"], config.simpo_gamma, config.cpo_alpha,
+            config.label_smoothing) == (cpo["beta"], cpo["simpo_gamma"], cpo["cpo_alpha"],
+                                        cpo["label_smoothing"])
+    assert TrainConfig(objective="orpo", data="pairs.jsonl").objective_settings["beta"] \
+        == orpo["beta"]
 
 
 @slow

@@ -39,10 +39,12 @@ from effijax.recipe._sections import (
     DATA_FORMATS,
     DPO_LOSSES,
     FROZEN_DTYPES,
+    GRPO_LOSSES,
     OBJECTIVES,
     PRECISIONS,
     REFERENCE_DTYPES,
     REFERENCE_OBJECTIVES,
+    SCALE_REWARDS,
     SETTING_OF,
     WANDB_MODES,
     Sections,
@@ -263,12 +265,16 @@ class TrainConfig:
                             "dpo (direct preference optimisation against the base with the "
                             "adapters off: LoRA only), simpo (TRL's CPO trainer with loss_type "
                             "simpo) or orpo (odds-ratio preference optimisation), which need no "
-                            "reference; see docs/preference.md",
+                            "reference; see docs/preference.md; or grpo (completions sampled "
+                            "from the policy each step, scored by --rewards, on {prompt} JSONL "
+                            "records)",
                             choices=OBJECTIVES, section="objective")
-    beta: float = _field(0.1, "dpo, simpo, orpo: beta (TRL's DPOConfig, CPOConfig and "
-                         "ORPOConfig beta, 0.1 in each): dpo's pull towards the reference (for "
-                         "ipo, its regulariser tau), simpo's reward scale, orpo's weight "
-                         "(lambda) of the odds-ratio term", section="objective")
+    beta: float | None = _field(None, "dpo, simpo, orpo, grpo: beta, by default the "
+                                "objective's TRL default (DPOConfig, CPOConfig and ORPOConfig "
+                                "beta, 0.1 in each; GRPOConfig beta, 0.0): dpo's pull towards "
+                                "the reference (for ipo, its regulariser tau), simpo's reward "
+                                "scale, orpo's weight (lambda) of the odds-ratio term, grpo's "
+                                "KL penalty (> 0: against a reference)", section="objective")
     dpo_loss: str = _field("sigmoid", "dpo: the loss (TRL's DPOConfig.loss_type): sigmoid, "
                            "ipo (length-normalised), hinge or robust (label-smoothed)",
                            choices=DPO_LOSSES, section="objective")
@@ -281,6 +287,36 @@ class TrainConfig:
     cpo_alpha: float = _field(1.0, "simpo: the weight of the chosen completions' NLL added to "
                               "the loss (TRL's CPOConfig.cpo_alpha; its default gives "
                               "CPO-SimPO); 0 for SimPO as published", section="objective")
+    num_generations: int = _field(8, "grpo: completions sampled per prompt, G (TRL's "
+                                  "GRPOConfig.num_generations); --batch-size counts completions "
+                                  "and must be a multiple of it", metavar="G",
+                                  section="objective")
+    max_completion_length: int = _field(256, "grpo: new tokens per completion at most (TRL's "
+                                        "default); a row is the prompt in seq_len minus this, "
+                                        "then the completion", metavar="T", section="objective")
+    rollout_temperature: float = _field(1.0, "grpo: the rollouts' sampling temperature (> 0; "
+                                        "TRL's GRPOConfig.temperature, 1.0)",
+                                        section="objective")
+    rollout_top_p: float = _field(1.0, "grpo: the rollouts' nucleus (top-p) sampling, in "
+                                  "(0, 1] (TRL's GRPOConfig.top_p)", section="objective")
+    epsilon: float = _field(0.2, "grpo: the ratio's lower clipping range (TRL's "
+                            "GRPOConfig.epsilon)", section="objective")
+    epsilon_high: float | None = _field(None, "grpo: the upper clipping range (default: "
+                                        "--epsilon; DAPO recommends 0.28)",
+                                        section="objective")
+    grpo_loss: str = _field("dapo", "grpo: the loss's normalisation (TRL's "
+                            "GRPOConfig.loss_type): dapo, grpo, bnpo or dr_grpo",
+                            choices=GRPO_LOSSES, section="objective")
+    scale_rewards: str = _field("group", "grpo: divide the advantages by the group's reward "
+                                "deviation (group), the batch's (batch) or not (none, Dr. "
+                                "GRPO)", choices=SCALE_REWARDS, section="objective")
+    rewards: str | None = _field(None, "grpo: the reward functions, comma-separated: "
+                                 "built-ins (exact_match, answer_format) or dotted paths "
+                                 "'package.module:function' with TRL's signature",
+                                 metavar="NAMES", section="objective")
+    reward_weights: str | None = _field(None, "grpo: one weight per reward, comma-separated "
+                                        "(default: all 1)", metavar="W,...",
+                                        section="objective")
     # LoRA.
     lora_rank: int | None = _field(None, "train rank-R LoRA adapters; the base stays frozen",
                                    metavar="R", section="lora")
@@ -401,6 +437,9 @@ class TrainConfig:
             raise ConfigError(name, getattr(self, name), f"only applies to --objective {which}")
         if self.objective == "sft":
             return
+        if self.objective == "grpo":
+            self._check_grpo()
+            return
         if self.data is None:
             raise ConfigError("data", None, f"{self.objective} trains on preference pairs: give "
                               "--data PAIRS.jsonl ({\"prompt\", \"chosen\", \"rejected\"} "
@@ -409,6 +448,27 @@ class TrainConfig:
             raise ConfigError("batch_size", self.batch_size, f"counts rows, and "
                               f"{self.objective} trains pairs of rows (chosen, rejected): use an "
                               f"even size, e.g. {self.batch_size + 1}")
+
+    def _check_grpo(self) -> None:
+        if self.data is None:
+            raise ConfigError("data", None, "grpo samples completions of prompts: give --data "
+                              "PROMPTS.jsonl ({\"prompt\": ...} records, other columns for "
+                              "the rewards)")
+        if self.batch_size % self.num_generations:
+            raise ConfigError("batch_size", self.batch_size, f"counts completions, "
+                              f"num_generations={self.num_generations} of each prompt: use a "
+                              f"multiple of it")
+        if self.prefetch not in (0, _DEFAULTS["prefetch"]):
+            raise ConfigError("prefetch", self.prefetch, "grpo samples each step's batch from "
+                              "the parameters the step before made, so nothing can be built "
+                              "ahead: leave it out or give 0")
+        if self.num_processes and self.num_processes > 1:
+            raise ConfigError("num_processes", self.num_processes, "grpo's rollouts run in one "
+                              "process for now")
+        if self.seq_len is not None and self.max_completion_length >= self.seq_len:
+            raise ConfigError("max_completion_length", self.max_completion_length, f"leaves no "
+                              f"room for a prompt in a row of seq_len={self.seq_len} tokens: "
+                              "use less, or raise --seq-len")
 
     @property
     def objective_settings(self) -> dict:

@@ -26,7 +26,8 @@ from typing import Any
 from effijax.errors import ConfigError
 from effijax.sources import compared_origin, short_digest, weight_file_changes
 
-__all__ = ["IDENTITY", "CHANGEABLE", "LEGACY", "NOT_RECORDED", "OBJECTIVE_SETTINGS", "identity",
+__all__ = ["IDENTITY", "CHANGEABLE", "LEGACY", "NOT_RECORDED", "OBJECTIVE_SETTINGS", "DEFAULT_BETA",
+           "identity",
            "differences", "check_resume", "edited", "changed", "default_warmup"]
 
 # What a resume must repeat, with where it is read from in a config.json-shaped dict.
@@ -42,7 +43,15 @@ LEGACY = {"optimizer": "adamw", "schedule": "cosine", "lr_end": 0.1, "decay_frac
 # setting another objective uses is refused for this one (TrainConfig's checks).
 OBJECTIVE_SETTINGS = {"sft": (), "dpo": ("beta", "dpo_loss", "label_smoothing"),
                       "simpo": ("beta", "simpo_gamma", "cpo_alpha", "label_smoothing"),
-                      "orpo": ("beta",)}
+                      "orpo": ("beta",),
+                      "grpo": ("beta", "num_generations", "max_completion_length",
+                               "rollout_temperature", "rollout_top_p", "epsilon",
+                               "epsilon_high", "grpo_loss", "scale_rewards", "rewards",
+                               "reward_weights")}
+# Each objective's beta when --beta is not given (config.json records null): TRL's (DPOConfig,
+# CPOConfig, ORPOConfig: 0.1; GRPOConfig: 0.0, no KL penalty and no reference). A run recorded
+# with the value itself is the same run.
+DEFAULT_BETA = {"dpo": 0.1, "simpo": 0.1, "orpo": 0.1, "grpo": 0.0}
 _LORA = ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "frozen_dtype",
          "lora_random_base")
 
@@ -103,7 +112,10 @@ def _objective(run_json: dict):
     name = run_json.get("objective", LEGACY["objective"])
     if not OBJECTIVE_SETTINGS.get(name):
         return name
-    return {"name": name, **{k: run_json.get(k) for k in OBJECTIVE_SETTINGS[name]}}
+    settings = {k: run_json.get(k) for k in OBJECTIVE_SETTINGS[name]}
+    if settings.get("beta", 0) is None:
+        settings["beta"] = DEFAULT_BETA.get(name)
+    return {"name": name, **settings}
 
 
 def _show(value) -> str:

@@ -45,7 +45,7 @@ from effijax.precision import (
     quantize_kernels,
     quantized_sharding,
 )
-from effijax.recipe._objective import SFT, Objective
+from effijax.recipe._objective import ROLLOUT_METRICS, SFT, Objective
 from effijax.sharding import (
     Census,
     MemoryReport,
@@ -115,6 +115,8 @@ class Job(NamedTuple):
         sequence over the mesh's ``tensor`` axis (False without a ``tensor`` axis above 1).
       objective: what the step optimises (an :class:`~effijax.recipe._objective.Objective`;
         None: next-token cross-entropy, ``SFT``): its loss, batches and evaluation.
+      rollout: an objective that samples its batches (GRPO): its ``draw`` bound to the model
+        and settings (:attr:`Objective.rollout`); :func:`batch_fn` then reads the parameters.
     """
 
     model: LanguageModel
@@ -137,6 +139,7 @@ class Job(NamedTuple):
     segmented: bool = False
     sequence_parallel: bool = False
     objective: Objective | None = None
+    rollout: Callable | None = None
 
     @property
     def shardings(self):
@@ -294,15 +297,16 @@ def plan_job(
         tensor_split(layout, mesh.shape.get("tensor", 1))  # refused before anything is traced
     sequence_parallel = _check_sequence_parallel(model, mesh, sequence_parallel)
     objective = SFT if objective is None else objective
-    if lora is None and frozen_dtype is not None and not objective.reference:
+    settings = dict(objective_settings or {})
+    reference = objective.needs_reference(settings)
+    if lora is None and frozen_dtype is not None and not reference:
         raise ConfigError("frozen_dtype", frozen_dtype, "only applies to LoRA (the base) or to "
                           "an objective with a reference (its frozen copy); pass lora=")
-    settings = dict(objective_settings or {})
     abstract = model.abstract_params(policy)
     abstract_state = _abstract_state(abstract, optimizer, seed, lora)
     trainable = abstract_state.params
     frozen = frozen_sh = None
-    if lora is None and objective.reference:
+    if lora is None and reference:
         frozen_sh = param_shardings(abstract, mesh, strategy, rules=rules, tensor_layout=layout)
         frozen = with_shardings(cast_floating(abstract, _reference_dtype(policy, frozen_dtype)),
                                 frozen_sh)
@@ -324,6 +328,8 @@ def plan_job(
         # the adapters' paths ('.../kernel/a').
         rules = lora_lib.adapter_rules(kernel_sh, trainable) + list(rules or [])
     loss = objective.loss(model, lora, sequence_parallel=sequence_parallel, **settings)
+    draw = (None if objective.rollout is None
+            else objective.rollout(model, lora, policy=policy, **settings))
     specs = partition_specs(abstract_state.params, mesh, rules=rules,
                             tensor_layout=layout)  # warns once per leaf
     with warnings.catch_warnings():
@@ -339,7 +345,7 @@ def plan_job(
 
     segmented = bool(masked) if segmented is None else bool(segmented)
     batch_sh = _batch_shardings(mesh, frozen_sh, masked, segmented,
-                                frozen_key=frozen_key(lora))
+                                frozen_key=frozen_key(lora), row_values=objective.row_values)
     step = make_sharded_step(train_loss, optimizer, policy, mesh=mesh, strategy=strategy,
                              specs=specs, shardings=shardings, has_aux=True,
                              allow_unscaled_fp16=allow_unscaled_fp16, batch_sharding=batch_sh)
@@ -358,7 +364,7 @@ def plan_job(
                grads=grad_shardings(specs, mesh, strategy), step=step, eval_step=eval_jit,
                num_params=_size(abstract), trainable_params=_size(trainable), seed=seed,
                masked=bool(masked), segmented=segmented, sequence_parallel=sequence_parallel,
-               objective=objective)
+               objective=objective, rollout=draw)
 
 
 def _check_sequence_parallel(model, mesh, sequence_parallel) -> bool:
@@ -393,7 +399,7 @@ def _batch_keys(masked: bool, segmented: bool) -> tuple[str, ...]:
 
 def _check_batch_keys(job: Job, local: dict) -> None:
     """A batch has the arrays the job was compiled for (before anything is traced)."""
-    want = set(_batch_keys(job.masked, job.segmented))
+    want = set(_batch_keys(job.masked, job.segmented)) | set((job.objective or SFT).row_values)
     if set(local) != want:
         got = "packed rows" if "mask" in local else "a corpus"
         raise ConfigError("tokens", got, f"batches with {sorted(local)}, but the job was planned "
@@ -402,9 +408,10 @@ def _check_batch_keys(job: Job, local: dict) -> None:
 
 
 def _batch_shardings(mesh, frozen_shardings, masked: bool = False,
-                     segmented: bool = False, frozen_key: str = "base") -> dict:
+                     segmented: bool = False, frozen_key: str = "base",
+                     row_values: tuple[str, ...] = ()) -> dict:
     rows = batch_sharding(mesh)
-    out = dict.fromkeys(_batch_keys(masked, segmented), rows)
+    out = dict.fromkeys((*_batch_keys(masked, segmented), *row_values), rows)
     return out if frozen_shardings is None else {**out, frozen_key: frozen_shardings}
 
 
@@ -568,19 +575,36 @@ def _to_frozen(want, x):
     return quantize(x, want.format, double_quant=want.double_quant)
 
 
-def batch_fn(job: Job, tokens: np.ndarray, frozen: Any = None) -> Callable[[int], dict]:
+def batch_fn(job: Job, tokens: np.ndarray, frozen: Any = None,
+             params: Callable[[], Any] | None = None) -> Callable[[int], dict]:
     """``batch(step)``: the global training batch of that step, a pure function of
-    ``(job.seed, step)``; each process builds only its own rows."""
+    ``(job.seed, step)``; each process builds only its own rows.
+
+    A job whose objective samples its batches (``job.rollout``, GRPO) needs ``params``: a
+    function that returns the train state's current parameters when step ``step``'s batch is
+    built (before that step runs and donates them); the batch then also holds the rollout's
+    host-side statistics under ``ROLLOUT_METRICS``, for the loop to log (not a step input).
+    """
     rows = batch_sharding(job.mesh)
     index, count = process_rows(rows, job.batch_size)
     draw = (job.objective or SFT).batch
+    if job.rollout is not None:
+        if params is None:
+            raise ConfigError("params", None, f"the {job.objective.name} objective samples each "
+                              "batch from the current parameters: pass params=, a function "
+                              "returning them")
+
+        def draw(tokens, **kw):
+            return job.rollout(tokens, params=params(), frozen=frozen, **kw)
 
     def batch(step_no: int) -> dict:
         local = draw(tokens, seed=job.seed, step=step_no, batch_size=job.batch_size,
-                         seq_len=job.model.seq_len, process_index=index, process_count=count)
+                     **({} if job.rollout is not None else {"seq_len": job.model.seq_len}),
+                     process_index=index, process_count=count)
+        extra = {k: local.pop(k) for k in [k for k in local if k == ROLLOUT_METRICS]}
         _check_batch_keys(job, local)
         out = global_batch(local, rows, job.batch_size)
-        return out if frozen is None else {**out, frozen_key(job.lora): frozen}
+        return {**out, **({} if frozen is None else {frozen_key(job.lora): frozen}), **extra}
 
     return batch
 
@@ -663,6 +687,8 @@ def abstract_batch(job: Job) -> dict:
     batch = {k: jax.ShapeDtypeStruct((job.batch_size, job.model.seq_len), jnp.int32,
                                      sharding=rows)
              for k in _batch_keys(job.masked, job.segmented)}
+    for k in (job.objective or SFT).row_values:  # per-row values (GRPO's advantages)
+        batch[k] = jax.ShapeDtypeStruct((job.batch_size,), jnp.float32, sharding=rows)
     if job.frozen is not None:
         batch[frozen_key(job.lora)] = job.frozen
     return batch

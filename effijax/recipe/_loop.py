@@ -1,7 +1,9 @@
 """The loop stage: trains to the run's ``steps``, checkpointing, and saves the last state.
 
 Each step's batch is built ahead, while the steps before it run, by a
-:class:`~effijax.data.Prefetcher` (``prefetch`` batches deep; 0: between the steps).
+:class:`~effijax.data.Prefetcher` (``prefetch`` batches deep; 0: between the steps). An
+objective that samples its batches from the policy (GRPO) builds each between the steps, from
+the parameters the step before returned.
 
 A signal (SIGTERM, SIGINT) stops the loop at a step boundary; the state is saved either way. A
 failed checkpoint write is one line (:class:`~effijax.errors.SaveError`,
@@ -20,6 +22,7 @@ import numpy as np
 from effijax import checkpoint
 from effijax.data import Prefetcher
 from effijax.recipe import _job, _report
+from effijax.recipe._objective import ROLLOUT_METRICS
 from effijax.recipe._rundir import RunStart
 from effijax.recipe._sections import OutputSection
 from effijax.recipe._state import Initial
@@ -56,12 +59,16 @@ def loop(output: OutputSection, job, run: RunStart, compiled, initial: Initial, 
     t0 = time.perf_counter()
     # The batches of the steps to come are built (and put on the devices) on a worker thread
     # while each step runs; those built for steps that never run are dropped.
+    step, params = watch.step(compiled.step), None
+    if job.rollout is not None:  # each batch is sampled from the state the step before made
+        step, params, prefetch = *_following(step, initial.state), 0
     with stop.installed(), checkpoint.orbax_log(output.out), Prefetcher(
-            _job.batch_fn(job, tokens, initial.frozen),
+            _job.batch_fn(job, tokens, initial.frozen,
+                          **({} if params is None else {"params": params})),
             range(int(initial.state.step), steps), depth=prefetch) as batches:
         try:
             state, summary = train_loop(
-                watch.step(compiled.step), initial.state, batches,
+                step, initial.state, batches,
                 num_steps=steps, tokens_per_step=job.tokens_per_step, run_dir=run_dir,
                 progress=output.progress, should_stop=stop,
                 checkpoint=(lambda s: _save(run_dir, s)) if run_dir.ckpt else None,
@@ -81,6 +88,21 @@ def loop(output: OutputSection, job, run: RunStart, compiled, initial: Initial, 
     if stop.stopped:
         return Trained(state, summary, stop.signal_name)
     return Trained(state, {**summary, **trained.summary(job.masked)})
+
+
+def _following(step, state):
+    """``(step, params)``: ``step`` that also remembers the state it returns and adds a sampled
+    batch's rollout statistics to its metrics, and ``params()``: the current state's
+    parameters, read when the next batch is built (before the step donates them)."""
+    current = [state]
+
+    def tracked(state, batch):
+        extra = batch.get(ROLLOUT_METRICS, {})
+        state, metrics = step(state, {k: v for k, v in batch.items() if k != ROLLOUT_METRICS})
+        current[0] = state
+        return state, {**metrics, **extra}
+
+    return tracked, lambda: current[0].params
 
 
 def _release_quietly(run_dir):

@@ -9,7 +9,8 @@ average. :func:`~effijax.recipe.plan_job` takes one (default :data:`SFT`);
 ``TrainConfig.objective`` names one of
 :data:`effijax.recipe._objectives.OBJECTIVES`. Adding an objective is one module defining its
 :class:`Objective` and one line in that registry; the preference objectives (``dpo``,
-``simpo``, ``orpo``) share their pair data (:mod:`effijax.recipe._pairs`).
+``simpo``, ``orpo``) share their pair data (:mod:`effijax.recipe._pairs`); ``grpo`` samples its
+batches from the policy in the loop (:mod:`effijax.recipe._grpo`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,11 @@ from typing import Any, NamedTuple
 from effijax import lora as lora_lib
 from effijax.data import batch_at, eval_batches
 
-__all__ = ["Objective", "SFT"]
+__all__ = ["Objective", "SFT", "ROLLOUT_METRICS"]
+
+# Where a sampled batch (Objective.rollout) carries its rollout's host-side statistics: never an
+# input of the step; the loop adds them to the step's metrics.
+ROLLOUT_METRICS = "rollout_metrics"
 
 
 class Objective(NamedTuple):
@@ -50,6 +55,23 @@ class Objective(NamedTuple):
         :func:`~effijax.recipe.plan_job`); the others need none.
       eval_metrics: the loss's metrics that evaluation averages over the validation batches
         besides the loss (recorded as ``eval_<name>``; TRL's ``eval_rewards/accuracies``, ...).
+      rollout: for an objective that samples its batches from the policy (``grpo``):
+        ``rollout(model, lora, *, policy, **settings) -> draw``, where ``draw(data, *, params,
+        frozen, seed, step, batch_size, process_index, process_count) -> dict`` builds step
+        ``step``'s rows from the train state's current ``params`` (and the job's frozen tree);
+        it replaces ``batch``, and :func:`~effijax.recipe.batch_fn` then needs the parameters
+        (nothing can be built ahead of the step before). None: batches are data alone.
+      row_values: the names of the f32 ``[B]`` arrays its batches carry besides the tokens
+        (GRPO's ``advantages``), sharded by rows.
+      load_settings: the settings ``load`` takes besides the path and the model (GRPO's
+        ``max_completion_length``, which bounds its prompts).
+      check: ``check(**settings)`` raises a :class:`~effijax.errors.ConfigError` for what only
+        the library can check (GRPO's rewards: their modules imported), before the run reads
+        any weights or data; None: the config's checks are all.
+
+    ``reference`` may also be a function of the objective's settings (GRPO holds a reference
+    only for a KL penalty, ``beta > 0``); ``eval_batches`` None: the objective has no
+    validation loss (the run evaluates nothing).
     """
 
     name: str
@@ -59,8 +81,18 @@ class Objective(NamedTuple):
     load: Callable[..., Any] | None = None
     metric: str | None = None
     token_mean: bool = True
-    reference: bool = False
+    reference: bool | Callable[[dict], bool] = False
     eval_metrics: tuple[str, ...] = ()
+    rollout: Callable[..., Callable] | None = None
+    row_values: tuple[str, ...] = ()
+    load_settings: tuple[str, ...] = ()
+    check: Callable[..., None] | None = None
+
+    def needs_reference(self, settings: dict | None = None) -> bool:
+        """Whether a full fine-tune with these settings holds a reference copy."""
+        if callable(self.reference):
+            return bool(self.reference(dict(settings or {})))
+        return bool(self.reference)
 
 
 def _sft_loss(model, lora, *, sequence_parallel: bool = True):

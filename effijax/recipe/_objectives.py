@@ -2,13 +2,14 @@
 
 Example:
   >>> sorted(OBJECTIVES), get_objective("sft").metric
-  (['dpo', 'orpo', 'sft', 'simpo'], 'lm_loss')
+  (['dpo', 'grpo', 'orpo', 'sft', 'simpo'], 'lm_loss')
 """
 
 from __future__ import annotations
 
 from effijax.errors import ConfigError
 from effijax.recipe._dpo import DPO
+from effijax.recipe._grpo import GRPO
 from effijax.recipe._objective import SFT, Objective
 from effijax.recipe._orpo import ORPO
 from effijax.recipe._simpo import SIMPO
@@ -21,6 +22,7 @@ OBJECTIVES: dict[str, Objective] = {
     "dpo": DPO,
     "simpo": SIMPO,
     "orpo": ORPO,
+    "grpo": GRPO,
 }
 
 

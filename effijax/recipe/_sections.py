@@ -29,7 +29,7 @@ from effijax.interop import GGUF_DTYPES
 from effijax.memory import PRECISION_ALIASES
 from effijax.optimizers import OPTIMIZERS, SCHEDULES, decay_mask, hyperparameters
 from effijax.precision import PRESET_NAMES
-from effijax.recipe._identity import OBJECTIVE_SETTINGS, default_warmup
+from effijax.recipe._identity import DEFAULT_BETA, OBJECTIVE_SETTINGS, default_warmup
 
 __all__ = ["Sections", "ModelSection", "PrecisionSection", "TrainingSection",
            "OptimizerSection", "DataSection", "ParallelSection", "OutputSection",
@@ -45,16 +45,25 @@ DATA_FORMATS = ("auto", "text", "chat")
 # The training objectives (effijax.recipe._objectives.OBJECTIVES; kept here too: checking a
 # config must not import jax; a test checks that the two lists agree) and DPO's loss types
 # (effijax.objectives.DPO_LOSS_TYPES, likewise).
-OBJECTIVES = ("sft", "dpo", "simpo", "orpo")
+OBJECTIVES = ("sft", "dpo", "simpo", "orpo", "grpo")
 # Those that compare the policy with a frozen reference (Objective.reference): in full training
 # it is a copy of the starting weights, whose floating dtype --frozen-dtype chooses.
 REFERENCE_OBJECTIVES = ("dpo",)
 REFERENCE_DTYPES = ("auto", "fp32", "bf16", "fp16")
 DPO_LOSSES = ("sigmoid", "ipo", "hinge", "robust")
+# GRPO's loss types and reward scalings (effijax.objectives.GRPO_LOSS_TYPES, SCALE_REWARDS).
+GRPO_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo")
+SCALE_REWARDS = ("group", "batch", "none")
 # The objectives' settings (effijax.recipe._identity.OBJECTIVE_SETTINGS: which objective uses
 # which) as their losses' keyword arguments are named.
 SETTING_OF = {"beta": "beta", "dpo_loss": "loss_type", "label_smoothing": "label_smoothing",
-              "simpo_gamma": "gamma", "cpo_alpha": "cpo_alpha"}
+              "simpo_gamma": "gamma", "cpo_alpha": "cpo_alpha",
+              "num_generations": "num_generations",
+              "max_completion_length": "max_completion_length",
+              "rollout_temperature": "temperature",
+              "rollout_top_p": "top_p", "epsilon": "epsilon", "epsilon_high": "epsilon_high",
+              "grpo_loss": "loss_type", "scale_rewards": "scale_rewards", "rewards": "rewards",
+              "reward_weights": "reward_weights"}
 # Launchers of effijax.distributed (kept here too: checking a config must not import jax; a
 # test checks that the two lists agree).
 CLUSTERS = ("auto", "none", "ompi", "slurm", "mpi4py", "gke-tpu", "gce-tpu", "k8s")
@@ -322,11 +331,21 @@ class ObjectiveSection:
     """What the run optimises, and the objective's own settings."""
 
     objective: str
-    beta: float
+    beta: float | None
     dpo_loss: str
     label_smoothing: float
     simpo_gamma: float
     cpo_alpha: float
+    num_generations: int
+    max_completion_length: int
+    rollout_temperature: float
+    rollout_top_p: float
+    epsilon: float
+    epsilon_high: float | None
+    grpo_loss: str
+    scale_rewards: str
+    rewards: str | None
+    reward_weights: str | None
 
     def __post_init__(self):
         if self.objective not in OBJECTIVES:
@@ -337,8 +356,10 @@ class ObjectiveSection:
         uses = OBJECTIVE_SETTINGS[self.objective]
         if "dpo_loss" in uses and self.dpo_loss not in DPO_LOSSES:
             raise ConfigError("dpo_loss", self.dpo_loss, f"choose one of {', '.join(DPO_LOSSES)}")
-        if "beta" in uses and not self.beta > 0:
+        if "beta" in uses and self.objective != "grpo" and not self.resolved_beta > 0:
             raise ConfigError("beta", self.beta, "must be > 0 (TRL's default is 0.1)")
+        if self.objective == "grpo":
+            self._check_grpo()
         if "label_smoothing" in uses:
             if self.label_smoothing and self.objective == "dpo" and self.dpo_loss != "robust":
                 raise ConfigError("label_smoothing", self.label_smoothing, "only applies to "
@@ -354,9 +375,54 @@ class ObjectiveSection:
                               "default is 1.0; 0 for SimPO without the NLL term)")
 
     @property
+    def resolved_beta(self) -> float | None:
+        """``beta``, or the objective's TRL default when it was not given (None for sft)."""
+        return DEFAULT_BETA.get(self.objective) if self.beta is None else self.beta
+
+    def _check_grpo(self) -> None:
+        for name in ("num_generations", "max_completion_length"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, getattr(self, name), "must be >= 1")
+        if self.grpo_loss not in GRPO_LOSSES:
+            raise ConfigError("grpo_loss", self.grpo_loss,
+                              f"choose one of {', '.join(GRPO_LOSSES)}")
+        if self.scale_rewards not in SCALE_REWARDS:
+            raise ConfigError("scale_rewards", self.scale_rewards,
+                              f"choose one of {', '.join(SCALE_REWARDS)}")
+        if not self.resolved_beta >= 0:
+            raise ConfigError("beta", self.beta, "must be >= 0: grpo's KL penalty (TRL's "
+                              "default is 0)")
+        if not self.rollout_temperature > 0:
+            raise ConfigError("rollout_temperature", self.rollout_temperature, "a rollout "
+                              "samples: must be > 0 (TRL's default is 1.0)")
+        if not 0 < self.rollout_top_p <= 1:
+            raise ConfigError("rollout_top_p", self.rollout_top_p, "must be in (0, 1]")
+        if not 0 < self.epsilon < 1:
+            raise ConfigError("epsilon", self.epsilon, "must be in (0, 1): the ratio is "
+                              "clipped below at 1 - epsilon (TRL's default is 0.2)")
+        if self.epsilon_high is not None and not self.epsilon_high > 0:
+            raise ConfigError("epsilon_high", self.epsilon_high, "must be > 0 (DAPO recommends "
+                              "0.28)")
+        if not self.rewards or not self.rewards.strip(", "):
+            raise ConfigError("rewards", self.rewards, "grpo scores completions with reward "
+                              "functions: give --rewards NAME[,NAME...] (built-ins: "
+                              "exact_match, answer_format; or 'package.module:function')")
+        if self.reward_weights is not None:
+            try:
+                weights = [float(w) for w in self.reward_weights.split(",")]
+            except ValueError:
+                raise ConfigError("reward_weights", self.reward_weights, "expected "
+                                  "comma-separated numbers, one per reward") from None
+            count = len([r for r in self.rewards.split(",") if r.strip()])
+            if len(weights) != count or not all(math.isfinite(w) for w in weights):
+                raise ConfigError("reward_weights", self.reward_weights, f"expected {count} "
+                                  "finite numbers, one per reward")
+
+    @property
     def settings(self) -> dict:
-        """The objective's own settings, as its loss takes them (empty for sft)."""
-        return {SETTING_OF[name]: getattr(self, name)
+        """The objective's own settings, as its loss takes them (empty for sft; ``beta`` the
+        objective's default when not given)."""
+        return {SETTING_OF[name]: self.resolved_beta if name == "beta" else getattr(self, name)
                 for name in OBJECTIVE_SETTINGS[self.objective]}
 
 

@@ -97,6 +97,8 @@ def train(config: TrainConfig, *, argv: list[str] | None = None) -> TrainResult:
     check_sources(config.data, config.data_format, config.text_column)
     # From the tokenizer alone: before any weights.
     _sources.check_chat_template(s.model, s.data, objective=config.objective)
+    if get_objective(config.objective).check is not None:  # GRPO's rewards, imported
+        get_objective(config.objective).check(**s.objective.settings)
     mesh = start(s.parallel, verbose=config.verbose)
     try:
         if config.init_from:
@@ -110,7 +112,8 @@ def train(config: TrainConfig, *, argv: list[str] | None = None) -> TrainResult:
         s = config.sections  # every auto decided
         _report.stage(config.init_from,
                       f"reading the data ({config.data or 'the standard library'})")
-        data = load_data(s.data, model, objective=config.objective)
+        data = load_data(s.data, model, objective=config.objective,
+                         settings=s.objective.settings)
         optimizer = optimizer_for(s.training, s.optimizer, s.precision)
         job = plan_run(model, optimizer, data, mesh, None if source is None else source.params,
                        precision=s.precision, training=s.training, parallel=s.parallel,
@@ -135,11 +138,14 @@ def train(config: TrainConfig, *, argv: list[str] | None = None) -> TrainResult:
                                    precision=s.precision, training=s.training,
                                    parallel=s.parallel, output=s.output)
             memory = _report.summary_extras(job, compiled)["memory"]
+            # An objective without a validation loss (GRPO's) evaluates nothing.
+            evaluated = (config.eval_batches
+                         if get_objective(config.objective).eval_batches is not None else 0)
             with _watch.watching(s.output, run.run_json, memory, run.resume_step or 0) as watch:
                 resumed = run.resume_step is not None
                 before = _finish.evaluate_start(  # before the loop donates the state
                     job, initial, data.val, run.config_json["run"] if resumed else None,
-                    eval_batches=config.eval_batches, init_from=config.init_from)
+                    eval_batches=evaluated, init_from=config.init_from) if evaluated else {}
                 run.dir.begin(_finish.with_start(run.config_json, before), append=resumed)
                 trained = loop(s.output, job, run, compiled, initial, data.train, watch,
                                steps=config.steps, prefetch=config.prefetch,
@@ -150,7 +156,7 @@ def train(config: TrainConfig, *, argv: list[str] | None = None) -> TrainResult:
                     return TrainResult(config.out, trained.summary, "stopped", config)
                 evaluation = _finish.evaluate_end(
                     job, trained.state.params, data.val, initial.frozen,
-                    eval_batches=config.eval_batches, init_from=config.init_from)
+                    eval_batches=evaluated, init_from=config.init_from)
                 exports = _finish.export(s.output, s.training, job, trained.state.params,
                                          initial.frozen, init_from=config.init_from)
                 summary = _finish.summarize(job, compiled, trained.summary, config.out,
@@ -285,16 +291,19 @@ def implied_strategy(mesh) -> str:
     return "fsdp" if mesh is not None and mesh.shape.get("fsdp", 1) > 1 else "ddp"
 
 
-def load_data(data: DataSection, model, *, objective: str = "sft") -> Dataset:
+def load_data(data: DataSection, model, *, objective: str = "sft",
+              settings: dict | None = None) -> Dataset:
     """The run's :class:`~effijax.sources.Dataset`: ``data.data`` through the model's
     tokenizer, read as ``data.data_format`` says, 5% held out for validation. A Parquet,
     Arrow or ``datasets`` source (and a mixture's part that is not a store) is first prepared
     into a store in effijax's cache (:func:`~effijax.sources.training_data`).
     An ``objective`` with data of its own reads it instead (the preference objectives' JSONL pairs:
-    :func:`~effijax.recipe._pairs.load_pairs`)."""
-    load = get_objective(objective).load
-    if load is not None:
-        return load(data.data, model)
+    :func:`~effijax.recipe._pairs.load_pairs`; GRPO's prompts, bounded by its ``settings``'
+    ``max_completion_length``: :func:`~effijax.recipe._grpo.load_prompts`)."""
+    chosen = get_objective(objective)
+    if chosen.load is not None:
+        return chosen.load(data.data, model, **{k: (settings or {})[k]
+                                                 for k in chosen.load_settings})
     say = (lambda line: print(f"effijax train: data: {line}", flush=True)) \
         if jax.process_index() == 0 else (lambda line: _to_stderr(f"data: {line}"))
     read = training_data(data.data, getattr(model, "tokenizer", None),
@@ -313,13 +322,15 @@ def plan_run(model, optimizer, data: Dataset, mesh, base: Any = None, *,
     (``base``: the loaded pretrained parameters, whose kept GGUF blocks a ``gguf`` frozen base
     uses)."""
     spec = lora.spec(model.lora_targets)
+    # A sampled batch (GRPO) is rows of [padding, prompt, completion]: masked and segmented.
+    sampled = get_objective(objective.objective).rollout is not None
     with lora_fields():  # the spec's checks against the model: rank, targets
         return _job.plan_job(model, precision.precision, optimizer,
                              batch_size=training.batch_size, mesh=mesh,
                              strategy=parallel.strategy or implied_strategy(None), lora=spec,
                              seed=training.seed, frozen_dtype=None if lora.frozen_dtype == "auto"
-                             else lora.frozen_dtype, masked=data.masked,
-                             segmented=data.segmented,
+                             else lora.frozen_dtype, masked=data.masked or sampled,
+                             segmented=data.segmented or sampled,
                              kept_blocks=base if lora.frozen_dtype == "gguf" else None,
                              objective=get_objective(objective.objective),
                              objective_settings=objective.settings)

@@ -1,0 +1,380 @@
+"""GRPO (group relative policy optimisation) as a training objective, with its rollouts in the
+loop, under LoRA or in full.
+
+It trains on prompts (:func:`load_prompts`: ``{"prompt": ...}`` JSONL records, the prompt a
+text or chat messages, any other columns passed to the rewards by name, as TRL does). Each step
+``k`` draws ``batch_size / num_generations`` prompts by ``(seed, k)``, samples
+``num_generations`` completions of each with effijax's cached sampler
+(:func:`effijax.generate.rollout`) on the train state's current parameters (under LoRA the
+frozen base with the adapters applied on the fly; in full training the parameters in the compute
+dtype), seeded by ``(seed, k)`` so that a resumed run samples what the uninterrupted one did,
+scores them (:func:`effijax.objectives.score_completions`), forms the group-relative advantages
+(:func:`effijax.objectives.group_advantages`) and takes the clipped policy-gradient step
+(:func:`effijax.objectives.grpo_loss`; one update per rollout, TRL's default
+``num_iterations=1``: the sampling policy is the policy itself, without gradient).
+
+A step's rows are ``[left padding, prompt, completion]`` of ``seq_len`` tokens: the prompt in
+the first ``seq_len - max_completion_length`` (a longer prompt is refused when the data is
+read), the completion in the last ``max_completion_length``. With ``beta > 0`` the KL penalty
+compares with a reference: under LoRA the base with the adapters off (no copy), in full training
+a frozen copy of the starting weights that rides in every batch (the job holds it only then).
+
+The rollout's statistics (TRL's ``reward``, ``reward_std``, ``rewards/{name}/mean``,
+``completions/mean_length``, ...) ride in the batch as host numbers under
+:data:`ROLLOUT_METRICS`; the loop adds them to the step's metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from effijax import lora as lora_lib
+from effijax.data import bounded_lines, records_fingerprint
+from effijax.errors import ConfigError
+from effijax.generate import make_completion_logps, rollout, rollout_batch, rollout_metrics
+from effijax.models import abstract_split
+from effijax.objectives import (
+    check_grpo_settings,
+    group_advantages,
+    grpo_loss,
+    resolve_reward,
+    score_completions,
+)
+from effijax.recipe._objective import ROLLOUT_METRICS, Objective
+from effijax.sources import Dataset, padding_id
+
+__all__ = ["GRPO", "Prompt", "Prompts", "read_prompt_records", "load_prompts",
+           "prompt_ids", "rollout_seed", "parse_rewards"]
+
+class Prompt(NamedTuple):
+    """One prompt record: its ``prompt`` (a text or chat messages), its other columns, where it
+    came from (``"file:line"``) and its line (``raw``)."""
+
+    prompt: Any
+    columns: dict
+    source: str
+    raw: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompts:
+    """A run's prompts: the records and each one's token ids (chat-rendered with the
+    generation prompt appended, or plain text)."""
+
+    records: list[Prompt]
+    ids: list[np.ndarray]
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+
+def _bad(source: str, problem: str) -> ConfigError:
+    return ConfigError("data", source, problem + '; expected one JSON object per line: '
+                       '{"prompt": "..." (or chat messages), other columns for the rewards}')
+
+
+def _messages(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str)
+        and isinstance(m.get("content"), str) for m in value)
+
+
+def _record(line: str, source: str) -> Prompt:
+    try:
+        obj = json.loads(line)
+    except (ValueError, RecursionError):
+        raise _bad(source, "not valid JSON") from None
+    if not isinstance(obj, dict):
+        raise _bad(source, f"a JSON {type(obj).__name__}, not an object")
+    if "prompt" not in obj:
+        raise _bad(source, "no 'prompt'")
+    prompt = obj["prompt"]
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise _bad(source, "the prompt is empty")
+    elif not _messages(prompt):
+        raise _bad(source, "'prompt' is neither a string nor a list of chat messages "
+                   '({"role": ..., "content": ...})')
+    return Prompt(prompt, {k: v for k, v in obj.items() if k != "prompt"}, source, line)
+
+
+def read_prompt_records(path: str) -> list[Prompt]:
+    """The prompt records of a JSONL file (blank lines skipped).
+
+    Raises:
+      ConfigError: ``field="data"``, value ``"file:line"`` of the first bad record (not JSON,
+        no ``prompt``, an empty one, one that is neither a text nor chat messages).
+
+    Example:
+      >>> import pathlib, tempfile
+      >>> f = pathlib.Path(tempfile.mkdtemp()) / "prompts.jsonl"
+      >>> _ = f.write_text('{"prompt": "2+2?", "answer": "4"}\\n{"question": "1+1?"}\\n')
+      >>> read_prompt_records(f)  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      effijax.errors.ConfigError: data='.../prompts.jsonl:2': no 'prompt'; expected ...
+    """
+    records = [_record(line, f"{path}:{number}") for number, line in bounded_lines(path, "data")
+               if line.strip()]
+    if not records:
+        raise ConfigError("data", str(path), "holds no prompt (one JSON object per line)")
+    return records
+
+
+def prompt_ids(tokenizer, prompt) -> np.ndarray:
+    """A prompt's token ids: with a chat template, the prompt as a user message (or its
+    messages) rendered with the generation prompt appended; without one, the text (BOS first
+    where the tokenizer starts texts with one).
+
+    Example:
+      >>> from effijax.models import byte_level_bpe
+      >>> tok = byte_level_bpe(["<s>", "a", "b", "u", ":"], [], token_types=[3, 1, 1, 1, 1],
+      ...     chat_template="{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}"
+      ...                   "<s>{% endfor %}{% if add_generation_prompt %}a:{% endif %}")
+      >>> tok.decode(prompt_ids(tok, "ab"))  # the user's turn, then the assistant's opening
+      'u:ab<s>a:'
+      >>> tok.decode(prompt_ids(tok, [{"role": "b", "content": "ba"}]))
+      'b:ba<s>a:'
+    """
+    if tokenizer.chat_template is None:
+        if not isinstance(prompt, str):
+            raise ConfigError("chat_template", None, "chat-message prompts are rendered with "
+                              "the model's chat template, and it has none: give text prompts "
+                              "or --chat-template")
+        lead = [tokenizer.bos_id] if tokenizer.add_bos and tokenizer.bos_id is not None else []
+        return np.asarray(lead + list(tokenizer.encode(prompt)), np.int32)
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
+    # The template writes its own BOS (Gemma's), which encoding would add a second time.
+    return np.asarray(tokenizer.encode(text, add_special_tokens=False), np.int32)
+
+
+def load_prompts(path: str | None, model, *, max_completion_length: int,
+                 seq_len: int | None = None) -> Dataset:
+    """The run's prompts (see the module docstring) as a :class:`~effijax.sources.Dataset`
+    of format ``"prompts"``: all of them train (GRPO has no validation loss; ``val`` is empty).
+
+    Raises:
+      ConfigError: not a ``.jsonl`` file, a model without a tokenizer, a bad record, or a
+        prompt longer than ``seq_len - max_completion_length`` tokens (named by its line).
+    """
+    seq_len = model.seq_len if seq_len is None else seq_len
+    if path is None or Path(path).suffix.lower() != ".jsonl":
+        raise ConfigError("data", path, "grpo samples completions of prompts: give a .jsonl "
+                          "file of {\"prompt\": ...} records (--data PROMPTS.jsonl)")
+    tokenizer = getattr(model, "tokenizer", None)
+    if tokenizer is None:
+        raise ConfigError("data", path, f"prompts are tokenized by the model's tokenizer, and "
+                          f"{model.name} has none: train from one (e.g. --from smollm2)")
+    room = seq_len - max_completion_length
+    if room < 1:
+        raise ConfigError("max_completion_length", max_completion_length, f"leaves no room for "
+                          f"a prompt in a row of seq_len={seq_len} tokens: use less, or raise "
+                          "--seq-len")
+    records = read_prompt_records(path)
+    ids = []
+    for record in records:
+        try:
+            row = prompt_ids(tokenizer, record.prompt)
+        except ConfigError as e:
+            if e.field != "chat_template":
+                raise
+            raise ConfigError("data", record.source, e.problem) from None
+        if row.size == 0:
+            raise ConfigError("data", record.source, "the prompt encodes to no tokens")
+        if row.size > room:
+            raise ConfigError("data", record.source, f"the prompt is {row.size} tokens, over the "
+                              f"{room} a row leaves it (seq_len {seq_len} - "
+                              f"max_completion_length {max_completion_length}); raise --seq-len "
+                              "or shorten it (prompts are not cut)")
+        ids.append(row)
+    how = "chat template" if tokenizer.chat_template is not None else "plain text"
+    note = (f"prompts ({how}): {len(records)}, up to {max(r.size for r in ids)} tokens; rows of "
+            f"{seq_len} tokens ({room} for the prompt, {max_completion_length} for the "
+            "completion)")
+    empty = Prompts([], [])
+    return Dataset(Prompts(records, ids), empty, records_fingerprint(records), "prompts",
+                   int(sum(r.size for r in ids)), note)
+
+
+def rollout_seed(seed: int, step: int) -> int:
+    """The sampling seed of step ``step``'s rollout: a pure function of ``(seed, step)``, so a
+    resumed run samples what the uninterrupted one did.
+
+    Example:
+      >>> rollout_seed(0, 3) == rollout_seed(0, 3) != rollout_seed(0, 4)
+      True
+    """
+    return int(np.random.SeedSequence([seed, step]).generate_state(1)[0] & 0x7FFFFFFF)
+
+
+def parse_rewards(rewards: str | None, reward_weights: str | None
+                  ) -> tuple[list[Callable], list[float] | None]:
+    """``--rewards`` (comma-separated built-in names or dotted paths) resolved
+    (:func:`effijax.objectives.resolve_reward`) and ``--reward-weights`` (comma-separated
+    numbers, one per reward) parsed.
+
+    Example:
+      >>> functions, weights = parse_rewards("exact_match,answer_format", "1,0.5")
+      >>> [f.__name__ for f in functions], weights
+      (['exact_match', 'answer_format'], [1.0, 0.5])
+      >>> parse_rewards("exact_match", "1,2")
+      Traceback (most recent call last):
+      effijax.errors.ConfigError: reward_weights='1,2': 2 weights for 1 reward; give one per \
+reward
+    """
+    names = [] if rewards is None else [r.strip() for r in rewards.split(",") if r.strip()]
+    if not names:
+        raise ConfigError("rewards", rewards, "grpo scores completions with reward functions: "
+                          "give --rewards NAME[,NAME...] (built-ins: exact_match, "
+                          "answer_format; or 'package.module:function')")
+    try:
+        functions = [resolve_reward(name) for name in names]
+    except ConfigError as e:
+        raise ConfigError("rewards", e.value, e.problem) from None
+    if reward_weights is None:
+        return functions, None
+    try:
+        weights = [float(w) for w in reward_weights.split(",")]
+    except ValueError:
+        raise ConfigError("reward_weights", reward_weights, "expected comma-separated numbers, "
+                          "one per reward") from None
+    if len(weights) != len(functions):
+        raise ConfigError("reward_weights", reward_weights, f"{len(weights)} weights for "
+                          f"{len(functions)} reward{'s' * (len(functions) != 1)}; give one per "
+                          "reward")
+    if not all(np.isfinite(weights)):
+        raise ConfigError("reward_weights", reward_weights, "must be finite numbers")
+    return functions, weights
+
+
+def _grpo_loss(model, lora, *, sequence_parallel: bool = True, beta: float = 0.0,
+               epsilon: float = 0.2, epsilon_high: float | None = None,
+               loss_type: str = "dapo", max_completion_length: int = 256,
+               temperature: float = 1.0, **rollout_settings):
+    """GRPO's loss of a rollout batch (see the module docstring); ``rollout_settings`` are
+    :func:`_rollout`'s."""
+    del rollout_settings
+    settings = {"beta": beta, "epsilon": epsilon, "epsilon_high": epsilon_high,
+                "loss_type": loss_type, "max_completion_length": max_completion_length}
+    check_grpo_settings(**settings)
+    logps = make_completion_logps(abstract_split(model)[0], lora, temperature=temperature,
+                                  sequence_parallel=sequence_parallel,
+                                  frozen_base=lora is not None)
+    width = max_completion_length
+
+    def body(params, batch, rng, reference):
+        rows = {k: batch[k] for k in ("inputs", "targets", "mask", "segments")}
+        rows["completion_mask"] = batch["mask"][:, -width - 1:-1] != 0
+        logps_NT = logps(params, rows, rng)
+        ref_NT = None
+        if beta:  # no dropout, no gradient
+            ref_NT = jax.lax.stop_gradient(logps(reference, rows))
+        return grpo_loss(logps_NT, batch["advantages"], rows["completion_mask"],
+                         ref_token_logps_NT=ref_NT, **settings)
+
+    if lora is None:
+        def full_loss(params, batch, rng=None):
+            return body(params, batch, rng, batch.get("reference"))
+
+        return full_loss
+
+    def loss(params, batch, rng=None):
+        off = None
+        if beta:  # the adapters off: the policy's own base arithmetic, exactly (as DPO's)
+            off = {"base": params["base"],
+                   "adapters": jax.tree.map(jnp.zeros_like, params["adapters"])}
+        return body(params, batch, rng, off)
+
+    return lora_lib.freeze_base(loss)
+
+
+def _rollout(model, lora, *, policy, num_generations: int = 8, max_completion_length: int = 256,
+             temperature: float = 1.0, top_p: float = 1.0, scale_rewards: str = "group",
+             rewards: str | None = None, reward_weights: str | None = None, **loss_settings):
+    """``draw(data, *, params, frozen, seed, step, batch_size, process_index, process_count)
+    -> batch``: step ``step``'s rollout on ``params`` (the train state's, now) as this process'
+    rows of a training batch, its statistics under :data:`ROLLOUT_METRICS`."""
+    del loss_settings
+    functions, weights = parse_rewards(rewards, reward_weights)
+    tokenizer = model.tokenizer
+    pad = padding_id(tokenizer)
+    eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+    if tokenizer.chat_template is not None:
+        from effijax.data import turn_end_id
+
+        end = turn_end_id(tokenizer)
+        if end is not None and end not in eos:
+            eos.append(end)
+    width = model.seq_len - max_completion_length
+
+    def decode(ids):
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    def draw(data: Prompts, *, params, frozen, seed: int, step: int, batch_size: int,
+             process_index: int = 0, process_count: int = 1) -> dict:
+        rng = np.random.Generator(np.random.Philox(key=np.array([seed, step], np.uint64)))
+        picks = rng.integers(0, len(data), size=batch_size // num_generations)
+        sampling = ({"base": frozen, "adapters": params} if lora is not None
+                    else policy.cast_to_compute(params))
+        out = rollout(model, sampling, [data.ids[i] for i in picks],
+                      num_generations=num_generations,
+                      max_completion_length=max_completion_length, temperature=temperature,
+                      top_p=top_p, seed=rollout_seed(seed, step), eos_id=eos or None,
+                      lora=lora, decode=decode, pad_id=pad)
+        # Each prompt left-padded to the row's fixed prompt width (the sampler's is a multiple
+        # of 16 over the longest: only padding is cut).
+        prompts_NP = np.full((batch_size, width), pad, np.int32)
+        kept = min(width, out.prompt_ids.shape[1])
+        prompts_NP[:, width - kept:] = out.prompt_ids[:, -kept:]
+        rows = rollout_batch(out._replace(prompt_ids=prompts_NP))
+        records = [data.records[i] for i in picks for _ in range(num_generations)]
+        chat = [not isinstance(r.prompt, str) for r in records]
+        # TRL's: a conversational prompt's completion is the assistant's message.
+        completions = [[{"role": "assistant", "content": text}] if c else text
+                       for text, c in zip(out.completions, chat, strict=True)]
+        keys = sorted({k for r in records for k in r.columns})
+        scores = score_completions(functions, [r.prompt for r in records], completions,
+                                   weights=weights, completion_ids=[
+                                       ids[m] for ids, m in zip(out.completion_ids,
+                                                                out.completion_mask,
+                                                                strict=True)],
+                                   columns={k: [r.columns.get(k) for r in records]
+                                            for k in keys})
+        advantages, stats = group_advantages(jnp.asarray(scores.rewards), num_generations,
+                                             scale_rewards=scale_rewards)
+        metrics = {**{k: float(v) for k, v in stats.items()}, **scores.metrics,
+                   **rollout_metrics(out)}
+        mine = slice(process_index * batch_size // process_count,
+                     (process_index + 1) * batch_size // process_count)
+        batch = {"inputs": rows["inputs"][mine], "targets": rows["targets"][mine],
+                 "mask": rows["mask"][mine].astype(np.int32),
+                 "segments": rows["segments"][mine],
+                 "advantages": np.asarray(advantages, np.float32)[mine]}
+        return {**batch, ROLLOUT_METRICS: metrics}
+
+    return draw
+
+
+def _check(*, rewards: str | None = None, reward_weights: str | None = None, **settings) -> None:
+    """The rewards resolved (their modules imported) before the run reads anything."""
+    del settings
+    parse_rewards(rewards, reward_weights)
+
+
+def _needs_reference(settings: dict) -> bool:
+    """A full fine-tune holds a reference copy only for a KL penalty (``beta > 0``)."""
+    return bool(settings.get("beta", 0.0))
+
+
+GRPO = Objective("grpo", _grpo_loss, eval_batches=None, load=load_prompts, metric=None,
+                 token_mean=False, reference=_needs_reference, rollout=_rollout,
+                 row_values=("advantages",), load_settings=("max_completion_length",),
+                 check=_check)
