@@ -34,7 +34,7 @@ from effijax.models import (
 )
 from effijax.models._attention import window_mask
 from effijax.models._ring import _plan, _sharded
-from effijax.sharding import batch_sharding, make_mesh
+from effijax.sharding import batch_sharding, make_mesh, param_shardings
 
 B, S, H, H_KV, K = 2, 64, 4, 2, 16
 
@@ -246,11 +246,18 @@ def test_collectives_of_each_variant(variant, expected):
     assert collections.Counter(ops) == expected
 
 
-@pytest.mark.slow  # two compilations of a Llama train step: 14 s on 2 loaded cores
-def test_llama_on_a_context_mesh_matches_a_plain_fsdp_mesh():
-    # A tiny Llama's packed batch: loss and gradients with the sequence split over context=4
-    # (the attention as ring attention, the activations split along the sequence) equal those
-    # of the same batch on a plain fsdp=2 mesh.
+@pytest.mark.slow  # three compilations of a Llama train step: about 20 s on 2 loaded cores
+def test_llama_on_context_meshes_matches_a_plain_fsdp_mesh(monkeypatch):
+    # A tiny Llama's packed batch: loss and gradients with the sequence split over the context
+    # axis (the trunk in the load-balanced order, the attention as ring attention, the
+    # activations split along the sequence) equal those of the same batch on a plain fsdp=2
+    # mesh; with context=2 x tensor=4 the parameters are split Megatron's way and the
+    # residual stream over (context, tensor).
+    import effijax.models._decoder as decoder
+
+    balanced = []  # the degrees the trunk permuted its tokens for, one per trace
+    monkeypatch.setattr(decoder, "to_load_balanced", lambda x, n: balanced.append(n) or
+                        to_load_balanced(x, n))
     config = llama_config("llama-tiny", seq_len=S, attention="auto")
     params = config.init_params(jax.random.key(0))
     keys = jax.random.split(jax.random.key(1), 2)
@@ -260,15 +267,22 @@ def test_llama_on_a_context_mesh_matches_a_plain_fsdp_mesh():
     step = jax.jit(jax.value_and_grad(lambda p, b: config.loss_fn()(p, b)[0]))
 
     def run(mesh):
+        placed_params = jax.device_put(params, param_shardings(
+            params, mesh, "fsdp", tensor_layout=config.tensor_layout()))
         with jax.set_mesh(mesh):
             placed = jax.device_put(batch, batch_sharding(mesh))
-            lowered = step.lower(params, placed)
-            return lowered.as_text(), lowered.compile()(params, placed)
+            lowered = step.lower(placed_params, placed)
+            return lowered.as_text(), lowered.compile()(placed_params, placed)
 
-    text, (loss, grads) = run(make_mesh(fsdp=2, context=4))
-    assert "collective_permute" in text  # the ring ran
-    assert '[{"data", "fsdp"}, {"context"}, {}]' in text  # the residual stream split by context
     plain_text, (ref_loss, ref_grads) = run(make_mesh(fsdp=2, devices=jax.devices()[:2]))
-    assert "collective_permute" not in plain_text
-    chex.assert_trees_all_close(loss, ref_loss, atol=1e-6, rtol=0)
-    chex.assert_trees_all_close(grads, ref_grads, atol=1e-6, rtol=0)
+    assert "collective_permute" not in plain_text and balanced == []
+    for axes, split in [(dict(fsdp=2, context=4), '[{"data", "fsdp"}, {"context"}, {}]'),
+                        (dict(fsdp=1, context=2, tensor=4),
+                         '[{"data", "fsdp"}, {"context", "tensor"}, {}]')]:
+        balanced.clear()
+        text, (loss, grads) = run(make_mesh(**axes))
+        assert balanced == [axes["context"]] * 3  # tokens, positions, segments
+        assert "collective_permute" in text  # the ring ran
+        assert split in text  # the residual stream split along the sequence
+        chex.assert_trees_all_close(loss, ref_loss, atol=1e-6, rtol=0)
+        chex.assert_trees_all_close(grads, ref_grads, atol=1e-6, rtol=0)

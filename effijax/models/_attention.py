@@ -35,7 +35,10 @@ as a mask; the blockwise kernel skips tiles either way). ``w >= S`` is plain cau
 Context parallelism: under a mesh (``jax.set_mesh``) with a ``context`` axis above 1 that
 divides the sequence, every entry of :data:`ATTENTION` runs as
 :func:`~effijax.models.context_attend` (ring attention, each device holding its contiguous chunk
-of the sequence, the blockwise kernel for its local work); dropout is refused there.
+of the sequence, the blockwise kernel for its local work); dropout is refused there. The
+models' trunk (:mod:`effijax.models._decoder`) goes further where ``2 x context`` divides the
+sequence: its layers run in the load-balanced order and their attention tells
+:func:`~effijax.models.context_attend` so (``load_balanced=True``).
 
 All accept grouped-query attention: ``k`` and ``v`` may have ``H_kv`` heads, ``H_kv`` dividing
 ``H``, query head ``h`` reading kv head ``h // (H // H_kv)`` (Hugging Face Llama's convention).
@@ -372,6 +375,34 @@ def auto_attend(q_BSHK: jax.Array, k_BTHK: jax.Array, v_BTHK: jax.Array, *, caus
                                   segments_BS=segments_BS, window=window)
 
 
+def _context_degree() -> int:
+    """The size of the ``context`` axis of the mesh set by ``jax.set_mesh`` (1: no mesh, or
+    no such axis)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty else dict(mesh.shape).get(CONTEXT_AXIS, 1)
+
+
+def _context_parallel_attend(q_BSHK, k_BSHK, v_BSHK, *, causal=True, dropout_rate=0.0,
+                            dropout_key=None, segments_BS=None, window=None,
+                            load_balanced: bool) -> jax.Array:
+    """Self-attention over the ``context`` axis of the mesh set by ``jax.set_mesh``:
+    :func:`~effijax.models.context_attend` (ring attention), with :func:`attend`'s signature
+    plus ``load_balanced`` (the sequence is in :func:`~effijax.models.to_load_balanced` order;
+    False: natural order, each device holding its contiguous chunk).
+
+    Raises:
+      ValueError: dropout (``dropout_key`` given and ``dropout_rate > 0``): ring attention
+        has none; and what :func:`~effijax.models.context_attend` refuses.
+    """
+    n = _context_degree()
+    if dropout_key is not None and dropout_rate > 0.0:
+        raise ValueError(f"attention over a context axis ({CONTEXT_AXIS}={n}) has no "
+                         f"dropout, got dropout_rate={dropout_rate}; set the model's "
+                         "dropout to 0 or train without a context axis")
+    return context_attend(q_BSHK, k_BSHK, v_BSHK, axis=CONTEXT_AXIS, causal=causal,
+                          segments_BS=segments_BS, window=window, load_balanced=load_balanced)
+
+
 def _context_parallel(fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
     """``fn``, run as :func:`~effijax.models.context_attend` (ring attention over the
     ``context`` axis, each device holding its contiguous chunk of the sequence, the blockwise
@@ -381,16 +412,13 @@ def _context_parallel(fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
     @functools.wraps(fn)
     def attention(q_BSHK, k_BTHK, v_BTHK, *, causal=True, dropout_rate=0.0, dropout_key=None,
                   segments_BS=None, window=None):
-        mesh = jax.sharding.get_abstract_mesh()
-        n = 1 if mesh.empty else dict(mesh.shape).get(CONTEXT_AXIS, 1)
+        n = _context_degree()
         s = q_BSHK.shape[1]
         if n > 1 and s == k_BTHK.shape[1] and s % n == 0:
-            if dropout_key is not None and dropout_rate > 0.0:
-                raise ValueError(f"attention over a context axis ({CONTEXT_AXIS}={n}) has no "
-                                 f"dropout, got dropout_rate={dropout_rate}; set the model's "
-                                 "dropout to 0 or train without a context axis")
-            return context_attend(q_BSHK, k_BTHK, v_BTHK, axis=CONTEXT_AXIS, causal=causal,
-                                  segments_BS=segments_BS, window=window, load_balanced=False)
+            return _context_parallel_attend(q_BSHK, k_BTHK, v_BTHK, causal=causal,
+                                            dropout_rate=dropout_rate, dropout_key=dropout_key,
+                                            segments_BS=segments_BS, window=window,
+                                            load_balanced=False)
         return fn(q_BSHK, k_BTHK, v_BTHK, causal=causal, dropout_rate=dropout_rate,
                   dropout_key=dropout_key, segments_BS=segments_BS, window=window)
 

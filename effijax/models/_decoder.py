@@ -62,7 +62,7 @@ from flax import nnx
 
 from effijax.errors import NO_VALUE, ConfigError
 from effijax.lora import LoraSpec
-from effijax.models._attention import ATTENTION
+from effijax.models._attention import ATTENTION, _context_degree, _context_parallel_attend
 from effijax.models._blockwise import REMAT_POLICIES
 from effijax.models._cache import (
     KVCache,
@@ -88,6 +88,7 @@ from effijax.models._layers import (
     make_loss_fn,
     segment_positions,
 )
+from effijax.models._ring import from_load_balanced, to_load_balanced
 from effijax.models._tensor_roles import attention_roles, tensor_layout
 from effijax.precision import Policy, get_policy
 
@@ -348,6 +349,16 @@ def _graphdef(config: DecoderConfig) -> nnx.GraphDef:
 # Attention and the pre-norm block.
 
 
+def _balanced(seq_len: int) -> int:
+    """The context degree ``n`` a trunk pass of ``seq_len`` tokens runs load-balanced over: the
+    ``context`` axis of the mesh set by ``jax.set_mesh`` when ``2n`` divides ``seq_len``
+    (the tokens then go through the layers in :func:`~effijax.models.to_load_balanced` order
+    and the attention is ring attention on it); 1 otherwise (natural order). One rule for the
+    trunk, which permutes, and the attention, which must know."""
+    n = _context_degree()
+    return n if n > 1 and seq_len % (2 * n) == 0 else 1
+
+
 class LayerInputs(NamedTuple):
     """What every layer of a pass receives besides the residual stream: ``positions``, the
     family's position pytree (rotary ``(cos, sin)`` tables; None for learned positions, added
@@ -419,7 +430,10 @@ class Attention(nnx.Module):
         v_BSGK = v_proj(x_ND, v_lora).reshape(b, s, spec.kv_heads, spec.head_dim)
         q_BSHK, k_BSGK = self.rotate(q_BSHK, k_BSGK, inputs.positions)
         if cache is None:
-            out_BSHK = ATTENTION[spec.implementation](
+            # The trunk's passes: in the load-balanced order on a context mesh (_balanced).
+            attention = (functools.partial(_context_parallel_attend, load_balanced=True)
+                         if _balanced(s) > 1 else ATTENTION[spec.implementation])
+            out_BSHK = attention(
                 q_BSHK, k_BSGK, v_BSGK, causal=True, dropout_rate=spec.dropout,
                 dropout_key=key, segments_BS=inputs.segments_BS, window=inputs.window)
             return o_proj(out_BSHK.reshape(b, s, -1), o_lora)
@@ -673,6 +687,18 @@ class Decoder(nnx.Module):
                               f"{cfg.context_field}={cfg.max_context}")
         key = self._dropout_key(deterministic, rngs, lora)
         positions_BS = None if segments_BS is None else segment_positions(segments_BS)
+        # Context parallelism: a sequence that 2 x context splits goes through the layers in
+        # ring attention's load-balanced order (each device holds chunk i and its mirror, so
+        # the causal work is even). Positions and segments are computed in the natural order
+        # and permuted with the tokens; the layers are position-wise but for the attention,
+        # which applies the same rule (_balanced); the last layer's output is put back in
+        # order before the head.
+        n = _balanced(s)
+        if n > 1:
+            if positions_BS is None:
+                positions_BS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), tokens_BS.shape)
+            tokens_BS, positions_BS = (to_load_balanced(x, n) for x in (tokens_BS, positions_BS))
+            segments_BS = None if segments_BS is None else to_load_balanced(segments_BS, n)
         # The lookup pinned batch-only: the vocabulary-parallel lookup then completes with a
         # reduction of its [B, S, D] partial sums; split along the sequence right there, XLA
         # gathered the whole embedding table over the tensor axis instead.
@@ -690,7 +716,7 @@ class Decoder(nnx.Module):
                             lora=None if layer_adapters is None else lora,
                             path=self.names.stack, unroll=cfg.unroll_layers,
                             windows_L=windows_L, sequence_parallel=sequence_parallel)
-        return x_BSD
+        return from_load_balanced(x_BSD, n) if n > 1 else x_BSD
 
     def decode(self, tokens_BS: jax.Array, cache: KVCache, start: jax.Array, *,
                last: jax.Array | None = None, adapters: dict | None = None,

@@ -54,6 +54,7 @@ from effijax.sharding import (
     Strategy,
     batch_sharding,
     check_batch,
+    check_context,
     compile_with_census,
     constraints,
     get_strategy,
@@ -296,6 +297,7 @@ def plan_job(
     if layout is not None:
         tensor_split(layout, mesh.shape.get("tensor", 1))  # refused before anything is traced
     sequence_parallel = _check_sequence_parallel(model, mesh, sequence_parallel)
+    check_context(mesh.shape, model.seq_len, dropout=getattr(model, "dropout", 0.0))
     objective = SFT if objective is None else objective
     settings = dict(objective_settings or {})
     reference = objective.needs_reference(settings)

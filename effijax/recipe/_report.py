@@ -46,6 +46,9 @@ def _where(job, strategy: str | None) -> str:
         return "1 device"
     mesh = ",".join(f"{k}={v}" for k, v in job.mesh.shape.items() if v > 1) or "1 device"
     sequence = " sequence-parallel" if job.sequence_parallel else ""
+    context = dict(job.mesh.shape).get("context", 1)
+    if context > 1:  # the state is not split over it: the rows are
+        sequence += f", each row split over context={context} (ring attention)"
     return (f"{strategy} over {job.mesh.size} devices (mesh {mesh}){sequence}, "
             f"{jax.process_count()} process(es)")
 

@@ -29,10 +29,9 @@ from jax.sharding import PartitionSpec as P
 
 from effijax.errors import ConfigError
 from effijax.paths import named_leaves
-from effijax.sharding._names import AXES, BATCH_AXES
+from effijax.sharding._names import AXES, BATCH_AXES, CONTEXT_AXIS
 
 __all__ = [
-    "CONTEXT_AXIS",
     "make_mesh",
     "replicated",
     "batch_sharding",
@@ -42,13 +41,6 @@ __all__ = [
     "activation_spec",
     "constrain_activations",
 ]
-
-
-
-#: The mesh axis that splits the sequence (context parallelism: ring attention,
-#: :func:`effijax.models.context_attend`). A mesh has it only when asked for (``context > 1``),
-#: between ``fsdp`` and ``tensor``; no parameter is split over it.
-CONTEXT_AXIS = "context"
 
 
 def make_mesh(*, data: int = 1, fsdp: int = -1, tensor: int = 1, context: int = 1,
