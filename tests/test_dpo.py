@@ -32,6 +32,7 @@ from effijax.recipe._objectives import OBJECTIVES as REGISTRY
 from effijax.recipe._objectives import get_objective
 from effijax.recipe._pairs import (
     PAIR_METRICS,
+    completion_window,
     load_pairs,
     pair_batch,
     pair_eval_batches,
@@ -125,6 +126,24 @@ def test_a_batchs_loss_is_dpo_loss_of_the_unfused_log_probabilities(unfused, los
     for name in PAIR_METRICS:
         np.testing.assert_allclose(float(metrics[name]), float(wanted[name]), rtol=1e-5,
                                    atol=1e-6, err_msg=name)
+
+
+def test_the_run_scores_only_its_completions_window(unfused, files):
+    # What a run plans with: the pairs' longest completion span, rounded up to 16, under the
+    # rows' 32 positions; the loss is the whole rows' (tests/test_preference.py: the window's
+    # log-probabilities and gradients are the whole row's).
+    data = load_pairs(str(files / "pairs.jsonl"), unfused.model)
+    window = completion_window(data)["window"]
+    assert window == 16 < SEQ
+    u = unfused
+    job = plan_job(u.model, "fp32", optax.sgd(0.0), batch_size=4, lora=u.spec, masked=True,
+                   segmented=False, objective=get_objective("dpo"),
+                   objective_settings={"window": window})
+    got = float(job.eval_step(u.adapters, {**u.batch, "base": u.base})[0])
+    counts = jnp.sum(u.batch["mask"] != 0, axis=1)
+    want, _ = dpo_loss(u.logps[0::2], u.logps[1::2], u.ref[0::2], u.ref[1::2],
+                       chosen_counts=counts[0::2], rejected_counts=counts[1::2])
+    np.testing.assert_allclose(got, float(want), rtol=1e-5)
 
 
 def test_pairs_are_adjacent_rows_with_the_completion_masked(files):

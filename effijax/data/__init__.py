@@ -35,7 +35,8 @@ from effijax._lazy import attach
 __getattr__, __dir__, __all__ = attach(__name__, {
     "effijax.data._batches": ("Led", "batch_at", "eval_batches", "packed_batch"),
     "effijax.data._chat": ("Packed", "Record", "pack_examples", "parse_line", "read_records",
-        "records_fingerprint", "render_chat", "split_records", "table_record", "turn_end_id"),
+        "records_fingerprint", "render_chat", "split_records", "table_record", "target_mask",
+        "turn_end_id"),
     "effijax.data._corpus": ("DEFAULT_MAX_BYTES", "corpus_fingerprint", "document_files",
         "load_corpus", "load_documents", "split_corpus", "stdlib_files", "val_count"),
     "effijax.data._documents": ("BLOCK_BYTES", "cuts_lines", "documents_fingerprint",

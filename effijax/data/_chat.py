@@ -44,7 +44,8 @@ from effijax.data._files import bounded_lines
 from effijax.errors import NO_VALUE, ConfigError, whole_number
 
 __all__ = ["Record", "Packed", "MAX_SPAN_WORK", "parse_line", "table_record", "read_records",
-           "render_chat", "turn_end_id", "pack_examples", "split_records", "records_fingerprint"]
+           "render_chat", "turn_end_id", "pack_examples", "split_records", "records_fingerprint",
+           "target_mask"]
 
 _RECORD_KEYS = ({"messages"}, {"prompt", "response"}, {"prompt", "response", "system"})
 

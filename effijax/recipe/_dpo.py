@@ -30,6 +30,7 @@ from effijax.recipe._objective import Objective
 from effijax.recipe._pairs import (
     PAIR_METRICS,
     check_pair_loss,
+    completion_window,
     load_pairs,
     pair_batch,
     pair_eval_batches,
@@ -40,12 +41,14 @@ __all__ = ["DPO"]
 
 
 def _dpo_loss(model, lora, *, sequence_parallel: bool = True, beta: float = 0.1,
-              loss_type: str = "sigmoid", label_smoothing: float = 0.0):
-    """DPO's loss of interleaved pair rows against the reference (see the module docstring)."""
+              loss_type: str = "sigmoid", label_smoothing: float = 0.0,
+              window: int | None = None):
+    """DPO's loss of interleaved pair rows against the reference (see the module docstring;
+    ``window``: :func:`~effijax.recipe._pairs.completion_window`)."""
     settings = {"beta": beta, "loss_type": loss_type, "label_smoothing": label_smoothing}
     check_pair_loss(lambda c, r, nc, nr: dpo_loss(c, r, c, r, chosen_counts=nc,
                                                   rejected_counts=nr, **settings))
-    policy = policy_logps(model, lora, sequence_parallel=sequence_parallel)
+    policy = policy_logps(model, lora, sequence_parallel=sequence_parallel, window=window)
 
     def pair_loss(logps_B, counts_B, ref_B):
         return dpo_loss(logps_B[0::2], logps_B[1::2], ref_B[0::2], ref_B[1::2],
@@ -77,4 +80,4 @@ def _dpo_loss(model, lora, *, sequence_parallel: bool = True, beta: float = 0.1,
 
 DPO = Objective("dpo", _dpo_loss, batch=pair_batch, eval_batches=pair_eval_batches,
                 load=load_pairs, metric=None, token_mean=False, reference=True,
-                eval_metrics=PAIR_METRICS)
+                eval_metrics=PAIR_METRICS, data_settings=completion_window)

@@ -68,6 +68,9 @@ class Objective(NamedTuple):
       check: ``check(**settings)`` raises a :class:`~effijax.errors.ConfigError` for what only
         the library can check (GRPO's rewards: their modules imported), before the run reads
         any weights or data; None: the config's checks are all.
+      data_settings: ``data_settings(dataset) -> dict``: settings of its loss that its data
+        decides, added to the user's (the pair losses' ``window``: the longest span of a row's
+        trained positions, all the head needs to score); None: none.
 
     ``reference`` may also be a function of the objective's settings (GRPO holds a reference
     only for a KL penalty, ``beta > 0``); ``eval_batches`` None: the objective has no
@@ -87,6 +90,7 @@ class Objective(NamedTuple):
     row_values: tuple[str, ...] = ()
     load_settings: tuple[str, ...] = ()
     check: Callable[..., None] | None = None
+    data_settings: Callable[[Any], dict] | None = None
 
     def needs_reference(self, settings: dict | None = None) -> bool:
         """Whether a full fine-tune with these settings holds a reference copy."""

@@ -32,13 +32,14 @@ from effijax.data import (
     records_fingerprint,
     render_chat,
     split_records,
+    target_mask,
 )
 from effijax.errors import ConfigError
 from effijax.models import abstract_split, make_sequence_logps
 from effijax.sources import VAL_FRACTION, Dataset, padding_id
 
 __all__ = ["PAIR_METRICS", "Pair", "read_pairs", "pair_rows", "load_pairs", "pair_batch",
-           "pair_eval_batches", "policy_logps", "check_pair_loss"]
+           "pair_eval_batches", "completion_window", "policy_logps", "check_pair_loss"]
 
 _KEYS = ("prompt", "chosen", "rejected")
 # What evaluation averages over the validation pairs besides the loss (TRL's names; every pair
@@ -210,7 +211,33 @@ def pair_eval_batches(data: Packed, *, batch_size: int, seq_len: int, num_batche
             for i in range(num_batches)]
 
 
-def policy_logps(model, lora=None, *, sequence_parallel: bool = True):
+def completion_window(data: Dataset) -> dict:
+    """``{"window": W}``: the longest span, first to last trained position, of any row of the
+    pairs (training and validation), rounded up to a multiple of 16: all a pair loss's head
+    scores of each row (:func:`effijax.models.make_sequence_logps`' ``window``); the rows'
+    width when no shorter window holds them.
+
+    Example:
+      >>> import numpy as np
+      >>> from effijax.data import Packed
+      >>> mask = np.zeros((2, 65), np.int32); mask[0, 40:51] = 1; mask[1, 30:35] = 1
+      >>> rows = Packed(np.zeros((2, 65), np.int32), mask, None, examples=2, filled=0)
+      >>> completion_window(Dataset(rows, rows, "", "pairs", 0))
+      {'window': 16}
+    """
+    longest, width = 1, data.train.tokens_NW.shape[1] - 1
+    for rows in (data.train, data.val):
+        marked = target_mask(rows.mask_NW, rows.segments_NW) != 0
+        if marked.any():
+            any_row = marked.any(axis=1)
+            first = np.argmax(marked, axis=1)
+            last = width - 1 - np.argmax(marked[:, ::-1], axis=1)
+            longest = max(longest, int(np.max((last - first + 1)[any_row])))
+    return {"window": min(-(-longest // 16) * 16, width)}
+
+
+def policy_logps(model, lora=None, *, sequence_parallel: bool = True,
+                 window: int | None = None):
     """The policy's ``sequence_logps(params, batch, rng=None) -> (logps_B, counts_B)``
     (:func:`effijax.models.make_sequence_logps`): the model's own parameters in full
     fine-tuning; under LoRA (``lora``, a :class:`~effijax.lora.LoraSpec`) the frozen base with
@@ -230,7 +257,7 @@ def policy_logps(model, lora=None, *, sequence_parallel: bool = True):
     """
     graphdef, _ = abstract_split(model)
     return make_sequence_logps(graphdef, lora, sequence_parallel=sequence_parallel,
-                               frozen_base=lora is not None)
+                               frozen_base=lora is not None, window=window)
 
 
 def check_pair_loss(pair_loss, **arguments) -> None:

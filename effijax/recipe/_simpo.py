@@ -35,6 +35,7 @@ from effijax.recipe._objective import Objective
 from effijax.recipe._pairs import (
     PAIR_METRICS,
     check_pair_loss,
+    completion_window,
     load_pairs,
     pair_batch,
     pair_eval_batches,
@@ -44,12 +45,14 @@ from effijax.recipe._pairs import (
 __all__ = ["SIMPO"]
 
 
-def _simpo_loss(model, lora, *, sequence_parallel: bool = True, **settings):
+def _simpo_loss(model, lora, *, sequence_parallel: bool = True, window: int | None = None,
+                **settings):
     """SimPO's loss of interleaved pair rows (``settings``: :func:`simpo_loss`'s ``beta``,
-    ``gamma``, ``label_smoothing``, ``cpo_alpha``): the policy alone, no reference."""
+    ``gamma``, ``label_smoothing``, ``cpo_alpha``; ``window``:
+    :func:`~effijax.recipe._pairs.completion_window`): the policy alone, no reference."""
     pair_loss = functools.partial(simpo_loss, **settings)
     check_pair_loss(pair_loss)
-    policy = policy_logps(model, lora, sequence_parallel=sequence_parallel)
+    policy = policy_logps(model, lora, sequence_parallel=sequence_parallel, window=window)
 
     def loss(params, batch, rng=None):
         logps_B, counts_B = policy(params, batch, rng)
@@ -59,4 +62,5 @@ def _simpo_loss(model, lora, *, sequence_parallel: bool = True, **settings):
 
 
 SIMPO = Objective("simpo", _simpo_loss, batch=pair_batch, eval_batches=pair_eval_batches,
-                  load=load_pairs, metric=None, token_mean=False, eval_metrics=PAIR_METRICS)
+                  load=load_pairs, metric=None, token_mean=False, eval_metrics=PAIR_METRICS,
+                  data_settings=completion_window)

@@ -322,8 +322,11 @@ def plan_run(model, optimizer, data: Dataset, mesh, base: Any = None, *,
     (``base``: the loaded pretrained parameters, whose kept GGUF blocks a ``gguf`` frozen base
     uses)."""
     spec = lora.spec(model.lora_targets)
+    chosen = get_objective(objective.objective)
     # A sampled batch (GRPO) is rows of [padding, prompt, completion]: masked and segmented.
-    sampled = get_objective(objective.objective).rollout is not None
+    sampled = chosen.rollout is not None
+    settings = {**objective.settings,
+                **({} if chosen.data_settings is None else chosen.data_settings(data))}
     with lora_fields():  # the spec's checks against the model: rank, targets
         return _job.plan_job(model, precision.precision, optimizer,
                              batch_size=training.batch_size, mesh=mesh,
@@ -332,8 +335,7 @@ def plan_run(model, optimizer, data: Dataset, mesh, base: Any = None, *,
                              else lora.frozen_dtype, masked=data.masked or sampled,
                              segmented=data.segmented or sampled,
                              kept_blocks=base if lora.frozen_dtype == "gguf" else None,
-                             objective=get_objective(objective.objective),
-                             objective_settings=objective.settings)
+                             objective=chosen, objective_settings=settings)
 
 
 def compile_run(job, initial: Initial, source, data: Dataset, why: str = "", *,
