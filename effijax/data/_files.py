@@ -19,8 +19,8 @@ from pathlib import Path
 
 from effijax.errors import ConfigError, FileError
 
-__all__ = ["MAX_RECORD_BYTES", "MAX_JSON_BYTES", "regular_path", "bounded_lines", "regular_size",
-           "read_json"]
+__all__ = ["MAX_RECORD_BYTES", "MAX_JSON_BYTES", "regular_path", "bounded_lines", "parse_lines",
+           "regular_size", "read_json"]
 
 #: The largest JSON file read whole (a tokenizer.json is tens of MB at most).
 MAX_JSON_BYTES = 256 * 2**20
@@ -66,6 +66,28 @@ def is_regular_file(path: str | os.PathLike) -> bool:
         return stat.S_ISREG(os.stat(path).st_mode)
     except OSError:
         return False
+
+
+def parse_lines(path: str | os.PathLike, parse, what: str, field: str = "data") -> list:
+    """Each non-blank line of a JSONL file (:func:`bounded_lines`) as ``parse(line,
+    "file:line")`` makes it, in order.
+
+    Raises:
+      ConfigError: ``field``: a line :func:`bounded_lines` refuses, what ``parse`` raises, or
+        a file with no record (``what``: what a record is, e.g. ``"pair"``).
+
+    Example:
+      >>> import json, pathlib, tempfile
+      >>> f = pathlib.Path(tempfile.mkdtemp()) / "a.jsonl"
+      >>> _ = f.write_text('{"a": 1}\\n\\n{"a": 2}\\n')
+      >>> parse_lines(f, lambda line, where: json.loads(line)["a"], "number")
+      [1, 2]
+    """
+    records = [parse(line, f"{path}:{number}") for number, line in bounded_lines(path, field)
+               if line.strip()]
+    if not records:
+        raise ConfigError(field, str(path), f"holds no {what} (one JSON object per line)")
+    return records
 
 
 def bounded_lines(path: str | os.PathLike, field: str, *,

@@ -128,6 +128,17 @@ def head_cross_entropy(x_BSD: jax.Array, kernel, targets_BS: jax.Array,
                    jnp.dtype(kernel.dtype).name))
 
 
+def _checked_where(name: str, x_BSD, targets_BS, where_BS):
+    """The targets checked, and the marked positions as bool ``[B, S]`` (all when None)."""
+    _check_targets(name, x_BSD, targets_BS)
+    if where_BS is None:
+        return jnp.ones(targets_BS.shape, jnp.bool_)
+    if where_BS.shape != targets_BS.shape:
+        raise ValueError(f"{name}: where_BS must have the targets' shape "
+                         f"{list(targets_BS.shape)}, got {list(where_BS.shape)}")
+    return where_BS.astype(jnp.bool_)
+
+
 def _check_targets(name: str, x_BSD: jax.Array, targets_BS: jax.Array) -> None:
     if (not jnp.issubdtype(targets_BS.dtype, jnp.integer)
             or targets_BS.shape != x_BSD.shape[:-1]):
@@ -160,13 +171,7 @@ def head_sequence_logps(x_BSD: jax.Array, kernel, targets_BS: jax.Array,
       >>> bool(jnp.allclose(logps, plain)), counts.tolist()
       (True, [3, 1])
     """
-    _check_targets("head_sequence_logps", x_BSD, targets_BS)
-    if where_BS is None:
-        where_BS = jnp.ones(targets_BS.shape, jnp.bool_)
-    elif where_BS.shape != targets_BS.shape:
-        raise ValueError(f"head_sequence_logps: where_BS must have the targets' shape "
-                         f"{list(targets_BS.shape)}, got {list(where_BS.shape)}")
-    where_BS = where_BS.astype(jnp.bool_)
+    where_BS = _checked_where("head_sequence_logps", x_BSD, targets_BS, where_BS)
     counts_B = jnp.sum(where_BS, axis=1, dtype=jnp.int32)
     # An unmarked position may hold any id (TRL's -100, a pad): it picks class 0 instead, and
     # its log-probability is dropped.
@@ -302,17 +307,11 @@ def head_token_logps(x_BSD: jax.Array, kernel, targets_BS: jax.Array,
       >>> bool(jnp.allclose(logps.sum(1), seq)), bool(logps[0, 0] == 0)
       (True, True)
     """
-    _check_targets("head_token_logps", x_BSD, targets_BS)
-    if where_BS is None:
-        where_BS = jnp.ones(targets_BS.shape, jnp.bool_)
-    elif where_BS.shape != targets_BS.shape:
-        raise ValueError(f"head_token_logps: where_BS must have the targets' shape "
-                         f"{list(targets_BS.shape)}, got {list(where_BS.shape)}")
+    where_BS = _checked_where("head_token_logps", x_BSD, targets_BS, where_BS)
     if isinstance(temperature, bool) or not isinstance(temperature, int | float) \
             or not temperature > 0:
         raise ValueError(f"head_token_logps: temperature must be a Python number > 0, got "
                          f"{temperature!r}")
-    where_BS = where_BS.astype(jnp.bool_)
     targets_BS = jnp.where(where_BS, targets_BS, jnp.zeros((), targets_BS.dtype))
     if temperature != 1:
         x_BSD = (x_BSD.astype(jnp.float32) / temperature).astype(x_BSD.dtype)

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from effijax import lora as lora_lib
-from effijax.data import bounded_lines, records_fingerprint
+from effijax.data import parse_lines, records_fingerprint
 from effijax.errors import ConfigError
 from effijax.generate import make_completion_logps, rollout, rollout_batch, rollout_metrics
 from effijax.models import abstract_split
@@ -121,11 +121,7 @@ def read_prompt_records(path: str) -> list[Prompt]:
       Traceback (most recent call last):
       effijax.errors.ConfigError: data='.../prompts.jsonl:2': no 'prompt'; expected ...
     """
-    records = [_record(line, f"{path}:{number}") for number, line in bounded_lines(path, "data")
-               if line.strip()]
-    if not records:
-        raise ConfigError("data", str(path), "holds no prompt (one JSON object per line)")
-    return records
+    return parse_lines(path, _record, "prompt")
 
 
 def prompt_ids(tokenizer, prompt) -> np.ndarray:

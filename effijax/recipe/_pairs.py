@@ -27,8 +27,8 @@ import numpy as np
 
 from effijax.data import (
     Packed,
-    bounded_lines,
     packed_batch,
+    parse_lines,
     records_fingerprint,
     render_chat,
     split_records,
@@ -98,11 +98,7 @@ def read_pairs(path: str) -> list[Pair]:
       Traceback (most recent call last):
       effijax.errors.ConfigError: data='.../pairs.jsonl:2': no 'rejected'; expected ...
     """
-    pairs = [_pair(line, f"{path}:{number}") for number, line in bounded_lines(path, "data")
-             if line.strip()]
-    if not pairs:
-        raise ConfigError("data", str(path), "holds no pair (one JSON object per line)")
-    return pairs
+    return parse_lines(path, _pair, "pair")
 
 
 def _plain(tokenizer, prompt: str, completion: str) -> tuple[np.ndarray, np.ndarray]:
