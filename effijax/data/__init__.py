@@ -41,7 +41,7 @@ __getattr__, __dir__, __all__ = attach(__name__, {
         "load_corpus", "load_documents", "split_corpus", "stdlib_files", "val_count"),
     "effijax.data._documents": ("BLOCK_BYTES", "cuts_lines", "documents_fingerprint",
         "encode_documents", "encode_each", "encode_file", "end_of_text_id", "line_pieces"),
-    "effijax.data._files": ("MAX_JSON_BYTES", "MAX_RECORD_BYTES", "bounded_lines", "parse_lines",
+    "effijax.data._files": ("MAX_JSON_BYTES", "MAX_RECORD_BYTES", "bounded_lines", "parse_objects",
         "read_json", "regular_path", "regular_size"),
     "effijax.data._examples": ("STDLIB_MODULES", "stdlib_qa", "write_jsonl"),
     "effijax.data._mixture": ("Mixture", "mixture"),

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from effijax.errors import ConfigError, FileError
 
-__all__ = ["MAX_RECORD_BYTES", "MAX_JSON_BYTES", "regular_path", "bounded_lines", "parse_lines",
+__all__ = ["MAX_RECORD_BYTES", "MAX_JSON_BYTES", "regular_path", "bounded_lines", "parse_objects",
            "regular_size", "read_json"]
 
 #: The largest JSON file read whole (a tokenizer.json is tens of MB at most).
@@ -68,22 +68,40 @@ def is_regular_file(path: str | os.PathLike) -> bool:
         return False
 
 
-def parse_lines(path: str | os.PathLike, parse, what: str, field: str = "data") -> list:
-    """Each non-blank line of a JSONL file (:func:`bounded_lines`) as ``parse(line,
-    "file:line")`` makes it, in order.
+def parse_objects(path: str | os.PathLike, parse, what: str, expected: str,
+                  field: str = "data") -> list:
+    """Each non-blank line of a JSONL file (:func:`bounded_lines`), a JSON object, as
+    ``parse(obj, "file:line", line)`` makes it, in order.
 
     Raises:
-      ConfigError: ``field``: a line :func:`bounded_lines` refuses, what ``parse`` raises, or
-        a file with no record (``what``: what a record is, e.g. ``"pair"``).
+      ConfigError: ``field`` with ``"file:line"``: a line :func:`bounded_lines` refuses, one
+        that is not a JSON object (the error ends ``expected``: what a line should hold), or
+        what ``parse`` raises; with the path, a file with no record (``what``: e.g. ``"pair"``).
 
     Example:
-      >>> import json, pathlib, tempfile
+      >>> import pathlib, tempfile
       >>> f = pathlib.Path(tempfile.mkdtemp()) / "a.jsonl"
-      >>> _ = f.write_text('{"a": 1}\\n\\n{"a": 2}\\n')
-      >>> parse_lines(f, lambda line, where: json.loads(line)["a"], "number")
-      [1, 2]
+      >>> _ = f.write_text('{"a": 1}\\n\\n{"a": 2}\\n[3]\\n')
+      >>> parse_objects(f, lambda obj, where, line: obj["a"], "number", '{"a": 1}')
+      Traceback (most recent call last):
+      effijax.errors.ConfigError: data='...a.jsonl:4': a JSON list, not an object; expected \
+one JSON object per line: {"a": 1}
     """
-    records = [parse(line, f"{path}:{number}") for number, line in bounded_lines(path, field)
+    def one(line: str, source: str):
+        try:
+            obj = json.loads(line)
+        except (ValueError, RecursionError):
+            obj = None
+            problem = "not valid JSON"
+        else:
+            problem = None if isinstance(obj, dict) else \
+                f"a JSON {type(obj).__name__}, not an object"
+        if problem is not None:
+            raise ConfigError(field, source, f"{problem}; expected one JSON object per line: "
+                              f"{expected}")
+        return parse(obj, source, line)
+
+    records = [one(line, f"{path}:{number}") for number, line in bounded_lines(path, field)
                if line.strip()]
     if not records:
         raise ConfigError(field, str(path), f"holds no {what} (one JSON object per line)")

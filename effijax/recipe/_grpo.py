@@ -27,7 +27,6 @@ The rollout's statistics (TRL's ``reward``, ``reward_std``, ``rewards/{name}/mea
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -37,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from effijax import lora as lora_lib
-from effijax.data import parse_lines, records_fingerprint
+from effijax.data import parse_objects, records_fingerprint
 from effijax.errors import ConfigError
 from effijax.generate import make_completion_logps, rollout, rollout_batch, rollout_metrics
 from effijax.models import abstract_split
@@ -76,9 +75,12 @@ class Prompts:
         return len(self.records)
 
 
+_EXPECTED = '{"prompt": "..." (or chat messages), other columns for the rewards}'
+
+
 def _bad(source: str, problem: str) -> ConfigError:
-    return ConfigError("data", source, problem + '; expected one JSON object per line: '
-                       '{"prompt": "..." (or chat messages), other columns for the rewards}')
+    return ConfigError("data", source, f"{problem}; expected one JSON object per line: "
+                       f"{_EXPECTED}")
 
 
 def _messages(value) -> bool:
@@ -87,13 +89,7 @@ def _messages(value) -> bool:
         and isinstance(m.get("content"), str) for m in value)
 
 
-def _record(line: str, source: str) -> Prompt:
-    try:
-        obj = json.loads(line)
-    except (ValueError, RecursionError):
-        raise _bad(source, "not valid JSON") from None
-    if not isinstance(obj, dict):
-        raise _bad(source, f"a JSON {type(obj).__name__}, not an object")
+def _record(obj: dict, source: str, line: str) -> Prompt:
     if "prompt" not in obj:
         raise _bad(source, "no 'prompt'")
     prompt = obj["prompt"]
@@ -121,7 +117,7 @@ def read_prompt_records(path: str) -> list[Prompt]:
       Traceback (most recent call last):
       effijax.errors.ConfigError: data='.../prompts.jsonl:2': no 'prompt'; expected ...
     """
-    return parse_lines(path, _record, "prompt")
+    return parse_objects(path, _record, "prompt", _EXPECTED)
 
 
 def prompt_ids(tokenizer, prompt) -> np.ndarray:

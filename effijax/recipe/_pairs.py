@@ -17,7 +17,6 @@ rows (:func:`policy_logps`) come as ``[B]``, chosen at ``0::2`` and rejected at 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import NamedTuple
 
@@ -28,7 +27,7 @@ import numpy as np
 from effijax.data import (
     Packed,
     packed_batch,
-    parse_lines,
+    parse_objects,
     records_fingerprint,
     render_chat,
     split_records,
@@ -58,18 +57,15 @@ class Pair(NamedTuple):
     raw: str
 
 
+_EXPECTED = '{"prompt": "...", "chosen": "...", "rejected": "..."}'
+
+
 def _bad(source: str, problem: str) -> ConfigError:
-    return ConfigError("data", source, problem + '; expected one JSON object per line: '
-                       '{"prompt": "...", "chosen": "...", "rejected": "..."}')
+    return ConfigError("data", source, f"{problem}; expected one JSON object per line: "
+                       f"{_EXPECTED}")
 
 
-def _pair(line: str, source: str) -> Pair:
-    try:
-        obj = json.loads(line)
-    except (ValueError, RecursionError):
-        raise _bad(source, "not valid JSON") from None
-    if not isinstance(obj, dict):
-        raise _bad(source, f"a JSON {type(obj).__name__}, not an object")
+def _pair(obj: dict, source: str, line: str) -> Pair:
     missing = [k for k in _KEYS if k not in obj]
     if missing:
         raise _bad(source, f"no {', '.join(repr(k) for k in missing)}")
@@ -98,7 +94,7 @@ def read_pairs(path: str) -> list[Pair]:
       Traceback (most recent call last):
       effijax.errors.ConfigError: data='.../pairs.jsonl:2': no 'rejected'; expected ...
     """
-    return parse_lines(path, _pair, "pair")
+    return parse_objects(path, _pair, "pair", _EXPECTED)
 
 
 def _plain(tokenizer, prompt: str, completion: str) -> tuple[np.ndarray, np.ndarray]:
