@@ -26,9 +26,9 @@ from typing import Any
 from effijax.errors import ConfigError
 from effijax.sources import compared_origin, short_digest, weight_file_changes
 
-__all__ = ["IDENTITY", "CHANGEABLE", "LEGACY", "NOT_RECORDED", "OBJECTIVE_SETTINGS", "DEFAULT_BETA",
-           "identity",
-           "differences", "check_resume", "edited", "changed", "default_warmup"]
+__all__ = ["IDENTITY", "CHANGEABLE", "LEGACY", "NOT_RECORDED", "OBJECTIVE_SETTINGS",
+           "DEFAULT_BETA", "identity", "differences", "check_resume", "edited", "changed",
+           "default_warmup"]
 
 # What a resume must repeat, with where it is read from in a config.json-shaped dict.
 IDENTITY = ("data", "tokenizer", "seed", "batch_size", "seq_len", "model", "precision",
