@@ -44,7 +44,7 @@ def arm(point: str) -> None:
     if point not in POINTS:
         raise SystemExit(f"unknown kill point {point!r}; expected one of {', '.join(POINTS)}")
     in_end = {"yes": False}
-    loop, evaluate = _train.loop, _job.evaluate
+    loop, evaluate = _train.loop, _job.evaluate_metrics
     write_bytes, write_all = atomic.write_bytes, atomic._write_all
     writing = {"name": None}
 
@@ -56,10 +56,10 @@ def arm(point: str) -> None:
         return trained
 
     def evaluate_then(*args, **kwargs):
-        loss = evaluate(*args, **kwargs)
+        found = evaluate(*args, **kwargs)
         if in_end["yes"] and point == "evaluation":
             _kill()
-        return loss
+        return found
 
     def tracked(path, data, **kwargs):
         writing["name"] = Path(path).name
@@ -75,7 +75,7 @@ def arm(point: str) -> None:
             _kill()
         write_all(fd, data)
 
-    _train.loop, _job.evaluate = loop_then, evaluate_then
+    _train.loop, _job.evaluate_metrics = loop_then, evaluate_then
     atomic.write_bytes, atomic._write_all = tracked, part_then
 
 
