@@ -57,6 +57,15 @@ def chat_tokenizer():
                           pad_id=2, chat_template=CHAT_TEMPLATE)
 
 
+def sharp_params(model, seed: int = 5):
+    """``model``'s parameters from ``seed`` with every matrix scaled by 4: sharp softmaxes, so
+    that a tiny model's greedy continuations vary with the context (the harness tests)."""
+    import jax
+
+    return jax.tree.map(lambda x: x * 4.0 if x.ndim > 1 else x,
+                        model.init_params(jax.random.key(seed)))
+
+
 def write_qa(path, n=40):
     """``n`` chat / instruction records as JSONL: odd ones prompt/response, even ones
     messages, each a sum with its answer."""

@@ -48,18 +48,15 @@ def _requests(kind, args):
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     """The tiny Llama with the chat tokenizer, as effijax writes a Hugging Face directory."""
-    import jax
-    from _llama_files import VOCAB_SIZE, chat_tokenizer
+    from _llama_files import VOCAB_SIZE, chat_tokenizer, sharp_params
 
     from effijax.interop import save_hf
     from effijax.models import llama_config
 
     model = dataclasses.replace(llama_config("llama-tiny", vocab_size=VOCAB_SIZE,
                                              seq_len=MAX_LENGTH), tokenizer=chat_tokenizer())
-    params = jax.tree.map(lambda x: x * 4.0 if x.ndim > 1 else x,
-                          model.init_params(jax.random.key(5)))
     directory = tmp_path_factory.mktemp("harness_parity") / "tiny"
-    save_hf(directory, model, params)
+    save_hf(directory, model, sharp_params(model))
     return directory
 
 
