@@ -368,16 +368,11 @@ class _TrlWorker:
 
     def _ask(self, request: dict) -> dict:
         """Sends ``request``; returns the worker's reply once the step has run."""
-        with contextlib.suppress(BrokenPipeError):  # a worker that died: said below
-            self.proc.stdin.write(json.dumps(request) + "\n")
-            self.proc.stdin.flush()
-        for line in self.proc.stdout:
-            if line.startswith(_REPLY):
-                return json.loads(line[len(_REPLY):])
-            if not line.startswith("{"):  # Trainer's logged metrics: one dict a step
-                print(line, end="")
-        raise RuntimeError(f"the {self.name} worker exited (status {self.proc.wait()}) during "
-                           f"{request}; its error is above")
+        from harness import ask_worker
+
+        # Not echoed: Trainer's logged metrics, one dict a step.
+        return ask_worker(self.proc, request, _REPLY, self.name,
+                          echo=lambda line: not line.startswith("{"))
 
     def build(self) -> dict:
         return self._ask({"build": self.name})

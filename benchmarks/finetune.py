@@ -64,7 +64,6 @@ Run: ``python benchmarks/finetune.py [--model smollm2|gemma3-270m] [--batch-size
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 import os
@@ -296,15 +295,9 @@ class _Worker:
 
     def ask(self, request: dict) -> float:
         """Sends ``request``; returns the step's loss once the worker has run it."""
-        with contextlib.suppress(BrokenPipeError):  # a worker that died: said below
-            self.proc.stdin.write(json.dumps(request) + "\n")
-            self.proc.stdin.flush()
-        for line in self.proc.stdout:
-            if line.startswith(_REPLY):
-                return json.loads(line[len(_REPLY):])["loss"]
-            print(line, end="")  # whatever else the worker's libraries printed
-        raise RuntimeError(f"the {self.framework} worker exited (status {self.proc.wait()}) "
-                           f"during {request}; its error is above")
+        from harness import ask_worker
+
+        return ask_worker(self.proc, request, _REPLY, self.framework)["loss"]
 
     def close(self) -> None:
         """Ends the worker (its input closed), waits for it and closes its pipes."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import platform
 import re
@@ -134,6 +135,24 @@ def wait_or_kill(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def ask_worker(proc: subprocess.Popen, request: dict, prefix: str, who: str, *,
+               echo=lambda line: True) -> dict:
+    """Sends ``request`` (one JSON line) to a worker reading its stdin and returns its reply
+    (the line of its stdout after ``prefix``, as JSON; the worker prints it itself, without
+    importing this module and JAX); the lines before it are printed where ``echo(line)`` says
+    so. A worker that exits first raises a ``RuntimeError`` naming ``who``."""
+    with contextlib.suppress(BrokenPipeError):  # a worker that died: said below
+        proc.stdin.write(json.dumps(request) + "\n")
+        proc.stdin.flush()
+    for line in proc.stdout:
+        if line.startswith(prefix):
+            return json.loads(line[len(prefix):])
+        if echo(line):
+            print(line, end="")
+    raise RuntimeError(f"the {who} worker exited (status {proc.wait()}) during {request}; its "
+                       "error is above")
 
 
 def end_worker(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
