@@ -77,6 +77,18 @@ MAX_PREFETCH = 64
 _frozen = dataclasses.dataclass(frozen=True, kw_only=True)
 
 
+def _one_of(field: str, value, choices) -> None:
+    """Refuses a ``value`` of ``field`` that is not one of ``choices``, naming them.
+
+    Example:
+      >>> _one_of("schedule", "linear", ("cosine", "constant"))
+      Traceback (most recent call last):
+      effijax.errors.ConfigError: schedule='linear': choose one of cosine, constant
+    """
+    if value not in choices:
+        raise ConfigError(field, value, f"choose one of {', '.join(choices)}")
+
+
 def _set(section, name: str, value) -> None:
     object.__setattr__(section, name, value)  # a frozen section's value, normalised
 
@@ -177,11 +189,8 @@ class OptimizerSection:
     no_decay: str | None
 
     def __post_init__(self):
-        if self.optimizer not in OPTIMIZERS:
-            raise ConfigError("optimizer", self.optimizer,
-                              f"choose one of {', '.join(OPTIMIZERS)}")
-        if self.schedule not in SCHEDULES:
-            raise ConfigError("schedule", self.schedule, f"choose one of {', '.join(SCHEDULES)}")
+        _one_of("optimizer", self.optimizer, OPTIMIZERS)
+        _one_of("schedule", self.schedule, SCHEDULES)
         if not 0 <= self.lr_end <= 1:
             raise ConfigError("lr_end", self.lr_end, "must be a fraction of --lr in [0, 1]")
         if not 0 < self.decay_fraction <= 1:
@@ -225,9 +234,7 @@ class DataSection:
         if not isinstance(self.text_column, str) or not self.text_column.strip():
             raise ConfigError("text_column", self.text_column, "expected a column name, e.g. "
                               "text or body")
-        if self.data_format not in DATA_FORMATS:
-            raise ConfigError("data_format", self.data_format,
-                              f"choose one of {', '.join(DATA_FORMATS)}")
+        _one_of("data_format", self.data_format, DATA_FORMATS)
 
 
 @_frozen
@@ -261,8 +268,7 @@ class ParallelSection:
             from effijax.sharding import get_strategy  # the strategies' one list (no jax)
 
             get_strategy(self.strategy)
-        if self.cluster not in CLUSTERS:
-            raise ConfigError("cluster", self.cluster, f"choose one of {', '.join(CLUSTERS)}")
+        _one_of("cluster", self.cluster, CLUSTERS)
         if self.device_memory is not None:
             from effijax.memory import parse_bytes
 
@@ -299,9 +305,7 @@ class OutputSection:
             if self.wandb is None:
                 raise ConfigError("wandb_mode", self.wandb_mode, "only applies with --wandb "
                                   "PROJECT")
-            if self.wandb_mode not in WANDB_MODES:
-                raise ConfigError("wandb_mode", self.wandb_mode,
-                                  f"choose one of {', '.join(WANDB_MODES)}")
+            _one_of("wandb_mode", self.wandb_mode, WANDB_MODES)
         self.profile_range  # noqa: B018  (A:B, checked)
         self.allowed_changes  # noqa: B018  (names that may change, checked)
 
@@ -348,14 +352,12 @@ class ObjectiveSection:
     reward_weights: str | None
 
     def __post_init__(self):
-        if self.objective not in OBJECTIVES:
-            raise ConfigError("objective", self.objective,
-                              f"choose one of {', '.join(OBJECTIVES)}")
+        _one_of("objective", self.objective, OBJECTIVES)
         # The settings the objective uses (the config refuses the others away from their
         # defaults: "only applies to --objective ...").
         uses = OBJECTIVE_SETTINGS[self.objective]
-        if "dpo_loss" in uses and self.dpo_loss not in DPO_LOSSES:
-            raise ConfigError("dpo_loss", self.dpo_loss, f"choose one of {', '.join(DPO_LOSSES)}")
+        if "dpo_loss" in uses:
+            _one_of("dpo_loss", self.dpo_loss, DPO_LOSSES)
         if "beta" in uses and self.objective != "grpo" and not self.resolved_beta > 0:
             raise ConfigError("beta", self.beta, "must be > 0 (TRL's default is 0.1)")
         if self.objective == "grpo":
@@ -383,12 +385,8 @@ class ObjectiveSection:
         for name in ("num_generations", "max_completion_length"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, getattr(self, name), "must be >= 1")
-        if self.grpo_loss not in GRPO_LOSSES:
-            raise ConfigError("grpo_loss", self.grpo_loss,
-                              f"choose one of {', '.join(GRPO_LOSSES)}")
-        if self.scale_rewards not in SCALE_REWARDS:
-            raise ConfigError("scale_rewards", self.scale_rewards,
-                              f"choose one of {', '.join(SCALE_REWARDS)}")
+        _one_of("grpo_loss", self.grpo_loss, GRPO_LOSSES)
+        _one_of("scale_rewards", self.scale_rewards, SCALE_REWARDS)
         if not self.resolved_beta >= 0:
             raise ConfigError("beta", self.beta, "must be >= 0: grpo's KL penalty (TRL's "
                               "default is 0)")
@@ -441,9 +439,7 @@ class LoraSection:
         if self.lora_rank is None:  # the config refuses the other settings away from defaults
             return
         whole_number("lora_rank", self.lora_rank, minimum=1)
-        if self.frozen_dtype not in FROZEN_DTYPES:
-            raise ConfigError("frozen_dtype", self.frozen_dtype,
-                              f"choose one of {', '.join(FROZEN_DTYPES)}")
+        _one_of("frozen_dtype", self.frozen_dtype, FROZEN_DTYPES)
         if self.lora_targets is not None:
             try:
                 re.compile(self.lora_targets)
