@@ -47,6 +47,7 @@ from effijax.objectives import (
     resolve_reward,
     score_completions,
 )
+from effijax.recipe import _sections
 from effijax.recipe._objective import ROLLOUT_METRICS, Objective
 from effijax.sources import Dataset, padding_id
 
@@ -211,7 +212,8 @@ def parse_rewards(rewards: str | None, reward_weights: str | None
                   ) -> tuple[list[Callable], list[float] | None]:
     """``--rewards`` (comma-separated built-in names or dotted paths) resolved
     (:func:`effijax.objectives.resolve_reward`) and ``--reward-weights`` (comma-separated
-    numbers, one per reward) parsed.
+    numbers, one per reward) parsed, as the config checks them
+    (:func:`effijax.recipe._sections.reward_weights`).
 
     Example:
       >>> functions, weights = parse_rewards("exact_match,answer_format", "1,0.5")
@@ -219,32 +221,13 @@ def parse_rewards(rewards: str | None, reward_weights: str | None
       (['exact_match', 'answer_format'], [1.0, 0.5])
       >>> parse_rewards("exact_match", "1,2")
       Traceback (most recent call last):
-      effijax.errors.ConfigError: reward_weights='1,2': 2 weights for 1 reward; give one per \
-reward
+      effijax.errors.ConfigError: reward_weights='1,2': expected 1 finite numbers, one per reward
     """
-    names = [] if rewards is None else [r.strip() for r in rewards.split(",") if r.strip()]
-    if not names:
-        raise ConfigError("rewards", rewards, "grpo scores completions with reward functions: "
-                          "give --rewards NAME[,NAME...] (built-ins: exact_match, "
-                          "answer_format; or 'package.module:function')")
     try:
-        functions = [resolve_reward(name) for name in names]
+        functions = [resolve_reward(name) for name in _sections.reward_names(rewards)]
     except ConfigError as e:
         raise ConfigError("rewards", e.value, e.problem) from None
-    if reward_weights is None:
-        return functions, None
-    try:
-        weights = [float(w) for w in reward_weights.split(",")]
-    except ValueError:
-        raise ConfigError("reward_weights", reward_weights, "expected comma-separated numbers, "
-                          "one per reward") from None
-    if len(weights) != len(functions):
-        raise ConfigError("reward_weights", reward_weights, f"{len(weights)} weights for "
-                          f"{len(functions)} reward{'s' * (len(functions) != 1)}; give one per "
-                          "reward")
-    if not all(np.isfinite(weights)):
-        raise ConfigError("reward_weights", reward_weights, "must be finite numbers")
-    return functions, weights
+    return functions, _sections.reward_weights(reward_weights, len(functions))
 
 
 def _grpo_loss(model, lora, *, sequence_parallel: bool = True, beta: float = 0.0,

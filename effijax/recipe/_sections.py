@@ -33,7 +33,7 @@ from effijax.recipe._identity import DEFAULT_BETA, OBJECTIVE_SETTINGS, default_w
 
 __all__ = ["Sections", "ModelSection", "PrecisionSection", "TrainingSection",
            "OptimizerSection", "DataSection", "ParallelSection", "OutputSection",
-           "ObjectiveSection", "LoraSection"]
+           "ObjectiveSection", "LoraSection", "reward_names", "reward_weights"]
 
 # The precision vocabulary of every command (`effijax train`, `memory`, `plan`): the policy
 # presets plus "auto" (effijax.precision.auto_precision: bf16 on GPU/TPU, and on a CPU with
@@ -330,6 +330,45 @@ class OutputSection:
         return _allowed_changes(self.allow_changes)
 
 
+def reward_names(rewards: str | None) -> list[str]:
+    """``--rewards``' names (built-ins or dotted paths), comma-separated.
+
+    Example:
+      >>> reward_names("exact_match, pkg.mod:fn")
+      ['exact_match', 'pkg.mod:fn']
+    """
+    names = [] if rewards is None else [r.strip() for r in rewards.split(",") if r.strip()]
+    if not names:
+        raise ConfigError("rewards", rewards, "grpo scores completions with reward functions: "
+                          "give --rewards NAME[,NAME...] (built-ins: exact_match, "
+                          "answer_format; or 'package.module:function')")
+    return names
+
+
+def reward_weights(weights: str | None, count: int) -> list[float] | None:
+    """``--reward-weights``, one finite number per reward (``count`` of them), comma-separated;
+    None when not given.
+
+    Example:
+      >>> reward_weights("1,0.5", 2)
+      [1.0, 0.5]
+      >>> reward_weights("1,2", 1)
+      Traceback (most recent call last):
+      effijax.errors.ConfigError: reward_weights='1,2': expected 1 finite numbers, one per reward
+    """
+    if weights is None:
+        return None
+    try:
+        values = [float(w) for w in weights.split(",")]
+    except ValueError:
+        raise ConfigError("reward_weights", weights, "expected comma-separated numbers, one "
+                          "per reward") from None
+    if len(values) != count or not all(math.isfinite(w) for w in values):
+        raise ConfigError("reward_weights", weights, f"expected {count} finite numbers, one "
+                          "per reward")
+    return values
+
+
 @_frozen
 class ObjectiveSection:
     """What the run optimises, and the objective's own settings."""
@@ -401,20 +440,7 @@ class ObjectiveSection:
         if self.epsilon_high is not None and not self.epsilon_high > 0:
             raise ConfigError("epsilon_high", self.epsilon_high, "must be > 0 (DAPO recommends "
                               "0.28)")
-        if not self.rewards or not self.rewards.strip(", "):
-            raise ConfigError("rewards", self.rewards, "grpo scores completions with reward "
-                              "functions: give --rewards NAME[,NAME...] (built-ins: "
-                              "exact_match, answer_format; or 'package.module:function')")
-        if self.reward_weights is not None:
-            try:
-                weights = [float(w) for w in self.reward_weights.split(",")]
-            except ValueError:
-                raise ConfigError("reward_weights", self.reward_weights, "expected "
-                                  "comma-separated numbers, one per reward") from None
-            count = len([r for r in self.rewards.split(",") if r.strip()])
-            if len(weights) != count or not all(math.isfinite(w) for w in weights):
-                raise ConfigError("reward_weights", self.reward_weights, f"expected {count} "
-                                  "finite numbers, one per reward")
+        reward_weights(self.reward_weights, len(reward_names(self.rewards)))
 
     @property
     def settings(self) -> dict:
