@@ -22,11 +22,9 @@ reference.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
-from effijax import lora as lora_lib
 from effijax.objectives import dpo_loss
-from effijax.recipe._objective import Objective
+from effijax.recipe._objective import Objective, with_reference
 from effijax.recipe._pairs import (
     PAIR_METRICS,
     check_pair_loss,
@@ -50,32 +48,14 @@ def _dpo_loss(model, lora, *, sequence_parallel: bool = True, beta: float = 0.1,
                                                   rejected_counts=nr, **settings))
     policy = policy_logps(model, lora, sequence_parallel=sequence_parallel, window=window)
 
-    def pair_loss(logps_B, counts_B, ref_B):
+    def body(params, batch, rng, reference):
+        rows = {k: v for k, v in batch.items() if k != "reference"}
+        logps_B, counts_B = policy(params, rows, rng)
+        ref_B = jax.lax.stop_gradient(policy(reference, rows)[0])  # no dropout
         return dpo_loss(logps_B[0::2], logps_B[1::2], ref_B[0::2], ref_B[1::2],
                         chosen_counts=counts_B[0::2], rejected_counts=counts_B[1::2], **settings)
 
-    if lora is None:
-        def full_loss(params, batch, rng=None):
-            rows = {k: v for k, v in batch.items() if k != "reference"}
-            logps_B, counts_B = policy(params, rows, rng)
-            # The frozen copy of the starting weights, through the same function (no dropout).
-            ref_B = jax.lax.stop_gradient(policy(batch["reference"], rows)[0])
-            return pair_loss(logps_B, counts_B, ref_B)
-
-        return full_loss
-
-    def loss(params, batch, rng=None):
-        logps_B, counts_B = policy(params, batch, rng)
-        # The adapters off: the same frozen base through the same function with zero adapters
-        # (their products are exact zeros), so the reference's arithmetic is the policy's own
-        # base arithmetic (on a CPU, a 16-bit base's kept bits) and policy == reference at
-        # the adapters' init (B = 0) bit for bit; no dropout (rng None), no gradient.
-        off = {"base": params["base"],
-               "adapters": jax.tree.map(jnp.zeros_like, params["adapters"])}
-        ref_B = jax.lax.stop_gradient(policy(off, batch)[0])
-        return pair_loss(logps_B, counts_B, ref_B)
-
-    return lora_lib.freeze_base(loss)
+    return with_reference(body, lora)
 
 
 DPO = Objective("dpo", _dpo_loss, batch=pair_batch, eval_batches=pair_eval_batches,

@@ -35,7 +35,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from effijax import lora as lora_lib
 from effijax.data import parse_objects, records_fingerprint
 from effijax.errors import ConfigError
 from effijax.generate import make_completion_logps, rollout, rollout_batch, rollout_metrics
@@ -48,7 +47,7 @@ from effijax.objectives import (
     score_completions,
 )
 from effijax.recipe import _sections
-from effijax.recipe._objective import ROLLOUT_METRICS, Objective
+from effijax.recipe._objective import ROLLOUT_METRICS, Objective, with_reference
 from effijax.sources import Dataset, padding_id
 
 __all__ = ["GRPO", "Prompt", "Prompts", "read_prompt_records", "load_prompts",
@@ -255,20 +254,7 @@ def _grpo_loss(model, lora, *, sequence_parallel: bool = True, beta: float = 0.0
         return grpo_loss(logps_NT, batch["advantages"], rows["completion_mask"],
                          ref_token_logps_NT=ref_NT, **settings)
 
-    if lora is None:
-        def full_loss(params, batch, rng=None):
-            return body(params, batch, rng, batch.get("reference"))
-
-        return full_loss
-
-    def loss(params, batch, rng=None):
-        off = None
-        if beta:  # the adapters off: the policy's own base arithmetic, exactly (as DPO's)
-            off = {"base": params["base"],
-                   "adapters": jax.tree.map(jnp.zeros_like, params["adapters"])}
-        return body(params, batch, rng, off)
-
-    return lora_lib.freeze_base(loss)
+    return with_reference(body, lora, needed=bool(beta))
 
 
 def _rollout(model, lora, *, policy, num_generations: int = 8, max_completion_length: int = 256,

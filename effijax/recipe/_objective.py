@@ -18,10 +18,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import jax
+import jax.numpy as jnp
+
 from effijax import lora as lora_lib
 from effijax.data import batch_at, eval_batches
 
-__all__ = ["Objective", "SFT", "ROLLOUT_METRICS"]
+__all__ = ["Objective", "SFT", "ROLLOUT_METRICS", "with_reference"]
 
 # Where a sampled batch (Objective.rollout) carries its rollout's host-side statistics: never an
 # input of the step; the loop adds them to the step's metrics.
@@ -105,6 +108,32 @@ def _sft_loss(model, lora, *, sequence_parallel: bool = True):
         return model.loss_fn(sequence_parallel=sequence_parallel)
     return lora_lib.freeze_base(model.loss_fn(lora, sequence_parallel=sequence_parallel,
                                               frozen_base=True))
+
+
+def with_reference(body: Callable, lora, *, needed: bool = True) -> Callable:
+    """``loss(params, batch, rng=None)`` of an objective that compares the policy with a
+    reference (DPO; GRPO's KL penalty), from ``body(params, batch, rng, reference)``: in full
+    training ``reference`` is the frozen copy of the starting weights the batch carries
+    (``batch["reference"]``); under LoRA (``lora``: its spec) the same frozen base with the
+    adapters zeroed, through the same function (their products are exact zeros), so the
+    reference's arithmetic is the policy's own base arithmetic (on a CPU, a 16-bit base's kept
+    bits) and policy == reference at the adapters' init (B = 0) bit for bit, with no second
+    copy of the base; None when not ``needed``. The body runs the reference without dropout
+    and without gradient; under LoRA the loss is :func:`effijax.lora.freeze_base`'s.
+    """
+    if lora is None:
+        def full_loss(params, batch, rng=None):
+            return body(params, batch, rng, batch["reference"] if needed else None)
+
+        return full_loss
+
+    def loss(params, batch, rng=None):
+        off = None if not needed else {
+            "base": params["base"],
+            "adapters": jax.tree.map(jnp.zeros_like, params["adapters"])}
+        return body(params, batch, rng, off)
+
+    return lora_lib.freeze_base(loss)
 
 
 # Next-token cross-entropy over the data's tokens (the trained positions of masked rows).
