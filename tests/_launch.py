@@ -35,6 +35,7 @@ import sys
 
 import numpy as np
 import pytest
+from _run_env import compiles_as_the_suite
 
 STEPS, EVERY = 24, 4
 TIMEOUT_S = 300  # a launch's limit: a hang fails instead of stopping the suite
@@ -53,7 +54,7 @@ def env(**extra) -> dict:
     out = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES)}
     out["JAX_PLATFORMS"] = "cpu"
     out.update({k: str(v) for k, v in extra.items()})
-    return out
+    return compiles_as_the_suite(out)
 
 
 def train(args, environment, prefix=()) -> subprocess.Popen:

@@ -18,6 +18,7 @@ import optax
 import pytest
 from _compiles import compiles
 from _llama_files import VOCAB_SIZE, chat_tokenizer, write_gguf, write_qa
+from _run_env import compiles_as_the_suite
 
 from effijax.cli import main as cli_main
 from effijax.data import (
@@ -290,9 +291,7 @@ def test_evaluate_model_scores_every_assistant_token(gguf, model):
 
 
 def _env():
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
-    return env
+    return compiles_as_the_suite({**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"})
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ import chex
 import jax
 import numpy as np
 import pytest
-from _run_env import compilation_cache
+from _run_env import compilation_cache, compiles_as_the_suite
 
 from effijax.checkpoint import open_checkpoints, restore_target, validate_resume
 from effijax.run import read_metrics
@@ -44,10 +44,8 @@ def env(tmp_path_factory) -> dict[str, str]:
     """The workers' environment: they share one JAX compilation cache, so a worker loads the
     programs an earlier one compiled (the same executables: the same numbers) instead of
     compiling them."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
-           **compilation_cache(tmp_path_factory.mktemp("jax-cache"))}
-    env.pop("XLA_FLAGS", None)
-    return env
+    return compiles_as_the_suite({**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
+                                  **compilation_cache(tmp_path_factory.mktemp("jax-cache"))})
 
 
 @pytest.fixture(autouse=True)

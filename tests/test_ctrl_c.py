@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _run_env import run_env
+from _run_env import compiles_as_the_suite, run_env
 
 from effijax.cli import main
 from effijax.cli._train import _interrupted
@@ -117,6 +117,7 @@ class _Proc:
         if not cache:  # it compiles: as long as a user's compilation, to be interrupted
             run_env.pop("JAX_COMPILATION_CACHE_DIR")
             run_env.pop("JAX_DISABLE_MOST_OPTIMIZATIONS", None)
+            run_env = compiles_as_the_suite(run_env)
         self.popen = subprocess.Popen([sys.executable, "-m", "effijax", *argv], env=run_env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True, start_new_session=True)

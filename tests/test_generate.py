@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _adapters import random_adapters
+from _run_env import compiles_as_the_suite
 
 from effijax import lora
 from effijax.errors import ConfigError
@@ -411,8 +412,7 @@ def test_cli_streams_what_no_stream_prints_whole(tiny_gguf, capsys, monkeypatch)
 
 
 def _cli(*args, timeout=300):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
+    env = compiles_as_the_suite({**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"})
     return subprocess.run([sys.executable, "-m", "effijax", "generate", *args],
                           env=env, capture_output=True, text=True, timeout=timeout)
 

@@ -226,8 +226,11 @@ def test_a_completion_window_scores_the_same_positions(four_chunks):
         ((_, (short, _)), _) = jax.jit(lambda p: [total(w)(p) for w in (None, 28, 20)])(params)
     np.testing.assert_array_equal(near_counts, counts)
     np.testing.assert_allclose(near, whole, rtol=1e-6)
-    jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=2e-5, atol=1e-7),
-                 near_grads, grads)
+    # Two computations in one program, fused and summed in their own orders: f32 rounding,
+    # relative to each gradient's own scale (XLA:CPU's legacy fusion emitters leave 4e-7 on
+    # elements of 0.014 in a leaf whose largest is about 0.1).
+    for x, y in zip(jax.tree.leaves(near_grads), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_allclose(x, y, rtol=2e-5, atol=1e-5 * float(np.max(np.abs(y))))
     assert np.isnan(short[0]) and not np.isnan(short[1:]).any()  # row 0's span is 28 > 20
     np.testing.assert_allclose(short[1:], whole[1:], rtol=1e-6)
     with pytest.raises(ValueError, match="window must be an int >= 1"):

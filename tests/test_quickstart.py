@@ -18,6 +18,7 @@ import subprocess
 import sys
 
 import pytest
+from _run_env import compiles_as_the_suite
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # The first command, shortened by a smaller model: still the default 300 steps, so that what it
@@ -76,6 +77,7 @@ def test_the_quick_start_in_its_order_on_a_fresh_clone(tmp_path):
     # Python compiles the modules a command imports as it imports them: the same code runs.
     env.update(VIRTUAL_ENV=str(venv), PATH=f"{venv / 'bin'}{os.pathsep}{env['PATH']}",
                JAX_PLATFORMS="cpu", PIP_COMPILE="0")
+    env = compiles_as_the_suite(env)
 
     for argv in _in_venv(first, venv, {"effijax": SMOKE}):
         _run(argv, clone, env, timeout=900)

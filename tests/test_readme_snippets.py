@@ -20,6 +20,7 @@ import subprocess
 import sys
 
 import pytest
+from _run_env import compiles_as_the_suite
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # The front door and every page of the manual, by their paths from the repository's root.
@@ -62,9 +63,7 @@ OUTPUT_BLOCKS = _page_blocks("")
 
 
 def _env() -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    env.pop("XLA_FLAGS", None)
-    return env
+    return compiles_as_the_suite(dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT)))
 
 
 def _effijax(args: list[str], cwd=None, timeout=300) -> subprocess.CompletedProcess:

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from _compiles import compiles
 from _damage import truncate_largest_array_file
+from _run_env import compiles_as_the_suite
 
 from effijax.checkpoint import FORMAT_VERSION, lock_run_dir, open_checkpoints, restore_target
 from effijax.cli import main
@@ -385,8 +386,7 @@ def test_a_write_failing_mid_run_ends_in_one_line_with_the_traceback_in_a_log(tm
     import shlex
 
     out = tmp_path / "run"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
+    env = compiles_as_the_suite({**os.environ, "JAX_PLATFORMS": "cpu"})
     command = shlex.join([sys.executable, "-m", "effijax", *_args(out, corpus)])
     # The shell ignores SIGXFSZ (so a write past the limit fails with EFBIG instead of
     # killing the process) and limits file sizes to 64 blocks of 1 KB.

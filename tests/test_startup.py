@@ -15,6 +15,7 @@ import threading
 import time
 
 import pytest
+from _run_env import compiles_as_the_suite
 
 from effijax import _rendezvous, distributed
 from effijax.errors import ConfigError
@@ -264,7 +265,7 @@ STARTUP_SLACK_S = 45
 def _train(port, n, pid, tmp_path, join_timeout=JOIN_TIMEOUT_S):
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("EFFIJAX_", "JAX_COORDINATOR", "XLA_FLAGS", "SLURM_", "OMPI_"))}
-    env["JAX_PLATFORMS"] = "cpu"
+    env = compiles_as_the_suite({**env, "JAX_PLATFORMS": "cpu"})
     started = time.monotonic()
     proc = subprocess.Popen(
         [sys.executable, "-m", "effijax", "train", "--model", "tiny", "--batch-size", "12",

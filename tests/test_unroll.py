@@ -28,10 +28,21 @@ def _batch(model, b=2):
             "mask": jnp.asarray(rng.random((b, model.seq_len)) < 0.7, jnp.int32)}
 
 
+# Gradients that are zero in exact arithmetic: adding the same key bias to every key adds
+# q . b_k to a whole row of scores, which the softmax cancels. What a program computes there is
+# the rounding residue of a sum that cancels (1e-11 here), which each program leaves in its own
+# bits; it must stay at f32 rounding of the gradients it comes from.
+ZERO_GRADIENTS = ("attn/k/bias",)
+
+
 def _close(a, b):
     # The two programs fuse and sum in different orders: f32 rounding, relative to each
-    # gradient's own scale.
+    # gradient's own scale (to the whole gradient's where it is zero in exact arithmetic).
+    whole = max(float(np.max(np.abs(y))) for y in jax.tree.leaves(b))
     for (path, x), (_, y) in zip(named_leaves(a), named_leaves(b), strict=True):
+        if path.endswith(ZERO_GRADIENTS):
+            assert max(np.max(np.abs(x)), np.max(np.abs(y))) <= 1e-6 * whole, path
+            continue
         scale = float(np.max(np.abs(y)))
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5 * scale, err_msg=path)
 
