@@ -77,6 +77,14 @@ def _size(text: str) -> str:
 _count = _argtype(lambda text: whole_number("count", int(text)), "int")
 
 
+def _context_degree(text: str) -> int | None:
+    """``plan --context``: a degree, or ``search`` (None: the planner tries every one)."""
+    return None if text.strip().lower() == "search" else _count(text)
+
+
+_context_degree.__name__ = "int or 'search'"
+
+
 def _number(text: str, inside, interval: str) -> float:
     try:
         value = float(text)
@@ -254,6 +262,10 @@ def add_parsers(sub) -> None:
     m.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
                    help="with --tensor: split the norm and dropout regions along the sequence "
                    "(default: on with --tensor above 1, as effijax train runs it)")
+    m.add_argument("--context", type=_count, default=1,
+                   help="context-parallel degree (a --mesh context=N axis: each sequence split "
+                   "over N devices, ring attention): the layers' activations split N ways, the "
+                   "head and loss whole; needs no dropout")
     m.add_argument(
         "--lora-fraction",
         type=_fraction,
@@ -298,6 +310,11 @@ def add_parsers(sub) -> None:
     p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
                    help="count tensor-parallel activations with sequence parallelism (default: "
                    "on with a tensor axis, as effijax train runs one)")
+    p.add_argument("--context", type=_context_degree, default=1, metavar="{N,search}",
+                   help="context-parallel degree (a context=N mesh axis splitting each "
+                   "sequence, ring attention; must divide --devices), or search: every degree "
+                   "whose 2N chunks split --seq-len, for sequences no other split fits; needs "
+                   "no dropout")
     p.add_argument(
         "--device-memory",
         required=True,
@@ -351,6 +368,7 @@ _FLAGS = {
     "checkpointing": "--checkpointing",
     "tensor": "--tensor",
     "node_size": "--node-size",
+    "context": "--context",
 }
 
 
@@ -571,7 +589,7 @@ def memory_command(args: argparse.Namespace) -> int:
         acts = None if args.layers is None else activation_bytes(
             **shape, bytes_per_value=4 if args.precision == "fp32" else 2,
             checkpointing=args.checkpointing, tensor=args.tensor,
-            sequence_parallel=args.sequence_parallel)
+            sequence_parallel=args.sequence_parallel, context=args.context)
     except ConfigError as e:
         return _error("memory", e)
     total = states.model_state_bytes + (acts or 0)
@@ -614,6 +632,7 @@ def _memory_text(args: argparse.Namespace, shape: dict, states, acts: int | None
              f"{args.strategy} (ZeRO-{states.zero_stage}) on {args.devices} device(s)"
              + (f" x tensor {args.tensor}{' (sequence-parallel)' if args.sequence_parallel else ''}"
                 if args.tensor > 1 else "")
+             + (f" x context {args.context} (ring attention)" if args.context > 1 else "")
              + "; bytes per device (GB = 1e9 bytes)"]
     rows = [
         ("params", states.params_bytes),
@@ -667,7 +686,8 @@ def plan_command(args: argparse.Namespace) -> int:
                            tensor=args.tensor, node_size=args.node_size,
                            sequence_parallel=args.sequence_parallel, quantized_base=quantized,
                            quantized_bytes=getattr(args, "frozen_bytes", None),
-                           reference=args.objective in REFERENCE_OBJECTIVES, **shape)
+                           reference=args.objective in REFERENCE_OBJECTIVES,
+                           context=args.context, **shape)
     except ConfigError as e:
         return _error("plan", e)
     if args.json:

@@ -3,9 +3,10 @@
 :func:`model_states` gives per-device bytes of parameters, gradients and optimizer state for a
 parameter count, optimizer, precision, ZeRO stage and LoRA fraction; :func:`estimate_tree` counts
 the same from a real abstract parameter pytree and optax optimizer; :func:`activation_bytes` is
-the transformer activation formula (with a tensor-parallel degree and sequence parallelism);
-:func:`communication` the per-step traffic of a ``(data, fsdp, tensor)`` mesh; :func:`plan`
-picks the cheapest configuration that fits, :func:`plan_mesh` the mesh to run it on.
+the transformer activation formula (with a tensor-parallel degree, sequence parallelism and a
+context-parallel degree); :func:`communication` the per-step traffic of a ``(data, fsdp,
+tensor)`` mesh; :func:`plan` picks the cheapest configuration that fits, :func:`plan_mesh` the
+mesh to run it on (a ``context`` axis too, when asked).
 :func:`measure` reads what XLA really allocates for a compiled function, :func:`compare` sets it
 against an estimate, and :func:`activation_measure` sweeps a GPT train step over sequence
 lengths (naive vs blockwise attention vs remat) next to the formula.

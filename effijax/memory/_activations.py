@@ -18,6 +18,16 @@ chunks of ``c`` positions (:mod:`effijax.models._head`), so what they add is one
 logits, ``4·c·b·V``, and the hidden states' gradient the forward keeps, ``p·s·b·h``, where a
 loss of whole logits keeps ``4·s·b·V``.
 
+Context parallelism over ``n`` devices (a mesh's ``context`` axis, ring attention:
+:func:`effijax.models.context_attend`) splits every row's sequence: each device keeps ``s/n``
+positions of every term above (on top of the tensor split). The attention is the ring's
+whatever the model's setting: blockwise, never ``s x s`` scores, and its residuals add the
+merged output in f32 beside the ``p``-byte one when ``p < 4``, ``4·(s/n)·b·q``. What stays
+whole on every device is the fused head and loss, which run after the trunk on the whole
+sequence (the model puts it back in order): the logits chunk and the final hidden states'
+gradient above. The ring's travelling K/V shard and its f32 ``dK, dV`` live only inside one
+layer's backward and are not kept, as the formula counts no layer's transients.
+
 Llama-family layers generalise the linear terms (Ainslie et al. 2023 grouped-query attention,
 Shazeer 2020 SwiGLU): with query width ``q = a·d_head``, key/value width ``k = a_kv·d_head`` and
 MLP width ``f``, a layer keeps ``p·s·b·(h + 2q + 2k)`` for attention (the projections' input,
@@ -45,6 +55,7 @@ import dataclasses
 from effijax.errors import ConfigError, whole_number
 from effijax.memory._estimate import _check_choice
 from effijax.precision import loss_chunk_positions
+from effijax.sharding import CONTEXT_AXIS, check_context
 
 __all__ = ["CHECKPOINTING", "activation_bytes"]
 
@@ -60,10 +71,12 @@ class _LayerTerms:
     scores: int  # 2pas²b: softmax input and output
     score_mask: int  # as²b: 1-byte attention-dropout mask
     softmax_stats: int  # 8asb: blockwise attention's f32 row max and denominator per head
+    ring_output: int = 0  # 4sbq: ring attention's f32 merged output, when p < 4
 
     @property
     def total(self) -> int:
-        return self.linear + self.masks + self.scores + self.score_mask + self.softmax_stats
+        return (self.linear + self.masks + self.scores + self.score_mask + self.softmax_stats
+                + self.ring_output)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,10 +101,13 @@ class _Layer:
     tensor: int = 1
     sequence_parallel: bool = False
     sandwich_norms: bool = False
+    context: int = 1
 
     def terms(self) -> _LayerTerms:
         p, s, b, h, a = self.bytes_per_value, self.seq_len, self.batch_size, self.hidden, self.heads
-        t = self.tensor
+        # Inside the regions: split over the tensor degree and, with a context axis, along the
+        # sequence too; outside: see _outside.
+        t, n = self.tensor * self.context, self.context
         kv_heads = a if self.kv_heads is None else self.kv_heads
         d_head = h // a if self.head_dim is None else self.head_dim
         q, k = a * d_head, kv_heads * d_head
@@ -104,21 +120,28 @@ class _Layer:
         if self.sandwich_norms:  # the norms after attention and MLP; on the q and k heads
             inside, outside = inside + q, outside + 2 * h
         kv_values = (3 if self.sandwich_norms else 2) * k
-        if kv_heads % t == 0:
+        if kv_heads % self.tensor == 0:
             inside += kv_values
         else:
             outside += kv_values
-        dropout, blockwise = self.dropout, self.blockwise_attention
+        # A context axis runs ring attention: blockwise whatever the setting.
+        dropout, blockwise = self.dropout, self.blockwise_attention or n > 1
         return _LayerTerms(
             linear=_split(p * s * b * inside, t) + self._outside(p * s * b * outside),
             masks=self._outside(2 * s * b * h) if dropout else 0,
             scores=0 if blockwise else _split(2 * p * a * s * s * b, t),
             score_mask=_split(a * s * s * b, t) if dropout and not blockwise else 0,
             softmax_stats=_split(2 * 4 * a * s * b, t) if blockwise else 0,
+            ring_output=_split(4 * s * b * q, t) if n > 1 and p < 4 else 0,
         )
 
     def _outside(self, nbytes: int) -> int:
-        """Bytes outside the tensor-parallel regions: whole, or split by the sequence."""
+        """Bytes outside the tensor-parallel regions: whole, or split by the sequence (over
+        the tensor degree with sequence parallelism, over the context axis)."""
+        return _split(self._tensor_outside(nbytes), self.context)
+
+    def _tensor_outside(self, nbytes: int) -> int:
+        """``nbytes`` whole, or split over the tensor degree with sequence parallelism."""
         return _split(nbytes, self.tensor) if self.sequence_parallel else nbytes
 
     def input_bytes(self) -> int:
@@ -129,12 +152,13 @@ class _Layer:
         """The output head fused with its loss (0 when ``vocab`` is None: not counted): one
         chunk's f32 logits, 4·c·b·V/t (``c`` positions, :func:`~effijax.precision.
         loss_chunk_positions`), and the gradient of the final hidden states the forward
-        forms for the backward, p·s·b·h."""
+        forms for the backward, p·s·b·h. Not split by a context axis: the head and the loss
+        run on the whole sequence."""
         if vocab is None:
             return 0
         s, b = self.seq_len, self.batch_size
         chunk = _split(4 * loss_chunk_positions(b, s) * b * vocab, self.tensor)
-        return chunk + self._outside(self.bytes_per_value * s * b * self.hidden)
+        return chunk + self._tensor_outside(self.bytes_per_value * s * b * self.hidden)
 
 
 def _split(nbytes: int, t: int) -> int:
@@ -166,6 +190,14 @@ def _check_tensor(tensor: int, heads: int, sequence_parallel: bool) -> None:
         raise ConfigError("sequence_parallel", sequence_parallel, "expected True or False")
 
 
+def _check_context(context: int, seq_len: int, dropout: bool) -> int:
+    """The context degree: whole, its ``2 x context`` load-balanced chunks dividing
+    ``seq_len``, and no dropout (ring attention has none); the rule a model on a context mesh
+    passes (:func:`effijax.sharding.check_context`)."""
+    whole_number("context", context, maximum=None)
+    return check_context({CONTEXT_AXIS: context}, seq_len, dropout=bool(dropout))
+
+
 def _stack_bytes(layer: _Layer, layers: int, checkpointing: str, vocab: int | None) -> int:
     """Bytes kept by ``layers`` copies of ``layer`` (and the logits) under ``checkpointing``."""
     kept = layers * layer.terms().total
@@ -194,6 +226,7 @@ def activation_bytes(
     tensor: int = 1,
     sequence_parallel: bool = False,
     sandwich_norms: bool = False,
+    context: int = 1,
 ) -> int:
     """Bytes of activations kept for the backward pass, on one device, for one micro-batch.
 
@@ -233,12 +266,18 @@ def activation_bytes(
       sequence_parallel: split the rest along the sequence too (Korthikanti et al.'s ``34/t``).
       sandwich_norms: Gemma 3's norms after the attention and the MLP and on the query and key
         heads, whose inputs are kept too: ``p·s·b·(2h + q + k)`` more per layer.
+      context: the context-parallel degree ``n`` (a mesh's ``context`` axis): every layer's
+        terms (and the block inputs) split ``n`` ways along the sequence, the attention
+        counted as the ring's (blockwise, plus its f32 output when ``p < 4``); the head and
+        loss (``vocab``) stay whole. ``2n`` must divide ``seq_len`` (the load-balanced
+        chunks), and ``dropout`` be False (ring attention has none).
 
     Returns:
       The number of bytes (an exact integer).
 
     Raises:
-      ConfigError: naming the argument, for non-positive sizes or an unknown ``checkpointing``.
+      ConfigError: naming the argument, for non-positive sizes or an unknown ``checkpointing``,
+        a ``seq_len`` a context degree does not split, or dropout with a context degree.
 
     Example:
       >>> # 32 x 2·2048·1·4096 x (16 + 2/2 + 2·32·2048/4096 + 32·2048/(2·4096))
@@ -258,6 +297,15 @@ def activation_bytes(
       >>> activation_bytes(layers=32, hidden=4096, heads=32, seq_len=2048, batch_size=1,
       ...                  tensor=8, sequence_parallel=True)  # 34/8 instead of 10 + 24/8
       3825205248
+      >>> # A context axis of 8: each device keeps 1/8 of the sequence's (blockwise) terms;
+      >>> # the head and loss (32000-word vocabulary) stay whole.
+      >>> one = activation_bytes(layers=32, hidden=4096, heads=32, seq_len=32768, batch_size=1,
+      ...                        dropout=False, blockwise_attention=True, vocab=32000)
+      >>> eight = activation_bytes(layers=32, hidden=4096, heads=32, seq_len=32768,
+      ...                          batch_size=1, dropout=False, vocab=32000, context=8)
+      >>> head = 4 * 512 * 32000 + 2 * 32768 * 4096  # one logits chunk + the hidden gradient
+      >>> eight - head == (one - head) // 8 + 32 * 4 * 32768 * 4096 // 8  # + the f32 outputs
+      True
     """
     for name, value in (("layers", layers), ("hidden", hidden), ("heads", heads),
                         ("seq_len", seq_len), ("batch_size", batch_size),
@@ -266,7 +314,8 @@ def activation_bytes(
     checkpointing = _check_choice("checkpointing", checkpointing, CHECKPOINTING)
     _check_layer_options(heads, kv_heads, head_dim, ffn, vocab)
     _check_tensor(tensor, heads, sequence_parallel)
+    context = _check_context(context, seq_len, dropout)
     layer = _Layer(hidden, heads, seq_len, batch_size, bytes_per_value, dropout,
                    blockwise_attention, kv_heads, head_dim, ffn, gated_mlp, tensor,
-                   bool(sequence_parallel), sandwich_norms)
+                   bool(sequence_parallel), sandwich_norms, context)
     return _stack_bytes(layer, layers, checkpointing, vocab)

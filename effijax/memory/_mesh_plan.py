@@ -10,13 +10,24 @@ device count and ranks what fits by one rule, in this order:
 4. least communication per device per step (:func:`communication`: tensor-parallel
    all-reduces, or all-gathers and reduce-scatters, of the activations, and the data-parallel
    gradient sync; every micro-batch of an accumulated step sends its own);
-5. least memory per device; then the smaller tensor degree and the larger ``fsdp``.
+5. least memory per device; then the smaller context degree, the smaller tensor degree and
+   the larger ``fsdp``.
 
 The tensor degree must divide the query heads, the MLP width and the vocabulary (the facts
 :func:`effijax.sharding.tensor_split` refuses a mesh on; key/value heads are replicated where
 it does not divide them), and stay within one node when ``node_size`` is known: its
 all-reduces sit on every layer's critical path. Without the model's shape the tensor traffic
 cannot be counted, so the search then keeps ``tensor=1`` unless ``tensor`` pins it.
+
+A ``context`` axis (context parallelism, ring attention) is what fits a sequence whose
+activations no other split brings under the memory: each device keeps ``1/context`` of every
+layer's activations, while model states stay as the ``fsdp`` axis shards them (nothing is
+split over ``context``; its devices synchronise gradients as data-parallel replicas do). Its
+traffic is the ring's, per layer and micro-batch: ``context - 1`` hops of a K/V shard forward,
+and in the backward pass as many again with ``context`` hops of their f32 gradients
+(:func:`_ring_wire`). The search tries it when asked: ``context=None`` searches the degrees
+whose ``2 x context`` chunks split the sequence (the model without dropout); an int pins it;
+the default, 1, plans meshes without one.
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ import dataclasses
 import math
 
 from effijax.errors import ConfigError, whole_number
+from effijax.memory._activations import _check_context
 from effijax.memory._communication import communication
 from effijax.memory._estimate import _check_num_params, format_bytes
 from effijax.memory._plan import Plan, plan
@@ -48,6 +60,9 @@ class Candidate:
       communication: bytes one device sends per step (None when nothing fits).
       tensor_wire_bytes: of which over the ``tensor`` axis (None when nothing fits, or without
         the model's shape, when it is not counted).
+      context: the mesh's ``context`` axis (1: none).
+      context_wire_bytes: of the communication, the ring attention's over ``context`` (None
+        when nothing fits; 0 without a context axis).
     """
 
     data: int
@@ -56,11 +71,15 @@ class Candidate:
     plan: Plan
     communication: float | None
     tensor_wire_bytes: float | None
+    context: int = 1
+    context_wire_bytes: float | None = None
 
     @property
     def mesh(self) -> str:
-        """The mesh as ``effijax train --mesh`` takes it: ``data=1,fsdp=2,tensor=4``."""
-        return f"data={self.data},fsdp={self.fsdp},tensor={self.tensor}"
+        """The mesh as ``effijax train --mesh`` takes it: ``data=1,fsdp=2,tensor=4``, with
+        ``context=N`` before ``tensor`` when there is a context axis."""
+        context = f"context={self.context}," if self.context > 1 else ""
+        return f"data={self.data},fsdp={self.fsdp},{context}tensor={self.tensor}"
 
     @property
     def strategy(self) -> str | None:
@@ -68,17 +87,17 @@ class Candidate:
         stage = self.plan.zero_stage
         return None if stage is None else _STRATEGIES[stage]
 
-    def row(self) -> str:
-        """One line of the candidates' table."""
+    def row(self, width: int = 24) -> str:
+        """One line of the candidates' table (the mesh in a column ``width`` wide)."""
         p = self.plan
         if not p.fits:
-            return f"  {self.mesh:<24} {'-':<34} {'-':>10} {'-':>10}  no"
+            return f"  {self.mesh:<{width}} {'-':<34} {'-':>10} {'-':>10}  no"
         how = self.strategy
         if p.lora:
             how += " QLoRA" if p.frozen_dtype != "bf16" else " LoRA"
         if p.checkpointing == "block":
             how += f" +ckpt mb {p.micro_batch}x{p.grad_accum_steps}"
-        return (f"  {self.mesh:<24} {how:<34} {format_bytes(p.total_bytes):>10} "
+        return (f"  {self.mesh:<{width}} {how:<34} {format_bytes(p.total_bytes):>10} "
                 f"{format_bytes(round(self.communication)):>10}  yes")
 
 
@@ -106,10 +125,11 @@ class MeshPlan:
 
     def table(self) -> str:
         """The candidates, one per line, under a header, and the rule that ranked them."""
-        head = (f"  {'mesh':<24} {'strategy':<34} {'memory':>10} {'comm/step':>10}  fits")
+        width = max(24, *(len(c.mesh) for c in self.candidates))
+        head = (f"  {'mesh':<{width}} {'strategy':<34} {'memory':>10} {'comm/step':>10}  fits")
         return "\n".join([f"mesh search over {self.devices} devices (per device; rule: {RULE}):",
                           *(f"  note: {n}" for n in self.notes), head,
-                          *(c.row() for c in self.candidates)])
+                          *(c.row(width) for c in self.candidates)])
 
     def explain(self) -> str:
         """The table, the pick as ``effijax train`` flags, and the pick's arithmetic (or the
@@ -166,17 +186,71 @@ def _tensor_degrees(devices: int, tensor, node_size, shape: dict) -> tuple[list[
     return kept, notes
 
 
-def _traffic(p: Plan, num_params: int, data: int, shape: dict,
-             frozen_bytes: int | None) -> tuple[float, float | None]:
-    """Bytes a device sends per step for ``p``'s configuration: (all, over ``tensor``)."""
-    stage, t, micro = p.zero_stage, p.tensor, p.micro_batch
+def _context_degrees(devices: int, context, shape: dict,
+                     dropout: bool) -> tuple[list[int], list[str]]:
+    """The context degrees to try (1 first), and a note for each left out."""
+    if context is not None:
+        context = whole_number("context", context, maximum=None)
+        if devices % context:
+            raise ConfigError("context", context, f"does not divide the {devices} devices")
+        return [context], []
+    if shape["seq_len"] is None:
+        return [1], ["context=1 only: the context axis splits the activations, which need the "
+                     "model's shape (layers, hidden, heads, seq_len, global_batch); or pin "
+                     "context"]
+    kept, notes = [], []
+    for c in _divisors(devices):
+        try:
+            _check_context(c, shape["seq_len"], dropout)
+        except ConfigError as e:
+            notes.append(f"context={c} left out: {e}")
+            continue
+        kept.append(c)
+    return kept, notes
+
+
+def _ring_wire(shape: dict, options: dict, context: int, tensor: int, micro: int,
+               checkpointing: str) -> float:
+    """Bytes a device sends per micro-batch for ring attention over ``context`` devices.
+
+    Per layer, with ``k`` the key/value width (``kv_heads x head_dim``, split over the tensor
+    degree where it divides the key/value heads) and ``s/n`` the positions a device holds:
+    the forward passes its K/V shard ``n - 1`` times (``2·p·(s/n)·b·k`` bytes, bf16), the
+    backward passes it ``n - 1`` times again and the f32 ``dK, dV`` ``n`` times
+    (``2·4·(s/n)·b·k``, the last hop bringing them home); block checkpointing repeats the
+    forward's hops.
+
+    Example:
+      >>> # 8 layers, 8 kv heads of 128, 4096 positions over context=4, one sequence: shards
+      >>> # of 1024 x 1024 values; per layer 3 x 2 x 2 + 3 x 2 x 2 + 4 x 2 x 4 = 56 bytes each.
+      >>> _ring_wire({"layers": 8, "hidden": 4096, "heads": 32, "seq_len": 4096,
+      ...             "kv_heads": 8}, {"head_dim": 128}, 4, 1, 1, "none") == 8 * 56 * 1024**2
+      True
+    """
+    n = context
+    if n == 1:
+        return 0.0
+    heads, kv_heads = shape["heads"], shape["kv_heads"] or shape["heads"]
+    head_dim = options.get("head_dim") or shape["hidden"] // heads
+    k = kv_heads * head_dim // (tensor if kv_heads % tensor == 0 else 1)
+    local = shape["seq_len"] // n * micro * k  # key (or value) values of one shard
+    hops = (n - 1) * (2 if checkpointing == "block" else 1)  # the forward's
+    per_layer = hops * 2 * 2 * local + (n - 1) * 2 * 2 * local + n * 2 * 4 * local
+    return float(shape["layers"] * per_layer)
+
+
+def _traffic(p: Plan, num_params: int, data: int, shape: dict, options: dict,
+             frozen_bytes: int | None) -> tuple[float, float | None, float]:
+    """Bytes a device sends per step for ``p``'s configuration: (all, over ``tensor``, over
+    ``context``). A context axis' devices synchronise gradients as data-parallel replicas."""
+    stage, t, micro, n = p.zero_stage, p.tensor, p.micro_batch, p.context
     counted = shape["layers"] is not None
     # Without a shape only the gradient sync is counted (tensor=1, or one pinned tensor
     # degree shared by every candidate); the activation sizes are then placeholders.
-    dims = ({"layers": shape["layers"], "hidden": shape["hidden"], "seq_len": shape["seq_len"],
-             "batch_size": micro} if counted else
+    dims = ({"layers": shape["layers"], "hidden": shape["hidden"],
+             "seq_len": shape["seq_len"] // n, "batch_size": micro} if counted else
             {"layers": 1, "hidden": 1, "seq_len": 1, "batch_size": 1})
-    common = {**dims, "data": data, "fsdp": p.devices, "tensor": t,
+    common = {**dims, "data": data * n, "fsdp": p.devices, "tensor": t,
               "sequence_parallel": p.sequence_parallel,
               "checkpointing": p.checkpointing or "none"}
     if not p.lora:
@@ -195,17 +269,18 @@ def _traffic(p: Plan, num_params: int, data: int, shape: dict,
                                   **common).grad_sync_wire_bytes * 2 / 3
     steps = p.grad_accum_steps or 1
     tensor_wire = c.tensor_wire_bytes if counted else None
-    return steps * ((tensor_wire or 0.0) + sync), (None if tensor_wire is None
-                                                    else steps * tensor_wire)
+    ring = steps * _ring_wire(shape, options, n, t, micro, p.checkpointing) if n > 1 else 0.0
+    return (steps * ((tensor_wire or 0.0) + sync) + ring,
+            None if tensor_wire is None else steps * tensor_wire, ring)
 
 
 def _rank(c: Candidate) -> tuple:
     p = c.plan
     if not p.fits:
-        return (1, c.tensor, -c.fsdp)
+        return (1, c.context, c.tensor, -c.fsdp)
     method = 0 if not p.lora else 1 if p.frozen_dtype == "bf16" else 2
-    return (0, method, p.checkpointing == "block", c.communication, p.total_bytes, c.tensor,
-            -c.fsdp)
+    return (0, method, p.checkpointing == "block", c.communication, p.total_bytes, c.context,
+            c.tensor, -c.fsdp)
 
 
 def plan_mesh(
@@ -219,6 +294,7 @@ def plan_mesh(
     tensor: int | None = None,
     node_size: int | None = None,
     sequence_parallel: bool = False,
+    context: int | None = 1,
     **options,
 ) -> MeshPlan:
     """Plans every ``(data, fsdp, tensor)`` mesh of ``devices`` and picks one by :data:`RULE`.
@@ -239,6 +315,11 @@ def plan_mesh(
       tensor: pin the tensor degree (must divide ``devices``); None searches its divisors.
       node_size: devices per node: the tensor degree stays within one node; None: any.
       sequence_parallel: count tensor-parallel activations with sequence parallelism.
+      context: the context-parallel degree (a ``context`` axis, must divide ``devices``);
+        None searches the divisors of ``devices`` whose ``2 x context`` chunks split
+        ``seq_len`` (given a shape, without dropout: ``dropout=False``), meshes whose
+        ``data x fsdp`` the global batch does not split left out; 1 (the default): no
+        context axis.
       **options: the rest of :func:`plan`'s keyword arguments (optimizer, allow_lora,
         headroom, lora_fraction, dropout, blockwise_attention, head_dim, gated_mlp,
         sandwich_norms, quantized_base, quantized_bytes).
@@ -263,6 +344,14 @@ def plan_mesh(
       ['data=1,fsdp=1,tensor=8']
       >>> m.pick.strategy, m.pick.plan.lora, m.pick.plan.grad_accum_steps
       ('ddp', True, 8)
+      >>> # 1B at a million tokens a sequence: no mesh of 8 x 80 GB without a context axis fits.
+      >>> long = dict(layers=16, hidden=2048, heads=16, seq_len=2**20, global_batch=8,
+      ...             vocab=32000, dropout=False, blockwise_attention=True)
+      >>> plan_mesh("1B", devices=8, device_memory="80GB", tensor=1, **long).fits
+      False
+      >>> m = plan_mesh("1B", devices=8, device_memory="80GB", tensor=1, context=None, **long)
+      >>> m.pick.mesh, m.pick.plan.checkpointing, m.pick.plan.grad_accum_steps
+      ('data=2,fsdp=1,context=4,tensor=1', 'block', 4)
     """
     num_params = _check_num_params(num_params)
     devices = whole_number("devices", devices, maximum=None)
@@ -271,25 +360,41 @@ def plan_mesh(
     shape = {"layers": layers, "hidden": hidden, "heads": heads, "seq_len": seq_len,
              "global_batch": global_batch, "kv_heads": kv_heads, "ffn": ffn, "vocab": vocab}
     degrees, notes = _tensor_degrees(devices, tensor, node_size, shape)
+    contexts, context_notes = _context_degrees(devices, context, shape,
+                                               options.get("dropout", True))
+    notes += context_notes
+    pairs = [(t, c) for t in degrees for c in contexts if (devices // t) % c == 0]
+    if not pairs:
+        raise ConfigError("context", context, f"tensor={degrees[0]} x context={context} does "
+                          f"not divide the {devices} devices")
     # Every mesh compared takes the same global batch: it must split over the data-parallel
-    # ranks of each (all the devices when tensor is searched, as tensor=1 has them).
-    ranks = devices // degrees[0]
+    # ranks of each (all the devices when tensor is searched, as tensor=1 has them). With the
+    # context degree searched, over those of one mesh at least; the meshes it does not split
+    # are left out below.
+    ranks = min(devices // t // c for t, c in pairs) if context is None else (
+        devices // degrees[0] // contexts[0])
     if global_batch is not None and whole_number("global_batch", global_batch) % ranks:
         raise ConfigError("global_batch", global_batch, f"does not divide evenly over {ranks} "
                           f"devices; use a multiple of {ranks}")
     if sequence_parallel and degrees == [1]:
         notes.append("sequence_parallel has no effect at tensor=1")
-    candidates = []
-    for t in degrees:
-        for f in reversed(_divisors(devices // t)):
-            d = devices // t // f
+    candidates, unsplit = [], []
+    for t, c in pairs:
+        if global_batch is not None and global_batch % (devices // t // c):
+            unsplit.append(f"context={c}" + (f",tensor={t}" if t > 1 else ""))
+            continue
+        for f in reversed(_divisors(devices // t // c)):
+            d = devices // t // c // f
             p = plan(num_params, devices=f, data=d, tensor=t, device_memory=device_memory,
-                     sequence_parallel=sequence_parallel, **shape, **options)
+                     sequence_parallel=sequence_parallel, context=c, **shape, **options)
             if p.fits and p.zero_stage == 0 and f > 1:
                 continue  # the same as data=d*f,fsdp=1: DDP shards nothing over fsdp
-            wire, tensor_wire = (None, None) if not p.fits else _traffic(
-                p, num_params, d, shape, options.get("quantized_bytes"))
-            candidates.append(Candidate(d, f, t, p, wire, tensor_wire))
+            wire, tensor_wire, ring = (None, None, None) if not p.fits else _traffic(
+                p, num_params, d, shape, options, options.get("quantized_bytes"))
+            candidates.append(Candidate(d, f, t, p, wire, tensor_wire, c, ring))
+    if unsplit:
+        notes.append(f"{', '.join(unsplit)} left out: the global batch of {global_batch} does "
+                     "not split over their data x fsdp ranks")
     candidates.sort(key=_rank)
     pick = candidates[0] if candidates[0].plan.fits else None
     return MeshPlan(devices, tuple(candidates), pick, tuple(notes))

@@ -28,7 +28,13 @@ from decimal import Decimal
 from typing import Any, NamedTuple
 
 from effijax.errors import INT32_MAX, ConfigError, whole_number
-from effijax.memory._activations import _check_layer_options, _check_tensor, _Layer, _stack_bytes
+from effijax.memory._activations import (
+    _check_context,
+    _check_layer_options,
+    _check_tensor,
+    _Layer,
+    _stack_bytes,
+)
 from effijax.memory._estimate import (
     FROZEN_DTYPES,
     FROZEN_SCALE_BITS,
@@ -95,6 +101,8 @@ class Plan:
         ``fsdp`` axis): the batch splits over ``data x devices``, the model states over
         ``devices`` only.
       sequence_parallel: whether the activations were counted with sequence parallelism.
+      context: the context-parallel degree planned for (each sequence split over ``context``
+        devices of every data-parallel rank; 1: none).
     """
 
     fits: bool
@@ -117,6 +125,7 @@ class Plan:
     tensor: int = 1
     data: int = 1
     sequence_parallel: bool = False
+    context: int = 1
 
     @property
     def lora(self) -> bool:
@@ -229,6 +238,7 @@ class _Request:
     tensor: int = 1  # each data-parallel rank is a group of this many devices
     data: int = 1  # replicas of the devices group: the batch splits over data x devices
     sequence_parallel: bool = False
+    context: int = 1  # each sequence split over this many devices of every rank
     quantized_base: str | None = None  # also try LoRA on this quantized base (nf4, int8)
     quantized_bytes: int | None = None  # that base's exact bytes, when the model's shapes are known
     reference: bool = False  # the objective holds a reference (DPO): a copy in full fine-tuning
@@ -277,7 +287,7 @@ class _Outcome(NamedTuple):
 
 def _check_workload(shape: dict[str, Any], layer_options: dict[str, Any], vocab: int | None,
                     devices: int, tensor: int = 1, data: int = 1,
-                    sequence_parallel: bool = False) -> _Workload | None:
+                    sequence_parallel: bool = False, context: int = 1) -> _Workload | None:
     """The model shape and global batch (``shape``: all five or none), checked.
 
     Returns None when ``shape`` is all None: the plan then counts model states only, and
@@ -305,10 +315,11 @@ def _check_workload(shape: dict[str, Any], layer_options: dict[str, Any], vocab:
     _check_layer_options(shape["heads"], layer_options["kv_heads"], layer_options["head_dim"],
                          layer_options["ffn"], vocab)
     _check_tensor(tensor, shape["heads"], sequence_parallel)
+    _check_context(context, shape["seq_len"], layer_options["dropout"])
     per_device = shape["global_batch"] // ranks
     layer = _Layer(hidden=shape["hidden"], heads=shape["heads"], seq_len=shape["seq_len"],
                    batch_size=per_device, bytes_per_value=2, tensor=tensor,
-                   sequence_parallel=sequence_parallel, **layer_options)
+                   sequence_parallel=sequence_parallel, context=context, **layer_options)
     return _Workload(shape["layers"], shape["global_batch"], per_device, layer, vocab)
 
 
@@ -316,7 +327,8 @@ def _check_request(num_params, *, devices, device_memory, optimizer, headroom, a
                    lora_fraction, shape: dict[str, Any], layer_options: dict[str, Any],
                    vocab, tensor: int = 1, quantized_base: str | None = None,
                    quantized_bytes: int | None = None, data: int = 1,
-                   sequence_parallel: bool = False, reference: bool = False) -> _Request:
+                   sequence_parallel: bool = False, reference: bool = False,
+                   context: int = 1) -> _Request:
     """Pass 1: plan()'s arguments checked, in plan()'s order, and converted.
 
     ``shape``, ``layer_options`` and ``vocab`` are :func:`_check_workload`'s.
@@ -337,6 +349,7 @@ def _check_request(num_params, *, devices, device_memory, optimizer, headroom, a
     lora_fraction = _check_fraction(lora_fraction)
     tensor = whole_number("tensor", tensor, maximum=None)
     data = whole_number("data", data, maximum=None)
+    context = whole_number("context", context, maximum=None)
     if not isinstance(sequence_parallel, bool):
         raise ConfigError("sequence_parallel", sequence_parallel, "expected True or False")
     if quantized_base is not None and quantized_base not in FROZEN_SCALE_BITS:
@@ -356,10 +369,11 @@ def _check_request(num_params, *, devices, device_memory, optimizer, headroom, a
         optimizer=optimizer,
         lora_fraction=lora_fraction if allow_lora else None,
         workload=_check_workload(shape, layer_options, vocab, devices, tensor, data,
-                                 sequence_parallel),
+                                 sequence_parallel, context),
         tensor=tensor,
         data=data,
         sequence_parallel=sequence_parallel,
+        context=context,
         quantized_base=quantized_base,
         quantized_bytes=quantized_bytes,
         reference=reference,
@@ -492,7 +506,8 @@ def _fit_checkpointed(request: _Request, method: _Method, states: tuple[ModelSta
             return _Outcome(tuple(steps), choice)
     why_not = (
         f"{method.label}: activations do not fit even with checkpointing and micro-batch 1 "
-        "(shorten seq_len, use blockwise attention, or add tensor/sequence parallelism)"
+        "(shorten seq_len, use blockwise attention, or add tensor/sequence parallelism or a "
+        "context axis)"
     )
     return _Outcome(tuple(steps), why_not=why_not)
 
@@ -532,6 +547,11 @@ def _preamble(request: _Request) -> tuple[str, ...]:
         lines += (f"tensor parallel: each of the {ranks} data-parallel ranks is {t} "
                   f"devices ({ranks * t} in all), each holding 1/{t} of every layer"
                   f"{sp if request.sequence_parallel else ''}",)
+    if request.context > 1:
+        n = request.context
+        lines += (f"context parallel: each sequence split over {n} devices of every rank (ring "
+                  f"attention), each keeping 1/{n} of every layer's activations; model states "
+                  "and the head and loss whole on each",)
     return lines
 
 
@@ -552,6 +572,7 @@ def _conclusion(request: _Request, choice: _Choice) -> str:
             f"{accum} accumulation step{'s' if accum > 1 else ''}"
         )
     tensor = f", tensor {request.tensor}" if request.tensor > 1 else ""
+    tensor += f", context {request.context}" if request.context > 1 else ""
     return (
         f"-> plan: {choice.method.label}, mixed precision, {_STAGE_NAMES[choice.stage]}{tensor}"
         f"{batch}: "
@@ -589,6 +610,7 @@ def _result(request: _Request, steps: list[str], choice: _Choice | None) -> Plan
         tensor=request.tensor,
         data=request.data,
         sequence_parallel=request.sequence_parallel,
+        context=request.context,
         **chosen,
     )
 
@@ -612,6 +634,7 @@ def plan(
     tensor: int = 1,
     quantized_base: str | None = None, quantized_bytes: int | None = None,
     data: int = 1, sequence_parallel: bool = False, reference: bool = False,
+    context: int = 1,
 ) -> Plan:
     """Recommends the cheapest configuration whose model states (and activations) fit.
 
@@ -659,6 +682,10 @@ def plan(
       reference: the objective compares the policy with a reference model (DPO): full
         fine-tuning holds a bf16 copy of the weights, laid out as the parameters (LoRA's
         reference is the base with the adapters off: nothing more).
+      context: a context-parallel degree: every rank's sequences are split over ``context``
+        devices (ring attention), each keeping ``1/context`` of the layers' activations
+        (:func:`activation_bytes`) and whole model states; ``2 x context`` must divide
+        ``seq_len`` and ``dropout`` be False.
 
     Returns:
       A :class:`Plan`; when nothing fits, ``fits`` is False and ``explain()`` says why (no
@@ -692,7 +719,7 @@ def plan(
                        "gated_mlp": gated_mlp, "sandwich_norms": sandwich_norms},
         vocab=vocab, tensor=tensor, quantized_base=quantized_base,
         quantized_bytes=quantized_bytes, data=data, sequence_parallel=sequence_parallel,
-        reference=reference,
+        reference=reference, context=context,
     )
     steps, why_not = list(_preamble(request)), []
     for method in _methods(request):

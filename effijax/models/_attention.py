@@ -65,7 +65,7 @@ from effijax.models._blockwise import (
     is_traced_window,
     target_backend,
 )
-from effijax.models._dense import cpu_layout, kept_vjp
+from effijax.models._dense import _context_degree, cpu_layout, kept_vjp
 from effijax.models._layers import _dropout
 from effijax.models._ring import context_attend
 from effijax.precision import dot, softmax
@@ -373,13 +373,6 @@ def auto_attend(q_BSHK: jax.Array, k_BTHK: jax.Array, v_BTHK: jax.Array, *, caus
     return ATTENTION[choice.name](q_BSHK, k_BTHK, v_BTHK, causal=causal,
                                   dropout_rate=dropout_rate, dropout_key=dropout_key,
                                   segments_BS=segments_BS, window=window)
-
-
-def _context_degree() -> int:
-    """The size of the ``context`` axis of the mesh set by ``jax.set_mesh`` (1: no mesh, or
-    no such axis)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return 1 if mesh.empty else dict(mesh.shape).get(CONTEXT_AXIS, 1)
 
 
 def _context_parallel_attend(q_BSHK, k_BSHK, v_BSHK, *, causal=True, dropout_rate=0.0,

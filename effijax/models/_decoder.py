@@ -74,6 +74,7 @@ from effijax.models._cache import (
     run_layers_cached,
     select_last,
 )
+from effijax.models._dense import token_rows
 from effijax.models._head import head_cross_entropy, head_logits
 from effijax.models._interface import LanguageModel
 from effijax.models._layers import (
@@ -424,7 +425,8 @@ class Attention(nnx.Module):
         b, s, _ = x_BSD.shape
         # One flat input for q, k and v: the backward pass saves each projection's input (for a
         # weight or adapter gradient), and three reshapes of x would be three saved copies.
-        x_ND = x_BSD.reshape(b * s, -1)
+        # (x itself on a context mesh: flattening gathered the sequence there, token_rows.)
+        x_ND = token_rows(x_BSD)
         q_BSHK = q_proj(x_ND, q_lora).reshape(b, s, spec.heads, spec.head_dim)
         k_BSGK = k_proj(x_ND, k_lora).reshape(b, s, spec.kv_heads, spec.head_dim)
         v_BSGK = v_proj(x_ND, v_lora).reshape(b, s, spec.kv_heads, spec.head_dim)

@@ -41,7 +41,14 @@ So on the CPU 16-bit arrays cross the scan as their integer bits: :func:`keep` f
 of the hand-written backwards (and :func:`kept_vjp` for attention's), :func:`freeze_kernels`
 for a LoRA step's frozen kernels, which :func:`matmul` takes as :class:`Kept` bits.
 
-Shape suffixes: ``N`` flattened tokens, ``D`` input width, ``F`` output width.
+Token rows: the models hand :func:`matmul` their activations as :func:`token_rows` gives them,
+``[B·S, D]`` rows (a 2-D dot's backward contracts over one axis, which XLA:CPU runs fastest) or,
+where the mesh's ``context`` axis splits the sequence, ``[B, S, D]`` as they are: a flattened
+``b·S + s`` index is no block of the devices' sequence chunks once a device holds two or more
+rows, and XLA gathered the whole sequence to flatten it. Every dot here takes either.
+
+Shape suffixes: ``N`` token rows (flattened tokens, or the ``B, S`` axes), ``D`` input width,
+``F`` output width.
 """
 
 from __future__ import annotations
@@ -51,9 +58,11 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
+from jax.sharding import PartitionSpec as P
 
 from effijax.models._backend import target_backend
 from effijax.precision import dot
+from effijax.sharding import BATCH_AXES, CONTEXT_AXIS, activation_spec
 
 # Operand dtypes that take the CPU backward: bf16 (native GEMM) and f16 (no native GEMM here,
 # but the same exact 16-bit cotangent, and no mixed-dtype dot).
@@ -69,6 +78,48 @@ def materialize(x: jax.Array) -> jax.Array:
       (3, 2)
     """
     return jax.lax.optimization_barrier(x)
+
+
+def _context_degree() -> int:
+    """The size of the ``context`` axis of the mesh set by ``jax.set_mesh`` (1: no mesh, or
+    no such axis)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty else dict(mesh.shape).get(CONTEXT_AXIS, 1)
+
+
+def token_rows(x: jax.Array) -> jax.Array:
+    """``x`` as the token rows :func:`matmul` takes: its leading axes flattened to one
+    (``[B, S, D] -> [B·S, D]``), unless the mesh set by ``jax.set_mesh`` has a ``context``
+    axis above 1, where ``x`` stays ``[B, S, ...]``. The sequence is split along that axis, and
+    with two or more rows per device the flattened ``b·S + s`` index is no block of the
+    devices' chunks: XLA all-gathered the sequence to flatten it (twice the activations of the
+    tiny GPT's step at batch 2 x 512 on ``context=4``: 11.6 MB against 5.4 MB). There
+    the batch and sequence axes are pinned to :func:`~effijax.sharding.activation_spec`
+    without sequence parallelism (the sequence over ``context`` alone; the trailing axes left
+    to XLA), the layout the flattening gave: left free, XLA kept a ``(context, tensor)``
+    sequence split into the projections and resharded inside ring attention's skipped pairs,
+    collectives that only some devices reached (a deadlock on ``context=2, tensor=4``).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from effijax.sharding import make_mesh
+      >>> x = jnp.ones((2, 8, 3))
+      >>> token_rows(x).shape
+      (16, 3)
+      >>> with jax.set_mesh(make_mesh(context=2, devices=jax.devices()[:2])):
+      ...     jax.jit(token_rows)(x).shape
+      (2, 8, 3)
+    """
+    if x.ndim <= 2:
+        return x
+    if _context_degree() == 1:
+        return x.reshape(-1, x.shape[-1])
+    mesh = jax.sharding.get_abstract_mesh()
+    if not any(a in mesh.axis_names for a in BATCH_AXES):
+        return x
+    spec = activation_spec(x.shape, dict(mesh.shape), sequence_parallel=False)
+    return jax.lax.with_sharding_constraint(
+        x, P(*spec, *(P.UNCONSTRAINED,) * (x.ndim - len(spec))))
 
 
 def cpu_layout(dtype) -> bool:
@@ -195,7 +246,7 @@ def matmul(x_ND: jax.Array, w: jax.Array, *, transposed: bool = False) -> jax.Ar
     the CPU backward for 16-bit operands (see the module docstring).
 
     Args:
-      x_ND: activations, 2-D.
+      x_ND: activations: token rows (:func:`token_rows`), 2-D or ``[B, S, D]``.
       w: the kernel ``w_DF`` of ``x``'s dtype, or ``w_FD`` with ``transposed=True``.
       transposed: the kernel is stored (out, in), like a tied head's embedding.
 
@@ -211,21 +262,21 @@ def matmul(x_ND: jax.Array, w: jax.Array, *, transposed: bool = False) -> jax.Ar
     if isinstance(w, Kept):  # a frozen kernel held as bits (freeze_kernels)
         return _kept_matmul(x_ND, w.bits, transposed, w.dtype)
     if not cpu_layout(x_ND.dtype):
-        return dot("nd,fd->nf" if transposed else "nd,df->nf", x_ND, w)
+        return dot("...d,fd->...f" if transposed else "...d,df->...f", x_ND, w)
     return _cpu_matmul(x_ND, w, transposed)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _cpu_matmul(x_ND: jax.Array, w: jax.Array, transposed: bool) -> jax.Array:
-    return dot("nd,fd->nf" if transposed else "nd,df->nf", x_ND, w)
+    return dot("...d,fd->...f" if transposed else "...d,df->...f", x_ND, w)
 
 
 def _cpu_matmul_fwd(x_ND, w, transposed):
     # symbolic_zeros: the primals arrive with ``perturbed``. Keep only what the backward reads:
     # the kernel for dx, xᵀ for dw (None when that input is not differentiated).
     x, kernel = x_ND.value, w.value
-    y_NF = dot("nd,fd->nf" if transposed else "nd,df->nf", x, kernel)
-    x_DN = keep(materialize(x.T)) if w.perturbed else None
+    y_NF = dot("...d,fd->...f" if transposed else "...d,df->...f", x, kernel)
+    x_DN = keep(materialize(jnp.moveaxis(x, -1, 0))) if w.perturbed else None
     return y_NF, (x_DN, kernel if x_ND.perturbed else None)
 
 
@@ -235,10 +286,10 @@ def _cpu_matmul_bwd(transposed, residuals, dy_NF):
         return None, None
     dx_ND = None
     if kernel is not None:  # both forms contract dy's last axis: the GEMM's own
-        dx_ND = dot("nf,fd->nd" if transposed else "nf,df->nd", dy_NF, kernel)
+        dx_ND = dot("...f,fd->...d" if transposed else "...f,df->...d", dy_NF, kernel)
     dw = None
     if x_DN is not None:
-        dw_DF = dot("dn,nf->df", x_DN, dy_NF)
+        dw_DF = dot("d...,...f->df", x_DN, dy_NF)
         dw = dw_DF.T if transposed else dw_DF
     return dx_ND, dw
 
@@ -251,7 +302,7 @@ _cpu_matmul.defvjp(_cpu_matmul_fwd, _cpu_matmul_bwd, symbolic_zeros=True)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _kept_matmul(x_ND: jax.Array, bits: jax.Array, transposed: bool, dtype) -> jax.Array:
     kernel = jax.lax.bitcast_convert_type(bits, dtype)
-    return dot("nd,fd->nf" if transposed else "nd,df->nf", x_ND, kernel)
+    return dot("...d,fd->...f" if transposed else "...d,df->...f", x_ND, kernel)
 
 
 def _kept_matmul_fwd(x_ND, bits, transposed, dtype):
@@ -260,7 +311,7 @@ def _kept_matmul_fwd(x_ND, bits, transposed, dtype):
 
 def _kept_matmul_bwd(transposed, dtype, bits, dy_NF):
     kernel = jax.lax.bitcast_convert_type(bits, dtype)
-    return dot("nf,fd->nd" if transposed else "nf,df->nd", dy_NF, kernel), None
+    return dot("...f,fd->...d" if transposed else "...f,df->...d", dy_NF, kernel), None
 
 
 _kept_matmul.defvjp(_kept_matmul_fwd, _kept_matmul_bwd)

@@ -38,6 +38,7 @@ from effijax.models._dense import (
     kept_shapes,
     materialize,
     matmul,
+    token_rows,
     unkeep,
 )
 from effijax.precision import (
@@ -88,9 +89,10 @@ def _dense(x_BSD: jax.Array, kernel_DF: jax.Array, bias_F: jax.Array | None,
     adapters on a bf16 base run their matmuls in f32).
     """
     # Flatten the leading axes to one: a 2-D matmul's backward contracts over a single axis.
-    # XLA:CPU ran the thin adapter gradients of the 3-D einsum 5x slower than this.
+    # XLA:CPU ran the thin adapter gradients of the 3-D einsum 5x slower than this. Not where
+    # a context axis splits the sequence: flattening gathered it there (token_rows).
     lead = x_BSD.shape[:-1]
-    x_ND = x_BSD.reshape(-1, x_BSD.shape[-1])
+    x_ND = token_rows(x_BSD)
     if is_quantized(kernel_DF):  # a QLoRA base's frozen kernel (never the tied head)
         y_NF = _dot_quantized(x_ND, kernel_DF)
     else:  # an array, or a frozen kernel's bits (freeze_kernels): matmul takes both
@@ -114,7 +116,7 @@ def _dense(x_BSD: jax.Array, kernel_DF: jax.Array, bias_F: jax.Array | None,
 # full-precision kernel per layer: no full-precision copy of the base ever exists.
 @functools.partial(jax.checkpoint, prevent_cse=False)
 def _dot_quantized(x_ND: jax.Array, kernel_DF) -> jax.Array:
-    return dot("nd,df->nf", x_ND, dequantize(kernel_DF, x_ND.dtype))
+    return dot("...d,df->...f", x_ND, dequantize(kernel_DF, x_ND.dtype))
 
 
 # The adapter term ``u = x (s·a) b`` with a hand-written backward. Autodiff of the einsums gives
@@ -134,17 +136,17 @@ def _lora_delta(x_ND: jax.Array, a_DR: jax.Array, b_RF: jax.Array, scale: float)
 
 def _lora_delta_fwd(x_ND, a_DR, b_RF, scale):
     as_DR = a_DR * jnp.asarray(scale, a_DR.dtype)
-    h_NR = dot("nd,dr->nr", x_ND, as_DR)
-    u_NF = dot("nr,rf->nf", h_NR, b_RF)
-    return u_NF, (keep(x_ND), keep(materialize(h_NR.T)), as_DR, b_RF)
+    h_NR = dot("...d,dr->...r", x_ND, as_DR)
+    u_NF = dot("...r,rf->...f", h_NR, b_RF)
+    return u_NF, (keep(x_ND), keep(materialize(jnp.moveaxis(h_NR, -1, 0))), as_DR, b_RF)
 
 
 def _lora_delta_bwd(scale, residuals, du_NF):
     x_ND, h_RN, as_DR, b_RF = (unkeep(r) for r in residuals)
-    dh_RN = dot("rf,nf->rn", b_RF, du_NF)
-    dx_ND = dot("nr,dr->nd", materialize(dh_RN.T), as_DR)
-    das_RD = dot("rn,nd->rd", dh_RN, x_ND) * jnp.asarray(scale, x_ND.dtype)
-    db_RF = dot("rn,nf->rf", h_RN, du_NF)
+    dh_RN = dot("rf,...f->r...", b_RF, du_NF)
+    dx_ND = dot("...r,dr->...d", materialize(jnp.moveaxis(dh_RN, 0, -1)), as_DR)
+    das_RD = dot("r...,...d->rd", dh_RN, x_ND) * jnp.asarray(scale, x_ND.dtype)
+    db_RF = dot("r...,...f->rf", h_RN, du_NF)
     return dx_ND, materialize(das_RD).T, db_RF
 
 

@@ -43,7 +43,7 @@ from effijax.models._decoder import (
     check_run_choices,
     preset_config,
 )
-from effijax.models._dense import keep, unkeep
+from effijax.models._dense import keep, token_rows, unkeep
 from effijax.models._interface import (
     ModelShape,
     PretrainedFormat,
@@ -376,7 +376,7 @@ class _MLP(nnx.Module):
     def __call__(self, x_BSD: jax.Array, lora: dict | None = None) -> jax.Array:
         lora = lora or {}
         b, s, _ = x_BSD.shape
-        x_ND = x_BSD.reshape(b * s, -1)
+        x_ND = token_rows(x_BSD)  # x itself on a context mesh
         h_NF = self.glu(self.gate_proj(x_ND, lora.get("gate_proj")),
                         self.up_proj(x_ND, lora.get("up_proj")))
         return self.down_proj(h_NF, lora.get("down_proj")).reshape(b, s, -1)

@@ -384,7 +384,23 @@ def _steps(ring: _Ring, body, carry, kv):
         carry, held = state
         return body(r, carry, held, (me - r) % ring.size), following(held, r)
 
-    return jax.lax.fori_loop(0, ring.size, step, (carry, kv))[0]
+    return _loop(ring.size, step, (carry, kv))[0]
+
+
+def _loop(n: int, body, init):
+    """``fori_loop(0, n, body, init)`` as a ``while_loop``, for the forward's loops. A
+    ``fori_loop`` of static length is a ``scan``; differentiated inside the layers' ``scan``,
+    JAX splits the ring's forward into what depends on the layer's inputs and what does not,
+    and a ``scan`` saves the part that does not for every iteration: the pair kernel's f32
+    initial values, stacked per (step, chunk pair), ``m·s·b·H·K`` f32 per device for each,
+    hoisted out of the layers (the custom VJP's own residuals are not). A ``while_loop``
+    saves nothing per iteration: the split runs the whole loop again, and the forward here is
+    never differentiated (its backward is :func:`_ring_backward`)."""
+    def step(state):
+        i, carry = state
+        return i + 1, body(i, carry)
+
+    return jax.lax.while_loop(lambda state: state[0] < n, step, (jnp.int32(0), init))[1]
 
 
 def _ring_forward(ring: _Ring, q, k, v, seg_q, seg_k, win):
@@ -425,7 +441,7 @@ def _ring_forward(ring: _Ring, q, k, v, seg_q, seg_k, win):
 
     state = (jnp.zeros(q.shape, jnp.float32), jnp.full(q.shape[:-1], _MASKED, jnp.float32),
              jnp.int32(0))
-    return _steps(ring, visit, jax.lax.fori_loop(0, m, diagonal, state), (k, v, seg_k))
+    return _steps(ring, visit, _loop(m, diagonal, state), (k, v, seg_k))
 
 
 def _ring_backward(ring: _Ring, q, k, v, seg_q, seg_k, win, o, lse, do):
