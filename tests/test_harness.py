@@ -33,7 +33,6 @@ from effijax.harness import (  # noqa: E402
     choice_records,
     task_manager,
 )
-from effijax.models import llama_config  # noqa: E402
 
 # Sums of f32 log-probabilities from the fused head, in chunks, against a plain log_softmax over
 # the full logits, and between batch shapes: they differ in the order of reductions only.
@@ -51,12 +50,9 @@ def _close(value, expected):
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
-    from _llama_files import VOCAB_SIZE, sharp_params, write_gguf
+    from _harness_models import write_tiny_gguf
 
-    model = llama_config("llama-tiny", vocab_size=VOCAB_SIZE, seq_len=MAX_LENGTH)
-    file = tmp_path_factory.mktemp("harness") / "tiny.gguf"
-    write_gguf(file, model, sharp_params(model))
-    return file
+    return write_tiny_gguf(tmp_path_factory.mktemp("harness") / "tiny.gguf", MAX_LENGTH)
 
 
 @pytest.fixture(scope="module")

@@ -101,8 +101,11 @@ def _round_up(n: int, m: int) -> int:
 
 
 def _signature(tree) -> tuple:
+    # The shardings too: a program compiled for parameters on one device refuses them
+    # replicated or sharded over a mesh (the harness's EffijaxLM(mesh=...)).
     leaves, treedef = jax.tree.flatten(tree)
-    return treedef, tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
+    return treedef, tuple((tuple(x.shape), str(x.dtype), getattr(x, "sharding", None))
+                          for x in leaves)
 
 
 def _compute_dtype(params, lora) -> Any:
@@ -122,7 +125,7 @@ def _abstract(x):
 def _compiled(model, lora, signature, batch: int, prompt_len: int, max_len: int,
               dtype_name: str, abstract_params, unroll: bool):
     """The compiled prefill and decode programs, and the seconds compiling them took; kept
-    per model, spec, parameter signature (structure, shapes, dtypes) and sizes."""
+    per model, spec, parameter signature (structure, shapes, dtypes, shardings) and sizes."""
     del signature  # part of the key only (abstract_params hashes by it too)
     decode = model.decode_fn(lora)
 

@@ -27,6 +27,13 @@ one already in memory is ``EffijaxLM(loaded=Loaded(model, params, ...))``. One p
 request list is answered whole here (several processes, each scoring its share as the
 harness's ``rank``/``world_size`` split it, are not supported yet and are refused).
 
+On a mesh (``mesh=effijax.sharding.make_mesh()``: the process's devices), scoring is data
+parallel: each batch's rows are split over the mesh's ``("data", "fsdp")`` devices
+(:func:`effijax.sharding.batch_sharding`; ``batch_size`` a multiple of their number).
+Parameters already placed on that mesh (a training run's, FSDP-sharded or not) are used as they
+are, no second copy; any others are replicated onto it. Generation runs with those parameters
+as placed (its rows are not split: with replicated parameters every device decodes every row).
+
 This module imports without ``lm_eval``; building the class's instances needs it.
 """
 
@@ -101,6 +108,22 @@ def _scorer(model, lora):
     return jax.jit(make_sequence_logps(graphdef, lora, greedy=True))
 
 
+def _placed(params, mesh):
+    """``params`` on ``mesh``: as they are when every array already lives there (a training
+    run's shardings, no second copy), else replicated onto it; None: as they are."""
+    if mesh is None:
+        return params
+    import jax
+
+    from effijax.sharding import replicated
+
+    leaves = jax.tree.leaves(params)
+    if all(isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding)
+           and x.sharding.mesh == mesh for x in leaves):
+        return params
+    return jax.device_put(params, replicated(mesh))
+
+
 class _Stopped(Exception):
     """Raised from generation's per-step hook once every row has stopped: ends the loop."""
 
@@ -119,12 +142,15 @@ class EffijaxLM(_Base):
       precision: the precision policy of the forward passes (a preset's name).
       add_bos_token: whether text is encoded with the tokenizer's special tokens (default: as
         the tokenizer adds them, except to a text that starts with BOS already).
+      mesh: a ``jax.sharding.Mesh`` from :func:`effijax.sharding.make_mesh` to score on, data
+        parallel (see the module docstring); None: JAX's default device.
       device, max_batch_size: what ``lm_eval`` passes to every model it builds; ignored (JAX
-        places the model on its default device; a batch is ``batch_size`` rows).
+        places the model on its default device, or ``mesh``; a batch is ``batch_size`` rows).
 
     Raises:
-      ConfigError: ``lm_eval`` is not installed, a bad setting, a model that cannot be
-        opened, or several JAX processes (not supported yet).
+      ConfigError: ``lm_eval`` is not installed, a bad setting (a ``batch_size`` the mesh's
+        data-parallel devices do not divide), a model that cannot be opened, or several JAX
+        processes (not supported yet).
 
     Example (with ``lm_eval`` installed)::
 
@@ -138,8 +164,8 @@ class EffijaxLM(_Base):
     def __init__(self, model_from: str | None = None, *, loaded: Any = None,
                  batch_size: int | str = 8, max_length: int | None = None,
                  max_gen_toks: int = 256, precision: str = "fp32",
-                 add_bos_token: bool | None = None, device: str | None = None,
-                 max_batch_size: int | None = None) -> None:
+                 add_bos_token: bool | None = None, mesh: Any = None,
+                 device: str | None = None, max_batch_size: int | None = None) -> None:
         require_lm_eval("model", model_from)
         super().__init__()
         del device, max_batch_size  # JAX's default device; the batch is batch_size
@@ -163,6 +189,10 @@ class EffijaxLM(_Base):
             policy = get_policy(precision)
         except ConfigError as e:
             raise e.renamed("precision") from None
+        if mesh is not None:  # a batch the mesh cannot split, refused before the model is read
+            from effijax.sharding import check_batch
+
+            check_batch(batch_size, mesh)
 
         if jax.process_count() > 1:
             raise ConfigError("model", model_from, f"{jax.process_count()} JAX processes: "
@@ -178,7 +208,8 @@ class EffijaxLM(_Base):
         self.max_gen_toks = max_gen_toks
         self.add_bos_token = add_bos_token
         self.precision = precision
-        self.params = policy.cast_to_compute(self.loaded.params)
+        self.mesh = mesh
+        self.params = _placed(policy.cast_to_compute(self.loaded.params), mesh)
         self._score = _scorer(model, self.loaded.lora)
 
     # How lm_eval builds a model from ``--model_args from=...``: ``from`` is ``model_from``.
@@ -307,6 +338,12 @@ class EffijaxLM(_Base):
                 inputs_BS[r, :length], targets_BS[r, :length] = tokens[:-1], tokens[1:]
                 mask_BS[r, length - scored:length] = True
             batch = {"inputs": inputs_BS, "targets": targets_BS, "mask": mask_BS}
+            if self.mesh is not None:  # data parallel: each device scores its rows
+                import jax
+
+                from effijax.sharding import batch_sharding
+
+                batch = jax.device_put(batch, batch_sharding(self.mesh))
             lp_B, _, greedy_B = self._score(self.params, batch)
             lp_B, greedy_B = np.asarray(lp_B), np.asarray(greedy_B)
             for r, i in enumerate(chunk):
