@@ -35,4 +35,6 @@ __getattr__, __dir__, __all__ = attach(__name__, {
     "effijax.recipe._eval": ("EvalResult", "evaluate_model", "load_model",
         "scoring_precision"),
     "effijax.recipe._sources": ("read_source", "load_params"),
+    "effijax.recipe._objectives": ("get_objective",),
+    "effijax.recipe._objective": ("ROLLOUT_METRICS",),
 })

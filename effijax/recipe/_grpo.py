@@ -21,7 +21,9 @@ a frozen copy of the starting weights that rides in every batch (the job holds i
 
 The rollout's statistics (TRL's ``reward``, ``reward_std``, ``rewards/{name}/mean``,
 ``completions/mean_length``, ...) ride in the batch as host numbers under
-:data:`ROLLOUT_METRICS`; the loop adds them to the step's metrics.
+:data:`ROLLOUT_METRICS`; the loop adds them to the step's metrics. With them, under
+:data:`ROLLOUT_SAMPLES`, rides the step's first prompt and its group of completions
+(:func:`samples_record`), which the loop appends to the run directory's ``completions.jsonl``.
 """
 
 from __future__ import annotations
@@ -47,11 +49,11 @@ from effijax.objectives import (
     score_completions,
 )
 from effijax.recipe import _sections
-from effijax.recipe._objective import ROLLOUT_METRICS, Objective, with_reference
+from effijax.recipe._objective import ROLLOUT_METRICS, ROLLOUT_SAMPLES, Objective, with_reference
 from effijax.sources import Dataset, padding_id
 
 __all__ = ["GRPO", "Prompt", "Prompts", "read_prompt_records", "load_prompts",
-           "prompt_ids", "rollout_seed", "parse_rewards"]
+           "prompt_ids", "rollout_seed", "parse_rewards", "samples_record"]
 
 class Prompt(NamedTuple):
     """One prompt record: its ``prompt`` (a text or chat messages), its other columns, where it
@@ -229,6 +231,40 @@ def parse_rewards(rewards: str | None, reward_weights: str | None
     return functions, _sections.reward_weights(reward_weights, len(functions))
 
 
+def _number(x) -> float | None:
+    x = float(x)
+    return x if np.isfinite(x) else None  # JSON has no NaN: a reward that did not score
+
+
+def samples_record(step: int, record: Prompt, completions: list[str], scores, advantages,
+                   lengths, finished) -> dict:
+    """A step's line of ``completions.jsonl``: ``step`` (as in ``metrics.jsonl``), the
+    prompt (text or chat messages) and its other ``columns``, and each of its completions with
+    its ``rewards`` (by name; None where a reward did not score it), their weighted sum
+    ``reward``, its ``advantage``, its ``tokens`` (the end-of-sequence included) and whether it
+    ``finished`` (False: cut at the maximum length). ``scores``' and the other sequences' rows
+    are the prompt's completions.
+
+    Example:
+      >>> from effijax.objectives import score_completions
+      >>> p = Prompt("1+1?", {"answer": "2"}, "p.jsonl:1", "")
+      >>> scores = score_completions(["exact_match"], ["1+1?"] * 2, ["2", "3"],
+      ...                            columns={"answer": ["2", "2"]})
+      >>> line = samples_record(3, p, ["2", "3"], scores, [0.7, -0.7], [2, 5], [True, False])
+      >>> line["step"], line["columns"], line["completions"][0]
+      (3, {'answer': '2'}, {'completion': '2', 'rewards': {'exact_match': 1.0}, \
+'reward': 1.0, 'advantage': 0.7, 'tokens': 2, 'finished': True})
+    """
+    rows = [{"completion": text,
+             "rewards": {name: _number(v) for name, v in zip(scores.names, per, strict=True)},
+             "reward": _number(total), "advantage": _number(a), "tokens": int(n),
+             "finished": bool(f)}
+            for text, per, total, a, n, f in zip(completions, scores.per_reward, scores.rewards,
+                                                 advantages, lengths, finished, strict=True)]
+    return {"step": step, "prompt": record.prompt, "columns": record.columns,
+            "completions": rows}
+
+
 def _grpo_loss(model, lora, *, sequence_parallel: bool = True, beta: float = 0.0,
                epsilon: float = 0.2, epsilon_high: float | None = None,
                loss_type: str = "dapo", max_completion_length: int = 256,
@@ -313,6 +349,12 @@ def _rollout(model, lora, *, policy, num_generations: int = 8, max_completion_le
                                              scale_rewards=scale_rewards)
         metrics = {**{k: float(v) for k, v in stats.items()}, **scores.metrics,
                    **rollout_metrics(out)}
+        group = slice(0, num_generations)  # the first prompt's completions
+        metrics[ROLLOUT_SAMPLES] = samples_record(
+            step + 1, records[0], out.completions[group],
+            scores._replace(per_reward=scores.per_reward[group], rewards=scores.rewards[group]),
+            np.asarray(advantages)[group], out.completion_mask[group].sum(axis=1),
+            out.finished[group])
         mine = slice(process_index * batch_size // process_count,
                      (process_index + 1) * batch_size // process_count)
         batch = {"inputs": rows["inputs"][mine], "targets": rows["targets"][mine],

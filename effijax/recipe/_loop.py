@@ -13,16 +13,17 @@ good one.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
-from effijax import checkpoint
+from effijax import atomic, checkpoint
 from effijax.data import Prefetcher
 from effijax.recipe import _job, _report
-from effijax.recipe._objective import ROLLOUT_METRICS
+from effijax.recipe._objective import COMPLETIONS, ROLLOUT_METRICS, ROLLOUT_SAMPLES
 from effijax.recipe._rundir import RunStart
 from effijax.recipe._sections import OutputSection
 from effijax.recipe._state import Initial
@@ -61,7 +62,9 @@ def loop(output: OutputSection, job, run: RunStart, compiled, initial: Initial, 
     # while each step runs; those built for steps that never run are dropped.
     step, params = watch.step(compiled.step), None
     if job.rollout is not None:  # each batch is sampled from the state the step before made
-        step, params, prefetch = *_following(step, initial.state), 0
+        step, params = _following(step, initial.state, _samples_log(run_dir,
+                                                                 int(initial.state.step)))
+        prefetch = 0
     with stop.installed(), checkpoint.orbax_log(output.out), Prefetcher(
             _job.batch_fn(job, tokens, initial.frozen,
                           **({} if params is None else {"params": params})),
@@ -90,19 +93,39 @@ def loop(output: OutputSection, job, run: RunStart, compiled, initial: Initial, 
     return Trained(state, {**summary, **trained.summary(job.masked)})
 
 
-def _following(step, state):
-    """``(step, params)``: ``step`` that also remembers the state it returns and adds a sampled
-    batch's rollout statistics to its metrics, and ``params()``: the current state's
-    parameters, read when the next batch is built (before the step donates them)."""
+def _following(step, state, samples=lambda record: None):
+    """``(step, params)``: ``step`` that also remembers the state it returns, adds a sampled
+    batch's rollout statistics to its metrics and gives its rows' record (if any) to
+    ``samples``, and ``params()``: the current state's parameters, read when the next batch is
+    built (before the step donates them)."""
     current = [state]
 
     def tracked(state, batch):
-        extra = batch.get(ROLLOUT_METRICS, {})
+        extra = dict(batch.get(ROLLOUT_METRICS, {}))
+        record = extra.pop(ROLLOUT_SAMPLES, None)
         state, metrics = step(state, {k: v for k, v in batch.items() if k != ROLLOUT_METRICS})
         current[0] = state
+        if record is not None:
+            samples(record)
         return state, {**metrics, **extra}
 
     return tracked, lambda: current[0].params
+
+
+def _samples_log(run_dir, start_step: int):
+    """Appends a rollout's rows (one record a step) to the run directory's COMPLETIONS file,
+    whole, on the main process; a run that starts at step 0 starts it anew (a resume has cut
+    it back to its checkpoint's step)."""
+    path = run_dir.path / COMPLETIONS
+    if run_dir.is_main and start_step == 0 and (path.exists() or path.is_symlink()):
+        path.unlink()  # a link itself, never its target
+
+    def log(record: dict) -> None:
+        if run_dir.is_main:
+            with run_dir.writing():
+                atomic.append(path, (json.dumps(record) + "\n").encode())
+
+    return log
 
 
 def _release_quietly(run_dir):

@@ -24,11 +24,16 @@ import jax.numpy as jnp
 from effijax import lora as lora_lib
 from effijax.data import batch_at, eval_batches
 
-__all__ = ["Objective", "SFT", "ROLLOUT_METRICS", "with_reference"]
+__all__ = ["Objective", "SFT", "ROLLOUT_METRICS", "ROLLOUT_SAMPLES", "COMPLETIONS",
+           "with_reference"]
 
 # Where a sampled batch (Objective.rollout) carries its rollout's host-side statistics: never an
 # input of the step; the loop adds them to the step's metrics.
 ROLLOUT_METRICS = "rollout_metrics"
+# Where those statistics carry a few of the rollout's rows (one JSON-ready record with its
+# ``step``): never a metric; the loop appends it to the run directory's COMPLETIONS file.
+ROLLOUT_SAMPLES = "rollout_samples"
+COMPLETIONS = "completions.jsonl"
 
 
 class Objective(NamedTuple):

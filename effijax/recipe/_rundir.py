@@ -26,6 +26,7 @@ from effijax.checkpoint import LOCK_FILE, ROOM_FILE, latest_step, open_checkpoin
 from effijax.errors import ConfigError
 from effijax.provenance import library_versions
 from effijax.recipe import _identity, _resume
+from effijax.recipe._objective import COMPLETIONS
 from effijax.recipe._report import summary_step
 from effijax.recipe._sections import OutputSection, TrainingSection
 from effijax.run import RunDir
@@ -226,9 +227,9 @@ def _finished_step(output: OutputSection, training: TrainingSection, job, run_js
 
 # What a run writes in a run directory, by how: files written in place (appended to, the
 # lock), files written under a temporary name and renamed over the old one, and folders.
-_IN_PLACE = (LOCK_FILE, "metrics.jsonl", "error.log", "orbax.log", ROOM_FILE)
+_IN_PLACE = (LOCK_FILE, "metrics.jsonl", "error.log", "orbax.log", ROOM_FILE, COMPLETIONS)
 _RENAMED = ("config.json", "summary.json", "loss.png", "metrics.jsonl", "adapters.safetensors",
-            "model.gguf")
+            "model.gguf", COMPLETIONS)
 _FOLDERS = ("checkpoints", "hf", "peft")  # the observers' own: effijax.observe checks them
 # The exports a run replaces at its end: in a directory that holds no run yet, they are not
 # the run's own, and replacing them would lose the user's files.
