@@ -523,21 +523,9 @@ def _threads_text(threads: int, cores: int | None) -> str:
 
 
 def _host() -> str:
-    """The CPU's model name (lscpu's), whether it has AVX512_BF16 and AMX, and XLA's view."""
-    from harness import device_description
+    from harness import host_line
 
-    from effijax.precision import cpu_flags
-
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        name = next((line.split(":", 1)[1].strip() for line in out.splitlines()
-                     if line.startswith("Model name")), "unknown CPU")
-    except (OSError, subprocess.CalledProcessError):
-        name = "unknown CPU"
-    flags = cpu_flags()
-    has = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
-    return (f"{name} ({os.cpu_count()} cores, {', '.join(has) if has else 'no avx512_bf16'}), "
-            f"{device_description()}")
+    return host_line()
 
 
 def _versions() -> str:

@@ -39,6 +39,22 @@ def device_description() -> str:
             f"{platform.machine()} host{cpu_extensions()}{pages}, jax {jax.__version__}")
 
 
+def host_line() -> str:
+    """The CPU's model name (``lscpu``'s), its core count and whether it has AVX512_BF16 and
+    AMX, then :func:`device_description`: the host line of a side-by-side benchmark."""
+    from effijax.precision import cpu_flags
+
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        name = next((line.split(":", 1)[1].strip() for line in out.splitlines()
+                     if line.startswith("Model name")), "unknown CPU")
+    except (OSError, subprocess.CalledProcessError):
+        name = "unknown CPU"
+    has = [f for f in ("avx512_bf16", "amx_bf16") if f in cpu_flags()]
+    return (f"{name} ({os.cpu_count()} cores, {', '.join(has) if has else 'no avx512_bf16'}), "
+            f"{device_description()}")
+
+
 def run_like_effijax() -> None:
     """Re-executes the benchmark script once the way the ``effijax`` program runs its steps:
     with glibc's transparent-huge-page tunable (``effijax.cli.reexec_with_hugepages``; on

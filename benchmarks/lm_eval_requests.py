@@ -266,16 +266,9 @@ class _Worker:
 # the run ---------------------------------------------------------------------------------------
 
 def _host() -> str:
-    """The CPU's model name (lscpu's) and XLA's view of the machine."""
-    from harness import device_description
+    from harness import host_line
 
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        name = next((line.split(":", 1)[1].strip() for line in out.splitlines()
-                     if line.startswith("Model name")), "unknown CPU")
-    except (OSError, subprocess.CalledProcessError):
-        name = "unknown CPU"
-    return f"{name} ({os.cpu_count()} cores), {device_description()}"
+    return host_line()
 
 
 def _versions() -> str:
