@@ -252,10 +252,8 @@ def _serve_trl(args) -> None:
     import transformers
     import trl
 
-    transformers.utils.logging.disable_progress_bar()
     datasets.disable_progress_bars()
-    torch.set_num_threads(args.threads)
-    tokenizer, model = transformers_smollm2(transformers, torch)
+    tokenizer, model = transformers_smollm2(transformers, torch, args.threads)
     with open(args.pairs) as f:
         records = [json.loads(line) for line in f]
     dataset = datasets.Dataset.from_list([
@@ -522,20 +520,10 @@ def _threads_text(threads: int, cores: int | None) -> str:
             f"{'s' if threads > 1 else ''})")
 
 
-def _host() -> str:
-    from harness import host_line
-
-    return host_line()
-
-
 def _versions() -> str:
     from importlib.metadata import version
 
     return ", ".join(f"{p} {version(p)}" for p in ("trl", "peft", "transformers", "torch"))
-
-
-def _load() -> str:
-    return " / ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -595,7 +583,9 @@ def main(argv: list[str] | None = None) -> None:
 
     # Steps each run is given: the first, the turns', and effijax's in flight at the end.
     total = 1 + args.rounds * (args.settle + args.steps_per_round) + 2
-    load_before = _load()
+    from harness import host_line, load_averages
+
+    load_before = load_averages()
     keys = [f"{s} {p}" for p in precisions for s in SYSTEMS]
     warm, steps = {}, {k: [] for k in keys}
     with tempfile.TemporaryDirectory() as tmp:
@@ -624,8 +614,8 @@ def main(argv: list[str] | None = None) -> None:
                 worker.close()
     quiet = quiet_share(args.threads, os.cpu_count() or 1)
     rows = rows_of(steps, args.batch_size * args.seq_len, precisions, quiet)
-    meta = {"host": _host(), "date": datetime.date.today().isoformat(),
-            "load": f"{load_before} before, {_load()} after (1 / 5 / 15 min)",
+    meta = {"host": host_line(), "date": datetime.date.today().isoformat(),
+            "load": f"{load_before} before, {load_averages()} after (1 / 5 / 15 min)",
             "batch_size": args.batch_size, "seq_len": args.seq_len, "threads": args.threads,
             "cores": os.cpu_count(),
             "pair_tokens": next((w["pair_tokens"] for w in warm.values()

@@ -62,7 +62,7 @@ import sys
 import tempfile
 import time
 
-from dpo import _clock, _confine, _elapsed, _environ, _host, _load, _versions, spread
+from dpo import _clock, _confine, _elapsed, _environ, _versions, spread
 from torch_workers import transformers_smollm2
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -210,10 +210,8 @@ def _serve_trl(args) -> None:
     import transformers
     import trl
 
-    transformers.utils.logging.disable_progress_bar()
     datasets.disable_progress_bars()
-    torch.set_num_threads(args.threads)
-    tokenizer, model = transformers_smollm2(transformers, torch)
+    tokenizer, model = transformers_smollm2(transformers, torch, args.threads)
     with open(args.prompts) as f:
         records = [json.loads(line) for line in f]
     dataset = datasets.Dataset.from_list([
@@ -451,7 +449,9 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--threads: {args.threads}; give 1 to {os.cpu_count()}")
 
     total = 1 + args.rounds * (args.settle + args.steps_per_round) + 2
-    load_before = _load()
+    from harness import host_line, load_averages
+
+    load_before = load_averages()
     warm, steps, workers = {}, {s: [] for s in SYSTEMS}, {}
 
     def variant(system: str, prompts: str):
@@ -480,8 +480,8 @@ def main(argv: list[str] | None = None) -> None:
         per_turn = args.settle + args.steps_per_round
         steps[system] = [r for i, r in enumerate(steps[system]) if i % per_turn >= args.settle]
     rows = rows_of(steps)
-    meta = {"host": _host(), "date": datetime.date.today().isoformat(),
-            "load": f"{load_before} before, {_load()} after (1 / 5 / 15 min)",
+    meta = {"host": host_line(), "date": datetime.date.today().isoformat(),
+            "load": f"{load_before} before, {load_averages()} after (1 / 5 / 15 min)",
             "batch_size": args.batch_size, "num_generations": args.num_generations,
             "max_completion_length": args.max_completion_length, "seq_len": args.seq_len,
             "threads": args.threads, "versions": _versions(), "settle": args.settle,

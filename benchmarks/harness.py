@@ -55,6 +55,12 @@ def host_line() -> str:
             f"{device_description()}")
 
 
+def load_averages() -> str:
+    """The machine's load averages over 1, 5 and 15 minutes, ``"1.02 / 0.88 / 0.75"``: what
+    other processes took of the cores while a side-by-side benchmark ran."""
+    return " / ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def run_like_effijax() -> None:
     """Re-executes the benchmark script once the way the ``effijax`` program runs its steps:
     with glibc's transparent-huge-page tunable (``effijax.cli.reexec_with_hugepages``; on

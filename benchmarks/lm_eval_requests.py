@@ -196,9 +196,7 @@ def _load(side: str, args):
     import transformers
     from lm_eval.models.huggingface import HFLM
 
-    transformers.utils.logging.disable_progress_bar()
-    torch.set_num_threads(args.threads)
-    tokenizer, model = transformers_smollm2(transformers, torch)
+    tokenizer, model = transformers_smollm2(transformers, torch, args.threads)
     return HFLM(pretrained=model.eval(), tokenizer=tokenizer, batch_size=args.batch_size,
                 max_length=MAX_LENGTH, device="cpu", dtype="float32")
 
@@ -265,20 +263,10 @@ class _Worker:
 
 # the run ---------------------------------------------------------------------------------------
 
-def _host() -> str:
-    from harness import host_line
-
-    return host_line()
-
-
 def _versions() -> str:
     from importlib.metadata import version
 
     return ", ".join(f"{p} {version(p)}" for p in ("lm_eval", "transformers", "torch", "jax"))
-
-
-def _load_average() -> str:
-    return " / ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -322,11 +310,18 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.worker:  # before anything imports JAX: the hf worker never does
         return _serve(args.worker, args)
-    from harness import command_line, publish, run_like_effijax, time_interleaved
+    from harness import (
+        command_line,
+        host_line,
+        load_averages,
+        publish,
+        run_like_effijax,
+        time_interleaved,
+    )
 
     if argv is None:  # as a script: effijax's worker inherits effijax's huge-page tunable
         run_like_effijax()
-    load_before = _load_average()
+    load_before = load_averages()
     workers, built, load_s = {}, {}, {}
 
     def make(key):
@@ -352,8 +347,8 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         for worker in workers.values():
             worker.close()
-    meta = {"host": _host(), "date": datetime.date.today().isoformat(),
-            "load": f"{load_before} before, {_load_average()} after (1 / 5 / 15 min)",
+    meta = {"host": host_line(), "date": datetime.date.today().isoformat(),
+            "load": f"{load_before} before, {load_averages()} after (1 / 5 / 15 min)",
             "batch_size": args.batch_size, "max_length": MAX_LENGTH, "limit": args.limit,
             "threads": args.threads, "versions": _versions(), "rounds": args.rounds,
             "passes": args.passes, "load_s": load_s}

@@ -47,10 +47,13 @@ def torch_environ(env: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def transformers_smollm2(transformers, torch):
+def transformers_smollm2(transformers, torch, threads: int):
     """``(tokenizer, model)``: the bundled SmolLM2 opened by ``transformers`` from its GGUF,
-    dequantized to f32. transformers marks a model loaded from a GGUF as quantized, which
-    ``Trainer`` refuses to train; its weights are plain f32 tensors, so the mark is taken off."""
+    dequantized to f32, in a worker set to compute on ``threads`` threads without progress
+    bars. transformers marks a model loaded from a GGUF as quantized, which ``Trainer``
+    refuses to train; its weights are plain f32 tensors, so the mark is taken off."""
+    transformers.utils.logging.disable_progress_bar()
+    torch.set_num_threads(threads)
     gguf = smollm2_gguf()
     tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
