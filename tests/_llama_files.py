@@ -79,6 +79,17 @@ def write_qa(path, n=40):
             f.write(json.dumps(record) + "\n")
 
 
+def write_sum_prompts(path, n=16):
+    """``n`` GRPO prompt records as JSONL: a sum and its ``answer`` column, the odd prompts as
+    text, the even ones as chat messages."""
+    import json
+
+    with open(path, "w") as f:
+        for i in range(n):
+            prompt = f"{i}+1" if i % 2 else [{"role": "user", "content": f"{i}+1"}]
+            f.write(json.dumps({"prompt": prompt, "answer": str(i + 1)}) + "\n")
+
+
 def llama_cpp_permute(w, n_head, n_head_kv=None):
     """convert_hf_to_gguf.py's LlamaModel.permute: per head, rotary halves interleaved."""
     if n_head_kv is not None and n_head != n_head_kv:

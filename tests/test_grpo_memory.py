@@ -1,4 +1,4 @@
-"""GRPO's rollouts hold no second copy of the weights (issue 53): the recipe's rollout
+"""GRPO's rollouts hold no second copy of the weights: the recipe's rollout
 (``job.rollout``, what ``effijax train --objective grpo`` draws each batch with) samples on
 the train state's parameters themselves, under LoRA the frozen base the step reads plus the
 adapters, in full training the parameters as they are (a policy whose compute dtype is the

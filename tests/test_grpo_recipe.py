@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 from _compiles import compiles
-from _llama_files import VOCAB_SIZE, chat_tokenizer, write_gguf
+from _llama_files import VOCAB_SIZE, chat_tokenizer, write_gguf, write_sum_prompts
 
 from effijax.cli import main as cli_main
 from effijax.errors import ConfigError
@@ -33,10 +33,7 @@ TINY = llama_config("llama-tiny", vocab_size=VOCAB_SIZE, seq_len=SEQ)
 def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("grpo")
     write_gguf(d / "tiny.gguf", TINY, jax.jit(TINY.init_params)(jax.random.key(0)))
-    with open(d / "prompts.jsonl", "w") as f:
-        for i in range(16):
-            prompt = (f"{i}+1" if i % 2 else [{"role": "user", "content": f"{i}+1"}])
-            f.write(json.dumps({"prompt": prompt, "answer": str(i + 1)}) + "\n")
+    write_sum_prompts(d / "prompts.jsonl")
     return d
 
 

@@ -1,4 +1,4 @@
-"""GRPO writes a sample of its rollouts to the run directory (issue 53): ``completions.jsonl``,
+"""GRPO writes a sample of its rollouts to the run directory: ``completions.jsonl``,
 one line a step, the step's first prompt and its group of completions with their rewards and
 advantages, next to ``metrics.jsonl``. The recipe runs in-process on tests/test_grpo_recipe.py's
 tiny model (a fresh run starts the file anew); how the loop writes the lines and a resume cuts
@@ -9,7 +9,7 @@ import json
 import jax
 import numpy as np
 import pytest
-from _llama_files import VOCAB_SIZE, write_gguf
+from _llama_files import VOCAB_SIZE, write_gguf, write_sum_prompts
 
 from effijax.checkpoint import truncate_metrics
 from effijax.cli import main as cli_main
@@ -27,10 +27,7 @@ TINY = llama_config("llama-tiny", vocab_size=VOCAB_SIZE, seq_len=SEQ)
 def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("grpo_samples")
     write_gguf(d / "tiny.gguf", TINY, jax.jit(TINY.init_params)(jax.random.key(0)))
-    with open(d / "prompts.jsonl", "w") as f:
-        for i in range(16):
-            prompt = f"{i}+1" if i % 2 else [{"role": "user", "content": f"{i}+1"}]
-            f.write(json.dumps({"prompt": prompt, "answer": str(i + 1)}) + "\n")
+    write_sum_prompts(d / "prompts.jsonl")
     return d
 
 
