@@ -3,7 +3,9 @@
 ``--from`` is ``smollm2``, a GGUF file, a Hugging Face directory or a run directory (a LoRA run
 evaluates its base with its adapters); ``DATA`` a text file or folder, or a ``.jsonl`` file of
 ``{"messages": [...]}`` or ``{"prompt": ..., "response": ...}`` records, scored on the
-assistant's tokens as training does (:func:`effijax.recipe.evaluate_model`).
+assistant's tokens as training does (:func:`effijax.recipe.evaluate_model`), or a token store
+(``effijax data prepare``), scored whole. ``DATA`` is read by training's reader: text and JSONL
+over 8 MiB from the store training prepares of it in the cache, host memory flat.
 
 ``--precision`` is ``auto`` by default, decided as ``effijax train`` decides it
 (:func:`effijax.recipe.scoring_precision`): a run directory scores in the precision it trained
@@ -54,8 +56,9 @@ def add_parsers(sub) -> None:
         "run directory: a LoRA run is its base plus adapters) on a text file or folder or a chat "
         "/ instruction .jsonl file (scored on the assistant's tokens, as training is)."))
     _from.add_flag(p, "the model to evaluate (a LoRA run: its base with its adapters)")
-    p.add_argument("data", nargs="?", default=None, help="a text file or folder, or a .jsonl "
-                   "file of chat / instruction records (not with --tasks)")
+    p.add_argument("data", nargs="?", default=None, help="a text file or folder, a .jsonl "
+                   "file of chat / instruction records, or a token store (effijax data "
+                   "prepare) (not with --tasks)")
     p.add_argument("--seq-len", type=int, default=None, help="window length (default: the "
                    "model's)")
     p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass "

@@ -551,15 +551,17 @@ class _Rows:
         return out
 
 
-def store_rows(store: Store, *, val: bool, seq_len: int, pad_id: int) -> Packed:
-    """A chat store's training (or validation) examples as :class:`~effijax.data.Packed` rows
-    of ``seq_len + 1``: the rows ``pack_examples`` packs from the same examples, each row built
-    when a batch draws it. Only the row layout (one int per example) is held in memory.
+def store_rows(store: Store, *, val: bool | None, seq_len: int, pad_id: int) -> Packed:
+    """A chat store's training (or validation; ``val=None``: every one, in order) examples as
+    :class:`~effijax.data.Packed` rows of ``seq_len + 1``: the rows ``pack_examples`` packs from
+    the same examples, each row built when a batch draws it. Only the row layout (one int per
+    example) is held in memory.
 
     ``filled``, ``examples`` and ``truncated`` are exact; the rows' arrays are not arrays (so
     :attr:`~effijax.data.Packed.trained_tokens` is not available: the manifest counts them).
     """
-    order = np.flatnonzero(np.asarray(store.val) == (1 if val else 0))
+    order = (np.arange(len(store.offsets) - 1) if val is None
+             else np.flatnonzero(np.asarray(store.val) == (1 if val else 0)))
     width = seq_len + 1
     layout = _layout(store, order, width, pad_id)
     lengths = np.diff(store.offsets)[order]

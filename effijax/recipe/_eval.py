@@ -2,14 +2,20 @@
 
 The model is any ``init_from`` a run accepts (:mod:`effijax.sources`): ``smollm2``, a
 GGUF file, a Hugging Face directory, or an earlier run's directory; a LoRA run evaluates its
-base with its adapters (``adapters.safetensors``, factored, not merged). The data is read whole
-(:func:`~effijax.sources.load_eval_data`): a text file's every token in consecutive
-windows, or a chat / instruction JSONL file's every record, scored on the assistant's tokens
-only, each packed example attending only to itself with positions from its own start (as if
-alone). The loss is the mean cross-entropy over the scored tokens (each batch's masked mean
-weighted by its scored tokens) and the perplexity its exponential. A perplexity measured over
-few tokens (fewer than :data:`FEW_TOKENS`, or text shorter than one window, which the model
-never reads with a full context) is a rough figure: :attr:`EvalResult.caution` says so.
+base with its adapters (``adapters.safetensors``, factored, not merged). The data is read
+whole, by the reader training reads it with (:func:`~effijax.sources.load_eval_data`): a text
+file's every token in consecutive windows, or a chat / instruction JSONL file's every record,
+scored on the assistant's tokens only, each packed example attending only to itself with
+positions from its own start (as if alone). Text and JSONL files larger than
+:data:`~effijax.sources.MEMORY_BYTES` together are read, as ``effijax train`` reads them, from
+the token store it prepares of them in effijax's cache (:func:`~effijax.sources.cached_store`,
+the same tokens and rows; a run's store is reused), memory-mapped, each batch built when it is
+scored: host memory does not grow with the data. A token store (``effijax data prepare``) is
+read whole the same way. The loss is the mean cross-entropy over the scored tokens (each
+batch's masked mean weighted by its scored tokens) and the perplexity its exponential. A
+perplexity measured over few tokens (fewer than :data:`FEW_TOKENS`, or text shorter than one
+window, which the model never reads with a full context) is a rough figure:
+:attr:`EvalResult.caution` says so.
 """
 
 from __future__ import annotations
@@ -35,8 +41,10 @@ from effijax.precision import (
 )
 from effijax.sources import (
     Opened,
+    cached_store,
     check_memory,
     check_template_file,
+    in_memory,
     load_eval_data,
     open_model,
     with_chat_template,
@@ -157,6 +165,18 @@ def scoring_precision(precision: str, opened: Opened) -> AutoPrecision:
     return auto_precision(jax.default_backend(), opened.model.shape().hidden, cpu_flags())
 
 
+def _source(data: str, model, chat_template: str | None, data_format: str, say) -> str:
+    """``data`` as training reads it: text or JSONL files larger than
+    :data:`~effijax.sources.MEMORY_BYTES` replaced by the store training prepares of them
+    (``like_memory``: the same tokens, rows and identity); anything else as it is (a Parquet
+    source too: :func:`~effijax.sources.load_eval_data` says how to prepare it)."""
+    tokenizer = getattr(model, "tokenizer", None)
+    if in_memory(data, tokenizer, data_format):
+        return data
+    return str(cached_store(data, tokenizer, chat_template=chat_template,
+                            data_format=data_format, like_memory=True, print_fn=say))
+
+
 def _batches(rows, batch_size: int):
     """Consecutive rows in batches of ``batch_size``; the last is filled with unscored rows.
     Packed chat rows carry their segments (each example scored as if alone)."""
@@ -191,7 +211,7 @@ def evaluate_model(model: str, data: str, *, seq_len: int | None = None, batch_s
 
     Args:
       model: ``smollm2``, a GGUF file, a Hugging Face directory, or a run directory.
-      data: a text file or folder, or a chat / instruction ``.jsonl`` file.
+      data: a text file or folder, a chat / instruction ``.jsonl`` file, or a token store.
       seq_len: the window (default: the model's).
       batch_size: windows per forward pass.
       data_format: ``auto`` (chat for ``.jsonl``), ``text`` or ``chat``.
@@ -243,7 +263,8 @@ def evaluate_model(model: str, data: str, *, seq_len: int | None = None, batch_s
     if chat_template is not None:
         lm = with_chat_template(lm, chat_template)
     say(f"reading {data}")
-    rows, fingerprint, fmt = load_eval_data(data, lm, data_format=data_format)
+    rows, fingerprint, fmt = load_eval_data(_source(data, lm, chat_template, data_format, say),
+                                            lm, data_format=data_format)
     batches = -(-len(rows) // batch_size)
     n = min(batches, max_batches or batches)
     why = f" ({decided.reason})" if decided.reason else ""

@@ -11,8 +11,8 @@ tokenizer, from its ``config.json`` as plain values), a GGUF file, a Hugging Fac
 ``smollm2`` as an :class:`Opened` model; a LoRA run's base is checked by content
 (``_bases.py``: :func:`base_changes`); :func:`export_paths` names what a run exports. Data
 (``_data.py``): :func:`load_dataset` reads text, chat JSONL, token stores and their mixtures
-through a model, split for validation; :func:`load_eval_data` reads a whole file for
-evaluation; :func:`prepare` (``_prepare.py``) tokenizes a corpus once into a memory-mapped
+through a model, split for validation; :func:`load_eval_data` reads a file or store whole
+for evaluation; :func:`prepare` (``_prepare.py``) tokenizes a corpus once into a memory-mapped
 token store, and :func:`cached_store` (``_prepared.py``) keeps one in effijax's cache for
 ``--data`` too large (or in a table format) to read in memory. Pre-flight (``_preflight.py``):
 :func:`check_memory`, :func:`check_compiled_memory` and :func:`storage` refuse, in one line

@@ -25,8 +25,10 @@ never read as text: ``effijax train`` prepares it into a store in its cache firs
 them (the same tokens, rows and batches), under the identity they have here (the manifest's
 ``content``), so that a run's host memory does not grow with its data; :func:`load_dataset`
 itself reads them in memory, whatever their size.
-:func:`load_eval_data` reads a whole file for evaluation instead: every token in consecutive
-windows, or every record.
+:func:`load_eval_data` reads the same data for evaluation, whole: every token in consecutive
+windows, or every record in order; from a store, memory-mapped, each batch's rows built when it
+is scored (so ``effijax eval`` reads text and JSONL files larger than ``MEMORY_BYTES`` from the
+store ``effijax train`` prepares of them, and its host memory does not grow with its data).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from effijax.data import (
     pack_examples,
     read_records,
     records_fingerprint,
+    release_pages,
     render_chat,
     split_corpus,
     split_records,
@@ -201,8 +204,9 @@ def _refuse_tables(path: str, *, evaluating: bool) -> None:
     shown = ", ".join(p.name for p in tables)
     if evaluating:
         raise ConfigError("data", path, f"holds Parquet/Arrow data ({shown}); effijax eval "
-                          "reads text or chat JSONL files (Parquet/Arrow data trains: effijax "
-                          "train --data)")
+                          "reads text or chat JSONL files, or a token store: prepare one first "
+                          f"(effijax data prepare {path} --out "
+                          f"{Path(path).with_suffix('.store')} --from MODEL)")
     raise ConfigError("data", path, f"holds Parquet/Arrow data ({shown}), which is read "
                       "from a token store: effijax train --data prepares one into effijax's "
                       "cache itself (effijax.sources.cached_store), or effijax data prepare "
@@ -218,9 +222,6 @@ def _read(path: str | None, model, data_format: str, *, evaluating: bool = False
     """
     if path is not None:
         _refuse_tables(path, evaluating=evaluating)
-        if is_store(path):
-            raise ConfigError("data", path, "is a token store: it trains (effijax train --data "
-                              "STORE); effijax eval reads text or chat JSONL files")
     fmt = resolve_format(path, data_format)
     try:
         if fmt == "chat":
@@ -377,15 +378,15 @@ def _led(tokens: np.ndarray, tokenizer):
     return tokens if first is None else Led(tokens, first)
 
 
-def _store_dataset(path: str, model, seq_len: int) -> Dataset:
-    """A store's data (memory-mapped), checked against the model's tokenizer, vocabulary and
-    ``seq_len``, its content against its manifest (:func:`~effijax.data.verify_store`: hashed
-    on first use and once changed, so a run, and its resume, refuse a store changed since it
-    was prepared).
+def _checked_store(path: str, model) -> tuple[Any, Any]:
+    """``(store, tokenizer)``: the store at ``path`` (memory-mapped), checked against the
+    model's tokenizer and vocabulary, its content against its manifest
+    (:func:`~effijax.data.verify_store`: hashed on first use and once changed, so a run, its
+    resume and an evaluation refuse a store changed since it was prepared).
 
     Raises:
       FileError: a damaged or changed store, naming its file; ids beyond the vocabulary.
-      ConfigError: ``field="data"``: another tokenizer, a split too small for ``seq_len``.
+      ConfigError: ``field="data"``: another tokenizer.
     """
     store = open_store(path)
     tokenizer = _store_tokenizer(store, model, path)
@@ -396,6 +397,17 @@ def _store_dataset(path: str, model, seq_len: int) -> Dataset:
                         f"below the vocabulary of {model.name} ({vocab:,} ids): the store was "
                         "tokenized for another model; prepare it again with --from the model "
                         "you train")
+    return store, tokenizer
+
+
+def _store_dataset(path: str, model, seq_len: int) -> Dataset:
+    """A store's data (:func:`_checked_store`), its split checked against ``seq_len``.
+
+    Raises:
+      FileError: as :func:`_checked_store`.
+      ConfigError: ``field="data"``: another tokenizer, a split too small for ``seq_len``.
+    """
+    store, tokenizer = _checked_store(path, model)
     split, fmt = store.manifest["split"], store.format
     if fmt == "chat":
         if not split["train_trained_tokens"] or not split["val_trained_tokens"]:
@@ -484,6 +496,118 @@ def load_dataset(path: str | None, model, *, seq_len: int | None = None,
                    content.note)
 
 
+class _Plan(NamedTuple):
+    """Where the rows of :func:`text_rows` start in ``stream``: runs of rows, run ``k`` holding
+    rows ``row0[k]`` to ``row0[k + 1] - 1``, the ``j``-th of them starting at ``origin[k] + j *
+    seq_len``; ``own[k]``: a run of one row led by the stream's own ``first`` (a document's
+    BOS) at ``origin[k]``. One int per run, not per row: a stream of any size is planned in
+    memory that grows with its documents at most."""
+
+    stream: Any
+    seq_len: int
+    pad_id: int
+    first: int | None
+    row0: np.ndarray
+    origin: np.ndarray
+    own: np.ndarray
+
+    @property
+    def rows(self) -> int:
+        return int(self.row0[-1])
+
+
+def _positions(stream, value: int) -> np.ndarray:
+    """Where ``stream`` holds ``value``, read a block at a time (a mapped store's pages let go
+    after each)."""
+    block, found = 16 * 2**20, []
+    for at in range(0, stream.size, block):
+        found.append(np.flatnonzero(stream[at:at + block] == value) + at)
+        release_pages(stream)
+    return np.concatenate(found) if found else np.zeros(0, np.int64)
+
+
+def _plan(stream, seq_len: int, pad_id: int, first: int | None) -> _Plan:
+    """The rows of :func:`text_rows` for ``stream``: without ``first``, windows every
+    ``seq_len`` tokens; with it, a row at a document's own ``first`` reads it (untrained) and
+    the ``seq_len`` after it, and the next row starts after them."""
+    n = stream.size
+    if first is None:
+        return _Plan(stream, seq_len, pad_id, None, np.array([0, -(-(n - 1) // seq_len)]),
+                     np.zeros(1, np.int64), np.zeros(1, bool))
+    runs, at = [], 0  # (origin, own, rows)
+    for p in _positions(stream, first).tolist():
+        if p < at or (p - at) % seq_len:
+            continue  # a target within a row, not where one starts
+        if p > at:
+            runs.append((at, False, (p - at) // seq_len))
+        if p + 1 < n:  # a BOS ending the stream leads no row
+            runs.append((p, True, 1))
+        at = p + 1 + seq_len
+    if at < n:
+        runs.append((at, False, -(-(n - at) // seq_len)))
+    origin, own, count = zip(*runs, strict=True) if runs else ((), (), ())
+    return _Plan(stream, seq_len, pad_id, first, np.cumsum([0, *count]),
+                 np.asarray(origin, np.int64), np.asarray(own, bool))
+
+
+def _build(plan: _Plan, index) -> tuple[np.ndarray, np.ndarray]:
+    """Rows ``index`` of ``plan``: ``(tokens, mask)``, ``int32[len(index), seq_len + 1]``."""
+    index = np.arange(plan.rows)[index].reshape(-1)
+    width = plan.seq_len + 1
+    tokens = np.full((len(index), width), plan.pad_id, np.int32)
+    mask = np.zeros((len(index), width), np.int32)
+    runs = np.searchsorted(plan.row0, index, side="right") - 1
+    for b, (i, k) in enumerate(zip(index.tolist(), runs.tolist(), strict=True)):
+        start = int(plan.origin[k]) + (i - int(plan.row0[k])) * plan.seq_len
+        if plan.first is None:
+            row, at = plan.stream[start:start + width], 0
+        else:
+            start += bool(plan.own[k])
+            row, at = plan.stream[start:start + plan.seq_len], 1
+            tokens[b, 0] = plan.first
+        tokens[b, at:at + row.size] = row
+        mask[b, 1:at + row.size] = 1
+    release_pages(plan.stream)
+    return tokens, mask
+
+
+class _Windows:
+    """One array of :func:`_text_windows`' rows (``tokens`` or ``mask``), built for the rows
+    asked: ``rows[index]`` is ``int32[len(index), seq_len + 1]``; ``shape`` and ``len`` as an
+    array's."""
+
+    def __init__(self, plan: _Plan, field: int):  # 0: tokens, 1: mask
+        self.plan, self.field = plan, field
+        self.shape = (plan.rows, plan.seq_len + 1)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, index) -> np.ndarray:
+        return _build(self.plan, index)[self.field]
+
+
+def _checked_plan(tokens, seq_len: int, pad_id: int, first: int | None) -> _Plan:
+    if tokens.ndim != 1 or tokens.size < 2:
+        raise ConfigError("data", tokens.size, "tokens: at least 2 are needed to evaluate")
+    return _plan(tokens, seq_len, pad_id, first)
+
+
+def _text_windows(tokens, seq_len: int, *, pad_id: int = 0, first: int | None = None) -> Packed:
+    """The rows of :func:`text_rows`, each built when a batch asks for it: ``tokens`` (a
+    store's memory map, say) is never copied whole, and only where rows start is held.
+
+    Example:
+      >>> import numpy as np
+      >>> rows = _text_windows(np.array([9, 1, 2, 3, 9, 4, 5]), 3, first=9)
+      >>> len(rows), rows.tokens_NW[np.array([1])].tolist(), rows.mask_NW[[1]].tolist()
+      (2, [[9, 4, 5, 0]], [[0, 1, 1, 0]])
+    """
+    plan = _checked_plan(tokens, seq_len, pad_id, first)
+    return Packed(_Windows(plan, 0), _Windows(plan, 1), examples=plan.rows,
+                  filled=int(tokens.size))
+
+
 def text_rows(tokens: np.ndarray, seq_len: int, *, pad_id: int = 0, first: int | None = None):
     """Every token of a stream in consecutive windows of ``seq_len + 1`` that overlap by one
     token, as :class:`~effijax.data.Packed` rows: each token after the first is a target exactly
@@ -491,7 +615,8 @@ def text_rows(tokens: np.ndarray, seq_len: int, *, pad_id: int = 0, first: int |
     :class:`~effijax.data.Led`), each row is ``first`` and the next ``seq_len`` tokens, every
     token of the stream a target once, except where the stream holds ``first`` itself (a
     document's BOS): a row that would start there starts with that BOS, untrained, as the
-    model reads a text (never ``first`` twice in a row).
+    model reads a text (never ``first`` twice in a row). These are :func:`_text_windows`' rows,
+    every one built.
 
     Example:
       >>> import numpy as np
@@ -503,50 +628,42 @@ def text_rows(tokens: np.ndarray, seq_len: int, *, pad_id: int = 0, first: int |
       >>> text_rows(np.array([9, 1, 2, 3, 9, 4, 5]), 3, first=9).tokens_NW.tolist()
       [[9, 1, 2, 3], [9, 4, 5, 0]]
     """
-    tokens = np.asarray(tokens).astype(np.int32)
-    if tokens.ndim != 1 or tokens.size < 2:
-        raise ConfigError("data", tokens.size, "tokens: at least 2 are needed to evaluate")
-    if first is not None:
-        return _led_rows(tokens, seq_len, pad_id, first)
-    n = -(-(tokens.size - 1) // seq_len)
-    tokens_NW = np.full((n, seq_len + 1), pad_id, np.int32)
-    mask_NW = np.zeros((n, seq_len + 1), np.int32)
-    for i in range(n):
-        row = tokens[i * seq_len: i * seq_len + seq_len + 1]
-        tokens_NW[i, : len(row)] = row
-        mask_NW[i, 1: len(row)] = 1
-    return Packed(tokens_NW, mask_NW, examples=n, filled=int(tokens.size))
-
-
-def _led_rows(tokens: np.ndarray, seq_len: int, pad_id: int, first: int) -> Packed:
-    """:func:`text_rows` with ``first``: a row is ``first`` (untrained) and the next
-    ``seq_len`` tokens as targets, or, where the next token is ``first`` itself, that token
-    (untrained) and the ``seq_len`` after it."""
-    rows, masks, at = [], [], 0
-    while at < tokens.size:
-        own = tokens[at] == first
-        body = tokens[at + own: at + own + seq_len]
-        row = np.full(seq_len + 1, pad_id, np.int32)
-        row[0], row[1: 1 + body.size] = first, body
-        mask = np.zeros(seq_len + 1, np.int32)
-        mask[1: 1 + body.size] = 1
-        if body.size:
-            rows.append(row)
-            masks.append(mask)
-        at += own + seq_len
-    return Packed(np.stack(rows), np.stack(masks), examples=len(rows), filled=int(tokens.size))
+    tokens = np.asarray(tokens)
+    plan = _checked_plan(tokens, seq_len, pad_id, first)
+    return Packed(*_build(plan, slice(None)), examples=plan.rows, filled=int(tokens.size))
 
 
 def load_eval_data(path: str, model, *, seq_len: int | None = None,
                    data_format: str = "auto"):
     """All of ``path`` as :class:`~effijax.data.Packed` rows for evaluation: every record of a
-    chat file, or every token of text (:func:`text_rows`). Returns ``(rows, fingerprint,
-    format)``.
+    chat file, or every token of text (:func:`text_rows`), read as :func:`load_dataset` reads
+    it (the same tokens), without a split. A token store (``effijax data prepare``, or the one
+    ``effijax train`` prepared of large text) is read whole, memory-mapped: its text as
+    :func:`_text_windows`, its chat records in order as the rows ``pack_examples`` packs, each
+    row built when a batch asks for it. Returns ``(rows, fingerprint, format)``.
 
     Raises:
-      ConfigError: as :func:`load_dataset`.
+      ConfigError: as :func:`load_dataset`; a Parquet or Arrow source (prepare it first).
+      FileError: a damaged or changed store.
+
+    Example:
+      >>> import pathlib, tempfile
+      >>> from effijax.models import gpt_config
+      >>> text = pathlib.Path(tempfile.mkdtemp()) / "a.txt"
+      >>> _ = text.write_text("hello world " * 20)
+      >>> rows, fingerprint, fmt = load_eval_data(str(text), gpt_config("tiny", seq_len=16))
+      >>> fmt, len(rows), rows.filled
+      ('bytes', 15, 240)
     """
     seq_len = model.seq_len if seq_len is None else seq_len
+    if is_store(path):
+        store, tokenizer = _checked_store(path, model)
+        pad = 0 if tokenizer is None else padding_id(tokenizer)
+        if store.format == "chat":
+            rows = store_rows(store, val=None, seq_len=seq_len, pad_id=pad)
+        else:
+            rows = _text_windows(store.tokens, seq_len, pad_id=pad, first=_leading_bos(tokenizer))
+        return rows, store.fingerprint, store.format
     content = _read(path, model, data_format, evaluating=True)
     if content.format == "chat":
         rows = pack_examples(_chat_examples(content.tokenizer, content.records), seq_len,
