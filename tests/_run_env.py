@@ -21,11 +21,17 @@ def compilation_cache(directory) -> dict[str, str]:
             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
-# What a process the suite starts adds to XLA_FLAGS where it compiles at XLA's lowest optimisation
-# (JAX_DISABLE_MOST_OPTIMIZATIONS, tests/conftest.py): XLA:CPU's legacy fusion emitters, which
-# compile the suite's programs several times quicker than its new ones (measured over the tiny
-# Llama's and GPT's train steps: 3-10 s against 19-34 s, the same four programs).
-SUITE_XLA_FLAGS = "--xla_cpu_use_fusion_emitters=false"
+# How the suite compiles at XLA's lowest optimisation (JAX_DISABLE_MOST_OPTIMIZATIONS,
+# tests/conftest.py): XLA:CPU's legacy fusion emitters, which compile the suite's programs
+# several times quicker than its new ones (measured over the tiny Llama's and GPT's train steps:
+# 3-10 s against 19-34 s, the same four programs), and LLVM's code generated as one module rather
+# than split for threads that two busy workers do not have (split into 32 parts, the compiles of
+# four test modules took 91 and 111 s against 80 and 84 s in one part, interleaved on a loaded
+# 2-core host). Neither changes what a program computes beyond the emitters' fusion order.
+SUITE_XLA_OPTIONS = {"xla_cpu_use_fusion_emitters": False,
+                     "xla_cpu_parallel_codegen_split_count": 1}
+# What a process the suite starts adds to XLA_FLAGS where it compiles as the suite does.
+SUITE_XLA_FLAGS = " ".join(f"--{k}={str(v).lower()}" for k, v in SUITE_XLA_OPTIONS.items())
 
 
 def compiles_as_the_suite(env: dict) -> dict:
@@ -35,8 +41,9 @@ def compiles_as_the_suite(env: dict) -> dict:
     user's run does.
 
     Example:
-      >>> compiles_as_the_suite({"XLA_FLAGS": "--x", "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"})
-      {'JAX_DISABLE_MOST_OPTIMIZATIONS': '1', 'XLA_FLAGS': '--xla_cpu_use_fusion_emitters=false'}
+      >>> env = compiles_as_the_suite({"XLA_FLAGS": "--x", "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"})
+      >>> env["XLA_FLAGS"].split()
+      ['--xla_cpu_use_fusion_emitters=false', '--xla_cpu_parallel_codegen_split_count=1']
       >>> compiles_as_the_suite({"XLA_FLAGS": "--x"})
       {}
     """

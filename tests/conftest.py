@@ -88,7 +88,7 @@ import _launch  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
 from _reference import smollm2_file  # noqa: E402
-from _run_env import compilation_cache  # noqa: E402
+from _run_env import SUITE_XLA_OPTIONS, compilation_cache  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_dtype_promotion", "strict")
@@ -127,11 +127,13 @@ _get_compile_options = _compiler.get_compile_options
 
 
 def _compile_options(*args, env_options_overrides=None, **kwargs):
-    """JAX's compile options, with XLA:CPU's fusion emitters off where the suite compiles at its
-    lowest optimisation (its legacy emitters compile several times quicker) and on where a test
-    compiles as a user's run does (``@pytest.mark.optimized``), whatever ``XLA_FLAGS`` says."""
+    """JAX's compile options, as the suite's (``_run_env.SUITE_XLA_OPTIONS``: XLA:CPU's legacy
+    fusion emitters, LLVM's code in one module) where it compiles at its lowest optimisation,
+    and with the new fusion emitters where a test compiles as a user's run does
+    (``@pytest.mark.optimized``), whatever ``XLA_FLAGS`` says."""
     lowest = _compiler._DISABLE_MOST_OPTIMIZATIONS.value
-    overrides = {"xla_cpu_use_fusion_emitters": not lowest, **(env_options_overrides or {})}
+    suite = SUITE_XLA_OPTIONS if lowest else {"xla_cpu_use_fusion_emitters": True}
+    overrides = {**suite, **(env_options_overrides or {})}
     return _get_compile_options(*args, env_options_overrides=overrides, **kwargs)
 
 
