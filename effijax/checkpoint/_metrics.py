@@ -31,7 +31,8 @@ def _record_step(line: bytes) -> int | None:
 
 
 def truncate_metrics(metrics_path: str | os.PathLike, step: int, *,
-                     report: Callable[[str], None] | None = None) -> int:
+                     report: Callable[[str], None] | None = None,
+                     every_step: bool = True) -> int:
     """Drops the records with ``"step" > step`` from a ``metrics.jsonl``, atomically.
 
     Records are those of :class:`effijax.run.RunDir` (``"step"`` = steps completed). Kept lines
@@ -48,6 +49,9 @@ def truncate_metrics(metrics_path: str | os.PathLike, step: int, *,
       metrics_path: the ``metrics.jsonl`` file, or the run directory holding it.
       step: the restored step.
       report: where a dropped damaged line is said (default: standard error).
+      every_step: whether the file holds a record of every step (``metrics.jsonl``): a missing
+        file or step is then said. ``False`` for a file that records some steps (GRPO's
+        ``completions.jsonl``, one record a rollout): only its damaged lines are.
 
     Returns:
       How many records (or damaged lines) were dropped; 0 when the file does not exist.
@@ -68,13 +72,18 @@ def truncate_metrics(metrics_path: str | os.PathLike, step: int, *,
       >>> truncate_metrics(p, 2, report=print)  # doctest: +ELLIPSIS
       effijax: .../metrics.jsonl: line 2 is not a metrics record ('not json'); dropped it
       1
+      >>> truncate_metrics(p.parent / "completions.jsonl", 2, report=print)  # doctest: +ELLIPSIS
+      effijax: .../completions.jsonl: missing, so the run's whole-run numbers ... steps 1-2; ...
+      0
+      >>> truncate_metrics(p.parent / "completions.jsonl", 2, report=print, every_step=False)
+      0
     """
     path = Path(metrics_path)
     if path.is_dir():
         path = path / "metrics.jsonl"
     report = report or (lambda line: print(line, file=sys.stderr, flush=True))
     if not path.exists():
-        if step:
+        if step and every_step:
             report(f"effijax: {path}: missing, so the run's whole-run numbers (summary.json, "
                    f"loss.png) leave out steps 1-{step:,}; summary.json counts them as "
                    "missing_metrics")
@@ -97,7 +106,7 @@ def truncate_metrics(metrics_path: str | os.PathLike, step: int, *,
     if list(kept) != sorted(kept):
         report(f"effijax: {path}: records out of step order; put them back in order")
     missing = step - len(kept)
-    if missing:
+    if missing and every_step:
         report(f"effijax: {path}: holds no record of {missing:,} of steps 1-{step:,} "
                f"({_ranges(sorted(set(range(1, step + 1)) - set(kept)))}); the run's whole-run "
                "numbers (summary.json, loss.png) leave them out, and summary.json counts them "

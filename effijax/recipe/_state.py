@@ -46,7 +46,8 @@ def initial_state(output: OutputSection, training: TrainingSection, job, run: Ru
         return Initial(_job.init_state(job, base if job.lora is None else None), frozen)
     if distributed.is_main():
         truncate_metrics(Path(output.out) / "metrics.jsonl", run.resume_step)
-        truncate_metrics(Path(output.out) / COMPLETIONS, run.resume_step)  # GRPO's samples
+        truncate_metrics(Path(output.out) / COMPLETIONS, run.resume_step,  # GRPO's samples
+                         every_step=False)
         where = run.dir.ckpt.directory
         if run.resume_step >= training.steps and summary_step(output.out) == run.resume_step:
             # Finished, and asked now for exports it lacks (--export-hf added to its command).
