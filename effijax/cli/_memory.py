@@ -39,7 +39,7 @@ from effijax.memory import (
     plan_mesh,
 )
 from effijax.precision import PRESET_COMPUTE, auto_precision
-from effijax.recipe import PRECISIONS, REFERENCE_OBJECTIVES, TrainConfig
+from effijax.recipe import PRECISIONS, TrainConfig, holds_reference
 from effijax.sharding import get_strategy
 
 __all__ = ["add_parsers", "memory_command", "plan_command"]
@@ -101,6 +101,10 @@ def _fraction(text: str) -> float:
 
 def _headroom(text: str) -> float:
     return _number(text, lambda value: 0 <= value < 1, "[0, 1)")
+
+
+def _beta(text: str) -> float:
+    return _number(text, lambda value: 0 <= value < float("inf"), "[0, inf)")
 
 
 def _precision(text: str) -> str:
@@ -212,7 +216,57 @@ def _add_objective_flag(p: argparse.ArgumentParser) -> None:
                    help="what the run optimises, as effijax train names it: dpo in full "
                    "fine-tuning holds a frozen reference copy of the weights (in "
                    "--frozen-dtype); under LoRA its reference is the base with the adapters "
-                   "off, and the others hold none")
+                   "off, and the others hold none; grpo holds one only with --beta > 0")
+    field = _TRAIN["beta"]
+    p.add_argument("--beta", type=_beta, default=field.default,
+                   help="the objective's beta, as effijax train takes it (default: its TRL "
+                   "default); grpo's KL penalty needs a reference only when above 0")
+    p.add_argument("--precompute-reference", action="store_true",
+                   help="dpo: its reference log-probabilities computed before training, as "
+                   "effijax train --precompute-reference does: no reference copy held")
+
+
+def _reference(args: argparse.Namespace) -> bool:
+    """Whether the run holds a reference (:func:`~effijax.recipe.holds_reference`); refuses
+    ``--precompute-reference`` away from dpo, as effijax train does."""
+    if args.precompute_reference and args.objective != "dpo":
+        raise ConfigError("precompute_reference", True, "only applies to --objective dpo "
+                          f"(--precompute-reference); {args.objective} precomputes no "
+                          "reference")
+    return holds_reference(args.objective, args.beta, args.precompute_reference)
+
+
+def _add_rollout_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("grpo's rollout (with --objective grpo and --model or --from: its "
+                             "key/value cache is counted)")
+    for name in ("num_generations", "max_completion_length"):
+        field = _TRAIN[name]
+        g.add_argument("--" + name.replace("_", "-"), type=_count, default=field.default,
+                       metavar=field.metadata["metavar"], help=field.metadata["help"])
+
+
+def _rollout_bytes(args: argparse.Namespace) -> int | None:
+    """grpo's rollout between the steps: the key/value cache of ``--batch-size`` completions
+    (as train's ``--batch-size`` counts them) whose prompts fill their rows (``seq_len -
+    max_completion_length`` tokens), in the compute dtype, as the sampler allocates it
+    (:func:`effijax.generate.rollout_cache_bytes`), whole (not divided over the devices).
+    None for the other objectives, or without a model's shape (--params)."""
+    if args.objective != "grpo" or getattr(args, "architecture", None) is None:
+        return None
+    if args.batch_size % args.num_generations:
+        raise ConfigError("--batch-size", args.batch_size, f"counts completions, "
+                          f"--num-generations {args.num_generations} of each prompt: use a "
+                          "multiple of it")
+    if args.max_completion_length >= args.seq_len:
+        raise ConfigError("--max-completion-length", args.max_completion_length, f"leaves no "
+                          f"room for a prompt in a row of --seq-len {args.seq_len} tokens: use "
+                          "less, or raise --seq-len")
+    from effijax.generate import rollout_cache_bytes  # imports JAX, as --model already did
+
+    return rollout_cache_bytes(args.architecture, completions=args.batch_size,
+                               prompt_tokens=args.seq_len - args.max_completion_length,
+                               max_completion_length=args.max_completion_length,
+                               dtype=PRESET_COMPUTE[args.precision])
 
 
 def _add_optimizer_flag(p: argparse.ArgumentParser) -> None:
@@ -279,9 +333,10 @@ def add_parsers(sub) -> None:
         help="storage of the frozen base under LoRA (auto: the precision's compute dtype, as "
         "effijax train stores it; nf4, int8: with their scales; exact bytes with --model or "
         "--from; gguf: the --from GGUF file's own blocks, exact); in full fine-tuning with "
-        "--objective dpo, of the reference copy (a floating dtype)",
+        "--objective dpo (or grpo with --beta > 0), of the reference copy (a floating dtype)",
     )
     _add_objective_flag(m)
+    _add_rollout_flags(m)
     _add_shape_flags(m, "--batch-size", "sequences per device per micro-batch b")
     m.add_argument(
         "--checkpointing", default="none", choices=CHECKPOINTING, help="activation checkpointing"
@@ -574,6 +629,8 @@ def memory_command(args: argparse.Namespace) -> int:
     """Handler of ``effijax memory``; returns the exit code."""
     try:
         _resolve_precision(args)
+        if args.objective == "grpo" and args.params is None and args.batch_size is None:
+            args.batch_size = args.num_generations  # one prompt's group, the least train takes
         shape = _shape(args, "batch_size")  # with --model or --from, it sets args.params
         if args.sequence_parallel is None:  # as effijax train: on with a tensor axis
             args.sequence_parallel = args.tensor > 1
@@ -585,20 +642,25 @@ def memory_command(args: argparse.Namespace) -> int:
                               tensor=args.tensor,
                               frozen_bytes=getattr(args, "frozen_bytes", None),
                               moments=_moments(args, states_of=args.state_values),
-                              reference=args.objective in REFERENCE_OBJECTIVES)
+                              reference=_reference(args))
         acts = None if args.layers is None else activation_bytes(
             **shape, bytes_per_value=4 if args.precision == "fp32" else 2,
             checkpointing=args.checkpointing, tensor=args.tensor,
             sequence_parallel=args.sequence_parallel, context=args.context)
+        args.rollout_bytes = _rollout_bytes(args)
     except ConfigError as e:
         return _error("memory", e)
-    total = states.model_state_bytes + (acts or 0)
+    # A rollout runs between the steps: its cache and the step's activations are never held
+    # together.
+    total = states.model_state_bytes + max(acts or 0, args.rollout_bytes or 0)
     if args.json:
         out = {"strategy": args.strategy, **dataclasses.asdict(states)}
         if args.state_values is not None:
             out["optimizer_state_values"] = args.state_values
         if acts is not None:
             out["activation_bytes"] = acts
+        if args.rollout_bytes is not None:
+            out["rollout_cache_bytes"] = args.rollout_bytes
         out["total_bytes"] = total
         print(json.dumps(out, indent=2))
     else:
@@ -611,14 +673,16 @@ def _memory_text(args: argparse.Namespace, shape: dict, states, acts: int | None
     """``effijax memory``'s table: the model and setting, then bytes per device."""
     if args.lora_fraction is None:
         lora = (f", {args.objective}: a {args.frozen_dtype} reference copy"
-                if args.objective in REFERENCE_OBJECTIVES else "")
+                if _reference(args) else "")
     elif args.lora_rank is not None:
         lora = (f", LoRA rank {args.lora_rank} ({states.trainable_params:,} adapter params, "
                 f"{args.frozen_dtype} frozen base)")
     else:
         lora = f", LoRA {args.lora_fraction:g} ({args.frozen_dtype} frozen base)"
-    if args.lora_fraction is not None and args.objective in REFERENCE_OBJECTIVES:
+    if args.lora_fraction is not None and _reference(args):
         lora += f", {args.objective} against the base with the adapters off (no copy)"
+    if args.precompute_reference:
+        lora += f", {args.objective}: the reference's log-probabilities precomputed (no copy)"
     model = "" if "vocab" not in shape else (
         f"{args.model_name}: {args.layers} layers, width {args.hidden}, {args.heads} heads "
         f"({shape['kv_heads']} key/value), {'SwiGLU ' if shape['gated_mlp'] else 'MLP '}"
@@ -644,7 +708,10 @@ def _memory_text(args: argparse.Namespace, shape: dict, states, acts: int | None
     if args.lora_fraction is None and states.frozen_bytes:  # under params, as train holds it
         rows.insert(1, ("  of which reference", states.frozen_bytes))
     if acts is not None:
-        rows += [("activations", acts), ("total", total)]
+        rows += [("activations", acts)]
+        if args.rollout_bytes is not None:  # between the steps, instead of the activations
+            rows += [("rollout KV cache", args.rollout_bytes)]
+        rows += [("total", total)]
     lines += [f"  {name:<22}{format_bytes(value):>12}  {value:>18,}" for name, value in rows]
     return "\n".join(lines)
 
@@ -686,7 +753,7 @@ def plan_command(args: argparse.Namespace) -> int:
                            tensor=args.tensor, node_size=args.node_size,
                            sequence_parallel=args.sequence_parallel, quantized_base=quantized,
                            quantized_bytes=getattr(args, "frozen_bytes", None),
-                           reference=args.objective in REFERENCE_OBJECTIVES,
+                           reference=_reference(args),
                            context=args.context, **shape)
     except ConfigError as e:
         return _error("plan", e)

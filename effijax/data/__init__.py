@@ -50,7 +50,7 @@ __getattr__, __dir__, __all__ = attach(__name__, {
         "commit_documents", "commit_shard", "committed_shard", "is_store", "open_store",
         "release_pages", "remove_work", "store_rows", "store_split", "token_dtype", "verify_store"),
     "effijax.data._tables": ("TABLE_SUFFIXES", "Source", "check_columns", "content_fingerprint",
-        "find_sources", "plan_pieces", "read_piece"),
+        "find_sources", "plan_pieces", "read_piece", "table_rows"),
     "effijax.data._template": ("MAX_RENDERED_CHARS", "RENDER_SECONDS", "TEMPLATE_HINT",
         "compile_template"),
 })

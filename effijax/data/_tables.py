@@ -36,7 +36,7 @@ from effijax.data._files import (
 from effijax.errors import ConfigError, FileError
 
 __all__ = ["Source", "TABLE_SUFFIXES", "find_sources", "check_columns", "plan_pieces",
-           "read_piece", "content_fingerprint"]
+           "read_piece", "table_rows", "content_fingerprint"]
 
 #: File suffixes read as tables (never as text): what ``--data`` must not read as bytes.
 TABLE_SUFFIXES = {".parquet": "parquet", ".arrow": "arrow"}
@@ -316,6 +316,27 @@ def _rows(source: Source, start: int, stop: int, columns: list[str]):
             at += batch.num_rows
             if at >= stop:
                 break
+
+
+def table_rows(source: Source, columns: list[str]):
+    """Every row of a Parquet or Arrow file, in order, as a dict of ``columns``.
+
+    Raises:
+      FileError: the file lacks one of ``columns`` (naming the columns it has).
+
+    Example:
+      >>> import pathlib, tempfile, pyarrow as pa, pyarrow.parquet as pq
+      >>> path = pathlib.Path(tempfile.mkdtemp()) / "t.parquet"
+      >>> pq.write_table(pa.table({"a": [1, 2], "b": ["x", "y"]}), path)
+      >>> list(table_rows(find_sources(path)[0], ["b"]))
+      [{'b': 'x'}, {'b': 'y'}]
+    """
+    have = _columns(source) or []
+    missing = [c for c in columns if c not in have]
+    if missing:
+        raise FileError(source.path, f"no column {', '.join(map(repr, missing))} (columns: "
+                        f"{', '.join(have)})", f"expected the columns {', '.join(columns)}")
+    return _rows(source, 0, 2**63 - 1, columns)
 
 
 def read_piece(source: Source, start: int, stop: int, data_format: str,

@@ -33,6 +33,6 @@ __getattr__, __dir__, __all__ = attach(__name__, {
     "effijax.generate._limits": ("MAX_PROMPTS", "check_prompt_count"),
     "effijax.generate._load": ("Completion", "Loaded", "load"),
     "effijax.generate._rollout": ("Rollout", "make_completion_logps", "rollout",
-        "rollout_batch", "rollout_metrics"),
+        "rollout_batch", "rollout_metrics", "rollout_cache_bytes"),
     "effijax.generate._sample": ("sample", "top_p_mask"),
 })

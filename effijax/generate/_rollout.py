@@ -27,10 +27,13 @@ import jax
 import numpy as np
 
 from effijax.errors import ConfigError, whole_number
-from effijax.generate._generate import PROMPT_BUCKET, _eos_ids, _prompts, generate
+from effijax.generate._generate import PROMPT_BUCKET, _check, _eos_ids, _prompts, generate
+from effijax.memory import tree_bytes
 from effijax.models import make_token_logps
+from effijax.precision import parse_dtype
 
-__all__ = ["Rollout", "rollout", "rollout_batch", "rollout_metrics", "make_completion_logps"]
+__all__ = ["Rollout", "rollout", "rollout_batch", "rollout_metrics", "make_completion_logps",
+           "rollout_cache_bytes"]
 
 
 class Rollout(NamedTuple):
@@ -194,6 +197,38 @@ def rollout_batch(rollout: Rollout) -> dict[str, np.ndarray]:
     mask_NS[:, p - 1:p - 1 + completion_NT.shape[1]] = rollout.completion_mask
     return {"inputs": tokens_NS, "targets": targets_NS, "segments": segments_NS,
             "mask": mask_NS, "completion_mask": np.asarray(rollout.completion_mask, bool)}
+
+
+def rollout_cache_bytes(model, *, completions: int, prompt_tokens: int,
+                        max_completion_length: int, dtype="fp32") -> int:
+    """The bytes of the key/value cache a :func:`rollout` of ``completions`` rows (prompts x
+    ``G``) allocates when its longest prompt has ``prompt_tokens`` tokens: the sampler's own
+    cache (:meth:`~effijax.models.LanguageModel.init_cache`) in the compute ``dtype``, over the
+    positions :func:`~effijax.generate.generate` gives it (the prompt padded to a multiple of
+    :data:`~effijax.generate.PROMPT_BUCKET`, plus the completion, rounded up to a multiple of
+    :data:`~effijax.generate.CACHE_BUCKET` within the model's context); ``dtype`` a floating
+    dtype or its name (``"bf16"``, ``"fp32"``, ...). Shapes only: nothing is allocated.
+
+    Example:
+      >>> from effijax.models import llama_config
+      >>> model = llama_config("llama-tiny")  # 2 layers, 2 key/value heads of 16
+      >>> rollout_cache_bytes(model, completions=8, prompt_tokens=20, max_completion_length=8,
+      ...                     dtype="bf16")  # k, v: 2 layers x 8 rows x 64 slots x 32 x 2 B
+      131104
+      >>> 2 * 2 * 8 * 64 * 2 * 16 * 2 + 8 * 4  # ... and each row's padding count (int32)
+      131104
+    """
+    whole_number("completions", completions)
+    whole_number("prompt_tokens", prompt_tokens)
+    whole_number("max_completion_length", max_completion_length)
+    longest = np.zeros(prompt_tokens, np.int32)
+    try:
+        _, max_len = _check(model, [longest], max_completion_length, 1.0, 1.0, None)
+    except ConfigError as e:
+        raise (e.renamed("max_completion_length") if e.field == "max_new_tokens" else e
+               ) from None
+    dtype = parse_dtype(dtype)
+    return tree_bytes(jax.eval_shape(lambda: model.init_cache(completions, max_len, dtype)))
 
 
 def make_completion_logps(graphdef, lora=None, *, temperature: float = 1.0,

@@ -29,7 +29,7 @@ __getattr__, __dir__, __all__ = attach(__name__, {
     "effijax.recipe._train": ("TrainResult", "train", "decide_precision", "placement"),
     "effijax.recipe._sections": ("Sections", "ModelSection", "PrecisionSection",
         "TrainingSection", "OptimizerSection", "DataSection", "ParallelSection", "OutputSection",
-        "ObjectiveSection", "LoraSection", "REFERENCE_OBJECTIVES"),
+        "ObjectiveSection", "LoraSection", "REFERENCE_OBJECTIVES", "holds_reference"),
     "effijax.recipe._optimizer": ("optimizer_for",),
     "effijax.recipe._report": ("summary_step",),
     "effijax.recipe._eval": ("EvalResult", "evaluate_model", "load_model",

@@ -43,11 +43,12 @@ from effijax.recipe._sections import (
     OBJECTIVES,
     PRECISIONS,
     REFERENCE_DTYPES,
-    REFERENCE_OBJECTIVES,
     SCALE_REWARDS,
     SETTING_OF,
+    TRUNCATION_MODES,
     WANDB_MODES,
     Sections,
+    holds_reference,
     lora_fields,
     sections_of,
 )
@@ -194,6 +195,12 @@ class TrainConfig:
                                        "model's own: for a base model without one, or another "
                                        "turn format", flag="--chat-template", metavar="FILE",
                                        section="data")
+    truncation_mode: str | None = _field(None, "dpo, simpo, orpo: cut a pair's side longer "
+                                         "than a row (seq_len + 1 tokens, TRL's max_length) "
+                                         "as TRL's truncation_mode: keep_start (its first "
+                                         "tokens; a pair whose prompt fills a row is dropped) "
+                                         "or keep_end (its last); default: refuse the pair",
+                                         choices=TRUNCATION_MODES, section="data")
     eval_batches: int = _field(8, "validation batches evaluated at the end (0: none)",
                                section="data")
     prefetch: int = _field(2, "batches built ahead of the step on a background thread (and "
@@ -278,6 +285,12 @@ class TrainConfig:
     dpo_loss: str = _field("sigmoid", "dpo: the loss (TRL's DPOConfig.loss_type): sigmoid, "
                            "ipo (length-normalised), hinge or robust (label-smoothed)",
                            choices=DPO_LOSSES, section="objective")
+    precompute_reference: bool = _field(False, "dpo: compute the reference's log-probabilities "
+                                        "of every pair once, before the first step (TRL's "
+                                        "precompute_ref_log_probs), and keep them in "
+                                        "OUT/reference_logps.npz: full fine-tuning then holds "
+                                        "no reference copy", flag="--precompute-reference",
+                                        section="objective")
     label_smoothing: float = _field(0.0, "dpo with --dpo-loss robust, and simpo: the "
                                     "probability that a pair's labels are flipped, in [0, 0.5) "
                                     "(TRL's DPOConfig and CPOConfig label_smoothing)",
@@ -310,6 +323,11 @@ class TrainConfig:
     scale_rewards: str = _field("group", "grpo: divide the advantages by the group's reward "
                                 "deviation (group), the batch's (batch) or not (none, Dr. "
                                 "GRPO)", choices=SCALE_REWARDS, section="objective")
+    num_iterations: int = _field(1, "grpo: policy updates per rollout (TRL's "
+                                 "GRPOConfig.num_iterations, mu): each sampled batch is trained "
+                                 "on this many steps, the ratio taken to the sampling pass's "
+                                 "log-probabilities, so that from the second on it clips",
+                                 metavar="N", section="objective")
     rewards: str | None = _field(None, "grpo: the reward functions, comma-separated: "
                                  "built-ins (exact_match, answer_format) or dotted paths "
                                  "'package.module:function' with TRL's signature",
@@ -408,14 +426,22 @@ class TrainConfig:
 
     def _check_lora(self) -> None:
         if self.lora_rank is None:
-            reference = self.objective in REFERENCE_OBJECTIVES
+            reference = holds_reference(self.objective, self.beta, self.precompute_reference)
+            if self.precompute_reference and self.frozen_dtype != _DEFAULTS["frozen_dtype"]:
+                raise ConfigError("frozen_dtype", self.frozen_dtype, "a full fine-tune with "
+                                  "--precompute-reference holds no reference copy (the "
+                                  "starting weights score the pairs once, in the compute "
+                                  "dtype): leave it out")
             for name in ("lora_alpha", "lora_targets", "lora_dropout", "frozen_dtype",
                          "lora_random_base"):
                 if getattr(self, name) == _DEFAULTS[name] or (name == "frozen_dtype"
                                                                and reference):
                     continue
                 raise ConfigError(name, getattr(self, name), "only applies to LoRA; "
-                                  "give the adapters' rank too (--lora-rank R)")
+                                  "give the adapters' rank too (--lora-rank R)" + (
+                                      " (grpo holds a reference copy, whose dtype it sets, "
+                                      "only with --beta > 0)" if self.objective == "grpo"
+                                      and name == "frozen_dtype" else ""))
             if reference and self.frozen_dtype not in REFERENCE_DTYPES:
                 raise ConfigError("frozen_dtype", self.frozen_dtype, f"{self.objective}'s "
                                   "reference copy (full fine-tuning) is kept in a floating "
@@ -428,6 +454,15 @@ class TrainConfig:
                               "a random base on purpose")
 
     def _check_objective(self) -> None:
+        if self.precompute_reference and self.objective != "dpo":
+            why = ("grpo's reference scores the completions sampled at each step, which do not "
+                   "exist before training" if self.objective == "grpo" else
+                   f"{self.objective} compares the policy with no reference model")
+            raise ConfigError("precompute_reference", True, f"only applies to --objective dpo: "
+                              f"{why}; leave it out")
+        if self.truncation_mode is not None and self.objective not in ("dpo", "simpo", "orpo"):
+            raise ConfigError("truncation_mode", self.truncation_mode, "only applies to the "
+                              "preference objectives' pairs (--objective dpo, simpo or orpo)")
         uses = OBJECTIVE_SETTINGS[self.objective]
         for name in SETTING_OF:
             if name in uses or getattr(self, name) == _DEFAULTS[name]:

@@ -10,8 +10,16 @@ frozen base with the adapters applied on the fly; in full training the parameter
 dtype), seeded by ``(seed, k)`` so that a resumed run samples what the uninterrupted one did,
 scores them (:func:`effijax.objectives.score_completions`), forms the group-relative advantages
 (:func:`effijax.objectives.group_advantages`) and takes the clipped policy-gradient step
-(:func:`effijax.objectives.grpo_loss`; one update per rollout, TRL's default
-``num_iterations=1``: the sampling policy is the policy itself, without gradient).
+(:func:`effijax.objectives.grpo_loss`). By default one update per rollout (TRL's
+``num_iterations=1``): the sampling policy is the policy itself, without gradient, and the
+ratio is 1. With ``num_iterations=N > 1`` a rollout serves ``N`` consecutive steps (sampled at
+the steps ``0, N, 2N, ...``, seeded by that step): the sampling pass also scores the completions
+on the parameters that sampled them (at the rollout's temperature, without dropout), and every
+one of the ``N`` updates takes its ratio to those stored log-probabilities (the batch's
+``old_logps``, f32 ``[B, S]`` at the completion's target positions), so that from the second
+update on the ratio leaves 1 and the clipping acts, as in TRL. A run resumed inside such a group
+(a checkpoint at a step that is not a multiple of ``N``) samples that group's rollout again, by
+its seed, on the resumed parameters: exact resumes need checkpoints at multiples of ``N``.
 
 A step's rows are ``[left padding, prompt, completion]`` of ``seq_len`` tokens: the prompt in
 the first ``seq_len - max_completion_length`` (a longer prompt is refused when the data is
@@ -38,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from effijax.data import parse_objects, records_fingerprint
-from effijax.errors import ConfigError
+from effijax.errors import ConfigError, whole_number
 from effijax.generate import make_completion_logps, rollout, rollout_batch, rollout_metrics
 from effijax.models import abstract_split
 from effijax.objectives import (
@@ -268,13 +276,14 @@ def samples_record(step: int, record: Prompt, completions: list[str], scores, ad
 def _grpo_loss(model, lora, *, sequence_parallel: bool = True, beta: float = 0.0,
                epsilon: float = 0.2, epsilon_high: float | None = None,
                loss_type: str = "dapo", max_completion_length: int = 256,
-               temperature: float = 1.0, **rollout_settings):
+               temperature: float = 1.0, num_iterations: int = 1, **rollout_settings):
     """GRPO's loss of a rollout batch (see the module docstring); ``rollout_settings`` are
     :func:`_rollout`'s."""
     del rollout_settings
     settings = {"beta": beta, "epsilon": epsilon, "epsilon_high": epsilon_high,
                 "loss_type": loss_type, "max_completion_length": max_completion_length}
     check_grpo_settings(**settings)
+    reused = whole_number("num_iterations", num_iterations) > 1
     logps = make_completion_logps(abstract_split(model)[0], lora, temperature=temperature,
                                   sequence_parallel=sequence_parallel,
                                   frozen_base=lora is not None)
@@ -287,20 +296,26 @@ def _grpo_loss(model, lora, *, sequence_parallel: bool = True, beta: float = 0.0
         ref_NT = None
         if beta:  # no dropout, no gradient
             ref_NT = jax.lax.stop_gradient(logps(reference, rows))
+        # The sampling pass's (stored with the rollout); with one update, the policy's own.
+        old_NT = batch["old_logps"][:, -width - 1:-1] if reused else None
         return grpo_loss(logps_NT, batch["advantages"], rows["completion_mask"],
-                         ref_token_logps_NT=ref_NT, **settings)
+                         old_token_logps_NT=old_NT, ref_token_logps_NT=ref_NT, **settings)
 
     return with_reference(body, lora, needed=bool(beta))
 
 
 def _rollout(model, lora, *, policy, num_generations: int = 8, max_completion_length: int = 256,
              temperature: float = 1.0, top_p: float = 1.0, scale_rewards: str = "group",
-             rewards: str | None = None, reward_weights: str | None = None, **loss_settings):
+             rewards: str | None = None, reward_weights: str | None = None,
+             num_iterations: int = 1, **loss_settings):
     """``draw(data, *, params, frozen, seed, step, batch_size, process_index, process_count)
     -> batch``: step ``step``'s rollout on ``params`` (the train state's, now) as this process'
-    rows of a training batch, its statistics under :data:`ROLLOUT_METRICS`."""
+    rows of a training batch, its statistics under :data:`ROLLOUT_METRICS`; with
+    ``num_iterations > 1``, the rollout of step ``step - step % num_iterations`` (kept from the
+    step that sampled it) with the sampling pass's ``old_logps``."""
     del loss_settings
     functions, weights = parse_rewards(rewards, reward_weights)
+    reuse = whole_number("num_iterations", num_iterations)
     tokenizer = model.tokenizer
     pad = padding_id(tokenizer)
     eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
@@ -311,26 +326,33 @@ def _rollout(model, lora, *, policy, num_generations: int = 8, max_completion_le
         if end is not None and end not in eos:
             eos.append(end)
     width = model.seq_len - max_completion_length
+    # The sampling pass's log-probabilities, on the parameters as the step computes with them.
+    old_logps = None if reuse == 1 else jax.jit(make_completion_logps(
+        abstract_split(model)[0], lora, temperature=temperature, sequence_parallel=False,
+        frozen_base=lora is not None))
+    kept: dict = {}  # the last rollout: its key (seed, step sampled), rows and statistics
 
     def decode(ids):
         return tokenizer.decode(ids, skip_special_tokens=True)
 
-    def draw(data: Prompts, *, params, frozen, seed: int, step: int, batch_size: int,
-             process_index: int = 0, process_count: int = 1) -> dict:
-        rng = np.random.Generator(np.random.Philox(key=np.array([seed, step], np.uint64)))
+    def sample(data: Prompts, params, frozen, seed: int, first: int, step: int,
+               batch_size: int) -> tuple[dict, dict]:
+        """The rollout of step ``first`` (drawn now, for step ``step``): its global rows and
+        its statistics."""
+        rng = np.random.Generator(np.random.Philox(key=np.array([seed, first], np.uint64)))
         picks = rng.integers(0, len(data), size=batch_size // num_generations)
         sampling = ({"base": frozen, "adapters": params} if lora is not None
                     else policy.cast_to_compute(params))
         out = rollout(model, sampling, [data.ids[i] for i in picks],
                       num_generations=num_generations,
                       max_completion_length=max_completion_length, temperature=temperature,
-                      top_p=top_p, seed=rollout_seed(seed, step), eos_id=eos or None,
+                      top_p=top_p, seed=rollout_seed(seed, first), eos_id=eos or None,
                       lora=lora, decode=decode, pad_id=pad)
         # Each prompt left-padded to the row's fixed prompt width (the sampler's is a multiple
         # of 16 over the longest: only padding is cut).
         prompts_NP = np.full((batch_size, width), pad, np.int32)
-        kept = min(width, out.prompt_ids.shape[1])
-        prompts_NP[:, width - kept:] = out.prompt_ids[:, -kept:]
+        cut = min(width, out.prompt_ids.shape[1])
+        prompts_NP[:, width - cut:] = out.prompt_ids[:, -cut:]
         rows = rollout_batch(out._replace(prompt_ids=prompts_NP))
         records = [data.records[i] for i in picks for _ in range(num_generations)]
         chat = [not isinstance(r.prompt, str) for r in records]
@@ -355,13 +377,32 @@ def _rollout(model, lora, *, policy, num_generations: int = 8, max_completion_le
             scores._replace(per_reward=scores.per_reward[group], rewards=scores.rewards[group]),
             np.asarray(advantages)[group], out.completion_mask[group].sum(axis=1),
             out.finished[group])
+        batch = {"inputs": rows["inputs"], "targets": rows["targets"],
+                 "mask": rows["mask"].astype(np.int32), "segments": rows["segments"],
+                 "advantages": np.asarray(advantages, np.float32)}
+        if old_logps is not None:
+            scoring = ({"base": frozen, "adapters": policy.cast_to_compute(params)}
+                       if lora is not None else sampling)
+            old_NT = np.asarray(old_logps(scoring, {
+                **{k: rows[k] for k in ("inputs", "targets", "mask", "segments")},
+                "completion_mask": rows["mask"][:, -max_completion_length - 1:-1] != 0}),
+                np.float32)
+            # At the completion's target positions, as the loss reads them back.
+            batch["old_logps"] = np.zeros(rows["targets"].shape, np.float32)
+            batch["old_logps"][:, -max_completion_length - 1:-1] = old_NT
+        return batch, metrics
+
+    def draw(data: Prompts, *, params, frozen, seed: int, step: int, batch_size: int,
+             process_index: int = 0, process_count: int = 1) -> dict:
+        first = step - step % reuse
+        metrics = {}
+        if reuse == 1 or kept.get("key") != (seed, first, batch_size):
+            kept["key"] = (seed, first, batch_size)
+            kept["batch"], metrics = sample(data, params, frozen, seed, first, step, batch_size)
         mine = slice(process_index * batch_size // process_count,
                      (process_index + 1) * batch_size // process_count)
-        batch = {"inputs": rows["inputs"][mine], "targets": rows["targets"][mine],
-                 "mask": rows["mask"][mine].astype(np.int32),
-                 "segments": rows["segments"][mine],
-                 "advantages": np.asarray(advantages, np.float32)[mine]}
-        return {**batch, ROLLOUT_METRICS: metrics}
+        # The statistics ride with the step that sampled; the others reuse its rows.
+        return {**{k: v[mine] for k, v in kept["batch"].items()}, ROLLOUT_METRICS: metrics}
 
     return draw
 
@@ -373,11 +414,20 @@ def _check(*, rewards: str | None = None, reward_weights: str | None = None, **s
 
 
 def _needs_reference(settings: dict) -> bool:
-    """A full fine-tune holds a reference copy only for a KL penalty (``beta > 0``)."""
-    return bool(settings.get("beta", 0.0))
+    """A full fine-tune holds a reference copy only for a KL penalty (``beta > 0``): the
+    config's, ``effijax memory``'s and ``plan``'s answer
+    (:func:`effijax.recipe._sections.holds_reference`)."""
+    return _sections.holds_reference("grpo", settings.get("beta"))
+
+
+def _configure(settings: dict) -> Objective:
+    """With ``num_iterations > 1``, batches that carry the sampling pass's ``old_logps``."""
+    if settings.get("num_iterations", 1) > 1:
+        return GRPO._replace(token_values=("old_logps",))
+    return GRPO
 
 
 GRPO = Objective("grpo", _grpo_loss, eval_batches=None, load=load_prompts, metric=None,
                  token_mean=False, reference=_needs_reference, rollout=_rollout,
                  row_values=("advantages",), load_settings=("max_completion_length",),
-                 check=_check)
+                 check=_check, configure=_configure)

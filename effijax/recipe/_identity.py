@@ -38,7 +38,7 @@ CHANGEABLE = ("lr", "steps", "warmup", "weight_decay", "clip", "schedule", "lr_e
               "decay_fraction", "b1", "b2", "eps", "momentum", "no_decay")
 # What a run recorded before a setting existed trained with (its config.json lacks the key).
 LEGACY = {"optimizer": "adamw", "schedule": "cosine", "lr_end": 0.1, "decay_fraction": 0.2,
-          "b1": 0.9, "b2": 0.95, "eps": 1e-8, "objective": "sft"}
+          "b1": 0.9, "b2": 0.95, "eps": 1e-8, "objective": "sft", "num_iterations": 1}
 # Each objective's own settings (TrainConfig fields), part of its identity (none for sft); a
 # setting another objective uses is refused for this one (TrainConfig's checks).
 OBJECTIVE_SETTINGS = {"sft": (), "dpo": ("beta", "dpo_loss", "label_smoothing"),
@@ -46,8 +46,8 @@ OBJECTIVE_SETTINGS = {"sft": (), "dpo": ("beta", "dpo_loss", "label_smoothing"),
                       "orpo": ("beta",),
                       "grpo": ("beta", "num_generations", "max_completion_length",
                                "rollout_temperature", "rollout_top_p", "epsilon",
-                               "epsilon_high", "grpo_loss", "scale_rewards", "rewards",
-                               "reward_weights")}
+                               "epsilon_high", "grpo_loss", "scale_rewards", "num_iterations",
+                               "rewards", "reward_weights")}
 # Each objective's beta when --beta is not given (config.json records null): TRL's (DPOConfig,
 # CPOConfig, ORPOConfig: 0.1; GRPOConfig: 0.0, no KL penalty and no reference). A run recorded
 # with the value itself is the same run.
@@ -112,7 +112,7 @@ def _objective(run_json: dict):
     name = run_json.get("objective", LEGACY["objective"])
     if not OBJECTIVE_SETTINGS.get(name):
         return name
-    settings = {k: run_json.get(k) for k in OBJECTIVE_SETTINGS[name]}
+    settings = {k: run_json.get(k, LEGACY.get(k)) for k in OBJECTIVE_SETTINGS[name]}
     if settings.get("beta", 0) is None:
         settings["beta"] = DEFAULT_BETA.get(name)
     return {"name": name, **settings}

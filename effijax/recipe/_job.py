@@ -300,6 +300,7 @@ def plan_job(
     check_context(mesh.shape, model.seq_len, dropout=getattr(model, "dropout", 0.0))
     objective = SFT if objective is None else objective
     settings = dict(objective_settings or {})
+    objective = objective.configured(settings)  # e.g. dpo with its reference precomputed
     reference = objective.needs_reference(settings)
     if lora is None and frozen_dtype is not None and not reference:
         raise ConfigError("frozen_dtype", frozen_dtype, "only applies to LoRA (the base) or to "
@@ -347,7 +348,8 @@ def plan_job(
 
     segmented = bool(masked) if segmented is None else bool(segmented)
     batch_sh = _batch_shardings(mesh, frozen_sh, masked, segmented,
-                                frozen_key=frozen_key(lora), row_values=objective.row_values)
+                                frozen_key=frozen_key(lora),
+                                row_values=objective.row_values + objective.token_values)
     step = make_sharded_step(train_loss, optimizer, policy, mesh=mesh, strategy=strategy,
                              specs=specs, shardings=shardings, has_aux=True,
                              allow_unscaled_fp16=allow_unscaled_fp16, batch_sharding=batch_sh)
@@ -401,7 +403,9 @@ def _batch_keys(masked: bool, segmented: bool) -> tuple[str, ...]:
 
 def _check_batch_keys(job: Job, local: dict) -> None:
     """A batch has the arrays the job was compiled for (before anything is traced)."""
-    want = set(_batch_keys(job.masked, job.segmented)) | set((job.objective or SFT).row_values)
+    objective = job.objective or SFT
+    want = set(_batch_keys(job.masked, job.segmented)) | set(objective.row_values) | set(
+        objective.token_values)
     if set(local) != want:
         got = "packed rows" if "mask" in local else "a corpus"
         raise ConfigError("tokens", got, f"batches with {sorted(local)}, but the job was planned "
@@ -691,6 +695,9 @@ def abstract_batch(job: Job) -> dict:
              for k in _batch_keys(job.masked, job.segmented)}
     for k in (job.objective or SFT).row_values:  # per-row values (GRPO's advantages)
         batch[k] = jax.ShapeDtypeStruct((job.batch_size,), jnp.float32, sharding=rows)
+    for k in (job.objective or SFT).token_values:  # per-position values (GRPO's old_logps)
+        batch[k] = jax.ShapeDtypeStruct((job.batch_size, job.model.seq_len), jnp.float32,
+                                        sharding=rows)
     if job.frozen is not None:
         batch[frozen_key(job.lora)] = job.frozen
     return batch

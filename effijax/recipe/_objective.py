@@ -10,7 +10,10 @@ average. :func:`~effijax.recipe.plan_job` takes one (default :data:`SFT`);
 :data:`effijax.recipe._objectives.OBJECTIVES`. Adding an objective is one module defining its
 :class:`Objective` and one line in that registry; the preference objectives (``dpo``,
 ``simpo``, ``orpo``) share their pair data (:mod:`effijax.recipe._pairs`); ``grpo`` samples its
-batches from the policy in the loop (:mod:`effijax.recipe._grpo`).
+batches from the policy in the loop (:mod:`effijax.recipe._grpo`). An objective's settings may
+make another of it (:attr:`Objective.configure`, what ``plan_job`` plans with), which may
+prepare its data once before the first step (:attr:`Objective.prepare`): DPO with
+``--precompute-reference`` (:mod:`effijax.recipe._dpo`).
 """
 
 from __future__ import annotations
@@ -71,6 +74,9 @@ class Objective(NamedTuple):
         (nothing can be built ahead of the step before). None: batches are data alone.
       row_values: the names of the f32 ``[B]`` arrays its batches carry besides the tokens
         (GRPO's ``advantages``), sharded by rows.
+      token_values: the names of the f32 ``[B, S]`` arrays its batches carry, a value per
+        position of each row (GRPO's ``old_logps`` when a rollout serves several updates),
+        sharded by rows.
       load_settings: the settings ``load`` takes besides the path and the model (GRPO's
         ``max_completion_length``, which bounds its prompts).
       check: ``check(**settings)`` raises a :class:`~effijax.errors.ConfigError` for what only
@@ -79,6 +85,14 @@ class Objective(NamedTuple):
       data_settings: ``data_settings(dataset) -> dict``: settings of its loss that its data
         decides, added to the user's (the pair losses' ``window``: the longest span of a row's
         trained positions, all the head needs to score); None: none.
+      configure: ``configure(settings) -> Objective``: the objective as these settings make it,
+        which :func:`~effijax.recipe.plan_job` plans with (DPO with ``precompute_reference``:
+        no reference held, its log-probabilities a row value of the batches); None: itself.
+      prepare: ``prepare(job, data, *, params, frozen, out, resumed) -> Dataset``: what the
+        run does to its data once, before its first step, with the job's starting ``params``
+        and ``frozen`` tree (DPO with ``precompute_reference``: the reference's log-probability
+        of every row, stored in the run directory ``out`` and read back when ``resumed``);
+        None: nothing.
 
     ``reference`` may also be a function of the objective's settings (GRPO holds a reference
     only for a KL penalty, ``beta > 0``); ``eval_batches`` None: the objective has no
@@ -96,9 +110,21 @@ class Objective(NamedTuple):
     eval_metrics: tuple[str, ...] = ()
     rollout: Callable[..., Callable] | None = None
     row_values: tuple[str, ...] = ()
+    token_values: tuple[str, ...] = ()
     load_settings: tuple[str, ...] = ()
     check: Callable[..., None] | None = None
     data_settings: Callable[[Any], dict] | None = None
+    configure: Callable[[dict], Objective] | None = None
+    prepare: Callable[..., Any] | None = None
+
+    def configured(self, settings: dict | None = None) -> Objective:
+        """The objective as ``settings`` make it (:attr:`configure`; itself without one).
+
+        Example:
+          >>> SFT.configured({}) is SFT
+          True
+        """
+        return self if self.configure is None else self.configure(dict(settings or {}))
 
     def needs_reference(self, settings: dict | None = None) -> bool:
         """Whether a full fine-tune with these settings holds a reference copy."""

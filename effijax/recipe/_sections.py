@@ -33,7 +33,8 @@ from effijax.recipe._identity import DEFAULT_BETA, OBJECTIVE_SETTINGS, default_w
 
 __all__ = ["Sections", "ModelSection", "PrecisionSection", "TrainingSection",
            "OptimizerSection", "DataSection", "ParallelSection", "OutputSection",
-           "ObjectiveSection", "LoraSection", "reward_names", "reward_weights"]
+           "ObjectiveSection", "LoraSection", "holds_reference", "reward_names",
+           "reward_weights"]
 
 # The precision vocabulary of every command (`effijax train`, `memory`, `plan`): the policy
 # presets plus "auto" (effijax.precision.auto_precision: bf16 on GPU/TPU, and on a CPU with
@@ -42,13 +43,17 @@ __all__ = ["Sections", "ModelSection", "PrecisionSection", "TrainingSection",
 PRECISIONS = ("auto", *PRESET_NAMES)
 FROZEN_DTYPES = ("auto", "fp32", "bf16", "fp16", "nf4", "int8", "gguf")
 DATA_FORMATS = ("auto", "text", "chat")
+# How a preference pair's side longer than a row is cut (TRL's DPOConfig.truncation_mode;
+# effijax.recipe._pairs.pair_rows): None refuses it.
+TRUNCATION_MODES = ("keep_start", "keep_end")
 # The training objectives (effijax.recipe._objectives.OBJECTIVES; kept here too: checking a
 # config must not import jax; a test checks that the two lists agree) and DPO's loss types
 # (effijax.objectives.DPO_LOSS_TYPES, likewise).
 OBJECTIVES = ("sft", "dpo", "simpo", "orpo", "grpo")
 # Those that compare the policy with a frozen reference (Objective.reference): in full training
-# it is a copy of the starting weights, whose floating dtype --frozen-dtype chooses.
-REFERENCE_OBJECTIVES = ("dpo",)
+# it is a copy of the starting weights, whose floating dtype --frozen-dtype chooses. grpo's
+# serves only its KL penalty: it holds one with beta > 0 (holds_reference decides).
+REFERENCE_OBJECTIVES = ("dpo", "grpo")
 REFERENCE_DTYPES = ("auto", "fp32", "bf16", "fp16")
 DPO_LOSSES = ("sigmoid", "ipo", "hinge", "robust")
 # GRPO's loss types and reward scalings (effijax.objectives.GRPO_LOSS_TYPES, SCALE_REWARDS).
@@ -62,7 +67,8 @@ SETTING_OF = {"beta": "beta", "dpo_loss": "loss_type", "label_smoothing": "label
               "max_completion_length": "max_completion_length",
               "rollout_temperature": "temperature",
               "rollout_top_p": "top_p", "epsilon": "epsilon", "epsilon_high": "epsilon_high",
-              "grpo_loss": "loss_type", "scale_rewards": "scale_rewards", "rewards": "rewards",
+              "grpo_loss": "loss_type", "scale_rewards": "scale_rewards",
+              "num_iterations": "num_iterations", "rewards": "rewards",
               "reward_weights": "reward_weights"}
 # Launchers of effijax.distributed (kept here too: checking a config must not import jax; a
 # test checks that the two lists agree).
@@ -219,6 +225,7 @@ class DataSection:
     data_format: str
     text_column: str
     chat_template: str | None
+    truncation_mode: str | None
     eval_batches: int
     prefetch: int
 
@@ -235,6 +242,8 @@ class DataSection:
             raise ConfigError("text_column", self.text_column, "expected a column name, e.g. "
                               "text or body")
         _one_of("data_format", self.data_format, DATA_FORMATS)
+        if self.truncation_mode is not None:
+            _one_of("truncation_mode", self.truncation_mode, TRUNCATION_MODES)
 
 
 @_frozen
@@ -330,6 +339,28 @@ class OutputSection:
         return _allowed_changes(self.allow_changes)
 
 
+def holds_reference(objective: str, beta: float | None = None,
+                    precompute_reference: bool = False) -> bool:
+    """Whether ``objective`` with this ``beta`` compares the policy with a frozen reference: in
+    full training a copy of the starting weights that the run holds (under LoRA the base with
+    the adapters off, no copy). dpo always; grpo only for a KL penalty, ``beta > 0``; ``beta``
+    None is the objective's default (TRL's: 0 for grpo); none with ``precompute_reference``
+    (dpo's reference log-probabilities computed before training). The one answer of the
+    config's checks, ``effijax memory`` and ``plan``, and :func:`~effijax.recipe.plan_job`
+    (through the objective's ``reference``).
+
+    Example:
+      >>> holds_reference("dpo"), holds_reference("grpo"), holds_reference("grpo", 0.04)
+      (True, False, True)
+      >>> holds_reference("sft", 0.1), holds_reference("dpo", precompute_reference=True)
+      (False, False)
+    """
+    if objective not in REFERENCE_OBJECTIVES or precompute_reference:
+        return False
+    beta = DEFAULT_BETA.get(objective) if beta is None else beta
+    return objective != "grpo" or beta > 0
+
+
 def reward_names(rewards: str | None) -> list[str]:
     """``--rewards``' names (built-ins or dotted paths), comma-separated.
 
@@ -376,6 +407,7 @@ class ObjectiveSection:
     objective: str
     beta: float | None
     dpo_loss: str
+    precompute_reference: bool
     label_smoothing: float
     simpo_gamma: float
     cpo_alpha: float
@@ -387,6 +419,7 @@ class ObjectiveSection:
     epsilon_high: float | None
     grpo_loss: str
     scale_rewards: str
+    num_iterations: int
     rewards: str | None
     reward_weights: str | None
 
@@ -421,7 +454,7 @@ class ObjectiveSection:
         return DEFAULT_BETA.get(self.objective) if self.beta is None else self.beta
 
     def _check_grpo(self) -> None:
-        for name in ("num_generations", "max_completion_length"):
+        for name in ("num_generations", "max_completion_length", "num_iterations"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, getattr(self, name), "must be >= 1")
         _one_of("grpo_loss", self.grpo_loss, GRPO_LOSSES)
@@ -446,8 +479,11 @@ class ObjectiveSection:
     def settings(self) -> dict:
         """The objective's own settings, as its loss takes them (empty for sft; ``beta`` the
         objective's default when not given)."""
-        return {SETTING_OF[name]: self.resolved_beta if name == "beta" else getattr(self, name)
-                for name in OBJECTIVE_SETTINGS[self.objective]}
+        settings = {SETTING_OF[name]: self.resolved_beta if name == "beta"
+                    else getattr(self, name) for name in OBJECTIVE_SETTINGS[self.objective]}
+        # Not part of the run's identity (the same losses to f32 rounding): only when given.
+        return {**settings, **({"precompute_reference": True} if self.precompute_reference
+                               else {})}
 
 
 @_frozen

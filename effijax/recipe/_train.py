@@ -94,7 +94,8 @@ def train(config: TrainConfig, *, argv: list[str] | None = None) -> TrainResult:
     """
     s = config.sections  # each stage receives the sections it reads
     _sources.check_paths(s.model, s.data, s.output, s.lora)  # before any process joins
-    check_sources(config.data, config.data_format, config.text_column)
+    if get_objective(config.objective).load is None:  # else its loader reads and checks it
+        check_sources(config.data, config.data_format, config.text_column)
     # From the tokenizer alone: before any weights.
     _sources.check_chat_template(s.model, s.data, objective=config.objective)
     if get_objective(config.objective).check is not None:  # GRPO's rewards, imported
@@ -133,6 +134,10 @@ def train(config: TrainConfig, *, argv: list[str] | None = None) -> TrainResult:
                 # The loaded weights now live in the state or the frozen base (quantized, or
                 # cast): drop the source's full-precision copy rather than hold it all run.
                 source = source._replace(params=None)
+            if job.objective.prepare is not None:  # dpo's reference log-probabilities, once
+                data = job.objective.prepare(job, data, params=initial.state.params,
+                                             frozen=initial.frozen, out=config.out,
+                                             resumed=run.resume_step is not None)
             _report.stage(config.init_from, "compiling the training step")
             compiled = compile_run(job, initial, source, data, precision.reason, model=s.model,
                                    precision=s.precision, training=s.training,
@@ -302,8 +307,9 @@ def load_data(data: DataSection, model, *, objective: str = "sft",
     ``max_completion_length``: :func:`~effijax.recipe._grpo.load_prompts`)."""
     chosen = get_objective(objective)
     if chosen.load is not None:
+        cut = {} if data.truncation_mode is None else {"truncation_mode": data.truncation_mode}
         return chosen.load(data.data, model, **{k: (settings or {})[k]
-                                                 for k in chosen.load_settings})
+                                                 for k in chosen.load_settings}, **cut)
     say = (lambda line: print(f"effijax train: data: {line}", flush=True)) \
         if jax.process_index() == 0 else (lambda line: _to_stderr(f"data: {line}"))
     read = training_data(data.data, getattr(model, "tokenizer", None),
