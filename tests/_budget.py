@@ -10,9 +10,9 @@ durations (tests/test_budget.py), never with a timed test.
   reported lowering and compiling (XLA) in the test's own process, not in the processes a test
   starts, which are counted apart.
 * The fast tier (``-m "not slow"``) leaves out the tests marked slow and those
-  tests/slow_tests.txt lists, by one rule: a test of ``FAST_LIMIT_S`` (4 s) or more on 2 cores,
-  or a module whose shared fixtures compile for 20 s or more. Each run names the tests of the
-  fast tier that broke the rule (:meth:`ModuleTimes.strays`), so the list does not drift.
+  tests/slow_tests.txt lists, by one rule: a test of ``FAST_LIMIT_S`` (1.5 s) or more on 2
+  cores, or a module whose shared fixtures take 5 s or more to build. Each run names the tests
+  of the fast tier that broke the rule (:meth:`ModuleTimes.strays`), so the list does not drift.
 * ``GOAL_S`` (25 minutes of wall time for the whole suite on 2 cores): past it, one warning line
   names the five slowest modules. ``CEILING_S`` (60 minutes, two thirds of CI's 90): past it,
   the same line is an error, and under CI (``CI`` set) the run fails, so a change that doubles a
@@ -26,7 +26,7 @@ import re
 
 GOAL_S = 25 * 60
 CEILING_S = 60 * 60
-FAST_LIMIT_S = 4.0  # a test that takes this long on 2 cores belongs outside the fast tier
+FAST_LIMIT_S = 1.5  # a test that takes this long on 2 cores belongs outside the fast tier
 
 
 @dataclasses.dataclass
@@ -109,7 +109,7 @@ def strays_line(strays: list[tuple[str, float]], limit_s: float = FAST_LIMIT_S) 
 
     Example:
       >>> strays_line([("tests/test_a.py::test_x", 5.5)])
-      'fast tier: 1 test outside tests/slow_tests.txt took 4 s or more: \
+      'fast tier: 1 test outside tests/slow_tests.txt took 1.5 s or more: \
 tests/test_a.py::test_x 5.5 s (list it there, mark it slow, or make it cheaper)'
     """
     if not strays:

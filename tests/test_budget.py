@@ -75,16 +75,16 @@ def test_fast_tier_tests_over_the_limit_are_named():
     # A test's own call counts (its setup builds fixtures: the module's cost, in its total);
     # xdist's group suffix is dropped.
     times.add("tests/test_a.py::test_x[1]@tests/test_a.py", "setup", 20.0)
-    times.add("tests/test_a.py::test_x[1]@tests/test_a.py", "call", 4.0)
+    times.add("tests/test_a.py::test_x[1]@tests/test_a.py", "call", 1.5)
     times.add("tests/test_a.py::test_x[1]@tests/test_a.py", "teardown", 0.5)
-    times.add("tests/test_a.py::test_y", "call", 3.9)
+    times.add("tests/test_a.py::test_y", "call", 1.4)
     times.add("tests/test_b.py::test_z", "call", 30.0, slow=True)
     times.add("tests/test_b.py::test_w", "call", 12.0)
     assert times.strays() == [("tests/test_b.py::test_w", 12.0),
-                              ("tests/test_a.py::test_x[1]", 4.0)]
+                              ("tests/test_a.py::test_x[1]", 1.5)]
     assert times.modules["tests/test_a.py"].tests == 2
-    assert times.modules["tests/test_a.py"].seconds == 28.4
+    assert times.modules["tests/test_a.py"].seconds == 23.4
     line = _budget.strays_line(times.strays())
-    assert line.startswith("fast tier: 2 tests outside tests/slow_tests.txt took 4 s or more: "
-                           "tests/test_b.py::test_w 12.0 s, tests/test_a.py::test_x[1] 4.0 s")
+    assert line.startswith("fast tier: 2 tests outside tests/slow_tests.txt took 1.5 s or more: "
+                           "tests/test_b.py::test_w 12.0 s, tests/test_a.py::test_x[1] 1.5 s")
     assert _budget.strays_line([]) is None
