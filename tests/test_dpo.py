@@ -16,8 +16,8 @@ import numpy as np
 import optax
 import pytest
 from _compiles import compiles
-from _llama_files import VOCAB_SIZE, chat_tokenizer, write_gguf
-from _pairs import write_pairs
+from _llama_files import VOCAB_SIZE, chat_tokenizer
+from _pairs import write_model_and_pairs
 
 from effijax.cli import main as cli_main
 from effijax.errors import ConfigError
@@ -46,10 +46,7 @@ TINY = llama_config("llama-tiny", vocab_size=VOCAB_SIZE, seq_len=SEQ)
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("dpo")
-    write_gguf(d / "tiny.gguf", TINY, jax.jit(TINY.init_params)(jax.random.key(0)))
-    write_pairs(d / "pairs.jsonl")
-    return d
+    return write_model_and_pairs(tmp_path_factory.mktemp("dpo"), TINY)
 
 
 @pytest.fixture(scope="module")

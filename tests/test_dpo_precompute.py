@@ -11,8 +11,8 @@ import jax
 import numpy as np
 import optax
 import pytest
-from _llama_files import VOCAB_SIZE, chat_tokenizer, write_gguf
-from _pairs import write_pairs
+from _llama_files import VOCAB_SIZE, chat_tokenizer
+from _pairs import write_model_and_pairs
 
 from effijax.cli import main as cli_main
 from effijax.errors import ConfigError
@@ -31,10 +31,7 @@ DPO = get_objective("dpo")
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("dpo_precompute")
-    write_gguf(d / "tiny.gguf", TINY, jax.jit(TINY.init_params)(jax.random.key(0)))
-    write_pairs(d / "pairs.jsonl")
-    return d
+    return write_model_and_pairs(tmp_path_factory.mktemp("dpo_precompute"), TINY)
 
 
 @pytest.fixture(scope="module")

@@ -30,8 +30,8 @@ import optax
 import pytest
 from _adapters import random_adapters
 from _compiles import compiles
-from _llama_files import VOCAB_SIZE, chat_tokenizer, torch_tensors, write_gguf
-from _pairs import write_pairs
+from _llama_files import VOCAB_SIZE, chat_tokenizer, torch_tensors
+from _pairs import write_model_and_pairs
 
 from effijax.cli import main as cli_main
 from effijax.errors import ConfigError
@@ -57,9 +57,7 @@ ORPO_METRICS = SIMPO_METRICS + ("log_odds_ratio", "log_odds_chosen")
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("reference_free")
-    write_gguf(d / "tiny.gguf", TINY, jax.jit(TINY.init_params)(jax.random.key(0)))
-    write_pairs(d / "pairs.jsonl")
+    d = write_model_and_pairs(tmp_path_factory.mktemp("reference_free"), TINY)
     # One pair, 20 times: one copy is held out, every training batch is that pair.
     (d / "one.jsonl").write_text(20 * (json.dumps({"prompt": "3+1", "chosen": "4",
                                                    "rejected": "the 3"}) + "\n"))
