@@ -11,6 +11,8 @@ occurrence of a flag win), so they test the commands as written, only shorter.
 
 import ast
 import builtins
+import contextlib
+import io
 import json
 import os
 import pathlib
@@ -69,6 +71,21 @@ def _env() -> dict:
 def _effijax(args: list[str], cwd=None, timeout=300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "effijax", *args], cwd=cwd, env=_env(),
                           capture_output=True, text=True, timeout=timeout)
+
+
+def _effijax_here(args: list[str]) -> subprocess.CompletedProcess:
+    """``effijax ARGS`` run in this process, for the commands that print without compiling
+    (``memory``, ``plan``, ``--help``, a flag's error): its exit status and output, as
+    :func:`_effijax` gives a process's, without a process's start (2-3 s of imports each)."""
+    from effijax.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as e:  # argparse's --help, --version and errors
+            code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def _undefined_names(source: str) -> set[str]:
@@ -153,7 +170,7 @@ def test_the_readme_shows_memory_and_plan_runs():
 def test_memory_and_plan_print_what_the_readme_shows(program, page, argv, lines):
     if _needs(argv):
         pytest.skip(_needs(argv))
-    proc = _effijax(argv)
+    proc = _effijax_here(argv)
     out = proc.stdout.splitlines()
     assert proc.returncode == 0, proc.stderr
     # The page elides with "..."; every line it does show appears, in order.
@@ -176,7 +193,7 @@ def _commands_block() -> str:
 
 @pytest.mark.parametrize("program", ["train", "memory", "plan"])
 def test_help_lists_every_flag_the_readme_names(program):
-    proc = _effijax([program, "--help"])
+    proc = _effijax_here([program, "--help"])
     assert proc.returncode == 0, proc.stderr
     text = _commands_block().replace("\\\n", " ")
     lines = [line.split("#")[0] for line in text.splitlines()
@@ -191,9 +208,9 @@ def test_help_lists_every_flag_the_readme_names(program):
 
 
 def test_top_level_help_and_version():
-    proc = _effijax(["--help"])
+    proc = _effijax_here(["--help"])
     assert proc.returncode == 0 and "train" in proc.stdout and "plan" in proc.stdout
-    proc = _effijax(["--version"])
+    proc = _effijax_here(["--version"])
     assert proc.returncode == 0 and re.fullmatch(r"effijax \S+\n", proc.stdout), proc.stdout
 
 
@@ -216,7 +233,7 @@ def test_quoted_error_is_what_the_cli_prints(message):
                            message).groups()
     shown = re.search(rf"`effijax {program} ([^`]*{flag} {re.escape(value)})` exits 2", ALL_TEXT)
     argv = [program, *shlex.split(shown.group(1))] if shown else [program, flag, value]
-    proc = _effijax(argv)
+    proc = _effijax_here(argv)
     assert proc.returncode == 2
     assert message.removesuffix("...").rstrip("; ") in " ".join(proc.stderr.split()), proc.stderr
 
