@@ -15,7 +15,7 @@ from effijax.checkpoint import truncate_metrics
 from effijax.cli import main as cli_main
 from effijax.models import llama_config
 from effijax.recipe import ROLLOUT_METRICS
-from effijax.recipe._loop import _following, _samples_log
+from effijax.recipe._loop import _following, records_log
 from effijax.recipe._objective import COMPLETIONS, ROLLOUT_SAMPLES
 from effijax.run import RunDir
 
@@ -91,14 +91,14 @@ def test_the_loop_writes_each_steps_record_and_keeps_it_out_of_the_metrics(tmp_p
         assert ROLLOUT_METRICS not in batch  # host-side values never reach the step
         return state, {"loss": 1.0}
 
-    tracked, _ = _following(step, None, _samples_log(run_dir, start_step=0))
+    tracked, _ = _following(step, None, records_log(run_dir, 0, COMPLETIONS))
     for k in (1, 2):
         _, metrics = tracked(state, {"inputs": 0, ROLLOUT_METRICS: {
             "reward": 0.5, ROLLOUT_SAMPLES: _record(k)}})
         assert metrics == {"loss": 1.0, "reward": 0.5}
     # A run from step 0 started the file anew; a resumed one appends to what it holds.
     assert _lines(tmp_path, COMPLETIONS) == [_record(1), _record(2)]
-    tracked, _ = _following(step, None, _samples_log(run_dir, start_step=2))
+    tracked, _ = _following(step, None, records_log(run_dir, 2, COMPLETIONS))
     tracked(state, {ROLLOUT_METRICS: {ROLLOUT_SAMPLES: _record(3)}})
     assert [line["step"] for line in _lines(tmp_path, COMPLETIONS)] == [1, 2, 3]
 

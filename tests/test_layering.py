@@ -62,8 +62,10 @@ LAYERS = [
     # whose GRPO objective samples its rollouts with it.
     ("generate",),
     ("run.py", "observe"),
+    # lm-evaluation-harness over generation and the models' scoring: below the recipe, which
+    # scores a run's weights with it (train --eval-tasks).
+    ("harness",),
     ("recipe",),
-    ("harness",),  # lm-evaluation-harness over generation and the models' scoring
     ("cli", "__main__.py"),
 ]
 

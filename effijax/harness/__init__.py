@@ -8,7 +8,8 @@ shapes. Importing :mod:`effijax.harness._model` registers it as ``effijax`` in l
 registry. Three offline tasks ship in the package (:data:`SHIPPED_TASKS`, the group
 :data:`TASK_GROUP`; files in :data:`TASKS_DIR`), built from the Q&A set and held-out text;
 :func:`evaluate_tasks` runs them, or any task lm_eval knows, through
-``lm_eval.simple_evaluate``. ``effijax eval --from MODEL --tasks a,b`` is the command line.
+``lm_eval.simple_evaluate``. ``effijax eval --from MODEL --tasks a,b`` is the command line;
+:func:`evaluate_weights` scores parameters in memory (``effijax train --eval-tasks``).
 
 lm_eval is optional (``pip install 'effijax[eval]'``): without it, building a model or a task
 manager says what to install.
@@ -27,4 +28,6 @@ __getattr__, __dir__, __all__ = attach(__name__, {
     "effijax.harness._model": ("EffijaxLM", "LM_EVAL_PIN", "require_lm_eval", "sequence_bucket"),
     "effijax.harness._tasks": ("TASKS_DIR", "SHIPPED_TASKS", "TASK_GROUP", "choice_records",
         "docs_records", "write_task_data", "task_manager", "check_tasks", "evaluate_tasks"),
+    "effijax.harness._training": ("EVAL_TASKS_PREFIX", "check_eval_tasks", "task_metrics",
+                                  "evaluate_weights"),
 })

@@ -203,6 +203,14 @@ class TrainConfig:
                                          choices=TRUNCATION_MODES, section="data")
     eval_batches: int = _field(8, "validation batches evaluated at the end (0: none)",
                                section="data")
+    eval_tasks: str | None = _field(None, "lm-evaluation-harness tasks run on the trained "
+                                    "weights at the end, comma-separated (effijax_offline: "
+                                    "the shipped ones); scores as eval_tasks/TASK/METRIC",
+                                    metavar="TASKS", section="data")
+    eval_tasks_limit: int | None = _field(None, "documents of each --eval-tasks task (default: "
+                                          "all)", metavar="N", section="data")
+    eval_tasks_every: int = _field(0, "also run --eval-tasks every K steps during training "
+                                   "(0: only at the end)", metavar="K", section="data")
     prefetch: int = _field(2, "batches built ahead of the step on a background thread (and "
                            "put on the devices) while the step runs; 0 builds each one between "
                            "steps", metavar="N", section="data")

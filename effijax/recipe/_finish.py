@@ -32,7 +32,8 @@ from effijax.recipe._sections import OutputSection, TrainingSection
 from effijax.run import read_metrics
 from effijax.sources import export_paths
 
-__all__ = ["evaluate_end", "evaluate_start", "with_start", "export", "summarize"]
+__all__ = ["evaluate_end", "evaluate_start", "score_tasks", "with_start", "export",
+           "summarize"]
 
 
 def evaluate_end(job, params, tokens, frozen=None, *, eval_batches: int,
@@ -90,6 +91,28 @@ def with_start(config_json: dict, before: dict) -> dict:
     """
     return {**config_json, "run": {**config_json.get("run", {}), **before}} if before \
         else config_json
+
+
+def score_tasks(job, params, frozen=None, *, tasks, limit: int | None = None,
+                precision: str = "fp32", manager=None, init_from: str | None = None) -> dict:
+    """``{"eval_tasks/<task>/<metric>": score}``: harness ``tasks`` run on ``params`` (the
+    trained ones, or the live ones between two steps) as they are on the run's mesh (a LoRA
+    run's adapters on its ``frozen`` base; a quantized base, QLoRA's, dequantized for it), the
+    first ``limit`` documents of each, in the run's ``precision``
+    (:func:`effijax.harness.evaluate_weights`; ``manager``: the task manager
+    :func:`effijax.harness.check_eval_tasks` gave); empty without ``tasks``."""
+    if not tasks:
+        return {}
+    from effijax.harness import evaluate_weights
+
+    names = tasks if isinstance(tasks, str) else ",".join(tasks)
+    _report.stage(init_from, f"evaluating the model on {names}"
+                  + ("" if limit is None else f" (the first {limit} documents of each)"))
+    weights = params if job.lora is None else {"base": dequantize_kernels(frozen),
+                                               "adapters": params}
+    return evaluate_weights(job.model, weights, tasks, lora=job.lora, limit=limit,
+                            batch_size=job.batch_size, precision=precision, mesh=job.mesh,
+                            manager=manager, source=init_from or job.model.name)
 
 
 def export(output: OutputSection, training: TrainingSection, job, params, frozen=None, *,

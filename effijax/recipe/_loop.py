@@ -14,6 +14,7 @@ good one.
 from __future__ import annotations
 
 import json
+import math
 import time
 from typing import Any, NamedTuple
 
@@ -24,13 +25,13 @@ from effijax import atomic, checkpoint
 from effijax.data import Prefetcher
 from effijax.recipe import _job, _report
 from effijax.recipe._objective import COMPLETIONS, ROLLOUT_METRICS, ROLLOUT_SAMPLES
-from effijax.recipe._rundir import RunStart
+from effijax.recipe._rundir import TASK_SCORES, RunStart
 from effijax.recipe._sections import OutputSection
 from effijax.recipe._state import Initial
 from effijax.recipe._watch import Watch
 from effijax.run import NonFiniteError, StopFlag, train_loop
 
-__all__ = ["Trained", "loop"]
+__all__ = ["Trained", "loop", "records_log"]
 
 
 class Trained(NamedTuple):
@@ -49,11 +50,15 @@ class Trained(NamedTuple):
 
 
 def loop(output: OutputSection, job, run: RunStart, compiled, initial: Initial, tokens,
-         watch: Watch, *, steps: int, prefetch: int, max_non_finite: int) -> Trained:
+         watch: Watch, *, steps: int, prefetch: int, max_non_finite: int,
+         evaluate=None, evaluate_every: int = 0) -> Trained:
     """Trains ``initial.state`` on ``tokens`` to ``steps`` (checkpointing into ``run.dir``
     every ``output.checkpoint_every`` steps), then saves and closes the checkpoints; ``watch``
     sees every step. ``prefetch``: batches built ahead; ``max_non_finite``: consecutive
-    non-finite steps before it stops (0: never)."""
+    non-finite steps before it stops (0: never). ``evaluate``: ``params -> {name: score}``,
+    called with the live parameters after every ``evaluate_every``-th step but the last (its
+    scores a record of that step in the run directory's ``task_scores.jsonl`` and the
+    sinks)."""
     run_dir = run.dir
     trained = _TrainedTokens()
     stop = StopFlag(jax.process_count())
@@ -62,8 +67,8 @@ def loop(output: OutputSection, job, run: RunStart, compiled, initial: Initial, 
     # while each step runs; those built for steps that never run are dropped.
     step, params = watch.step(compiled.step), None
     if job.rollout is not None:  # each batch is sampled from the state the step before made
-        step, params = _following(step, initial.state, _samples_log(run_dir,
-                                                                 int(initial.state.step)))
+        step, params = _following(step, initial.state, records_log(
+            run_dir, int(initial.state.step), COMPLETIONS))
         prefetch = 0
     with stop.installed(), checkpoint.orbax_log(output.out), Prefetcher(
             _job.batch_fn(job, tokens, initial.frozen,
@@ -74,8 +79,9 @@ def loop(output: OutputSection, job, run: RunStart, compiled, initial: Initial, 
                 step, initial.state, batches,
                 num_steps=steps, tokens_per_step=job.tokens_per_step, run_dir=run_dir,
                 progress=output.progress, should_stop=stop,
-                checkpoint=(lambda s: _save(run_dir, s)) if run_dir.ckpt else None,
-                checkpoint_every=output.checkpoint_every,
+                **_between_steps(run_dir, watch, output.checkpoint_every, evaluate,
+                                 evaluate_every,
+                                 records_log(run_dir, int(initial.state.step), TASK_SCORES)),
                 max_non_finite=max_non_finite or None,
                 callbacks=(trained, *watch.callbacks))
         except NonFiniteError as e:
@@ -91,6 +97,29 @@ def loop(output: OutputSection, job, run: RunStart, compiled, initial: Initial, 
     if stop.stopped:
         return Trained(state, summary, stop.signal_name)
     return Trained(state, {**summary, **trained.summary(job.masked)})
+
+
+def _between_steps(run_dir, watch, checkpoint_every: int, evaluate, evaluate_every: int,
+                   log_scores):
+    """``train_loop``'s ``checkpoint`` and ``checkpoint_every``: the state saved every
+    ``checkpoint_every`` steps (when the run checkpoints) and its parameters evaluated every
+    ``evaluate_every`` (when ``evaluate``; ``log_scores`` keeps the record): at the step
+    boundary where the state is live."""
+    save_every = checkpoint_every if run_dir.ckpt else 0
+    score_every = evaluate_every if evaluate is not None else 0
+    if not (save_every or score_every):
+        return {"checkpoint": None, "checkpoint_every": checkpoint_every}
+
+    def between(state):
+        step = int(state.step)
+        if save_every and step % save_every == 0:
+            _save(run_dir, state)
+        if score_every and step % score_every == 0:
+            scores = evaluate(state.params)
+            log_scores({"step": step, **scores})
+            watch.sinks.values(step, scores)
+
+    return {"checkpoint": between, "checkpoint_every": math.gcd(save_every, score_every)}
 
 
 def _following(step, state, samples=lambda record: None):
@@ -112,11 +141,11 @@ def _following(step, state, samples=lambda record: None):
     return tracked, lambda: current[0].params
 
 
-def _samples_log(run_dir, start_step: int):
-    """Appends a rollout's rows (one record a step) to the run directory's COMPLETIONS file,
-    whole, on the main process; a run that starts at step 0 starts it anew (a resume has cut
-    it back to its checkpoint's step)."""
-    path = run_dir.path / COMPLETIONS
+def records_log(run_dir, start_step: int, name: str):
+    """Appends a record to the run directory's file ``name`` (GRPO's COMPLETIONS: a rollout's
+    rows; TASK_SCORES: the harness's scores), whole, on the main process; a run that starts at
+    step 0 starts it anew (a resume has cut it back to its checkpoint's step)."""
+    path = run_dir.path / name
     if run_dir.is_main and start_step == 0 and (path.exists() or path.is_symlink()):
         path.unlink()  # a link itself, never its target
 

@@ -225,11 +225,15 @@ def _finished_step(output: OutputSection, training: TrainingSection, job, run_js
     return found.step if summary_step(output.out) == found.step else None
 
 
+# The harness's scores of a run with --eval-tasks, one record each time it scores (metrics.jsonl
+# keeps one record a step).
+TASK_SCORES = "task_scores.jsonl"
 # What a run writes in a run directory, by how: files written in place (appended to, the
 # lock), files written under a temporary name and renamed over the old one, and folders.
-_IN_PLACE = (LOCK_FILE, "metrics.jsonl", "error.log", "orbax.log", ROOM_FILE, COMPLETIONS)
+_IN_PLACE = (LOCK_FILE, "metrics.jsonl", "error.log", "orbax.log", ROOM_FILE, COMPLETIONS,
+             TASK_SCORES)
 _RENAMED = ("config.json", "summary.json", "loss.png", "metrics.jsonl", "adapters.safetensors",
-            "model.gguf", COMPLETIONS)
+            "model.gguf", COMPLETIONS, TASK_SCORES)
 _FOLDERS = ("checkpoints", "hf", "peft")  # the observers' own: effijax.observe checks them
 # The exports a run replaces at its end: in a directory that holds no run yet, they are not
 # the run's own, and replacing them would lose the user's files.

@@ -227,6 +227,9 @@ class DataSection:
     chat_template: str | None
     truncation_mode: str | None
     eval_batches: int
+    eval_tasks: str | None
+    eval_tasks_limit: int | None
+    eval_tasks_every: int
     prefetch: int
 
     def __post_init__(self):
@@ -235,6 +238,11 @@ class DataSection:
                 path_name(name, getattr(self, name))
         for name in ("eval_batches", "prefetch"):
             whole_number(name, getattr(self, name), minimum=0)
+        whole_number("eval_tasks_limit", self.eval_tasks_limit, none=True)
+        whole_number("eval_tasks_every", self.eval_tasks_every, minimum=0)
+        if self.eval_tasks_every and not self.eval_tasks:
+            raise ConfigError("eval_tasks_every", self.eval_tasks_every, "evaluates the tasks "
+                              "of --eval-tasks, which names none")
         if self.prefetch > MAX_PREFETCH:  # each batch waits in host memory
             raise ConfigError("prefetch", self.prefetch, f"must be at most {MAX_PREFETCH} "
                               "(batches held ready in memory; 2 keeps the step fed)")

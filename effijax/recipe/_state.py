@@ -17,7 +17,7 @@ from effijax.checkpoint import truncate_metrics
 from effijax.recipe import _job, _sources
 from effijax.recipe._objective import COMPLETIONS
 from effijax.recipe._report import summary_step
-from effijax.recipe._rundir import RunStart
+from effijax.recipe._rundir import TASK_SCORES, RunStart
 from effijax.recipe._sections import OutputSection, TrainingSection
 from effijax.sources import export_paths, missing_exports
 
@@ -46,8 +46,8 @@ def initial_state(output: OutputSection, training: TrainingSection, job, run: Ru
         return Initial(_job.init_state(job, base if job.lora is None else None), frozen)
     if distributed.is_main():
         truncate_metrics(Path(output.out) / "metrics.jsonl", run.resume_step)
-        truncate_metrics(Path(output.out) / COMPLETIONS, run.resume_step,  # GRPO's samples
-                         every_step=False)
+        for name in (COMPLETIONS, TASK_SCORES):  # GRPO's samples, the harness's scores
+            truncate_metrics(Path(output.out) / name, run.resume_step, every_step=False)
         where = run.dir.ckpt.directory
         if run.resume_step >= training.steps and summary_step(output.out) == run.resume_step:
             # Finished, and asked now for exports it lacks (--export-hf added to its command).

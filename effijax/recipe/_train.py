@@ -23,10 +23,10 @@ from effijax.models import format_of
 from effijax.precision import PRESET_NAMES, AutoPrecision, auto_precision, cpu_flags, native_bf16
 from effijax.recipe import _finish, _job, _report, _resume, _sources, _watch
 from effijax.recipe._config import TrainConfig, lora_fields
-from effijax.recipe._loop import loop
+from effijax.recipe._loop import loop, records_log
 from effijax.recipe._objectives import get_objective
 from effijax.recipe._optimizer import optimizer_for
-from effijax.recipe._rundir import open_run, run_record
+from effijax.recipe._rundir import TASK_SCORES, open_run, run_record
 from effijax.recipe._sections import (
     DataSection,
     LoraSection,
@@ -100,8 +100,17 @@ def train(config: TrainConfig, *, argv: list[str] | None = None) -> TrainResult:
     _sources.check_chat_template(s.model, s.data, objective=config.objective)
     if get_objective(config.objective).check is not None:  # GRPO's rewards, imported
         get_objective(config.objective).check(**s.objective.settings)
+    tasks = None
+    if config.eval_tasks:  # the harness's task names, before any weights
+        from effijax.harness import check_eval_tasks
+
+        tasks = check_eval_tasks(config.eval_tasks)
     mesh = start(s.parallel, verbose=config.verbose)
     try:
+        if tasks and jax.process_count() > 1:
+            raise ConfigError("eval_tasks", config.eval_tasks, "harness tasks are evaluated in "
+                              "one process for now; drop --eval-tasks and run effijax eval "
+                              "--tasks on the run directory afterwards")
         if config.init_from:
             _report.reading(config.init_from)
         source = _sources.read_source(config.init_from, config.seq_len,
@@ -152,9 +161,15 @@ def train(config: TrainConfig, *, argv: list[str] | None = None) -> TrainResult:
                     job, initial, data.val, run.config_json["run"] if resumed else None,
                     eval_batches=evaluated, init_from=config.init_from) if evaluated else {}
                 run.dir.begin(_finish.with_start(run.config_json, before), append=resumed)
+                score_tasks = None if tasks is None else (  # params -> {name: score}
+                    lambda params: _finish.score_tasks(
+                        job, params, initial.frozen, tasks=tasks[0],
+                        limit=config.eval_tasks_limit, precision=config.precision,
+                        manager=tasks[1], init_from=config.init_from))
                 trained = loop(s.output, job, run, compiled, initial, data.train, watch,
                                steps=config.steps, prefetch=config.prefetch,
-                               max_non_finite=config.max_non_finite)
+                               max_non_finite=config.max_non_finite, evaluate=score_tasks,
+                               evaluate_every=config.eval_tasks_every)
                 if trained.signal is not None:
                     _report.stopped(config.out, trained.summary, trained.signal,
                                     config.checkpoints, argv)
@@ -162,10 +177,15 @@ def train(config: TrainConfig, *, argv: list[str] | None = None) -> TrainResult:
                 evaluation = _finish.evaluate_end(
                     job, trained.state.params, data.val, initial.frozen,
                     eval_batches=evaluated, init_from=config.init_from)
+                scores = {} if score_tasks is None else score_tasks(trained.state.params)
+                if scores:  # a record of the last step in task_scores.jsonl, and the sinks'
+                    records_log(run.dir, trained.summary["steps"], TASK_SCORES)(
+                        {"step": trained.summary["steps"], **scores})
+                    watch.sinks.values(trained.summary["steps"], scores)
                 exports = _finish.export(s.output, s.training, job, trained.state.params,
                                          initial.frozen, init_from=config.init_from)
                 summary = _finish.summarize(job, compiled, trained.summary, config.out,
-                                            {**before, **evaluation, **exports})
+                                            {**before, **evaluation, **scores, **exports})
                 watch.finish(summary)
                 run.dir.finish(summary, title=_report.title(
                     job, precision=config.precision, init_from=config.init_from))
