@@ -55,8 +55,8 @@ class ConfigError(ValueError):
         the file or model that setting names.
 
         Example:
-          >>> str(ConfigError("hidden_size", 64.7, "not whole").within("init_from", "m.gguf"))
-          "init_from='m.gguf': hidden_size=64.7: not whole"
+          >>> str(ConfigError("hidden_size", 64.7, "not whole").within("model_from", "m.gguf"))
+          "model_from='m.gguf': hidden_size=64.7: not whole"
         """
         return ConfigError(field, value, f"{self.field}={self.value!r}: {self.problem}")
 

@@ -40,7 +40,7 @@ TEMPLATES = Path(__file__).resolve().parent / "templates"
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    init_from: str = "smollm2"
+    model_from: str = "smollm2"
     chat_template: str | None = None  # a template file for a model without one (--chat-template)
     title: str = "SmolLM2-135M"
     seq_len: int = 128
@@ -71,7 +71,7 @@ class Config:
 # --model: the model (every preset), and what its default preset changes of SmolLM2's.
 MODELS = {
     "smollm2": ({}, {}),
-    "gemma3": ({"init_from": "gemma3-270m", "chat_template": str(TEMPLATES / "gemma3.jinja"),
+    "gemma3": ({"model_from": "gemma3-270m", "chat_template": str(TEMPLATES / "gemma3.jinja"),
                 "title": "Gemma 3 270M"},
                {"ranks": (16,), "batch_size": 4, "steps": 40, "out": "runs/finetune-gemma3"}),
 }
@@ -116,7 +116,7 @@ def main(cfg: Config) -> dict:
     items = [_question_answer(r) for r in held[:cfg.held_out]]
     print(f"{count} question/answer records; {len(held)} held out, {len(items)} scored")
 
-    base = load(cfg.init_from)
+    base = load(cfg.model_from)
     if cfg.chat_template is not None:  # the base model answers through the same template
         base = dataclasses.replace(base, tokenizer=with_chat_template(
             base.model, cfg.chat_template).tokenizer)
@@ -129,7 +129,7 @@ def main(cfg: Config) -> dict:
     for name, rank, lr, frozen in variants(cfg):
         run_dir = out / name.replace(" ", "").replace("=", "").replace(",", "-")
         result = train(TrainConfig(
-            init_from=cfg.init_from, data=str(data), chat_template=cfg.chat_template,
+            model_from=cfg.model_from, data=str(data), chat_template=cfg.chat_template,
             lora_rank=rank, **({} if rank is None else {"lora_alpha": 2.0 * rank,
                                                         "frozen_dtype": frozen}),
             seq_len=cfg.seq_len,
@@ -203,7 +203,7 @@ if __name__ == "__main__":
     ap.add_argument("--preset", choices=PRESETS, default="default",
                     help="default (about 20 min on 2 cores) or smoke (CI)")
     ap.add_argument("--out", help="output directory (default: the preset's)")
-    ap.add_argument("--from", dest="init_from", help="the pretrained model, as effijax train "
+    ap.add_argument("--from", dest="model_from", help="the pretrained model, as effijax train "
                     "--from takes it (default: smollm2)")
     ap.add_argument("--ranks", help="LoRA ranks, comma-separated (default: the preset's)")
     ap.add_argument("--frozen-dtypes", help="the LoRA bases to compare, comma-separated, e.g. "
@@ -216,7 +216,7 @@ if __name__ == "__main__":
     model, sizes = MODELS[args.model]
     cfg = dataclasses.replace(PRESETS[args.preset], **model,
                               **(sizes if args.preset == "default" else {}))
-    overrides = {k: v for k, v in (("out", args.out), ("init_from", args.init_from),
+    overrides = {k: v for k, v in (("out", args.out), ("model_from", args.model_from),
                                    ("full", args.full), ("precision", args.precision))
                  if v is not None}
     if args.ranks:

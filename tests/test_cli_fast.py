@@ -101,7 +101,7 @@ for argv in json.loads(sys.argv[1]):
     results.append({"argv": argv, "code": code, "text": out.getvalue() + err.getvalue(),
                     "jax": "jax" in sys.modules})
 # A config is checked completely (mesh, strategy, LoRA) without jax too.
-config = TrainConfig(strategy="zero3", mesh="data=2,fsdp=4", lora_rank=4, init_from="runs/base")
+config = TrainConfig(strategy="zero3", mesh="data=2,fsdp=4", lora_rank=4, model_from="runs/base")
 try:
     TrainConfig.from_dict({"lrr": 0.1})
 except ConfigError as e:

@@ -90,7 +90,7 @@ def test_full_fine_tune_starts_from_the_same_model(tmp_path, lora_run, pretraine
     assert main(["train", "--from", str(pretrained), "--steps", "6", "--lr", "1e-3",
                  "--data", corpora[1], "--out", str(out), "--no-checkpoints", *TINY]) == 0
     config, _ = _read(out)
-    assert config["init_from"] == str(pretrained)
+    assert config["model_from"] == str(pretrained)
     _, full = _read(out)
     _, low_rank = _read(lora_run)
     # Both evaluate the pretrained parameters on corpus B before training (b = 0: LoRA adds an
@@ -133,8 +133,8 @@ def test_lora_run_resumes_and_checks_its_base(tmp_path, lora_run, pretrained, co
         (["--lora-alpha", "4"], "--lora-alpha=4.0: only applies to LoRA; give the adapters' "
          "rank too (--lora-rank R)"),
         (["--lora-rank", "4", "--lora-dropout", "1.5"], "--lora-dropout=1.5: must be in [0, 1)"),
-        (["--model", "small"], "--model='small': the init_from run trained 'tiny'"),
-        (["--seq-len", "64"], "--seq-len=64: the init_from run's model has 32 positions"),
+        (["--model", "small"], "--model='small': the model_from run trained 'tiny'"),
+        (["--seq-len", "64"], "--seq-len=64: the model_from run's model has 32 positions"),
     ],
 )
 def test_bad_fine_tune_flags_are_clear_errors(tmp_path, pretrained, corpora, capsys, flags,
@@ -156,7 +156,7 @@ def test_bad_init_from_runs_are_clear_errors(tmp_path, lora_run, pretrained, cap
         err = capsys.readouterr().err
         assert f"effijax train: error: --from='{run_dir}': " in err and message in err, err
     assert main(["train", "--from", str(pretrained), "--out", str(pretrained)]) == 2
-    assert "is the init_from run itself" in capsys.readouterr().err
+    assert "is the model_from run itself" in capsys.readouterr().err
 
 
 def test_eval_and_generate_take_the_run_with_from(pretrained, corpora, capsys):

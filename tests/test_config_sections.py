@@ -29,12 +29,12 @@ def test_every_field_belongs_to_exactly_the_section_its_metadata_names():
 
 def test_the_sections_hold_the_config_values_normalised_and_stay_out_of_its_fields():
     config = TrainConfig(precision="mixed", mesh="data=2,fsdp=4", lr=1, lora_rank=4,
-                         init_from="runs/base")
+                         model_from="runs/base")
     s = config.sections
     assert (s.precision.precision, config.precision) == ("bf16", "bf16")
     assert s.parallel.mesh == config.mesh == {"data": 2, "fsdp": 4}
     assert s.training.lr == config.lr == 1.0 and isinstance(s.training.lr, float)
-    assert s.lora.lora_rank == 4 and s.model.init_from == "runs/base"
+    assert s.lora.lora_rank == 4 and s.model.model_from == "runs/base"
     assert "sections" not in config.to_dict() and "_sections" not in config.to_dict()
     assert config == TrainConfig(**config.to_dict())  # equality: the fields alone
     assert dataclasses.replace(config, steps=20).sections.training.steps == 20
@@ -58,7 +58,7 @@ def test_a_section_checks_its_own_fields_with_the_configs_messages():
 
 
 def test_config_json_stays_flat_and_an_older_one_loads_as_before():
-    config = TrainConfig(steps=40, lora_rank=4, init_from="runs/base", mesh="data=2")
+    config = TrainConfig(steps=40, lora_rank=4, model_from="runs/base", mesh="data=2")
     written = json.loads(json.dumps({**config.to_dict(), "run": {}, "versions": {}}))
     assert all(not isinstance(v, dict) or k in ("mesh", "run", "versions")
                for k, v in written.items())  # one flat table of settings, as before

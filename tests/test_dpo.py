@@ -197,7 +197,7 @@ def test_bad_dpo_settings_are_refused_before_compiling(files, tmp_path, capsys):
     with pytest.raises(ConfigError, match="frozen_dtype='bf16': only applies to LoRA"):
         TrainConfig(frozen_dtype="bf16")  # sft holds no reference
     with pytest.raises(ConfigError, match="batch_size=5: counts rows"):
-        TrainConfig(objective="dpo", data="p.jsonl", init_from="x.gguf", lora_rank=2,
+        TrainConfig(objective="dpo", data="p.jsonl", model_from="x.gguf", lora_rank=2,
                     batch_size=5)
     with pytest.raises(ConfigError, match="beta=0.2: only applies to --objective dpo"):
         TrainConfig(beta=0.2)

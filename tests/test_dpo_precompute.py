@@ -164,7 +164,7 @@ def test_a_full_fine_tune_with_it_has_no_copy_to_give_a_dtype():
                        "--precompute-reference holds no reference copy"):
         TrainConfig(objective="dpo", data="p.jsonl", precompute_reference=True,
                     frozen_dtype="bf16")
-    TrainConfig(objective="dpo", data="p.jsonl", init_from="x.gguf", lora_rank=2,
+    TrainConfig(objective="dpo", data="p.jsonl", model_from="x.gguf", lora_rank=2,
                 precompute_reference=True, frozen_dtype="nf4")  # LoRA's base: its storage
 
 

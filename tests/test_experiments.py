@@ -105,7 +105,7 @@ def test_finetune_smoke(tmp_path):
     # answers use it.
     template = experiment.MODELS["gemma3"][0]["chat_template"]
     cfg = dataclasses.replace(experiment.PRESETS["smoke"], out=str(tmp_path / "out"),
-                              init_from=str(gguf), chat_template=template, seq_len=256)
+                              model_from=str(gguf), chat_template=template, seq_len=256)
     results = experiment.main(cfg)
     variants = results["variants"]
     assert list(variants) == ["LoRA r=2", "full"]
@@ -165,7 +165,7 @@ def test_preference_smoke(tmp_path):
     gguf, _ = _tiny_chat_gguf(tmp_path)
     experiment = _load("preference")
     cfg = dataclasses.replace(experiment.PRESETS["smoke"], out=str(tmp_path / "out"),
-                              init_from=str(gguf))
+                              model_from=str(gguf))
     results = experiment.main(cfg)
     out = tmp_path / "out"
     lines = {name: [json.loads(x) for x in (out / f"pairs_{name}.jsonl").read_text().splitlines()]

@@ -496,7 +496,7 @@ def runs(tmp_path_factory, tiny_gguf):
     root = tmp_path_factory.mktemp("runs")
     data = root / "corpus.txt"
     data.write_text("".join(f"the thin {i} in the {i}\n" for i in range(300)))
-    common = dict(init_from=str(tiny_gguf), seq_len=16, batch_size=2, eval_batches=1,
+    common = dict(model_from=str(tiny_gguf), seq_len=16, batch_size=2, eval_batches=1,
                   progress=False, steps=3, data=str(data), lr=3e-3)
     train(TrainConfig(out=str(root / "full"), **common))
     train(TrainConfig(out=str(root / "lora"), lora_rank=2, **common))

@@ -363,7 +363,7 @@ def lora_run(tmp_path_factory, tiny_gguf):
     root = tmp_path_factory.mktemp("run")
     data = root / "corpus.txt"
     data.write_text("".join(f"the thin {i} in the {i}\n" for i in range(200)))
-    train(TrainConfig(init_from=str(tiny_gguf), seq_len=16, batch_size=2, eval_batches=0,
+    train(TrainConfig(model_from=str(tiny_gguf), seq_len=16, batch_size=2, eval_batches=0,
                       progress=False, steps=2, warmup=1, data=str(data), lr=3e-2, lora_rank=2,
                       out=str(root / "lora")))
     return root / "lora"

@@ -58,7 +58,7 @@ def lora_run(tmp_path_factory):
     data = root / "corpus.txt"
     data.write_text("".join(f"the thin {i} in the {i}\n" for i in range(300)))
     run = root / "lora"
-    train(TrainConfig(init_from=str(base), lora_rank=2, seq_len=16, batch_size=2, steps=2,
+    train(TrainConfig(model_from=str(base), lora_rank=2, seq_len=16, batch_size=2, steps=2,
                       eval_batches=0, progress=False, data=str(data), out=str(run)))
     return run, base, other
 
@@ -105,7 +105,7 @@ def test_a_lora_run_on_a_changed_base_is_refused_naming_file_and_hashes(lora_run
     copy.mkdir()
     shutil.copy(run / "adapters.safetensors", copy)
     values = json.loads((run / "config.json").read_text())
-    values.update(init_from="smollm2", export_gguf="f32")
+    values.update(model_from="smollm2", export_gguf="f32")
     values["run"]["init_from_checkpoint"]["path"] = str(tmp_path / "moved" / "smollm2.gguf")
     (copy / "config.json").write_text(json.dumps(values))
     (copy / "model.gguf").write_bytes(other.read_bytes())

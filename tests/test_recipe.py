@@ -283,7 +283,7 @@ def test_lora_from_a_gguf_file_freezes_its_weights_and_exports_hf_names(tmp_path
     file = tmp_path / "tiny.gguf"
     write_gguf(file, model, params)
     out = tmp_path / "run"
-    result = train(TrainConfig(init_from=str(file), lora_rank=2, steps=3, data=corpus,
+    result = train(TrainConfig(model_from=str(file), lora_rank=2, steps=3, data=corpus,
                                out=str(out), **{**TINY, "model": "mini"}))
     record = json.loads((out / "config.json").read_text())["run"]
     import hashlib
@@ -296,8 +296,8 @@ def test_lora_from_a_gguf_file_freezes_its_weights_and_exports_hf_names(tmp_path
     assert names[0].startswith("base_model.model.model.layers.0.")
     peft_config = json.loads((out / "peft" / "adapter_config.json").read_text())
     assert peft_config["base_model_name_or_path"] == str(file)
-    with pytest.raises(ConfigError, match="init_from='nowhere.gguf': no such run directory"):
-        train(TrainConfig(init_from="nowhere.gguf", lora_rank=2, out=str(tmp_path / "x"),
+    with pytest.raises(ConfigError, match="model_from='nowhere.gguf': no such run directory"):
+        train(TrainConfig(model_from="nowhere.gguf", lora_rank=2, out=str(tmp_path / "x"),
                           **TINY))
 
 
@@ -315,9 +315,10 @@ def test_export_hf_writes_the_merged_model_transformers_loads(tmp_path, corpus):
     base = preset("llama-tiny")
     save_hf(tmp_path / "base", base, base.init_params(jax.random.key(0)))
     out = tmp_path / "run"
-    result = train(TrainConfig(steps=3, data=corpus, out=str(out), init_from=str(tmp_path / "base"),
-                               lora_rank=4, lr=1e-2, seq_len=16, batch_size=4, eval_batches=1,
-                               progress=False, export_hf=True, export_gguf="f32"))
+    result = train(TrainConfig(steps=3, data=corpus, out=str(out),
+                               model_from=str(tmp_path / "base"), lora_rank=4, lr=1e-2,
+                               seq_len=16, batch_size=4, eval_batches=1, progress=False,
+                               export_hf=True, export_gguf="f32"))
     assert result.summary["hf"] == str(out / "hf")
     assert result.summary["gguf"] == str(out / "model.gguf")
     merged_model, merged = load_pretrained(out / "hf")
@@ -351,9 +352,9 @@ def test_export_hf_is_refused_for_the_gpt(tmp_path, corpus):
 def test_a_file_that_is_not_a_model_is_named_as_such(tmp_path):
     notes = tmp_path / "notes.txt"
     notes.write_text("not a model\n")
-    with pytest.raises(ConfigError, match=r"init_from='.*notes.txt': is a file but not a GGUF "
+    with pytest.raises(ConfigError, match=r"model_from='.*notes.txt': is a file but not a GGUF "
                        r"model \(it starts with b'not ', not b'GGUF'\)"):
-        train(TrainConfig(init_from=str(notes), out=str(tmp_path / "run"), **TINY))
+        train(TrainConfig(model_from=str(notes), out=str(tmp_path / "run"), **TINY))
 
 
 def test_too_little_text_says_how_much_is_needed_and_the_longest_window_that_fits(tmp_path):

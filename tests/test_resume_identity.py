@@ -44,7 +44,7 @@ def trained(tmp_path_factory):
             f.write(json.dumps({"prompt": f"{i}+1", "response": f"{i + 1}"}) + "\n")
     settings = dict(data=str(root / "qa.jsonl"), seq_len=SEQ, batch_size=2, eval_batches=0,
                     progress=False, checkpoint_every=STEPS, out=str(root / "run"))
-    assert train(TrainConfig(init_from=str(root / "hf"), steps=STEPS, **settings)).status == "done"
+    assert train(TrainConfig(model_from=str(root / "hf"), steps=STEPS, **settings)).status == "done"
     return root, settings
 
 
@@ -61,7 +61,7 @@ def _refusals(trained, model_dir, out=None) -> tuple[str, str]:
     messages = []
     for steps, allow in ((STEPS, None), (STEPS + 2, "steps")):
         with pytest.raises(ConfigError) as e:
-            train(TrainConfig(init_from=str(model_dir), steps=steps, allow_changes=allow,
+            train(TrainConfig(model_from=str(model_dir), steps=steps, allow_changes=allow,
                               **settings))
         messages.append(str(e.value))
     return messages[0], messages[1]
@@ -82,7 +82,7 @@ def _resume_until_compiling(trained, model_dir, monkeypatch, out=None):
 
     monkeypatch.setattr(_train, "compile_run", stop)
     with pytest.raises(_Compiling) as e:
-        train(TrainConfig(init_from=str(model_dir), steps=STEPS + 2, allow_changes="steps",
+        train(TrainConfig(model_from=str(model_dir), steps=STEPS + 2, allow_changes="steps",
                           **{**settings, "out": out or settings["out"]}))
     return e.value.args
 
@@ -108,7 +108,7 @@ def test_an_edited_chat_template_is_refused_on_resume_and_when_finished(trained,
            "tokenizer or chat template changed since the run started (sha256 " in finished
     assert "resume=" in resumed and "tokenizer: the tokenizer or chat template changed" in resumed
     for message in (finished, resumed):  # that alone: the same weights, another place
-        assert "weights" not in message and "init_from" not in message, message
+        assert "weights" not in message and "model_from" not in message, message
 
 
 def test_an_edited_tokenizer_json_is_refused_on_resume_and_when_finished(trained, tmp_path):
@@ -122,7 +122,7 @@ def test_an_edited_tokenizer_json_is_refused_on_resume_and_when_finished(trained
     for message in (finished, resumed):
         assert f"tokenizer: the tokenizer or chat template changed since the run started " \
                f"(sha256 {old}.. -> {new}..); restore the tokenizer files" in message, message
-        assert "weights" not in message and "init_from" not in message, message
+        assert "weights" not in message and "model_from" not in message, message
 
 
 def test_changed_weight_bytes_are_refused_naming_the_file(trained, tmp_path):
@@ -137,7 +137,7 @@ def test_changed_weight_bytes_are_refused_naming_the_file(trained, tmp_path):
         assert "weights: the pretrained weight files changed since the run started: " \
                "model.safetensors (sha256 " in message, message
         # Said once, file by file: not again as the digest of all the files.
-        assert "init_from" not in message and "tokenizer" not in message, message
+        assert "model_from" not in message and "tokenizer" not in message, message
 
 
 def test_the_same_files_elsewhere_and_reformatted_are_the_same_run(trained, tmp_path,
@@ -147,7 +147,7 @@ def test_the_same_files_elsewhere_and_reformatted_are_the_same_run(trained, tmp_
         values = json.loads((model_dir / name).read_text())
         (model_dir / name).write_text(json.dumps(dict(reversed(values.items())), indent=7))
     root, settings = trained
-    again = train(TrainConfig(init_from=str(model_dir), steps=STEPS, **settings))
+    again = train(TrainConfig(model_from=str(model_dir), steps=STEPS, **settings))
     assert again.status == "finished_before"
     job, initial, _, _, _ = _resume_until_compiling(trained, model_dir, monkeypatch)
     assert int(initial.state.step) == STEPS
@@ -174,7 +174,7 @@ def test_a_run_recorded_before_the_digests_resumes_and_records_them(trained, tmp
     _as_legacy(run)
     model_dir = _copy(trained, tmp_path)  # edited: a change the legacy run cannot tell
     _edit_template(model_dir)
-    again = train(TrainConfig(init_from=str(model_dir), steps=STEPS,
+    again = train(TrainConfig(model_from=str(model_dir), steps=STEPS,
                               **{**settings, "out": str(run)}))
     assert again.status == "finished_before"
     job, initial, _, _, _ = _resume_until_compiling(trained, model_dir, monkeypatch,
@@ -184,7 +184,37 @@ def test_a_run_recorded_before_the_digests_resumes_and_records_them(trained, tmp
     weights = model_dir / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-4] + np.float32(3).tobytes())
     finished, _ = _refusals(trained, model_dir, out=str(run))
-    assert "init_from: this run continues a run that started from {sha256=" in finished
+    assert "model_from: this run continues a run that started from {sha256=" in finished
+
+
+def test_a_run_whose_config_says_init_from_loads_resumes_and_opens(trained, tmp_path,
+                                                                   monkeypatch):
+    """An earlier effijax wrote the source as ``init_from`` (now ``model_from``): its run is
+    the same run, its config.json a settings file, and its directory a model to open."""
+    from effijax.sources import open_model
+
+    root, settings = trained
+    run = Path(shutil.copytree(root / "run", tmp_path / "older"))
+
+    def older(values):
+        values["init_from"] = values.pop("model_from")
+
+    _edit_json(run / "config.json", older)
+    for meta in run.glob("checkpoints/*/_CHECKPOINT_METADATA"):
+        _edit_json(meta, lambda m: older(m["custom_metadata"]["effijax"]["metadata"]["config"]))
+    assert "model_from" not in (run / "config.json").read_text()
+    assert TrainConfig.from_file(run / "config.json").model_from == str(root / "hf")
+    again = train(TrainConfig(model_from=str(root / "hf"), steps=STEPS,
+                              **{**settings, "out": str(run)}))
+    assert again.status == "finished_before"
+    _, initial, _, _, _ = _resume_until_compiling(trained, root / "hf", monkeypatch,
+                                                  out=str(run))
+    assert int(initial.state.step) == STEPS
+    assert open_model(str(run)).model.vocab_size == VOCAB_SIZE
+    with pytest.raises(ConfigError, match="init_from='a': is now model_from"):
+        TrainConfig(init_from="a")
+    with pytest.raises(ConfigError, match=r"is now model_from \(given too: 'b'\); keep one"):
+        TrainConfig.from_dict({"init_from": "a", "model_from": "b"})
 
 
 def test_not_recorded_fields_are_not_compared_and_recorded_ones_are():
@@ -198,7 +228,7 @@ def test_not_recorded_fields_are_not_compared_and_recorded_ones_are():
     byte_run = {"seed": 0, "run": {"corpus_sha256": "c", "tokenizer_sha256": None,
                                    "init_from_checkpoint": None, "weights": None}}
     assert _identity.differences(byte_run, new) == {
-        "tokenizer": (None, "t" * 64), "init_from": (None, {"sha256": "s"})}
+        "tokenizer": (None, "t" * 64), "model_from": (None, {"sha256": "s"})}
     sharded = {"seed": 0, "run": {**new["run"], "init_from_checkpoint": {"sha256": "z"},
                                   "weights": {"a.safetensors": "s", "b.safetensors": "y"}}}
     with pytest.raises(ConfigError) as e:
@@ -206,7 +236,7 @@ def test_not_recorded_fields_are_not_compared_and_recorded_ones_are():
     assert "weights: the pretrained weight files changed since the run started: " \
            "model.safetensors (read by the run, not now), a.safetensors (not read by the run), " \
            "b.safetensors (not read by the run); start from the files" in str(e.value)
-    assert "init_from" not in str(e.value)
+    assert "model_from" not in str(e.value)
 
 
 def test_the_attention_implementation_is_a_run_choice_the_architecture_is_not():

@@ -102,7 +102,7 @@ def test_the_config_knows_each_objective_and_its_settings():
     ({"objective": "simpo", "data": None}, "data=None: simpo trains on preference pairs"),
 ])
 def test_a_bad_or_misplaced_setting_is_refused_by_name(kwargs, message):
-    kwargs = {"init_from": "x.gguf", "data": "p.jsonl", **kwargs}
+    kwargs = {"model_from": "x.gguf", "data": "p.jsonl", **kwargs}
     with pytest.raises(ConfigError) as e:
         TrainConfig(**kwargs)
     assert str(e.value).startswith(message), str(e.value)
@@ -111,7 +111,7 @@ def test_a_bad_or_misplaced_setting_is_refused_by_name(kwargs, message):
 def test_simpo_and_orpo_train_without_lora_and_simpo_smooths_labels():
     for kwargs in ({"objective": "simpo", "label_smoothing": 0.2, "cpo_alpha": 0.0},
                    {"objective": "orpo", "beta": 0.5}):
-        assert TrainConfig(init_from="x.gguf", data="p.jsonl", **kwargs).lora_rank is None
+        assert TrainConfig(model_from="x.gguf", data="p.jsonl", **kwargs).lora_rank is None
 
 
 def test_bad_settings_are_refused_before_compiling(files, tmp_path, capsys):
@@ -142,7 +142,7 @@ def test_bad_settings_are_refused_before_compiling(files, tmp_path, capsys):
 def test_old_runs_load_and_simpo_settings_are_its_identity():
     # A DPO run recorded before simpo_gamma and cpo_alpha existed: the same config, the same run.
     old = {"seed": 0, "batch_size": 4, "precision": "fp32", "loss_scale": "none",
-           "accumulate": 1, "lora_rank": 2, "init_from": "x.gguf", "data": "p.jsonl",
+           "accumulate": 1, "lora_rank": 2, "model_from": "x.gguf", "data": "p.jsonl",
            "objective": "dpo", "beta": 0.1, "dpo_loss": "sigmoid", "label_smoothing": 0.0,
            "run": {"corpus_sha256": "ab", "model_config": {"family": "llama", "seq_len": 32}}}
     new = {**old, **{k: v for k, v in TrainConfig.from_dict(old).to_dict().items()

@@ -8,7 +8,7 @@ command starts from in every command (``_from``). ``python -m effijax`` is the s
 
 Example:
   >>> from effijax.cli import build_parser
-  >>> build_parser().parse_args(["generate", "--from", "smollm2", "--prompt", "Hi"]).init_from
+  >>> build_parser().parse_args(["generate", "--from", "smollm2", "--prompt", "Hi"]).model_from
   'smollm2'
 """
 

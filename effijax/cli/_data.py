@@ -51,7 +51,7 @@ def add_parsers(sub) -> None:
                                   "gives the same store and hash."))
     prep.add_argument("source", help="the file or folder to tokenize")
     prep.add_argument("--out", required=True, help="the store's folder (replaced when done)")
-    prep.add_argument("--from", dest="init_from", default=None, metavar="MODEL",
+    prep.add_argument("--from", dest="model_from", default=None, metavar="MODEL",
                       help="the model whose tokenizer (and chat template) is used: a bundled "
                       "name (smollm2), a .gguf file or a Hugging Face folder (default: bytes, "
                       "for the byte-level GPT)")
@@ -110,7 +110,7 @@ def run_prepare(args: argparse.Namespace) -> int:
         # the model is read.
         check_template_file(args.chat_template)
         check_columns(find_sources(args.source), args.data_format, args.text_column)
-        tokenizer = prepare_tokenizer(args.init_from)
+        tokenizer = prepare_tokenizer(args.model_from)
         manifest = prepare(args.source, args.out, tokenizer=tokenizer,
                            chat_template=args.chat_template,
                            data_format=args.data_format, text_column=args.text_column,
@@ -130,6 +130,6 @@ def run_prepare(args: argparse.Namespace) -> int:
         f"{manifest['tokens']:,} tokens ({manifest['dtype']}), {parts}; "
         f"sha256 {manifest['sha256'][:16]}..")
     say(f"train on it: effijax train --data {args.out}"
-        + (f" --from {args.init_from}" if args.init_from else "")
+        + (f" --from {args.model_from}" if args.model_from else "")
         + (f" --chat-template {args.chat_template}" if args.chat_template else ""))
     return 0

@@ -48,7 +48,7 @@ def add_parsers(sub) -> None:
       >>> from effijax.cli import build_parser
       >>> args = build_parser().parse_args(["eval", "--from", "smollm2", "qa.jsonl",
       ...                                   "--seq-len", "256"])
-      >>> args.init_from, args.data, args.seq_len, args.batch_size
+      >>> args.model_from, args.data, args.seq_len, args.batch_size
       ('smollm2', 'qa.jsonl', 256, 8)
     """
     p = sub.add_parser("eval", help="loss and perplexity of a model on a file", description=(
@@ -111,7 +111,7 @@ def _check(args) -> None:
     elif args.data is not None:
         raise ConfigError("data", args.data, "--tasks runs the tasks' own data: drop DATA, or "
                           "drop --tasks to evaluate on it")
-    _from.check_exists(args.init_from)
+    _from.check_exists(args.model_from)
 
 
 def _flag(field: str) -> str:
@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
         status("eval")("starting (importing JAX)")  # a terminal's first line, before seconds
         from effijax.recipe import evaluate_model
 
-        result = evaluate_model(args.init_from, args.data, seq_len=args.seq_len,
+        result = evaluate_model(args.model_from, args.data, seq_len=args.seq_len,
                                 batch_size=args.batch_size, data_format=args.data_format,
                                 max_batches=args.max_batches, precision=args.precision,
                                 chat_template=args.chat_template, say=status("eval"))
@@ -165,14 +165,14 @@ def _run_tasks(args: argparse.Namespace) -> int:
     say("reading the shipped tasks" if shipped else "reading lm-evaluation-harness's task index")
     manager = task_manager(include_defaults=not shipped)
     names = check_tasks(args.tasks, manager)
-    say(f"loading {args.init_from}")
+    say(f"loading {args.model_from}")
     from lm_eval.utils import handle_non_serializable, make_table
 
     from effijax.generate import load
     from effijax.harness import EffijaxLM, evaluate_tasks
     from effijax.recipe import scoring_precision
 
-    loaded = load(args.init_from)
+    loaded = load(args.model_from)
     decided = scoring_precision(args.precision, loaded)
     lm = EffijaxLM(loaded=loaded, batch_size=args.batch_size, max_length=args.seq_len,
                    precision=decided.precision)
@@ -180,10 +180,10 @@ def _run_tasks(args: argparse.Namespace) -> int:
     results = evaluate_tasks(lm, names, limit=args.limit, num_fewshot=args.num_fewshot,
                              apply_chat_template=args.chat, manager=manager)
     text = json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False)
-    if _is_run(args.init_from):
+    if _is_run(args.model_from):
         from effijax.atomic import write_text
 
-        path = write_text(Path(args.init_from) / "eval_tasks.json", text + "\n")
+        path = write_text(Path(args.model_from) / "eval_tasks.json", text + "\n")
         say(f"wrote {path}")
     if args.json:
         print(text, flush=True)

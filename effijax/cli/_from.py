@@ -3,7 +3,7 @@
 ``train``, ``eval``, ``generate``, ``memory`` and ``plan`` take ``--from SOURCE``, where the
 source is a run directory (``effijax train --out``), a ``.gguf`` file, a Hugging Face directory,
 or a bundled model (``smollm2``: SmolLM2-135M-Instruct; ``gemma3-270m``: Gemma 3 270M). It
-sets the config field ``init_from``, the name every run's ``config.json`` records.
+sets the config field ``model_from``, the name every run's ``config.json`` records.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from effijax.sources import BUNDLED, missing_source
 __all__ = ["FLAG", "DEST", "SOURCES", "add_flag", "check_exists", "names_a_source"]
 
 FLAG = "--from"
-DEST = "init_from"  # TrainConfig's field: one attribute name in every command's namespace
+DEST = "model_from"  # TrainConfig's field: one attribute name in every command's namespace
 SOURCES = ("a run directory (effijax train --out), a .gguf file, a Hugging Face directory, or "
            "a bundled model: smollm2 (SmolLM2-135M-Instruct) or gemma3-270m (Gemma 3 270M)")
 

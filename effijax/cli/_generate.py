@@ -175,7 +175,7 @@ def _check(args: argparse.Namespace) -> list[str]:
         raise ConfigError("--top-p", args.top_p, "must be in (0, 1]")
     if args.system is not None and not args.chat:
         raise ConfigError("--system", args.system, "only applies with --chat")
-    _from.check_exists(args.init_from)
+    _from.check_exists(args.model_from)
     return prompts
 
 
@@ -208,14 +208,14 @@ def run(args: argparse.Namespace) -> int:
     import time
 
     t0 = time.perf_counter()
-    _say(f"loading {args.init_from}")  # seconds for a real model (and JAX): say what it waits on
+    _say(f"loading {args.model_from}")  # seconds for a real model (and JAX): say what it waits on
     from effijax.generate import load
 
     settings = dict(chat=args.chat, system=args.system, max_new_tokens=args.max_new_tokens,
                     temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     streamed = args.stream and len(prompts) == 1
     try:
-        loaded = load(args.init_from)
+        loaded = load(args.model_from)
         load_s = time.perf_counter() - t0
         _say(f"loaded in {load_s:.1f} s; compiling the decoder for this prompt's length "
              "(once per length bucket), then generating")

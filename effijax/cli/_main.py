@@ -69,7 +69,7 @@ class _Program(_Parser):
     ``build_parser().parse_args(...)``).
 
     Example:
-      >>> build_parser().parse_args(["eval", "--from", "smollm2", "notes.txt"]).init_from
+      >>> build_parser().parse_args(["eval", "--from", "smollm2", "notes.txt"]).model_from
       'smollm2'
     """
 

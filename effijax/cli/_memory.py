@@ -452,7 +452,7 @@ def _architecture(args: argparse.Namespace):
       ConfigError: naming the flag: not a preset, a preset given as a source, or a source
         that cannot be read.
     """
-    source = args.init_from
+    source = args.model_from
     if source is not None and _from.names_a_source(source):
         _from.check_exists(source)  # a path that names nothing is said before JAX is imported
     if args.model is not None and _from.names_a_source(args.model):  # the same, before JAX
@@ -507,11 +507,11 @@ def _model_shape(args: argparse.Namespace, batch_name: str) -> dict:
     args.dropout = args.dropout and getattr(model, "dropout", 0) > 0
     if args.lora_rank is not None:
         args.lora_fraction = _adapter_count(model, args.lora_rank) / shape.num_params
-    args.model_name = getattr(model, "name", args.model or args.init_from)
+    args.model_name = getattr(model, "name", args.model or args.model_from)
     if args.attention is None:
         args.attention = getattr(model, "attention", "naive")
     args.frozen_bytes = _quantized_base_bytes(model, getattr(args, "frozen_dtype", "bf16"),
-                                              args.init_from, getattr(args, "precision", None))
+                                              args.model_from, getattr(args, "precision", None))
     # layers, hidden and heads travel in args with the shape flags they stand for.
     return {k: v for k, v in shape.activation_args().items()
             if k not in ("layers", "hidden", "heads")}

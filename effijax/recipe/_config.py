@@ -52,7 +52,7 @@ from effijax.recipe._sections import (
     lora_fields,
     sections_of,
 )
-from effijax.sources import MAX_CONFIG_BYTES
+from effijax.sources import MAX_CONFIG_BYTES, RENAMED_SETTINGS, current_names
 
 __all__ = ["TrainConfig", "PRECISIONS", "CLUSTERS", "WANDB_MODES", "PRECISION_ALIASES",
            "DEFAULT_MODEL", "RECORD_KEYS", "flag_of", "field_kind", "lora_fields"]
@@ -99,7 +99,7 @@ class TrainConfig:
     """The settings of one training run (see the module docstring).
 
     Example:
-      >>> cfg = TrainConfig(steps=50, lora_rank=4, init_from="runs/base")
+      >>> cfg = TrainConfig(steps=50, lora_rank=4, model_from="runs/base")
       >>> cfg.lr, cfg.lora_alpha, cfg.with_overrides(lr=1e-3).lr
       (0.003, 8.0, 0.001)
       >>> TrainConfig.from_dict({"step": 5})
@@ -116,13 +116,13 @@ class TrainConfig:
     model: str = _field(DEFAULT_MODEL, "model preset (tiny, mini, small, base); with --from, the "
                         "model is the one --from names", section="model")
     seq_len: int | None = _field(None, "sequence length (default: the model's)", section="model")
-    init_from: str | None = _field(None, "the model to start from (its architecture and "
-                                   "parameters): an earlier full (non-LoRA) run's directory "
-                                   "(its --out; its latest checkpoint), a .gguf file, a Hugging "
-                                   "Face directory (config.json + model*.safetensors), or a "
-                                   "bundled model: smollm2 (SmolLM2-135M-Instruct) or "
-                                   "gemma3-270m (Gemma 3 270M)",
-                                   flag="--from", metavar="SOURCE", section="model")
+    model_from: str | None = _field(None, "the model to start from (its architecture and "
+                                    "parameters): an earlier full (non-LoRA) run's directory "
+                                    "(its --out; its latest checkpoint), a .gguf file, a Hugging "
+                                    "Face directory (config.json + model*.safetensors), or a "
+                                    "bundled model: smollm2 (SmolLM2-135M-Instruct) or "
+                                    "gemma3-270m (Gemma 3 270M)",
+                                    flag="--from", metavar="SOURCE", section="model")
     unroll_layers: bool = _field(False, "unroll the loop over the model's layers instead of "
                                  "scanning it: the same arithmetic, a longer compile and more "
                                  "memory, no per-layer slicing of stacked buffers (measure "
@@ -360,7 +360,7 @@ class TrainConfig:
                                "fp32, bf16, fp16)",
                                choices=FROZEN_DTYPES, section="lora")
     lora_random_base: bool = _field(False, "train adapters on a randomly initialised base (for "
-                                    "experiments; LoRA normally adapts an init_from model)",
+                                    "experiments; LoRA normally adapts the model --from names)",
                                     flag="--lora-random-base", section="lora")
     export_hf: bool = _field(False, "at the end, also write OUT/hf: the model (LoRA adapters "
                              "merged into the base) as a Hugging Face directory that "
@@ -402,8 +402,8 @@ class TrainConfig:
         ``to_dict``, equality and ``dataclasses.replace`` see the flat fields alone).
 
         Example:
-          >>> s = TrainConfig(lora_rank=4, init_from="runs/base").sections
-          >>> s.lora.lora_rank, s.model.init_from, s.output.out
+          >>> s = TrainConfig(lora_rank=4, model_from="runs/base").sections
+          >>> s.lora.lora_rank, s.model.model_from, s.output.out
           (4, 'runs/base', 'runs/train')
         """
         return self._sections
@@ -456,7 +456,7 @@ class TrainConfig:
                                   f"dtype: choose one of {', '.join(REFERENCE_DTYPES)}, or "
                                   "train LoRA adapters (--lora-rank R) on a quantized base")
             return
-        if self.init_from is None and not self.lora_random_base:
+        if self.model_from is None and not self.lora_random_base:
             raise ConfigError("lora_rank", self.lora_rank, "LoRA adapts a trained model: give "
                               "--from SOURCE, or --lora-random-base to train adapters on "
                               "a random base on purpose")
@@ -577,11 +577,16 @@ class TrainConfig:
         """A config from a dict (a parsed TOML/JSON file); unknown keys are refused by name.
 
         A run's ``config.json`` loads as it is: its ``run`` and ``versions`` records are
-        ignored.
+        ignored, and a setting an earlier effijax wrote under another name
+        (:data:`~effijax.sources.RENAMED_SETTINGS`: ``init_from``) is read under its name now.
+
+        Example:
+          >>> TrainConfig.from_dict({"init_from": "runs/base", "lora_rank": 4}).model_from
+          'runs/base'
         """
         if not isinstance(values, dict):
             raise ConfigError("config", type(values).__name__, "expected a table of settings")
-        values = {k: v for k, v in values.items() if k not in RECORD_KEYS}
+        values = current_names({k: v for k, v in values.items() if k not in RECORD_KEYS})
         _check_keys(values)
         return cls(**values)
 
@@ -592,7 +597,7 @@ class TrainConfig:
         Example:
           >>> import tempfile, pathlib
           >>> p = pathlib.Path(tempfile.mkdtemp()) / "run.toml"
-          >>> _ = p.write_text('steps = 20\\nlora_rank = 4\\ninit_from = "runs/base"\\n')
+          >>> _ = p.write_text('steps = 20\\nlora_rank = 4\\nmodel_from = "runs/base"\\n')
           >>> TrainConfig.from_file(p).lora_rank
           4
         """
@@ -670,6 +675,10 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
 def _check_keys(values: dict) -> None:
     known = [f.name for f in dataclasses.fields(TrainConfig)]
     for key in values:
+        if key in RENAMED_SETTINGS:  # given with its name now too (a file), or in Python
+            raise ConfigError(key, values[key], f"is now {RENAMED_SETTINGS[key]}"
+                              + (f" (given too: {values[RENAMED_SETTINGS[key]]!r}); keep one"
+                                 if RENAMED_SETTINGS[key] in values else ""))
         if key not in known:
             close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
             hint = f"did you mean {close[0]!r}?" if close else f"settings are {', '.join(known)}"

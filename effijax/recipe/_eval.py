@@ -1,6 +1,6 @@
 """Loss and perplexity of a model on a file, with the masking training uses.
 
-The model is any ``init_from`` a run accepts (:mod:`effijax.sources`): ``smollm2``, a
+The model is any ``model_from`` a run accepts (:mod:`effijax.sources`): ``smollm2``, a
 GGUF file, a Hugging Face directory, or an earlier run's directory; a LoRA run evaluates its
 base with its adapters (``adapters.safetensors``, factored, not merged). The data is read
 whole, by the reader training reads it with (:func:`~effijax.sources.load_eval_data`): a text

@@ -37,16 +37,16 @@ __all__ = ["evaluate_end", "evaluate_start", "score_tasks", "with_start", "expor
 
 
 def evaluate_end(job, params, tokens, frozen=None, *, eval_batches: int,
-                 init_from: str | None = None, key: str = "eval_loss") -> dict:
+                 model_from: str | None = None, key: str = "eval_loss") -> dict:
     """``{key: loss}``: the mean loss of ``params`` over ``eval_batches`` validation batches
     of ``tokens`` (empty when ``eval_batches`` is 0), and at the end (``key`` ``eval_loss``)
     the objective's evaluation metrics as ``eval_<name>`` (DPO's ``eval_rewards/accuracies``,
-    ...); ``init_from``: the run's source, which makes the stage line print
+    ...); ``model_from``: the run's source, which makes the stage line print
     (:func:`effijax.recipe._report.stage`)."""
     if not eval_batches:
         return {}
     if key == "eval_loss":
-        _report.stage(init_from, f"evaluating the trained model on {eval_batches} "
+        _report.stage(model_from, f"evaluating the trained model on {eval_batches} "
                       "validation batches")
     found = _job.evaluate_metrics(job, params, tokens, num_batches=eval_batches, frozen=frozen)
     loss = found.pop("loss")
@@ -55,8 +55,8 @@ def evaluate_end(job, params, tokens, frozen=None, *, eval_batches: int,
 
 
 def evaluate_start(job, initial, tokens, record: dict | None = None, *, eval_batches: int,
-                   init_from: str | None = None) -> dict:
-    """``{"eval_loss_start": loss}`` of a fine-tune's starting parameters (``init_from`` or
+                   model_from: str | None = None) -> dict:
+    """``{"eval_loss_start": loss}`` of a fine-tune's starting parameters (``model_from`` or
     LoRA; printed) over ``eval_batches`` validation batches of ``tokens``, empty for a run
     from the seed. Call it before the loop donates the state.
 
@@ -66,16 +66,16 @@ def evaluate_start(job, initial, tokens, record: dict | None = None, *, eval_bat
     """
     if record is not None:
         return {k: record[k] for k in ("eval_loss_start",) if k in record}
-    if not (init_from or job.lora is not None):
+    if not (model_from or job.lora is not None):
         return {}
     if not eval_batches:  # a fine-tune is judged by its validation loss: say it has none
         _report.note("--eval-batches 0: no validation loss before or after training (the "
                      "summary and the done line will have none)")
         return {}
-    _report.stage(init_from, f"evaluating the starting model on {eval_batches} "
+    _report.stage(model_from, f"evaluating the starting model on {eval_batches} "
                   "validation batches")
     before = evaluate_end(job, initial.state.params, tokens, initial.frozen,
-                          eval_batches=eval_batches, init_from=init_from, key="eval_loss_start")
+                          eval_batches=eval_batches, model_from=model_from, key="eval_loss_start")
     if before:
         _report.eval_start(before["eval_loss_start"])
     return before
@@ -94,7 +94,7 @@ def with_start(config_json: dict, before: dict) -> dict:
 
 
 def score_tasks(job, params, frozen=None, *, tasks, limit: int | None = None,
-                precision: str = "fp32", manager=None, init_from: str | None = None) -> dict:
+                precision: str = "fp32", manager=None, model_from: str | None = None) -> dict:
     """``{"eval_tasks/<task>/<metric>": score}``: harness ``tasks`` run on ``params`` (the
     trained ones, or the live ones between two steps) as they are on the run's mesh (a LoRA
     run's adapters on its ``frozen`` base; a quantized base, QLoRA's, dequantized for it), the
@@ -106,19 +106,19 @@ def score_tasks(job, params, frozen=None, *, tasks, limit: int | None = None,
     from effijax.harness import evaluate_weights
 
     names = tasks if isinstance(tasks, str) else ",".join(tasks)
-    _report.stage(init_from, f"evaluating the model on {names}"
+    _report.stage(model_from, f"evaluating the model on {names}"
                   + ("" if limit is None else f" (the first {limit} documents of each)"))
     weights = params if job.lora is None else {"base": dequantize_kernels(frozen),
                                                "adapters": params}
     return evaluate_weights(job.model, weights, tasks, lora=job.lora, limit=limit,
                             batch_size=job.batch_size, precision=precision, mesh=job.mesh,
-                            manager=manager, source=init_from or job.model.name)
+                            manager=manager, source=model_from or job.model.name)
 
 
 def export(output: OutputSection, training: TrainingSection, job, params, frozen=None, *,
-           init_from: str | None = None) -> dict:
+           model_from: str | None = None) -> dict:
     """The files the run exports into ``output.out``: ``adapters`` (a LoRA run's
-    ``adapters.safetensors`` and ``peft/``, naming ``init_from`` as their base), ``hf``
+    ``adapters.safetensors`` and ``peft/``, naming ``model_from`` as their base), ``hf``
     (``training.export_hf``) and ``gguf`` (``training.export_gguf``); their summary entries.
 
     Raises:
@@ -131,7 +131,7 @@ def export(output: OutputSection, training: TrainingSection, job, params, frozen
     with write_errors(output.out):
         if job.lora is not None:
             files["adapters"] = _export_adapters(params, job, paths,
-                                                 base_model=init_from or job.model.name)
+                                                 base_model=model_from or job.model.name)
         if training.export_hf:
             _report.writing(paths["hf"], "the trained model as a Hugging Face directory")
             files["hf"] = _export_hf(params, frozen, job, paths["hf"])

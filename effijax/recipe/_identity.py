@@ -32,7 +32,7 @@ __all__ = ["IDENTITY", "CHANGEABLE", "LEGACY", "NOT_RECORDED", "OBJECTIVE_SETTIN
 
 # What a resume must repeat, with where it is read from in a config.json-shaped dict.
 IDENTITY = ("data", "tokenizer", "seed", "batch_size", "seq_len", "model", "precision",
-            "loss_scale", "optimizer", "accumulate", "lora", "init_from", "weights", "objective")
+            "loss_scale", "optimizer", "accumulate", "lora", "model_from", "weights", "objective")
 # What may change on resume when named in allow_changes.
 CHANGEABLE = ("lr", "steps", "warmup", "weight_decay", "clip", "schedule", "lr_end",
               "decay_fraction", "b1", "b2", "eps", "momentum", "no_decay")
@@ -100,7 +100,7 @@ def identity(run_json: dict) -> dict[str, Any]:
         "optimizer": run_json.get("optimizer", LEGACY["optimizer"]),
         "accumulate": run_json.get("accumulate"),
         "lora": lora,
-        "init_from": compared_origin(record.get("init_from_checkpoint")),
+        "model_from": compared_origin(record.get("init_from_checkpoint")),
         "weights": _recorded(record, "weights"),
         "objective": _objective(run_json),
     }
@@ -137,16 +137,16 @@ def differences(saved: dict, new: dict) -> dict[str, tuple[Any, Any]]:
         if name == "weights":  # whole: which files were read, and each one's digest
             if isinstance(a[name], dict) and isinstance(b[name], dict):
                 out[name] = (a[name], b[name])
-            # else one run started from no pretrained model: init_from says so
+            # else one run started from no pretrained model: model_from says so
         elif isinstance(a[name], dict) and isinstance(b[name], dict):
             keys = sorted(set(a[name]) | set(b[name]))
             out[name] = ({k: a[name].get(k) for k in keys if a[name].get(k) != b[name].get(k)},
                          {k: b[name].get(k) for k in keys if a[name].get(k) != b[name].get(k)})
         else:
             out[name] = (a[name], b[name])
-    if "weights" in out and "init_from" in out and all(
-            isinstance(o, dict) and set(o) == {"sha256"} for o in out["init_from"]):
-        del out["init_from"]  # the digest of all the files, which "weights" says file by file
+    if "weights" in out and "model_from" in out and all(
+            isinstance(o, dict) and set(o) == {"sha256"} for o in out["model_from"]):
+        del out["model_from"]  # the digest of all the files, which "weights" says file by file
     for name in CHANGEABLE:
         old, now = saved.get(name, LEGACY.get(name)), new.get(name, LEGACY.get(name))
         if old != now:
@@ -224,8 +224,8 @@ with the original settings, or start a new run with another --out
         why = ("must match the checkpointed run" if name in IDENTITY else
                "follows --steps: accepted with it" if name == "warmup" and follows else
                f"add --allow-changes {flags} to accept" if name not in allow else "allowed")
-        if name == "init_from":  # what the run started from: its own phrasing
-            parts.append(f"init_from: this run continues a run that started from {_show(old)}, "
+        if name == "model_from":  # what the run started from: its own phrasing
+            parts.append(f"model_from: this run continues a run that started from {_show(old)}, "
                          f"not from {_show(now)}")
             continue
         if name == "tokenizer":

@@ -1,7 +1,7 @@
 """The optimizer a :class:`~effijax.recipe.TrainConfig`'s sections choose.
 
 One function, below everything that builds a state from a config: the run's own plan and the
-abstract state of an ``init_from`` run's checkpoints both call it.
+abstract state of an ``model_from`` run's checkpoints both call it.
 """
 
 from __future__ import annotations

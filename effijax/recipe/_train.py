@@ -2,7 +2,7 @@
 
 Every stage of a run is one call in :func:`train`: start (processes, devices, mesh) → source →
 model → data → optimizer → plan (abstract state, shardings, step) → run directory (lock,
-resume) → state (fresh, ``init_from``, or resumed) → compile → loop → evaluate → export →
+resume) → state (fresh, ``model_from``, or resumed) → compile → loop → evaluate → export →
 summary. The CLI, the experiments and the notebooks all train through it; each stage is a
 small function with a typed input and output (its own module when it is more than a few
 lines), so a stage can also be called on its own.
@@ -111,16 +111,16 @@ def train(config: TrainConfig, *, argv: list[str] | None = None) -> TrainResult:
             raise ConfigError("eval_tasks", config.eval_tasks, "harness tasks are evaluated in "
                               "one process for now; drop --eval-tasks and run effijax eval "
                               "--tasks on the run directory afterwards")
-        if config.init_from:
-            _report.reading(config.init_from)
-        source = _sources.read_source(config.init_from, config.seq_len,
+        if config.model_from:
+            _report.reading(config.model_from)
+        source = _sources.read_source(config.model_from, config.seq_len,
                                       keep_blocks=config.frozen_dtype == "gguf") \
-            if config.init_from else None
+            if config.model_from else None
         model = model_for(s.model, s.data, s.training, source)
         precision = decide_precision(s.precision, s.output, model)
         config = config.resolved(precision.precision, **placement(s.parallel, mesh))
         s = config.sections  # every auto decided
-        _report.stage(config.init_from,
+        _report.stage(config.model_from,
                       f"reading the data ({config.data or 'the standard library'})")
         data = load_data(s.data, model, objective=config.objective,
                          settings=s.objective.settings)
@@ -147,7 +147,7 @@ def train(config: TrainConfig, *, argv: list[str] | None = None) -> TrainResult:
                 data = job.objective.prepare(job, data, params=initial.state.params,
                                              frozen=initial.frozen, out=config.out,
                                              resumed=run.resume_step is not None)
-            _report.stage(config.init_from, "compiling the training step")
+            _report.stage(config.model_from, "compiling the training step")
             compiled = compile_run(job, initial, source, data, precision.reason, model=s.model,
                                    precision=s.precision, training=s.training,
                                    parallel=s.parallel, output=s.output)
@@ -159,13 +159,13 @@ def train(config: TrainConfig, *, argv: list[str] | None = None) -> TrainResult:
                 resumed = run.resume_step is not None
                 before = _finish.evaluate_start(  # before the loop donates the state
                     job, initial, data.val, run.config_json["run"] if resumed else None,
-                    eval_batches=evaluated, init_from=config.init_from) if evaluated else {}
+                    eval_batches=evaluated, model_from=config.model_from) if evaluated else {}
                 run.dir.begin(_finish.with_start(run.config_json, before), append=resumed)
                 score_tasks = None if tasks is None else (  # params -> {name: score}
                     lambda params: _finish.score_tasks(
                         job, params, initial.frozen, tasks=tasks[0],
                         limit=config.eval_tasks_limit, precision=config.precision,
-                        manager=tasks[1], init_from=config.init_from))
+                        manager=tasks[1], model_from=config.model_from))
                 trained = loop(s.output, job, run, compiled, initial, data.train, watch,
                                steps=config.steps, prefetch=config.prefetch,
                                max_non_finite=config.max_non_finite, evaluate=score_tasks,
@@ -176,19 +176,19 @@ def train(config: TrainConfig, *, argv: list[str] | None = None) -> TrainResult:
                     return TrainResult(config.out, trained.summary, "stopped", config)
                 evaluation = _finish.evaluate_end(
                     job, trained.state.params, data.val, initial.frozen,
-                    eval_batches=evaluated, init_from=config.init_from)
+                    eval_batches=evaluated, model_from=config.model_from)
                 scores = {} if score_tasks is None else score_tasks(trained.state.params)
                 if scores:  # a record of the last step in task_scores.jsonl, and the sinks'
                     records_log(run.dir, trained.summary["steps"], TASK_SCORES)(
                         {"step": trained.summary["steps"], **scores})
                     watch.sinks.values(trained.summary["steps"], scores)
                 exports = _finish.export(s.output, s.training, job, trained.state.params,
-                                         initial.frozen, init_from=config.init_from)
+                                         initial.frozen, model_from=config.model_from)
                 summary = _finish.summarize(job, compiled, trained.summary, config.out,
                                             {**before, **evaluation, **scores, **exports})
                 watch.finish(summary)
                 run.dir.finish(summary, title=_report.title(
-                    job, precision=config.precision, init_from=config.init_from))
+                    job, precision=config.precision, model_from=config.model_from))
                 _report.done(config.out, summary)
                 return TrainResult(config.out, summary, "done", config)
     finally:
@@ -370,11 +370,11 @@ def compile_run(job, initial: Initial, source, data: Dataset, why: str = "", *,
     """Compiles the step (a :class:`~effijax.recipe.CompiledStep`), checks its memory against
     every process' devices (``parallel.device_memory``, for ``training.steps``) and prints the
     start-up lines (``why``: how ``auto`` decided the precision, as :func:`decide_precision`
-    says; ``model.init_from``: the source named)."""
+    says; ``model.model_from``: the source named)."""
     compiled = _job.compile_job(job)
     _resume.agree(check_compiled_memory, compiled.memory, job, parallel.device_memory,
                   training.steps)
     _report.print_start(job, compiled, source, initial.frozen, initial.state,
                         precision=precision.precision, strategy=parallel.strategy,
-                        out=output.out, init_from=model.init_from, data=data.note, why=why)
+                        out=output.out, model_from=model.model_from, data=data.note, why=why)
     return compiled

@@ -29,6 +29,7 @@ from effijax._lazy import attach
 # effijax/_lazy.py): the CLI's flag checks read BUNDLED without importing JAX.
 __getattr__, __dir__, __all__ = attach(__name__, {
     "effijax.sources._models": ("Bundled", "BUNDLED", "MAX_CONFIG_BYTES", "ModelSource",
+        "RENAMED_SETTINGS", "current_names",
         "architecture", "bundled_path", "cache_root", "check_run_dir", "check_template_file",
         "is_pretrained",
         "missing_source", "read_pretrained", "tokenizer_with_template", "with_chat_template"),

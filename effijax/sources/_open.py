@@ -43,6 +43,7 @@ from effijax.sources._models import (
     MAX_CONFIG_BYTES,
     bundled_path,
     check_run_dir,
+    current_names,
     is_pretrained,
     missing_source,
     read_pretrained,
@@ -82,7 +83,9 @@ def _run_values(path: Path) -> dict | None:
     if not config.is_file():
         return None
     values = read_json(config, limit=MAX_CONFIG_BYTES)  # a FIFO or a huge file: refused
-    return values if isinstance(values, dict) and isinstance(values.get("run"), dict) else None
+    if not isinstance(values, dict) or not isinstance(values.get("run"), dict):
+        return None
+    return current_names(values)
 
 
 def _origin(values: dict) -> dict | None:
@@ -210,8 +213,8 @@ def _base(path: Path, values: dict) -> Opened:
     """
     origin = _origin(values)
     file = Path(origin["path"])
-    if not file.exists() and values.get("init_from") in BUNDLED:
-        file = Path(bundled_path(values["init_from"]))
+    if not file.exists() and values.get("model_from") in BUNDLED:
+        file = Path(bundled_path(values["model_from"]))
     if not file.exists():
         raise ConfigError("model_from", str(path), f"its base {file} is gone; "
                           + _fix(path, values, file))
@@ -252,8 +255,8 @@ def _load_path(path: Path, step: int | None = None, keep_blocks: bool = False) -
             return _lora_run(path, values)
         return _full_run(path, values, step)
     if not is_pretrained(path):
-        check_run_dir(str(path), "init_from")  # what it is not, said as --from says it
-        raise ConfigError("init_from", str(path), "its config.json is not an effijax run's; "
+        check_run_dir(str(path), "model_from")  # what it is not, said as --from says it
+        raise ConfigError("model_from", str(path), "its config.json is not an effijax run's; "
                           "pass the out directory of an earlier effijax train run")
     source = read_pretrained(path, str(path), None, keep_blocks=keep_blocks)
     return Opened(source.model, source.params, None, source.model.tokenizer, source.path)

@@ -108,8 +108,8 @@ def work_dir(out: str | os.PathLike) -> Path:
     return out.with_name(f".{out.name}.prepare")
 
 
-def prepare_tokenizer(init_from: str | None):
-    """The tokenizer of the model ``init_from`` names (a bundled name, a ``.gguf`` file, a
+def prepare_tokenizer(model_from: str | None):
+    """The tokenizer of the model ``model_from`` names (a bundled name, a ``.gguf`` file, a
     Hugging Face folder), as training from it tokenizes; None (bytes) for None.
 
     Raises:
@@ -119,17 +119,17 @@ def prepare_tokenizer(init_from: str | None):
       >>> prepare_tokenizer(None) is None
       True
     """
-    if init_from is None:
+    if model_from is None:
         return None
     from effijax.interop import load_tokenizer
 
-    path = bundled_path(init_from) if init_from in BUNDLED else init_from
+    path = bundled_path(model_from) if model_from in BUNDLED else model_from
     if not Path(path).exists():
-        raise missing_source("from", init_from)
+        raise missing_source("from", model_from)
     try:
         return load_tokenizer(path)
     except ConfigError as e:
-        raise e.within("from", init_from) from None
+        raise e.within("from", model_from) from None
 
 
 def _file_sha256(path: Path) -> str:
