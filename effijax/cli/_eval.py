@@ -34,6 +34,7 @@ import sys
 from pathlib import Path
 
 from effijax.cli import _from
+from effijax.cli._importing import import_models
 from effijax.cli._status import status
 from effijax.errors import NO_VALUE, ConfigError, whole_number
 from effijax.recipe import TrainConfig
@@ -131,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
         if args.tasks is not None:
             return _run_tasks(args)
         status("eval")("starting (importing JAX)")  # a terminal's first line, before seconds
+        import_models()
         from effijax.recipe import evaluate_model
 
         result = evaluate_model(args.model_from, args.data, seq_len=args.seq_len,

@@ -23,6 +23,7 @@ import math
 import sys
 
 from effijax.cli import _from
+from effijax.cli._importing import import_models
 from effijax.cli._status import status
 from effijax.data import bounded_lines, regular_path
 from effijax.errors import ConfigError, whole_number
@@ -209,6 +210,7 @@ def run(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     _say(f"loading {args.model_from}")  # seconds for a real model (and JAX): say what it waits on
+    import_models()
     from effijax.generate import load
 
     settings = dict(chat=args.chat, system=args.system, max_new_tokens=args.max_new_tokens,

@@ -119,30 +119,6 @@ def _unknown_flags_error(parser: argparse.ArgumentParser, argv: list[str], extra
     command.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
 
 
-def _import_models_outside_ipython() -> None:
-    """Imports :mod:`effijax.models` (every run needs it) with IPython hidden from flax.
-
-    On import, ``flax.nnx`` asks IPython whether it runs inside a notebook, to colour its
-    reprs; where IPython is installed (Jupyter, the test extras), importing it to learn that
-    costs 0.3-0.6 s of every run's start on 2 cores. The ``effijax`` program is never inside
-    IPython, so flax is told at once: ``import IPython`` fails while the models are imported,
-    and IPython stays importable afterwards.
-
-    Example:
-      >>> import sys
-      >>> _import_models_outside_ipython()
-      >>> sys.modules.get("IPython", "importable") is not None
-      True
-    """
-    if "IPython" in sys.modules or "flax.nnx" in sys.modules:
-        return
-    sys.modules["IPython"] = None  # ``import IPython`` raises ImportError
-    try:
-        import effijax.models  # noqa: F401
-    finally:
-        del sys.modules["IPython"]
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``effijax`` console script; returns the exit code.
 
@@ -161,8 +137,6 @@ def main(argv: list[str] | None = None) -> int:
         if command in _hugepages.COMMANDS:
             _hugepages.reexec_with_hugepages()  # returns only where it does not re-execute
         _interrupt.install(command)
-        if command in _hugepages.COMMANDS:
-            _import_models_outside_ipython()
     parser = build_parser()
     argv = list(argv)
     args, extras = parser.parse_known_args(argv)

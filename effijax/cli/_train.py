@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 from effijax.cli import _interrupt
+from effijax.cli._importing import import_models
 from effijax.cli._status import status
 from effijax.errors import ConfigError
 from effijax.recipe import OutputSection, TrainConfig, field_kind, flag_of, summary_step
@@ -133,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
         return _error(e)
     _interrupt.describe(lambda: _interrupted(config.sections.output, config.steps))
     status("train")("starting (importing JAX)")  # a terminal's first line, before seconds
+    import_models()
     from effijax.checkpoint import rest_of_stderr_to
     from effijax.errors import SaveError, WriteError
     from effijax.recipe import train
