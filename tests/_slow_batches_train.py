@@ -2,10 +2,10 @@
 until the process gets SIGTERM or SIGINT.
 
 Runs the real command line in this process; the only changes are a wait before the recipe's
-batch builder (the ``sft`` objective's ``batch``, :func:`effijax.data.batch_at`) builds each
-batch, as a slow data pipeline
-would, and a note in the run's stop handler (``effijax.run.StopFlag._handle``, which it then
-calls) that ends the waits. A test that signals a run and needs it to be still training some
+batch builder (each objective's ``batch``: :func:`effijax.data.batch_at` for ``sft``, the
+preference objectives' pairs) builds each batch, as a slow data pipeline would, and a note in
+the run's stop handler (``effijax.run.StopFlag._handle``, which it then calls) that ends the
+waits. A test that signals a run and needs it to be still training some
 seconds later (Open MPI's mpirun forwards SIGTERM to its ranks only after a grace period) holds
 a short run open this way instead of running hundreds of steps; once the signal arrives the run
 goes at full speed to the step boundary where the processes agree to stop (polled every few
@@ -20,17 +20,19 @@ from effijax import run
 from effijax.cli import main
 from effijax.recipe import _objectives
 
-_real_batch_at = _objectives.OBJECTIVES["sft"].batch
 _real_handle = run.StopFlag._handle
 _DELAY_S = float(os.environ.get("EFFIJAX_TEST_BATCH_DELAY_S", "0"))
 _signalled = []  # appended to by the handler: no lock (it runs between bytecodes)
 
 
-def _slow(tokens, **kwargs):
-    deadline = time.monotonic() + _DELAY_S
-    while not _signalled and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return _real_batch_at(tokens, **kwargs)
+def _slowed(batch):
+    def slow(tokens, **kwargs):
+        deadline = time.monotonic() + _DELAY_S
+        while not _signalled and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return batch(tokens, **kwargs)
+
+    return slow
 
 
 def _handle(self, signum, frame):
@@ -38,7 +40,9 @@ def _handle(self, signum, frame):
     _real_handle(self, signum, frame)
 
 
-_objectives.OBJECTIVES["sft"] = _objectives.OBJECTIVES["sft"]._replace(batch=_slow)
+for _name, _objective in list(_objectives.OBJECTIVES.items()):
+    if _objective.batch is not None:  # not GRPO's: it samples its batches
+        _objectives.OBJECTIVES[_name] = _objective._replace(batch=_slowed(_objective.batch))
 run.StopFlag._handle = _handle
 
 if __name__ == "__main__":

@@ -189,12 +189,12 @@ def _read_reference(path: Path, data) -> dict:
     return found
 
 
-def _configure(settings: dict) -> Objective:
-    """DPO as its settings make it: with ``precompute_reference``, no reference held and its
-    log-probabilities a row value that :func:`_prepare` fills."""
+def _configure(dpo: Objective, settings: dict) -> Objective:
+    """``dpo`` as its settings make it: with ``precompute_reference``, no reference held and
+    its log-probabilities a row value that :func:`_prepare` fills."""
     if not settings.get("precompute_reference"):
-        return DPO
-    return DPO._replace(reference=False, row_values=(REFERENCE_LOGPS,), configure=None,
+        return dpo
+    return dpo._replace(reference=False, row_values=(REFERENCE_LOGPS,), configure=None,
                         prepare=functools.partial(_prepare, settings))
 
 

@@ -420,11 +420,11 @@ def _needs_reference(settings: dict) -> bool:
     return _sections.holds_reference("grpo", settings.get("beta"))
 
 
-def _configure(settings: dict) -> Objective:
+def _configure(grpo: Objective, settings: dict) -> Objective:
     """With ``num_iterations > 1``, batches that carry the sampling pass's ``old_logps``."""
     if settings.get("num_iterations", 1) > 1:
-        return GRPO._replace(token_values=("old_logps",))
-    return GRPO
+        return grpo._replace(token_values=("old_logps",))
+    return grpo
 
 
 GRPO = Objective("grpo", _grpo_loss, eval_batches=None, load=load_prompts, metric=None,

@@ -85,9 +85,11 @@ class Objective(NamedTuple):
       data_settings: ``data_settings(dataset) -> dict``: settings of its loss that its data
         decides, added to the user's (the pair losses' ``window``: the longest span of a row's
         trained positions, all the head needs to score); None: none.
-      configure: ``configure(settings) -> Objective``: the objective as these settings make it,
-        which :func:`~effijax.recipe.plan_job` plans with (DPO with ``precompute_reference``:
-        no reference held, its log-probabilities a row value of the batches); None: itself.
+      configure: ``configure(objective, settings) -> Objective``: ``objective`` (this one) as
+        these settings make it, which :func:`~effijax.recipe.plan_job` plans with (DPO with
+        ``precompute_reference``: no reference held, its log-probabilities a row value of the
+        batches), built from the objective it is given (so that a registry entry's own
+        replacements, e.g. a test's slower batches, carry over); None: itself.
       prepare: ``prepare(job, data, *, params, frozen, out, resumed) -> Dataset``: what the
         run does to its data once, before its first step, with the job's starting ``params``
         and ``frozen`` tree (DPO with ``precompute_reference``: the reference's log-probability
@@ -124,7 +126,7 @@ class Objective(NamedTuple):
           >>> SFT.configured({}) is SFT
           True
         """
-        return self if self.configure is None else self.configure(dict(settings or {}))
+        return self if self.configure is None else self.configure(self, dict(settings or {}))
 
     def needs_reference(self, settings: dict | None = None) -> bool:
         """Whether a full fine-tune with these settings holds a reference copy."""
