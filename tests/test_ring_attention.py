@@ -251,8 +251,9 @@ def test_llama_on_context_meshes_matches_a_plain_fsdp_mesh(monkeypatch):
     # A tiny Llama's packed batch: loss and gradients with the sequence split over the context
     # axis (the trunk in the load-balanced order, the attention as ring attention, the
     # activations split along the sequence) equal those of the same batch on a plain fsdp=2
-    # mesh; with context=2 x tensor=4 the parameters are split Megatron's way and the
-    # residual stream over (context, tensor).
+    # mesh, on fsdp=2 x context=4 and on context=8 (chunks of 4 positions); with context=2 x
+    # tensor=4 the parameters are split Megatron's way and the residual stream over (context,
+    # tensor).
     import effijax.models._decoder as decoder
 
     balanced = []  # the degrees the trunk permuted its tokens for, one per trace
@@ -277,6 +278,7 @@ def test_llama_on_context_meshes_matches_a_plain_fsdp_mesh(monkeypatch):
     plain_text, (ref_loss, ref_grads) = run(make_mesh(fsdp=2, devices=jax.devices()[:2]))
     assert "collective_permute" not in plain_text and balanced == []
     for axes, split in [(dict(fsdp=2, context=4), '[{"data", "fsdp"}, {"context"}, {}]'),
+                        (dict(fsdp=1, context=8), '[{"data", "fsdp"}, {"context"}, {}]'),
                         (dict(fsdp=1, context=2, tensor=4),
                          '[{"data", "fsdp"}, {"context", "tensor"}, {}]')]:
         balanced.clear()
