@@ -78,7 +78,7 @@ import tempfile
 import threading
 import time
 
-from torch_workers import torch_environ, transformers_smollm2
+from torch_workers import clock, elapsed, held_steps, torch_environ, transformers_smollm2
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BATCH_SIZE, SEQ_LEN = 8, 64  # rows (4 pairs) of 64 positions: docs/preference.md's example
@@ -101,45 +101,6 @@ def write_pairs(path: pathlib.Path) -> int:
                                     "chosen": f"{a} + {b} = {a + b}.",
                                     "rejected": f"{a} + {b} = {a + b + 1}."}) + "\n")
     return 200
-
-
-# CPU time: the machine's and a process' ----------------------------------------------------
-
-def _busy_s() -> float:
-    """The machine's busy CPU seconds so far: /proc/stat's time of every core but idle and I/O
-    wait (steal included); 0 where it cannot be read."""
-    try:
-        with open("/proc/stat") as f:
-            ticks = [int(x) for x in f.readline().split()[1:9]]
-        return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return 0.0
-
-
-def _process_cpu_s(pid: int | None = None) -> float:
-    """A process' CPU seconds so far, all its threads (this one's: ``time.process_time``)."""
-    if pid is None:
-        return time.process_time()
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return 0.0
-
-
-def _clock(pid: int | None = None) -> tuple[float, float, float]:
-    """``(wall, the process' CPU, the machine's busy CPU)`` seconds now."""
-    return time.perf_counter(), _process_cpu_s(pid), _busy_s()
-
-
-def _elapsed(start: tuple[float, float, float], pid: int | None = None) -> dict:
-    """Since ``start`` (:func:`_clock`): ``s`` (wall), ``cpu_s`` (the process' CPU, all its
-    threads) and ``others`` (the share of the machine's cores that other processes kept busy
-    meanwhile: 0 on a quiet machine, 1 when they took every core the whole time)."""
-    wall, cpu, busy = (b - a for a, b in zip(start, _clock(pid), strict=True))
-    others = max(0.0, busy - cpu) / (wall * (os.cpu_count() or 1)) if wall > 0 else 0.0
-    return {"s": wall, "cpu_s": cpu, "others": min(1.0, others)}
 
 
 def _confine(threads: int):
@@ -218,11 +179,11 @@ class _EffijaxRun:
         for _ in range(settle):  # the first: the step the pause cut in two
             self._next_record()
         done = []
-        start = _clock(self.proc.pid)
+        start = clock(self.proc.pid)
         for _ in range(steps):
             record = self._next_record()
-            load = _elapsed(start, self.proc.pid)
-            start = _clock(self.proc.pid)
+            load = elapsed(start, self.proc.pid)
+            start = clock(self.proc.pid)
             done.append({**load, "s": record["step_time_s"], "loss": record["loss"]})
         os.kill(self.proc.pid, signal.SIGSTOP)
         return done
@@ -263,29 +224,15 @@ def _serve_trl(args) -> None:
     lora = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(TARGETS),
                            lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
 
-    class Turns(transformers.TrainerCallback):
-        """Holds each step at its start until its request; replies once it is logged."""
-
-        def __init__(self):
-            self.first, self.info = True, {}
-
-        def on_step_begin(self, targs, state, control, **kwargs):
-            if self.first:
-                self.info["setup_s"] = time.perf_counter() - t0
-            elif not sys.stdin.readline():
-                sys.stdout.flush()
-                os._exit(0)  # the coordinator is done: no further step
-            self.start = _clock()
-
-        def on_step_end(self, targs, state, control, **kwargs):
-            self.elapsed = _elapsed(self.start)
+    class Turns(held_steps(transformers, t0)):
+        """Each step held at its start until its request; replies once it is logged."""
 
         def on_log(self, targs, state, control, logs=None, **kwargs):
             if logs and "loss" in logs:
                 if self.first:
                     self.first = False
-                    _reply({**self.info, "loss": logs["loss"], "first_s": self.elapsed["s"],
-                            "pair_tokens": self.pair_tokens})
+                    _reply({"setup_s": self.setup_s, "loss": logs["loss"],
+                            "first_s": self.elapsed["s"], "pair_tokens": self.pair_tokens})
                 else:
                     _reply({"loss": logs["loss"], **self.elapsed})
 

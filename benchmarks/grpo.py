@@ -62,8 +62,8 @@ import sys
 import tempfile
 import time
 
-from dpo import _clock, _confine, _elapsed, _environ, _versions, spread
-from torch_workers import transformers_smollm2
+from dpo import _confine, _environ, _versions, spread
+from torch_workers import clock, elapsed, held_steps, transformers_smollm2
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BATCH_SIZE, GENERATIONS, COMPLETION = 8, 4, 32  # completions a step, per prompt, tokens
@@ -169,18 +169,18 @@ def _serve_effijax(args) -> None:
     width = args.max_completion_length
 
     def one(step_no: int) -> dict:
-        start = _clock()
+        start = clock()
         batch = batches(step_no)
         jax.block_until_ready(batch["inputs"])
-        rollout = _elapsed(start)
+        rollout = elapsed(start)
         metrics = batch.pop(ROLLOUT_METRICS)
         mask, segments = np.asarray(batch["mask"]), np.asarray(batch["segments"])
         completion = int(mask.sum())
         trained = int(segments.sum()) - mask.shape[0] * width + completion  # no padding
-        start = _clock()
+        start = clock()
         state[0], out = step(state[0], batch)
         loss = float(out["loss"])  # waits for the step
-        train = _elapsed(start)
+        train = elapsed(start)
         return {"rollout_s": rollout["s"], "train_s": train["s"],
                 "s": rollout["s"] + train["s"], "cpu_s": rollout["cpu_s"] + train["cpu_s"],
                 "others": max(rollout["others"], train["others"]), "loss": loss,
@@ -220,22 +220,12 @@ def _serve_trl(args) -> None:
     lora = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(TARGETS),
                            lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
 
-    class Turns(transformers.TrainerCallback):
-        """Holds each step at its start until its request; replies once it has run."""
+    class Turns(held_steps(transformers, t0)):
+        """Each step held at its start until its request; replies once it has run, with its
+        rollout's time and tokens."""
 
         def __init__(self):
-            self.first, self.rollout, self.counts = True, None, {}
-
-        def on_step_begin(self, targs, state, control, **kwargs):
-            if self.first:
-                self.setup_s = time.perf_counter() - t0
-            elif not sys.stdin.readline():
-                sys.stdout.flush()
-                os._exit(0)  # the coordinator is done: no further step
-            self.start = _clock()
-
-        def on_step_end(self, targs, state, control, **kwargs):
-            self.elapsed = _elapsed(self.start)
+            self.rollout, self.counts = None, {}
 
         def on_log(self, targs, state, control, logs=None, **kwargs):
             if not logs or "loss" not in logs:
@@ -267,9 +257,9 @@ def _serve_trl(args) -> None:
     rollout = trainer._generate_and_score_completions
 
     def timed(inputs):
-        start = _clock()
+        start = clock()
         out = rollout(inputs)
-        turns.rollout = _elapsed(start)
+        turns.rollout = elapsed(start)
         completion = int(out["completion_mask"].sum())
         turns.counts = {"completion_tokens": completion,
                         "trained_tokens": int(out["prompt_mask"].sum()) + completion}

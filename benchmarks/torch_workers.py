@@ -1,13 +1,17 @@
 """What the benchmarks' reference workers (``torch``, ``transformers``, TRL, lm_eval's ``hf``
-model) share: the bundled SmolLM2 file, their environment and their model. Imports neither JAX
-nor effijax's models, so a torch worker stays a torch process (``benchmarks/harness.py``
-imports JAX: its parent-side helpers are not for workers)."""
+model) share: the bundled SmolLM2 file, their environment and their model; the clock of a
+step's wall and CPU time (:func:`clock`, :func:`elapsed`, which the coordinators time effijax's
+workers with too), and the callback that holds a TRL trainer's steps until they are asked for
+(:func:`held_steps`). Imports neither JAX nor effijax's models, so a torch worker stays a torch
+process (``benchmarks/harness.py`` imports JAX: its parent-side helpers are not for workers)."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import pathlib
 import sys
+import time
 
 
 def smollm2_gguf() -> pathlib.Path:
@@ -61,3 +65,65 @@ def transformers_smollm2(transformers, torch, threads: int):
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.remove_quantization_config(model)
     return tokenizer, model
+
+
+def _busy_s() -> float:
+    """The machine's busy CPU seconds so far: /proc/stat's time of every core but idle and I/O
+    wait (steal included); 0 where it cannot be read."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:9]]
+        return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def _process_cpu_s(pid: int | None = None) -> float:
+    """A process' CPU seconds so far, all its threads (this one's: ``time.process_time``)."""
+    if pid is None:
+        return time.process_time()
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def clock(pid: int | None = None) -> tuple[float, float, float]:
+    """``(wall, the process' CPU, the machine's busy CPU)`` seconds now."""
+    return time.perf_counter(), _process_cpu_s(pid), _busy_s()
+
+
+def elapsed(start: tuple[float, float, float], pid: int | None = None) -> dict:
+    """Since ``start`` (:func:`clock`): ``s`` (wall), ``cpu_s`` (the process' CPU, all its
+    threads) and ``others`` (the share of the machine's cores that other processes kept busy
+    meanwhile: 0 on a quiet machine, 1 when they took every core the whole time)."""
+    wall, cpu, busy = (b - a for a, b in zip(start, clock(pid), strict=True))
+    others = max(0.0, busy - cpu) / (wall * (os.cpu_count() or 1)) if wall > 0 else 0.0
+    return {"s": wall, "cpu_s": cpu, "others": min(1.0, others)}
+
+
+def held_steps(transformers, t0: float):
+    """A ``transformers.TrainerCallback`` class for a worker that runs a TRL trainer's
+    ``train()`` a step per request: the first step runs at once, each later one waits at its
+    start for the coordinator's next line on standard input (the end of the input ends the
+    process, as no further step is wanted). An instance keeps ``first`` (until a subclass's
+    ``on_log`` sets it False), ``setup_s`` (from ``t0`` to the first step) and ``elapsed``
+    (the last step's :func:`elapsed`); a subclass replies from ``on_log``."""
+
+    class HeldSteps(transformers.TrainerCallback):
+        first = True
+
+        def on_step_begin(self, targs, state, control, **kwargs):
+            if self.first:
+                self.setup_s = time.perf_counter() - t0
+            elif not sys.stdin.readline():
+                sys.stdout.flush()
+                os._exit(0)  # the coordinator is done: no further step
+            self.start = clock()
+
+        def on_step_end(self, targs, state, control, **kwargs):
+            self.elapsed = elapsed(self.start)
+
+    return HeldSteps
