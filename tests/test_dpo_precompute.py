@@ -23,6 +23,7 @@ from effijax.recipe import TrainConfig, init_frozen, init_state, plan_job
 from effijax.recipe._dpo import REFERENCE_FILE, precompute_reference
 from effijax.recipe._objectives import get_objective
 from effijax.recipe._pairs import REFERENCE_LOGPS, ScoredPairs, load_pairs, pair_batch
+from effijax.run import read_metrics
 
 SEQ = 32
 TINY = llama_config("llama-tiny", vocab_size=VOCAB_SIZE, seq_len=SEQ)
@@ -102,10 +103,6 @@ def _argv(files, out, steps, *extra):
             "--no-progress", "--out", str(out), *extra]
 
 
-def _records(run):
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.mark.slow  # four runs of effijax train (about 14 s)
 def test_a_precomputed_run_trains_as_against_the_copy_resumed_and_holds_none(files, tmp_path,
                                                                             capsys):
@@ -119,7 +116,7 @@ def test_a_precomputed_run_trains_as_against_the_copy_resumed_and_holds_none(fil
     assert cli_main([*_argv(files, pre, 4, "--precompute-reference"), "--allow-changes",
                      "steps"]) == 0
     assert f"rows read from {REFERENCE_FILE}" in capsys.readouterr().out
-    copy, flagged = _records(tmp_path / "copy"), _records(pre)
+    copy, flagged = read_metrics(tmp_path / "copy"), read_metrics(pre)
     assert [r["step"] for r in flagged] == [1, 2, 3, 4]
     assert flagged[0]["loss"] == pytest.approx(np.log(2), abs=1e-6)  # policy == reference
     assert flagged[-1]["rewards/margins"] != 0.0
@@ -197,7 +194,7 @@ def test_a_lora_dpo_runs_peft_export_holds_its_adapters(files, tmp_path):
                      "--batch-size", "4", "--seq-len", str(SEQ), "--eval-batches", "1",
                      "--lr", "1e-2", "--precompute-reference", "--no-checkpoints",
                      "--no-progress", "--out", str(out)]) == 0
-    assert _records(out)[0]["loss"] == pytest.approx(np.log(2), abs=1e-6)
+    assert read_metrics(out)[0]["loss"] == pytest.approx(np.log(2), abs=1e-6)
     adapters, spec = load_adapters(out / "adapters.safetensors")
     peft = load_file(str(out / "peft" / "adapter_model.safetensors"))
     config = json.loads((out / "peft" / "adapter_config.json").read_text())

@@ -20,6 +20,7 @@ lm_eval = pytest.importorskip("lm_eval", reason="the harness tests need lm-evalu
 from effijax.errors import ConfigError  # noqa: E402
 from effijax.harness import SHIPPED_TASKS, EffijaxLM, task_manager, task_metrics  # noqa: E402
 from effijax.recipe import TrainConfig, train  # noqa: E402
+from effijax.run import read_metrics  # noqa: E402
 
 TASKS = "effijax_qa_choice,effijax_docs_perplexity"
 LIMIT = 2
@@ -59,8 +60,7 @@ def _scores_of_checkpoint(out, step):
 @pytest.mark.slow  # a training run and the harness on it four times: 9 s
 def test_scores_recorded_equal_simple_evaluate_of_the_same_weights(run):
     out, summary = run
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    scores = [json.loads(line) for line in (out / "task_scores.jsonl").read_text().splitlines()]
+    records, scores = read_metrics(out), read_metrics(out / "task_scores.jsonl")
     scored = {r["step"]: {k: v for k, v in r.items() if k != "step"} for r in scores}
     assert sorted(scored) == [EVERY, STEPS] and len(scores) == 2
     # metrics.jsonl keeps one record a step, without the scores

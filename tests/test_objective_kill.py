@@ -10,7 +10,6 @@ uninterrupted run and the resume run in this process. All three compile as the s
 same programs: the same bits.
 """
 
-import json
 import os
 import signal
 import subprocess
@@ -27,6 +26,7 @@ from _run_env import run_env
 from effijax.checkpoint import latest_step
 from effijax.cli import main as cli_main
 from effijax.models import llama_config
+from effijax.run import read_metrics
 
 pytestmark = pytest.mark.slow  # three runs, one in a process of its own: 10-20 s each
 
@@ -43,10 +43,6 @@ OBJECTIVES = {
                                  "_grpo_rewards:low_ids", "--lr", "2e-2"],
              ("loss", "reward", "reward_std", "completions/mean_length", "grad_norm")),
 }
-
-
-def _records(out: Path, name: str = "metrics.jsonl") -> list[dict]:
-    return [json.loads(line) for line in (out / name).read_text().splitlines()]
 
 
 def _killed_after_step_2(argv: list[str], out: Path, env: dict) -> None:
@@ -79,13 +75,13 @@ def test_a_killed_lora_run_resumes_to_the_uninterrupted_runs_numbers(objective, 
     assert cli_main([*argv, "--out", str(tmp_path / "whole")]) == 0
     killed = tmp_path / "killed"
     _killed_after_step_2(argv, killed, env)
-    assert len(_records(killed)) < STEPS  # it was training when killed
+    assert len(read_metrics(killed)) < STEPS  # it was training when killed
     assert cli_main([*argv, "--out", str(killed)]) == 0
-    whole, resumed = _records(tmp_path / "whole"), _records(killed)
+    whole, resumed = read_metrics(tmp_path / "whole"), read_metrics(killed)
     assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
     for name in names:
         assert [r[name] for r in resumed] == [r[name] for r in whole], name
     assert resumed[-1]["loss"] != resumed[0]["loss"]  # it trained
     if objective == "grpo":  # the same completions sampled, scored and logged
-        assert _records(killed, "completions.jsonl") == _records(tmp_path / "whole",
-                                                                 "completions.jsonl")
+        assert read_metrics(killed / "completions.jsonl") == read_metrics(
+            tmp_path / "whole" / "completions.jsonl")
