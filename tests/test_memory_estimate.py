@@ -329,6 +329,8 @@ def test_parse_count(text, expected):
         ("2KB", 2000),
         ("0.5KiB", 512),
         ("1000000TB", 10**18),  # the largest taken
+        ("0", 0),  # zero needs no unit (--device-memory 0 skips the check)
+        (0, 0),
     ],
 )
 def test_parse_bytes(text, expected):

@@ -84,6 +84,17 @@ def test_memory_over_budget_stops_with_the_breakdown_and_a_plan(job):
     assert "effijax memory plan" not in e.problem and "remat" not in e.problem
 
 
+def test_the_advice_to_skip_the_check_is_a_setting_the_config_takes():
+    """``--device-memory 0``, which the refusal above advises, passes the config's own checks
+    (a bare ``0`` once failed them: "a size needs a unit")."""
+    from effijax.recipe import TrainConfig
+
+    for zero in ("0", "0B"):
+        assert TrainConfig(device_memory=zero).device_memory == zero
+    with pytest.raises(ConfigError, match="a size needs a unit"):
+        TrainConfig(device_memory="8")
+
+
 def test_cpu_budget_is_the_hosts_available_memory_shared_by_its_devices(job, monkeypatch):
     import jax
 

@@ -207,7 +207,8 @@ def parse_bytes(value: str, *, field: str = "value") -> int:
     KB/MB/GB/TB/PB are powers of 1000, KiB/MiB/GiB/TiB/PiB powers of 1024, B is bytes;
     case-insensitive. Every size in effijax (flags, config files, arguments) goes through this
     one parser. A size needs its unit: a bare number (``"80"``, ``80``) is refused, since
-    "80" meant as gigabytes would silently be 80 bytes; write ``"80B"`` for bytes.
+    "80" meant as gigabytes would silently be 80 bytes; write ``"80B"`` for bytes. Zero is the
+    one exception (``"0"`` is 0 bytes in every unit: ``--device-memory 0`` skips the check).
 
     Args:
       value: a string: a non-negative number and a unit.
@@ -223,6 +224,8 @@ def parse_bytes(value: str, *, field: str = "value") -> int:
     Example:
       >>> parse_bytes("80GB"), parse_bytes("80GiB"), parse_bytes("512MiB"), parse_bytes("1.5TB")
       (80000000000, 85899345920, 536870912, 1500000000000)
+      >>> parse_bytes("0"), parse_bytes(0), parse_bytes("0B")
+      (0, 0, 0)
       >>> parse_bytes("80", field="device_memory")  # doctest: +ELLIPSIS
       Traceback (most recent call last):
       effijax.errors.ConfigError: device_memory='80': a size needs a unit: write e.g. '80GB' ...
@@ -233,6 +236,8 @@ def parse_bytes(value: str, *, field: str = "value") -> int:
         bare = match is not None and re.search(r"\d", match["num"]) and not match["unit"]
     else:
         bare = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if bare and float(str(value).strip()) == 0:
+        return 0
     if bare:
         number = str(value).strip()
         raise ConfigError(field, value, f"a size needs a unit: write e.g. '{number}GB' (10**9 "
