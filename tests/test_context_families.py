@@ -1,29 +1,36 @@
 """Context parallelism for the families beyond the Llama (tests/test_ring_attention.py has the
-Llama's): Qwen2 (q/k/v biases) with LoRA adapters on every projection, base and adapters both
-trained; Mistral (a sliding window of 6, shorter than a chunk of 8); Gemma 3 (local layers of
-window 12, reaching two chunks back, a global layer, its norms, query scalar and a final logit
-soft cap). One ``value_and_grad`` of the loss on a packed, masked batch (4 segments per row,
-boundaries inside chunks and on their edges) on a context mesh (the trunk in the load-balanced
-order, the attention as ring attention) gives the loss and gradients of the same step on one
-device. Every family runs on ``context=4``; Qwen2 and Mistral also on ``fsdp=2,context=4``,
-Gemma 3 on ``context=2,tensor=4``. The collective census of the same compilations shows the
-ring: collective-permutes of one device's K/V chunks, and no all-gather over the context axis
-but the head's.
+Llama's): Qwen2 (q/k/v biases), Mistral (a sliding window of 6, shorter than a chunk of 8 on
+context=4, spanning two chunks of 4 on context=8) and Gemma 3 (local layers of window 12,
+reaching two chunks back, a global layer, its norms, query scalar and a final logit soft cap),
+each with and without LoRA (``_lora``: adapters on every projection, base and adapters both
+trained, so the base's gradients are checked as well). One ``value_and_grad`` of the loss on a
+packed, masked batch (4 segments per row, boundaries inside chunks and on their edges) on a
+context mesh (the trunk in the load-balanced order, the attention as ring attention) gives the
+loss and gradients of the same step on one device. The meshes (8 forced CPU devices):
+
+- ``context=4``: Qwen2 (LoRA), Mistral, Gemma 3;
+- ``context=8`` (chunks of 4 positions): Qwen2, Mistral and Gemma 3, each with LoRA;
+- ``fsdp=2,context=4``: Qwen2 (LoRA), Mistral;
+- ``context=2,tensor=4`` (Megatron's split of the heads): Qwen2, Mistral (both with LoRA), Gemma 3.
+
+The collective census of the same compilations shows the ring: collective-permutes of one
+device's K/V chunks, and no all-gather over the context axis but the head's.
 
 Tolerance, derived from the values: the ring sums in other orders than the one-device kernel
 (each query's partial softmaxes merged chunk by chunk, ``dK, dV`` summed over the devices'
 query chunks, the weight gradients over fsdp), so each gradient leaf may differ from the
 reference by f32 roundings of that leaf's largest magnitude (units of ``2^-24`` times it), a
 few per element, carried through the layers; the loss likewise in units of itself. Measured:
-the worst leaf of every case is off by 11-31 such units (Gemma 3's k-norm scale, Qwen2's
-embedding), the loss by 0. ``ULPS = 128`` (2^-17 of the scale: 7.6e-6, inside the 1e-5
-relative tolerance of the other sharded-training tests). What a real defect does, measured by
+the worst leaf of every case is off by 11-52 such units (the most: Gemma 3's q-norm scale with
+LoRA on context=8; Qwen2's embedding, Gemma 3's k-norm scale about 30), the loss by 0-1.4.
+``ULPS = 128`` (2^-17 of the scale: 7.6e-6, inside the 1e-5 relative tolerance of the other
+sharded-training tests). What a real defect does, measured by
 patching the ring: a pair's window one key too wide moves Mistral's and Gemma 3's gradients by
 ~8·10^6 units; the segments dropped from the off-diagonal pairs, every family's by
 2-4·10^7 units.
 
-Slow: nine compilations (a one-device reference and two meshes per family), two at a time:
-about 20 s on 2 idle cores.
+Slow: sixteen compilations (five one-device references, eleven meshes), two at a time: 123 s
+on a 2-core host that other test runs shared (the first nine alone: 45 s, less loaded).
 """
 
 from concurrent.futures import ThreadPoolExecutor
@@ -42,22 +49,32 @@ S, B = 64, 2  # 2 x context = 8 chunks of 8 positions
 ULPS = 128
 EPS = 2.0 ** -24  # f32 rounding, relative
 
-pytestmark = pytest.mark.slow  # nine compiles
+pytestmark = pytest.mark.slow  # sixteen compiles
 
-FAMILIES = {
+_MISTRAL = mistral_config("mistral-tiny", seq_len=S, sliding_window=6)
+_GEMMA3 = gemma3_config("gemma3-tiny", seq_len=S, sliding_window=12, final_logit_softcapping=30.0)
+FAMILIES = {  # a name ending in _lora trains LoRA adapters with the base (_case)
     "qwen2_lora": qwen2_config("qwen2-tiny", seq_len=S),
-    "mistral": mistral_config("mistral-tiny", seq_len=S, sliding_window=6),
-    "gemma3": gemma3_config("gemma3-tiny", seq_len=S, sliding_window=12,
-                            final_logit_softcapping=30.0),
+    "mistral": _MISTRAL,
+    "gemma3": _GEMMA3,
+    "mistral_lora": _MISTRAL,
+    "gemma3_lora": _GEMMA3,
 }
-# Every family on context=4 alone (4 devices), and on a composed mesh: fsdp=2 x context=4
-# (parameters sharded, the batch split two ways) or context=2 x tensor=4 (Megatron's split of
-# Gemma 3's heads, its q/k norms on split heads, the residual stream over (context, tensor)).
+# Every family on context=4 alone (4 devices) and on context=8 (8 devices, chunks of 4: Mistral's
+# window spans two of them, Gemma 3's three), and on composed meshes: fsdp=2 x context=4
+# (parameters sharded, the batch split two ways) and context=2 x tensor=4 (Megatron's split of
+# the heads, Gemma 3's q/k norms on split heads, the residual stream over (context, tensor)).
+# The families' LoRA variants (base and adapters trained) stand for the plain ones where both
+# would only repeat a mesh: their base gradients are compared too.
 MESHES = {"context4": dict(fsdp=1, context=4, tensor=1),
+          "context8": dict(fsdp=1, context=8, tensor=1),
           "fsdp2_context4": dict(fsdp=2, context=4, tensor=1),
           "context2_tensor4": dict(fsdp=1, context=2, tensor=4)}
-CASES = [(name, "context4") for name in FAMILIES] + [
+CASES = [
+    ("qwen2_lora", "context4"), ("mistral", "context4"), ("gemma3", "context4"),
+    ("qwen2_lora", "context8"), ("mistral_lora", "context8"), ("gemma3_lora", "context8"),
     ("qwen2_lora", "fsdp2_context4"), ("mistral", "fsdp2_context4"),
+    ("qwen2_lora", "context2_tensor4"), ("mistral_lora", "context2_tensor4"),
     ("gemma3", "context2_tensor4")]
 
 
@@ -151,9 +168,11 @@ def test_a_context_mesh_gives_the_one_device_loss_and_gradients(runs, name, mesh
         assert scale > 0, f"{path}: no gradient reaches it"  # every parameter is exercised
         worst[path] = float(np.abs(got[path] - want).max()) / (EPS * scale)
     assert max(worst.values()) <= ULPS, sorted(worst.items(), key=lambda kv: -kv[1])[:3]
-    if name == "qwen2_lora":  # the biases and the adapters were trained, not just carried
-        assert any(p.endswith("k_proj/bias") for p in ref)
+    if name.endswith("_lora"):  # the adapters were trained, not just carried
         assert any(p.startswith("adapters/") for p in ref)
+        assert any(p.startswith("base/") for p in ref)
+    if name == "qwen2_lora":  # and Qwen2's biases
+        assert any(p.endswith("k_proj/bias") for p in ref)
 
 
 def _group_sizes(axes: dict, *, with_context: bool) -> set[int]:
