@@ -41,9 +41,15 @@ def _slowed(batch):
 
 
 def _slowed_rollouts(rollout):
-    """GRPO's ``rollout`` factory whose ``draw`` waits before it samples each batch."""
+    """GRPO's ``rollout`` factory whose ``draw`` waits before it samples each batch (and keeps
+    the draw's ``carried``/``resume``, its rollout saved inside a group of steps)."""
     def make(*args, **kwargs):
-        return _slowed(rollout(*args, **kwargs))
+        draw = rollout(*args, **kwargs)
+        slow = _slowed(draw)
+        for name in ("carried", "resume"):
+            if hasattr(draw, name):
+                setattr(slow, name, getattr(draw, name))
+        return slow
 
     return make
 

@@ -13,7 +13,9 @@ state to :meth:`Checkpointer.save`, which writes when the step is due::
     ...
     ckpt.close()                                                 # waits; raises a failed write
 
-Exact resume needs nothing else: batches and per-step keys are functions of ``state.step``.
+Exact resume needs nothing else: batches and per-step keys are functions of ``state.step``;
+what a step's batch reads that is not (GRPO's rollout, kept across a group of steps) is saved
+beside the state with ``save(state, extra=...)`` and read back by :meth:`Checkpointer.extra`.
 LoRA runs save only the adapters and their optimizer state, with the base referenced by a
 fingerprint (:func:`save_adapters_checkpoint`). A failed write is one line,
 :class:`~effijax.errors.SaveError`, with the rest in the run's logs (:func:`save_errors`).

@@ -25,11 +25,16 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from effijax.checkpoint import _orphans
 from effijax.checkpoint._format import (
+    _EXTRA,
     _ITEM,
     _META_KEY,
     FORMAT_VERSION,
+    CorruptCheckpoint,
     _is_key,
+    _last_line,
+    _root_cause,
     _step_record,
     _to_savable,
     _tree_bytes,
@@ -149,7 +154,8 @@ class Checkpointer:
 
     # -- saving ---------------------------------------------------------------------------
 
-    def save(self, state, *, force: bool = False, step: int | None = None) -> SaveResult:
+    def save(self, state, *, force: bool = False, step: int | None = None,
+             extra: Mapping[str, Mapping[str, np.ndarray]] | None = None) -> SaveResult:
         """Saves ``state`` when its step is due (``step % every == 0``) or ``force``.
 
         Before writing, one jitted, on-device check that every floating leaf of ``params`` and
@@ -161,6 +167,10 @@ class Checkpointer:
           state: a ``TrainState`` (or any pytree of arrays when ``step`` is given).
           force: save even if the step is not a multiple of ``every``.
           step: the step to save under; default ``state.step``.
+          extra: host arrays that belong with this step beside the state, ``{name: {key:
+            array}}`` (GRPO's rollout inside a group of steps), read back by :meth:`extra`;
+            written in the same step directory, committed with the state. None or empty:
+            the step holds the state alone, as it always did.
 
         Returns:
           A :class:`SaveResult`.
@@ -178,6 +188,7 @@ class Checkpointer:
             return SaveResult(step, False, "exists")
         if not _host_int(_finite_flag(_finite_part(state))):
             return SaveResult(step, False, "non_finite")
+        extra = _host_extra(extra)
         self._wait_pending()  # a failure here is the previous step's write
         tree, impls = _to_savable(state)
         record = {
@@ -191,7 +202,11 @@ class Checkpointer:
         }
         if self._base_reference is not None:
             record["base_reference"] = self._base_reference
-        args = ocp.args.Composite(**{_ITEM: ocp.args.StandardSave(tree)})
+        items = {_ITEM: ocp.args.StandardSave(tree)}
+        if extra:
+            record["extra"] = sorted(extra)
+            items[_EXTRA] = ocp.args.StandardSave(extra)
+        args = ocp.args.Composite(**items)
         try:
             self._manager.save(step, args=args, custom_metadata={_META_KEY: record}, force=True)
         except BaseException as e:
@@ -267,10 +282,54 @@ class Checkpointer:
 
         Keys: ``format``, ``step``, ``saved_at``, ``versions`` (library versions),
         ``prng_keys`` (``{path: key implementation}``), ``metadata`` (the run's, as given to
-        :func:`open_checkpoints`) and, for adapter checkpoints, ``base_reference``.
+        :func:`open_checkpoints`), for adapter checkpoints ``base_reference`` and, for a step
+        saved with arrays beside the state, ``extra`` (their names; :meth:`extra`).
         """
         step = self._resolve_step(step)
         return _step_record(self._manager, step, self.directory)
+
+    def extra(self, step: int | None = None) -> dict[str, dict[str, np.ndarray]]:
+        """The host arrays saved beside the state of ``step`` (default: the latest), ``{name:
+        {key: array}}`` as :meth:`save` was given them; ``{}`` for a step saved without any.
+
+        Raises:
+          FileNotFoundError: there is no committed checkpoint (or not ``step``).
+          CorruptCheckpoint: the record lists arrays that cannot be read.
+
+        Example:
+          >>> import tempfile, numpy as np, jax.numpy as jnp, optax
+          >>> from effijax.step import init_train_state
+          >>> state = init_train_state({"w": jnp.ones(2)}, optax.sgd(0.1), 0)
+          >>> with open_checkpoints(tempfile.mkdtemp(), keep=None) as ckpt:
+          ...     _ = ckpt.save(state, extra={"rows": {"ids": np.arange(3, dtype=np.int32)}})
+          ...     _ = ckpt.save(state._replace(step=jnp.int32(1)))
+          ...     ckpt.wait()
+          ...     ckpt.extra(0)["rows"]["ids"].tolist(), ckpt.extra(1)
+          ([0, 1, 2], {})
+        """
+        self._check_open()
+        step = self._resolve_step(step)
+        record = _step_record(self._manager, step, self.directory)
+        names = record.get("extra")
+        if not names:
+            return {}
+        where = self.directory / str(step) / _EXTRA
+        try:
+            with _orphans.guard():
+                restored = self._manager.restore(step, args=ocp.args.Composite(
+                    **{_EXTRA: ocp.args.StandardRestore()}))[_EXTRA]
+        except Exception as e:  # orbax/tensorstore: a missing, damaged or truncated file
+            raise CorruptCheckpoint("checkpoint", str(where), f"step {step}'s record lists "
+                                    f"{names}, which cannot be read "
+                                    f"({_last_line(_root_cause(e), limit=400)}); move "
+                                    f"{self.directory / str(step)} aside to resume from the "
+                                    "step before") from e
+        held = sorted(restored) if isinstance(restored, dict) else type(restored).__name__
+        if held != sorted(names):
+            raise CorruptCheckpoint("checkpoint", str(where), f"holds {held}, the step's "
+                                    f"record lists {names}")
+        return {name: {k: np.asarray(v) for k, v in arrays.items()}
+                for name, arrays in restored.items()}
 
     def restore(self, step: int | None = None, *, target_state_abstract):
         """Restores ``step`` (default: the latest) into the target's shapes and shardings.
@@ -295,6 +354,19 @@ class Checkpointer:
 
     def _resolve_step(self, step: int | None) -> int:
         return _resolve_step(self._manager, self.directory, step)
+
+
+def _host_extra(extra) -> dict[str, dict[str, np.ndarray]]:
+    """``extra`` as :meth:`Checkpointer.save` writes it: host copies (an asynchronous write
+    reads them after ``save`` returns; the caller may replace them meanwhile)."""
+    if not extra:
+        return {}
+    if not isinstance(extra, Mapping) or not all(
+            isinstance(name, str) and isinstance(arrays, Mapping) and arrays
+            and all(isinstance(k, str) for k in arrays) for name, arrays in extra.items()):
+        raise ConfigError("extra", type(extra).__name__, "expected {name: {key: array}}, "
+                          "names and keys strings, each name with at least one array")
+    return {name: {k: np.array(v) for k, v in arrays.items()} for name, arrays in extra.items()}
 
 
 def open_checkpoints(directory: str | os.PathLike, *, every: int = 1, keep: int | None = 3,

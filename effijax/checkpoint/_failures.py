@@ -249,11 +249,13 @@ def write_errors(out, release: Callable[[], None] | None = None) -> Iterator[Non
                          None if log is None else str(log)) from None
 
 
-def save(ckpt, state, *, out, release: Callable[[], None], force: bool = False):
-    """``ckpt.save(state, force=force)`` (a :class:`~effijax.checkpoint.SaveResult`), a failed
-    write raised as :class:`SaveError` (see :func:`save_errors`)."""
+def save(ckpt, state, *, out, release: Callable[[], None], force: bool = False,
+         extra=None):
+    """``ckpt.save(state, force=force, extra=extra)`` (a
+    :class:`~effijax.checkpoint.SaveResult`), a failed write raised as :class:`SaveError` (see
+    :func:`save_errors`)."""
     with save_errors(out, ckpt, step_of(state), release):
-        return ckpt.save(state, force=force)
+        return ckpt.save(state, force=force, extra=extra)
 
 
 def last_good(ckpt, close: Callable[[], None]) -> str:

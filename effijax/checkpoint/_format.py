@@ -8,7 +8,10 @@ One checkpoint directory holds one run's steps, ``<dir>/<step>/``. A step direct
   :func:`_from_savable`);
 * ``_CHECKPOINT_METADATA``: JSON with the step, library versions, the key implementations,
   the run's metadata (its config) and, for adapter checkpoints, the base reference: the step
-  record, checked and migrated to :data:`FORMAT_VERSION` by :func:`_step_record`.
+  record, checked and migrated to :data:`FORMAT_VERSION` by :func:`_step_record`;
+* ``extra/``, only in a step saved with host arrays beside the state (GRPO's rollout inside a
+  group of ``num_iterations`` steps): ``{name: {key: array}}``, its names listed under the
+  record's ``extra``. A step saved without any has neither.
 
 A step is compared with the state it would restore into leaf by leaf from orbax's array
 metadata alone (:func:`_compare`): a model mismatch is found before an array is read.
@@ -35,6 +38,7 @@ __all__ = ["FORMAT_VERSION", "OLDEST_FORMAT", "CorruptCheckpoint"]
 FORMAT_VERSION = 2
 OLDEST_FORMAT = 1
 _ITEM = "state"  # the orbax item name of the pytree inside a step directory
+_EXTRA = "extra"  # the orbax item of the host arrays saved beside it, when there are any
 _META_KEY = "effijax"  # the top-level key of the step's custom metadata
 
 

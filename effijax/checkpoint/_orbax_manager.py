@@ -1,10 +1,11 @@
 """The orbax ``CheckpointManager`` a checkpoint directory is opened with, to write or to look.
 
 Every reader and writer of a checkpoint directory goes through :func:`_manager`: one handler
-registry for the step's pytree item, the options effijax relies on (temporary directories
-created in ``save`` itself and removed on open, nothing created or cleaned up by a reader), and
-in a multi-process run barriers through jax's coordination service instead of device
-collectives (:func:`_coordination_barriers`).
+registry for the step's items (the state's pytree, and the host arrays some steps hold beside
+it), the options effijax relies on (temporary directories created in ``save`` itself and
+removed on open, nothing created or cleaned up by a reader), and in a multi-process run
+barriers through jax's coordination service instead of device collectives
+(:func:`_coordination_barriers`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
-from effijax.checkpoint._format import _ITEM
+from effijax.checkpoint._format import _EXTRA, _ITEM
 
 
 def _coordination_barriers() -> None:
@@ -46,8 +47,9 @@ def _manager(directory, *, every: int, keep: int | None, async_save: bool,
     directory = Path(directory).absolute()  # orbax's tensorstore paths must be absolute
     _coordination_barriers()
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-    registry.add(_ITEM, ocp.args.StandardSave, ocp.StandardCheckpointHandler)
-    registry.add(_ITEM, ocp.args.StandardRestore, ocp.StandardCheckpointHandler)
+    for item in (_ITEM, _EXTRA):
+        registry.add(item, ocp.args.StandardSave, ocp.StandardCheckpointHandler)
+        registry.add(item, ocp.args.StandardRestore, ocp.StandardCheckpointHandler)
     options = ocp.CheckpointManagerOptions(
         save_interval_steps=every,
         max_to_keep=None if reader else keep,

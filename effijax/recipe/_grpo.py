@@ -17,9 +17,10 @@ the steps ``0, N, 2N, ...``, seeded by that step): the sampling pass also scores
 on the parameters that sampled them (at the rollout's temperature, without dropout), and every
 one of the ``N`` updates takes its ratio to those stored log-probabilities (the batch's
 ``old_logps``, f32 ``[B, S]`` at the completion's target positions), so that from the second
-update on the ratio leaves 1 and the clipping acts, as in TRL. A run resumed inside such a group
-(a checkpoint at a step that is not a multiple of ``N``) samples that group's rollout again, by
-its seed, on the resumed parameters: exact resumes need checkpoints at multiples of ``N``.
+update on the ratio leaves 1 and the clipping acts, as in TRL. The kept rollout is then part of
+the run's state: a checkpoint inside a group (after a step that is not a multiple of ``N``)
+holds it beside the train state and a resume takes it back (:class:`Draw`), so that a run
+stopped at any step resumes exactly.
 
 A step's rows are ``[left padding, prompt, completion]`` of ``seq_len`` tokens: the prompt in
 the first ``seq_len - max_completion_length`` (a longer prompt is refused when the data is
@@ -56,12 +57,12 @@ from effijax.objectives import (
     resolve_reward,
     score_completions,
 )
-from effijax.recipe import _sections
+from effijax.recipe import _report, _sections
 from effijax.recipe._objective import ROLLOUT_METRICS, ROLLOUT_SAMPLES, Objective, with_reference
 from effijax.sources import Dataset, padding_id
 
-__all__ = ["GRPO", "Prompt", "Prompts", "read_prompt_records", "load_prompts",
-           "prompt_ids", "rollout_seed", "parse_rewards", "samples_record"]
+__all__ = ["GRPO", "Draw", "ROLLOUT_ITEM", "Prompt", "Prompts", "read_prompt_records",
+           "load_prompts", "prompt_ids", "rollout_seed", "parse_rewards", "samples_record"]
 
 class Prompt(NamedTuple):
     """One prompt record: its ``prompt`` (a text or chat messages), its other columns, where it
@@ -304,15 +305,158 @@ def _grpo_loss(model, lora, *, sequence_parallel: bool = True, beta: float = 0.0
     return with_reference(body, lora, needed=bool(beta))
 
 
+ROLLOUT_ITEM = "rollout"
+"""The name under which a checkpoint inside a group of ``num_iterations`` steps holds the
+group's rollout (:meth:`Draw.carried`, :meth:`effijax.checkpoint.Checkpointer.extra`)."""
+
+# What a kept rollout holds besides its group (the global rows the group's steps read), with
+# each array's dtype; "advantages" is [B], the others [B, seq_len].
+_KEPT = {"inputs": np.int32, "targets": np.int32, "mask": np.int32, "segments": np.int32,
+         "advantages": np.float32, "old_logps": np.float32}
+
+
+def _group_words(group) -> str:
+    seed, first, step, batch_size, reuse = (int(x) for x in group)
+    return (f"seed {seed}, the group of steps {first + 1}..{first + reuse} (num_iterations "
+            f"{reuse}), saved after step {step}, {batch_size} completions")
+
+
+class Draw:
+    """GRPO's ``draw`` (what :attr:`~effijax.recipe._objective.Objective.rollout` makes):
+    ``draw(data, *, params, frozen, seed, step, batch_size, process_index=0,
+    process_count=1) -> batch``, this process' rows of step ``step``'s training batch, sampled
+    on ``params`` (the train state's, now) with the rollout's statistics under
+    :data:`ROLLOUT_METRICS`. With ``num_iterations`` ``N > 1`` it is the rollout of the group's
+    first step ``step - step % N``, sampled there (with the sampling pass's ``old_logps``) and
+    kept for the group's other steps.
+
+    What it keeps is then part of the run's state: a checkpoint after a step inside a group
+    holds it beside the train state (:meth:`carried`, which the loop saves as the checkpoint's
+    ``extra``) and a resume from it takes it back (:meth:`resume`), so that a run stopped at any
+    step samples and trains as the uninterrupted one. A checkpoint at a group's boundary
+    (after a multiple of ``N`` steps), and every checkpoint of a run with ``N = 1``, holds
+    nothing more than the state: the next step samples anew.
+
+    Example:
+      >>> import numpy as np
+      >>> rows = {k: np.zeros((4, 8), np.int32) for k in ("inputs", "targets", "mask",
+      ...                                                   "segments")}
+      >>> rows |= {"advantages": np.zeros(4, np.float32),
+      ...          "old_logps": np.zeros((4, 8), np.float32)}
+      >>> draw = Draw(lambda *args: (rows, {}), num_iterations=2, seq_len=8)
+      >>> _ = draw(None, params=None, frozen=None, seed=0, step=2, batch_size=4)  # samples
+      >>> saved = draw.carried(3)  # after step 3, inside the group of steps 3 and 4
+      >>> saved[ROLLOUT_ITEM]["group"].tolist(), draw.carried(4)
+      ([0, 2, 3, 4, 2], {})
+      >>> resumed = Draw(None, num_iterations=2, seq_len=8)  # a resumed run's: samples nothing
+      >>> resumed.resume(saved, seed=0, step=3, batch_size=4, where="ckpt/3")
+      >>> resumed(None, params=None, frozen=None, seed=0, step=3, batch_size=4)["mask"].shape
+      (4, 8)
+      >>> resumed.resume(saved, seed=0, step=5, batch_size=4, where="ckpt/5")
+      Traceback (most recent call last):
+      effijax.errors.ConfigError: checkpoint='ckpt/5': holds the rollout of seed 0, the group \
+of steps 3..4 (num_iterations 2), saved after step 3, 4 completions, not this run's at step 5 ...
+    """
+
+    def __init__(self, sample: Callable, num_iterations: int, seq_len: int):
+        self._sample = sample  # (data, params, frozen, seed, first, step, batch_size)
+        self.num_iterations = num_iterations
+        self._seq_len = seq_len
+        self._kept = None  # the last rollout: ((seed, first step, batch size), global rows)
+
+    def __call__(self, data: Prompts, *, params, frozen, seed: int, step: int,
+                 batch_size: int, process_index: int = 0, process_count: int = 1) -> dict:
+        first = step - step % self.num_iterations
+        key = (seed, first, batch_size)
+        metrics = {}
+        if self.num_iterations == 1 or self._kept is None or self._kept[0] != key:
+            batch, metrics = self._sample(data, params, frozen, seed, first, step, batch_size)
+            self._kept = (key, batch)
+        mine = slice(process_index * batch_size // process_count,
+                     (process_index + 1) * batch_size // process_count)
+        # The statistics ride with the step that sampled; the others reuse its rows.
+        return {**{k: v[mine] for k, v in self._kept[1].items()}, ROLLOUT_METRICS: metrics}
+
+    def carried(self, step: int) -> dict:
+        """What a checkpoint after ``step`` steps holds beside the state:
+        ``{ROLLOUT_ITEM: {rows..., "group": [seed, first step, step, batch_size,
+        num_iterations]}}`` (int64) when ``step`` falls inside a group whose rollout this draw
+        keeps (the steps to come read it); ``{}`` at a group's boundary and with one update per
+        rollout."""
+        reuse = self.num_iterations
+        if self._kept is None or step % reuse == 0:
+            return {}
+        (seed, first, batch_size), rows = self._kept
+        if first != step - step % reuse:
+            return {}
+        group = np.array([seed, first, step, batch_size, reuse], np.int64)
+        return {ROLLOUT_ITEM: {**rows, "group": group}}
+
+    def resume(self, extra: dict, *, seed: int, step: int, batch_size: int,
+               where: str) -> None:
+        """Takes back what the checkpoint ``where`` of step ``step`` held beside the state
+        (:meth:`carried`, as :meth:`effijax.checkpoint.Checkpointer.extra` reads it back): the
+        group's rollout, which the steps up to the group's end read instead of sampling it
+        again. A checkpoint inside a group that holds none (written before effijax saved
+        rollouts) is resumed as it was then, with a warning: the group's rollout is sampled
+        again, by its seed, on the resumed parameters, and the run no longer repeats the
+        uninterrupted one.
+
+        Raises:
+          ConfigError: ``field="checkpoint"``: a rollout that does not belong to this run at
+            this step (another seed, group, step, batch size or ``num_iterations``; other rows
+            or shapes), or one at a step where the run keeps none.
+        """
+        reuse = self.num_iterations
+        expected = np.array([seed, step - step % reuse, step, batch_size, reuse], np.int64)
+        saved = extra.get(ROLLOUT_ITEM)
+        others = sorted(set(extra) - {ROLLOUT_ITEM})
+        if others:
+            raise ConfigError("checkpoint", where, f"holds {others} beside the state, which a "
+                              "grpo run never writes: it is not this run's checkpoint")
+        if saved is None:
+            self._kept = None
+            if step % reuse:
+                _report.warn(f"{where} (step {step}) lies inside a group of {reuse} steps "
+                             "that share a rollout, and holds no rollout (written by an "
+                             "earlier effijax): the group's rollout is sampled again, by its "
+                             "seed, on the resumed parameters, and from step "
+                             f"{step + 1} on the run differs from an uninterrupted one")
+            return
+        if step % reuse == 0:
+            raise ConfigError("checkpoint", where, f"holds a rollout, but step {step} ends a "
+                              f"group of {reuse} steps (the next step samples anew): it does not "
+                              "belong to this checkpoint")
+        group = np.asarray(saved.get("group", ()))
+        if group.shape != expected.shape or not np.array_equal(group, expected):
+            said = (_group_words(group) if group.shape == expected.shape
+                    else f"group {group.tolist()}")
+            raise ConfigError("checkpoint", where, f"holds the rollout of {said}, not this "
+                              f"run's at step {step} ({_group_words(expected)}): it does not "
+                              "belong to this checkpoint; move the step aside to resume from "
+                              "the one before")
+        rows = {k: v for k, v in saved.items() if k != "group"}
+        if sorted(rows) != sorted(_KEPT):
+            raise ConfigError("checkpoint", where, f"holds a rollout of the rows "
+                              f"{sorted(rows)}, not a grpo rollout's {sorted(_KEPT)}")
+        for name, dtype in _KEPT.items():
+            shape = (batch_size,) if name == "advantages" else (batch_size, self._seq_len)
+            a = np.asarray(rows[name])
+            if a.shape != shape or a.dtype != dtype:
+                raise ConfigError("checkpoint", where, f"holds the rollout's {name!r} as "
+                                  f"{a.dtype.name}{list(a.shape)}, this run reads "
+                                  f"{np.dtype(dtype).name}{list(shape)}: it does not belong "
+                                  "to this checkpoint")
+        self._kept = ((seed, int(expected[1]), batch_size), rows)
+
+
 def _rollout(model, lora, *, policy, num_generations: int = 8, max_completion_length: int = 256,
              temperature: float = 1.0, top_p: float = 1.0, scale_rewards: str = "group",
              rewards: str | None = None, reward_weights: str | None = None,
              num_iterations: int = 1, **loss_settings):
-    """``draw(data, *, params, frozen, seed, step, batch_size, process_index, process_count)
-    -> batch``: step ``step``'s rollout on ``params`` (the train state's, now) as this process'
-    rows of a training batch, its statistics under :data:`ROLLOUT_METRICS`; with
-    ``num_iterations > 1``, the rollout of step ``step - step % num_iterations`` (kept from the
-    step that sampled it) with the sampling pass's ``old_logps``."""
+    """The run's :class:`Draw`: each step's rollout on the train state's parameters (with
+    ``num_iterations > 1``, the group's, kept from the step that sampled it, with the sampling
+    pass's ``old_logps``)."""
     del loss_settings
     functions, weights = parse_rewards(rewards, reward_weights)
     reuse = whole_number("num_iterations", num_iterations)
@@ -330,7 +474,6 @@ def _rollout(model, lora, *, policy, num_generations: int = 8, max_completion_le
     old_logps = None if reuse == 1 else jax.jit(make_completion_logps(
         abstract_split(model)[0], lora, temperature=temperature, sequence_parallel=False,
         frozen_base=lora is not None))
-    kept: dict = {}  # the last rollout: its key (seed, step sampled), rows and statistics
 
     def decode(ids):
         return tokenizer.decode(ids, skip_special_tokens=True)
@@ -392,19 +535,7 @@ def _rollout(model, lora, *, policy, num_generations: int = 8, max_completion_le
             batch["old_logps"][:, -max_completion_length - 1:-1] = old_NT
         return batch, metrics
 
-    def draw(data: Prompts, *, params, frozen, seed: int, step: int, batch_size: int,
-             process_index: int = 0, process_count: int = 1) -> dict:
-        first = step - step % reuse
-        metrics = {}
-        if reuse == 1 or kept.get("key") != (seed, first, batch_size):
-            kept["key"] = (seed, first, batch_size)
-            kept["batch"], metrics = sample(data, params, frozen, seed, first, step, batch_size)
-        mine = slice(process_index * batch_size // process_count,
-                     (process_index + 1) * batch_size // process_count)
-        # The statistics ride with the step that sampled; the others reuse its rows.
-        return {**{k: v[mine] for k, v in kept["batch"].items()}, ROLLOUT_METRICS: metrics}
-
-    return draw
+    return Draw(sample, reuse, model.seq_len)
 
 
 def _check(*, rewards: str | None = None, reward_weights: str | None = None, **settings) -> None:

@@ -3,7 +3,10 @@
 Each step's batch is built ahead, while the steps before it run, by a
 :class:`~effijax.data.Prefetcher` (``prefetch`` batches deep; 0: between the steps). An
 objective that samples its batches from the policy (GRPO) builds each between the steps, from
-the parameters the step before returned.
+the parameters the step before returned; what its draw keeps across steps (GRPO's rollout,
+shared by a group of ``num_iterations`` steps) is saved with each checkpoint beside the state
+(``draw.carried``) and taken back on resume (``draw.resume``), so that a run stopped at any
+step resumes exactly.
 
 A signal (SIGTERM, SIGINT) stops the loop at a step boundary; the state is saved either way. A
 failed checkpoint write is one line (:class:`~effijax.errors.SaveError`,
@@ -66,10 +69,12 @@ def loop(output: OutputSection, job, run: RunStart, compiled, initial: Initial, 
     # The batches of the steps to come are built (and put on the devices) on a worker thread
     # while each step runs; those built for steps that never run are dropped.
     step, params = watch.step(compiled.step), None
+    carried = getattr(job.rollout, "carried", None)
     if job.rollout is not None:  # each batch is sampled from the state the step before made
         step, params = _following(step, initial.state, records_log(
             run_dir, int(initial.state.step), COMPLETIONS))
         prefetch = 0
+        _resume_draw(job, run)
     with stop.installed(), checkpoint.orbax_log(output.out), Prefetcher(
             _job.batch_fn(job, tokens, initial.frozen,
                           **({} if params is None else {"params": params})),
@@ -81,7 +86,8 @@ def loop(output: OutputSection, job, run: RunStart, compiled, initial: Initial, 
                 progress=output.progress, should_stop=stop,
                 **_between_steps(run_dir, watch, output.checkpoint_every, evaluate,
                                  evaluate_every,
-                                 records_log(run_dir, int(initial.state.step), TASK_SCORES)),
+                                 records_log(run_dir, int(initial.state.step), TASK_SCORES),
+                                 carried),
                 max_non_finite=max_non_finite or None,
                 callbacks=(trained, *watch.callbacks))
         except NonFiniteError as e:
@@ -90,7 +96,7 @@ def loop(output: OutputSection, job, run: RunStart, compiled, initial: Initial, 
     summary["wall_time_s"] = time.perf_counter() - t0
     if run_dir.ckpt is not None:
         with checkpoint.orbax_log(output.out):
-            _save(run_dir, state, force=True)
+            _save(run_dir, state, force=True, carried=carried)
             with checkpoint.save_errors(output.out, run_dir.ckpt,
                                         checkpoint.step_of(state), _release_quietly(run_dir)):
                 run_dir.close()  # waits for the last write; raises if any write failed
@@ -100,11 +106,11 @@ def loop(output: OutputSection, job, run: RunStart, compiled, initial: Initial, 
 
 
 def _between_steps(run_dir, watch, checkpoint_every: int, evaluate, evaluate_every: int,
-                   log_scores):
+                   log_scores, carried=None):
     """``train_loop``'s ``checkpoint`` and ``checkpoint_every``: the state saved every
-    ``checkpoint_every`` steps (when the run checkpoints) and its parameters evaluated every
-    ``evaluate_every`` (when ``evaluate``; ``log_scores`` keeps the record): at the step
-    boundary where the state is live."""
+    ``checkpoint_every`` steps (when the run checkpoints; with what the draw ``carried``) and
+    its parameters evaluated every ``evaluate_every`` (when ``evaluate``; ``log_scores`` keeps
+    the record): at the step boundary where the state is live."""
     save_every = checkpoint_every if run_dir.ckpt else 0
     score_every = evaluate_every if evaluate is not None else 0
     if not (save_every or score_every):
@@ -113,13 +119,24 @@ def _between_steps(run_dir, watch, checkpoint_every: int, evaluate, evaluate_eve
     def between(state):
         step = int(state.step)
         if save_every and step % save_every == 0:
-            _save(run_dir, state)
+            _save(run_dir, state, carried=carried)
         if score_every and step % score_every == 0:
             scores = evaluate(state.params)
             log_scores({"step": step, **scores})
             watch.sinks.values(step, scores)
 
     return {"checkpoint": between, "checkpoint_every": math.gcd(save_every, score_every)}
+
+
+def _resume_draw(job, run: RunStart) -> None:
+    """Gives a draw that keeps something across steps (``draw.resume``: GRPO's rollout) what
+    the checkpoint the run resumes from holds beside the state (``{}`` for none)."""
+    resume = getattr(job.rollout, "resume", None)
+    ckpt = run.dir.ckpt
+    if resume is None or run.resume_step is None or ckpt is None:
+        return
+    resume(ckpt.extra(run.resume_step), seed=job.seed, step=run.resume_step,
+           batch_size=job.batch_size, where=str(ckpt.directory / str(run.resume_step)))
 
 
 def _following(step, state, samples=lambda record: None):
@@ -161,9 +178,12 @@ def _release_quietly(run_dir):
     return lambda: run_dir.release(quiet=True)
 
 
-def _save(run_dir, state, force: bool = False) -> None:
+def _save(run_dir, state, force: bool = False, carried=None) -> None:
+    """Saves ``state`` (when due, or ``force``), with what ``carried(step)`` says the steps
+    after it read beside it (a draw's kept rollout)."""
+    extra = None if carried is None else carried(checkpoint.step_of(state))
     result = checkpoint.save(run_dir.ckpt, state, out=run_dir.path,
-                             release=_release_quietly(run_dir), force=force)
+                             release=_release_quietly(run_dir), force=force, extra=extra)
     if result.reason == "non_finite" and run_dir.is_main:
         _report.warn(f"step {result.step} has non-finite parameters or optimizer state; not "
                      "checkpointed (training goes on)")
