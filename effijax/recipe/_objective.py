@@ -71,7 +71,10 @@ class Objective(NamedTuple):
         frozen, seed, step, batch_size, process_index, process_count) -> dict`` builds step
         ``step``'s rows from the train state's current ``params`` (and the job's frozen tree);
         it replaces ``batch``, and :func:`~effijax.recipe.batch_fn` then needs the parameters
-        (nothing can be built ahead of the step before). None: batches are data alone.
+        (nothing can be built ahead of the step before). A draw that keeps rows across steps
+        also has ``carried(step) -> {name: {key: array}}`` (saved with a checkpoint after
+        ``step``) and ``resume(extra, *, seed, step, batch_size, where)`` (given them back on
+        resume): GRPO's :class:`~effijax.recipe._grpo.Draw`. None: batches are data alone.
       row_values: the names of the f32 ``[B]`` arrays its batches carry besides the tokens
         (GRPO's ``advantages``), sharded by rows.
       token_values: the names of the f32 ``[B, S]`` arrays its batches carry, a value per
