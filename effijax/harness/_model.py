@@ -23,9 +23,7 @@ template (``--apply_chat_template`` / ``simple_evaluate(apply_chat_template=True
 
 Any model effijax opens (:func:`effijax.generate.load`: a run directory, a LoRA run with its
 base, a GGUF file, a Hugging Face directory, ``smollm2``) is one ``EffijaxLM(model_from)``;
-one already in memory is ``EffijaxLM(loaded=Loaded(model, params, ...))``. One process: each
-request list is answered whole here (several processes, each scoring its share as the
-harness's ``rank``/``world_size`` split it, are not supported yet and are refused).
+one already in memory is ``EffijaxLM(loaded=Loaded(model, params, ...))``.
 
 On a mesh (``mesh=effijax.sharding.make_mesh()``: the process's devices), scoring is data
 parallel: each batch's rows are split over the mesh's ``("data", "fsdp")`` devices
@@ -33,6 +31,16 @@ parallel: each batch's rows are split over the mesh's ``("data", "fsdp")`` devic
 Parameters already placed on that mesh (a training run's, FSDP-sharded or not) are used as they
 are, no second copy; any others are replicated onto it. Generation runs with those parameters
 as placed (its rows are not split: with replicated parameters every device decodes every row).
+
+Several JAX processes (joined with :func:`effijax.distributed.initialize`): the mesh spans
+every process's devices (default: ``make_mesh()`` over all of them) and every process is given
+every request. Each batch, the same on every process, is scored once across them: each
+process's devices score their block of its rows, and the answers are gathered onto every
+process (``multihost_utils.process_allgather``), so each process returns every answer and
+``lm_eval.simple_evaluate`` the same results. The harness is told of one process (``rank`` 0,
+``world_size`` 1): its own split, each rank a share of the documents, pads request counts (not
+batches, which a mesh across processes needs in the same shapes on every process) and gathers
+through ``torch.distributed``.
 
 This module imports without ``lm_eval``; building the class's instances needs it.
 """
@@ -124,6 +132,16 @@ def _placed(params, mesh):
     return jax.device_put(params, replicated(mesh))
 
 
+def _gathered(x) -> np.ndarray:
+    """``x`` on the host, whole: a batch's answers split over several processes' devices are
+    gathered onto every process."""
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 class _Stopped(Exception):
     """Raised from generation's per-step hook once every row has stopped: ends the loop."""
 
@@ -143,14 +161,14 @@ class EffijaxLM(_Base):
       add_bos_token: whether text is encoded with the tokenizer's special tokens (default: as
         the tokenizer adds them, except to a text that starts with BOS already).
       mesh: a ``jax.sharding.Mesh`` from :func:`effijax.sharding.make_mesh` to score on, data
-        parallel (see the module docstring); None: JAX's default device.
+        parallel (see the module docstring); None: JAX's default device (several processes:
+        ``make_mesh()``, every process's devices).
       device, max_batch_size: what ``lm_eval`` passes to every model it builds; ignored (JAX
         places the model on its default device, or ``mesh``; a batch is ``batch_size`` rows).
 
     Raises:
       ConfigError: ``lm_eval`` is not installed, a bad setting (a ``batch_size`` the mesh's
-        data-parallel devices do not divide), a model that cannot be opened, or several JAX
-        processes (not supported yet).
+        data-parallel devices do not divide), or a model that cannot be opened.
 
     Example (with ``lm_eval`` installed)::
 
@@ -189,15 +207,15 @@ class EffijaxLM(_Base):
             policy = get_policy(precision)
         except ConfigError as e:
             raise e.renamed("precision") from None
+        if mesh is None and jax.process_count() > 1:  # data parallel across the processes
+            from effijax.sharding import make_mesh
+
+            mesh = make_mesh()
         if mesh is not None:  # a batch the mesh cannot split, refused before the model is read
             from effijax.sharding import check_batch
 
             check_batch(batch_size, mesh)
 
-        if jax.process_count() > 1:
-            raise ConfigError("model", model_from, f"{jax.process_count()} JAX processes: "
-                              "evaluation runs in one process here (data-parallel scoring "
-                              "across processes is not supported yet)")
         self.loaded = load(model_from) if loaded is None else loaded
         model = self.loaded.model
         self.batch_size = batch_size
@@ -345,7 +363,7 @@ class EffijaxLM(_Base):
 
                 batch = jax.device_put(batch, batch_sharding(self.mesh))
             lp_B, _, greedy_B = self._score(self.params, batch)
-            lp_B, greedy_B = np.asarray(lp_B), np.asarray(greedy_B)
+            lp_B, greedy_B = _gathered(lp_B), _gathered(greedy_B)
             for r, i in enumerate(chunk):
                 logps[i], greedy[i] = lp_B[r], greedy_B[r]
         return logps, greedy
