@@ -273,9 +273,12 @@ def test_registered_as_effijax_and_built_from_model_args(tiny_gguf, no_environme
         EffijaxLM("no/such/model", precision="fp64")  # before the model is looked for
 
 
-def test_cli_runs_tasks_and_prints_the_harness_table(tiny_gguf, capsys, monkeypatch,
-                                                     no_environment_report):
+def test_cli_runs_tasks_and_prints_the_harness_table(tiny_gguf, capsys, monkeypatch):
+    import lm_eval.evaluator
+
     from effijax.cli import main
+
+    report = lm_eval.evaluator.add_env_info
 
     code = main(["eval", "--from", str(tiny_gguf), "--tasks", "effijax_qa_choice",
                  "--limit", "2", "--batch-size", "4", "--seq-len", str(MAX_LENGTH)])
@@ -295,6 +298,12 @@ def test_cli_runs_tasks_and_prints_the_harness_table(tiny_gguf, capsys, monkeypa
                  "2", "--batch-size", "4", "--seq-len", str(MAX_LENGTH), "--chat", "--json"]) == 0
     chat = json.loads(capsys.readouterr().out)
     assert chat["results"]["effijax_qa_choice"]["acc,none"] in (0, 0.5, 1)
+    # The machine recorded from JAX, not by the harness's report (torch's collect_env: torch
+    # and transformers imported, pip run in subprocesses), which is back in place after.
+    assert chat["pretty_env_info"].startswith("effijax "), chat["pretty_env_info"]
+    assert f"jax {jax.__version__}" in chat["pretty_env_info"]
+    assert chat["transformers_version"] == "N/A (the model is effijax's)"
+    assert lm_eval.evaluator.add_env_info is report
     first = _records("qa_choice.jsonl")[0]["prompt"]
     assert rendered[0] == (f"<|im_start|>user\nQuestion: {first}\nAnswer:<|im_end|>\n"
                            "<|im_start|>assistant\n"), rendered[:1]

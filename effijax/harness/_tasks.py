@@ -25,10 +25,12 @@ MMLU or GSM8K where the Hugging Face Hub is reachable) through
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import os
-from collections.abc import Sequence
+import platform
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -185,8 +187,65 @@ def evaluate_tasks(model: str | EffijaxLM, tasks: str | Sequence[str], *,
         model, batch_size=batch_size, precision=precision)
     import lm_eval
 
-    return lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=limit,
-                                   num_fewshot=num_fewshot, log_samples=False,
-                                   apply_chat_template=apply_chat_template,
-                                   bootstrap_iters=bootstrap_iters,
-                                   torch_random_seed=None)  # no torch here: not imported
+    with _environment_from_jax():
+        return lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=manager,
+                                       limit=limit, num_fewshot=num_fewshot, log_samples=False,
+                                       apply_chat_template=apply_chat_template,
+                                       bootstrap_iters=bootstrap_iters,
+                                       torch_random_seed=None)  # no torch here: not imported
+
+
+def _environment(storage: dict) -> None:
+    """What ``lm_eval`` records of the machine in a result (``pretty_env_info``,
+    ``transformers_version``, ``lm_eval_version``, ``upper_git_hash``), from JAX: the
+    versions of effijax, jax, jaxlib and lm_eval, Python, the platform and the devices.
+
+    :func:`evaluate_tasks` records this instead of the harness's own report, which imports
+    ``torch`` and ``transformers`` and runs PyTorch's ``collect_env`` (``pip``, ``nvidia-smi``
+    and other subprocesses): 1-4 s a call on a quiet 2-core CPU, up to 20 s on a busy one,
+    and a second framework in a JAX training process that evaluates every few steps.
+
+    Example:
+      >>> info = {}
+      >>> _environment(info)
+      >>> sorted(info)
+      ['lm_eval_version', 'pretty_env_info', 'transformers_version', 'upper_git_hash']
+      >>> info["pretty_env_info"].startswith("effijax ")
+      True
+    """
+    from importlib.metadata import PackageNotFoundError, version
+
+    import jax
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    devices = jax.devices()
+    kinds = sorted({d.device_kind for d in devices})
+    storage.update({
+        "pretty_env_info": (
+            f"effijax {installed('effijax')}, jax {jax.__version__}, jaxlib "
+            f"{installed('jaxlib')}; Python {platform.python_version()} on "
+            f"{platform.platform()}; {len(devices)} {jax.default_backend()} device(s) "
+            f"({', '.join(kinds)}), {jax.process_count()} process(es)"),
+        "transformers_version": "N/A (the model is effijax's)",
+        "lm_eval_version": installed("lm_eval"),
+        "upper_git_hash": None,
+    })
+
+
+@contextlib.contextmanager
+def _environment_from_jax() -> Iterator[None]:
+    """``lm_eval.simple_evaluate`` recording :func:`_environment` instead of the harness's
+    report (``lm_eval.evaluator.add_env_info``), for the duration of one call."""
+    import lm_eval.evaluator as evaluator
+
+    report = evaluator.add_env_info
+    evaluator.add_env_info = _environment
+    try:
+        yield
+    finally:
+        evaluator.add_env_info = report
