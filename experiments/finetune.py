@@ -11,12 +11,17 @@ docstring's first line. Every variant is one ``effijax.recipe.train`` call on th
 questions (records the training never saw) greedily with the KV cache:
 
 * validation loss before and after (the recipe evaluates the starting model first);
-* the task metric: exact match of the answer on the held-out questions, before and after;
+* the task metric: exact match of the answer on the held-out questions, before and after,
+  twice: scored here (the whole reply, stripped), and through lm-evaluation-harness
+  (``lm_eval.simple_evaluate`` with :class:`effijax.harness.EffijaxLM`) on a task the
+  experiment writes over the same held-out records (:func:`harness_task`: the shipped
+  ``effijax_qa_exact``'s generation and metric, the question asked through the chat template);
 * per-device memory of the compiled step and tokens/s of each variant;
 * a few held-out questions with the base model's and each variant's answers.
 
 Run: ``python experiments/finetune.py [--model smollm2|gemma3] [--preset smoke|default]
-[--out DIR]``. Writes ``results.json`` and ``finetune.png`` to ``--out``. The default preset
+[--out DIR]``. Writes ``results.json``, ``finetune.png`` and the harness task
+(``harness/``) to ``--out``. The default preset
 takes about 20 minutes on 2 CPU cores with SmolLM2 (LoRA at ranks 4 and 16, and full
 fine-tuning); Gemma 3 270M (LoRA rank 16 and full fine-tuning, fewer and smaller steps: its
 262,144-token vocabulary makes the head 5 times SmolLM2's) about as long. ``smoke`` (CI) takes
@@ -32,10 +37,14 @@ from pathlib import Path
 
 from effijax.data import read_records, split_records, stdlib_qa, write_jsonl
 from effijax.generate import load
+from effijax.harness import EffijaxLM, evaluate_tasks
 from effijax.recipe import TrainConfig, train
 from effijax.sources import with_chat_template
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
+# The harness task over the held-out questions (harness_task), and the metric it reports.
+HARNESS_TASK = "finetune_qa_held_out"
+HARNESS_METRIC = "exact_match,strip"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +109,40 @@ def score(loaded, items, max_new_tokens: int) -> tuple[float, list[str]]:
     return hits / len(items), answers
 
 
+def harness_task(items, folder: Path):
+    """Writes the held-out ``items`` (``(question, answer)`` pairs) as an lm-evaluation-harness
+    task, :data:`HARNESS_TASK`, into ``folder`` (a JSONL file and its YAML: the shipped
+    ``effijax_qa_exact``'s greedy generation, whitespace filter and exact match, the prompt the
+    bare question for the chat template, stopped only by the end of the turn, as :func:`score`
+    generates); returns lm_eval's ``TaskManager`` that knows it."""
+    from lm_eval.tasks import TaskManager
+
+    folder.mkdir(parents=True, exist_ok=True)
+    data = folder / "held_out.jsonl"
+    write_jsonl(data, [{"prompt": q, "response": a} for q, a in items])
+    # JSON is YAML: the path and the template text quoted whatever they hold.
+    (folder / f"{HARNESS_TASK}.yaml").write_text("\n".join([
+        f"task: {HARNESS_TASK}", "dataset_path: json",
+        f"dataset_kwargs: {{data_files: {{test: {json.dumps(str(data.resolve()))}}}}}",
+        "output_type: generate_until", "test_split: test",
+        f"doc_to_text: {json.dumps('{{prompt}}')}", f"doc_to_target: {json.dumps('{{response}}')}",
+        "generation_kwargs: {until: [], do_sample: false}",
+        "filter_list: [{name: strip, filter: [{function: remove_whitespace}, "
+        "{function: take_first}]}]",
+        "metric_list: [{metric: exact_match, aggregation: mean, higher_is_better: true}]",
+        "metadata: {version: 1.0}", ""]), encoding="utf-8")
+    return TaskManager(include_path=str(folder), include_defaults=False)
+
+
+def harness_score(loaded, manager, batch_size: int, max_new_tokens: int) -> float:
+    """The harness's exact match of ``loaded`` on :data:`HARNESS_TASK` (``manager``: from
+    :func:`harness_task`), prompts in the model's chat template, greedy."""
+    lm = EffijaxLM(loaded=loaded, batch_size=batch_size, max_gen_toks=max_new_tokens)
+    out = evaluate_tasks(lm, [HARNESS_TASK], manager=manager, apply_chat_template=True,
+                         bootstrap_iters=0)
+    return out["results"][HARNESS_TASK][HARNESS_METRIC]
+
+
 def variants(cfg: Config) -> list[tuple[str, int | None, float, str]]:
     """``(name, LoRA rank or None for full fine-tuning, learning rate, frozen dtype)``."""
     out = [(f"LoRA r={r}" + ("" if cfg.frozen_dtypes == ("auto",) else f", {d} base"), r,
@@ -115,17 +158,21 @@ def main(cfg: Config) -> dict:
     _, held = split_records(read_records(data))
     items = [_question_answer(r) for r in held[:cfg.held_out]]
     print(f"{count} question/answer records; {len(held)} held out, {len(items)} scored")
+    manager = harness_task(items, out / "harness")
 
     base = load(cfg.model_from)
     if cfg.chat_template is not None:  # the base model answers through the same template
         base = dataclasses.replace(base, tokenizer=with_chat_template(
             base.model, cfg.chat_template).tokenizer)
     base_match, base_answers = score(base, items, cfg.max_new_tokens)
-    print(f"base model: exact match {base_match:.0%} on the held-out questions")
+    base_harness = harness_score(base, manager, len(items), cfg.max_new_tokens)
+    print(f"base model: exact match {base_match:.0%} on the held-out questions "
+          f"(harness: {base_harness:.0%})")
     del base
 
     results = {"config": dataclasses.asdict(cfg), "records": count, "scored": len(items),
-               "base": {"exact_match": base_match, "answers": base_answers}, "variants": {}}
+               "base": {"exact_match": base_match, "harness_exact_match": base_harness,
+                        "answers": base_answers}, "variants": {}}
     for name, rank, lr, frozen in variants(cfg):
         run_dir = out / name.replace(" ", "").replace("=", "").replace(",", "-")
         result = train(TrainConfig(
@@ -138,17 +185,21 @@ def main(cfg: Config) -> dict:
             eval_batches=cfg.eval_batches, unroll_layers=cfg.unroll_layers,
             progress=cfg.progress, out=str(run_dir)))
         s = result.summary
-        match, answers = score(load(str(run_dir)), items, cfg.max_new_tokens)
+        tuned = load(str(run_dir))
+        match, answers = score(tuned, items, cfg.max_new_tokens)
+        harness_match = harness_score(tuned, manager, len(items), cfg.max_new_tokens)
+        del tuned
         memory = s["memory"]
         results["variants"][name] = {
             "rank": rank, "lr": lr, "trainable_params": s["trainable_params"],
             "eval_loss_before": s["eval_loss_start"], "eval_loss_after": s["eval_loss"],
-            "exact_match": match, "answers": answers,
+            "exact_match": match, "harness_exact_match": harness_match, "answers": answers,
             "tokens_per_s": s["tokens_per_s"], "wall_time_s": s["wall_time_s"],
             "model_states_bytes": memory["model_states"], "temp_bytes": memory["temporaries"],
         }
         print(f"{name}: validation loss {s['eval_loss_start']:.4f} -> {s['eval_loss']:.4f}, "
-              f"exact match {base_match:.0%} -> {match:.0%}, {s['tokens_per_s']:.0f} tokens/s")
+              f"exact match {base_match:.0%} -> {match:.0%} (harness: {base_harness:.0%} -> "
+              f"{harness_match:.0%}), {s['tokens_per_s']:.0f} tokens/s")
 
     _report(results, items, cfg.samples)
     (out / "results.json").write_text(json.dumps(results, indent=2))
@@ -158,12 +209,14 @@ def main(cfg: Config) -> dict:
 
 def _report(results: dict, items, samples: int) -> None:
     print(f"\n{'variant':<12}{'trainable':>12}{'val loss before':>17}{'after':>9}"
-          f"{'exact match':>13}{'tokens/s':>10}{'states MB':>11}{'temp MB':>9}")
+          f"{'exact match':>13}{'harness':>9}{'tokens/s':>10}{'states MB':>11}{'temp MB':>9}")
     for name, v in results["variants"].items():
         print(f"{name:<12}{v['trainable_params']:>12,}{v['eval_loss_before']:>17.4f}"
-              f"{v['eval_loss_after']:>9.4f}{v['exact_match']:>13.0%}{v['tokens_per_s']:>10.0f}"
+              f"{v['eval_loss_after']:>9.4f}{v['exact_match']:>13.0%}"
+              f"{v['harness_exact_match']:>9.0%}{v['tokens_per_s']:>10.0f}"
               f"{v['model_states_bytes'] / 1e6:>11.1f}{v['temp_bytes'] / 1e6:>9.1f}")
-    print(f"(base model exact match: {results['base']['exact_match']:.0%})")
+    print(f"(base model exact match: {results['base']['exact_match']:.0%}, harness: "
+          f"{results['base']['harness_exact_match']:.0%})")
     for i, (question, expected) in enumerate(items[:samples]):
         print(f"\nQ: {question}\nexpected: {expected}\nbase:     {results['base']['answers'][i]}")
         for name, v in results["variants"].items():

@@ -118,6 +118,10 @@ def test_finetune_smoke(tmp_path):
         assert v["eval_loss_before"] > 0 and v["eval_loss_after"] > 0
         assert len(v["answers"]) == results["scored"] == cfg.held_out
         assert 0.0 <= v["exact_match"] <= 1.0
+        # lm-evaluation-harness's exact match on a task over the same held-out records.
+        assert 0.0 <= v["harness_exact_match"] <= 1.0
+    assert 0.0 <= results["base"]["harness_exact_match"] <= 1.0
+    assert (tmp_path / "out" / "harness" / "held_out.jsonl").read_text().count("\n") == 2
     # The same starting model and validation set for every variant.
     assert lora["eval_loss_before"] == full["eval_loss_before"]
     assert results["records"] > 300
