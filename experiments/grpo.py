@@ -253,13 +253,11 @@ def report(results: dict) -> str:
 
 
 def _plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: the caller's backend stays as it is
 
     curve = results["curve"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5), width_ratios=(2, 1))
+    fig = Figure(figsize=(9, 3.5))
+    ax1, ax2 = fig.subplots(1, 2, width_ratios=(2, 1))
     ax1.plot(curve["step"], curve["reward"], marker=".", lw=1, label="reward (mean of the step)")
     window = max(1, len(curve["reward"]) // 6)
     if window > 1:
@@ -276,7 +274,6 @@ def _plot(results: dict, path: Path) -> None:
     fig.suptitle("GRPO under LoRA on arithmetic (exact-match reward)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 if __name__ == "__main__":
