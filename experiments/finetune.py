@@ -39,7 +39,6 @@ from effijax.data import read_records, split_records, stdlib_qa, write_jsonl
 from effijax.generate import load
 from effijax.harness import EffijaxLM, evaluate_tasks
 from effijax.recipe import TrainConfig, train
-from effijax.sources import with_chat_template
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 # The harness task over the held-out questions (harness_task), and the metric it reports.
@@ -160,10 +159,8 @@ def main(cfg: Config) -> dict:
     print(f"{count} question/answer records; {len(held)} held out, {len(items)} scored")
     manager = harness_task(items, out / "harness")
 
-    base = load(cfg.model_from)
-    if cfg.chat_template is not None:  # the base model answers through the same template
-        base = dataclasses.replace(base, tokenizer=with_chat_template(
-            base.model, cfg.chat_template).tokenizer)
+    # The base model answers through the same template as the variants' data.
+    base = load(cfg.model_from, chat_template=cfg.chat_template)
     base_match, base_answers = score(base, items, cfg.max_new_tokens)
     base_harness = harness_score(base, manager, len(items), cfg.max_new_tokens)
     print(f"base model: exact match {base_match:.0%} on the held-out questions "

@@ -46,7 +46,6 @@ from effijax.generate import load
 from effijax.objectives import exact_match
 from effijax.recipe import TrainConfig, train
 from effijax.run import read_metrics
-from effijax.sources import with_chat_template
 
 OPERATIONS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 COMMUTATIVE = {"+", "*"}
@@ -159,14 +158,6 @@ def accuracy(loaded, questions: list[Question], max_new_tokens: int) -> dict:
             "right": right, "answers": answers}
 
 
-def _load(name: str, chat_template: str | None):
-    loaded = load(name)
-    if chat_template is not None:  # the same template as the run's prompts
-        loaded = dataclasses.replace(loaded, tokenizer=with_chat_template(
-            loaded.model, chat_template).tokenizer)
-    return loaded
-
-
 def main(cfg: Config) -> dict:
     began = time.perf_counter()
     out = Path(cfg.out)
@@ -181,7 +172,7 @@ def main(cfg: Config) -> dict:
           f"({len({q.group for q in held_qs})} groups never trained on)")
 
     # Before: the base model's greedy answers.
-    before = accuracy(_load(cfg.model_from, cfg.chat_template), held_qs,
+    before = accuracy(load(cfg.model_from, chat_template=cfg.chat_template), held_qs,
                       cfg.max_completion_length)
     print(f"before: held-out accuracy {before['accuracy']:.1%}")
 
@@ -199,7 +190,7 @@ def main(cfg: Config) -> dict:
     records = [r for r in read_metrics(run_dir) if "reward" in r]
 
     # After: the base with the trained adapters, the same questions and budget.
-    after = accuracy(_load(str(run_dir), None), held_qs, cfg.max_completion_length)
+    after = accuracy(load(str(run_dir)), held_qs, cfg.max_completion_length)
 
     rewards = [r["reward"] for r in records]
     tail = max(1, len(rewards) // 4)

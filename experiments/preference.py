@@ -52,7 +52,6 @@ from effijax.generate import load
 from effijax.models import abstract_split, make_sequence_logps
 from effijax.recipe import TrainConfig, train
 from effijax.run import read_metrics
-from effijax.sources import with_chat_template
 
 KINDS = ("signature", "summary")
 
@@ -237,21 +236,13 @@ def _means(per_pair: dict, pairs: list[Pair]) -> dict:
     return out
 
 
-def _load(name: str, chat_template: str | None):
-    loaded = load(name)
-    if chat_template is not None:  # the same template as the run's data
-        loaded = dataclasses.replace(loaded, tokenizer=with_chat_template(
-            loaded.model, chat_template).tokenizer)
-    return loaded
-
-
 def main(cfg: Config) -> dict:
     began = time.perf_counter()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
 
     # Pairs: split by question group, wrong answers from the same side; too long ones dropped.
-    base = _load(cfg.model_from, cfg.chat_template)
+    base = load(cfg.model_from, chat_template=cfg.chat_template)
     train_pairs, held_pairs = build_pairs(stdlib_qa(cfg.modules), cfg.held_out_fraction,
                                           cfg.seed)
     built = len(train_pairs) + len(held_pairs)
@@ -281,7 +272,7 @@ def main(cfg: Config) -> dict:
 
     # After: the policy (base + adapters) against the reference, the base (the adapters off):
     # its log-probabilities are the ones measured before.
-    after = measure(_load(str(run_dir), None), held_pairs, held_rows, cfg, reference=before)
+    after = measure(load(str(run_dir)), held_pairs, held_rows, cfg, reference=before)
 
     results = {
         "config": dataclasses.asdict(cfg),

@@ -371,6 +371,21 @@ def test_load_a_gguf_and_complete_text_and_chat(tiny_gguf):
         load("nowhere")
 
 
+def test_load_renders_chat_with_a_template_file_instead_of_the_models(tiny_gguf, tmp_path):
+    pytest.importorskip("jinja2", reason="chat templates need jinja2")
+    turns = tmp_path / "turns.jinja"
+    turns.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                     "{% if add_generation_prompt %}<assistant>{% endif %}")
+    loaded = load(str(tiny_gguf), chat_template=str(turns))
+    assert loaded.chat_prompt("hi") == "<user>hi<assistant>"
+    assert loaded.model.tokenizer is loaded.tokenizer
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}")
+    with pytest.raises(ConfigError) as e:
+        load(str(tiny_gguf), chat_template=str(broken))
+    assert e.value.field == "chat_template"
+
+
 def test_a_reply_streams_as_it_is_decoded(tiny_gguf, monkeypatch):
     from effijax.generate import _load
 

@@ -26,7 +26,7 @@ import numpy as np
 from effijax.data import turn_end_id
 from effijax.errors import ConfigError
 from effijax.generate._generate import Generation, generate
-from effijax.sources import Opened, open_model
+from effijax.sources import Opened, open_model, with_chat_template
 
 __all__ = ["Loaded", "Completion", "load"]
 
@@ -202,9 +202,22 @@ def _check_text(text: str, what: str) -> None:
                           'UTF-8 (errors="replace" to accept U+FFFD for what is not)') from None
 
 
-def load(model_from: str) -> Loaded:
+def load(model_from: str, *, chat_template: str | None = None) -> Loaded:
     """Opens a run directory, a ``.gguf`` file, a Hugging Face directory or ``smollm2`` for
     generation; the errors (a :class:`~effijax.errors.ConfigError` for ``model_from``) and
-    an example are :func:`effijax.sources.open_model`'s."""
+    an example are :func:`effijax.sources.open_model`'s.
+
+    Args:
+      model_from: what ``--from`` takes.
+      chat_template: a Jinja chat template file that the tokenizer renders chat with instead
+        of its own (``--chat-template``: a base model without one, such as Gemma 3 270M, or
+        the template a run trained with); checked on a two-turn conversation now
+        (:func:`effijax.sources.with_chat_template`: a ``ConfigError`` for
+        ``chat_template``). None: the model's own.
+    """
     opened = open_model(model_from)
-    return Loaded(opened.model, opened.params, opened.lora, opened.tokenizer, opened.source)
+    model, tokenizer = opened.model, opened.tokenizer
+    if chat_template is not None:
+        model = with_chat_template(model, chat_template)
+        tokenizer = model.tokenizer
+    return Loaded(model, opened.params, opened.lora, tokenizer, opened.source)
