@@ -247,9 +247,13 @@ def test_a_damaged_step_is_skipped_quietly_naming_the_file_and_the_fault(tmp_pat
     # TensorStore's own error, not orbax's wrapper (whose last line ends a spec dump).
     assert step == 2 and reason.startswith("ValueError: OUT_OF_RANGE: Error reading "), reason
     assert "is not valid for value of size" in reason, reason
-    for _ in range(20):  # reads still in flight finish on TensorStore's threads
-        gc.collect()
-        time.sleep(0.05)
+    # Reads still in flight finish on TensorStore's threads; then what they left reports itself
+    # when collected. Two full collections, not one every 50 ms: in a pytest worker that has
+    # run many tests each takes up to seconds (this test took 45 s in the full suite; after
+    # three compile-heavy modules in one process, 12.1 s with twenty collections, 3.4 s with two).
+    time.sleep(1.0)
+    gc.collect()
+    gc.collect()
     assert unraisable == [], [repr(u.exc_value)[:200] for u in unraisable]
 
 
