@@ -23,16 +23,17 @@ SETTINGS = {"batch_size": 8, "max_length": 112}
 def answers(lm) -> dict:
     """``{"results", "answers"}`` of the tasks on ``lm`` (JSON-ready)."""
     import lm_eval
-    import lm_eval.evaluator
 
     from effijax.harness import task_manager
+    from effijax.harness._tasks import _environment_from_jax
 
-    # The results' environment report runs torch's collect_env (pip, in subprocesses: seconds);
-    # nothing reads it.
-    lm_eval.evaluator.add_env_info = lambda results: None
-    out = lm_eval.simple_evaluate(model=lm, tasks=list(TASKS), limit=LIMIT,
-                                  task_manager=task_manager(include_defaults=False),
-                                  log_samples=True, bootstrap_iters=0, torch_random_seed=None)
+    # The machine recorded from JAX, as evaluate_tasks does (the harness's own report runs
+    # torch's collect_env: seconds of pip in subprocesses), and only for this call.
+    with _environment_from_jax():
+        out = lm_eval.simple_evaluate(model=lm, tasks=list(TASKS), limit=LIMIT,
+                                      task_manager=task_manager(include_defaults=False),
+                                      log_samples=True, bootstrap_iters=0,
+                                      torch_random_seed=None)
     return {"results": {t: {k: v for k, v in out["results"][t].items() if k != "alias"}
                         for t in TASKS},
             "answers": {t: {str(s["doc_id"]): s["resps"] for s in out["samples"][t]}
