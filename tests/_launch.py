@@ -118,6 +118,14 @@ def is_loopback(address: str) -> bool:
     return host == "localhost" or ipaddress.ip_address(host).is_loopback
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the kernel's pick), for a run's
+    coordinator."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def free_slurm_job_id() -> int:
     """A job id whose jax-derived coordinator port (61440 + id mod 4096) is free here."""
     ports = list(range(65536 - 4096, 65536))

@@ -11,7 +11,6 @@ hang into a failure.
 """
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ pytest.importorskip("lm_eval", reason="the harness tests need lm-evaluation-harn
 pytest.importorskip("gguf", reason="the tiny model is written as a GGUF file")
 
 from _harness_worker import LIMIT, SETTINGS, TASKS, answers  # noqa: E402
-from _launch import env, wait  # noqa: E402
+from _launch import env, free_port, wait  # noqa: E402
 
 PROCESSES, DEVICES = 2, 2
 TIMEOUT_S = 300
@@ -32,12 +31,6 @@ TIMEOUT_S = 300
 # (measured here: equal to the bit, sums of 116 to 3,360 nats); a wrong token or position moves
 # it by ~0.1.
 ATOL = 1e-5
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +46,7 @@ def two_processes(tiny_gguf, tmp_path_factory):
     """Both processes' records (tests/_harness_worker.py), process 0's first."""
     folder = tmp_path_factory.mktemp("answers")
     worker = Path(__file__).resolve().parent / "_harness_worker.py"
-    coordinator = f"127.0.0.1:{_free_port()}"
+    coordinator = f"127.0.0.1:{free_port()}"
     procs = [subprocess.Popen([sys.executable, str(worker), str(tiny_gguf),
                                str(folder / f"{i}.json"), coordinator, str(PROCESSES), str(i),
                                str(DEVICES)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -12,20 +12,13 @@ told the ranks by flags, is stopped by SIGTERM and resumed, and serves both of i
 
 import json
 import signal
-import socket
 import time
 
 import pytest
 from _gloo import not_gloo
-from _launch import ARGS, STEPS, TIMEOUT_S, env, metrics, same_run, train, wait
+from _launch import ARGS, STEPS, TIMEOUT_S, env, free_port, metrics, same_run, train, wait
 
 MESH = {"data": 1, "fsdp": 8, "tensor": 1}
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _pair(args, port, environment):
@@ -50,7 +43,7 @@ def stopped_and_resumed(tmp_path_factory, launch_corpus, cached_env):
     until the stop, and process 0's and process 1's stdout of the resumption."""
     args = [*ARGS, "--data", launch_corpus]
     run = tmp_path_factory.mktemp("2x4") / "run"
-    procs = _pair([*args, "--out", str(run)], _free_port(), cached_env)
+    procs = _pair([*args, "--out", str(run)], free_port(), cached_env)
     checkpoints = run / "checkpoints"
     deadline = time.monotonic() + TIMEOUT_S
     while not (checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())):
@@ -65,7 +58,7 @@ def stopped_and_resumed(tmp_path_factory, launch_corpus, cached_env):
 
     # The resumption loads the programs around the step from the cache (the stopped launch, or
     # an earlier one of the same shape, compiled them).
-    (out0, _), (out1, _) = wait(_pair([*args, "--out", str(run)], _free_port(), cached_env),
+    (out0, _), (out1, _) = wait(_pair([*args, "--out", str(run)], free_port(), cached_env),
                                 TIMEOUT_S)
     return run, last, saved, stopped, out0, out1
 
@@ -135,7 +128,7 @@ def test_a_tensor_axis_across_two_processes_matches_one_process_of_eight(tmp_pat
             "--batch-size", "8", "--steps", str(TENSOR_STEPS), "--eval-batches", "1",
             "--no-progress", "--data", launch_corpus]
     multi, single = tmp_path / "2x4", tmp_path / "1x8"
-    (out0, _), _ = wait(_pair([*args, "--out", str(multi)], _free_port(), cached_env),
+    (out0, _), _ = wait(_pair([*args, "--out", str(multi)], free_port(), cached_env),
                         TIMEOUT_S)
     assert "2 process(es)" in out0 and "mesh tensor=8" in out0, out0
     wait([train([*args, "--out", str(single), "--cpu-devices", "8"], cached_env)], TIMEOUT_S)

@@ -15,6 +15,7 @@ import threading
 import time
 
 import pytest
+from _launch import free_port
 from _run_env import compiles_as_the_suite
 
 from effijax import _rendezvous, distributed
@@ -24,12 +25,6 @@ from effijax.recipe import TrainConfig
 ADDRESS = "127.0.0.1:{port}"
 # Outcomes that must never reach a user: jax's C++ abort and Python's traceback.
 CRASH_MARKS = ("Traceback", "DEADLINE_EXCEEDED", "Check failed", "Check failure", "Aborted")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _connect(port) -> socket.socket:
@@ -70,7 +65,7 @@ class _Process(threading.Thread):
 
 
 def test_every_process_meets_in_any_order_and_the_port_is_free_for_jax_at_once():
-    port = _free_port()
+    port = free_port()
     # The others come before process 0 listens, and one after.
     procs = [_Process(port, 4, 1), _Process(port, 4, 3), _Process(port, 4, 0, delay_s=0.5),
              _Process(port, 4, 2, delay_s=1.0)]
@@ -81,7 +76,7 @@ def test_every_process_meets_in_any_order_and_the_port_is_free_for_jax_at_once()
 
 
 def test_process_0_alone_names_the_missing_process_after_its_timeout():
-    port = _free_port()
+    port = free_port()
     start = time.monotonic()
     lead = _Process(port, 2, 0, timeout_s=1).result()
     took = time.monotonic() - start
@@ -94,7 +89,7 @@ def test_process_0_alone_names_the_missing_process_after_its_timeout():
 
 
 def test_a_process_alone_names_process_0():
-    port = _free_port()
+    port = free_port()
     other = _Process(port, 2, 1, timeout_s=1).result()
     assert other.error.setting == "num_processes" and other.error.missing == (0,)
     assert other.error.problem == f"process 0 did not answer at 127.0.0.1:{port} within 1 s"
@@ -103,7 +98,7 @@ def test_a_process_alone_names_process_0():
 
 
 def test_processes_that_came_learn_from_process_0_who_is_missing():
-    port = _free_port()
+    port = free_port()
     start = time.monotonic()
     lead, one = _Process(port, 4, 0, timeout_s=2.5), _Process(port, 4, 1, timeout_s=30)
     lead.result(), one.result()
@@ -116,7 +111,7 @@ def test_processes_that_came_learn_from_process_0_who_is_missing():
 
 
 def test_a_process_that_dies_before_everyone_came_is_named():
-    port = _free_port()
+    port = free_port()
     lead = _Process(port, 3, 0, timeout_s=1)
     with _connect(port) as s:
         s.sendall(b"effijax-join-1 3 1\n")
@@ -128,7 +123,7 @@ def test_a_process_that_dies_before_everyone_came_is_named():
 
 
 def test_different_process_counts_stop_both_sides():
-    port = _free_port()
+    port = free_port()
     lead, other = _Process(port, 2, 0), _Process(port, 3, 1, delay_s=0.2)
     lead.result(), other.result()
     for p in (lead, other):
@@ -138,7 +133,7 @@ def test_different_process_counts_stop_both_sides():
 
 
 def test_an_id_taken_twice_stops_the_run():
-    port = _free_port()
+    port = free_port()
     lead = _Process(port, 3, 0)
     first = _Process(port, 3, 1)
     time.sleep(0.5)  # the first process 1 has joined
@@ -152,7 +147,7 @@ def test_an_id_taken_twice_stops_the_run():
 
 
 def test_a_stranger_on_the_port_is_ignored():
-    port = _free_port()
+    port = free_port()
     lead = _Process(port, 2, 0)
     with _connect(port) as s:
         s.sendall(b"GET / HTTP/1.0\r\n\r\n")
@@ -205,7 +200,7 @@ def no_launcher(monkeypatch):
 
 
 def test_join_names_the_missing_process_and_how_to_start_it(no_launcher):
-    port = _free_port()
+    port = free_port()
     lines = []
     with pytest.raises(ConfigError) as e:
         distributed.join(distributed.find_launch(ADDRESS.format(port=port), 2, 1),
@@ -219,7 +214,7 @@ def test_join_names_the_missing_process_and_how_to_start_it(no_launcher):
 
 
 def test_join_names_settings_as_the_environment_or_the_launcher_gave_them(no_launcher):
-    port = _free_port()
+    port = free_port()
     no_launcher.setenv("EFFIJAX_NUM_PROCESSES", "2")
     no_launcher.setenv("EFFIJAX_PROCESS_ID", "1")
     no_launcher.setenv("EFFIJAX_COORDINATOR", ADDRESS.format(port=port))
@@ -302,7 +297,7 @@ def _check_one_error_line(code, out, err, took, error):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_process_0_without_its_partner_says_so_and_exits_2(tmp_path):
-    port = _free_port()
+    port = free_port()
     code, out, err, took = _ended(_train(port, 2, 0, tmp_path))
     assert f"effijax train: process 0 of 2: waiting for 1 more at 127.0.0.1:{port}: process 1 " \
         f"(timeout {JOIN_TIMEOUT_S} s" in err, err
@@ -315,7 +310,7 @@ def test_process_0_without_its_partner_says_so_and_exits_2(tmp_path):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_process_1_without_process_0_says_so_and_exits_2(tmp_path):
-    port = _free_port()
+    port = free_port()
     code, out, err, took = _ended(_train(port, 2, 1, tmp_path))
     assert f"effijax train: process 1 of 2: waiting for process 0 at 127.0.0.1:{port} " \
         f"(timeout {JOIN_TIMEOUT_S} s" in err, err
@@ -329,7 +324,7 @@ def test_process_1_without_process_0_says_so_and_exits_2(tmp_path):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_two_of_three_processes_both_name_the_third(tmp_path):
-    port = _free_port()
+    port = free_port()
     # Process 1 would wait far longer: it stops when process 0 gives up, told who is missing.
     procs = [_train(port, 3, 0, tmp_path), _train(port, 3, 1, tmp_path, join_timeout=300)]
     for code, out, err, took in map(_ended, procs):
