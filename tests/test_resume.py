@@ -212,7 +212,7 @@ def test_resume_with_another_model_fails_fast(tmp_path, corpus, capsys, change, 
 def test_failed_save_raises_and_non_finite_is_a_warning(tmp_path, corpus, capsys, monkeypatch):
     from effijax.checkpoint import Checkpointer, SaveResult
 
-    def refuse(self, state, *, force=False, step=None):
+    def refuse(self, state, *, force=False, step=None, extra=None):
         return SaveResult(int(state.step), False, "non_finite")
 
     monkeypatch.setattr(Checkpointer, "save", refuse)
@@ -221,7 +221,7 @@ def test_failed_save_raises_and_non_finite_is_a_warning(tmp_path, corpus, capsys
     err = capsys.readouterr().err
     assert "step 1 has non-finite" in err and "step 2 has non-finite" in err, err
 
-    def fail(self, state, *, force=False, step=None):
+    def fail(self, state, *, force=False, step=None, extra=None):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(Checkpointer, "save", fail)

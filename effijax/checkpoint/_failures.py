@@ -255,8 +255,7 @@ def save(ckpt, state, *, out, release: Callable[[], None], force: bool = False,
     :class:`~effijax.checkpoint.SaveResult`), a failed write raised as :class:`SaveError` (see
     :func:`save_errors`)."""
     with save_errors(out, ckpt, step_of(state), release):
-        # ``extra`` only where there is some: a step with none is saved as it always was.
-        return ckpt.save(state, force=force, **({"extra": extra} if extra else {}))
+        return ckpt.save(state, force=force, extra=extra)
 
 
 def last_good(ckpt, close: Callable[[], None]) -> str:
