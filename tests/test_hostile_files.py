@@ -85,6 +85,16 @@ def _refused(read, path, name, within=None) -> bool:
     return refused
 
 
+def _overwrite(path, data: bytes) -> None:
+    """``path``'s bytes replaced by ``data`` in place: written over, then cut to length. The
+    reader sees the same bytes as after ``write_bytes``, whose ``O_TRUNC`` makes ext4 start
+    writing the file back at close (its ``auto_da_alloc``): 2.5 ms a case against 0.1 ms,
+    measured on the 2-core host, most of a fuzz run's time."""
+    with open(path, "r+b" if os.path.exists(path) else "wb") as f:
+        f.write(data)
+        f.truncate()
+
+
 # --------------------------------------------------------------------------------------------
 # GGUF.
 # --------------------------------------------------------------------------------------------
@@ -139,7 +149,7 @@ def _run_gguf(files, tmp_path, seed, n):
     tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "hostile.gguf"
     for k, (name, data) in enumerate(_gguf_cases(valid, numbers, seed, n)):
-        path.write_bytes(data)
+        _overwrite(path, data)
         # The architecture (header, metadata, tensor records) for every case; the whole load
         # (tokenizer, dequantized tensors) for every fourth, which is slower.
         refused += _refused(read_config if k % 4 else load_pretrained, path, name)
@@ -393,7 +403,7 @@ def test_hostile_sentencepiece_gguf_files_are_refused_in_one_line(tmp_path):
     path = tmp_path / "hostile.gguf"
     refused = total = 0
     for name, data in _gguf_cases(valid, numbers, seed=0, n=CASES // 5):
-        path.write_bytes(data)
+        _overwrite(path, data)
         refused += _refused(load_tokenizer, path, name)
         total += 1
     assert refused > total // 2, (refused, total)
@@ -456,7 +466,7 @@ def _run_safetensors(files, tmp_path, seed, n):
     valid = target.read_bytes()
     refused = total = 0
     for name, data in _safetensors_cases(valid, seed, n):
-        target.write_bytes(data)
+        _overwrite(target, data)
         refused += _refused(load_pretrained, directory, name)
         total += 1
     assert refused == total, (refused, total)
@@ -589,7 +599,7 @@ def _run_json(files, tmp_path, file, read, seed, n, required=()):
     valid = json.loads((directory / file).read_text())
     refused = total = 0
     for name, data in _json_cases(valid, seed, n, required):
-        (directory / file).write_bytes(data)
+        _overwrite(directory / file, data)
         refused += _refused(read, directory, name)
         total += 1
     return refused, total
