@@ -15,11 +15,11 @@ Example:
   >>> import jax
   >>> from effijax.models import llama_config
   >>> model = llama_config("llama-tiny")
-  >>> out = generate(model, model.init_params(jax.random.key(0)), [1, 2, 3], max_new_tokens=4)
+  >>> params = model.init_params(jax.random.key(0))
+  >>> out = generate(model, params, [1, 2, 3], max_new_tokens=4)
   >>> out.tokens.shape
   (1, 4)
-  >>> out = generate(model, model.init_params(jax.random.key(0)), [[1, 2, 3], [4, 5]],
-  ...                max_new_tokens=4)
+  >>> out = generate(model, params, [[1, 2, 3], [4, 5]], max_new_tokens=4)
   >>> [row.shape for row in out.outputs], out.prompt_lengths.tolist()
   ([(4,), (4,)], [3, 2])
 """

@@ -202,13 +202,15 @@ def xla_attend(q_BSHK: jax.Array, k_BTHK: jax.Array, v_BTHK: jax.Array, *, causa
     Raises:
       ValueError: before tracing, for the inputs :func:`attend` refuses, and for dropout.
 
-    Example:
+    Example (each compiled, as a model's forward pass runs it; an int window stays static):
+
       >>> import jax, jax.numpy as jnp
+      >>> fused, naive = (jax.jit(f, static_argnames="window") for f in (xla_attend, attend))
       >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 6, 4, 8))
-      >>> out = xla_attend(q, k[:, :, :2], v[:, :, :2])  # 4 query heads, 2 kv heads
-      >>> bool(jnp.allclose(out, attend(q, k[:, :, :2], v[:, :, :2]), atol=1e-5))
+      >>> out = fused(q, k[:, :, :2], v[:, :, :2])  # 4 query heads, 2 kv heads
+      >>> bool(jnp.allclose(out, naive(q, k[:, :, :2], v[:, :, :2]), atol=1e-5))
       True
-      >>> bool(jnp.allclose(xla_attend(q, k, v, window=3), attend(q, k, v, window=3), atol=1e-5))
+      >>> bool(jnp.allclose(fused(q, k, v, window=3), naive(q, k, v, window=3), atol=1e-5))
       True
     """
     check_qkv("xla_attend", q_BSHK, k_BTHK, v_BTHK, causal=causal, segments_BS=segments_BS,

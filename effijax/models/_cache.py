@@ -288,12 +288,15 @@ def cached_attend(q_BSHK: jax.Array, k_BTGK: jax.Array, v_BTGK: jax.Array,
     softmax with masked entries exactly 0), so a cached forward pass gives the full forward
     pass's values.
 
-    Example:
+    Example (compiled, as a decode step runs it: one program per call, not one per operation):
+
       >>> import jax, jax.numpy as jnp
       >>> from effijax.models import attend
+      >>> cached = jax.jit(cached_attend)
+      >>> full_pass = jax.jit(attend, static_argnames="window")
       >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 5, 4, 8))
-      >>> full = attend(q, k[:, :, :2], v[:, :, :2])
-      >>> last = cached_attend(q[:, 4:], k[:, :, :2], v[:, :, :2], jnp.int32(4))
+      >>> full = full_pass(q, k[:, :, :2], v[:, :, :2])
+      >>> last = cached(q[:, 4:], k[:, :, :2], v[:, :, :2], jnp.int32(4))
       >>> bool(jnp.allclose(last, full[:, 4:], atol=1e-6))
       True
 
@@ -301,14 +304,14 @@ def cached_attend(q_BSHK: jax.Array, k_BTGK: jax.Array, v_BTGK: jax.Array,
 
       >>> q, k = jax.random.normal(jax.random.key(1), (2, 2, 3, 2, 8))  # batch 2, 3 tokens
       >>> padded = jnp.concatenate([jnp.zeros_like(k[:, :1]), k], axis=1)
-      >>> out = cached_attend(q, padded, padded, jnp.int32(1), jnp.array([1, 1]))
-      >>> bool(jnp.allclose(out, attend(q, k, k), atol=1e-6))
+      >>> out = cached(q, padded, padded, jnp.int32(1), jnp.array([1, 1]))
+      >>> bool(jnp.allclose(out, full_pass(q, k, k), atol=1e-6))
       True
 
       With a window of 2 keys, the last query as in the windowed full pass:
 
-      >>> out = cached_attend(q[:, 2:], k, k, jnp.int32(2), window=2)
-      >>> bool(jnp.allclose(out, attend(q, k, k, window=2)[:, 2:], atol=1e-6))
+      >>> out = cached(q[:, 2:], k, k, jnp.int32(2), window=2)
+      >>> bool(jnp.allclose(out, full_pass(q, k, k, window=2)[:, 2:], atol=1e-6))
       True
     """
     slots_S = jnp.asarray(start, jnp.int32) + jnp.arange(q_BSHK.shape[1], dtype=jnp.int32)
@@ -327,15 +330,16 @@ def ring_attend(q_BSHK: jax.Array, k_BWGK: jax.Array, v_BWGK: jax.Array, k_BSGK:
     every earlier one it needs), in row ``b`` from ``pad_B[b]`` on. The new keys are cast to
     the ring's dtype first, as a cache stores them.
 
-    Example:
+    Example (compiled, as a decode step runs it):
+
       >>> import jax, jax.numpy as jnp
       >>> from effijax.models import attend
       >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 9, 2, 8))
-      >>> full = attend(q, k, v, window=3)  # 9 tokens, a window of 3
+      >>> full = jax.jit(attend, static_argnames="window")(q, k, v, window=3)  # 9 tokens
       >>> ring_k = write_ring(jnp.zeros((1, 3, 2, 8)), k[:, :6], jnp.int32(0))  # prefill 6
       >>> ring_v = write_ring(jnp.zeros((1, 3, 2, 8)), v[:, :6], jnp.int32(0))
-      >>> out = ring_attend(q[:, 6:], ring_k, ring_v, k[:, 6:], v[:, 6:], jnp.int32(6),
-      ...                   window=3)
+      >>> out = jax.jit(ring_attend)(q[:, 6:], ring_k, ring_v, k[:, 6:], v[:, 6:],
+      ...                            jnp.int32(6), window=3)
       >>> bool(jnp.allclose(out, full[:, 6:], atol=1e-6))
       True
     """
@@ -364,13 +368,17 @@ def attend_layer(layer: LayerCache, q_BSHK: jax.Array, k_BSGK: jax.Array, v_BSGK
     written into the layer's ring (:func:`ring_attend`, :func:`write_ring`) or its full-length
     slots (:func:`write_cache`, :func:`cached_attend`).
 
-    Example:
+    Example (compiled, as a decode step runs it; the ring flag and the window are static):
+
       >>> import jax, jax.numpy as jnp
       >>> from effijax.models import attend
+      >>> @jax.jit
+      ... def first_layer(cache, q, k, v):  # layer 0 of the rings, window 2, from slot 0
+      ...     return attend_layer(LayerCache(cache, True, 0, jnp.int32(0)), q, k, v, 2)
       >>> cache = init_cache(2, 1, 8, 1, 4, windows=(2, None))
       >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 5, 1, 4))
-      >>> out, cache = attend_layer(LayerCache(cache, True, 0, jnp.int32(0)), q, k, v, 2)
-      >>> bool(jnp.allclose(out, attend(q, k, v, window=2), atol=1e-6))
+      >>> out, cache = first_layer(cache, q, k, v)
+      >>> bool(jnp.allclose(out, jax.jit(attend)(q, k, v, window=2), atol=1e-6))
       True
       >>> cache.k_LBWGK[0, 0, :, 0, 0].tolist() == k[0, 3:5, 0, 0][::-1].tolist()  # slots 4, 3
       True
