@@ -78,27 +78,28 @@ def test_lora_smoke(tmp_path):
         variants.keys()
 
 
-def _tiny_chat_gguf(tmp_path):
+@pytest.fixture(scope="module")
+def tiny_chat_gguf(tmp_path_factory):
     """A tiny random Llama GGUF with a chat template (the stand-in for SmolLM2), and its
-    config."""
+    config: written once for the fine-tuning and preference runs, which only read it."""
     import jax
     from _llama_files import VOCAB_SIZE, write_gguf
 
     from effijax.models import llama_config
 
     model = llama_config("llama-tiny", vocab_size=VOCAB_SIZE, seq_len=256)
-    gguf = tmp_path / "tiny.gguf"
+    gguf = tmp_path_factory.mktemp("tiny-chat-gguf") / "tiny.gguf"
     write_gguf(gguf, model, jax.jit(model.init_params)(jax.random.key(0)))
     return gguf, model
 
 
 @pytest.mark.slow
-def test_finetune_smoke(tmp_path):
+def test_finetune_smoke(tmp_path, tiny_chat_gguf):
     # A tiny Llama GGUF with a chat template stands in for SmolLM2 (the default preset's
     # model): the same path through data, training, generation and scoring, in seconds.
     import json
 
-    gguf, model = _tiny_chat_gguf(tmp_path)
+    gguf, model = tiny_chat_gguf
     experiment = _load("finetune")
     # Through --model gemma3's chat template file (the tiny vocabulary spells its turn markers
     # in bytes, hence the longer rows): the base model's answers and every variant's data and
@@ -159,14 +160,14 @@ def test_preference_pairs_split_by_question():
 
 
 @pytest.mark.slow
-def test_preference_smoke(tmp_path):
+def test_preference_smoke(tmp_path, tiny_chat_gguf):
     # DPO under LoRA on a tiny random Llama GGUF with a chat template (the default preset's
     # SmolLM2 takes minutes): pairs, training, scoring and greedy answers, end to end.
     import json
 
     import numpy as np
 
-    gguf, _ = _tiny_chat_gguf(tmp_path)
+    gguf, _ = tiny_chat_gguf
     experiment = _load("preference")
     cfg = dataclasses.replace(experiment.PRESETS["smoke"], out=str(tmp_path / "out"),
                               model_from=str(gguf))
