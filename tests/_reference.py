@@ -74,6 +74,27 @@ def torch_threads(n: int):
         torch.set_num_threads(before)
 
 
+@functools.cache
+def _plain_reader(reader_class):
+    """gguf-py's ``GGUFReader`` with its file mapped as a plain ``ndarray`` (the same pages,
+    read only), not as an ``np.memmap``: the reader slices the mapping once per metadata value
+    (786,000 times for Gemma 3's 262,144 tokens, scores and types), and each slice of a
+    ``memmap`` runs its Python ``__getitem__`` and ``__array_finalize__``. The same bytes, the
+    same fields and tensors; Gemma 3 270M's parse: 3.8 s of CPU instead of 9.7 s."""
+    import numpy as np
+
+    class Reader(reader_class):
+        @property
+        def data(self):
+            return self._plain
+
+        @data.setter
+        def data(self, mapped):
+            self._plain = mapped.view(np.ndarray)
+
+    return Reader
+
+
 class GGUFReference:
     """``transformers`` reading one GGUF file: :meth:`model` (f32, eval mode) and
     :meth:`tokenizer`, each built anew by ``from_pretrained(..., gguf_file=...)`` on every call,
@@ -106,7 +127,7 @@ class GGUFReference:
             if mode != "r" or pathlib.Path(path).resolve() != self.file.resolve():
                 return reader_class(path, mode)
             if self._reader is None:
-                self._reader = reader_class(path)
+                self._reader = _plain_reader(reader_class)(path)
             return self._reader
 
         gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.cache(name_map)
