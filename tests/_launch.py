@@ -17,12 +17,16 @@ Four runs of it serve the five tests of both modules that train it:
   and resumed: its module's SIGTERM test, and its module's comparison with the one process of
   8 (its steps before the stop and after the resumption, its summary, its printed lines).
 
-The SIGTERM tests signal a run once its first checkpoint (step ``EVERY``) exists; the processes
-agree to stop every 10 steps, so the run stops at 10 or 20, before ``STEPS``, and its resumption
-has steps left (14 or 4) to compare bit for bit. (Measured on a 2-core machine: a step of the 2
-processes takes 0.25-0.5 s, mostly the 8 devices' collectives over gloo, against 0.05 s in one
-process; each launch also pays 15-20 s for its imports, its programs from the cache, the
-collective census, the eval and the checkpoints.)
+test_multihost's SIGTERM test signals its run once the first checkpoint (step ``EVERY``) exists,
+test_launchers' signals mpirun once the ranks train (their first step logged; mpirun passes it
+on a grace period later); the processes agree to stop every 10 steps, so the run stops at 10 or
+20, before ``STEPS``, and its resumption has steps left (14 or 4) to compare bit for bit.
+(Measured on a 2-core machine: a step of the 2 processes takes 0.25-0.5 s, mostly the 8
+devices' collectives over gloo, against 0.05 s in one process; each launch also pays 15-20 s
+for its imports, its programs from the cache, the collective census, the eval and the
+checkpoints. Process 1 of a launch never loads a program from the cache: jax writes entries
+from process 0 only, and a key holds the topology of the process's own devices, so process
+1's keys are never written; one process of 8 devices shares no key with either.)
 """
 
 import ipaddress

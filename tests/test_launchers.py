@@ -42,9 +42,9 @@ from effijax.errors import ConfigError
 from effijax.recipe._config import CLUSTERS
 
 LONG_S = 900  # the SIGTERM test's runs, on a 2-core machine that other jobs share
-# Every real launch trains tests/_launch.py's run (ARGS); the SIGTERM test's signal comes at
-# step >= EVERY (its first checkpoint) and its ranks get it by step ~15 (see GRACE_S): they stop
-# at 20, before STEPS.
+# Every real launch trains tests/_launch.py's run (ARGS); the SIGTERM test's signal comes to
+# mpirun once the ranks train (their first step logged) and the ranks get it GRACE_S later, by
+# step ~11 (see GRACE_S): they stop at 10 or 20, before STEPS.
 MESH = {"data": 1, "fsdp": 8, "tensor": 1}
 MPIRUN = ["mpirun", "-np", "2", "--allow-run-as-root", "--oversubscribe", "--tag-output",
           "--mca", "oob_tcp_if_include", "lo", "--mca", "btl_tcp_if_include", "lo"]
@@ -235,10 +235,13 @@ def test_emulated_srun_two_processes_match_one_process_of_eight(two_processes_of
 GRACE_S = 20
 # The signalled run must still be training GRACE_S after mpirun got the signal. Until its ranks
 # get SIGTERM its batches take BATCH_DELAY_S each (tests/_slow_batches_train.py: a slow data
-# pipeline, same numbers), so it makes at most GRACE_S / BATCH_DELAY_S = 10 steps past its first
-# checkpoint (step EVERY = 4; mpirun has the signal by step ~5) before then, however fast the
-# machine: its ranks have it by step ~15, and stop at 20, before STEPS = 24, without hundreds
-# of steps. From the signal on it runs at full speed to the step where the ranks agree to stop.
+# pipeline, same numbers), so it makes at most GRACE_S / BATCH_DELAY_S = 10 steps past the step
+# at which mpirun got the signal (the first logged one: both ranks are in the training loop,
+# their SIGTERM handlers installed, and none of the grace passes before they are) before then,
+# however fast the machine: its ranks have it by step ~11, and stop at 10 or 20, before
+# STEPS = 24, without hundreds of steps. From the signal on it runs at full speed to the step
+# where the ranks agree to stop. (Signalling at the first checkpoint instead only waited EVERY
+# slow batches more before the grace began.)
 BATCH_DELAY_S = 2.0
 SLOW_BATCHES = Path(__file__).with_name("_slow_batches_train.py")
 
@@ -279,9 +282,9 @@ def _wait_for_ranks(proc: subprocess.Popen, timeout: float) -> None:
 @pytest.fixture(scope="module")
 def under_mpirun(tmp_path_factory, launch_corpus, launch_cache):
     """The run under ``mpirun -np 2``, 4 devices each, stopped by SIGTERM to mpirun once its
-    first checkpoint exists and resumed under mpirun to the end. Returns the run directory,
-    its last step and newest checkpoint as the stop left them, what ranks 0 and 1 said until
-    the stop, and mpirun's tagged stdout of the resumption.
+    ranks train (its first step logged) and resumed under mpirun to the end. Returns the run
+    directory, its last step and newest checkpoint as the stop left them, what ranks 0 and 1
+    said until the stop, and mpirun's tagged stdout of the resumption.
 
     Before anything trains, both ranks of a bare ``mpirun -np 2`` must see one loopback
     coordinator, from mpirun alone."""
@@ -314,10 +317,10 @@ def under_mpirun(tmp_path_factory, launch_corpus, launch_cache):
     proc = subprocess.Popen([*launcher, *_own_output(said), sys.executable, str(SLOW_BATCHES),
                              "train", *args, "--out", str(run)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=slow, start_new_session=True)
-    checkpoints = run / "checkpoints"
+    checkpoints, logged = run / "checkpoints", run / "metrics.jsonl"
     deadline = time.monotonic() + TIMEOUT_S
-    while not (checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())):
-        assert proc.poll() is None, "mpirun exited before the first checkpoint"
+    while not (logged.is_file() and logged.read_text().strip()):
+        assert proc.poll() is None, "mpirun exited before the first step"
         if time.monotonic() > deadline:
             wait([proc], 1)  # kills, fails
         time.sleep(0.01)
