@@ -46,6 +46,7 @@ not with ``EFFIJAX_HUGEPAGES=0``): XLA:CPU's buffers stop faulting 4 KiB pages. 
 """
 
 import atexit
+import gc
 import os
 import shutil
 import sys
@@ -245,6 +246,26 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(line, red=over, yellow=not over, bold=True)
 
 
+# Python's cycle collector in a test process: by the end of the fast tier a pytest-xdist worker
+# holds 1.4 million objects (JAX's caches of traced and compiled programs, the modules it
+# imported), and each full collection walks all of them: 15 of them took 4.6 s of a worker's
+# 78 s of CPU, and a test that collects by itself (the accelerator benchmark's sections,
+# checkpoint failures reported when their task is collected) paid up to 2 s a call. At each
+# module's first test the garbage the previous one left is collected, and what survives is
+# frozen (``gc.freeze``: never walked again, never collected: it is the process' long-lived
+# state), so a collection walks what the module under test made.
+_FROZEN_AFTER: list = [None]  # the module whose survivors were frozen last
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    module = item.nodeid.split("::")[0]
+    if module != _FROZEN_AFTER[0]:
+        _FROZEN_AFTER[0] = module
+        gc.collect()
+        gc.freeze()
+
+
 _SLOW_LIST = os.path.join(os.path.dirname(__file__), "slow_tests.txt")
 
 
@@ -440,7 +461,9 @@ def launch_corpus(tmp_path_factory) -> str:
 def launch_cache(tmp_path_factory) -> dict:
     """The variables under which the launches of tests/_launch.py's run (test_multihost's and
     test_launchers') share JAX's persistent compilation cache: the first process of 8 devices
-    and the first pair of 4 compile, every later launch of the same shape loads."""
+    and the first pair of 4 compile, every later launch of the same shape loads, in its process
+    0 (jax writes entries from process 0 only, and a key holds the topology of the process's
+    own devices: process 1 of every pair compiles its programs)."""
     return compilation_cache(tmp_path_factory.mktemp("launch-jax-cache"))
 
 
