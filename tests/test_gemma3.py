@@ -467,17 +467,17 @@ def test_gemma3_270m_gguf_gives_transformers_logits_and_greedy_ids(gemma3_gguf, 
     from effijax.interop import save_peft
 
     spec = lora.LoraSpec(rank=4, alpha=8.0, targets=config.lora_targets)
-    # One program draws the 14 leaves (eager, each draw compiled at full optimisation: 7 s),
-    # compiled at the suite's lowest optimisation: they are inputs, not the model under test
-    # (1.6 s of CPU instead of 5.1 s; the same draws within 1.5e-8). The program is this test's
-    # own (a new partial), so no in-memory cache entry crosses the two settings.
-    optimized = not jax.config.values["jax_disable_most_optimizations"]
+    # One program draws the 14 leaves (drawn eagerly, each draw compiled at full optimisation:
+    # 7 s), compiled at the suite's lowest optimisation: they are inputs, not the model under
+    # test (1.6 s of CPU instead of 5.1 s; the same draws within 1.5e-8). The program is this
+    # test's own (a new partial), so no in-memory cache entry crosses the two settings.
+    disabled = jax.config.values["jax_disable_most_optimizations"]
     jax.config.update("jax_disable_most_optimizations", True)
     try:
         adapters = jax.block_until_ready(jax.jit(functools.partial(
             random_adapters, spec=spec, seed=3, scale=0.02))(params))
     finally:
-        jax.config.update("jax_disable_most_optimizations", not optimized)
+        jax.config.update("jax_disable_most_optimizations", disabled)
     adapted = our_logits(config, params, tokens, spec, adapters)
     assert np.abs(adapted - ours).max() > 0.1  # the adapters matter
     save_peft(gemma3_gguf.parent / "adapter", config, adapters, spec,
