@@ -161,6 +161,10 @@ _SHOWN = [(program, page, argv, lines) for program in ("memory", "plan")
 
 def test_the_readme_shows_memory_and_plan_runs():
     assert {program for program, *_ in _SHOWN} == {"memory", "plan"}
+    # A command shown with no output would pass the comparison below with nothing compared.
+    bare = [f"{page}: effijax {' '.join(argv)}" for _, page, argv, lines in _SHOWN
+            if not [line for line in lines if line.strip() != "..."]]
+    assert bare == [], f"shown without output: {bare}"
 
 
 @pytest.mark.parametrize(("program", "page", "argv", "lines"), _SHOWN,
