@@ -221,6 +221,68 @@ def test_the_context_split_composes_with_the_tensor_split(tensor, sequence_paral
     assert activation_bytes(**shape, vocab=256, context=4) - four == head
 
 
+def test_memory_compile_prints_the_compiled_step_beside_the_formula(compiled, capsys):
+    """``effijax memory --compile``: train's step compiled for the mesh the flags name (the
+    formula's devices), XLA's bytes per device beside the formula's."""
+    for n in (1, 4):
+        out = _memory_json(capsys, "--context", str(n), "--compile")
+        c, m = out["compiled"], compiled[n]
+        assert (c["platform"], c["devices"]) == ("cpu", n)
+        assert c["mesh"] == (None if n == 1 else {"data": 1, "fsdp": 1, "context": 4,
+                                                  "tensor": 1})
+        # The model, mesh and batch the library compiles: the fixture's step under optax's
+        # adamw, which train's optimizer extends by its schedule and clipping (bytes, not KB).
+        assert abs(c["temporaries"] - m.temporaries) <= 1024, (c, str(m))
+        assert abs(c["arguments"] - m.arguments) <= 64, (c, str(m))
+        assert (c["params"], c["grads"]) == (out["params_bytes"], out["grads_bytes"])
+        assert c["held"] == c["arguments"] + c["outputs"] - c["aliased"] + c["temporaries"]
+        assert c["activation_bytes"] == c["temporaries"] - c["grads"]
+        assert 1.0 <= c["activation_bytes"] / out["activation_bytes"] <= 4.0, (c, out)
+
+
+def test_memory_compile_shards_a_lora_base_as_fsdp_does(capsys):
+    assert main(["memory", "--model", "tiny", "--seq-len", "64", "--lora-rank", "4",
+                 "--strategy", "fsdp", "--devices", "2", "--compile", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    c = out["compiled"]
+    assert c["mesh"] == {"data": 1, "fsdp": 2, "tensor": 1}
+    # The frozen bf16 base travels with the batch, split in two as the formula's FSDP splits
+    # it (the whole base would be twice this), beside the batch's own few hundred bytes.
+    beside_state = c["arguments"] - c["params"] - c["opt_state"] - c["other_state"]
+    assert abs(beside_state - out["frozen_bytes"]) <= 0.02 * out["frozen_bytes"], (c, out)
+
+
+def test_memory_compile_text_names_where_and_the_ratio():
+    from effijax.cli._compiled_memory import CompiledBytes, compiled_text
+
+    c = CompiledBytes(platform="cpu", devices=4, mesh={"data": 1, "fsdp": 1, "context": 4,
+                                                       "tensor": 1},
+                      params=728_064, opt_state=1_456_164, other_state=12, arguments=2_200_000,
+                      outputs=2_184_240, aliased=2_184_228, temporaries=6_154_432,
+                      grads=728_064, held=8_354_444)
+    lines = compiled_text(c, 2_899_968, frozen="frozen base").splitlines()
+    assert lines[0] == ("compiled: effijax train's step on 4 cpu devices "
+                        "(data=1,fsdp=1,context=4,tensor=1), XLA's bytes per device")
+    assert lines[3] == "  batch and frozen base     15.76 KB              15,760"
+    assert lines[-1] == ("  activations (temporaries less grads) 5.43 MB: 1.87x the formula's "
+                         "2.9 MB (cpu's buffers; a GPU's and a TPU's differ)")
+
+
+@pytest.mark.parametrize(("flags", "problem"), [
+    (["--params", "7B"], "--compile=True: compiles a model's step: give --model PRESET or "
+                         "--from SOURCE instead of --params"),
+    ([*TINY, "--lora-fraction", "0.01"], "--compile=True: compiles real adapters: give LoRA as "
+                                         "--lora-rank R instead of --lora-fraction"),
+    ([*TINY, "--objective", "grpo", "--max-completion-length", "64"],
+     "--compile=True: with --objective grpo the step trains the rows its rollout samples"),
+    ([*TINY, "--devices", "16"], "--devices=16: --compile compiles for --devices x --context x "
+                                 "--tensor = 16 device(s), and this process has 8 cpu device(s)"),
+])
+def test_memory_compile_refuses_what_it_cannot_compile(capsys, flags, problem):
+    assert main(["memory", *flags, "--compile"]) == 2
+    assert capsys.readouterr().err.startswith(f"effijax memory: error: {problem}")
+
+
 def test_memory_refuses_what_a_context_axis_cannot_run(capsys):
     assert main(["memory", *TINY, "--seq-len", "1020", "--context", "4"]) == 2
     assert capsys.readouterr().err.startswith(

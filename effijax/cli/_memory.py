@@ -22,6 +22,7 @@ import dataclasses
 import json
 import sys
 
+from effijax.cli import _compiled_memory as _compiled
 from effijax.cli import _from
 from effijax.errors import NO_VALUE, ConfigError, whole_number
 from effijax.memory import (
@@ -341,6 +342,11 @@ def add_parsers(sub) -> None:
     m.add_argument(
         "--checkpointing", default="none", choices=CHECKPOINTING, help="activation checkpointing"
     )
+    m.add_argument("--compile", action="store_true",
+                   help="with --model or --from: also compile the step effijax train would run "
+                   "(abstract weights, nothing allocated) for --devices x --context x --tensor "
+                   "devices of this machine (forced CPU devices where it has no accelerator) "
+                   "and print XLA's bytes per device beside the formula's")
     m.add_argument("--json", action="store_true", help="print a JSON object of integer bytes")
     m.set_defaults(func=memory_command)
     m.renamed = RENAMED  # read by the unknown-flag error (effijax.cli._main)
@@ -627,6 +633,8 @@ def _adafactor_values(args: argparse.Namespace) -> int | None:
 
 def memory_command(args: argparse.Namespace) -> int:
     """Handler of ``effijax memory``; returns the exit code."""
+    if args.compile:  # before the model's shapes start JAX's backends
+        _compiled.claim_devices(args)
     try:
         _resolve_precision(args)
         if args.objective == "grpo" and args.params is None and args.batch_size is None:
@@ -648,6 +656,8 @@ def memory_command(args: argparse.Namespace) -> int:
             checkpointing=args.checkpointing, tensor=args.tensor,
             sequence_parallel=args.sequence_parallel, context=args.context)
         args.rollout_bytes = _rollout_bytes(args)
+        compiled = (_compiled.compiled_bytes(args, reference=_reference(args))
+                    if args.compile else None)
     except ConfigError as e:
         return _error("memory", e)
     # A rollout runs between the steps: its cache and the step's activations are never held
@@ -662,9 +672,15 @@ def memory_command(args: argparse.Namespace) -> int:
         if args.rollout_bytes is not None:
             out["rollout_cache_bytes"] = args.rollout_bytes
         out["total_bytes"] = total
+        if compiled is not None:
+            out["compiled"] = {**compiled._asdict(), "activation_bytes": compiled.activations}
         print(json.dumps(out, indent=2))
     else:
         print(_memory_text(args, shape, states, acts, total))
+        if compiled is not None:
+            print(_compiled.compiled_text(compiled, acts, frozen=(
+                "frozen base" if args.lora_rank is not None else
+                "reference" if _reference(args) and not args.precompute_reference else "")))
     return 0
 
 

@@ -1,0 +1,212 @@
+"""``effijax memory --compile``: the step ``effijax train`` would run, compiled for the devices
+asked, and XLA's bytes per device beside the formula's.
+
+The formula (:func:`effijax.memory.activation_bytes`) is the papers' lower bound and the same
+on every backend; what a step holds is what XLA's buffer assignment keeps, which differs by
+backend and by version (XLA:CPU keeps 1.3x to 1.9x the formula's activations on every model the
+suite measures). ``--compile`` asks the compiler: the model's abstract state and batch (nothing
+allocated, no weights read), planned and compiled by the library functions ``effijax train``
+plans and compiles with (:func:`~effijax.recipe.plan_job`, :func:`~effijax.recipe.compile_job`),
+on this machine's devices: an accelerator's when it has as many as the mesh needs, else forced
+CPU devices (``JAX_PLATFORMS=cpu`` forces them where an accelerator has fewer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import NamedTuple
+
+from effijax.errors import ConfigError
+
+__all__ = ["CompiledBytes", "claim_devices", "compiled_bytes", "compiled_text"]
+
+
+class CompiledBytes(NamedTuple):
+    """Per-device bytes of the compiled step (``compiled.memory_analysis()``), and where.
+
+    Attributes:
+      platform, devices, mesh: what it was compiled for (``mesh`` None: one device).
+      params, opt_state, other_state: the train state's leaves on one device.
+      arguments: every argument (state, batch, and a LoRA base or a reference copy).
+      outputs, aliased: the outputs, and those written into a donated argument's buffer.
+      temporaries: XLA's working buffers, the gradients among them (``grads``).
+      held: held at once: arguments + outputs not aliased + temporaries (what the pre-flight
+        check of ``effijax train`` compares with the device's memory).
+    """
+
+    platform: str
+    devices: int
+    mesh: dict | None
+    params: int
+    opt_state: int
+    other_state: int
+    arguments: int
+    outputs: int
+    aliased: int
+    temporaries: int
+    grads: int
+    held: int
+
+    @property
+    def activations(self) -> int:
+        """Temporaries less the gradients: what the formula's activations count."""
+        return self.temporaries - self.grads
+
+
+def _device_count(args: argparse.Namespace) -> int:
+    return args.devices * args.context * args.tensor
+
+
+def claim_devices(args: argparse.Namespace) -> None:
+    """Forces ``--devices x --context x --tensor`` CPU devices in this process, before anything
+    starts JAX's backends (a no-op for an accelerator, and where JAX already started with
+    enough: :func:`compiled_bytes` takes the first of them)."""
+    import jax
+
+    try:
+        jax.config.update("jax_num_cpu_devices", _device_count(args))
+    except RuntimeError:  # the backend already started (a test's process): checked when used
+        pass
+
+
+def _devices(n: int) -> list:
+    import jax
+
+    have = jax.devices()
+    if len(have) < n:
+        platform = have[0].platform
+        fix = ("run it with JAX_PLATFORMS=cpu to compile for CPU devices (XLA:CPU's buffers, not "
+               f"the {platform}'s)" if platform != "cpu" else
+               "run it in a process of its own (this one started JAX with fewer devices)")
+        raise ConfigError("--devices", n, f"--compile compiles for --devices x --context x "
+                          f"--tensor = {n} device(s), and this process has {len(have)} "
+                          f"{platform} device(s); ask for fewer, or {fix}")
+    return have[:n]
+
+
+def _model(args: argparse.Namespace):
+    """The architecture the formula counted, with its checkpointing, attention and dropout."""
+    model = args.architecture
+    names = {f.name for f in dataclasses.fields(model)}
+    changes = {"remat": "block" if args.checkpointing == "block" else "none"}
+    if args.attention not in (None, "auto") and "attention" in names:
+        changes["attention"] = args.attention
+    if not args.dropout and getattr(model, "dropout", 0) > 0:
+        changes["dropout"] = 0.0
+    return dataclasses.replace(model, **{k: v for k, v in changes.items() if k in names})
+
+
+def _config(args: argparse.Namespace, reference: bool):
+    """effijax train's settings for this step (its optimizer, LoRA, objective sections)."""
+    from effijax.recipe import TrainConfig
+
+    lora = args.lora_rank is not None
+    frozen = args.frozen_dtype if (lora or reference) and args.frozen_dtype != "auto" else "auto"
+    values = dict(precision=args.precision, optimizer=args.optimizer, strategy=args.strategy,
+                  objective=args.objective, beta=args.beta,
+                  precompute_reference=args.precompute_reference,
+                  num_generations=args.num_generations,
+                  max_completion_length=args.max_completion_length,
+                  batch_size=args.batch_size * args.devices)
+    # The objective's pairs are not read: the step's shapes are its rows'.
+    if args.objective != "sft":
+        values.update(data="(not read)")
+    if lora:
+        values.update(lora_rank=args.lora_rank, frozen_dtype=frozen, model_from=args.model_from,
+                      lora_random_base=args.model_from is None)
+    elif reference:
+        values.update(frozen_dtype=frozen)
+    return TrainConfig(**values)
+
+
+def compiled_bytes(args: argparse.Namespace, *, reference: bool) -> CompiledBytes:
+    """Plans and compiles ``effijax train``'s step for ``args`` (``effijax memory``'s parsed
+    flags, after the formula's rows: ``args.architecture`` set) and reads XLA's bytes.
+
+    Raises:
+      ConfigError: naming the flag: a bare ``--params`` (no model to compile), LoRA as a
+        fraction, a GGUF file's own blocks, GRPO (its rollout needs the tokenizer), or more
+        devices than this process has.
+
+    Example:
+      >>> from effijax.cli._main import main
+      >>> main(["memory", "--model", "tiny", "--seq-len", "64", "--precision", "fp32",
+      ...       "--compile"])  # doctest: +ELLIPSIS
+      tiny GPT: 2 layers, ...
+      compiled: effijax train's step on 1 cpu device, XLA's bytes per device
+        params ...
+      0
+    """
+    if getattr(args, "architecture", None) is None:
+        raise ConfigError("--compile", True, "compiles a model's step: give --model PRESET or "
+                          "--from SOURCE instead of --params")
+    if args.lora_fraction is not None and args.lora_rank is None:
+        raise ConfigError("--compile", True, "compiles real adapters: give LoRA as --lora-rank "
+                          "R instead of --lora-fraction")
+    if args.frozen_dtype == "gguf":
+        raise ConfigError("--compile", True, "with --frozen-dtype gguf the step decodes the "
+                          "file's own blocks, which --compile does not read; effijax train "
+                          "--from FILE --frozen-dtype gguf prints its compiled step's bytes "
+                          "before it trains")
+    if args.objective == "grpo":
+        raise ConfigError("--compile", True, "with --objective grpo the step trains the rows its "
+                          "rollout samples with the model's tokenizer, which --compile does not "
+                          "read; effijax train --objective grpo prints its compiled step's bytes "
+                          "before it trains")
+    n = _device_count(args)
+    devices = _devices(n)
+    from effijax.recipe import compile_job, plan_job
+    from effijax.recipe._objectives import get_objective
+    from effijax.recipe._optimizer import optimizer_for
+    from effijax.sharding import make_mesh
+
+    model = _model(args)
+    s = _config(args, reference).sections
+    objective = get_objective(s.objective.objective)
+    sampled = objective.rollout is not None  # GRPO's rows: padding, prompt and completion
+    pairs = objective.load is not None  # preference pairs: the completions' tokens trained
+    mesh = None if n == 1 else make_mesh(fsdp=args.devices, context=args.context,
+                                         tensor=args.tensor, devices=devices)
+    print(f"effijax memory: compiling effijax train's step for {n} {devices[0].platform} "
+          f"device(s) (nothing is allocated)...", file=sys.stderr, flush=True)
+    job = plan_job(model, args.precision, optimizer_for(s.training, s.optimizer, s.precision),
+                   batch_size=s.training.batch_size, mesh=mesh, strategy=args.strategy,
+                   lora=s.lora.spec(model.lora_targets),
+                   frozen_dtype=None if s.lora.frozen_dtype == "auto" else s.lora.frozen_dtype,
+                   seed=s.training.seed, masked=pairs or sampled, segmented=sampled,
+                   sequence_parallel=args.sequence_parallel, objective=objective,
+                   objective_settings=s.objective.settings)
+    m = compile_job(job, census=False).memory
+    return CompiledBytes(
+        platform=devices[0].platform, devices=n,
+        mesh=None if mesh is None else {k: int(v) for k, v in mesh.shape.items()},
+        params=m.params, opt_state=m.opt_state, other_state=m.other_state,
+        arguments=m.arguments, outputs=m.outputs, aliased=m.aliased,
+        temporaries=m.temporaries, grads=m.grads or 0,
+        held=m.arguments + m.outputs - m.aliased + m.temporaries)
+
+
+def compiled_text(c: CompiledBytes, activations: int | None, frozen: str = "") -> str:
+    """The compiled step's rows, in the formula table's columns, and its activations against
+    the formula's (``activations``); ``frozen`` names what the batch carries beside its tokens
+    (``"frozen base"``, ``"reference"``)."""
+    from effijax.memory import format_bytes
+
+    where = (f"{c.devices} {c.platform} device{'s' if c.devices > 1 else ''}"
+             + ("" if c.mesh is None else
+                " (" + ",".join(f"{k}={v}" for k, v in c.mesh.items()) + ")"))
+    batch = c.arguments - c.params - c.opt_state - c.other_state
+    rows = [("params", c.params), ("optimizer", c.opt_state),
+            ("batch" + (f" and {frozen}" if frozen else ""), batch),
+            ("temporaries", c.temporaries), ("  of which grads", c.grads),
+            ("held at once", c.held)]
+    lines = [f"compiled: effijax train's step on {where}, XLA's bytes per device"]
+    lines += [f"  {name:<22}{format_bytes(value):>12}  {value:>18,}" for name, value in rows]
+    if activations:
+        lines.append(f"  activations (temporaries less grads) {format_bytes(c.activations)}: "
+                     f"{c.activations / activations:.2f}x the formula's "
+                     f"{format_bytes(activations)} ({c.platform}'s buffers; a GPU's and a "
+                     "TPU's differ)")
+    return "\n".join(lines)
