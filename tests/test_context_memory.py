@@ -224,20 +224,41 @@ def test_the_context_split_composes_with_the_tensor_split(tensor, sequence_paral
 def test_memory_compile_prints_the_compiled_step_beside_the_formula(compiled, capsys):
     """``effijax memory --compile``: train's step compiled for the mesh the flags name (the
     formula's devices), XLA's bytes per device beside the formula's."""
-    for n in (1, 4):
-        out = _memory_json(capsys, "--context", str(n), "--compile")
-        c, m = out["compiled"], compiled[n]
-        assert (c["platform"], c["devices"]) == ("cpu", n)
-        assert c["mesh"] == (None if n == 1 else {"data": 1, "fsdp": 1, "context": 4,
-                                                  "tensor": 1})
-        # The model, mesh and batch the library compiles: the fixture's step under optax's
-        # adamw, which train's optimizer extends by its schedule and clipping (bytes, not KB).
-        assert abs(c["temporaries"] - m.temporaries) <= 1024, (c, str(m))
-        assert abs(c["arguments"] - m.arguments) <= 64, (c, str(m))
-        assert (c["params"], c["grads"]) == (out["params_bytes"], out["grads_bytes"])
-        assert c["held"] == c["arguments"] + c["outputs"] - c["aliased"] + c["temporaries"]
-        assert c["activation_bytes"] == c["temporaries"] - c["grads"]
-        assert 1.0 <= c["activation_bytes"] / out["activation_bytes"] <= 4.0, (c, out)
+    out = _memory_json(capsys, "--context", "4", "--compile")
+    c, m = out["compiled"], compiled[4]
+    assert (c["platform"], c["devices"]) == ("cpu", 4)
+    assert c["mesh"] == {"data": 1, "fsdp": 1, "context": 4, "tensor": 1}
+    # The model, mesh and batch the library compiles: the fixture's step under optax's
+    # adamw, which train's optimizer extends by its schedule and clipping (bytes, not KB).
+    assert abs(c["temporaries"] - m.temporaries) <= 1024, (c, str(m))
+    assert abs(c["arguments"] - m.arguments) <= 64, (c, str(m))
+    assert (c["params"], c["grads"]) == (out["params_bytes"], out["grads_bytes"])
+    assert c["held"] == c["arguments"] + c["outputs"] - c["aliased"] + c["temporaries"]
+    assert c["activation_bytes"] == c["temporaries"] - c["grads"]
+    assert 1.0 <= c["activation_bytes"] / out["activation_bytes"] <= 4.0, (c, out)
+
+
+def test_memory_compile_equals_what_train_reports(tmp_path, capsys):
+    """The bytes `effijax train` records for its compiled step (``summary.json``'s memory: the
+    pre-flight's numbers), byte for byte: its ``--mesh context=4`` on the 8 devices is
+    ``fsdp=2 x context=4`` (FSDP, the axis named), ``--batch-size 2`` one row per FSDP rank."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"def f{i}(x):\n    return x + {i}\n" for i in range(300)))
+    assert main(["train", "--model", "tiny", "--seq-len", "256", "--batch-size", "2", "--mesh",
+                 "context=4", "--precision", "fp32", "--steps", "1", "--eval-batches", "0",
+                 "--data", str(corpus), "--out", str(tmp_path / "run"), "--no-checkpoints",
+                 "--no-progress"]) == 0
+    trained = json.loads((tmp_path / "run" / "summary.json").read_text())["memory"]
+    capsys.readouterr()
+    assert main(["memory", "--model", "tiny", "--seq-len", "256", "--batch-size", "1",
+                 "--strategy", "fsdp", "--devices", "2", "--context", "4", "--precision", "fp32",
+                 "--compile", "--json"]) == 0
+    c = json.loads(capsys.readouterr().out)["compiled"]
+    assert c["mesh"] == {"data": 1, "fsdp": 2, "context": 4, "tensor": 1}
+    assert {k: c[k] for k in ("params", "opt_state", "arguments", "outputs", "aliased",
+                              "temporaries", "grads")} == {
+        k: trained[k] for k in ("params", "opt_state", "arguments", "outputs", "aliased",
+                                "temporaries", "grads")}
 
 
 def test_memory_compile_shards_a_lora_base_as_fsdp_does(capsys):
