@@ -301,7 +301,9 @@ def test_memory_compile_text_names_where_and_the_ratio():
 ])
 def test_memory_compile_refuses_what_it_cannot_compile(capsys, flags, problem):
     assert main(["memory", *flags, "--compile"]) == 2
-    assert capsys.readouterr().err.startswith(f"effijax memory: error: {problem}")
+    printed = capsys.readouterr()
+    assert printed.err.startswith(f"effijax memory: error: {problem}")
+    assert printed.out == ""  # refused before the formula's table, not after it
 
 
 def test_memory_refuses_what_a_context_axis_cannot_run(capsys):

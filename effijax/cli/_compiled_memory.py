@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 from effijax.errors import ConfigError
 
-__all__ = ["CompiledBytes", "claim_devices", "compiled_bytes", "compiled_text"]
+__all__ = ["CompiledBytes", "check", "claim_devices", "compiled_bytes", "compiled_text"]
 
 
 class CompiledBytes(NamedTuple):
@@ -121,23 +121,15 @@ def _config(args: argparse.Namespace, reference: bool):
     return TrainConfig(**values)
 
 
-def compiled_bytes(args: argparse.Namespace, *, reference: bool) -> CompiledBytes:
-    """Plans and compiles ``effijax train``'s step for ``args`` (``effijax memory``'s parsed
-    flags, after the formula's rows: ``args.architecture`` set) and reads XLA's bytes.
+def check(args: argparse.Namespace) -> list:
+    """What ``--compile`` needs, checked before anything is compiled (``args``: ``effijax
+    memory``'s parsed flags after the formula's rows, ``args.architecture`` set): the devices
+    it compiles for.
 
     Raises:
       ConfigError: naming the flag: a bare ``--params`` (no model to compile), LoRA as a
         fraction, a GGUF file's own blocks, GRPO (its rollout needs the tokenizer), or more
         devices than this process has.
-
-    Example:
-      >>> from effijax.cli._main import main
-      >>> main(["memory", "--model", "tiny", "--seq-len", "64", "--precision", "fp32",
-      ...       "--compile"])  # doctest: +ELLIPSIS
-      tiny GPT: 2 layers, ...
-      compiled: effijax train's step on 1 cpu device, XLA's bytes per device
-        params ...
-      0
     """
     if getattr(args, "architecture", None) is None:
         raise ConfigError("--compile", True, "compiles a model's step: give --model PRESET or "
@@ -155,17 +147,35 @@ def compiled_bytes(args: argparse.Namespace, *, reference: bool) -> CompiledByte
                           "rollout samples with the model's tokenizer, which --compile does not "
                           "read; effijax train --objective grpo prints its compiled step's bytes "
                           "before it trains")
-    n = _device_count(args)
-    devices = _devices(n)
+    return _devices(_device_count(args))
+
+
+def compiled_bytes(args: argparse.Namespace, devices: list, *,
+                   reference: bool) -> CompiledBytes:
+    """Plans and compiles ``effijax train``'s step for ``args`` on ``devices`` (from
+    :func:`check`) and reads XLA's bytes.
+
+    Raises:
+      ConfigError: a setting the planner refuses (named as effijax train names it).
+
+    Example:
+      >>> from effijax.cli._main import main
+      >>> main(["memory", "--model", "tiny", "--seq-len", "64", "--precision", "fp32",
+      ...       "--compile"])  # doctest: +ELLIPSIS
+      tiny GPT: 2 layers, ...
+      compiled: effijax train's step on 1 cpu device, XLA's bytes per device
+        params ...
+      0
+    """
     from effijax.recipe import compile_job, plan_job
     from effijax.recipe._objectives import get_objective
     from effijax.recipe._optimizer import optimizer_for
     from effijax.sharding import make_mesh
 
+    n = len(devices)
     model = _model(args)
     s = _config(args, reference).sections
     objective = get_objective(s.objective.objective)
-    sampled = objective.rollout is not None  # GRPO's rows: padding, prompt and completion
     pairs = objective.load is not None  # preference pairs: the completions' tokens trained
     mesh = None if n == 1 else make_mesh(fsdp=args.devices, context=args.context,
                                          tensor=args.tensor, devices=devices)
@@ -175,7 +185,7 @@ def compiled_bytes(args: argparse.Namespace, *, reference: bool) -> CompiledByte
                    batch_size=s.training.batch_size, mesh=mesh, strategy=args.strategy,
                    lora=s.lora.spec(model.lora_targets),
                    frozen_dtype=None if s.lora.frozen_dtype == "auto" else s.lora.frozen_dtype,
-                   seed=s.training.seed, masked=pairs or sampled, segmented=sampled,
+                   seed=s.training.seed, masked=pairs, segmented=False,
                    sequence_parallel=args.sequence_parallel, objective=objective,
                    objective_settings=s.objective.settings)
     m = compile_job(job, census=False).memory

@@ -656,13 +656,21 @@ def memory_command(args: argparse.Namespace) -> int:
             checkpointing=args.checkpointing, tensor=args.tensor,
             sequence_parallel=args.sequence_parallel, context=args.context)
         args.rollout_bytes = _rollout_bytes(args)
-        compiled = (_compiled.compiled_bytes(args, reference=_reference(args))
-                    if args.compile else None)
+        # What --compile cannot compile is refused before anything is printed or compiled.
+        devices = _compiled.check(args) if args.compile else None
     except ConfigError as e:
         return _error("memory", e)
     # A rollout runs between the steps: its cache and the step's activations are never held
     # together.
     total = states.model_state_bytes + max(acts or 0, args.rollout_bytes or 0)
+    if not args.json:  # the formula's answer at once; the compiler's follows
+        print(_memory_text(args, shape, states, acts, total), flush=True)
+    compiled = None
+    if devices is not None:
+        try:
+            compiled = _compiled.compiled_bytes(args, devices, reference=_reference(args))
+        except ConfigError as e:
+            return _error("memory", e)
     if args.json:
         out = {"strategy": args.strategy, **dataclasses.asdict(states)}
         if args.state_values is not None:
@@ -675,12 +683,10 @@ def memory_command(args: argparse.Namespace) -> int:
         if compiled is not None:
             out["compiled"] = {**compiled._asdict(), "activation_bytes": compiled.activations}
         print(json.dumps(out, indent=2))
-    else:
-        print(_memory_text(args, shape, states, acts, total))
-        if compiled is not None:
-            print(_compiled.compiled_text(compiled, acts, frozen=(
-                "frozen base" if args.lora_rank is not None else
-                "reference" if _reference(args) and not args.precompute_reference else "")))
+    elif compiled is not None:
+        print(_compiled.compiled_text(compiled, acts, frozen=(
+            "frozen base" if args.lora_rank is not None else
+            "reference" if _reference(args) and not args.precompute_reference else "")))
     return 0
 
 
