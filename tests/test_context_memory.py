@@ -304,6 +304,8 @@ def test_memory_compile_refuses_what_it_cannot_compile(capsys, flags, problem):
     printed = capsys.readouterr()
     assert printed.err.startswith(f"effijax memory: error: {problem}")
     assert printed.out == ""  # refused before the formula's table, not after it
+    # The CLI in a process that forced more CPU devices (this one: 8) leaves them as they are.
+    assert jax.config.values["jax_num_cpu_devices"] == 8
 
 
 def test_memory_refuses_what_a_context_axis_cannot_run(capsys):

@@ -59,15 +59,35 @@ def _device_count(args: argparse.Namespace) -> int:
     return args.devices * args.context * args.tensor
 
 
-def claim_devices(args: argparse.Namespace) -> None:
-    """Forces ``--devices x --context x --tensor`` CPU devices in this process, before anything
-    starts JAX's backends (a no-op for an accelerator, and where JAX already started with
-    enough: :func:`compiled_bytes` takes the first of them)."""
+def _forced_cpu_devices() -> int:
+    """The CPU devices this process is set to start with (``jax_num_cpu_devices``, else
+    ``XLA_FLAGS``' ``--xla_force_host_platform_device_count``, else 1)."""
+    import os
+    import re
+
     import jax
 
+    count = jax.config.values["jax_num_cpu_devices"]
+    if count > 0:
+        return count
+    found = re.search(r"--xla_force_host_platform_device_count=(\d+)",
+                      os.environ.get("XLA_FLAGS", ""))
+    return int(found.group(1)) if found else 1
+
+
+def claim_devices(args: argparse.Namespace) -> None:
+    """Forces ``--devices x --context x --tensor`` CPU devices in this process before anything
+    starts JAX's backends, where it is set to start with fewer (a process that asked for more,
+    a test's, keeps them; :func:`check` takes the first). Nothing changes for an accelerator's
+    devices, nor once JAX has started (:func:`check` then says what is missing)."""
+    import jax
+
+    n = _device_count(args)
+    if _forced_cpu_devices() >= n:
+        return
     try:
-        jax.config.update("jax_num_cpu_devices", _device_count(args))
-    except RuntimeError:  # the backend already started (a test's process): checked when used
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError:  # the backend already started: check() reports the shortfall
         pass
 
 
