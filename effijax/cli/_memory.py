@@ -633,8 +633,8 @@ def _adafactor_values(args: argparse.Namespace) -> int | None:
 
 def memory_command(args: argparse.Namespace) -> int:
     """Handler of ``effijax memory``; returns the exit code."""
-    if args.compile:  # before the model's shapes start JAX's backends
-        _compiled.claim_devices(args)
+    if args.compile and args.params is None:  # before the model's shapes start JAX's backends
+        _compiled.claim_devices(args)  # (--params imports no JAX: check() refuses it below)
     try:
         _resolve_precision(args)
         if args.objective == "grpo" and args.params is None and args.batch_size is None:
