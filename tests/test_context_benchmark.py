@@ -34,14 +34,13 @@ def test_the_predicted_length_is_where_effijax_memory_passes_the_budget(bench):
     """The formula's side (no compiling): the length found fits, one step more does not, and
     the context axis fits a longer one."""
     budget, step, cap = 12 * 10**6, 256, 4096
-    rows, points = [], []
-    for context in (1, 8):
-        def fits(s, context=context):
-            total = bench.memory("tiny", s, context, "bf16")["total_bytes"]
-            points.append((context, s, total))
-            return total <= budget
-        rows.append(bench.longest(fits, step, cap))
-    one, split = rows
+
+    def longest(context):
+        return bench.longest(
+            lambda s: bench.memory("tiny", s, context, "bf16")["total_bytes"] <= budget,
+            step, cap)
+
+    one, split = longest(1), longest(8)
     assert bench.memory("tiny", one, 1, "bf16")["total_bytes"] <= budget
     assert bench.memory("tiny", one + step, 1, "bf16")["total_bytes"] > budget
     assert split > one
