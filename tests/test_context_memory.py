@@ -298,6 +298,8 @@ def test_memory_compile_text_names_where_and_the_ratio():
      "--compile=True: with --objective grpo the step trains the rows its rollout samples"),
     ([*TINY, "--devices", "16"], "--devices=16: --compile compiles for --devices x --context x "
                                  "--tensor = 16 device(s), and this process has 8 cpu device(s)"),
+    ([*TINY, "--objective", "dpo", "--batch-size", "3"],
+     "--batch-size=3: counts rows, and dpo trains pairs of rows (chosen, rejected)"),
 ])
 def test_memory_compile_refuses_what_it_cannot_compile(capsys, flags, problem):
     assert main(["memory", *flags, "--compile"]) == 2

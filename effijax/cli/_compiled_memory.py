@@ -142,15 +142,16 @@ def _config(args: argparse.Namespace, reference: bool):
     return TrainConfig(**values)
 
 
-def check(args: argparse.Namespace) -> list:
-    """What ``--compile`` needs, checked before anything is compiled (``args``: ``effijax
-    memory``'s parsed flags after the formula's rows, ``args.architecture`` set): the devices
-    it compiles for.
+def check(args: argparse.Namespace, *, reference: bool) -> list:
+    """What ``--compile`` needs, checked before anything is printed or compiled (``args``:
+    ``effijax memory``'s parsed flags after the formula's rows, ``args.architecture`` set):
+    the devices it compiles for.
 
     Raises:
       ConfigError: naming the flag: a bare ``--params`` (no model to compile), LoRA as a
-        fraction, a GGUF file's own blocks, GRPO (its rollout needs the tokenizer), or more
-        devices than this process has.
+        fraction, a GGUF file's own blocks, GRPO (its rollout needs the tokenizer), a setting
+        ``effijax train`` refuses (an odd batch of preference pairs), or more devices than
+        this process has.
     """
     if getattr(args, "architecture", None) is None:
         raise ConfigError("--compile", True, "compiles a model's step: give --model PRESET or "
@@ -168,6 +169,7 @@ def check(args: argparse.Namespace) -> list:
                           "rollout samples with the model's tokenizer, which --compile does not "
                           "read; effijax train --objective grpo prints its compiled step's bytes "
                           "before it trains")
+    _config(args, reference)  # train's own checks of these settings
     return _devices(_device_count(args))
 
 

@@ -657,7 +657,7 @@ def memory_command(args: argparse.Namespace) -> int:
             sequence_parallel=args.sequence_parallel, context=args.context)
         args.rollout_bytes = _rollout_bytes(args)
         # What --compile cannot compile is refused before anything is printed or compiled.
-        devices = _compiled.check(args) if args.compile else None
+        devices = _compiled.check(args, reference=_reference(args)) if args.compile else None
     except ConfigError as e:
         return _error("memory", e)
     # A rollout runs between the steps: its cache and the step's activations are never held
