@@ -17,11 +17,23 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from effijax.errors import ConfigError
 
-__all__ = ["CompiledBytes", "check", "claim_devices", "compiled_bytes", "compiled_text"]
+if TYPE_CHECKING:  # the recipe imports JAX; --params never does
+    from effijax.recipe import Sections
+
+__all__ = ["CompiledBytes", "Target", "check", "claim_devices", "compiled_bytes",
+           "compiled_text"]
+
+
+class Target(NamedTuple):
+    """What :func:`check` found the step can be compiled for: the devices, and effijax train's
+    settings for it (a :class:`~effijax.recipe.TrainConfig`'s sections, checked)."""
+
+    devices: list
+    sections: Sections
 
 
 class CompiledBytes(NamedTuple):
@@ -142,10 +154,10 @@ def _config(args: argparse.Namespace, reference: bool):
     return TrainConfig(**values)
 
 
-def check(args: argparse.Namespace, *, reference: bool) -> list:
+def check(args: argparse.Namespace, *, reference: bool) -> Target:
     """What ``--compile`` needs, checked before anything is printed or compiled (``args``:
-    ``effijax memory``'s parsed flags after the formula's rows, ``args.architecture`` set):
-    the devices it compiles for.
+    ``effijax memory``'s parsed flags after the formula's rows, ``args.architecture`` set;
+    ``reference``: the run holds a reference copy): the devices and train's settings.
 
     Raises:
       ConfigError: naming the flag: a bare ``--params`` (no model to compile), LoRA as a
@@ -169,13 +181,12 @@ def check(args: argparse.Namespace, *, reference: bool) -> list:
                           "rollout samples with the model's tokenizer, which --compile does not "
                           "read; effijax train --objective grpo prints its compiled step's bytes "
                           "before it trains")
-    _config(args, reference)  # train's own checks of these settings
-    return _devices(_device_count(args))
+    sections = _config(args, reference).sections  # train's own checks of these settings
+    return Target(_devices(_device_count(args)), sections)
 
 
-def compiled_bytes(args: argparse.Namespace, devices: list, *,
-                   reference: bool) -> CompiledBytes:
-    """Plans and compiles ``effijax train``'s step for ``args`` on ``devices`` (from
+def compiled_bytes(args: argparse.Namespace, target: Target) -> CompiledBytes:
+    """Plans and compiles ``effijax train``'s step for ``args`` on ``target`` (from
     :func:`check`) and reads XLA's bytes.
 
     Raises:
@@ -194,9 +205,9 @@ def compiled_bytes(args: argparse.Namespace, devices: list, *,
     from effijax.sharding import make_mesh
     from effijax.sources import step_bytes
 
+    devices, s = target
     n = len(devices)
     model = _model(args)
-    s = _config(args, reference).sections
     objective = get_objective(s.objective.objective)
     pairs = objective.load is not None  # preference pairs: the completions' tokens trained
     mesh = None if n == 1 else make_mesh(fsdp=args.devices, context=args.context,

@@ -644,20 +644,21 @@ def memory_command(args: argparse.Namespace) -> int:
             args.sequence_parallel = args.tensor > 1
         args.strategy = args.strategy or "ddp"
         args.state_values = _adafactor_values(args)
+        reference = _reference(args)
         states = model_states(args.params, optimizer=args.optimizer, precision=args.precision,
                               zero_stage=_zero_stage(args.strategy), devices=args.devices,
                               lora_fraction=args.lora_fraction, frozen_dtype=args.frozen_dtype,
                               tensor=args.tensor,
                               frozen_bytes=getattr(args, "frozen_bytes", None),
                               moments=_moments(args, states_of=args.state_values),
-                              reference=_reference(args))
+                              reference=reference)
         acts = None if args.layers is None else activation_bytes(
             **shape, bytes_per_value=4 if args.precision == "fp32" else 2,
             checkpointing=args.checkpointing, tensor=args.tensor,
             sequence_parallel=args.sequence_parallel, context=args.context)
         args.rollout_bytes = _rollout_bytes(args)
         # What --compile cannot compile is refused before anything is printed or compiled.
-        devices = _compiled.check(args, reference=_reference(args)) if args.compile else None
+        target = _compiled.check(args, reference=reference) if args.compile else None
     except ConfigError as e:
         return _error("memory", e)
     # A rollout runs between the steps: its cache and the step's activations are never held
@@ -666,9 +667,9 @@ def memory_command(args: argparse.Namespace) -> int:
     if not args.json:  # the formula's answer at once; the compiler's follows
         print(_memory_text(args, shape, states, acts, total), flush=True)
     compiled = None
-    if devices is not None:
+    if target is not None:
         try:
-            compiled = _compiled.compiled_bytes(args, devices, reference=_reference(args))
+            compiled = _compiled.compiled_bytes(args, target)
         except ConfigError as e:
             return _error("memory", e)
     if args.json:
@@ -685,8 +686,7 @@ def memory_command(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
     elif compiled is not None:
         print(_compiled.compiled_text(compiled, acts, frozen=(
-            "frozen base" if args.lora_rank is not None else
-            "reference" if _reference(args) and not args.precompute_reference else "")))
+            "frozen base" if args.lora_rank is not None else "reference" if reference else "")))
     return 0
 
 
