@@ -107,24 +107,18 @@ def fit_rows(model: str, budget: int, step: int, precision: str,
     and the points measured."""
     points = []
 
-    def predicted(context):
+    def fits_by(context: int, compiled: bool):
         def fits(s):
-            total = memory(model, s, context, precision)["total_bytes"]
-            points.append(("predicted", context, s, total))
-            return total <= budget
-        return fits
-
-    def compiled(context):
-        def fits(s):
-            held = memory(model, s, context, precision, compile=True)["compiled"]["held"]
-            points.append(("compiled", context, s, held))
+            out = memory(model, s, context, precision, compile=compiled)
+            held = out["compiled"]["held"] if compiled else out["total_bytes"]
+            points.append(("compiled" if compiled else "predicted", context, s, held))
             return held <= budget
         return fits
 
     rows = []
     for context in (1, CONTEXT):
-        by_formula = longest(predicted(context), step, cap)
-        by_compiler = longest(compiled(context), step, cap)
+        by_formula = longest(fits_by(context, compiled=False), step, cap)
+        by_compiler = longest(fits_by(context, compiled=True), step, cap)
         rows.append([f"context={context}" if context > 1 else "one device",
                      _length(by_formula, cap), _length(by_compiler, cap)])
     return rows, points
