@@ -284,6 +284,21 @@ def pytest_configure_node(node):
     node.workerinput["effijax_loadgroup"] = node.config.option.dist == "loadgroup"
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """Stops the run before any test where one pytest-xdist group would crowd a quarter of the
+    tests into one worker (``_budget.crowded_group``), naming the group: the workers name a
+    grouped test's id ``path::test@group``."""
+    groups: dict[str, list[str]] = {}
+    for nodeid in ids:
+        if "@" in nodeid:
+            test, group = nodeid.rsplit("@", 1)
+            groups.setdefault(group, []).append(test.split("::")[0])
+    crowded = _budget.crowded_group(groups, len(ids))
+    if crowded is not None:
+        pytest.exit(crowded, returncode=pytest.ExitCode.USAGE_ERROR)
+
+
 def pytest_configure(config):
     if getattr(config, "workerinput", {}).get("effijax_loadgroup"):
         config.option.loadgroup = True  # the worker names its grouped tests' ids by group
@@ -386,8 +401,16 @@ def _empty_working_directory(tmp_path_factory, monkeypatch):
     """Every test starts in an empty directory of its own, never the checkout: what a user's
     earlier command left in the current directory (``effijax train`` writes ``runs/train``
     there) cannot change a test's outcome, and a test's relative paths cannot touch the
-    checkout. A test that needs a file of the repository finds it from its own ``__file__``."""
-    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
+    checkout. A test that needs a file of the repository finds it from its own ``__file__``.
+
+    The directories are made in one folder of the process' temporary root by ``mkdtemp``:
+    ``tmp_path_factory.mktemp`` numbers a directory by listing every entry of that root first
+    (by the end of a worker's 1,300 tests, 2-3 s of scanning, the same root pytest's own
+    ``tmp_path`` scans). Not a session fixture: every test would share it, which ties all
+    modules into one pytest-xdist group (:func:`_sharing_groups`)."""
+    folder = tmp_path_factory.getbasetemp() / "cwd"
+    folder.mkdir(exist_ok=True)
+    monkeypatch.chdir(tempfile.mkdtemp(dir=folder))
 
 
 @pytest.fixture(scope="session")

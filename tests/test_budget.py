@@ -88,3 +88,18 @@ def test_fast_tier_tests_over_the_limit_are_named():
     assert line.startswith("fast tier: 2 tests outside tests/slow_tests.txt took 1.5 s or more: "
                            "tests/test_b.py::test_w 12.0 s, tests/test_a.py::test_x[1] 1.5 s")
     assert _budget.strays_line([]) is None
+
+
+@pytest.mark.parametrize("tests, modules, crowded", [
+    (25, 4, True),    # a quarter of the run, from 4 modules: one worker would run it
+    (24, 4, False),   # under a quarter
+    (60, 3, False),   # modules that share a process or a reference model on purpose
+])
+def test_a_group_that_would_crowd_one_worker_is_named(tests, modules, crowded):
+    group = [f"tests/test_{i % modules}.py" for i in range(tests)]
+    line = _budget.crowded_group({"tests/test_0.py": group}, 100)
+    assert (line is not None) == crowded
+    if crowded:
+        assert line.startswith(f"pytest-xdist would run {tests} of the 100 tests in one worker: "
+                               f"the {modules} modules of group 'tests/test_0.py'")
+        assert "_BUILT_IN_EACH_WORKER" in line
