@@ -3,14 +3,13 @@ overrun without stopping the others, and the ``--dry-run`` end to end (every sec
 finite positive numbers, RESULTS.md left alone without ``--write``)."""
 
 import dataclasses
-import doctest
 import json
 import math
 import sys
 import time
 
 import pytest
-from _benchmarks import BENCHMARKS, benchmark_script
+from _benchmarks import BENCHMARKS, run_examples, script_fixture
 
 from effijax.models import GPTConfig
 
@@ -18,22 +17,7 @@ from effijax.models import GPTConfig
 COMPILING_EXAMPLES = ("train_variant", "hand_written_fp16_variant")
 
 
-@pytest.fixture(scope="module")
-def accelerator():
-    with benchmark_script("accelerator") as module:
-        yield module
-
-
-def _run_examples(module, names=None) -> int:
-    finder, runner = doctest.DocTestFinder(), doctest.DocTestRunner(verbose=False)
-    attempted = 0
-    for test in finder.find(module):
-        if names is not None and test.name.split(".")[-1] not in names:
-            continue
-        result = runner.run(test)
-        assert result.failed == 0, f"docstring example of {test.name} failed"
-        attempted += result.attempted
-    return attempted
+accelerator = script_fixture("accelerator")
 
 
 def test_mfu_by_hand(accelerator):
@@ -55,7 +39,7 @@ def test_mfu_by_hand(accelerator):
 def test_examples_that_compile_nothing(accelerator):
     names = {n for n in dir(accelerator) if callable(getattr(accelerator, n))
              and not n.startswith("_")} - set(COMPILING_EXAMPLES)
-    assert _run_examples(accelerator, names) >= 5
+    assert run_examples(accelerator, names) >= 5
 
 
 def test_a_failing_or_overrunning_section_does_not_stop_the_others(accelerator, capsys):
@@ -151,4 +135,4 @@ def test_dry_run_measures_every_section_and_leaves_results_alone(accelerator, tm
     assert all(f"### {name}\n" in md for name in sections)
     assert "(printed only; add --write" in capsys.readouterr().out
     # The step-building examples reuse the steps the run compiled.
-    assert _run_examples(accelerator, COMPILING_EXAMPLES) >= 4
+    assert run_examples(accelerator, COMPILING_EXAMPLES) >= 4

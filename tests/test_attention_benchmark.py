@@ -2,14 +2,9 @@
 
 import re
 
-import pytest
-from _benchmarks import benchmark_script
+from _benchmarks import script_fixture
 
-
-@pytest.fixture(scope="module")
-def attention():
-    with benchmark_script("attention") as module:
-        yield module
+attention = script_fixture("attention")
 
 
 def test_block_size_table_marks_the_default_and_the_fastest(attention, monkeypatch):

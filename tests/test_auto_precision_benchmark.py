@@ -1,20 +1,9 @@
 """``benchmarks/auto_precision.py``: its rows and text from given timings, and a smoke run."""
 
-import doctest
-
 import pytest
-from _benchmarks import benchmark_script
+from _benchmarks import script_fixture
 
-
-@pytest.fixture(scope="module")
-def bench():
-    with benchmark_script("auto_precision") as module:
-        yield module
-
-
-def test_docstrings(bench):
-    result = doctest.testmod(bench)
-    assert result.attempted >= 5 and result.failed == 0
+bench = script_fixture("auto_precision", "bench")
 
 
 def test_rows_mark_what_auto_picks_and_the_text_says_whether_it_was_right(bench):

@@ -1,21 +1,10 @@
 """``benchmarks/context.py``: its bisection, the longest sequence found at both ends of the
 search, and the ring against the all-gather variant at a small size."""
 
-import doctest
-
 import pytest
-from _benchmarks import benchmark_script
+from _benchmarks import script_fixture
 
-
-@pytest.fixture(scope="module")
-def bench():
-    with benchmark_script("context") as module:
-        yield module
-
-
-def test_docstrings(bench):
-    result = doctest.testmod(bench)
-    assert result.attempted >= 2 and result.failed == 0
+bench = script_fixture("context", "bench")
 
 
 def test_the_bisection_finds_the_last_length_that_fits(bench):

@@ -1,25 +1,14 @@
 """``benchmarks/dpo.py``: its table and text from made-up steps, and its flag checks (its timing
 needs the bundled model, torch and TRL, and minutes)."""
 
-import doctest
-
 import pytest
-from _benchmarks import benchmark_script
+from _benchmarks import script_fixture
 
-
-@pytest.fixture(scope="module")
-def dpo():
-    with benchmark_script("dpo") as module:
-        yield module
+dpo = script_fixture("dpo")
 
 
 def _steps(seconds, others=0.0, cpu=3.0):
     return [{"s": s, "cpu_s": cpu, "others": others, "loss": 0.69} for s in seconds]
-
-
-def test_docstrings(dpo):
-    result = doctest.testmod(dpo)
-    assert result.attempted >= 3 and result.failed == 0
 
 
 def test_the_table_compares_like_with_like_and_says_whether_the_goal_was_met(dpo):

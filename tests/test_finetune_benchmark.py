@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from _benchmarks import benchmark_script
+from _benchmarks import script_fixture
 
 from effijax.models import LlamaConfig
 
@@ -17,10 +17,7 @@ MODEL = LlamaConfig(vocab_size=V, d_model=D, n_layers=L, n_heads=H, d_ff=F, seq_
                     attention="naive")
 
 
-@pytest.fixture(scope="module")
-def finetune():
-    with benchmark_script("finetune") as module:
-        yield module
+finetune = script_fixture("finetune")
 
 
 def _matmul_flops(lora: bool) -> int:

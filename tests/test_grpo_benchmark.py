@@ -2,30 +2,20 @@
 effijax's, and its flag checks (its timing needs the bundled model, torch and TRL, and
 minutes)."""
 
-import doctest
 import json
 
 import pytest
-from _benchmarks import benchmark_script
+from _benchmarks import script_fixture
 
 from effijax.objectives import exact_match
 
-
-@pytest.fixture(scope="module")
-def grpo():
-    with benchmark_script("grpo") as module:
-        yield module
+grpo = script_fixture("grpo")
 
 
 def _steps(rollout, train, completion=200, trained=600, reward=0.25):
     return [{"rollout_s": r, "train_s": t, "completion_tokens": completion,
              "trained_tokens": trained, "reward": reward} for r, t in zip(rollout, train,
                                                                           strict=True)]
-
-
-def test_docstrings(grpo):
-    result = doctest.testmod(grpo)
-    assert result.attempted >= 3 and result.failed == 0
 
 
 def test_the_table_gives_both_phases_rates_and_effijaxs_over_trls(grpo):

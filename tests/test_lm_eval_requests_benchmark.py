@@ -1,16 +1,10 @@
 """``benchmarks/lm_eval_requests.py``: its table and text from made-up passes, its flag checks,
 and the requests both workers build (its timing needs the bundled model, torch and minutes)."""
 
-import doctest
-
 import pytest
-from _benchmarks import benchmark_script
+from _benchmarks import script_fixture
 
-
-@pytest.fixture(scope="module")
-def bench():
-    with benchmark_script("lm_eval_requests") as module:
-        yield module
+bench = script_fixture("lm_eval_requests", "bench")
 
 
 def _timing(seconds):
@@ -19,11 +13,6 @@ def _timing(seconds):
 
 def _built(n, answers, digest="d1"):
     return {"requests": n, "digest": digest, "first_s": 7.5, "answers": answers}
-
-
-def test_docstrings(bench):
-    result = doctest.testmod(bench)
-    assert result.attempted >= 5 and result.failed == 0
 
 
 def test_the_table_compares_the_same_requests_and_says_whether_the_goal_was_met(bench):
