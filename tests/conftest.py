@@ -49,6 +49,7 @@ import atexit
 import gc
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -69,6 +70,19 @@ def _huge_pages_for_what_the_suite_starts() -> None:
 
 
 _huge_pages_for_what_the_suite_starts()
+
+
+def _interruptible_processes_for_what_the_suite_starts() -> None:
+    """A suite started in the background by a shell without job control (``pytest ... &`` in
+    a script) inherits SIGINT ignored, and so would every process it starts: ``effijax``
+    leaves an ignored SIGINT ignored (``nohup``), and the Ctrl-C tests' signals would be lost
+    (their runs finished, exit 0). The test processes take Python's default handler back, so
+    the processes they start get the default disposition."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+_interruptible_processes_for_what_the_suite_starts()
 
 
 def _bytecode_for_what_the_suite_starts() -> None:
