@@ -295,7 +295,7 @@ def _env():
 
 
 @pytest.mark.slow
-def test_eval_cli_prints_loss_and_perplexity(gguf):
+def test_eval_cli_prints_loss_and_perplexity(gguf, capsys):
     files = gguf
     cmd = [sys.executable, "-m", "effijax", "eval", "--from", str(files / "tiny.gguf"),
            str(files / "qa.jsonl"), "--batch-size", "4", "--seq-len", str(SEQ), "--json"]
@@ -308,9 +308,10 @@ def test_eval_cli_prints_loss_and_perplexity(gguf):
     np.testing.assert_allclose(got["loss"], want.loss, rtol=1e-5)
     bad = files / "bad.jsonl"
     bad.write_text('{"prompt": "q", "response": "r"}\n{"prompt": "q"}\n')
-    out = subprocess.run([*cmd[:6], str(bad)], capture_output=True, text=True, env=_env(),
-                         timeout=300)
-    assert out.returncode == 2 and f"data='{bad}:2': keys ['prompt']" in out.stderr
+    from effijax.cli import main
+
+    assert main([*cmd[3:6], str(bad)]) == 2  # the refusal: in this process, no start's cost
+    assert f"data='{bad}:2': keys ['prompt']" in capsys.readouterr().err
 
 
 # Training ------------------------------------------------------------------------------------

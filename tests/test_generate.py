@@ -449,21 +449,26 @@ def test_cli_generates_from_a_gguf(tiny_gguf):
                                           top_p=0.9, seed=3).text + "\n"
 
 
-def test_cli_generates_several_prompts_as_json_lines(tiny_gguf, tmp_path):
+def test_cli_generates_several_prompts_as_json_lines(tiny_gguf, tmp_path, capsys):
+    """``effijax generate`` called in this process (the program's own start is the test
+    above's): its standard output is one JSON line a prompt."""
     import json
+
+    from effijax.cli import main
 
     file = tmp_path / "prompts.jsonl"
     file.write_text('{"prompt": "the"}\n\n"thin in the thin the"\n')
-    proc = _cli("--from", str(tiny_gguf), "--prompt", "the thin", "--prompt",
-                "in the thin the thin in", "--prompts-file", str(file), "--max-new-tokens", "6")
-    assert proc.returncode == 0, proc.stderr
+    assert main(["generate", "--from", str(tiny_gguf), "--prompt", "the thin", "--prompt",
+                 "in the thin the thin in", "--prompts-file", str(file),
+                 "--max-new-tokens", "6"]) == 0
+    proc = capsys.readouterr()
     prompts = ["the thin", "in the thin the thin in", "the", "thin in the thin the"]
     loaded = load(str(tiny_gguf))
     assert len({len(loaded.encode(p)) for p in prompts}) == 4
-    records = [json.loads(line) for line in proc.stdout.splitlines()]
+    records = [json.loads(line) for line in proc.out.splitlines()]
     assert records == [{"prompt": p, "completion": loaded.complete(p, max_new_tokens=6).text}
                        for p in prompts]
-    assert "4 prompts" in proc.stderr and "tokens/s" in proc.stderr
+    assert "4 prompts" in proc.err and "tokens/s" in proc.err
     text = tmp_path / "prompts.txt"  # a text file: one prompt per line
     text.write_text("the thin\n\nin the\n")
     from effijax.cli._generate import read_prompts

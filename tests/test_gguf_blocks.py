@@ -247,13 +247,14 @@ def _effijax(*argv, cwd):
                           capture_output=True, timeout=600)
 
 
-def test_a_source_that_is_not_a_gguf_is_refused_before_anything_loads(tmp_path):
-    result = _effijax("train", "--lora-rank", "4", "--lora-random-base", "--frozen-dtype",
-                      "gguf", "--out", str(tmp_path / "run"), cwd=tmp_path)
-    assert result.returncode != 0
+def test_a_source_that_is_not_a_gguf_is_refused_before_anything_loads(tmp_path, capsys):
+    from effijax.cli import main
+
+    assert main(["train", "--lora-rank", "4", "--lora-random-base", "--frozen-dtype", "gguf",
+                 "--out", str(tmp_path / "run")]) == 2
     assert ("--frozen-dtype='gguf': keeps a GGUF file's quantized blocks, but --from (none) is "
             "not a .gguf file; give a GGUF model (e.g. --from smollm2), or use --frozen-dtype "
-            "nf4 or int8") in result.stderr
+            "nf4 or int8") in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
 
 

@@ -177,10 +177,12 @@ def test_forced_launchers_and_ids_the_launcher_owns(clean_env):
     assert distributed.find_launch() == ((None, 1, 0), None, None)
 
 
-def test_the_cli_refuses_an_unknown_launcher_before_starting_jax():
-    proc = subprocess.run([sys.executable, "-m", "effijax", "train", "--cluster", "pbs"],
-                          capture_output=True, text=True, env=env(), timeout=120)
-    assert proc.returncode == 2 and "invalid choice: 'pbs'" in proc.stderr
+def test_the_cli_refuses_an_unknown_launcher_before_starting_jax(capsys):
+    from effijax.cli import main
+
+    with pytest.raises(SystemExit) as refused:  # argparse's refusal, before any work
+        main(["train", "--cluster", "pbs"])
+    assert refused.value.code == 2 and "invalid choice: 'pbs'" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------------------------
