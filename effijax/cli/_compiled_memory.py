@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import re
 import sys
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -75,9 +77,6 @@ def _device_count(args: argparse.Namespace) -> int:
 def _forced_cpu_devices() -> int:
     """The CPU devices this process is set to start with (``jax_num_cpu_devices``, else
     ``XLA_FLAGS``' ``--xla_force_host_platform_device_count``, else 1)."""
-    import os
-    import re
-
     import jax
 
     count = jax.config.values["jax_num_cpu_devices"]
