@@ -10,7 +10,7 @@ emulated there) and, after each section, writes everything measured so far: the 
 ``--out-dir DIR``, ``DIR/accelerator.md`` and ``DIR/accelerator.json``, so a run cut short
 still returns what it measured. Each section has a time budget (checked between its units of
 work, and an alarm that ends it soon after); one that fails is reported in one line (its
-traceback on stderr) and the others still run. The whole run is sized for under 6 minutes on
+traceback on stderr) and the others still run. The whole run is sized for about 7 minutes on
 one H100/H200. The model is the GPT (GPT-2/3 shapes, random init, random tokens: nothing is
 downloaded), so ``benchmarks/mfu.py``'s FLOP formula applies unchanged. Sections, in run order:
 
@@ -31,6 +31,12 @@ downloaded), so ``benchmarks/mfu.py``'s FLOP formula applies unchanged. Sections
   is skipped), each interleaved with a large bf16 matmul; MFU against the data-sheet peak
   (``mfu.PEAK_TFLOPS``) and against the measured matmul peak. Why: the one number that says how
   well the step uses the chip, for the largest model one device trains.
+* **profile**: the bf16 step of the GPT and of the Llama family (Llama 3.2's shapes) at about
+  1B parameters, then at the largest sizes, each traced with ``jax.profiler`` and summed by
+  :func:`effijax.observe.step_breakdown`: matmuls, attention, norms and elementwise, copies,
+  the head and loss, the optimizer update, collectives and idle, each with its time and the
+  achieved TFLOP/s of its matmuls. Why: to raise the step toward the peak, first know where it
+  goes.
 * **attention**: the fused kernel (``xla_attend``: cuDNN where it applies), the pure-JAX
   blockwise kernel and the naive one, forward + backward at sequence lengths 1k-8k: time and
   XLA's temporaries (the memory the op needs beyond its inputs and outputs). Why: ``auto``'s
@@ -89,6 +95,7 @@ from mfu import (
 from effijax.memory import activation_bytes, estimate_tree, format_bytes, measure, tree_bytes
 from effijax.models import (
     GPTConfig,
+    LlamaConfig,
     attend,
     blockwise_attend,
     choose_attention,
@@ -96,6 +103,7 @@ from effijax.models import (
     param_count,
     xla_attend,
 )
+from effijax.observe import step_breakdown
 from effijax.precision import get_policy
 from effijax.step import init_train_state, make_train_step, optax_promotion
 
@@ -125,6 +133,8 @@ class Sizes:
       attention_seqs: its sequence lengths.
       determinism_model, determinism_batch, determinism_steps: the child processes' model, batch
         and the number of steps of each of its two runs.
+      profile_models: the models whose bf16 step is profiled, in order (GPT and Llama family,
+        about 1B first, then the largest sizes).
       rounds, steps_per_round: ``time_interleaved``'s rounds and timed steps per turn.
       budgets_s: seconds per section.
     """
@@ -138,12 +148,20 @@ class Sizes:
     determinism_model: GPTConfig
     determinism_batch: int
     determinism_steps: int
+    profile_models: tuple
     rounds: int
     steps_per_round: int
     budgets_s: dict[str, float]
 
 
 _VOCAB = 50304  # GPT-2's 50257 rounded up to a multiple of 128
+# Llama 3.2's 1B and 3B shapes (grouped-query attention, tied embeddings), at the GPT's 1,024
+# tokens a row.
+_LLAMA_1B = LlamaConfig(vocab_size=128256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8,
+                        head_dim=64, d_ff=8192, rope_theta=500000.0, tie_embeddings=True,
+                        seq_len=1024, max_position=1024)
+_LLAMA_3B = dataclasses.replace(_LLAMA_1B, d_model=3072, n_layers=28, n_heads=24,
+                                head_dim=128)
 GPU = Sizes(
     model=_gpt(1024, 24, 16, 1024, _VOCAB),  # 0.35B, GPT-2 medium
     batch_size=8,
@@ -158,12 +176,14 @@ GPU = Sizes(
     determinism_model=_gpt(512, 8, 8, 1024, _VOCAB),
     determinism_batch=4,
     determinism_steps=3,
+    profile_models=(_gpt(2048, 24, 16, 1024, _VOCAB), _LLAMA_1B,  # 1.3B, 1.2B
+                    _gpt(3072, 32, 24, 1024, _VOCAB), _LLAMA_3B),  # 3.8B, 3.2B
     rounds=3,
     steps_per_round=5,
-    # 330 s in all; a section may overrun its budget by the 20 s grace before its alarm.
+    # 420 s in all; a section may overrun its budget by the 20 s grace before its alarm.
     # (The precision and loss-scaling sections each compile two 0.35B steps.)
     budgets_s={"memory": 40, "precision": 70, "loss scaling": 60, "MFU": 75,
-               "attention": 40, "determinism": 45},
+               "profile": 90, "attention": 40, "determinism": 45},
 )
 DRY_RUN = Sizes(
     # Still 2 scanned layers, 4 heads and blockwise attention, at the smallest widths: each of
@@ -178,11 +198,15 @@ DRY_RUN = Sizes(
     determinism_model=_gpt(32, 2, 4, 16, 64),  # the model: its step is compiled already
     determinism_batch=2,
     determinism_steps=2,
+    # The model (compiled already) and the Llama family's smallest shape.
+    profile_models=(_gpt(32, 2, 4, 16, 64),
+                    LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                                d_ff=64, seq_len=16, max_position=16)),
     rounds=1,
     steps_per_round=2,
     # Generous: on a shared 2-core CPU compilation dominates, and a smoke test should not fail
     # on time. Idle, the whole dry run takes about 40 s.
-    budgets_s={"memory": 60, "precision": 60, "loss scaling": 60, "MFU": 60,
+    budgets_s={"memory": 60, "precision": 60, "loss scaling": 60, "MFU": 60, "profile": 60,
                "attention": 60, "determinism": 90},
 )
 
@@ -297,9 +321,12 @@ def _params(config: GPTConfig) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.1f}M"
 
 
-def _describe(config: GPTConfig) -> str:
-    return (f"GPT {_params(config)} (d {config.d_model}, L {config.n_layers}, H "
-            f"{config.n_heads}, seq {config.seq_len}, vocab {config.vocab_size})")
+def _describe(config) -> str:
+    family = {"gpt": "GPT", "llama": "Llama"}.get(config.family, config.family)
+    kv = (f", G {config.n_kv_heads}" if getattr(config, "n_kv_heads", None) not in
+          (None, config.n_heads) else "")
+    return (f"{family} {_params(config)} (d {config.d_model}, L {config.n_layers}, H "
+            f"{config.n_heads}{kv}, seq {config.seq_len}, vocab {config.vocab_size})")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -713,6 +740,113 @@ def _render_determinism(r: dict) -> str:
     ])
 
 
+def profile_step(config, batch_size: int, *, steps: int = 3, spec_peak: float | None = None
+                 ) -> dict:
+    """The bf16 train step of ``config`` (``_effijax_step``: AdamW, attention ``auto``) on random
+    tokens: its median time over ``steps`` untraced steps, then ``steps`` more under
+    ``jax.profiler``, summed by :func:`effijax.observe.step_breakdown` (each category's time,
+    its matmuls' FLOPs counted from the compiled HLO and their rate), with the step's model
+    FLOPs (6N + 12·L·H·K·S) and MFU against ``spec_peak``.
+
+    Example:
+      >>> r = profile_step(DRY_RUN.model, 2, steps=2)
+      >>> r["categories"][0]["category"], r["counted_flops"] == sum(
+      ...     c["flops"] for c in r["categories"])
+      ('matmuls', True)
+    """
+    import glob
+    import tempfile
+
+    state = _init_state(config, "bf16", False)
+    batch = random_batch(config, batch_size)
+    compiled = _effijax_step(config, "bf16", False, False).lower(state, batch).compile()
+    state, metrics = compiled(state, batch)  # warm
+    jax.block_until_ready(metrics)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        state, metrics = compiled(state, batch)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - t0)
+    step_s = float(np.median(times))
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            for _ in range(steps):
+                state, metrics = compiled(state, batch)
+                jax.block_until_ready(metrics)
+        (trace,) = glob.glob(f"{d}/**/*.trace.json.gz", recursive=True)
+        got = step_breakdown(trace, compiled.as_text(), steps, step_s=step_s)
+    tokens = batch_size * config.seq_len
+    model_flops = model_flops_per_token(config) * tokens
+    counted = sum(r.flops for r in got.rows)
+    return {"model": _describe(config), "params": param_count(config), "tokens": tokens,
+            "step_s": step_s, "busy_s": got.busy_s, "model_flops": model_flops,
+            "counted_flops": counted, "spec_peak": spec_peak,
+            "mfu": None if not spec_peak else model_flops / step_s / spec_peak,
+            "categories": [{**r._asdict(), "flops_per_s": r.flops_per_s} for r in got.rows],
+            "table": got.markdown(spec_peak)}
+
+
+def _profile_section(ctx: Context) -> dict:
+    """Each profile model's bf16 step, traced and summed by kind of work, until the budget
+    ends (a size the estimate does not fit, or out of memory, is skipped)."""
+    s = ctx.sizes
+    kind = jax.devices()[0].device_kind
+    spec = peak_flops(kind, "bf16")
+    stats = _memory_stats()
+    limit = None if stats is None else stats.get("bytes_limit")
+    rows, notes, last_s = [], [], 0.0
+    for config in s.profile_models:
+        fits, need = _fits(config, s.batch_size, limit)
+        if not fits:
+            notes.append(f"{_describe(config)}: skipped, the estimate {format_bytes(need)} is "
+                         f"over 90% of the device's {format_bytes(limit)}")
+            continue
+        if rows and ctx.time_left() < 1.5 * last_s:
+            notes.append(f"{_describe(config)}: not run, {ctx.time_left():.0f} s left of the "
+                         f"budget (the last model took {last_s:.0f} s)")
+            continue
+        t0 = time.monotonic()
+        try:
+            row = profile_step(config, s.batch_size, steps=s.steps_per_round, spec_peak=spec)
+        except SectionTimeout:
+            notes.append(f"{_describe(config)}: stopped, past the section's time budget")
+            break
+        except Exception as e:  # noqa: BLE001 - out of memory: try the next model
+            if not _out_of_memory(e):
+                raise
+            notes.append(f"{_describe(config)}: out of memory ({format_bytes(need)} estimated)")
+            continue
+        finally:
+            gc.collect()
+        last_s = time.monotonic() - t0
+        rows.append({**row, "seconds": last_s})
+        print(f"  profile {row['model']}: {1e3 * row['step_s']:.1f} ms a step "
+              f"({last_s:.0f} s)", flush=True)
+    if not rows:
+        raise RuntimeError("no model was profiled: " + "; ".join(notes))
+    return {"device_kind": kind, "spec_peak": spec, "batch_size": s.batch_size,
+            "models": rows, "notes": notes}
+
+
+def _render_profile(r: dict) -> str:
+    lines = [f"bf16 policy, batch {r['batch_size']}, AdamW, attention `auto`, random tokens; "
+             "each step traced with `jax.profiler` and summed by "
+             "`effijax.observe.step_breakdown` (op times by category, per step; FLOPs of the "
+             "matmuls counted from the compiled HLO, 2·M·N·K each, recomputation included; "
+             "rows overlap where streams run concurrently, `idle` is the step's time with no op "
+             "running). Data-sheet bf16 peak: "
+             + (_flops(r["spec_peak"]) if r["spec_peak"] else "unknown for this device") + "."]
+    for m in r["models"]:
+        mfu = "n/a" if m["mfu"] is None else f"{m['mfu']:.3f}"
+        lines += ["", f"**{m['model']}**: {1e3 * m['step_s']:.1f} ms a step of "
+                  f"{m['tokens']:,} tokens, MFU {mfu} (model FLOPs 6·N + 12·L·H·K·S: "
+                  f"{_flops(m['model_flops'] / m['step_s'])}; counted in the HLO: "
+                  f"{_flops(m['counted_flops'] / m['step_s'])}).", "", m["table"]]
+    lines += [f"- {n}." for n in r["notes"]]
+    return "\n".join(lines)
+
+
 class Section(NamedTuple):
     """A measurement: ``measure(ctx) -> dict`` (JSON-able), ``render(dict) -> markdown``."""
 
@@ -726,6 +860,7 @@ SECTIONS = (
     Section("precision", _precision_section, _render_precision),
     Section("loss scaling", _loss_scaling_section, _render_loss_scaling),
     Section("MFU", _mfu_section, _render_mfu),
+    Section("profile", _profile_section, _render_profile),
     Section("attention", _attention_section, _render_attention),
     Section("determinism", _determinism_section, _render_determinism),
 )

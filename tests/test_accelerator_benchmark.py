@@ -14,7 +14,7 @@ from _benchmarks import BENCHMARKS, run_examples, script_fixture
 from effijax.models import GPTConfig
 
 # Examples that compile a train step: run by the dry-run test, after the run compiled it.
-COMPILING_EXAMPLES = ("train_variant", "hand_written_fp16_variant")
+COMPILING_EXAMPLES = ("train_variant", "hand_written_fp16_variant", "profile_step")
 
 
 accelerator = script_fixture("accelerator")
@@ -121,6 +121,15 @@ def test_dry_run_measures_every_section_and_leaves_results_alone(accelerator, tm
         assert positive(r["flops_per_s"], r["mfu_vs_matmul"], r["matmul_peak"])
         assert r["mfu_vs_matmul"] == pytest.approx(r["flops_per_s"] / mfu["matmul_peak"])
         assert r["mfu_vs_spec"] is None  # no data-sheet peak for a CPU
+    profile = sections["profile"]["result"]
+    assert [m["model"].split()[0] for m in profile["models"]] == ["GPT", "Llama"]
+    for m in profile["models"]:
+        kinds = {c["category"]: c for c in m["categories"]}
+        assert {"matmuls", "attention", "head and loss", "optimizer update", "idle"} <= set(kinds)
+        assert positive(m["step_s"], m["model_flops"], kinds["matmuls"]["flops"],
+                        kinds["attention"]["flops"], kinds["optimizer update"]["seconds"])
+        assert m["counted_flops"] == sum(c["flops"] for c in m["categories"])
+        assert m["mfu"] is None and "| matmuls |" in m["table"]  # no data-sheet peak: a CPU
     attention = sections["attention"]["result"]["rows"]
     assert {r["impl"] for r in attention} == set(accelerator.ATTENTION_IMPLS)
     assert all(positive(r["fwd_bwd_s"], r["temp_bytes"]) for r in attention)
@@ -135,4 +144,4 @@ def test_dry_run_measures_every_section_and_leaves_results_alone(accelerator, tm
     assert all(f"### {name}\n" in md for name in sections)
     assert "(printed only; add --write" in capsys.readouterr().out
     # The step-building examples reuse the steps the run compiled.
-    assert run_examples(accelerator, COMPILING_EXAMPLES) >= 4
+    assert run_examples(accelerator, COMPILING_EXAMPLES) >= 5

@@ -6,7 +6,9 @@ a sink turns the record's numbers into scalars (:func:`scalars`) and writes them
 researcher watches. :class:`TensorBoardSink` writes event files with tensorboardX;
 :class:`WandbSink` logs to a W&B run whose id lives in the run directory, so a resumed run
 continues it; :class:`Sinks` fans one record out to several. :class:`Profiler` records a
-``jax.profiler`` trace of chosen steps. Only the main process opens any of them.
+``jax.profiler`` trace of chosen steps, and :func:`step_breakdown` sums such a trace by kind of
+work (matmuls, attention, norms, the head and loss, the optimizer update, collectives, idle)
+with each kind's achieved FLOP/s. Only the main process opens any of them.
 
 Resuming: a run resumes from its last checkpoint, which may be older than the last step it
 logged. Those steps run again, bit for bit, and are logged again; each sink keeps one value
@@ -19,6 +21,8 @@ from effijax._lazy import attach
 # Each name is imported from its module on first use (the package convention, see
 # effijax/_lazy.py): importing the package costs only what is used.
 __getattr__, __dir__, __all__ = attach(__name__, {
+    "effijax.observe._breakdown": ("CATEGORIES", "CategoryTime", "HloOp", "StepBreakdown",
+                                   "hlo_ops", "step_breakdown"),
     "effijax.observe._profile": ("Profiler",),
     "effijax.observe._sink": ("MetricsSink", "Sinks", "memory_markdown", "scalars"),
     "effijax.observe._tensorboard": ("TensorBoardSink",),
