@@ -700,22 +700,8 @@ def _determinism_run(sizes: Sizes) -> dict:
 def _determinism_section(ctx: Context) -> dict:
     """The determinism run here (this process' XLA_FLAGS) and in a child with the flag added."""
     s = ctx.sizes
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = " ".join(x for x in (os.environ.get("XLA_FLAGS", ""), DETERMINISM_FLAG)
-                                if x)
-    # This process holds most of the GPU's memory: the child takes what it needs, up to 10%.
-    env.update(XLA_PYTHON_CLIENT_PREALLOCATE="false", XLA_PYTHON_CLIENT_MEM_FRACTION="0.1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p))
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child-determinism",
-           *(["--dry-run"] if ctx.dry_run else [])]
-    t0 = time.monotonic()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                          timeout=max(5.0, ctx.time_left()))
-    lines = [x for x in proc.stdout.splitlines() if x.startswith(_CHILD_TAG)]
-    if proc.returncode or not lines:
-        raise RuntimeError(f"the child with XLA_FLAGS={env['XLA_FLAGS']!r} exited "
-                           f"{proc.returncode}: {proc.stderr.strip()[-2000:]}")
-    child = {**json.loads(lines[-1][len(_CHILD_TAG):]), "process_s": time.monotonic() - t0}
+    child = child_process(__file__, "determinism", dry_run=ctx.dry_run,
+                          xla_flags=DETERMINISM_FLAG, timeout=ctx.time_left())
     t0 = time.monotonic()
     here = {**_determinism_run(s), "process_s": time.monotonic() - t0}
     rows = [{"flag": "(none)", "where": "this process", **here},
@@ -982,25 +968,43 @@ def _jsonable(x):
     return x
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+class Script(NamedTuple):
+    """A GPU script made of sections: its title in RESULTS.md, its description (``--help``),
+    its sections, its sizes on a GPU and with ``--dry-run``, its file (the command line
+    RESULTS.md records), and what a child process it starts runs: ``child(sizes) -> dict``,
+    chosen by the hidden ``--child`` flag."""
+
+    title: str
+    description: str
+    sections: tuple
+    gpu: Sizes | Any
+    dry_run: Sizes | Any
+    file: str
+    child: Callable[[Any, str], dict] | None = None
+
+
+def run_script(script: Script, argv: list[str] | None = None) -> None:
+    """Parses ``argv`` (``--dry-run``, ``--out-dir``, ``--sections``, ``--time-limit``,
+    ``--write``) and runs the script's sections, writing what it measured after each."""
+    ap = argparse.ArgumentParser(description=script.description, allow_abbrev=False)
     ap.add_argument("--dry-run", action="store_true",
                     help="tiny sizes: every section on a CPU in under a minute")
     ap.add_argument("--out-dir", type=Path, default=None,
-                    help="also write accelerator.md and accelerator.json here after each section")
-    ap.add_argument("--sections", default=",".join(s.name for s in SECTIONS),
-                    help="comma-separated subset of: " + ", ".join(s.name for s in SECTIONS))
+                    help="also write NAME.md and NAME.json here after each section")
+    ap.add_argument("--sections", default=",".join(s.name for s in script.sections),
+                    help="comma-separated subset of: " + ", ".join(s.name for s in
+                                                                   script.sections))
     ap.add_argument("--time-limit", type=float, default=None,
                     help="seconds for the whole run (default: the sum of the sections' budgets)")
-    ap.add_argument("--child-determinism", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     add_write_flag(ap)
     args = ap.parse_args(argv)
-    sizes = DRY_RUN if args.dry_run else GPU
-    if args.child_determinism:
-        print(_CHILD_TAG + json.dumps(_determinism_run(sizes)), flush=True)
+    sizes = script.dry_run if args.dry_run else script.gpu
+    if args.child is not None and script.child is not None:
+        print(_CHILD_TAG + json.dumps(script.child(sizes, args.child)), flush=True)
         return
     names = [n.strip() for n in args.sections.split(",") if n.strip()]
-    known = {s.name: s for s in SECTIONS}
+    known = {s.name: s for s in script.sections}
     unknown = [n for n in names if n not in known]
     if unknown:
         ap.error(f"--sections: unknown {', '.join(map(repr, unknown))}; choose from "
@@ -1009,20 +1013,22 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--out-dir {args.out_dir}: exists and is not a directory; name a directory")
     sections = [known[n] for n in names]
     time_limit = args.time_limit or sum(sizes.budgets_s.get(n, 60.0) for n in names)
+    stem = Path(script.file).stem
     t0 = time.monotonic()
     device = device_description()
-    print(f"accelerator benchmark on {device}: {', '.join(names)} "
+    print(f"{stem} benchmark on {device}: {', '.join(names)} "
           f"(time limit {time_limit:.0f} s)", flush=True)
 
     def after_each(results: dict) -> None:
         text = render(results, sections, device=device, dry_run=args.dry_run,
                       total_s=time.monotonic() - t0)
-        published = publish(TITLE, text, command=command_line(__file__, argv), write=args.write)
+        published = publish(script.title, text, command=command_line(script.file, argv),
+                            write=args.write)
         sys.stdout.flush()
         if args.out_dir is not None:
             args.out_dir.mkdir(parents=True, exist_ok=True)
-            (args.out_dir / "accelerator.md").write_text(published + "\n")
-            (args.out_dir / "accelerator.json").write_text(json.dumps(_jsonable(
+            (args.out_dir / f"{stem}.md").write_text(published + "\n")
+            (args.out_dir / f"{stem}.json").write_text(json.dumps(_jsonable(
                 {"device": device, "dry_run": args.dry_run, "sections": results}), indent=1))
 
     ctx = Context(sizes, args.dry_run, time.monotonic())
@@ -1033,9 +1039,37 @@ def main(argv: list[str] | None = None) -> None:
           (f"; not measured: {', '.join(failed)}" if failed else ""), flush=True)
 
 
+def child_process(script_file: str, child: str, *, dry_run: bool, xla_flags: str = "",
+                  timeout: float = 600.0, memory_fraction: float = 0.1) -> dict:
+    """Runs ``script_file --child CHILD`` in a new process (XLA reads its flags at start-up),
+    ``xla_flags`` added to this process' ``XLA_FLAGS``, and returns the dict it printed, with
+    ``process_s`` (its wall time, start-up included). The child takes what it needs of the
+    GPU's memory, up to ``memory_fraction`` (this process may hold the rest)."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = " ".join(x for x in (os.environ.get("XLA_FLAGS", ""), xla_flags) if x)
+    env.update(XLA_PYTHON_CLIENT_PREALLOCATE="false",
+               XLA_PYTHON_CLIENT_MEM_FRACTION=str(memory_fraction),
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p))
+    cmd = [sys.executable, str(Path(script_file).resolve()), "--child", child,
+           *(["--dry-run"] if dry_run else [])]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                          timeout=max(5.0, timeout))
+    lines = [x for x in proc.stdout.splitlines() if x.startswith(_CHILD_TAG)]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"the child with XLA_FLAGS={env['XLA_FLAGS']!r} exited "
+                           f"{proc.returncode}: {proc.stderr.strip()[-2000:]}")
+    return {**json.loads(lines[-1][len(_CHILD_TAG):]), "process_s": time.monotonic() - t0}
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_script(Script(TITLE, __doc__.split("\n\n")[0], SECTIONS, GPU, DRY_RUN, __file__,
+                      lambda sizes, _: _determinism_run(sizes)), argv)
+
+
 if __name__ == "__main__":
     # The ladder wants most of the GPU; the determinism children get part of the rest. Read
     # when the backend starts, so set before anything touches a device; a user's value wins.
-    if "--dry-run" not in sys.argv and "--child-determinism" not in sys.argv:
+    if "--dry-run" not in sys.argv and "--child" not in sys.argv:
         os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.85")
     main()
