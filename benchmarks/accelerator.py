@@ -518,8 +518,51 @@ def _fits(config: GPTConfig, batch_size: int, limit: int | None) -> tuple[bool, 
     return limit is None or need <= 0.9 * limit, need
 
 
+def fitting(config, batch_size: int, limit: int | None, notes: list[str],
+            label: str | None = None) -> int | None:
+    """The bf16 step's memory estimate when it fits (:func:`_fits`), else None, with a note
+    naming ``label`` (default: the model) appended to ``notes``."""
+    fits, need = _fits(config, batch_size, limit)
+    if not fits:
+        notes.append(f"{label or _describe(config)}: skipped, the estimate "
+                     f"{format_bytes(need)} is over 90% of the device's {format_bytes(limit)}")
+        return None
+    return need
+
+
 def _out_of_memory(error: Exception) -> bool:
     return "RESOURCE_EXHAUSTED" in str(error) or "out of memory" in str(error).lower()
+
+
+def ladder(ctx: Context, candidates, measure: Callable, describe: Callable[[Any], str]
+           ) -> tuple[list, list]:
+    """Runs ``measure(candidate)`` for each candidate in order (a row, or None for one it
+    skips), while the section's time left holds 1.5 times the last one's; one that runs out of
+    memory is noted and the next runs; the section's timeout keeps the rows measured. Returns
+    ``(rows, notes)``, each row with its ``seconds``."""
+    rows, notes, last_s = [], [], 0.0
+    for candidate in candidates:
+        if rows and ctx.time_left() < 1.5 * last_s:
+            notes.append(f"{describe(candidate)}: not run, {ctx.time_left():.0f} s left of the "
+                         f"budget (the last took {last_s:.0f} s)")
+            continue
+        t0 = time.monotonic()
+        try:
+            row = measure(candidate)
+        except SectionTimeout:
+            notes.append(f"{describe(candidate)}: stopped, past the section's time budget")
+            break
+        except Exception as e:  # noqa: BLE001 - out of memory: the next candidate
+            if not _out_of_memory(e):
+                raise
+            notes.append(f"{describe(candidate)}: out of memory")
+            continue
+        finally:
+            gc.collect()
+        last_s = time.monotonic() - t0
+        if row is not None:
+            rows.append({**row, "seconds": last_s})
+    return rows, notes
 
 
 def _mfu_section(ctx: Context) -> dict:
@@ -533,38 +576,23 @@ def _mfu_section(ctx: Context) -> dict:
     # The smallest size is the precision section's model: its step is compiled already, so it is
     # measured first; then the largest that the estimate allows, down.
     order = [s.ladder[0], *sorted((c for c in s.ladder[1:]), key=lambda c: -param_count(c))]
-    rows, notes, last_s = [], [], 0.0
-    for config in order:
-        fits, need = _fits(config, s.batch_size, limit)
-        if not fits:
-            notes.append(f"{_describe(config)}: skipped, the estimate {format_bytes(need)} is "
-                         f"over 90% of the device's {format_bytes(limit)}")
-            continue
-        if rows and ctx.time_left() < 1.5 * last_s:
-            notes.append(f"{_describe(config)}: not run, {ctx.time_left():.0f} s left of the "
-                         f"budget (the last size took {last_s:.0f} s)")
-            continue
-        t0 = time.monotonic()
-        try:
-            res = time_interleaved(
-                {"matmul": matmul, "step": train_variant(config, "bf16", s.batch_size)},
-                rounds=s.rounds, steps_per_round=s.steps_per_round, warmup=2)
-        except SectionTimeout:  # keep the sizes measured so far
-            notes.append(f"{_describe(config)}: stopped, past the section's time budget")
-            break
-        except Exception as e:  # noqa: BLE001 - a size out of memory: try the next smaller one
-            if not _out_of_memory(e):
-                raise
-            notes.append(f"{_describe(config)}: out of memory ({format_bytes(need)} estimated)")
-            continue
-        finally:
-            gc.collect()  # the size's state, before the next one allocates
-        last_s = time.monotonic() - t0
+    skipped = []
+
+    def measure(config):
+        need = fitting(config, s.batch_size, limit, skipped)
+        if need is None:
+            return None
+        res = time_interleaved(
+            {"matmul": matmul, "step": train_variant(config, "bf16", s.batch_size)},
+            rounds=s.rounds, steps_per_round=s.steps_per_round, warmup=2)
         row = mfu_row(config, s.batch_size * config.seq_len, res["step"]["median_s"], kind,
                       mm_flops / res["matmul"]["min_s"])
-        rows.append({**row, "estimate": need, "seconds": last_s})
         print(f"  MFU {row['model']}: {row['tokens_per_s']:,.0f} tokens/s, "
-              f"{_flops(row['flops_per_s'])} ({last_s:.0f} s)", flush=True)
+              f"{_flops(row['flops_per_s'])}", flush=True)
+        return {**row, "estimate": need}
+
+    rows, notes = ladder(ctx, order, measure, _describe)
+    notes = skipped + notes
     if not rows:
         raise RuntimeError("no size of the ladder ran: " + "; ".join(notes))
     best_matmul = max(r["matmul_peak"] for r in rows)
@@ -781,34 +809,17 @@ def _profile_section(ctx: Context) -> dict:
     spec = peak_flops(kind, "bf16")
     stats = _memory_stats()
     limit = None if stats is None else stats.get("bytes_limit")
-    rows, notes, last_s = [], [], 0.0
-    for config in s.profile_models:
-        fits, need = _fits(config, s.batch_size, limit)
-        if not fits:
-            notes.append(f"{_describe(config)}: skipped, the estimate {format_bytes(need)} is "
-                         f"over 90% of the device's {format_bytes(limit)}")
-            continue
-        if rows and ctx.time_left() < 1.5 * last_s:
-            notes.append(f"{_describe(config)}: not run, {ctx.time_left():.0f} s left of the "
-                         f"budget (the last model took {last_s:.0f} s)")
-            continue
-        t0 = time.monotonic()
-        try:
-            row = profile_step(config, s.batch_size, steps=s.steps_per_round, spec_peak=spec)
-        except SectionTimeout:
-            notes.append(f"{_describe(config)}: stopped, past the section's time budget")
-            break
-        except Exception as e:  # noqa: BLE001 - out of memory: try the next model
-            if not _out_of_memory(e):
-                raise
-            notes.append(f"{_describe(config)}: out of memory ({format_bytes(need)} estimated)")
-            continue
-        finally:
-            gc.collect()
-        last_s = time.monotonic() - t0
-        rows.append({**row, "seconds": last_s})
-        print(f"  profile {row['model']}: {1e3 * row['step_s']:.1f} ms a step "
-              f"({last_s:.0f} s)", flush=True)
+    skipped = []
+
+    def measure(config):
+        if fitting(config, s.batch_size, limit, skipped) is None:
+            return None
+        row = profile_step(config, s.batch_size, steps=s.steps_per_round, spec_peak=spec)
+        print(f"  profile {row['model']}: {1e3 * row['step_s']:.1f} ms a step", flush=True)
+        return row
+
+    rows, notes = ladder(ctx, s.profile_models, measure, _describe)
+    notes = skipped + notes
     if not rows:
         raise RuntimeError("no model was profiled: " + "; ".join(notes))
     return {"device_kind": kind, "spec_peak": spec, "batch_size": s.batch_size,

@@ -32,10 +32,8 @@ caps the run.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import os
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -46,14 +44,14 @@ from accelerator import (
     Runner,
     Script,
     Section,
-    SectionTimeout,
     _describe,
     _effijax_step,
     _fits,
     _init_state,
     _memory_stats,
-    _out_of_memory,
     child_process,
+    fitting,
+    ladder,
     run_script,
 )
 from harness import markdown_table, time_interleaved
@@ -148,34 +146,6 @@ def _timed(config: GPTConfig, batch: int, sizes: Sizes, *, temporaries: bool = F
     return res["step"]["median_s"], None if memory is None else memory.temp_size_in_bytes
 
 
-def _ladder(ctx: Context, candidates, measure, describe) -> tuple[list, list]:
-    """Runs ``measure(candidate)`` for each, skipping what the time left cannot hold and what
-    runs out of memory; returns ``(rows, notes)``."""
-    rows, notes, last_s = [], [], 0.0
-    for candidate in candidates:
-        if rows and ctx.time_left() < 1.5 * last_s:
-            notes.append(f"{describe(candidate)}: not run, {ctx.time_left():.0f} s left of the "
-                         f"budget (the last took {last_s:.0f} s)")
-            continue
-        t0 = time.monotonic()
-        try:
-            row = measure(candidate)
-        except SectionTimeout:
-            notes.append(f"{describe(candidate)}: stopped, past the section's time budget")
-            break
-        except Exception as e:  # noqa: BLE001 - out of memory: the next candidate
-            if not _out_of_memory(e):
-                raise
-            notes.append(f"{describe(candidate)}: out of memory")
-            continue
-        finally:
-            gc.collect()
-        last_s = time.monotonic() - t0
-        if row is not None:
-            rows.append({**row, "seconds": last_s})
-    return rows, notes
-
-
 def _limit() -> int | None:
     stats = _memory_stats()
     return None if stats is None else stats.get("bytes_limit")
@@ -188,16 +158,14 @@ def _tokens_section(ctx: Context) -> dict:
     def measure(shape):
         batch, seq = shape
         config = dataclasses.replace(s.model, seq_len=seq)
-        fits, need = _fits(config, batch, limit)
-        if not fits:
-            skipped.append(f"batch {batch} x {seq}: skipped, the estimate {format_bytes(need)} "
-                           "is over 90% of the device")
+        need = fitting(config, batch, limit, skipped, f"batch {batch} x {seq}")
+        if need is None:
             return None
         row = _row(config, batch, _timed(config, batch, s)[0], spec)
         print(f"  tokens {batch} x {seq}: {row['tokens_per_s']:,.0f} tokens/s", flush=True)
         return {**row, "estimate": need}
 
-    rows, notes = _ladder(ctx, s.shapes, measure, lambda sh: f"batch {sh[0]} x {sh[1]}")
+    rows, notes = ladder(ctx, s.shapes, measure, lambda sh: f"batch {sh[0]} x {sh[1]}")
     if not rows:
         raise RuntimeError("no shape ran: " + "; ".join(skipped + notes))
     return {"model": _describe(s.model), "spec_peak": spec, "rows": rows,
@@ -222,10 +190,10 @@ def _render_tokens(r: dict) -> str:
 
 def _remat_section(ctx: Context) -> dict:
     s, spec, limit = ctx.sizes, peak_flops(jax.devices()[0].device_kind, "bf16"), _limit()
-    fitting = [c for c in s.remat_ladder if _fits(c, s.remat_batch, limit)[0]]
-    if not fitting:
+    fit = [c for c in s.remat_ladder if _fits(c, s.remat_batch, limit)[0]]
+    if not fit:
         raise RuntimeError("no model of the ladder fits the estimate without recomputation")
-    base = fitting[0]
+    base = fit[0]
 
     def measure(policy):
         config = dataclasses.replace(base, remat=policy)
@@ -234,7 +202,7 @@ def _remat_section(ctx: Context) -> dict:
         print(f"  remat {policy}: {1e3 * row['step_s']:.1f} ms", flush=True)
         return {**row, "remat": policy, "temp_bytes": temp}
 
-    rows, notes = _ladder(ctx, ("none", "dots", "block"), measure, lambda p: f"remat {p}")
+    rows, notes = ladder(ctx, ("none", "dots", "block"), measure, lambda p: f"remat {p}")
     if not rows:
         raise RuntimeError("no remat policy ran: " + "; ".join(notes))
     return {"model": _describe(base), "batch": s.remat_batch, "spec_peak": spec, "rows": rows,
@@ -274,7 +242,7 @@ def _flags_section(ctx: Context) -> dict:
         print(f"  XLA flags {flag or '(none)'}: {1e3 * row['step_s']:.1f} ms", flush=True)
         return {**row, "flag": flag, "process_s": got["process_s"]}
 
-    rows, notes = _ladder(ctx, ("", *s.flags), measure, lambda f: f or "(none)")
+    rows, notes = ladder(ctx, ("", *s.flags), measure, lambda f: f or "(none)")
     if not rows or rows[0]["flag"] != "":
         raise RuntimeError("the child without flags did not run: " + "; ".join(notes))
     return {"model": _describe(s.model), "batch": s.flags_batch, "rows": rows, "notes": notes}

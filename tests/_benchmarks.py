@@ -70,3 +70,12 @@ def run_examples(module, names=None) -> int:
         assert result.failed == 0, f"docstring example of {test.name} failed"
         attempted += result.attempted
     return attempted
+
+
+def private_results(monkeypatch, folder: pathlib.Path) -> pathlib.Path:
+    """A copy of ``benchmarks/RESULTS.md`` in ``folder`` that the scripts' ``harness.publish``
+    writes instead of the real one (for the rest of the test); returns its path."""
+    copy = folder / "RESULTS.md"
+    copy.write_text((BENCHMARKS / "RESULTS.md").read_text())
+    monkeypatch.setattr(sys.modules["harness"], "RESULTS", copy)
+    return copy

@@ -5,11 +5,10 @@ finite positive numbers, RESULTS.md left alone without ``--write``)."""
 import dataclasses
 import json
 import math
-import sys
 import time
 
 import pytest
-from _benchmarks import BENCHMARKS, run_examples, script_fixture
+from _benchmarks import private_results, run_examples, script_fixture
 
 from effijax.models import GPTConfig
 
@@ -87,10 +86,7 @@ def test_a_failing_or_overrunning_section_does_not_stop_the_others(accelerator, 
 @pytest.mark.slow  # every section on tiny sizes, and a child process: 40-60 s on 2 cores
 def test_dry_run_measures_every_section_and_leaves_results_alone(accelerator, tmp_path,
                                                                   monkeypatch, capsys):
-    harness = sys.modules["harness"]
-    results_md = tmp_path / "RESULTS.md"
-    results_md.write_text((BENCHMARKS / "RESULTS.md").read_text())
-    monkeypatch.setattr(harness, "RESULTS", results_md)
+    results_md = private_results(monkeypatch, tmp_path)
     before = results_md.read_text()
     out_dir = tmp_path / "out"
     accelerator.main(["--dry-run", "--out-dir", str(out_dir)])

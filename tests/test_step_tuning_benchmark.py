@@ -4,10 +4,9 @@ without --write. The GPU's numbers come from a GPU; this checks that the command
 
 import json
 import math
-import sys
 
 import pytest
-from _benchmarks import BENCHMARKS, script_fixture
+from _benchmarks import private_results, script_fixture
 
 tuning = script_fixture("step_tuning", "tuning")
 
@@ -15,10 +14,7 @@ tuning = script_fixture("step_tuning", "tuning")
 @pytest.mark.slow  # a child process and a dozen tiny compilations
 def test_dry_run_measures_every_section_and_leaves_results_alone(tuning, tmp_path, monkeypatch,
                                                                  capsys):
-    harness = sys.modules["harness"]
-    results_md = tmp_path / "RESULTS.md"
-    results_md.write_text((BENCHMARKS / "RESULTS.md").read_text())
-    monkeypatch.setattr(harness, "RESULTS", results_md)
+    results_md = private_results(monkeypatch, tmp_path)
     before = results_md.read_text()
     out_dir = tmp_path / "out"
     tuning.main(["--dry-run", "--out-dir", str(out_dir)])

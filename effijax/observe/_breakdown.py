@@ -330,6 +330,21 @@ def _gemm_flops(instr: _Instr, shapes: Mapping[str, str]) -> float | None:
     return 2.0 * math.prod(out) * math.prod(lhs[d] for d in dims)
 
 
+def _matmul(i: _Instr, shapes: Mapping[str, str], stack) -> tuple[float | None, object] | None:
+    """``(flops, the stack's decision or None)`` of a dot or a GEMM custom call; ``(None,
+    False)`` for another custom call (work the text does not count); None for other ops."""
+    if i.opcode == "dot":
+        return _dot_flops(i, shapes), (stack if stack is not False else None)
+    if i.opcode == "convolution":
+        return None, (stack if stack is not False else None)
+    if i.opcode == "custom-call":
+        target = re.search(r'custom_call_target="([^"]*)"', i.attrs)
+        if target and target.group(1).startswith(_GEMM_TARGETS):
+            return _gemm_flops(i, shapes), (stack if stack is not False else None)
+        return None, False
+    return None
+
+
 def _scope(attrs: str) -> str | None:
     m = re.search(r'op_name="([^"]*)"', attrs)
     if not m:
@@ -380,22 +395,12 @@ def _contents(comp: str, computations: Mapping[str, list[_Instr]],
         stack = _stack_category(i.attrs, chains)
         if decided is False and stack is not False:
             decided = stack
-        if i.opcode in ("dot", "convolution"):
-            f = _dot_flops(i, shapes) if i.opcode == "dot" else None
+        matmul = _matmul(i, shapes, stack)
+        if matmul is not None:
+            f, category = matmul
             flops = None if flops is None or f is None else flops + f
             if dot_category is False:
-                dot_category = stack if stack is not False else None
-        elif i.opcode == "custom-call":
-            target = re.search(r'custom_call_target="([^"]*)"', i.attrs)
-            target = target.group(1) if target else ""
-            if target.startswith(_GEMM_TARGETS):
-                f = _gemm_flops(i, shapes)
-                flops = None if flops is None or f is None else flops + f
-                if dot_category is False:
-                    dot_category = stack if stack is not False else None
-            else:
-                flops = None
-            moves_only = False
+                dot_category = category
         if i.opcode.startswith(_COLLECTIVES):
             collective = True
         if inner is not None:
@@ -450,17 +455,9 @@ def hlo_ops(hlo_text: str) -> dict[str, HloOp]:
                 category, flops = "collectives", 0.0
             else:
                 flops, dot_category = 0.0, False
-                if i.opcode == "dot":
-                    flops, dot_category = _dot_flops(i, shapes), (
-                        stack if stack is not False else None)
-                elif i.opcode == "custom-call":
-                    target = re.search(r'custom_call_target="([^"]*)"', i.attrs)
-                    target = target.group(1) if target else ""
-                    if target.startswith(_GEMM_TARGETS):
-                        flops, dot_category = _gemm_flops(i, shapes), (
-                            stack if stack is not False else None)
-                    else:
-                        flops = None
+                matmul = _matmul(i, shapes, stack)
+                if matmul is not None:
+                    flops, dot_category = matmul
                 elif inner is not None:
                     flops, dot_category = inner.flops, inner.dot_category
                 decided = stack if stack is not False else (
