@@ -128,10 +128,18 @@ def test_offline_wandb_run_holds_metrics_and_config_and_a_resume_continues_it(tm
     assert summary["eval/loss"] == pytest.approx(result.summary["eval_loss"], rel=1e-6)
 
 
-def test_a_profile_of_two_steps_is_a_trace_the_profiler_reads(tmp_path):
+def test_a_profile_of_two_steps_is_a_trace_the_profiler_reads(tmp_path, capsys):
     out = tmp_path / "run"
     train(TrainConfig(**TINY, steps=4, checkpoints=False, profile_steps="2:3", out=str(out)))
     (trace,) = sorted((out / "profile").glob("plugins/profile/*/*.xplane.pb"))
+    # Beside it, the compiled step's time by kind of work, as the run printed it.
+    said = capsys.readouterr().out
+    breakdown = (trace.parent / "breakdown.md").read_text()
+    assert breakdown.startswith("The compiled step's time by kind of work (steps 2-3, ")
+    assert f"effijax train: t{breakdown[1:].splitlines()[0]}" in said
+    rows = [line.split(" | ")[0].strip("| ") for line in breakdown.splitlines()
+            if line.startswith("| ") and not line.startswith("| category")]
+    assert {"matmuls", "attention", "head and loss", "optimizer update", "idle"} <= set(rows)
     assert trace.stat().st_size > 0
     data = jax.profiler.ProfileData.from_file(str(trace))
     steps = sorted(int(dict(ev.stats)["step_num"]) for plane in data.planes

@@ -127,8 +127,8 @@ def _page_steps(text: str) -> list[tuple[str, list[str] | str]]:
             continue
         for line in body.replace("\\\n", " ").splitlines():
             line = line.strip()
-            if lang == "" and not line.startswith("$ "):
-                continue
+            if lang in ("", "console") and not line.startswith("$ "):
+                continue  # an output block: only its "$" lines are commands
             line = line.removeprefix("$ ").split(" #", 1)[0]
             for part in line.split("&&"):
                 words = shlex.split(part)

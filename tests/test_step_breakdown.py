@@ -270,3 +270,34 @@ def test_a_trace_without_the_programs_ops_is_refused(tmp_path):
         step_breakdown({"traceEvents": events}, _GPU_HLO, steps=0)
     with pytest.raises(ValueError, match="expected a compiled program's HLO text"):
         step_breakdown({"traceEvents": events}, "not hlo", steps=1)
+
+
+def test_the_profiler_sums_a_compiled_steps_trace_and_says_when_it_cannot(tmp_path):
+    from effijax.observe import Profiler
+
+    a = jnp.ones((32, 32))
+    compiled = jax.jit(lambda x: jnp.tanh(x @ x)).lower(a).compile()
+    said = []
+    prof = Profiler(tmp_path / "ok", 1, 2, report=said.append)
+    step = prof.wrap(compiled)
+    for _ in range(3):
+        a = step(a)
+    assert prof.breakdown.row("matmuls").flops == 2 * 32**3 and prof.breakdown.rows
+    (folder,) = {p.parent for p in prof.trace_files()}
+    assert (folder / "breakdown.md").read_text().startswith(
+        "The compiled step's time by kind of work (steps 1-2, ")
+    assert len(said) == 1 and said[0].startswith("the compiled step's time")
+
+    class Elsewhere:  # a step whose text is another program's: the trace holds none of its ops
+        def __call__(self, x):
+            return compiled(x)
+
+        def as_text(self):
+            return jax.jit(jnp.sin).lower(a).compile().as_text()
+
+    prof = Profiler(tmp_path / "other", 1, 1, report=said.append)
+    prof.wrap(Elsewhere())(a)
+    assert prof.breakdown is None
+    (folder,) = {p.parent for p in prof.trace_files()}
+    assert (folder / "breakdown.md").read_text().startswith(
+        "The trace of step 1 could not be summed by kind of work: the trace holds no op of")

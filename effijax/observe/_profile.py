@@ -20,6 +20,7 @@ import jax
 from effijax import atomic
 from effijax.checkpoint import failure_reason, write_errors
 from effijax.errors import ConfigError, whole_number
+from effijax.observe._breakdown import step_breakdown
 from effijax.observe._folders import own_folder
 
 __all__ = ["Profiler"]
@@ -41,6 +42,11 @@ class Profiler:
     A resumed run passes ``start_step``: steps already done are not traced again; the rest
     of the range is.
 
+    Where the wrapped step is a compiled program (``jitted.lower(...).compile()``, which has
+    ``as_text()``), the trace is also summed by kind of work
+    (:func:`~effijax.observe.step_breakdown`) into ``breakdown.md`` beside it, kept as
+    :attr:`breakdown` and handed to ``report`` (a one-line heading and the Markdown table).
+
     Args:
       directory: where the trace goes.
       first, last: the steps to trace, ``1 <= first <= last``.
@@ -49,6 +55,7 @@ class Profiler:
       perfetto: also write the Perfetto trace.
       run_dir: the run directory, whose ``error.log`` takes the traceback of a failed write
         (default: ``directory``'s parent).
+      report: called with the breakdown's text once the trace is written (``print``, say).
 
     Raises:
       ConfigError: (when the trace starts or is written) a symbolic link where it is written.
@@ -68,7 +75,8 @@ class Profiler:
 
     def __init__(self, directory: str | os.PathLike, first: int, last: int, *,
                  start_step: int = 0, perfetto: bool = True,
-                 run_dir: str | os.PathLike | None = None):
+                 run_dir: str | os.PathLike | None = None,
+                 report: Callable[[str], None] | None = None):
         if not (whole_number("profile_steps", first) <= whole_number("profile_steps", last)):
             raise ConfigError("profile_steps", f"{first}:{last}", "expected 1 <= first <= last")
         self.directory = Path(directory)
@@ -78,10 +86,16 @@ class Profiler:
         self.tracing = False
         self.finished = start_step >= last
         self._before: set[Path] = set()  # the trace folders there before this trace
+        self.report = report
+        self.breakdown = None  # a StepBreakdown, once a compiled step's trace is written
+        self._hlo_text: Callable[[], str] | None = None
+        self._traced = 0  # steps run inside the trace
 
     def wrap(self, step_fn: Callable) -> Callable:
         """``step_fn`` with the trace started, annotated and stopped around the chosen
         steps; call the result once per step, in order."""
+
+        self._hlo_text = getattr(step_fn, "as_text", None)
 
         def step(*args, **kwargs):
             k = self.next_step
@@ -94,6 +108,7 @@ class Profiler:
                 return step_fn(*args, **kwargs)
             with jax.profiler.StepTraceAnnotation("train", step_num=k):
                 out = step_fn(*args, **kwargs)
+            self._traced += 1
             if k >= self.last:
                 jax.block_until_ready(out)
                 self.close()
@@ -125,11 +140,32 @@ class Profiler:
                 jax.profiler.stop_trace()
             except RuntimeError as e:  # the profiler's writer failed: its reason, in one line
                 raise OSError(None, failure_reason(e), str(self.directory)) from e
-            if self.perfetto:
-                new = [p for p in self._folders() if p not in self._before]
-                folders = new or self._folders()
-                if folders:
-                    _write_perfetto(max(folders, key=lambda p: p.stat().st_mtime))
+            new = [p for p in self._folders() if p not in self._before]
+            folders = new or self._folders()
+            if folders:
+                folder = max(folders, key=lambda p: p.stat().st_mtime)
+                if self.perfetto:
+                    _write_perfetto(folder)
+                self._summarize(folder)
+
+    def _summarize(self, folder: Path) -> None:
+        """``breakdown.md`` beside the trace: the compiled step's time by kind of work."""
+        traces = sorted(folder.glob("*.trace.json.gz"))
+        if self._hlo_text is None or not self._traced or len(traces) != 1:
+            return
+        steps = f"step {self.first}" if self.first == self.last else \
+            f"steps {self.first}-{self.last}"
+        try:
+            self.breakdown = step_breakdown(traces[0], self._hlo_text(), self._traced)
+        except ValueError as e:  # a backend whose trace names no HLO op: the trace still stands
+            text = f"the trace of {steps} could not be summed by kind of work: {e}"
+        else:
+            text = (f"the compiled step's time by kind of work ({steps}, "
+                    f"{1e3 * self.breakdown.step_s:.1f} ms a step; "
+                    "effijax.observe.step_breakdown):\n\n" + self.breakdown.markdown())
+        atomic.write_text(folder / "breakdown.md", text[:1].upper() + text[1:] + "\n")
+        if self.report is not None:
+            self.report(text)
 
 
 # The folders the profiler's writer creates below ``directory`` and writes into.

@@ -57,7 +57,9 @@ def watching(output: OutputSection, run_json: dict, memory: dict,
             sinks.append(WandbSink(output.wandb, out, config=run_json, mode=output.wandb_mode))
         if is_main and output.profile_range is not None:
             first, last = output.profile_range
-            profiler = Profiler(out / "profile", first, last, start_step=start_step)
+            profiler = Profiler(out / "profile", first, last, start_step=start_step,
+                                report=lambda text: print(f"effijax train: {text}",
+                                                          flush=True))
         watch = Watch(Sinks(sinks), profiler)
         if start_step == 0:
             settings = json.dumps(run_json, indent=2, sort_keys=True, default=str)
