@@ -287,6 +287,13 @@ def test_the_profiler_sums_a_compiled_steps_trace_and_says_when_it_cannot(tmp_pa
     assert (folder / "breakdown.md").read_text().startswith(
         "The compiled step's time by kind of work (steps 1-2, ")
     assert len(said) == 1 and said[0].startswith("the compiled step's time")
+    resumed = Profiler(tmp_path / "resumed", 1, 3, start_step=1)  # steps 2 and 3 are left
+    step = resumed.wrap(compiled)
+    for _ in range(2):
+        a = step(a)
+    (folder,) = {p.parent for p in resumed.trace_files()}
+    assert (folder / "breakdown.md").read_text().startswith(
+        "The compiled step's time by kind of work (steps 2-3, ")
 
     class Elsewhere:  # a step whose text is another program's: the trace holds none of its ops
         def __call__(self, x):

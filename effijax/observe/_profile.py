@@ -89,7 +89,7 @@ class Profiler:
         self.report = report
         self.breakdown = None  # a StepBreakdown, once a compiled step's trace is written
         self._hlo_text: Callable[[], str] | None = None
-        self._traced = 0  # steps run inside the trace
+        self._traced: list[int] = []  # the steps run inside the trace
 
     def wrap(self, step_fn: Callable) -> Callable:
         """``step_fn`` with the trace started, annotated and stopped around the chosen
@@ -108,7 +108,7 @@ class Profiler:
                 return step_fn(*args, **kwargs)
             with jax.profiler.StepTraceAnnotation("train", step_num=k):
                 out = step_fn(*args, **kwargs)
-            self._traced += 1
+            self._traced.append(k)
             if k >= self.last:
                 jax.block_until_ready(out)
                 self.close()
@@ -153,10 +153,10 @@ class Profiler:
         traces = sorted(folder.glob("*.trace.json.gz"))
         if self._hlo_text is None or not self._traced or len(traces) != 1:
             return
-        steps = f"step {self.first}" if self.first == self.last else \
-            f"steps {self.first}-{self.last}"
+        a, b = self._traced[0], self._traced[-1]  # a resumed or stopped run traces fewer
+        steps = f"step {a}" if a == b else f"steps {a}-{b}"
         try:
-            self.breakdown = step_breakdown(traces[0], self._hlo_text(), self._traced)
+            self.breakdown = step_breakdown(traces[0], self._hlo_text(), len(self._traced))
         except ValueError as e:  # a backend whose trace names no HLO op: the trace still stands
             text = f"the trace of {steps} could not be summed by kind of work: {e}"
         else:

@@ -9,6 +9,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
+from tqdm.auto import tqdm
+
 from effijax import distributed
 from effijax.observe import Profiler, Sinks, TensorBoardSink, WandbSink, memory_markdown
 from effijax.recipe._sections import OutputSection
@@ -57,9 +59,9 @@ def watching(output: OutputSection, run_json: dict, memory: dict,
             sinks.append(WandbSink(output.wandb, out, config=run_json, mode=output.wandb_mode))
         if is_main and output.profile_range is not None:
             first, last = output.profile_range
+            # Said during the loop: tqdm.write keeps the progress bar whole below it.
             profiler = Profiler(out / "profile", first, last, start_step=start_step,
-                                report=lambda text: print(f"effijax train: {text}",
-                                                          flush=True))
+                                report=lambda text: tqdm.write(f"effijax train: {text}"))
         watch = Watch(Sinks(sinks), profiler)
         if start_step == 0:
             settings = json.dumps(run_json, indent=2, sort_keys=True, default=str)
