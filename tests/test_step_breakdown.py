@@ -69,6 +69,7 @@ def _forward_flops(config) -> dict[str, int]:
             "head and loss": 2 * t * d * v}
 
 
+@pytest.mark.slow  # a profiled training step each: 1.5-1.7 s on 2 cores
 @pytest.mark.parametrize("config", [
     dataclasses.replace(gpt_config("tiny", seq_len=16, n_layers=2), attention="naive"),
     dataclasses.replace(llama_config("llama-tiny", seq_len=16), attention="naive"),
