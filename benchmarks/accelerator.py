@@ -982,8 +982,8 @@ def _jsonable(x):
 class Script(NamedTuple):
     """A GPU script made of sections: its title in RESULTS.md, its description (``--help``),
     its sections, its sizes on a GPU and with ``--dry-run``, its file (the command line
-    RESULTS.md records), and what a child process it starts runs: ``child(sizes) -> dict``,
-    chosen by the hidden ``--child`` flag."""
+    RESULTS.md records), and what a child process it starts runs: ``child(sizes, name) ->
+    dict``, for the hidden ``--child NAME`` flag (:func:`child_process`)."""
 
     title: str
     description: str
@@ -997,11 +997,12 @@ class Script(NamedTuple):
 def run_script(script: Script, argv: list[str] | None = None) -> None:
     """Parses ``argv`` (``--dry-run``, ``--out-dir``, ``--sections``, ``--time-limit``,
     ``--write``) and runs the script's sections, writing what it measured after each."""
+    stem = Path(script.file).stem
     ap = argparse.ArgumentParser(description=script.description, allow_abbrev=False)
     ap.add_argument("--dry-run", action="store_true",
                     help="tiny sizes: every section on a CPU in under a minute")
     ap.add_argument("--out-dir", type=Path, default=None,
-                    help="also write NAME.md and NAME.json here after each section")
+                    help=f"also write {stem}.md and {stem}.json here after each section")
     ap.add_argument("--sections", default=",".join(s.name for s in script.sections),
                     help="comma-separated subset of: " + ", ".join(s.name for s in
                                                                    script.sections))
@@ -1024,7 +1025,6 @@ def run_script(script: Script, argv: list[str] | None = None) -> None:
         ap.error(f"--out-dir {args.out_dir}: exists and is not a directory; name a directory")
     sections = [known[n] for n in names]
     time_limit = args.time_limit or sum(sizes.budgets_s.get(n, 60.0) for n in names)
-    stem = Path(script.file).stem
     t0 = time.monotonic()
     device = device_description()
     print(f"{stem} benchmark on {device}: {', '.join(names)} "
