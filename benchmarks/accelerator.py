@@ -350,6 +350,12 @@ def _memory_stats() -> dict | None:
     return dict(stats) if stats else None
 
 
+def bytes_limit() -> int | None:
+    """The device's memory limit (None where the backend reports none: a CPU)."""
+    stats = _memory_stats()
+    return None if stats is None else stats.get("bytes_limit")
+
+
 def _estimate(config: GPTConfig, batch_size: int):
     """:mod:`effijax.memory`'s numbers for the bf16 step: ``(model states, activations)``. The
     states count the f32 master, gradients, AdamW and the bf16 compute copy; the activation
@@ -569,8 +575,7 @@ def _mfu_section(ctx: Context) -> dict:
     """The bf16 step of the ladder's sizes, largest that fits first, each with the matmul."""
     s = ctx.sizes
     kind = jax.devices()[0].device_kind
-    stats = _memory_stats()
-    limit = None if stats is None else stats.get("bytes_limit")
+    limit = bytes_limit()
     matmul = _matmul_variant(s.matmul_n, jnp.bfloat16)
     mm_flops = 2 * s.matmul_n**3
     # The smallest size is the precision section's model: its step is compiled already, so it is
@@ -771,23 +776,19 @@ def profile_step(config, batch_size: int, *, steps: int = 3, spec_peak: float | 
     import glob
     import tempfile
 
-    state = _init_state(config, "bf16", False)
-    batch = random_batch(config, batch_size)
-    compiled = _effijax_step(config, "bf16", False, False).lower(state, batch).compile()
-    state, metrics = compiled(state, batch)  # warm
-    jax.block_until_ready(metrics)
+    runner = train_variant(config, "bf16", batch_size)()
+    runner.step = compiled = runner.step.lower(runner.state, runner.batch).compile()
+    runner()  # warm
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        state, metrics = compiled(state, batch)
-        jax.block_until_ready(metrics)
+        runner()
         times.append(time.perf_counter() - t0)
     step_s = float(np.median(times))
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
             for _ in range(steps):
-                state, metrics = compiled(state, batch)
-                jax.block_until_ready(metrics)
+                runner()
         (trace,) = glob.glob(f"{d}/**/*.trace.json.gz", recursive=True)
         got = step_breakdown(trace, compiled.as_text(), steps, step_s=step_s)
     tokens = batch_size * config.seq_len
@@ -807,8 +808,7 @@ def _profile_section(ctx: Context) -> dict:
     s = ctx.sizes
     kind = jax.devices()[0].device_kind
     spec = peak_flops(kind, "bf16")
-    stats = _memory_stats()
-    limit = None if stats is None else stats.get("bytes_limit")
+    limit = bytes_limit()
     skipped = []
 
     def measure(config):

@@ -41,21 +41,19 @@ from accelerator import (
     DRY_RUN,
     GPU,
     Context,
-    Runner,
     Script,
     Section,
     _describe,
-    _effijax_step,
     _fits,
-    _init_state,
-    _memory_stats,
+    bytes_limit,
     child_process,
     fitting,
     ladder,
     run_script,
+    train_variant,
 )
 from harness import markdown_table, time_interleaved
-from mfu import _flops, model_flops_per_token, peak_flops, random_batch
+from mfu import _flops, model_flops_per_token, peak_flops
 
 from effijax.memory import format_bytes
 from effijax.models import GPTConfig
@@ -127,17 +125,10 @@ def _row(config: GPTConfig, batch: int, step_s: float, spec: float | None) -> di
             "flops_per_s": flops, "mfu": None if spec is None else flops / spec}
 
 
-def _variant(config: GPTConfig, batch: int):
-    def make() -> Runner:
-        return Runner(_effijax_step(config, "bf16", False, False),
-                      _init_state(config, "bf16", False), random_batch(config, batch))
-    return make
-
-
 def _timed(config: GPTConfig, batch: int, sizes: Sizes, *, temporaries: bool = False):
     """The median step time of ``config``'s bf16 step at ``batch`` (compiled once), and with
     ``temporaries`` also XLA's temporary bytes for it: ``(seconds, bytes or None)``."""
-    runner = _variant(config, batch)()
+    runner = train_variant(config, "bf16", batch)()
     compiled = runner.step.lower(runner.state, runner.batch).compile()
     runner.step = compiled
     res = time_interleaved({"step": lambda: runner}, rounds=sizes.rounds,
@@ -146,13 +137,9 @@ def _timed(config: GPTConfig, batch: int, sizes: Sizes, *, temporaries: bool = F
     return res["step"]["median_s"], None if memory is None else memory.temp_size_in_bytes
 
 
-def _limit() -> int | None:
-    stats = _memory_stats()
-    return None if stats is None else stats.get("bytes_limit")
-
-
 def _tokens_section(ctx: Context) -> dict:
-    s, spec, limit = ctx.sizes, peak_flops(jax.devices()[0].device_kind, "bf16"), _limit()
+    s, limit = ctx.sizes, bytes_limit()
+    spec = peak_flops(jax.devices()[0].device_kind, "bf16")
     skipped = []
 
     def measure(shape):
@@ -189,7 +176,8 @@ def _render_tokens(r: dict) -> str:
 
 
 def _remat_section(ctx: Context) -> dict:
-    s, spec, limit = ctx.sizes, peak_flops(jax.devices()[0].device_kind, "bf16"), _limit()
+    s, limit = ctx.sizes, bytes_limit()
+    spec = peak_flops(jax.devices()[0].device_kind, "bf16")
     fit = [c for c in s.remat_ladder if _fits(c, s.remat_batch, limit)[0]]
     if not fit:
         raise RuntimeError("no model of the ladder fits the estimate without recomputation")

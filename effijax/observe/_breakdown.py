@@ -63,10 +63,10 @@ _DIFFERENTIATED = re.compile(r'op_name="[^"]*(jvp|transpose)\(')  # inside value
 _SCOPES = {"attention": "attention", "head_and_loss": "head and loss",
            "optimizer_update": "optimizer update"}
 
-# The innermost effijax function on an op's stack decides its kind: (path suffix, function
-# name test, category). None: the model's own work (a dot is a matmul, the rest elementwise or
-# data movement). A function not listed (a generic helper such as precision's ``dot``) passes
-# the decision to its caller.
+# The innermost effijax function on an op's stack decides its kind (_frame_category): the
+# files and functions below. None: the model's own work (a dot is a matmul, the rest
+# elementwise or data movement). A generic helper (such as precision's ``dot``) passes the
+# decision to its caller.
 _ATTENTION_FILES = ("effijax/models/_blockwise.py", "effijax/models/_ring.py")
 _MODEL_FILES = ("effijax/models/", "effijax/lora/")
 _UPDATE_FILES = ("effijax/step.py", "effijax/optimizers.py", "effijax/precision/_loss_scale.py")
@@ -164,8 +164,10 @@ _SHAPE = re.compile(r"([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _TABLE_ROW = re.compile(r"^(\d+)\s+(.*)$")
-_SHAPE_AND_OPCODE = re.compile(r"(\S+)\s+([a-z][a-z0-9\-]*)\(")
-_OPCODE_AFTER_TUPLE = re.compile(r"()\s*([a-z][a-z0-9\-]*)\(")
+_OPCODE = re.compile(r"\s*([a-z][a-z0-9\-]*)\(")
+_CALLS = re.compile(r"calls=%?([\w.\-]+)")
+_INSIDE = re.compile(r"(?:calls|to_apply)=%?([\w.\-]+)")  # computations run inside an op
+_TARGET = re.compile(r'custom_call_target="([^"]*)"')
 
 
 class _Instr(NamedTuple):
@@ -176,27 +178,27 @@ class _Instr(NamedTuple):
     attrs: str
 
 
+def _past_parens(text: str, i: int) -> int:
+    """The index just past the parenthesis that closes the one at ``text[i]``."""
+    depth = 0
+    while i < len(text):
+        depth += (text[i] == "(") - (text[i] == ")")
+        i += 1
+        if depth == 0:
+            break
+    return i
+
+
 def _split_instruction(rest: str) -> tuple[str, str, str, str] | None:
     """``shape, opcode, operands, attributes`` of an instruction's right-hand side."""
-    i = 0
-    if rest.startswith("("):  # a tuple shape: up to its closing parenthesis
-        depth = 0
-        while i < len(rest):
-            depth += (rest[i] == "(") - (rest[i] == ")")
-            i += 1
-            if depth == 0:
-                break
-    m = (_OPCODE_AFTER_TUPLE.match(rest, i) if i else _SHAPE_AND_OPCODE.match(rest))
+    if not rest.strip():
+        return None
+    i = _past_parens(rest, 0) if rest.startswith("(") else len(rest.split(None, 1)[0])
+    m = _OPCODE.match(rest, i)
     if m is None:
         return None
-    shape = rest[:i] if i else m.group(1)
-    start = m.end()
-    depth, j = 1, start
-    while j < len(rest) and depth:
-        depth += rest[j] == "("
-        depth -= rest[j] == ")"
-        j += 1
-    return shape, m.group(2), rest[start:j - 1], rest[j:]
+    end = _past_parens(rest, m.end() - 1)
+    return rest[:i], m.group(1), rest[m.end():end - 1], rest[end:]
 
 
 def _dims(shape: str) -> list[int] | None:
@@ -309,21 +311,19 @@ def _frames(tables: dict[str, dict]) -> dict[int, list[tuple[str, str]]]:
     return chains
 
 
-def _dot_flops(instr: _Instr, shapes: Mapping[str, str]) -> float | None:
+_DOT_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+# A GEMM custom call's dot dimension numbers, in its backend config.
+_GEMM_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\s*\[([^\]]*)\]')
+
+
+def _contraction_flops(instr: _Instr, shapes: Mapping[str, str],
+                       contracting: re.Pattern) -> float | None:
+    """``2 * (output elements) * (contracted size)`` of a dot or GEMM (whose output may be a
+    ``(result, workspace)`` tuple: its first shape), the lhs's contracted dimensions read with
+    ``contracting``."""
     out = _dims(instr.shape)
     lhs = _dims(shapes.get(instr.operands[0], "")) if instr.operands else None
-    m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", instr.attrs)
-    if out is None or lhs is None or m is None:
-        return None
-    k = math.prod(lhs[int(d)] for d in m.group(1).split(",") if d)
-    return 2.0 * math.prod(out) * k
-
-
-def _gemm_flops(instr: _Instr, shapes: Mapping[str, str]) -> float | None:
-    """A GEMM custom call's FLOPs from its backend config's dot dimension numbers."""
-    out = _dims(instr.shape)  # the first shape of a (result, workspace) tuple
-    lhs = _dims(shapes.get(instr.operands[0], "")) if instr.operands else None
-    m = re.search(r'"lhs_contracting_dimensions":\s*\[([^\]]*)\]', instr.attrs)
+    m = contracting.search(instr.attrs)
     if out is None or lhs is None or m is None:
         return None
     dims = [int(d.strip().strip('"')) for d in m.group(1).split(",") if d.strip()]
@@ -333,14 +333,15 @@ def _gemm_flops(instr: _Instr, shapes: Mapping[str, str]) -> float | None:
 def _matmul(i: _Instr, shapes: Mapping[str, str], stack) -> tuple[float | None, object] | None:
     """``(flops, the stack's decision or None)`` of a dot or a GEMM custom call; ``(None,
     False)`` for another custom call (work the text does not count); None for other ops."""
+    decided = stack if stack is not False else None
     if i.opcode == "dot":
-        return _dot_flops(i, shapes), (stack if stack is not False else None)
+        return _contraction_flops(i, shapes, _DOT_CONTRACTING), decided
     if i.opcode == "convolution":
-        return None, (stack if stack is not False else None)
+        return None, decided
     if i.opcode == "custom-call":
-        target = re.search(r'custom_call_target="([^"]*)"', i.attrs)
+        target = _TARGET.search(i.attrs)
         if target and target.group(1).startswith(_GEMM_TARGETS):
-            return _gemm_flops(i, shapes), (stack if stack is not False else None)
+            return _contraction_flops(i, shapes, _GEMM_CONTRACTING), decided
         return None, False
     return None
 
@@ -377,19 +378,18 @@ class _Contents(NamedTuple):
     decided: str | None | bool  # the first decisive stack among the contents
 
 
-def _contents(comp: str, computations: Mapping[str, list[_Instr]],
-              chains: Mapping[int, list[tuple[str, str]]], memo: dict) -> _Contents:
-    if comp in memo:
-        return memo[comp]
-    memo[comp] = _Contents(0.0, False, False, True, False)  # a cycle counts nothing twice
-    instrs = computations.get(comp, [])
-    shapes = {i.name: i.shape for i in instrs}
+def _summarize(instrs: list[_Instr], shapes: Mapping[str, str],
+               computations: Mapping[str, list[_Instr]],
+               chains: Mapping[int, list[tuple[str, str]]], memo: dict) -> _Contents:
+    """What ``instrs`` hold together (a fusion's contents counted in): their dots' FLOPs, the
+    first dot's kind, whether a collective is among them, whether they only move data, and the
+    first kind a stack decides."""
     flops: float | None = 0.0
     dot_category: str | None | bool = False
     collective, moves_only, decided = False, True, False
     for i in instrs:
         inner = None
-        called = re.search(r"calls=%?([\w.\-]+)", i.attrs)
+        called = _CALLS.search(i.attrs)
         if i.opcode == "fusion" and called:
             inner = _contents(called.group(1), computations, chains, memo)
         stack = _stack_category(i.attrs, chains)
@@ -413,7 +413,17 @@ def _contents(comp: str, computations: Mapping[str, list[_Instr]],
                 decided = inner.decided
         elif i.opcode not in _MOVES:
             moves_only = False
-    memo[comp] = _Contents(flops, dot_category, collective, moves_only, decided)
+    return _Contents(flops, dot_category, collective, moves_only, decided)
+
+
+def _contents(comp: str, computations: Mapping[str, list[_Instr]],
+              chains: Mapping[int, list[tuple[str, str]]], memo: dict) -> _Contents:
+    """:func:`_summarize` of a called computation, once per computation."""
+    if comp not in memo:
+        memo[comp] = _Contents(0.0, False, False, True, False)  # a cycle counts nothing twice
+        instrs = computations.get(comp, [])
+        memo[comp] = _summarize(instrs, {i.name: i.shape for i in instrs}, computations,
+                                chains, memo)
     return memo[comp]
 
 
@@ -435,7 +445,7 @@ def hlo_ops(hlo_text: str) -> dict[str, HloOp]:
     ops: dict[str, HloOp] = {}
     # A fusion's computation and a reduction's scalar one run inside their op, not as ops.
     inside = {m.group(1) for instrs in computations.values() for i in instrs
-              for m in re.finditer(r"(?:calls|to_apply)=%?([\w.\-]+)", i.attrs)}
+              for m in _INSIDE.finditer(i.attrs)}
     for comp in order:
         if comp in inside:
             continue
@@ -444,34 +454,22 @@ def hlo_ops(hlo_text: str) -> dict[str, HloOp]:
         for i in instrs:
             if i.opcode in ("parameter", "constant", "tuple", "get-tuple-element"):
                 continue
-            called = re.search(r"calls=%?([\w.\-]+)", i.attrs)
-            inner = (_contents(called.group(1), computations, chains, memo)
-                     if i.opcode == "fusion" and called else None)
-            stack = _stack_category(i.attrs, chains)
+            c = _summarize([i], shapes, computations, chains, memo)
+            flops = c.flops
             if i.opcode in _ENCLOSING:
-                category = "enclosing"
-                flops: float | None = 0.0
-            elif i.opcode.startswith(_COLLECTIVES) or (inner is not None and inner.collective):
+                category, flops = "enclosing", 0.0
+            elif c.collective:
                 category, flops = "collectives", 0.0
+            elif c.dot_category is not False:
+                category = c.dot_category or "matmuls"
+            elif c.decided not in (False, None):
+                category = c.decided
+            elif c.moves_only:
+                category = "copies and layout"
+            elif i.opcode == "custom-call" and c.decided is False and "fmha" in i.attrs:
+                category = "attention"
             else:
-                flops, dot_category = 0.0, False
-                matmul = _matmul(i, shapes, stack)
-                if matmul is not None:
-                    flops, dot_category = matmul
-                elif inner is not None:
-                    flops, dot_category = inner.flops, inner.dot_category
-                decided = stack if stack is not False else (
-                    inner.decided if inner is not None else False)
-                if dot_category is not False:
-                    category = dot_category or "matmuls"
-                elif decided not in (False, None):
-                    category = decided
-                elif (inner.moves_only if inner is not None else i.opcode in _MOVES):
-                    category = "copies and layout"
-                elif i.opcode == "custom-call" and decided is False and "fmha" in i.attrs:
-                    category = "attention"
-                else:
-                    category = "norms and elementwise"
+                category = "norms and elementwise"
             ops[i.name] = HloOp(i.name, i.opcode, category, flops)
     return ops
 
