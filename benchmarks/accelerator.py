@@ -58,12 +58,14 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import glob
 import json
 import math
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -351,7 +353,12 @@ def _memory_stats() -> dict | None:
 
 
 def bytes_limit() -> int | None:
-    """The device's memory limit (None where the backend reports none: a CPU)."""
+    """The device's memory limit (None where the backend reports none: a CPU).
+
+    Example:
+      >>> bytes_limit() is None or bytes_limit() > 0
+      True
+    """
     stats = _memory_stats()
     return None if stats is None else stats.get("bytes_limit")
 
@@ -527,7 +534,15 @@ def _fits(config: GPTConfig, batch_size: int, limit: int | None) -> tuple[bool, 
 def fitting(config, batch_size: int, limit: int | None, notes: list[str],
             label: str | None = None) -> int | None:
     """The bf16 step's memory estimate when it fits (:func:`_fits`), else None, with a note
-    naming ``label`` (default: the model) appended to ``notes``."""
+    naming ``label`` (default: the model) appended to ``notes``.
+
+    Example:
+      >>> notes = []
+      >>> fitting(DRY_RUN.model, 2, None, notes) > 0, notes  # no limit known: it fits
+      (True, [])
+      >>> fitting(DRY_RUN.model, 2, 1000, notes, "tiny"), notes[0].split(",")[0]
+      (None, 'tiny: skipped')
+    """
     fits, need = _fits(config, batch_size, limit)
     if not fits:
         notes.append(f"{label or _describe(config)}: skipped, the estimate "
@@ -545,7 +560,18 @@ def ladder(ctx: Context, candidates, measure: Callable, describe: Callable[[Any]
     """Runs ``measure(candidate)`` for each candidate in order (a row, or None for one it
     skips), while the section's time left holds 1.5 times the last one's; one that runs out of
     memory is noted and the next runs; the section's timeout keeps the rows measured. Returns
-    ``(rows, notes)``, each row with its ``seconds``."""
+    ``(rows, notes)``, each row with its ``seconds``.
+
+    Example:
+      >>> ctx = Context(DRY_RUN, True, time.monotonic() + 60)
+      >>> def measure(n):
+      ...     if n == 2:
+      ...         raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+      ...     return None if n == 3 else {"n": n}
+      >>> rows, notes = ladder(ctx, [1, 2, 3, 4], measure, lambda n: f"size {n}")
+      >>> [r["n"] for r in rows], notes
+      ([1, 4], ['size 2: out of memory'])
+    """
     rows, notes, last_s = [], [], 0.0
     for candidate in candidates:
         if rows and ctx.time_left() < 1.5 * last_s:
@@ -773,9 +799,6 @@ def profile_step(config, batch_size: int, *, steps: int = 3, spec_peak: float | 
       ...     c["flops"] for c in r["categories"])
       ('matmuls', True)
     """
-    import glob
-    import tempfile
-
     runner = train_variant(config, "bf16", batch_size)()
     runner.step = compiled = runner.step.lower(runner.state, runner.batch).compile()
     runner()  # warm
